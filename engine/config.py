@@ -1,0 +1,88 @@
+"""Engine configuration: what model, how much KV memory, which batching policy, which device.
+
+These pydantic models are the engine's half of the recipe schema (the recipe composes them), so an
+error from here already names the key and what is allowed.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(value: Union[int, float, str]) -> int:
+    """'4GiB', '512 MB', 1e9 -> bytes."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError("a memory size must be positive")
+        return int(value)
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a size; write e.g. 2GiB, 512MiB or a byte count")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit {unit!r}; use B, KiB, MiB, GiB (or KB, MB, GB)")
+    if number <= 0:
+        raise ValueError("a memory size must be positive")
+    return int(number * _UNITS[unit])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Strict):
+    """Which weights to run. No path means the embedded default (SmolLM2-135M-Instruct)."""
+
+    path: Optional[str] = Field(None, description="HF directory, .gguf file, or empty for the default")
+    load_format: Literal["auto", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: Optional[int] = Field(None, ge=16)
+    tokenizer: Optional[str] = Field(None, description="tokenizer directory when it differs from path")
+    # For load_format=dummy: override fields of the model's config.json (e.g. head counts).
+    hf_overrides: dict = Field(default_factory=dict)
+    seed: int = 0
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory: Optional[Union[int, str]] = Field(
+        None, description="KV budget (bytes or e.g. '2GiB'); empty: auto from free memory")
+    memory_utilization: float = Field(0.9, gt=0.0, le=1.0,
+                                      description="share of free memory auto may take")
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _size(cls, v):
+        return None if v is None else parse_size(v)
+
+
+class SchedulerConfig(_Strict):
+    """Baseline batching. sb: separate prefill and decode batches (vLLM's classic scheduler).
+    hb: hybrid batches, decode first then prefill chunks under a token budget (Sarathi-Serve)."""
+
+    policy: Literal["sb", "hb"] = "hb"
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    chunk_size: Optional[int] = Field(None, ge=1, description="largest prefill chunk (hb); "
+                                      "default: max_num_batched_tokens")
+
+
+class DeviceConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: Optional[int] = Field(None, ge=1, description="CPU threads; default all cores")
+    attention_backend: Literal["auto", "native", "torch"] = Field(
+        "auto", description="native: compiled CPU paged-attention kernel; torch: portable path")
+
+
+class EngineConfig(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)

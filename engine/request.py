@@ -1,0 +1,185 @@
+"""Requests, sequences and sampling parameters.
+
+SamplingParams keeps vLLM's field names, defaults and meanings so a recipe or input line written for
+vLLM means the same thing here. Validation is pydantic: an unknown key or an out-of-range value
+raises a ValidationError that names the field and what is allowed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling, vLLM semantics.
+
+    temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    Presence and frequency penalties count output tokens only; repetition_penalty counts prompt
+    and output tokens (logit > 0 divided by it, else multiplied), as vLLM does. logprobs=N returns
+    the sampled token's log-probability and the top N, from the model's raw distribution.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Optional[list[str]]:
+        if v is None:
+            return None
+        items = [v] if isinstance(v, str) else list(v)
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return items or None
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
+
+    def with_overrides(self, **overrides: Any) -> "SamplingParams":
+        """A validated copy with some fields replaced (per-request overrides of recipe defaults)."""
+        return SamplingParams(**{**self.model_dump(), **overrides})
+
+
+SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not yet admitted (or preempted: its KV was dropped)
+    RUNNING = "running"      # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"            # EOS, a stop token or a stop string
+    LENGTH = "length"        # max_tokens or max_model_len reached
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """What the reader hands the engine: ids, tokens, params and an opaque payload passed through."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    prompt: Optional[str] = None
+    arrival_index: int = 0
+    payload: Any = None
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request. The scheduler reads it; the engine mutates it.
+
+    num_computed_tokens counts tokens whose KV is in the cache. A sequence is prefilling while
+    num_computed_tokens < len(prompt) (+ generated, after a recompute preemption), decoding after.
+    """
+
+    request: Request
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    num_preemptions: int = 0
+    output_logprobs: list[dict] = field(default_factory=list)
+    text: str = ""
+    # timeline (seconds, engine clock)
+    arrival_time: float = 0.0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    # sampler state kept between steps so penalties never recount from scratch
+    sampler_slot: int = -1
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is still missing: the prompt (and, after recompute, outputs) then 1/step."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class RequestOutput:
+    """A finished request as the engine reports it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stop_reason: Union[int, str, None] = None
+    logprobs: Optional[list[dict]] = None
+    num_preemptions: int = 0
+    payload: Any = None
+    error: Optional[str] = None
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
