@@ -1,0 +1,63 @@
+"""Compiled CPU kernels, built on first use with torch's extension builder and cached.
+
+The build cache is keyed by the source, the compiler flags and this CPU's instruction-set flags,
+so a home directory shared between different machines (NFS on a cluster) never loads a binary
+built for another CPU. Any build failure falls back to the portable torch path with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_loaded: Optional[bool] = None
+
+
+def _cpu_fingerprint() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("BATCHINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchinfer")
+    return Path(base)
+
+
+def load_native_attention() -> bool:
+    """Builds (once) and loads torch.ops.batchinfer.paged_attention. Returns False if unavailable."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    if os.environ.get("BATCHINFER_NATIVE_KERNELS", "1") == "0":
+        _loaded = False
+        return False
+    import torch
+    from torch.utils.cpp_extension import load
+
+    source_hash = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    name = f"batchinfer_attn_{source_hash}_{_cpu_fingerprint()}"
+    build_dir = cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    try:
+        load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+             extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
+             extra_ldflags=["-lm"], is_python_module=False, verbose=False)
+        _loaded = hasattr(torch.ops.batchinfer, "paged_attention")
+    except Exception as exc:  # compiler missing, headers missing, ...: portable path instead
+        log.warning("native CPU attention kernel unavailable (%s); using the torch path", exc)
+        _loaded = False
+    return _loaded

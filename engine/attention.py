@@ -1,0 +1,145 @@
+"""Paged attention over a flat token batch, and the metadata that describes the batch.
+
+Two backends behind one interface:
+- `NativeCPUAttention`: the compiled kernel in kernels/paged_attention.cpp, reading K/V straight
+  from the paged cache (no gather copy). Default on CPU.
+- `TorchAttention`: portable torch (gather the sequence's blocks, then scaled_dot_product_attention).
+  Used on CUDA and wherever the kernel cannot be built; also the tests' reference.
+
+The cache layout is [num_blocks, num_kv_heads, block_size, head_dim] per layer (K and V each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Sequences in batch order; sequence i owns tokens [query_start[i], query_start[i+1])."""
+
+    query_start: torch.Tensor      # int32 [B + 1]
+    seq_lens: torch.Tensor         # int32 [B]: cached + new tokens after this step
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    slot_blocks: torch.Tensor      # int64 [T]: block of each new token's KV
+    slot_offsets: torch.Tensor     # int64 [T]: offset inside that block
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens_cpu)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device) -> "AttentionMetadata":
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        positions = []
+        for i, row in enumerate(block_tables):
+            if row:
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            positions.append(torch.arange(seq_lens[i] - query_lens[i], seq_lens[i]))
+        pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                               torch.tensor(query_lens, dtype=torch.int64))
+        blocks = table[seq_of_token, pos // block_size].to(torch.int64)
+        return cls(
+            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            slot_blocks=blocks.to(device),
+            slot_offsets=(pos % block_size).to(device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def _write_kv(key_cache, value_cache, k, v, meta: AttentionMetadata) -> None:
+    key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    value_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+
+
+class TorchAttention:
+    name = "torch"
+    write_kv = staticmethod(_write_kv)
+
+    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        if meta.decode_only:
+            return self._decode(q, key_cache, value_cache, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            n_blocks = -(-s_len // block_size)
+            blocks = meta.block_tables[i, :n_blocks].long()
+            k = key_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
+            v = value_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
+            k, v = k[:, :s_len], v[:, :s_len]
+            ctx = s_len - q_len
+            allowed = (torch.arange(s_len, device=q.device)[None, :]
+                       <= ctx + torch.arange(q_len, device=q.device)[:, None])
+            qi = q[start:start + q_len].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale,
+                                                enable_gqa=num_heads != kv_heads)
+            out[start:start + q_len] = oi.transpose(0, 1)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        batch, num_heads, head_dim = q.shape
+        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        n_blocks = -(-max(meta.seq_lens_cpu) // block_size)
+        tables = meta.block_tables[:, :n_blocks].long()
+        k = key_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size, head_dim)
+        v = value_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size, head_dim)
+        mask = (torch.arange(n_blocks * block_size, device=q.device)[None, :]
+                < meta.seq_lens[:, None]).view(batch, 1, 1, -1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=num_heads != kv_heads)
+        return out.squeeze(2)
+
+
+class NativeCPUAttention:
+    name = "native"
+    write_kv = staticmethod(_write_kv)
+
+    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+        return torch.ops.batchinfer.paged_attention(q, key_cache, value_cache, meta.block_tables,
+                                                    meta.query_start, meta.seq_lens, scale)
+
+
+def select_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """auto: the native kernel on CPU with fp32 when it builds, else torch."""
+    from .kernels import load_native_attention
+
+    native_ok = device.type == "cpu" and dtype == torch.float32
+    if choice == "native" and not native_ok:
+        raise ValueError("attention_backend 'native' needs device cpu and dtype float32")
+    if choice in ("native", "auto") and native_ok and load_native_attention():
+        return NativeCPUAttention()
+    if choice == "native":
+        raise RuntimeError("the native attention kernel could not be built (see the warning above)")
+    return TorchAttention()

@@ -1,0 +1,134 @@
+"""Assembles an Engine from an EngineConfig: device, weights, KV budget, scheduler, executor."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .attention import select_backend
+from .config import EngineConfig
+from .engine import Engine
+from .errors import ConfigError
+from .executor import InProcessExecutor
+from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
+from .model.arch import ModelArch
+from .model.loader import build_model, load_arch
+from .model.sources import resolve_model_dir
+from .sampler import Sampler
+from .scheduler import make_scheduler
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("batchinfer")
+CPU_AUTO_KV_CAP = 4 * 2**30  # like vLLM's CPU default: a host shares its RAM with other jobs
+GiB = 2**30
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but torch sees no CUDA device")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        # fp32 on CPU: bf16 GEMM is ~300x slower than fp32 on AVX2 CPUs without AMX/AVX512-BF16.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
+    """Working memory of one forward: hidden/qkv/MLP activations for the token budget, logits."""
+    per_token = (4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 3 * arch.intermediate_size)
+    return (max_tokens * per_token * dtype_bytes + 4 * max_seqs * arch.vocab_size * 4 + GiB // 2)
+
+
+def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype_bytes: int) -> int:
+    if config.cache.kv_cache_memory is not None:
+        return int(config.cache.kv_cache_memory)
+    free = available_memory(device) * config.cache.memory_utilization
+    budget = int(free - activation_headroom(arch, config.scheduler.max_num_batched_tokens,
+                                            config.scheduler.max_num_seqs, dtype_bytes))
+    if device.type == "cpu":
+        budget = min(budget, CPU_AUTO_KV_CAP)
+    if budget <= 0:
+        raise ConfigError(f"no memory left for the KV cache after the weights "
+                          f"({available_memory(device) / GiB:.1f} GiB available); set "
+                          "cache.kv_cache_memory or use a smaller model")
+    return budget
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    device = resolve_device(config.device.device)
+    if device.type == "cpu":
+        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+    dtype = resolve_dtype(config.model.dtype, device)
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    model_dir, model_id = resolve_model_dir(config.model.path)
+    arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
+    max_model_len = _max_model_len(config.model.max_model_len, arch)
+    tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
+
+    dummy = config.model.load_format == "dummy"
+    model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
+                        dummy=dummy, seed=config.model.seed)
+    spec = KVCacheSpec.from_budget(kv_budget(config, arch, device, dtype_bytes), arch.num_layers,
+                                   config.cache.block_size, arch.num_kv_heads, arch.head_dim,
+                                   dtype_bytes)
+    if spec.capacity_tokens < max_model_len:
+        raise ConfigError(
+            f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
+            f"({max_model_len}); raise cache.kv_cache_memory (one token takes "
+            f"{arch.kv_bytes_per_token(dtype_bytes)} bytes) or lower model.max_model_len")
+    kv_caches = allocate_kv_tensors(spec, dtype, device)
+    block_manager = BlockManager(spec.num_blocks, spec.block_size)
+    sched_cfg = config.scheduler
+    scheduler = make_scheduler(sched_cfg.policy, block_manager, sched_cfg.max_num_seqs,
+                               sched_cfg.max_num_batched_tokens, max_model_len, sched_cfg.chunk_size)
+    backend = select_backend(config.device.attention_backend, device, dtype)
+    sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed)
+    executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device)
+    info = {
+        "model_id": model_id + (" [dummy weights]" if dummy else ""),
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "attention_backend": backend.name, "vocab_size": arch.vocab_size,
+        "kv_cache_bytes": spec.num_blocks * spec.bytes_per_block,
+        "kv_block_size": spec.block_size, "num_params": arch.num_params(),
+        "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
+        "scheduler_policy": sched_cfg.policy,
+    }
+    log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
+             "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
+             info["kv_cache_bytes"] / GiB, max_model_len, spec.capacity_tokens / max_model_len)
+    return Engine(scheduler, executor, tokenizer, max_model_len, info["model_id"], info)
+
+
+def _max_model_len(requested: Optional[int], arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, int(arch.sliding_window))
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ConfigError(f"model.max_model_len {requested} exceeds what the model supports "
+                          f"({limit}: max_position_embeddings"
+                          f"{' / sliding_window' if arch.sliding_window else ''})")
+    return requested

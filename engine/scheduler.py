@@ -1,0 +1,236 @@
+"""The Scheduler seam and the baseline batching policies the papers compare against.
+
+A scheduler decides what runs next: `schedule()` returns micro-batches (which sequences, how many
+of their tokens), `on_result()` is told what completed. It is pure Python over engine state (the
+sequences and the block manager), with no torch and no I/O, so the same object runs in the real
+engine, in the simulator and in unit tests.
+
+Baselines:
+- `SeparateBatching` (SB): a step is either all-prefill (whole prompts, FCFS, under the token
+  budget) or all-decode; prefill has priority, as in vLLM's original scheduler.
+- `HybridBatching` (HB, Sarathi-Serve / vLLM v1): every step first takes one token of every running
+  decode, then fills the rest of the token budget with prefill chunks (at most `chunk_size` each).
+Both preempt by recompute when KV blocks run out: the newest running sequence loses its blocks
+and goes back to the front of the queue, to be prefilled again later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from .kv_cache import BlockManager
+from .request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int          # tokens of this sequence computed in this micro-batch
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last known token, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class MicroBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    phase: str = "mixed"     # prefill | decode | mixed
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if i.seq.num_uncomputed_tokens > 1)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler(Protocol):
+    block_manager: BlockManager
+    num_preemptions: int
+
+    def add(self, seq: Sequence) -> None: ...
+    def schedule(self) -> list[MicroBatch]: ...
+    def on_result(self, batch: MicroBatch) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def abort_all(self) -> list[Sequence]: ...
+
+
+class BatchingScheduler:
+    """Queues, admission and preemption shared by the baseline policies."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def on_result(self, batch: MicroBatch) -> None:
+        """Frees the finished sequences' blocks; everything else stays where it is."""
+        finished = [item.seq for item in batch.items if item.seq.is_finished]
+        for seq in finished:
+            self.block_manager.free(seq.request_id)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+
+    def abort_all(self) -> list[Sequence]:
+        seqs = list(self.running) + list(self.waiting)
+        for seq in self.running:
+            self.block_manager.free(seq.request_id)
+        self.running.clear()
+        self.waiting.clear()
+        return seqs
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _reserve(self, seq: Sequence, num_tokens: int, victims_from: list[Sequence]) -> bool:
+        """Makes room for `num_tokens` more tokens of a running `seq`, preempting the newest
+        running sequences (never `seq` itself unless it is the newest); False if `seq` was."""
+        target = seq.num_computed_tokens + num_tokens
+        while not self.block_manager.can_grow(seq.request_id, target):
+            victim = victims_from[-1] if victims_from else None
+            if victim is None:
+                return False
+            victims_from.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq.request_id, target)
+        return True
+
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Moves the head of the queue to running if its first chunk fits above the watermark."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        # The watermark keeps headroom for running decodes; with nothing running it would only stall.
+        if not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + num_tokens,
+                                           keep_watermark=bool(self.running)):
+            return False
+        self.waiting.popleft()
+        self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+
+class SeparateBatching(BatchingScheduler):
+    """SB: prefill-only steps (whole prompts) take priority; otherwise one decode step for all."""
+
+    def schedule(self) -> list[MicroBatch]:
+        batch = MicroBatch(phase="prefill")
+        budget = self.max_num_batched_tokens
+        while self.waiting:
+            seq = self.waiting[0]
+            need = seq.num_uncomputed_tokens
+            if need > budget and batch.items:
+                break
+            if not self._admit(seq, need):
+                break
+            batch.items.append(ScheduledSeq(seq, need))
+            budget -= need
+            if budget <= 0:
+                break
+        if batch.items:
+            return [batch]
+        batch = MicroBatch(phase="decode")
+        order = list(self.running)  # oldest first; victims are taken from the end
+        for seq in list(order):
+            if seq not in self.running:
+                continue
+            if self._reserve(seq, 1, order):
+                batch.items.append(ScheduledSeq(seq, 1))
+        return [batch] if batch.items else []
+
+
+class HybridBatching(BatchingScheduler):
+    """HB: decodes first, then prefill chunks fill the token budget (chunked prefill)."""
+
+    def __init__(self, *args, chunk_size: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunk_size = chunk_size or self.max_num_batched_tokens
+
+    def schedule(self) -> list[MicroBatch]:
+        batch = MicroBatch(phase="mixed")
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        order = list(self.running)
+        for seq in list(order):
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue
+            want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
+            if self._reserve(seq, want, order):
+                batch.items.append(ScheduledSeq(seq, want))
+                budget -= want
+        # As vLLM: after a preemption, admit nothing new this step (it would be evicted next).
+        while self.waiting and budget > 0 and self.num_preemptions == preemptions_before:
+            seq = self.waiting[0]
+            want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
+            if not self._admit(seq, want):
+                break
+            batch.items.append(ScheduledSeq(seq, want))
+            budget -= want
+        if not batch.items:
+            return []
+        batch.phase = _phase_of(batch.items)
+        return [batch]
+
+
+def _phase_of(items: list[ScheduledSeq]) -> str:
+    kinds = {item.seq.num_uncomputed_tokens > 1 for item in items}
+    if kinds == {True}:
+        return "prefill"
+    if kinds == {False}:
+        return "decode"
+    return "mixed"
+
+
+def make_scheduler(policy: str, block_manager: BlockManager, max_num_seqs: int,
+                   max_num_batched_tokens: int, max_model_len: int,
+                   chunk_size: Optional[int] = None) -> BatchingScheduler:
+    if policy == "sb":
+        return SeparateBatching(block_manager, max_num_seqs, max(max_num_batched_tokens, max_model_len),
+                                max_model_len)
+    if policy == "hb":
+        return HybridBatching(block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                              chunk_size=chunk_size)
+    raise ValueError(f"unknown batching policy {policy!r}; allowed: sb, hb")

@@ -1,0 +1,98 @@
+"""Tokenizer, chat template and incremental detokenization, all through transformers / tokenizers.
+
+Loading a tokenizer never loads weights, so `batchinfer validate` can count prompt tokens cheaply.
+Stop strings are checked on text decoded incrementally (tokenizers' DecodeStream), so a long
+output is never re-decoded from the start each step.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from .config import ModelConfig
+from .errors import ModelLoadError, RequestError
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, model_id: str, eos_token_ids: tuple[int, ...] = ()):
+        self.hf = hf_tokenizer
+        self.model_id = model_id
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(ids))
+        self.vocab_size = len(hf_tokenizer)
+        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise RequestError("no_chat_template",
+                               f"the tokenizer of {self.model_id} has no chat template; send "
+                               "'prompt' instead of 'messages'")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors from a template that rejects the conversation
+            raise RequestError("bad_messages", f"the chat template rejected the messages: {exc}") from None
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(int(token_id))
+
+    def stream(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Appends tokens, returns the text they add (None while a multi-byte character is split)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = getattr(tokenizer.hf, "_tokenizer", None) or getattr(tokenizer.hf, "backend_tokenizer")
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        chunk = self._stream.step(self._backend, int(token_id)) or ""
+        self.text += chunk
+        return chunk
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> Optional[tuple[str, int]]:
+    """First stop string that ends inside the last `new_len` characters: (stop, index in text)."""
+    if not stops or new_len <= 0:
+        return None
+    best: Optional[tuple[str, int]] = None
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (stop, idx)
+    return best
+
+
+def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
+                   model_id: Optional[str] = None, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """The tokenizer for a model config; resolves the model source if `model_dir` is not given."""
+    from transformers import AutoTokenizer
+
+    from .model.sources import resolve_model_dir
+
+    if model_dir is None:
+        model_dir, model_id = resolve_model_dir(model_cfg.path)
+    source = Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else Path(model_dir)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(source))
+    except Exception as exc:
+        raise ModelLoadError(f"{source}: cannot load a tokenizer ({exc}); a model directory needs "
+                             "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+    return Tokenizer(hf, model_id or str(source), eos_token_ids)
