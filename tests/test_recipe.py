@@ -1,0 +1,167 @@
+"""Recipe loading: shipped recipes load, every error names the file, line, key and what is allowed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.config import EngineConfig, SchedulerConfig
+from batchinfer.engine.recipe import (BaselineStrategy, Recipe, RecipeError, STRATEGIES,
+                                      load_recipe, parse_recipe)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(tmp_path, text: str) -> Recipe:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return load_recipe(path)
+
+
+def _problems(tmp_path, text: str) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        _load(tmp_path, text)
+    assert str(tmp_path / "recipe.yaml") in str(info.value)
+    return info.value.problems
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_shipped_recipes_load(name):
+    recipe = load_recipe(REPO / "recipes" / name)
+    assert isinstance(recipe.engine_config(), EngineConfig)
+
+
+def test_one_recipe_per_registered_strategy():
+    shipped = {load_recipe(p).strategy.name for p in (REPO / "recipes").glob("*.yaml")}
+    assert set(STRATEGIES) <= shipped
+
+
+def test_empty_recipe_is_all_defaults(tmp_path):
+    recipe = _load(tmp_path, "")
+    assert recipe == Recipe()
+    assert recipe.strategy.name == "baseline"
+    assert recipe.engine_config().scheduler == SchedulerConfig()
+
+
+def test_sections_compose_engine_config(tmp_path):
+    recipe = _load(tmp_path, """
+model: {dtype: float32, max_model_len: 1024}
+strategy: {name: baseline, policy: sb, max_num_seqs: 8}
+memory: {kv_cache_memory: 64MiB, block_size: 32}
+device: {device: cpu, num_threads: 2}
+sampling: {temperature: 0, max_tokens: 5}
+""")
+    cfg = recipe.engine_config()
+    assert cfg.model.max_model_len == 1024 and cfg.model.dtype == "float32"
+    assert cfg.scheduler.policy == "sb" and cfg.scheduler.max_num_seqs == 8
+    assert cfg.cache.kv_cache_memory == 64 * 2**20 and cfg.cache.block_size == 32
+    assert cfg.device.num_threads == 2
+    assert recipe.sampling.max_tokens == 5 and recipe.sampling.greedy
+    assert recipe.max_in_flight == 16
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    recipe = _load(tmp_path, "strategy: {name: baseline, chunk_size: 64}\nio: {output_order: input}\n")
+    again = _load(tmp_path, recipe.to_yaml())
+    assert again == recipe
+    assert isinstance(again.strategy, BaselineStrategy) and again.strategy.chunk_size == 64
+
+
+def test_unknown_key_suggests_closest_and_names_line(tmp_path):
+    problems = _problems(tmp_path, "model:\n  dtype: auto\nio:\n  ouput_dir: out\n")
+    assert len(problems) == 1
+    text = problems[0]
+    assert text.startswith("line 4, io.ouput_dir: unknown key")
+    assert "did you mean 'output_dir'" in text
+    assert "Allowed keys:" in text and "output_order" in text
+
+
+def test_unknown_top_level_section(tmp_path):
+    (text,) = _problems(tmp_path, "sampleing:\n  temperature: 0\n")
+    assert "did you mean 'sampling'" in text and "line 1" in text
+
+
+def test_every_problem_is_listed(tmp_path):
+    problems = _problems(tmp_path, """
+model:
+  dtype: fp8
+sampling:
+  temperature: -1
+  top_pp: 0.5
+strategy:
+  name: baseline
+  max_num_seq: 4
+""")
+    joined = "\n".join(problems)
+    assert len(problems) == 4
+    assert "line 3, model.dtype" in joined and "'float32'" in joined and "(got 'fp8')" in joined
+    assert "line 5, sampling.temperature: Input should be greater than or equal to 0" in joined
+    assert "did you mean 'top_p'" in joined
+    assert "line 9, strategy.max_num_seq" in joined and "did you mean 'max_num_seqs'" in joined
+
+
+def test_unknown_strategy_lists_known_ones(tmp_path):
+    (text,) = _problems(tmp_path, "strategy:\n  name: tdpip\n")
+    assert "line 2, strategy.name: unknown strategy 'tdpip'" in text
+    assert "Known strategies: baseline" in text
+
+
+def test_strategy_must_be_a_mapping(tmp_path):
+    (text,) = _problems(tmp_path, "strategy: [1, 2]\n")
+    assert "strategy: must be a mapping" in text
+
+
+def test_strategy_as_plain_name(tmp_path):
+    assert _load(tmp_path, "strategy: baseline\n").strategy.name == "baseline"
+
+
+def test_parallel_layout_other_than_one_process_is_refused(tmp_path):
+    (text,) = _problems(tmp_path, "parallel:\n  tp: 2\n  pp: 1\n")
+    assert "line 2, parallel.tp: tp=2, pp=1, dp=1 is not supported" in text
+    assert "supported: tp=1, pp=1, dp=1" in text
+
+
+def test_parallel_values_are_checked(tmp_path):
+    (text,) = _problems(tmp_path, "parallel: {tp: 0}\n")
+    assert "parallel.tp" in text and "greater than or equal to 1" in text
+
+
+def test_predictor_only_none(tmp_path):
+    (text,) = _problems(tmp_path, "predictor: {name: bert}\n")
+    assert "predictor.name" in text and "'none'" in text
+
+
+def test_bad_sizes(tmp_path):
+    problems = _problems(tmp_path, "memory: {kv_cache_memory: lots}\nio: {max_line_bytes: -3}\n")
+    joined = "\n".join(problems)
+    assert "memory.kv_cache_memory: 'lots' is not a size" in joined
+    assert "io.max_line_bytes" in joined
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    (text,) = _problems(tmp_path, "model:\n  dtype: [auto\n")
+    assert "not valid YAML" in text and "line" in text
+
+
+def test_recipe_must_be_a_mapping(tmp_path):
+    (text,) = _problems(tmp_path, "- model\n- io\n")
+    assert "must be a mapping of sections" in text
+
+
+def test_missing_file():
+    with pytest.raises(RecipeError) as info:
+        load_recipe("/nonexistent/recipe.yaml")
+    assert "no such file" in str(info.value)
+
+
+def test_recipe_never_executes_code(tmp_path):
+    # a python tag is a YAML error for safe_load, not an object construction
+    (text,) = _problems(tmp_path, "model: !!python/object/apply:os.system ['echo hi']\n")
+    assert "not valid YAML" in text
+
+
+def test_parse_recipe_from_dict():
+    recipe = parse_recipe({"strategy": {"name": "baseline", "policy": "sb"}})
+    assert recipe.strategy.scheduler_config().policy == "sb"
+    # Python construction takes a dict for the strategy as well
+    assert Recipe(strategy={"name": "baseline", "max_num_seqs": 3}).strategy.max_num_seqs == 3
