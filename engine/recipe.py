@@ -110,7 +110,8 @@ class IOConfig(_Strict):
 class ReportConfig(_Strict):
     refresh_seconds: float = Field(5.0, gt=0, description="report.json/report.md refresh period")
     plots: bool = True
-    plot_refresh_seconds: float = Field(15.0, gt=0)
+    plot_refresh_seconds: float = Field(30.0, gt=0,
+                                        description="plot refresh period (a render costs ~0.5 s CPU)")
     metrics_interval_seconds: float = Field(1.0, gt=0, description="metrics.jsonl sample period")
     progress_interval_seconds: float = Field(10.0, gt=0,
                                              description="plain progress lines (not a TTY)")

@@ -1,0 +1,54 @@
+"""What every command shares: logging setup and turning user errors into exit code 2."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Iterator
+
+import typer
+
+EXIT_CODES_HELP = ("Exit codes: 0 done (per-request errors are counted in the summary; with "
+                   "--fail-on-errors they make it 1), 2 bad recipe, input file or arguments, 3 the "
+                   "run itself failed (rerun to resume), 130 / 143 interrupted by SIGINT / SIGTERM "
+                   "(rerun to resume).")
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                               "%Y-%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("batchinfer").setLevel(level)
+    for noisy in ("transformers", "datasets", "huggingface_hub", "matplotlib", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2."""
+    from batchinfer.engine.errors import ConfigError, ModelLoadError
+    from batchinfer.engine.inputs import InputFileError
+
+    try:
+        yield
+    except (ConfigError, ModelLoadError, InputFileError) as exc:
+        raise fail(str(exc)) from None

@@ -1,0 +1,36 @@
+"""`batchinfer report RUN_DIR`: re-render a run's report; merge the parts of a Slurm run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import fail, setup_logging, user_errors
+
+HELP = """Re-render (and print) a run directory's report; merge Slurm parts.
+
+Rewrites report.json, report.md and the plots from the run directory's files (counts are taken again from outputs.jsonl and errors.jsonl). For a run made under `srun -n N`, merges the part-I-of-N/ reports into one report at the top of the run directory.
+
+Example:
+
+    batchinfer report runs/quickstart__quickstart"""
+
+EPILOG = "Exit codes: 0 report written, 2 not a run directory."
+
+
+def report(
+    run_dir: Path = typer.Argument(..., help="Run directory (the one `batchinfer run` wrote)."),
+    print_report: bool = typer.Option(True, "--print/--no-print", help="Print report.md."),
+) -> None:
+    setup_logging(quiet=True)
+    from batchinfer.engine.report_files import rerender
+
+    if not run_dir.is_dir():
+        raise fail(f"{run_dir}: no such directory")
+    with user_errors():
+        markdown = rerender(run_dir)
+    if markdown is None:
+        raise fail(f"{run_dir}: no report.json here or in part-*/ (is it a batchinfer run "
+                   "directory?)")
+    if print_report:
+        typer.echo(markdown)

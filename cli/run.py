@@ -1,0 +1,117 @@
+"""`batchinfer run RECIPE --input FILE`: the job."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import EXIT_CODES_HELP, fail, setup_logging, user_errors
+
+HELP = """Run a batch job over an input file.
+
+Every request in --input goes through the recipe's model; results stream into the run directory (outputs.jsonl, errors.jsonl, report.json/md, metrics.jsonl, plots/).
+
+Example:
+
+    batchinfer run recipes/quickstart.yaml --input examples/quickstart.jsonl
+
+Rerunning the same command resumes: ids already in outputs.jsonl (and lines already in errors.jsonl) are skipped, so every request ends up written exactly once, even after kill -9. Under `srun -n N` each task runs its own shard of the input into part-I-of-N/ of the run directory; `batchinfer report RUN_DIR` merges the parts."""
+
+EPILOG = EXIT_CODES_HELP
+
+
+def run(
+    recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml."),
+    input: Path = typer.Option(..., "--input", "-i", help="Prompt file: JSONL (plain, chat or "
+                               "OpenAI batch lines), or a parquet / arrow / csv / json dataset."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory. Default: "
+                                          "the recipe's io.output_dir, else runs/<recipe>__<input>."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a run directory that "
+                                "already holds results (default). --no-resume refuses to touch one."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N input "
+                                        "records (after sharding). A later run with a larger N "
+                                        "continues where this one stopped."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the recipe and every input line, "
+                                 "show what would run; load no model, write nothing."),
+    fail_on_errors: bool = typer.Option(False, "--fail-on-errors", help="Exit 1 when any request "
+                                        "failed (default: exit 0 and count them)."),
+    progress: str = typer.Option("auto", "--progress", help="auto (a bar on a terminal, plain "
+                                 "lines otherwise), bar, lines or off."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="Run shard I/N of the input "
+                                        "(0-based). Default: from SLURM_PROCID / SLURM_NTASKS "
+                                        "inside an srun step, else the whole input."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+) -> None:
+    setup_logging(verbose, quiet)
+    if progress not in ("auto", "bar", "lines", "off"):
+        raise fail(f"--progress {progress!r}: use auto, bar, lines or off")
+    from batchinfer.engine.job import JobSpec, default_output_dir, run_job
+    from batchinfer.engine.recipe import load_recipe
+    from batchinfer.engine.slurm import detect_shard, parse_shard
+
+    with user_errors():
+        parsed = load_recipe(recipe)
+        if not input.is_file():
+            raise fail(f"--input {input}: no such file")
+        the_shard = parse_shard(shard) if shard else detect_shard()
+        out_dir = output or (Path(parsed.io.output_dir) if parsed.io.output_dir
+                             else default_output_dir(str(recipe), input))
+        spec = JobSpec(recipe=parsed, input_path=input, output_dir=out_dir, recipe_path=str(recipe),
+                       resume=resume, limit=limit, shard=the_shard, progress=progress)
+        if dry_run:
+            _dry_run(spec)
+            return
+        outcome = run_job(spec)
+    _summary(outcome)
+    code = outcome.exit_code
+    if code == 0 and fail_on_errors and outcome.errors:
+        code = 1
+    raise typer.Exit(code)
+
+
+def _dry_run(spec) -> None:
+    from collections import Counter
+
+    from batchinfer.engine.input_records import InputError
+    from batchinfer.engine.inputs import InputReader
+    from batchinfer.engine.run_dir import RunDir
+
+    run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
+    run_dir.close()
+    reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling, spec.shard,
+                         limit=spec.limit)
+    to_run, bad = 0, Counter()
+    for item in reader.records(prior.done_ids, prior.done_lines):
+        if isinstance(item, InputError):
+            bad[item.code] += 1
+        else:
+            to_run += 1
+    typer.echo(f"dry run: {spec.input_path} ({reader.format}), run directory {run_dir.path}")
+    typer.echo(f"  already done: {prior.num_outputs} outputs, {prior.num_errors} errors "
+               f"({reader.skipped_done} input records skipped)")
+    typer.echo(f"  would run: {to_run} requests")
+    if bad:
+        typer.echo(f"  would record {sum(bad.values())} input errors: "
+                   + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())))
+    typer.echo("  (prompt lengths are checked when the model's tokenizer is loaded; "
+               "`batchinfer validate` checks them too)")
+
+
+def _summary(outcome) -> None:
+    s = outcome.session
+    tp = s.get("throughput") or {}
+    typer.echo(f"{outcome.status}: {outcome.outputs} outputs, {outcome.errors} errors in "
+               f"{outcome.run_dir}")
+    typer.echo(f"  this session: {s.get('requests_completed', 0)} completed, "
+               f"{s.get('requests_failed', 0)} failed in {s.get('generation_s', 0):.1f}s; "
+               f"{_rate(tp.get('requests_per_s'))} req/s, {_rate(tp.get('output_tokens_per_s'))} "
+               f"output tok/s, {_rate(tp.get('total_tokens_per_s'))} total tok/s")
+    typer.echo(f"  report: {outcome.run_dir / 'report.md'}")
+    if outcome.message:
+        typer.echo(f"  {outcome.message}")
+
+
+def _rate(value) -> str:
+    return "–" if value is None else f"{value:.2f}"

@@ -1,0 +1,106 @@
+"""`batchinfer validate RECIPE --input FILE`: check everything a run would, without a model."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import fail, setup_logging, user_errors
+
+HELP = """Check a recipe and every input line, without loading a model.
+
+Checks shapes, types, sampling ranges, duplicate ids, and (with the model's tokenizer, which is cheap to load) prompt lengths against max_model_len. Lists each bad line with its number and what is wrong.
+
+Example:
+
+    batchinfer validate recipes/quickstart.yaml --input examples/quickstart.jsonl"""
+
+EPILOG = ("Exit codes: 0 the recipe and every line are fine, 1 some lines would fail (a run "
+          "would record them in errors.jsonl and go on), 2 bad recipe, input file or arguments.")
+
+
+def validate(
+    recipe: Path = typer.Argument(..., help="Recipe YAML."),
+    input: Path = typer.Option(..., "--input", "-i", help="Prompt file to check."),
+    tokenize: bool = typer.Option(True, "--tokenize/--no-tokenize", help="Load the tokenizer "
+                                  "to check prompt lengths (default)."),
+    show: int = typer.Option(20, "--show", min=0, help="How many bad lines to print."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+) -> None:
+    setup_logging(quiet=True if as_json else quiet)
+    from batchinfer.engine.errors import RequestError
+    from batchinfer.engine.input_records import InputError
+    from batchinfer.engine.inputs import InputReader
+    from batchinfer.engine.recipe import load_recipe
+
+    with user_errors():
+        parsed = load_recipe(recipe)
+        if not input.is_file():
+            raise fail(f"--input {input}: no such file")
+        reader = InputReader(input, parsed.io, parsed.sampling)
+        tokenizer, max_len = _tokenizer(parsed) if tokenize else (None, None)
+
+    bad: list[dict] = []
+    codes: Counter = Counter()
+    good = 0
+    for item in reader:
+        if isinstance(item, InputError):
+            problem = {"line": item.line, "id": item.request_id, "code": item.code,
+                       "message": item.message}
+        elif tokenizer is not None:
+            from batchinfer.engine.admission import check_length, prompt_token_ids
+
+            try:
+                check_length(len(prompt_token_ids(item, tokenizer, parsed.io.chat_template)), max_len)
+                good += 1
+                continue
+            except RequestError as exc:
+                problem = {"line": item.line, "id": item.request_id, "code": exc.code,
+                           "message": exc.message}
+        else:
+            good += 1
+            continue
+        codes[problem["code"]] += 1
+        if len(bad) < show:
+            bad.append(problem)
+
+    total_bad = sum(codes.values())
+    if as_json:
+        typer.echo(json.dumps({"recipe": str(recipe), "input": str(input), "format": reader.format,
+                               "valid": good, "invalid": total_bad, "errors_by_code": dict(codes),
+                               "errors": bad}, indent=2))
+    else:
+        typer.echo(f"recipe {recipe}: ok")
+        typer.echo(f"input {input} ({reader.format}): {good} valid, {total_bad} invalid"
+                   + (f" (prompt lengths checked against max_model_len {max_len})" if max_len else
+                      " (prompt lengths not checked)"))
+        for problem in bad:
+            typer.echo(f"  line {problem['line']}: [{problem['code']}] {problem['message']}")
+        if total_bad > len(bad):
+            typer.echo(f"  ... and {total_bad - len(bad)} more")
+        if codes:
+            typer.echo("  by code: " + ", ".join(f"{k} {v}" for k, v in sorted(codes.items())))
+    raise typer.Exit(1 if total_bad else 0)
+
+
+def _tokenizer(recipe) -> tuple[Optional[object], Optional[int]]:
+    """The model's tokenizer and max_model_len, from its files; no weights are loaded."""
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.tokenizer import load_tokenizer
+
+    model_dir, model_id = resolve_model_dir(recipe.model.path)
+    config_path = Path(model_dir) / "config.json"
+    config = {**json.loads(config_path.read_text()), **(recipe.model.hf_overrides or {})}
+    arch = arch_from_dict(config, str(config_path))
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, int(arch.sliding_window))
+    max_len = recipe.model.max_model_len or limit
+    if max_len > limit:
+        raise fail(f"model.max_model_len {max_len} exceeds what the model supports ({limit})")
+    return load_tokenizer(recipe.model, Path(model_dir), model_id, arch.eos_token_ids), max_len

@@ -1,0 +1,385 @@
+"""The job loop: input stream -> engine -> run directory, with resume, reports and signals.
+
+    reader (InputReader) --specs--> admission (tokenize) --Request--> engine.step()
+        --RequestOutput--> OrderedSink --records--> RunDir (outputs / errors)
+
+At most `max_in_flight` requests are read but not yet written, so input of any length streams
+through bounded memory. Every few seconds a timeline sample goes to metrics.jsonl and report.json
+(+ report.md and the plots) is rewritten. SIGTERM / SIGINT stop the reading, drop the requests in
+flight (they were never written, so a resume runs them), write a partial report and exit 143 / 130;
+a second signal exits at once (still safe: every written line is flushed).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .admission import build_request, prompt_token_ids
+from .errors import RequestError
+from .input_records import InputError, RequestSpec
+from .inputs import InputReader, Shard
+from .metrics import SessionMetrics
+from .plots import render_plots
+from .progress import Progress
+from .recipe import Recipe
+from .records import RequestPayload, error_record, input_error_record, output_record
+from .report import build_report, now_iso, render_markdown, session_brief
+from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir
+from .sink import OrderedSink
+
+log = logging.getLogger("batchinfer")
+
+EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+ENGINE_INFO_KEYS = ("device", "dtype", "attention_backend", "kv_cache_bytes", "kv_block_size",
+                    "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy")
+
+
+def default_output_dir(recipe_path: Optional[str], input_path: Path) -> Path:
+    """Deterministic (no timestamp), so rerunning the same command resumes the same run."""
+    recipe_stem = Path(recipe_path).stem if recipe_path else "recipe"
+    return Path("runs") / f"{recipe_stem}__{Path(input_path).stem}"
+
+
+@dataclass
+class JobSpec:
+    recipe: Recipe
+    input_path: Path
+    output_dir: Path
+    recipe_path: Optional[str] = None
+    resume: bool = True
+    limit: Optional[int] = None
+    shard: Shard = field(default_factory=Shard)
+    progress: str = "auto"                 # auto | bar | lines | off
+    engine_factory: Optional[Callable] = None   # EngineConfig -> Engine; default Engine.from_config
+
+
+@dataclass
+class JobOutcome:
+    status: str                            # completed | interrupted | failed
+    exit_code: int
+    run_dir: Path
+    outputs: int
+    errors: int
+    session: dict
+    message: str = ""
+
+
+class Job:
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.recipe = spec.recipe
+        self.reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling,
+                                  spec.shard, limit=spec.limit)
+        self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
+        self.engine = None
+        self.run_dir: Optional[RunDir] = None
+        self.prior = PriorState()
+        self.stop_signal: Optional[int] = None
+        self.session_number = 1
+        self.started_at = now_iso()
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+        self._previous_sessions: list[dict] = []
+        self._total: Optional[int] = None
+        self._progress: Optional[Progress] = None
+        self._sink: Optional[OrderedSink] = None
+        self._last_report = 0.0
+        self._last_plots = 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # --- entry point ------------------------------------------------------------------------------
+    def run(self) -> JobOutcome:
+        spec = self.spec
+        self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
+        restore = self._install_signal_handlers()
+        status, exit_code, message = "failed", EXIT_FAILED, ""
+        try:
+            self._start_session()
+            self._build_engine()
+            self._sink = OrderedSink(self.recipe.io.output_order, self._write)
+            self._progress = Progress(self._total, already_done=self.prior.num_outputs
+                                      + self.prior.num_errors, mode=spec.progress,
+                                      interval_s=self.recipe.report.progress_interval_seconds)
+            self._loop()
+            if self.stop_signal is not None:
+                status = "interrupted"
+                exit_code = EXIT_SIGINT if self.stop_signal == signal.SIGINT else EXIT_SIGTERM
+                message = f"stopped by {signal.Signals(self.stop_signal).name}; rerun to resume"
+            else:
+                status, exit_code = "completed", EXIT_OK
+        except KeyboardInterrupt:
+            status, exit_code, message = "interrupted", EXIT_SIGINT, "interrupted; rerun to resume"
+        except (Exception, SystemExit) as exc:
+            if self.engine is None and _is_user_error(exc):
+                self._close(restore)
+                raise
+            log.exception("the run failed")
+            message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk, rerun " \
+                      "to resume"
+        if status == "completed" and self._progress is not None:
+            self._progress.total = self._progress.done  # blank lines are not requests
+        self._finish(status, message)
+        self._close(restore)
+        totals = self._totals()
+        return JobOutcome(status, exit_code, self.run_dir.path, totals["outputs"], totals["errors"],
+                          self._session_summary(), message)
+
+    def _close(self, restore: Callable[[], None]) -> None:
+        restore()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self.run_dir is not None:
+            self.run_dir.close()
+
+    # --- setup ------------------------------------------------------------------------------------
+    def _start_session(self) -> None:
+        run_dir = self.run_dir
+        recipe_yaml = self.recipe.to_yaml()
+        old_recipe = run_dir.read_text(RECIPE)
+        if old_recipe is not None and old_recipe != recipe_yaml:
+            log.warning("%s: the recipe differs from the one this run started with; results "
+                        "already written keep the old settings", run_dir.path)
+        run_dir.write_text(RECIPE, recipe_yaml)
+        manifest = run_dir.read_json(MANIFEST) or {}
+        input_path = str(Path(self.spec.input_path).resolve())
+        if manifest.get("input") and manifest["input"] != input_path:
+            log.warning("%s was started with input %s; now resuming with %s (ids decide what is "
+                        "skipped)", run_dir.path, manifest["input"], input_path)
+        sessions = list(manifest.get("sessions") or [])
+        self.session_number = len(sessions) + 1
+        sessions.append({"started_at": self.started_at, "pid": os.getpid(),
+                         "host": socket.gethostname(), "argv": sys.argv})
+        run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
+                                      "recipe": self.spec.recipe_path,
+                                      "shard": _shard_dict(self.spec.shard), "sessions": sessions})
+        old_report = run_dir.read_json(REPORT_JSON) or {}
+        self._previous_sessions = list(old_report.get("previous_sessions") or [])
+        if old_report.get("session"):
+            brief = session_brief(old_report["session"])
+            brief["status"] = "interrupted" if old_report.get("status") == "running" \
+                else old_report.get("status")
+            self._previous_sessions.append(brief)
+        self._total = self.reader.total()
+        if self.prior.num_outputs or self.prior.num_errors:
+            log.info("resuming %s: %d outputs and %d errors already written; skipping them",
+                     run_dir.path, self.prior.num_outputs, self.prior.num_errors)
+
+    def _build_engine(self) -> None:
+        t = time.perf_counter()
+        if self.stop_signal is None:
+            factory = self.spec.engine_factory
+            if factory is None:
+                from .engine import Engine
+
+                factory = Engine.from_config
+            self.engine = factory(self.recipe.engine_config())
+            self.engine.drain_step_events()
+            self.metrics.start(self.engine.stats(), self.clock())
+        self.metrics.phases_s["load"] += time.perf_counter() - t
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        records = self.reader.records(self.prior.done_ids, self.prior.done_lines)
+        exhausted = False
+        while self.stop_signal is None:
+            if not exhausted:
+                exhausted = self._fill(records)
+            if engine.has_unfinished():
+                for out in engine.step():
+                    self._sink.submit(out.payload.order, ("output", out))
+                self.metrics.on_steps(engine.drain_step_events())
+            elif exhausted:
+                break
+            self._tick()
+        self.metrics.finished_t = self.clock()
+        if self.stop_signal is not None and engine is not None and engine.has_unfinished():
+            dropped = engine.abort_all()
+            log.warning("dropped %d requests in flight; they were not written and run again on "
+                        "resume", len(dropped))
+
+    def _fill(self, records) -> bool:
+        """Reads and admits records until max_in_flight are pending; True when input is exhausted."""
+        t = time.perf_counter()
+        limit = self.recipe.max_in_flight
+        try:
+            while self._sink.pending < limit and self.stop_signal is None:
+                item = next(records, None)
+                if item is None:
+                    return True
+                order = self._sink.admit()
+                if isinstance(item, InputError):
+                    self._sink.submit(order, ("error", item))
+                    continue
+                self._admit(item, order)
+            return False
+        finally:
+            self.metrics.phases_s["input"] += time.perf_counter() - t
+
+    def _admit(self, spec: RequestSpec, order: int) -> None:
+        try:
+            tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
+            self.engine.add_request(build_request(spec, self.engine.tokenizer, order,
+                                                  tokens=tokens))
+            self.metrics.on_admit(self.clock())
+        except RequestError as exc:
+            payload = RequestPayload.from_spec(spec, order)
+            self._sink.submit(order, ("request_error", (payload, spec.request_id, exc)))
+
+    def _write(self, kind: str, item) -> None:
+        """Called by the sink, in output order."""
+        t = time.perf_counter()
+        now = self.clock()
+        openai_input = self.reader.format == "openai"
+        if kind == "output":
+            self.run_dir.write_output(output_record(item, item.payload, self.engine.model_id))
+            self.metrics.on_result(item, now)
+        elif kind == "error":
+            self.run_dir.write_error(input_error_record(item, openai_input))
+            self.metrics.on_error(item.code, now)
+        else:
+            payload, request_id, exc = item
+            self.run_dir.write_error(error_record(payload.line, exc.code, exc.message, request_id,
+                                                  payload.metadata, payload.custom_id,
+                                                  openai=openai_input))
+            self.metrics.on_error(exc.code, now)
+        if self._progress is not None:
+            m = self.metrics
+            self._progress.update(m.completed, m.failed, m.completion_tokens)
+        self.metrics.phases_s["write"] += time.perf_counter() - t
+
+    def _tick(self, force: bool = False) -> None:
+        now = self.clock()
+        stats = self.engine.stats() if self.engine is not None else None
+        sample = self.metrics.sample(now, stats, force=force)
+        if sample is not None:
+            self.run_dir.write_metrics({"session": self.session_number, **sample})
+        cfg = self.recipe.report
+        if force or now - self._last_report >= cfg.refresh_seconds:
+            self._write_report("running")
+
+    # --- reporting --------------------------------------------------------------------------------
+    def _totals(self) -> dict:
+        m, p = self.metrics, self.prior
+        outputs, errors = p.num_outputs + m.completed, p.num_errors + m.failed
+        codes = dict(p.error_codes)
+        for code, n in m.error_codes.items():
+            codes[code] = codes.get(code, 0) + n
+        remaining = None
+        if self._total is not None:
+            remaining = max(self._total - outputs - errors, 0)
+        return {"input_records": self._total, "outputs": outputs, "errors": errors,
+                "remaining": remaining, "errors_by_code": codes,
+                "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
+                "completion_tokens": p.completion_tokens + m.completion_tokens}
+
+    def _session_summary(self) -> dict:
+        now = self.clock()
+        stats = self.engine.stats() if self.engine is not None else None
+        summary = self.metrics.summary(now, stats)
+        m = self.metrics
+        window = None
+        if m.first_admit_t is not None:
+            window = [round(self._wall0 + m.first_admit_t, 3),
+                      round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
+        return {"started_at": self.started_at, "session": self.session_number,
+                "elapsed_s": round(now, 3), "generation_window": window, **summary}
+
+    def _write_report(self, status: str, detail: Optional[str] = None, final: bool = False) -> None:
+        t = time.perf_counter()
+        self._last_report = self.clock()
+        session = self._session_summary()
+        if final:
+            session["ended_at"] = now_iso()
+            session["status"] = status
+        report = build_report(status=status, meta=self._meta(), totals=self._totals(),
+                              session=session, previous_sessions=self._previous_sessions,
+                              status_detail=detail)
+        plots = None
+        cfg = self.recipe.report
+        if cfg.plots and (final or self._last_report - self._last_plots >= cfg.plot_refresh_seconds):
+            self._last_plots = self._last_report
+            try:
+                plots = render_plots(self.metrics.timeline, session["batch_size"]["histogram"])
+            except Exception as exc:  # a plot must never fail a job
+                log.warning("could not draw the plots: %s", exc)
+        names = tuple(sorted(plots)) if plots else tuple(
+            sorted(p.name for p in (self.run_dir.path / "plots").glob("*.png")))
+        self.run_dir.write_report(report, render_markdown(report, names), plots)
+        if final:
+            self.run_dir.sync()
+        self.metrics.phases_s["report"] += time.perf_counter() - t
+
+    def _meta(self) -> dict:
+        from .. import __version__
+
+        stats = self.engine.stats() if self.engine is not None else {}
+        return {
+            "batchinfer_version": __version__,
+            "run_dir": str(self.run_dir.path),
+            "input": str(self.spec.input_path),
+            "input_format": self.reader.format,
+            "recipe": self.spec.recipe_path,
+            "model": self.engine.model_id if self.engine is not None else None,
+            "engine": {k: stats[k] for k in ENGINE_INFO_KEYS if k in stats},
+            "strategy": self.recipe.strategy.model_dump(mode="json"),
+            "shard": _shard_dict(self.spec.shard),
+        }
+
+    def _finish(self, status: str, message: str) -> None:
+        try:
+            self._tick(force=True)
+            self._write_report(status, message or None, final=True)
+        except Exception:
+            log.exception("could not write the final report")
+
+    # --- signals ----------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, _frame):
+            if self.stop_signal is not None:  # second signal: leave now
+                signal.signal(signum, signal.SIG_DFL)
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                os.kill(os.getpid(), signum)
+                return
+            self.stop_signal = signum
+            log.warning("%s received: stopping after the current step (send it again to exit "
+                        "at once)", signal.Signals(signum).name)
+
+        for sig in previous:
+            signal.signal(sig, handler)
+
+        def restore():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+        return restore
+
+
+def _shard_dict(shard: Shard) -> Optional[dict]:
+    return {"index": shard.index, "count": shard.count} if shard.count > 1 else None
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from .errors import ConfigError, ModelLoadError
+
+    return isinstance(exc, (ConfigError, ModelLoadError))
+
+
+def run_job(spec: JobSpec) -> JobOutcome:
+    return Job(spec).run()

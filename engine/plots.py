@@ -1,0 +1,80 @@
+"""PNG plots of a session's timeline (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+import io
+from typing import Optional
+
+PLOT_NAMES = ("throughput.png", "kv_usage.png", "batch_sizes.png")
+
+
+def _figure(width: float = 8.0, height: float = 3.6, ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=100)
+    return plt, fig, axes
+
+
+def _png(plt, fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
+                 title: str = "") -> dict[str, bytes]:
+    """{file name: PNG bytes}; empty when there is nothing to draw yet."""
+    if not timeline:
+        return {}
+    t = [s["t"] for s in timeline]
+    out = {}
+
+    plt, fig, ax = _figure()
+    ax.plot(t, [s.get("output_tokens_per_s", 0) for s in timeline], label="output tok/s")
+    ax.plot(t, [s.get("prefill_tokens_per_s", 0) for s in timeline], label="prefill tok/s",
+            alpha=0.7)
+    ax.set_xlabel("seconds since session start")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"Throughput {title}".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    out["throughput.png"] = _png(plt, fig)
+
+    plt, fig, ax = _figure()
+    ax.plot(t, [100 * s.get("kv_usage", 0) for s in timeline], label="KV usage (end of interval)")
+    ax.plot(t, [100 * s.get("kv_usage_max", 0) for s in timeline], label="KV usage (max)",
+            alpha=0.6)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds since session start")
+    ax.set_ylabel("% of KV blocks in use")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(t, [s.get("num_running", 0) for s in timeline], color="tab:green", alpha=0.5,
+             label="running sequences")
+    ax2.set_ylabel("running sequences")
+    ax.set_title(f"KV cache {title}".strip())
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
+    out["kv_usage.png"] = _png(plt, fig)
+
+    plt, fig, (left, right) = _figure(width=10.0, ncols=2)
+    left.plot(t, [s.get("batch_size_mean", 0) for s in timeline], label="mean")
+    left.plot(t, [s.get("batch_size_max", 0) for s in timeline], label="max", alpha=0.6)
+    left.set_xlabel("seconds since session start")
+    left.set_ylabel("sequences per step")
+    left.set_title("Batch size over time")
+    left.grid(alpha=0.3)
+    left.legend(loc="upper right")
+    if batch_histogram:
+        sizes = sorted(int(k) for k in batch_histogram)
+        right.bar(sizes, [batch_histogram[str(k)] for k in sizes], width=0.9)
+    right.set_xlabel("sequences per step")
+    right.set_ylabel("steps")
+    right.set_title("Batch size histogram")
+    out["batch_sizes.png"] = _png(plt, fig)
+    return out

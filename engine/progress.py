@@ -1,0 +1,93 @@
+"""Progress display: a rich bar on a terminal, timestamped plain lines for cron and Slurm logs."""
+from __future__ import annotations
+
+import datetime as _dt
+import sys
+import time
+from typing import Optional, TextIO
+
+
+def _eta(done: int, total: Optional[int], elapsed: float) -> Optional[float]:
+    if not total or done <= 0 or elapsed <= 0 or done >= total:
+        return None
+    return (total - done) * elapsed / done
+
+
+def _hms(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """update(done, failed, output_tokens) as results land; close() at the end.
+
+    `total` counts the records this session will look at (already-done ones included, since
+    resume skips them quickly); `already_done` starts the count there.
+    """
+
+    def __init__(self, total: Optional[int], already_done: int = 0, mode: str = "auto",
+                 interval_s: float = 10.0, stream: Optional[TextIO] = None):
+        self.stream = stream or sys.stderr
+        self.total = total
+        self.interval_s = interval_s
+        self.start = time.monotonic()
+        self.base = already_done
+        self.done = already_done
+        self.failed = 0
+        self.output_tokens = 0
+        self._last_line = self.start
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.mode = mode
+        self._bar = None
+        if mode == "bar":
+            self._start_bar()
+
+    def _start_bar(self) -> None:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                   TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+        self._bar = RichProgress(
+            TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[errors]} errors"),
+            TextColumn("{task.fields[tps]} out tok/s"), TimeElapsedColumn(),
+            TextColumn("ETA"), TimeRemainingColumn(),
+            console=Console(file=self.stream), transient=False)
+        self._task = self._bar.add_task("run", total=self.total, completed=self.done,
+                                        errors=0, tps="0.0")
+        self._bar.start()
+
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.start
+        return self.output_tokens / elapsed if elapsed > 0 else 0.0
+
+    def update(self, done: int, failed: int, output_tokens: int) -> None:
+        self.done = self.base + done + failed
+        self.failed = failed
+        self.output_tokens = output_tokens
+        now = time.monotonic()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, errors=failed, tps=f"{self.rate():.1f}")
+        elif now - self._last_line >= self.interval_s:
+            self._last_line = now
+            self.print_line()
+
+    def print_line(self, prefix: str = "progress") -> None:
+        elapsed = time.monotonic() - self.start
+        stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        total = f"/{self.total}" if self.total is not None else ""
+        pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
+        eta = _eta(self.done - self.base, (self.total - self.base) if self.total else None, elapsed)
+        print(f"{stamp} batchinfer {prefix}: {self.done}{total} requests{pct}, {self.failed} errors, "
+              f"{self.rate():.1f} output tok/s, elapsed {_hms(elapsed)}, ETA {_hms(eta)}",
+              file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elif self.mode == "lines":
+            self.print_line("finished")

@@ -1,0 +1,209 @@
+"""report.json (the data) and report.md (the same, for people); merging Slurm parts.
+
+report.json is rewritten every few seconds while a job runs (status "running"), and once more at
+the end ("completed", "interrupted" or "failed"). Totals cover every session of the run directory;
+throughput and latency describe the current session (earlier sessions are listed briefly).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any, Optional
+
+from .metrics import DEFINITIONS
+
+STATUSES = ("running", "completed", "interrupted", "failed")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def session_brief(session: dict) -> dict:
+    keep = ("started_at", "ended_at", "status", "generation_s", "requests_completed",
+            "requests_failed", "throughput")
+    return {k: session.get(k) for k in keep}
+
+
+def build_report(*, status: str, meta: dict, totals: dict, session: dict,
+                 previous_sessions: list[dict], status_detail: Optional[str] = None) -> dict:
+    assert status in STATUSES, status
+    return {
+        "status": status,
+        "status_detail": status_detail,
+        "updated_at": now_iso(),
+        **meta,
+        "totals": totals,
+        "session": session,
+        "previous_sessions": previous_sessions,
+        "definitions": DEFINITIONS,
+    }
+
+
+# --- markdown -------------------------------------------------------------------------------------
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |"
+              for row in rows]
+    return lines + [""]
+
+
+def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
+    s = report.get("session") or {}
+    totals = report.get("totals") or {}
+    out = [f"# batchinfer report: {report.get('run_dir', '')}", ""]
+    detail = f" ({report['status_detail']})" if report.get("status_detail") else ""
+    out += [f"**Status:** {report.get('status')}{detail}  ", f"**Updated:** {report.get('updated_at')}  ",
+            f"**Model:** {report.get('model', '–')}  ",
+            f"**Input:** {report.get('input', '–')} ({report.get('input_format', '?')})  ",
+            f"**Strategy:** {_strategy_line(report.get('strategy'))}", ""]
+    if report.get("shard"):
+        out += [f"**Shard:** task {report['shard']['index']} of {report['shard']['count']}", ""]
+
+    out += ["## Requests (all sessions)", ""]
+    total_in = totals.get("input_records")
+    out += _table(["input records", "outputs", "errors", "remaining", "prompt tokens",
+                   "completion tokens"],
+                  [[total_in, totals.get("outputs"), totals.get("errors"), totals.get("remaining"),
+                    totals.get("prompt_tokens"), totals.get("completion_tokens")]])
+    codes = totals.get("errors_by_code") or {}
+    if codes:
+        out += ["Errors by code: " + ", ".join(f"`{k}` {v}" for k, v in sorted(codes.items())), ""]
+
+    tp = s.get("throughput") or {}
+    out += ["## Throughput (this session)", ""]
+    out += _table(["requests/s", "input tok/s", "output tok/s", "total tok/s", "generation time (s)",
+                   "completed", "failed"],
+                  [[tp.get("requests_per_s"), tp.get("input_tokens_per_s"),
+                    tp.get("output_tokens_per_s"), tp.get("total_tokens_per_s"),
+                    s.get("generation_s"), s.get("requests_completed"), s.get("requests_failed")]])
+
+    lat = s.get("latency_s") or {}
+    rows = [[name] + [(lat.get(key) or {}).get(p) for p in ("mean", "p50", "p90", "p99", "max")]
+            for key, name in (("e2e", "end to end"), ("ttft", "time to first token"),
+                              ("tpot", "time per output token")) if lat.get(key)]
+    if rows:
+        out += ["## Latency (seconds, this session)", ""]
+        out += _table(["", "mean", "p50", "p90", "p99", "max"], rows)
+
+    kv = s.get("kv") or {}
+    bs = s.get("batch_size") or {}
+    out += ["## Engine", ""]
+    out += _table(["KV capacity (tokens)", "KV usage mean", "KV usage max", "preemptions",
+                   "steps", "batch size mean", "batch size max"],
+                  [[kv.get("capacity_tokens"), _pct(kv.get("usage_mean")), _pct(kv.get("usage_max")),
+                    s.get("preemptions"), bs.get("steps"), bs.get("mean"), bs.get("max")]])
+    phases = s.get("phases_s") or {}
+    if phases:
+        out += ["## Time per phase (seconds)", ""]
+        out += _table(list(phases), [list(phases.values())])
+    decisions = s.get("strategy_decisions") or {}
+    if decisions:
+        by_phase = decisions.get("steps_by_phase") or {}
+        out += ["## Strategy decisions", "",
+                f"Steps by phase: {', '.join(f'{k} {v}' for k, v in by_phase.items()) or '–'}; "
+                f"phase switches: {decisions.get('phase_switches', 0)}; "
+                f"preemptions: {decisions.get('preemptions', 0)}.", ""]
+    if report.get("parts"):
+        out += ["## Parts", ""]
+        out += _table(["part", "status", "outputs", "errors", "output tok/s", "updated"],
+                      [[p.get("part"), p.get("status"), p.get("outputs"), p.get("errors"),
+                        p.get("output_tokens_per_s"), p.get("updated_at")] for p in report["parts"]])
+    prev = report.get("previous_sessions") or []
+    if prev:
+        out += ["## Earlier sessions", ""]
+        out += _table(["started", "status", "completed", "failed", "output tok/s"],
+                      [[p.get("started_at"), p.get("status"), p.get("requests_completed"),
+                        p.get("requests_failed"), (p.get("throughput") or {}).get("output_tokens_per_s")]
+                       for p in prev])
+    if plot_names:
+        out += ["## Plots", ""] + [f"![{n}](plots/{n})" for n in plot_names] + [""]
+    out += ["## Definitions", ""]
+    out += [f"- **{k}**: {v}" for k, v in (report.get("definitions") or {}).items()] + [""]
+    return "\n".join(out)
+
+
+def _pct(value: Optional[float]) -> Optional[str]:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def _strategy_line(strategy: Optional[dict]) -> str:
+    if not strategy:
+        return "–"
+    params = ", ".join(f"{k}={v}" for k, v in strategy.items() if k != "name" and v is not None)
+    return f"{strategy.get('name')} ({params})" if params else str(strategy.get("name"))
+
+
+# --- Slurm parts ----------------------------------------------------------------------------------
+def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
+    """One report over the parts of a sharded run: totals summed, throughput over the union of
+    the parts' generation windows (the tasks run side by side)."""
+    present = {name: rep for name, rep in parts.items() if rep}
+    totals: dict[str, Any] = {"input_records": 0, "outputs": 0, "errors": 0, "remaining": 0,
+                              "prompt_tokens": 0, "completion_tokens": 0, "errors_by_code": {}}
+    session_tokens = {"requests": 0, "failed": 0, "prompt": 0, "completion": 0}
+    starts, ends, rows = [], [], []
+    for name, rep in sorted(present.items()):
+        t = rep.get("totals") or {}
+        for key in ("input_records", "outputs", "errors", "remaining", "prompt_tokens",
+                    "completion_tokens"):
+            if t.get(key) is None:
+                totals[key] = None if key in ("input_records", "remaining") else totals[key]
+            elif totals.get(key) is not None:
+                totals[key] += t[key]
+        for code, n in (t.get("errors_by_code") or {}).items():
+            totals["errors_by_code"][code] = totals["errors_by_code"].get(code, 0) + n
+        s = rep.get("session") or {}
+        session_tokens["requests"] += s.get("requests_completed") or 0
+        session_tokens["failed"] += s.get("requests_failed") or 0
+        session_tokens["prompt"] += s.get("prompt_tokens") or 0
+        session_tokens["completion"] += s.get("completion_tokens") or 0
+        window = s.get("generation_window")
+        if window and window[0] is not None and window[1] is not None:
+            starts.append(window[0])
+            ends.append(window[1])
+        rows.append({"part": name, "status": rep.get("status"), "outputs": t.get("outputs"),
+                     "errors": t.get("errors"), "updated_at": rep.get("updated_at"),
+                     "output_tokens_per_s": (s.get("throughput") or {}).get("output_tokens_per_s")})
+    span = (max(ends) - min(starts)) if starts else 0.0
+    rate = (lambda n: round(n / span, 3) if span > 0 else None)
+    statuses = {rep.get("status") for rep in present.values()}
+    missing = sorted(set(parts) - set(present))
+    if missing or "failed" in statuses:
+        status = "failed" if "failed" in statuses else "interrupted"
+    elif statuses == {"completed"}:
+        status = "completed"
+    elif "running" in statuses:
+        status = "running"
+    else:
+        status = "interrupted"
+    first = next(iter(present.values()), {})
+    meta = {k: first.get(k) for k in ("batchinfer_version", "model", "input", "input_format",
+                                      "recipe", "strategy", "engine")}
+    session = {
+        "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
+        "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],
+        "generation_s": round(span, 3),
+        "throughput": {"requests_per_s": rate(session_tokens["requests"]),
+                       "input_tokens_per_s": rate(session_tokens["prompt"]),
+                       "output_tokens_per_s": rate(session_tokens["completion"]),
+                       "total_tokens_per_s": rate(session_tokens["prompt"] + session_tokens["completion"])},
+    }
+    detail = f"no report yet from {', '.join(missing)}" if missing else None
+    report = build_report(status=status, meta={**meta, "run_dir": root, "shard": None},
+                          totals=totals, session=session, previous_sessions=[],
+                          status_detail=detail)
+    report["parts"] = rows
+    report["definitions"] = {**DEFINITIONS, "merged": "totals are summed over parts; throughput "
+                             "divides the parts' latest-session tokens by the span from the "
+                             "earliest part start to the latest part end (tasks run in parallel)"}
+    return report

@@ -1,0 +1,297 @@
+"""Input reading: every bad line its own error with its line number, streaming, formats, shards."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.id_set import IdSet
+from batchinfer.engine.input_records import (InputError, RequestSpec, parse_openai,
+                                             parse_plain_or_chat)
+from batchinfer.engine.inputs import InputFileError, InputReader, Shard, detect_format
+from batchinfer.engine.recipe import IOConfig, Recipe
+from batchinfer.engine.request import SamplingParams
+
+DEFAULTS = SamplingParams(max_tokens=8)
+
+
+def _write_lines(path: Path, lines: list) -> Path:
+    raw = [line if isinstance(line, bytes) else json.dumps(line).encode() for line in lines]
+    path.write_bytes(b"\n".join(raw) + b"\n")
+    return path
+
+
+def _read(path: Path, **io) -> list:
+    return list(InputReader(path, IOConfig(**io), DEFAULTS))
+
+
+def _by_line(items) -> dict:
+    return {item.line: item for item in items}
+
+
+# --- plain / chat lines -----------------------------------------------------------------------------
+BAD_LINES = [
+    (b'{"id": "a", "prompt": "x"', "invalid_json"),
+    (b"[1, 2]", "not_an_object"),
+    (b'"just a string"', "not_an_object"),
+    ({"id": "b"}, "missing_prompt"),
+    ({"id": "c", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "ambiguous_request"),
+    ({"id": "d", "prompt": 42}, "invalid_type"),
+    ({"id": ["e"], "prompt": "x"}, "invalid_type"),
+    ({"id": "f", "prompt": "x", "metadata": "nope"}, "invalid_type"),
+    ({"id": "g", "messages": "hi"}, "invalid_messages"),
+    ({"id": "h", "messages": []}, "invalid_messages"),
+    ({"id": "i", "messages": [{"role": "user"}]}, "invalid_messages"),
+    ({"id": "j", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_messages"),
+    ({"id": "k", "prompt": "x", "temprature": 0.5}, "unknown_key"),
+    ({"id": "l", "prompt": "x", "temperature": -0.1}, "invalid_sampling"),
+    ({"id": "m", "prompt": "x", "top_p": 1.5}, "invalid_sampling"),
+    ({"id": "n", "prompt": "x", "max_tokens": 0}, "invalid_sampling"),
+    ({"id": "o", "prompt": "x", "max_tokens": "ten"}, "invalid_sampling"),
+    ({"id": "p", "prompt": ""}, "empty_prompt"),
+    (b'{"id": "q", "prompt": "caf\xc3\x28"}', "invalid_utf8"),
+]
+
+
+@pytest.mark.parametrize("line,code", BAD_LINES, ids=[c for _, c in BAD_LINES])
+def test_bad_line_gets_error_with_its_line_number(tmp_path, line, code):
+    path = _write_lines(tmp_path / "in.jsonl", [{"id": "ok1", "prompt": "hello"}, line,
+                                                {"id": "ok2", "prompt": "bye"}])
+    items = _by_line(_read(path))
+    assert isinstance(items[1], RequestSpec) and isinstance(items[3], RequestSpec)
+    err = items[2]
+    assert isinstance(err, InputError), err
+    assert err.code == code and err.line == 2 and err.message
+
+
+def test_error_messages_say_what_is_allowed(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": "x", "temprature": 1},
+                                                {"prompt": "x", "top_p": 2}])
+    first, second = _read(path)
+    assert "did you mean 'temperature'" in first.message and "allowed:" in first.message
+    assert "top_p" in second.message and "less than or equal to 1" in second.message
+
+
+def test_overrides_apply_over_recipe_defaults():
+    spec = parse_plain_or_chat({"id": 7, "prompt": "x", "temperature": 0, "stop": "\n",
+                                "metadata": {"a": 1}}, 3, DEFAULTS)
+    assert spec.request_id == "7" and spec.metadata == {"a": 1}
+    assert spec.sampling.temperature == 0 and spec.sampling.max_tokens == 8
+    assert spec.sampling.stop == ["\n"]
+
+
+def test_missing_id_is_derived_from_line_number():
+    assert parse_plain_or_chat({"prompt": "x"}, 12, DEFAULTS).request_id == "line-12"
+
+
+def test_text_content_parts_are_joined():
+    spec = parse_plain_or_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, 1, DEFAULTS)
+    assert spec.messages == [{"role": "user", "content": "ab"}]
+
+
+def test_duplicate_ids_after_the_first_are_errors(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"},
+                                                {"id": "a", "prompt": "3"}])
+    items = _read(path)
+    assert [type(i).__name__ for i in items] == ["RequestSpec", "RequestSpec", "InputError"]
+    assert items[2].code == "duplicate_id" and items[2].line == 3
+
+
+def test_blank_lines_and_bom_are_skipped(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\n  \r\n{"prompt": "b"}\r\n{"prompt": "c"}')
+    items = _read(path)
+    assert [i.line for i in items] == [1, 4, 5] and all(isinstance(i, RequestSpec) for i in items)
+
+
+def test_long_line_is_skipped_without_loading_it(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "x" * 5_000_000},
+                                                {"prompt": "c"}])
+    items = _read(path, max_line_bytes="1MiB")
+    assert items[1].code == "line_too_long" and items[1].line == 2
+    assert "1048576" in items[1].message
+    assert isinstance(items[2], RequestSpec) and items[2].line == 3
+
+
+def test_reader_streams_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as fh:
+        for i in range(50_000):
+            fh.write(json.dumps({"id": f"r{i}", "prompt": "p" * 200}) + "\n")
+    tracemalloc.start()
+    count = sum(1 for _ in InputReader(path, IOConfig(), DEFAULTS))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert count == 50_000
+    assert peak < 12 * 2**20, peak  # the file is ~11 MB; ids are kept as 12-byte digests
+
+
+def test_limit_counts_input_records(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": str(i)} for i in range(10)])
+    reader = InputReader(path, IOConfig(), DEFAULTS, limit=4)
+    assert [i.line for i in reader] == [1, 2, 3, 4]
+    assert reader.total() == 4
+
+
+def test_shards_partition_the_input(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": str(i)} for i in range(10)])
+    seen = []
+    for index in range(3):
+        reader = InputReader(path, IOConfig(), DEFAULTS, shard=Shard(index, 3))
+        lines = [i.line for i in reader]
+        assert reader.total() == len(lines)
+        seen += lines
+    assert sorted(seen) == list(range(1, 11))
+
+
+def test_resume_skips_done_but_still_flags_later_duplicates(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"},
+                                                {"id": "a", "prompt": "3"}, b"oops",
+                                                {"id": "c", "prompt": "4"}])
+    reader = InputReader(path, IOConfig(), DEFAULTS)
+    items = list(reader.records(done_ids=IdSet(["a"]), done_lines=IdSet(["4"])))
+    assert [(i.line, type(i).__name__) for i in items] == [
+        (2, "RequestSpec"), (3, "InputError"), (5, "RequestSpec")]
+    assert items[1].code == "duplicate_id"
+    assert reader.skipped_done == 2
+
+
+# --- OpenAI batch lines -----------------------------------------------------------------------------
+def _openai(url="/v1/chat/completions", method="POST", **body):
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    if url == "/v1/completions":
+        body.pop("messages")
+        body.setdefault("prompt", "Once upon a time")
+    return {"custom_id": "c1", "method": method, "url": url, "body": body}
+
+
+def test_openai_chat_line_maps_to_sampling():
+    spec = parse_openai(_openai(max_completion_tokens=5, temperature=0.1, logprobs=True,
+                                top_logprobs=2, model="gpt-x", seed=3), 1, DEFAULTS)
+    assert isinstance(spec, RequestSpec), spec
+    assert spec.request_id == "c1" and spec.custom_id == "c1"
+    assert spec.sampling.max_tokens == 5 and spec.sampling.temperature == 0.1
+    assert spec.sampling.logprobs == 2 and spec.sampling.seed == 3
+    assert spec.extra["model"] == "gpt-x"
+
+
+def test_openai_completion_line_accepts_token_ids():
+    spec = parse_openai(_openai("/v1/completions", prompt=[1, 2, 3], max_tokens=4), 1, DEFAULTS)
+    assert spec.prompt == [1, 2, 3] and spec.sampling.max_tokens == 4
+
+
+@pytest.mark.parametrize("line,code", [
+    (_openai(url="/v1/embeddings"), "unsupported_url"),
+    (_openai(method="GET"), "unsupported_method"),
+    ({**_openai(), "custom_id": None}, "invalid_custom_id"),
+    (_openai(tools=[{}]), "unsupported_parameter"),
+    (_openai(stream=True), "unsupported_parameter"),
+    (_openai(temperatur=1), "unknown_key"),
+    (_openai(temperature=-2), "invalid_sampling"),
+    (_openai(n=2), "invalid_sampling"),
+    ({**_openai(), "body": "x"}, "invalid_body"),
+    (_openai("/v1/completions", prompt=["a", "b"]), "invalid_type"),
+    ({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": {}}, "missing_prompt"),
+])
+def test_openai_bad_lines(line, code):
+    err = parse_openai(line, 9, DEFAULTS)
+    assert isinstance(err, InputError), err
+    assert err.code == code and err.line == 9
+    if code != "invalid_custom_id":
+        assert err.custom_id == "c1"
+
+
+def test_openai_unsupported_url_message_lists_supported():
+    err = parse_openai(_openai(url="/v1/embeddings"), 1, DEFAULTS)
+    assert "/v1/chat/completions" in err.message and "/v1/completions" in err.message
+
+
+# --- formats ----------------------------------------------------------------------------------------
+def test_format_detection(tmp_path):
+    io = IOConfig()
+    plain = _write_lines(tmp_path / "a.jsonl", [b"garbage", {"prompt": "x"}])
+    openai = _write_lines(tmp_path / "b.jsonl", [_openai()])
+    array = tmp_path / "c.json"
+    array.write_text(json.dumps([{"prompt": "x"}]))
+    lines_json = _write_lines(tmp_path / "d.json", [{"prompt": "x"}])
+    assert detect_format(plain, io) == "jsonl"
+    assert detect_format(openai, io) == "openai"
+    assert detect_format(array, io) == "json"
+    assert detect_format(lines_json, io) == "jsonl"
+    assert detect_format(tmp_path / "x.parquet", io) == "parquet"
+    assert detect_format(plain, IOConfig(input_format="openai")) == "openai"
+    with pytest.raises(InputFileError, match="io.input_format"):
+        detect_format(tmp_path / "x.txt", io)
+
+
+def test_missing_input_file(tmp_path):
+    with pytest.raises(InputFileError, match="no such file"):
+        InputReader(tmp_path / "nope.jsonl", IOConfig(), DEFAULTS)
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv", "json", "arrow"])
+def test_dataset_files(tmp_path, suffix):
+    import datasets
+
+    rows = {"question": ["What is 2+2?", "Name a color.", None], "qid": ["q1", "q2", "q3"],
+            "topic": ["math", "art", "none"]}
+    ds = datasets.Dataset.from_dict(rows)
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "parquet":
+        ds.to_parquet(str(path))
+    elif suffix == "csv":
+        ds.to_csv(str(path), index=False)
+    elif suffix == "json":
+        path.write_text(json.dumps([dict(zip(rows, vals)) for vals in zip(*rows.values())]))
+    else:
+        import pyarrow as pa
+
+        with pa.OSFile(str(path), "wb") as sink:
+            with pa.ipc.new_stream(sink, ds.data.table.schema) as writer:
+                writer.write_table(ds.data.table)
+    items = _read(path, prompt_field="question", id_field="qid", metadata_fields=["topic"])
+    assert [type(i).__name__ for i in items] == ["RequestSpec", "RequestSpec", "InputError"]
+    assert items[0].request_id == "q1" and items[0].prompt == "What is 2+2?"
+    assert items[0].metadata == {"topic": "math"}
+    assert items[2].line == 3 and items[2].code in ("invalid_type", "missing_prompt")
+
+
+def test_dataset_messages_column(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"conv": [[{"role": "user", "content": "hi"}]]})
+    path = tmp_path / "chat.parquet"
+    ds.to_parquet(str(path))
+    (spec,) = _read(path, messages_field="conv")
+    assert spec.messages == [{"role": "user", "content": "hi"}] and spec.request_id == "row-1"
+
+
+def test_dataset_missing_column_names_the_setting(tmp_path):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_dict({"text": ["a"]}).to_parquet(str(path))
+    (err,) = _read(path)
+    assert err.code == "missing_prompt" and "io.prompt_field" in err.message and "text" in err.message
+
+
+# --- id set -----------------------------------------------------------------------------------------
+def test_id_set_merges_and_finds():
+    ids = IdSet(merge_at=7)
+    for i in range(100):
+        assert ids.add(f"id-{i}")
+    assert not ids.add("id-5")
+    assert len(ids) == 100
+    assert all(f"id-{i}" in ids for i in range(100))
+    assert "id-100" not in ids and 5 not in ids
+
+
+def test_recipe_sampling_defaults_flow_into_specs(tmp_path):
+    recipe = Recipe(sampling=SamplingParams(temperature=0.3, max_tokens=9))
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    (spec,) = InputReader(path, recipe.io, recipe.sampling)
+    assert spec.sampling.temperature == 0.3 and spec.sampling.max_tokens == 9

@@ -1,0 +1,250 @@
+"""The job loop end to end on the tiny dummy-weight engine (in process, one engine shared)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
+from batchinfer.engine.recipe import Recipe
+from batchinfer.engine.request import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tiny_engine_config):
+    return Recipe(model=tiny_engine_config["model"], memory=tiny_engine_config["cache"],
+                  sampling=SamplingParams(max_tokens=6, temperature=0.7, seed=1),
+                  strategy={"name": "baseline", "max_num_seqs": 8},
+                  report={"refresh_seconds": 0.2, "plots": False, "metrics_interval_seconds": 0.1})
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_recipe):
+    from batchinfer.engine.engine import Engine
+
+    return Engine.from_config(tiny_recipe.engine_config())
+
+
+def run(recipe, input_path, out_dir, engine, **kw):
+    spec = JobSpec(recipe=recipe, input_path=Path(input_path), output_dir=Path(out_dir),
+                   progress="off", engine_factory=lambda cfg: engine, **kw)
+    return run_job(spec)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    raw = [line if isinstance(line, bytes) else json.dumps(line).encode() for line in lines]
+    path.write_bytes(b"\n".join(raw) + b"\n")
+    return path
+
+
+def mixed_bad_input(path: Path) -> tuple[Path, set[str], dict[int, str]]:
+    """The issue's bad-input file: valid lines mixed with every kind of bad line."""
+    good = lambda i, **kw: {"id": f"good-{i}", "prompt": f"Tell me about the number {i}.", **kw}  # noqa: E731
+    lines = [
+        good(1),
+        b'{"id": "broken", "prompt": "x"',                             # 2 invalid JSON
+        b"[1, 2, 3]",                                                  # 3 not an object
+        {"id": "no-prompt"},                                           # 4 missing prompt/messages
+        {"id": "wrong-type", "prompt": 42},                            # 5 wrong type
+        {"id": "unknown-key", "prompt": "hi", "temprature": 0.5},      # 6 unknown sampling key
+        {"id": "neg-temp", "prompt": "hi", "temperature": -1},         # 7 temperature < 0
+        {"id": "top-p", "prompt": "hi", "top_p": 1.5},                 # 8 top_p > 1
+        {"id": "zero-tokens", "prompt": "hi", "max_tokens": 0},        # 9 max_tokens 0
+        good(2, metadata={"source": "unit", "n": [1, 2]}),             # 10
+        good(1),                                                       # 11 duplicate id
+        {"id": "empty", "prompt": ""},                                 # 12 empty prompt
+        {"id": "too-long", "prompt": "word " * 2000},                  # 13 longer than max_model_len
+        {"id": "huge", "prompt": "x" * (5 * 2**20)},                   # 14 a 5 MB line
+        b'{"id": "bad-utf8", "prompt": "caf\xc3\x28"}',                # 15 invalid UTF-8
+        {"id": "chat", "messages": [{"role": "user", "content": "Hi!"}]},  # 16
+        good(3, max_tokens=3),                                         # 17
+    ]
+    write_jsonl(path, lines)
+    expected_errors = {2: "invalid_json", 3: "not_an_object", 4: "missing_prompt",
+                       5: "invalid_type", 6: "unknown_key", 7: "invalid_sampling",
+                       8: "invalid_sampling", 9: "invalid_sampling", 11: "duplicate_id",
+                       12: "empty_prompt", 13: "prompt_too_long", 14: "line_too_long",
+                       15: "invalid_utf8"}
+    return path, {"good-1", "good-2", "chat", "good-3"}, expected_errors
+
+
+def test_bad_input_every_line_accounted_for(tmp_path, tiny_recipe, shared_engine):
+    path, good_ids, expected_errors = mixed_bad_input(tmp_path / "bad.jsonl")
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.status == "completed" and outcome.exit_code == EXIT_OK
+    outputs = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    errors = read_jsonl(tmp_path / "run" / "errors.jsonl")
+    assert {o["id"] for o in outputs} == good_ids and len(outputs) == len(good_ids)
+    assert {e["line"]: e["code"] for e in errors} == expected_errors
+    assert all(e["message"] for e in errors)
+    by_id = {o["id"]: o for o in outputs}
+    assert by_id["good-2"]["metadata"] == {"source": "unit", "n": [1, 2]}
+    assert by_id["good-3"]["completion_tokens"] <= 3
+    for o in outputs:
+        assert o["finish_reason"] in ("stop", "length") and o["prompt_tokens"] > 0
+        assert isinstance(o["text"], str)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "completed"
+    assert report["totals"]["outputs"] == 4 and report["totals"]["errors"] == 13
+    assert report["totals"]["errors_by_code"]["invalid_sampling"] == 3
+
+
+def test_report_and_run_files(tmp_path, tiny_recipe, shared_engine):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Question {i}?"}
+                                               for i in range(20)])
+    recipe = tiny_recipe.model_copy(update={"report": tiny_recipe.report.model_copy(
+        update={"plots": True, "plot_refresh_seconds": 60})})
+    outcome = run(recipe, path, tmp_path / "run", shared_engine)
+    run_dir = tmp_path / "run"
+    assert outcome.outputs == 20 and outcome.errors == 0
+    for name in ("outputs.jsonl", "report.json", "report.md", "metrics.jsonl",
+                 "recipe.resolved.yaml", "run.json", "plots/throughput.png",
+                 "plots/kv_usage.png", "plots/batch_sizes.png"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "plots/throughput.png").read_bytes()[:4] == b"\x89PNG"
+    report = json.loads((run_dir / "report.json").read_text())
+    session = report["session"]
+    tp = session["throughput"]
+    assert tp["requests_per_s"] > 0 and tp["output_tokens_per_s"] > 0
+    assert tp["total_tokens_per_s"] == pytest.approx(tp["input_tokens_per_s"]
+                                                     + tp["output_tokens_per_s"], rel=0.01)
+    assert session["latency_s"]["e2e"]["count"] == 20
+    assert session["latency_s"]["e2e"]["p50"] <= session["latency_s"]["e2e"]["p99"]
+    assert session["kv"]["capacity_tokens"] > 0 and session["kv"]["usage_max"] > 0
+    assert session["batch_size"]["max"] <= 8
+    assert {"load", "input", "write"} <= set(session["phases_s"])
+    assert "output_tokens_per_s" in report["definitions"]
+    md = (run_dir / "report.md").read_text()
+    assert "## Throughput" in md and "output tok/s" in md and "plots/throughput.png" in md
+    samples = read_jsonl(run_dir / "metrics.jsonl")
+    assert samples and all(s["session"] == 1 for s in samples)
+    assert sum(s["requests_done"] for s in samples) == 20
+    resolved = (run_dir / "recipe.resolved.yaml").read_text()
+    assert "max_num_seqs: 8" in resolved
+
+
+def test_resume_continues_and_never_repeats(tmp_path, tiny_recipe, shared_engine):
+    lines = [{"id": f"r{i}", "prompt": f"Question {i}?"} for i in range(12)] + [b"not json"]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    first = run(tiny_recipe, path, tmp_path / "run", shared_engine, limit=5)
+    assert first.outputs == 5
+    second = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert second.outputs == 12 and second.errors == 1
+    third = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert third.session["requests_completed"] == 0 and third.session["requests_failed"] == 0
+    ids = [o["id"] for o in read_jsonl(tmp_path / "run" / "outputs.jsonl")]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(12))
+    assert len(read_jsonl(tmp_path / "run" / "errors.jsonl")) == 1
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert len(report["previous_sessions"]) == 2
+    assert report["totals"]["outputs"] == 12
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert len(manifest["sessions"]) == 3
+
+
+def test_output_order_input(tmp_path, tiny_recipe, shared_engine):
+    recipe = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
+        update={"output_order": "input", "max_in_flight": 6})})
+    # long and short requests interleaved finish out of order; the file must not be
+    lines = [{"id": f"r{i}", "prompt": "Tell me a story.", "max_tokens": 12 if i % 2 else 2,
+              "ignore_eos": True} for i in range(14)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    run(recipe, path, tmp_path / "run", shared_engine)
+    ids = [o["id"] for o in read_jsonl(tmp_path / "run" / "outputs.jsonl")]
+    assert ids == [f"r{i}" for i in range(14)]
+
+
+def test_completion_order_is_the_default(tmp_path, tiny_recipe, shared_engine):
+    lines = [{"id": "long", "prompt": "Tell me a story.", "max_tokens": 30, "ignore_eos": True},
+             {"id": "short", "prompt": "Hi", "max_tokens": 1}]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    ids = [o["id"] for o in read_jsonl(tmp_path / "run" / "outputs.jsonl")]
+    assert ids == ["short", "long"]
+
+
+def test_openai_batch_input(tmp_path, tiny_recipe, shared_engine):
+    outcome = run(tiny_recipe, REPO / "examples" / "quickstart_openai.jsonl", tmp_path / "run",
+                  shared_engine)
+    assert outcome.outputs == 4
+    records = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    assert {r["custom_id"] for r in records} == {"req-1", "req-2", "req-3", "req-4"}
+    for r in records:
+        body = r["response"]["body"]
+        assert r["response"]["status_code"] == 200 and r["error"] is None
+        assert body["usage"]["total_tokens"] == (body["usage"]["prompt_tokens"]
+                                                 + body["usage"]["completion_tokens"])
+        assert body["object"] in ("chat.completion", "text_completion")
+
+
+def test_openai_bad_lines_get_openai_error_records(tmp_path, tiny_recipe, shared_engine):
+    lines = [{"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "hi"}]}},
+             {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+             {"custom_id": "get", "method": "GET", "url": "/v1/chat/completions", "body": {}}]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.exit_code == EXIT_OK and outcome.outputs == 1
+    errors = read_jsonl(tmp_path / "run" / "errors.jsonl")
+    assert {(e["custom_id"], e["code"], e["line"]) for e in errors} == {
+        ("emb", "unsupported_url", 2), ("get", "unsupported_method", 3)}
+    assert all(e["response"] is None and e["error"]["code"] == e["code"] for e in errors)
+
+
+def test_chat_template_modes(tmp_path, tiny_recipe, shared_engine):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "p", "prompt": "Hello"}])
+    counts = {}
+    for mode in ("auto", "always"):
+        recipe = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
+            update={"chat_template": mode})})
+        run(recipe, path, tmp_path / mode, shared_engine)
+        (record,) = read_jsonl(tmp_path / mode / "outputs.jsonl")
+        counts[mode] = record["prompt_tokens"]
+    assert counts["always"] > counts["auto"]  # the template adds role markers
+
+
+def test_dataset_input(tmp_path, tiny_recipe, shared_engine):
+    import datasets
+
+    path = tmp_path / "data.parquet"
+    datasets.Dataset.from_dict({"text": ["What is a cat?", "What is a dog?"],
+                                "key": ["a", "b"]}).to_parquet(str(path))
+    recipe = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
+        update={"prompt_field": "text", "id_field": "key", "metadata_fields": ["key"]})})
+    outcome = run(recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.outputs == 2
+    records = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    assert {r["id"] for r in records} == {"a", "b"}
+    assert all(r["metadata"] == {"key": r["id"]} for r in records)
+
+
+def test_logprobs_are_written(tmp_path, tiny_recipe, shared_engine):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "lp", "prompt": "Hi", "logprobs": 2,
+                                                "max_tokens": 3, "ignore_eos": True}])
+    run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    (record,) = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    assert len(record["logprobs"]) == 3
+    assert len(record["logprobs"][0]["top_logprobs"]) == 2
+
+
+def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
+    from batchinfer.engine.inputs import Shard
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(9)])
+    for index in range(3):
+        run(tiny_recipe, path, tmp_path / "run", shared_engine, shard=Shard(index, 3))
+    ids = []
+    for index in range(3):
+        part = tmp_path / "run" / f"part-{index:05d}-of-00003"
+        ids += [o["id"] for o in read_jsonl(part / "outputs.jsonl")]
+        assert json.loads((part / "report.json").read_text())["shard"] == {"index": index, "count": 3}
+    assert sorted(ids) == sorted(f"r{i}" for i in range(9))

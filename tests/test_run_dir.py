@@ -1,0 +1,166 @@
+"""The run directory: torn-line repair, resume state, locking, layouts, record formats."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from batchinfer.engine.input_records import InputError
+from batchinfer.engine.inputs import Shard
+from batchinfer.engine.records import (RequestPayload, error_record, input_error_record,
+                                       output_record, record_id)
+from batchinfer.engine.request import FinishReason, RequestOutput
+from batchinfer.engine.run_dir import (ERRORS, OUTPUTS, RunDir, RunDirError, in_use,
+                                       repair_torn_tail)
+
+
+def _out(rid="r1", text="hello", logprobs=None, n_prompt=3, n_out=2):
+    return RequestOutput(request_id=rid, prompt_token_ids=list(range(n_prompt)),
+                         output_token_ids=list(range(n_out)), text=text,
+                         finish_reason=FinishReason.STOP, logprobs=logprobs,
+                         arrival_time=1.0, first_token_time=1.5, finish_time=2.0)
+
+
+# --- torn lines -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content,expected", [
+    (b"", b""),
+    (b'{"a":1}\n', b'{"a":1}\n'),
+    (b'{"a":1}\n{"b":', b'{"a":1}\n'),
+    (b'{"b":', b""),
+    (b'{"a":1}\n' * 10000 + b'{"b":2', b'{"a":1}\n' * 10000),
+])
+def test_repair_torn_tail(tmp_path, content, expected):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(content)
+    dropped = repair_torn_tail(path)
+    assert path.read_bytes() == expected
+    assert dropped == len(content) - len(expected)
+
+
+def test_open_repairs_and_loads_prior_state(tmp_path):
+    (tmp_path / OUTPUTS).write_text(
+        json.dumps({"id": "a", "text": "x", "prompt_tokens": 4, "completion_tokens": 2}) + "\n"
+        + json.dumps({"id": "b", "text": "y", "prompt_tokens": 1, "completion_tokens": 1}) + "\n"
+        + '{"id": "c", "te')
+    (tmp_path / ERRORS).write_text(json.dumps({"id": None, "line": 7, "code": "invalid_json",
+                                               "message": "m"}) + "\n")
+    run_dir, prior = RunDir.open(tmp_path)
+    run_dir.close()
+    assert prior.num_outputs == 2 and prior.num_errors == 1
+    assert "a" in prior.done_ids and "b" in prior.done_ids and "c" not in prior.done_ids
+    assert "7" in prior.done_lines
+    assert prior.prompt_tokens == 5 and prior.completion_tokens == 3
+    assert prior.error_codes == {"invalid_json": 1}
+    assert prior.torn_bytes > 0
+    assert (tmp_path / OUTPUTS).read_text().endswith("}\n")
+
+
+def test_openai_envelope_ids_are_custom_ids(tmp_path):
+    payload = RequestPayload(line=1, custom_id="cust-1", openai_url="/v1/chat/completions")
+    run_dir, _ = RunDir.open(tmp_path)
+    run_dir.write_output(output_record(_out("cust-1"), payload, "m"))
+    run_dir.close()
+    _, prior = RunDir.open(tmp_path, read_only=True)
+    assert "cust-1" in prior.done_ids and prior.completion_tokens == 2
+
+
+def test_results_are_flushed_line_by_line(tmp_path):
+    run_dir, _ = RunDir.open(tmp_path)
+    run_dir.write_output({"id": "a", "text": "é ☃"})
+    # visible to another reader before close: flushed, not buffered
+    assert (tmp_path / OUTPUTS).read_text(encoding="utf-8") == '{"id":"a","text":"é ☃"}\n'
+    run_dir.write_error({"id": "bad\ud800", "line": 3})  # a lone surrogate from a JSON escape
+    run_dir.close()
+    assert json.loads((tmp_path / ERRORS).read_text())["id"] == "bad\ud800"
+
+
+def test_lock_keeps_a_second_run_out(tmp_path):
+    first, _ = RunDir.open(tmp_path)
+    assert in_use(tmp_path)
+    with pytest.raises(RunDirError, match="in use by another batchinfer run"):
+        RunDir.open(tmp_path)
+    first.close()
+    assert not in_use(tmp_path)
+    second, _ = RunDir.open(tmp_path)
+    second.close()
+
+
+def test_no_resume_refuses_existing_results(tmp_path):
+    (tmp_path / OUTPUTS).write_text('{"id": "a"}\n')
+    with pytest.raises(RunDirError, match="--no-resume"):
+        RunDir.open(tmp_path, resume=False)
+    fresh, _ = RunDir.open(tmp_path / "new", resume=False)
+    fresh.close()
+
+
+def test_layouts_do_not_mix(tmp_path):
+    part, _ = RunDir.open(tmp_path / "run", Shard(1, 4))
+    part.close()
+    assert (tmp_path / "run" / "part-00001-of-00004").is_dir()
+    with pytest.raises(RunDirError, match="srun -n 4"):
+        RunDir.open(tmp_path / "run")
+    with pytest.raises(RunDirError, match="srun -n 4"):
+        RunDir.open(tmp_path / "run", Shard(0, 2))
+    single, _ = RunDir.open(tmp_path / "single")
+    single.write_output({"id": "x"})
+    single.close()
+    with pytest.raises(RunDirError, match="single-process run"):
+        RunDir.open(tmp_path / "single", Shard(0, 2))
+
+
+def test_atomic_report_files(tmp_path):
+    run_dir, _ = RunDir.open(tmp_path)
+    run_dir.write_report({"status": "running"}, "# r\n", {"a.png": b"\x89PNG"})
+    run_dir.write_report({"status": "completed"}, "# r2\n")
+    run_dir.close()
+    assert json.loads((tmp_path / "report.json").read_text())["status"] == "completed"
+    assert (tmp_path / "plots" / "a.png").read_bytes() == b"\x89PNG"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".report")]
+    assert oct((tmp_path / "report.json").stat().st_mode & 0o777) != oct(0o600)
+
+
+# --- records ----------------------------------------------------------------------------------------
+def test_flat_output_record():
+    payload = RequestPayload(line=4, metadata={"k": [1]})
+    record = output_record(_out(logprobs=[{"token_id": 1, "token": "a", "logprob": -0.1,
+                                           "top_logprobs": []}]), payload, "model")
+    assert record == {"id": "r1", "text": "hello", "finish_reason": "stop", "prompt_tokens": 3,
+                      "completion_tokens": 2, "logprobs": record["logprobs"], "metadata": {"k": [1]}}
+    assert record_id(record) == "r1"
+
+
+@pytest.mark.parametrize("url,obj", [("/v1/chat/completions", "chat.completion"),
+                                     ("/v1/completions", "text_completion")])
+def test_openai_output_envelope(url, obj):
+    payload = RequestPayload(line=1, custom_id="c-9", openai_url=url, openai_model="gpt-x")
+    lp = [{"token_id": 5, "token": "hi", "logprob": -0.5,
+           "top_logprobs": [{"token_id": 5, "token": "hi", "logprob": -0.5}]}]
+    record = output_record(_out("c-9", logprobs=lp), payload, "model")
+    assert record["custom_id"] == "c-9" and record["error"] is None
+    assert record["id"].startswith("batch_req_")
+    response = record["response"]
+    assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+    body = response["body"]
+    assert body["object"] == obj and body["model"] == "gpt-x"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    if obj == "chat.completion":
+        assert choice["message"] == {"role": "assistant", "content": "hello"}
+        assert choice["logprobs"]["content"][0]["logprob"] == -0.5
+    else:
+        assert choice["text"] == "hello" and choice["logprobs"]["token_logprobs"] == [-0.5]
+    assert record_id(record) == "c-9"
+    # the same custom_id always gets the same envelope ids (a resumed run writes the same)
+    again = output_record(_out("c-9"), payload, "model")
+    assert again["id"] == record["id"]
+
+
+def test_error_records():
+    plain = input_error_record(InputError(5, "invalid_json", "bad"), openai_input=False)
+    assert plain == {"id": None, "line": 5, "code": "invalid_json", "message": "bad"}
+    openai = error_record(6, "unsupported_url", "no", "c1", custom_id="c1", openai=True)
+    assert openai["custom_id"] == "c1" and openai["response"] is None
+    assert openai["error"] == {"code": "unsupported_url", "message": "no"}
+    assert openai["line"] == 6
