@@ -124,7 +124,10 @@ class TorchAttention:
 
 class NativeCPUAttention:
     name = "native"
-    write_kv = staticmethod(_write_kv)
+
+    @staticmethod
+    def write_kv(key_cache, value_cache, k, v, meta: AttentionMetadata) -> None:
+        torch.ops.batchinfer.write_kv(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)
 
     def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
         return torch.ops.batchinfer.paged_attention(q, key_cache, value_cache, meta.block_tables,
@@ -133,12 +136,12 @@ class NativeCPUAttention:
 
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """auto: the native kernel on CPU with fp32 when it builds, else torch."""
-    from .kernels import load_native_attention
+    from .kernels import load_native_kernels
 
     native_ok = device.type == "cpu" and dtype == torch.float32
     if choice == "native" and not native_ok:
         raise ValueError("attention_backend 'native' needs device cpu and dtype float32")
-    if choice in ("native", "auto") and native_ok and load_native_attention():
+    if choice in ("native", "auto") and native_ok and load_native_kernels():
         return NativeCPUAttention()
     if choice == "native":
         raise RuntimeError("the native attention kernel could not be built (see the warning above)")

@@ -16,6 +16,7 @@ from .executor import InProcessExecutor
 from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
 from .model.arch import ModelArch
 from .model.loader import build_model, load_arch
+from .model.ops import NativeOps
 from .model.sources import resolve_model_dir
 from .sampler import Sampler
 from .scheduler import make_scheduler
@@ -104,6 +105,8 @@ def build_engine(config: EngineConfig) -> Engine:
     scheduler = make_scheduler(sched_cfg.policy, block_manager, sched_cfg.max_num_seqs,
                                sched_cfg.max_num_batched_tokens, max_model_len, sched_cfg.chunk_size)
     backend = select_backend(config.device.attention_backend, device, dtype)
+    if backend.name == "native":
+        model.use_ops(NativeOps)
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed)
     executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device)
     info = {

@@ -88,13 +88,14 @@ class InProcessExecutor:
     def execute(self, batch: MicroBatch) -> StepResult:
         t0 = time.perf_counter()
         inputs = build_inputs(batch, self.block_manager, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                            self.backend)
+        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                      inputs.meta, self.backend)
         tokens: list[Optional[int]] = [None] * len(batch.items)
         logprobs: list[Optional[dict]] = [None] * len(batch.items)
         t1 = time.perf_counter()
         if inputs.sample_items:
-            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+            rows = inputs.logits_rows
+            logits = self.model.compute_logits(hidden[rows], None if residual is None else residual[rows])
             seqs = [batch.items[i].seq for i in inputs.sample_items]
             sampled, info = self.sampler.sample(logits, self.sampler.prepare(seqs))
             for row, (index, token) in enumerate(zip(inputs.sample_items, sampled.tolist())):

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp"]
 _loaded: Optional[bool] = None
 
 
@@ -36,8 +37,8 @@ def cache_root() -> Path:
     return Path(base)
 
 
-def load_native_attention() -> bool:
-    """Builds (once) and loads torch.ops.batchinfer.paged_attention. Returns False if unavailable."""
+def load_native_kernels() -> bool:
+    """Builds (once) and loads torch.ops.batchinfer.*. Returns False if unavailable."""
     global _loaded
     if _loaded is not None:
         return _loaded
@@ -47,17 +48,20 @@ def load_native_attention() -> bool:
     import torch
     from torch.utils.cpp_extension import load
 
-    source_hash = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-    name = f"batchinfer_attn_{source_hash}_{_cpu_fingerprint()}"
+    digest = hashlib.sha256()
+    for path in sorted(_DIR.glob("*.cpp")) + sorted(_DIR.glob("*.h")):
+        digest.update(path.read_bytes())
+    source_hash = digest.hexdigest()[:10]
+    name = f"batchinfer_kernels_{source_hash}_{_cpu_fingerprint()}"
     build_dir = cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     try:
-        load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-             extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
-             extra_ldflags=["-lm"], is_python_module=False, verbose=False)
+        load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_DIR)], build_directory=str(build_dir),
+             extra_cflags=["-O3", "-ffast-math", "-fopenmp", *arch_flags],
+             extra_ldflags=["-lm", "-fopenmp"], is_python_module=False, verbose=False)
         _loaded = hasattr(torch.ops.batchinfer, "paged_attention")
     except Exception as exc:  # compiler missing, headers missing, ...: portable path instead
-        log.warning("native CPU attention kernel unavailable (%s); using the torch path", exc)
+        log.warning("native CPU kernels unavailable (%s); using the torch path", exc)
         _loaded = False
     return _loaded

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -108,6 +110,117 @@ void attend_item(const float* q, float* out, const float* kc, const float* vc, c
   }
 }
 
+#ifdef BATCHINFER_AVX2
+// Same contract as attend_item; D a multiple of 8. Scores for 8 tokens come out of one hsum8, the
+// softmax and the V accumulation run 8 lanes at a time.
+template <int D>
+void attend_item_avx2(const float* q, float* out, const float* kc, const float* vc, const int* table,
+                      int num_q, int ctx, int group, int block_size, int64_t q_tok_stride,
+                      int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
+                      int64_t block_stride, float scale, int kv_head, int64_t head_stride) {
+  constexpr int C = D / 8;
+  const int rows = num_q * group;
+  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.f);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> l(rows, 0.f);
+  std::vector<float> qs(static_cast<size_t>(rows) * D);
+  std::vector<float> s(static_cast<size_t>(block_size) + 8);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int j = 0; j < num_q; ++j)
+    for (int g = 0; g < group; ++g) {
+      const float* src = q + j * q_tok_stride + (kv_head * group + g) * q_head_stride;
+      float* dst = qs.data() + (static_cast<size_t>(j) * group + g) * D;
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * c), vscale));
+    }
+  const int last_pos = ctx + num_q - 1;
+  const int num_blocks = last_pos / block_size + 1;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int b = 0; b < num_blocks; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
+    const float* kb = kc + base;
+    const float* vb = vc + base;
+    const int start = b * block_size;
+    const int n = std::min(block_size, last_pos + 1 - start);
+    if (b + 1 < num_blocks) {
+      // Blocks are scattered, and hardware prefetchers stop at page boundaries: fetch the next
+      // block's K and V rows while this one is computed.
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride + kv_head * head_stride;
+      const int next_n = std::min(block_size, last_pos + 1 - start - block_size);
+      for (int64_t off = 0; off < static_cast<int64_t>(next_n) * D; off += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, ctx + r / group + 1 - start);
+      if (visible <= 0) continue;
+      const float* qr = qs.data() + static_cast<size_t>(r) * D;
+      __m256 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+      __m256 vmax = neg_inf;
+      for (int t0 = 0; t0 < visible; t0 += 8) {
+        __m256 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        const float* kr = kb + static_cast<int64_t>(t0) * D;
+        if (t0 + 8 <= visible) {
+          // Eight independent FMA chains (one per token) instead of one long chain per token.
+          for (int c = 0; c < C; ++c)
+            for (int u = 0; u < 8; ++u)
+              a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
+        } else {
+          for (int u = 0; u < visible - t0; ++u)
+            for (int c = 0; c < C; ++c)
+              a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
+        }
+        __m256 sv = simd::hsum8(a);
+        const int valid = visible - t0;
+        if (valid < 8) {
+          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane));
+          sv = _mm256_blendv_ps(neg_inf, sv, keep);
+        }
+        _mm256_storeu_ps(s.data() + t0, sv);
+        vmax = _mm256_max_ps(vmax, sv);
+      }
+      const float new_m = std::max(m[r], simd::hmax(vmax));
+      const float correction = std::exp(m[r] - new_m);
+      const __m256 vm = _mm256_set1_ps(new_m);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int t0 = 0; t0 < visible; t0 += 8) {
+        const __m256 p = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(s.data() + t0), vm));
+        const int valid = visible - t0;
+        __m256 pm = p;
+        if (valid < 8) {
+          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          pm = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
+        }
+        _mm256_storeu_ps(s.data() + t0, pm);
+        vsum = _mm256_add_ps(vsum, pm);
+      }
+      l[r] = l[r] * correction + simd::hsum(vsum);
+      m[r] = new_m;
+      float* ar = acc.data() + static_cast<size_t>(r) * D;
+      __m256 o[C];
+      const __m256 corr = _mm256_set1_ps(correction);
+      for (int c = 0; c < C; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), corr);
+      for (int t = 0; t < visible; ++t) {
+        const __m256 p = _mm256_set1_ps(s[t]);
+        const float* vr = vb + static_cast<int64_t>(t) * D;
+        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(ar + 8 * c, o[c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int j = r / group, g = r % group;
+    float* dst = out + j * out_tok_stride + (kv_head * group + g) * out_head_stride;
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    const float* ar = acc.data() + static_cast<size_t>(r) * D;
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
+  }
+}
+#endif
+
 at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
                            const at::Tensor& key_cache,    // [N, Hkv, bs, D] float32, contiguous
                            const at::Tensor& value_cache,  // [N, Hkv, bs, D] float32, contiguous
@@ -159,15 +272,20 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
       const float* q = qp + tok * qts;
       float* o = op + tok * ots;
       const int* table = tp + static_cast<int64_t>(it.seq) * max_blocks;
-      if (head_dim == 64)
-        attend_item<64>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
-                        ots, ohs, block_stride, fscale, it.kv_head, head_stride);
-      else if (head_dim == 128)
-        attend_item<128>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
-                         qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride);
-      else
-        attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
-                       ots, ohs, block_stride, fscale, it.kv_head, head_stride);
+#ifdef BATCHINFER_AVX2
+      if (head_dim == 64) {
+        attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
+                             ohs, block_stride, fscale, it.kv_head, head_stride);
+        continue;
+      }
+      if (head_dim == 128) {
+        attend_item_avx2<128>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
+                              ohs, block_stride, fscale, it.kv_head, head_stride);
+        continue;
+      }
+#endif
+      attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
+                     ots, ohs, block_stride, fscale, it.kv_head, head_stride);
     }
   });
   return out;

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .arch import ModelArch
+from .ops import TorchOps
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,12 @@ class ModelPartition:
 
 
 class RMSNorm(nn.Module):
+    """Holds the norm's weight and epsilon; the maths is in ops (fused with the residual add)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -95,13 +91,6 @@ class Rotary(nn.Module):
         self.cos = freqs.cos().to(self.cos.device)
         self.sin = freqs.sin().to(self.sin.device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] -> rotated copy."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer_index: int):
@@ -114,12 +103,14 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, ops) -> torch.Tensor:
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = rotary(qkv[:, : self.num_heads + self.num_kv_heads], positions)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        qkv = ops.rotary(self.qkv_proj(hidden), positions, rotary.cos, rotary.sin,
+                         self.num_heads + self.num_kv_heads, self.head_dim)
+        heads = qkv.view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = heads[:, : self.num_heads]
+        k = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
+        v = heads[:, self.num_heads + self.num_kv_heads:]
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta)
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
@@ -129,17 +120,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
-        self.intermediate = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate:]
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream travels beside the hidden states so that each norm
+    can be fused with the residual add before it (as vLLM does)."""
+
     def __init__(self, arch: ModelArch, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -147,10 +138,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, hidden, positions, rotary, kv_cache, meta, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
-                                         kv_cache, meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(hidden, positions, rotary, kv_cache, meta, backend, ops)
+        norm = self.post_attention_layernorm
+        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden, ops), residual
 
 
 class CausalLM(nn.Module):
@@ -171,6 +169,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if self.is_last else None
         self.tie_weights()
+        self.ops = TorchOps
+
+    def use_ops(self, ops) -> None:
+        """TorchOps (portable) or NativeOps (fused CPU kernels)."""
+        self.ops = ops
 
     def tie_weights(self) -> None:
         if self.lm_head is not None and self.arch.tie_word_embeddings:
@@ -178,17 +181,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Token ids (first stage) or the previous stage's hidden states -> hidden states.
+                backend: AttentionBackend, hidden: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None):
+        """Token ids (first stage) or the previous stage's (hidden, residual) -> (hidden, residual).
 
-        The residual stream is carried in `hidden` itself (pre-norm layers), so a stage boundary
-        passes exactly one [T, hidden_size] tensor.
+        A stage boundary passes both tensors, [T, hidden_size] each.
         """
         if self.is_first:
-            hidden = self.embed_tokens(input_ids)
+            hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, meta, backend)
-        return hidden
+            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, meta,
+                                     backend, self.ops)
+        return hidden, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """Final norm and LM head for the given rows (copies: the fused norm works in place)."""
+        if residual is None:
+            hidden = self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        else:
+            hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        return self.lm_head(hidden).float()

@@ -1,0 +1,167 @@
+// Fused element-wise CPU kernels for the decoder layer: each replaces a chain of 3-8 torch ops
+// (each a full pass over memory plus dispatch overhead) by one pass. Float32, contiguous rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "simd.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;  // rows per task: small tensors stay on one thread
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [rows, cols] with contiguous rows");
+}
+
+inline void norm_row(const float* __restrict in, const float* __restrict w, float* __restrict out,
+                     int64_t n, float eps) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < n; ++i) sq += in[i] * in[i];
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * inv);
+}
+
+// out = weight * x / rms(x)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) norm_row(xp + r * xs, wp, op + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x; x = weight * residual / rms(residual)   (both in place)
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  check_rows(residual, "fused_add_rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* xr = xp + r * xs;
+      float* rr = rp + r * rs;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+      norm_row(rr, wp, xr, n, static_cast<float>(eps));
+    }
+  });
+}
+
+// [rows, 2I] (gate | up) -> [rows, I] silu(gate) * up
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  auto out = at::empty({rows, width}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = gp + r * gs;
+      const float* u = g + width;
+      float* o = op + r * width;
+      int64_t i = 0;
+#ifdef BATCHINFER_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= width; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = simd::exp(_mm256_sub_ps(zero, gv));
+        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < width; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on the first `num_heads` heads of each row of qkv [T, heads*D].
+void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
+  check_rows(qkv, "rotary_embedding");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rotary tables must be contiguous");
+  const auto pos = positions.to(at::kLong).contiguous();
+  const int64_t rows = qkv.size(0), rs = qkv.stride(0), half = head_dim / 2;
+  float* qp = qkv.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* c = cp + pp[r] * half;
+      const float* s = sp + pp[r] * half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x1 = qp + r * rs + h * head_dim;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], bb = x2[i];
+          x1[i] = a * c[i] - bb * s[i];
+          x2[i] = bb * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+// key_cache[block, :, offset, :] = k[t]  (same for v), for every new token t.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v rows must be contiguous");
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t bs = key_cache.size(2);
+  const auto blocks = slot_blocks.contiguous();
+  const auto offsets = slot_offsets.contiguous();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  const int64_t cbs = key_cache.stride(0), chs = key_cache.stride(1);
+  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t base = bp[t] * cbs + op[t] * dim;
+      TORCH_CHECK(op[t] < bs, "slot offset out of range");
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + base + h * chs, kp + t * k.stride(0) + h * k.stride(1), dim * sizeof(float));
+        std::memcpy(vc + base + h * chs, vp + t * v.stride(0) + h * v.stride(1), dim * sizeof(float));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, "
+        "int head_dim) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_blocks, Tensor slot_offsets) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,0 +1,45 @@
+"""Shared fixtures: the embedded default model's converted directory and engine factories.
+
+Engines are costly to build (weights, KV allocation), so tests share them per session and keep
+KV budgets small.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+logging.getLogger("batchinfer").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
+
+    return gguf_to_hf_dir(default_model_gguf())
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    """make_engine(**sections) -> Engine; sections are EngineConfig fields as dicts."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    def build(**sections):
+        sections.setdefault("cache", {"kv_cache_memory": "256MiB"})
+        return Engine.from_config(EngineConfig(**sections))
+
+    return build
+
+
+TINY_LLAMA = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config():
+    """A 2-layer dummy-weight model with the default tokenizer: fast enough for any test."""
+    return {"model": {"load_format": "dummy", "hf_overrides": TINY_LLAMA, "max_model_len": 512},
+            "cache": {"kv_cache_memory": "16MiB"}}

@@ -1,0 +1,91 @@
+"""Engine behaviour per request: stop conditions, seeds, logprobs, per-request errors."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.engine.errors import RequestError
+from batchinfer.engine.request import FinishReason, Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(make_engine, tiny_engine_config):
+    return make_engine(**tiny_engine_config)
+
+
+@pytest.fixture(scope="module")
+def smol(make_engine):
+    return make_engine(model={"max_model_len": 512})
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_max_tokens_and_ignore_eos(tiny):
+    out = tiny.generate(["Once upon a time"], greedy(max_tokens=9, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 9 and out.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_cuts_text_like_a_direct_search(tiny):
+    full = tiny.generate(["The weather today"], greedy(max_tokens=40, ignore_eos=True))[0]
+    text = full.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), "dummy output too short to pick a stop string"
+    cut = tiny.generate(["The weather today"], greedy(max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason is FinishReason.STOP and cut.stop_reason == stop
+    assert cut.text == text[: text.find(stop)]
+    kept = tiny.generate(["The weather today"], greedy(max_tokens=40, ignore_eos=True, stop=[stop],
+                                                       include_stop_str_in_output=True))[0]
+    assert kept.text == text[: text.find(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(tiny):
+    full = tiny.generate(["Count with me"], greedy(max_tokens=30, ignore_eos=True))[0].output_token_ids
+    stop_tok = full[5]
+    first = full.index(stop_tok)
+    out = tiny.generate(["Count with me"], greedy(max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[stop_tok]))[0]
+    assert out.output_token_ids == full[: first + 1] and out.stop_reason == stop_tok
+    later = tiny.generate(["Count with me"], greedy(max_tokens=30, ignore_eos=True,
+                                                    stop_token_ids=[stop_tok], min_tokens=first + 2))[0]
+    assert len(later.output_token_ids) > first + 1
+
+
+def test_eos_stops_a_greedy_chat_answer(smol):
+    ids = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say just the word: yes"}])
+    out = smol.generate([ids], greedy(max_tokens=64))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.output_token_ids[-1] in smol.tokenizer.eos_token_ids
+    assert "yes" in out.text.lower() and "<|im_end|>" not in out.text
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(smol):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+    alone = smol.generate(["Tell me about owls."], params)[0].output_token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 5
+    prompts = ["Hi there", "Tell me about owls.", "A long " * 40, "Why?", "List three fruits", "x"]
+    batch = smol.generate(prompts, [others[0], params, *others[1:]])
+    assert batch[1].output_token_ids == alone
+
+
+def test_logprobs_are_returned_for_each_token(tiny):
+    out = tiny.generate(["abc"], greedy(max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for entry, token in zip(out.logprobs, out.output_token_ids):
+        assert entry["token_id"] == token and entry["logprob"] <= 0
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["token_id"] == token  # greedy: the top token
+        assert tops[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+
+
+def test_per_request_errors_leave_the_engine_usable(tiny):
+    with pytest.raises(RequestError) as too_long:
+        tiny.add_request(Request("long", [5] * tiny.max_model_len, greedy()))
+    assert too_long.value.code == "prompt_too_long" and str(tiny.max_model_len) in too_long.value.message
+    with pytest.raises(RequestError) as empty:
+        tiny.add_request(Request("empty", [], greedy()))
+    assert empty.value.code == "empty_prompt"
+    with pytest.raises(RequestError):
+        tiny.add_request(Request("badtok", [10**9], greedy()))
+    assert not tiny.has_unfinished()
+    assert tiny.generate(["still fine"], greedy(max_tokens=2))[0].output_token_ids

@@ -1,0 +1,98 @@
+"""Model sources and the errors bad ones give: each names the file and what was expected."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ConfigError, ModelLoadError
+from batchinfer.engine.model.sources import gguf_to_hf_dir, resolve_model_dir
+
+
+def _copy_model(src, dst, weights=True):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" and not weights:
+            continue
+        shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _build(path, **model):
+    from batchinfer.engine.engine import Engine
+
+    return Engine.from_config(EngineConfig(model={"path": str(path), **model},
+                                           cache={"kv_cache_memory": "64MiB"}))
+
+
+def test_unknown_architecture(tmp_path, default_model_dir):
+    d = _copy_model(default_model_dir, tmp_path / "m", weights=False)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config.json: model_type 'gpt_neox'.*supported: llama"):
+        _build(d)
+
+
+def test_missing_weights(tmp_path, default_model_dir):
+    d = _copy_model(default_model_dir, tmp_path / "m", weights=False)
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weight files"):
+        _build(d)
+
+
+def test_corrupt_weights(tmp_path, default_model_dir):
+    d = _copy_model(default_model_dir, tmp_path / "m", weights=False)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: cannot read weights"):
+        _build(d)
+
+
+def test_weights_missing_a_tensor(tmp_path, default_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_model(default_model_dir, tmp_path / "m", weights=False)
+    tensors = load_file(str(default_model_dir / "model.safetensors"))
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"weights missing for layers\.3\.mlp\.gate_up_proj"):
+        _build(d)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelLoadError, match=r"model.gguf: not a GGUF file"):
+        gguf_to_hf_dir(bogus)
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match=r"does not exist"):
+        resolve_model_dir("/nonexistent/model")
+
+
+def test_heads_must_divide_kv_heads(tmp_path, default_model_dir):
+    with pytest.raises(ModelLoadError, match=r"num_attention_heads \(9\) is not a multiple of "
+                                             r"num_key_value_heads \(2\)"):
+        _build(default_model_dir, load_format="dummy", hf_overrides={"num_key_value_heads": 2})
+
+
+def test_max_model_len_beyond_the_model(default_model_dir):
+    with pytest.raises(ConfigError, match=r"max_model_len 100000 exceeds"):
+        _build(default_model_dir, max_model_len=100000)
+
+
+def test_kv_budget_too_small_for_max_model_len(default_model_dir):
+    from batchinfer.engine.engine import Engine
+
+    with pytest.raises(ConfigError, match=r"KV cache holds \d+ tokens, less than max_model_len"):
+        Engine.from_config(EngineConfig(model={"path": str(default_model_dir)},
+                                        cache={"kv_cache_memory": "8MiB"}))
+
+
+def test_gguf_cache_is_reused(default_model_dir):
+    from batchinfer.engine.model.sources import default_model_gguf
+
+    again = gguf_to_hf_dir(default_model_gguf())
+    assert again == default_model_dir and (again / "model.safetensors").is_file()
