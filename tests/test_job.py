@@ -11,11 +11,15 @@ from batchinfer.engine.recipe import Recipe
 from batchinfer.engine.request import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
+# a 2-layer dummy-weight model with the default tokenizer: fast enough for any test
+TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
+    "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
 
 
 @pytest.fixture(scope="module")
-def tiny_recipe(tiny_engine_config):
-    return Recipe(model=tiny_engine_config["model"], memory=tiny_engine_config["cache"],
+def tiny_recipe():
+    return Recipe(model=TINY_MODEL, memory={"kv_cache_memory": "16MiB"},
                   sampling=SamplingParams(max_tokens=6, temperature=0.7, seed=1),
                   strategy={"name": "baseline", "max_num_seqs": 8},
                   report={"refresh_seconds": 0.2, "plots": False, "metrics_interval_seconds": 0.1})

@@ -1,0 +1,157 @@
+"""The command line: help, --version, exit codes, validate, dry run, report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from batchinfer import __version__
+from batchinfer.cli.main import app
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPE = """
+model:
+  load_format: dummy
+  max_model_len: 256
+  hf_overrides: {num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128,
+                 num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}
+sampling: {max_tokens: 4, temperature: 0}
+memory: {kv_cache_memory: 16MiB}
+report: {plots: false}
+"""
+
+
+@pytest.fixture()
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture()
+def tiny(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_RECIPE)
+    return path
+
+
+def _jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                            for line in lines))
+    return path
+
+
+def test_version(runner):
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"batchinfer {__version__}"
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "report"])
+def test_help_teaches_with_an_example(runner, command):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    assert "Example" in result.output and f"batchinfer {command}" in result.output
+    if command == "run":
+        for code in ("0 done", "2 bad recipe", "3 the run itself failed", "130 / 143"):
+            assert code in " ".join(result.output.split())
+
+
+def test_bad_recipe_exits_2_naming_the_key(runner, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("sampling:\n  temprature: 0.5\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for command in ("run", "validate"):
+        result = runner.invoke(app, [command, str(recipe), "--input", str(prompts)])
+        assert result.exit_code == 2, result.output
+        assert "sampling.temprature" in result.output and "did you mean 'temperature'" in result.output
+        assert str(recipe) in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unsupported_layout_exits_2(runner, tmp_path):
+    recipe = tmp_path / "tp.yaml"
+    recipe.write_text("parallel: {tp: 2}\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = runner.invoke(app, ["run", str(recipe), "--input", str(prompts)])
+    assert result.exit_code == 2 and "parallel.tp" in result.output and "supported" in result.output
+
+
+def test_missing_input_exits_2(runner, tiny, tmp_path):
+    result = runner.invoke(app, ["run", str(tiny), "--input", str(tmp_path / "nope.jsonl")])
+    assert result.exit_code == 2 and "no such file" in result.output
+
+
+def test_unknown_input_format_exits_2(runner, tiny, tmp_path):
+    odd = tmp_path / "prompts.txt"
+    odd.write_text("hello\n")
+    result = runner.invoke(app, ["run", str(tiny), "--input", str(odd), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "io.input_format" in result.output
+
+
+def test_bad_option_exits_2(runner, tiny):
+    assert runner.invoke(app, ["run", str(tiny)]).exit_code == 2          # no --input
+    assert runner.invoke(app, ["run", str(tiny), "-i", "x", "--limit", "0"]).exit_code == 2
+
+
+def test_validate_reports_each_bad_line(runner, tiny, tmp_path):
+    prompts = _jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "hello"}, "{oops", {"id": "b", "prompt": "x", "top_p": 3},
+        {"id": "c", "prompt": "word " * 400}, {"id": "a", "prompt": "again"}])
+    result = runner.invoke(app, ["validate", str(tiny), "--input", str(prompts)])
+    assert result.exit_code == 1, result.output
+    assert "1 valid, 4 invalid" in result.output
+    for fragment in ("line 2: [invalid_json]", "line 3: [invalid_sampling]",
+                     "line 4: [prompt_too_long]", "line 5: [duplicate_id]"):
+        assert fragment in result.output
+    as_json = runner.invoke(app, ["validate", str(tiny), "--input", str(prompts), "--json"])
+    summary = json.loads(as_json.output)
+    assert summary["valid"] == 1 and summary["errors_by_code"]["prompt_too_long"] == 1
+
+
+@pytest.mark.parametrize("example", ["quickstart.jsonl", "quickstart_chat.jsonl",
+                                     "quickstart_openai.jsonl"])
+def test_examples_validate_clean(runner, example):
+    result = runner.invoke(app, ["validate", str(REPO / "recipes" / "quickstart.yaml"),
+                                 "--input", str(REPO / "examples" / example)])
+    assert result.exit_code == 0, result.output
+    assert "0 invalid" in result.output
+
+
+def test_dry_run_writes_nothing(runner, tiny, tmp_path):
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}, "nope"])
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "would run: 2 requests" in result.output and "invalid_json 1" in result.output
+    assert not out.exists()
+
+
+def test_run_exit_codes_and_report_command(runner, tiny, tmp_path):
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hello"}, "{bad",
+                                             {"id": "b", "prompt": "bye", "metadata": {"m": 1}}])
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out),
+                                 "--progress", "off"])
+    assert result.exit_code == 0, result.output
+    assert "completed: 2 outputs, 1 errors" in result.output
+    # the same command again resumes: nothing left, still exit 0
+    again = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out),
+                                "--progress", "off", "--fail-on-errors"])
+    assert again.exit_code == 1, again.output  # --fail-on-errors counts the earlier error
+    assert "this session: 0 completed, 0 failed" in again.output
+    refused = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out),
+                                  "--no-resume"])
+    assert refused.exit_code == 2 and "--no-resume" in refused.output
+    (out / "report.md").unlink()
+    report = runner.invoke(app, ["report", str(out)])
+    assert report.exit_code == 0 and "## Throughput" in report.output
+    assert (out / "report.md").is_file()
+    assert runner.invoke(app, ["report", str(tmp_path)]).exit_code == 2
+
+
+def test_default_run_dir_is_deterministic(runner, tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts = _jsonl(tmp_path / "my_prompts.jsonl", [{"prompt": "hello"}])
+    result = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "--progress", "off"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "runs" / "tiny__my_prompts" / "outputs.jsonl").is_file()
