@@ -24,7 +24,10 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
-        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        from batchinfer.engine.progress import stderr_console
+
+        handler: logging.Handler = RichHandler(console=stderr_console(), show_path=False,
+                                               rich_tracebacks=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)

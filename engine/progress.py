@@ -7,6 +7,20 @@ import time
 from typing import Optional, TextIO
 
 
+_STDERR_CONSOLE = None
+
+
+def stderr_console():
+    """One rich Console on stderr shared by the progress bar and log lines, so logs print above
+    the bar instead of through it."""
+    global _STDERR_CONSOLE
+    if _STDERR_CONSOLE is None:
+        from rich.console import Console
+
+        _STDERR_CONSOLE = Console(stderr=True)
+    return _STDERR_CONSOLE
+
+
 def _eta(done: int, total: Optional[int], elapsed: float) -> Optional[float]:
     if not total or done <= 0 or elapsed <= 0 or done >= total:
         return None
@@ -55,7 +69,8 @@ class Progress:
             TextColumn("{task.fields[errors]} errors"),
             TextColumn("{task.fields[tps]} out tok/s"), TimeElapsedColumn(),
             TextColumn("ETA"), TimeRemainingColumn(),
-            console=Console(file=self.stream), transient=False)
+            console=stderr_console() if self.stream is sys.stderr else Console(file=self.stream),
+            transient=False)
         self._task = self._bar.add_task("run", total=self.total, completed=self.done,
                                         errors=0, tps="0.0")
         self._bar.start()

@@ -1,0 +1,157 @@
+"""Metrics, report rendering, Slurm report merging, output ordering, progress lines."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from batchinfer.engine.metrics import Reservoir, SessionMetrics
+from batchinfer.engine.plots import PLOT_NAMES, render_plots
+from batchinfer.engine.progress import Progress
+from batchinfer.engine.report import build_report, merge_reports, render_markdown
+from batchinfer.engine.request import FinishReason, RequestOutput
+from batchinfer.engine.sink import OrderedSink
+from batchinfer.engine.slurm import detect_shard, parse_shard
+
+
+def _out(n_prompt=4, n_out=5, arrival=0.0, first=0.1, finish=0.5, preempt=0):
+    return RequestOutput(request_id="r", prompt_token_ids=[1] * n_prompt,
+                         output_token_ids=[2] * n_out, text="t", finish_reason=FinishReason.STOP,
+                         num_preemptions=preempt, arrival_time=arrival, first_token_time=first,
+                         finish_time=finish)
+
+
+def test_reservoir_is_exact_when_small_and_bounded_when_large():
+    small = Reservoir(size=100)
+    for v in range(1, 11):
+        small.add(float(v))
+    summary = small.summary()
+    assert summary["count"] == 10 and summary["max"] == 10 and summary["p50"] == pytest.approx(5.5)
+    big = Reservoir(size=50)
+    for v in range(10_000):
+        big.add(float(v))
+    assert len(big.values) == 50 and big.summary()["count"] == 10_000
+    assert Reservoir().summary() is None
+
+
+def test_session_metrics_summary():
+    m = SessionMetrics(interval_s=1.0)
+    m.start({"generation_tokens": 100, "computed_prefill_tokens": 50, "num_preemptions": 2}, 0.0)
+    m.on_admit(1.0)
+    m.on_steps([{"dur": 0.5, "phase": "prefill", "num_seqs": 2, "kv_usage": 0.2,
+                 "num_prefill_tokens": 8}, {"dur": 0.5, "phase": "decode", "num_seqs": 2,
+                                             "kv_usage": 0.4, "num_decode_tokens": 2}])
+    m.on_result(_out(preempt=1), 2.0)
+    m.on_result(_out(n_out=1), 2.5)
+    m.on_error("invalid_json", 2.6)
+    m.finished_t = 3.0
+    sample = m.sample(3.0, {"generation_tokens": 106, "computed_prefill_tokens": 58,
+                            "num_preemptions": 3})
+    assert sample["output_tokens_per_s"] == pytest.approx(2.0)
+    assert sample["requests_done"] == 2 and sample["preemptions_total"] == 1
+    s = m.summary(10.0, {"num_preemptions": 3, "kv_capacity_tokens": 1000})
+    assert s["generation_s"] == 2.0  # from first admission to the end of generation, not "now"
+    tp = s["throughput"]
+    assert tp["requests_per_s"] == 1.0 and tp["input_tokens_per_s"] == 4.0
+    assert tp["output_tokens_per_s"] == 3.0 and tp["total_tokens_per_s"] == 7.0
+    assert s["latency_s"]["e2e"]["count"] == 2 and s["latency_s"]["tpot"]["count"] == 1
+    assert s["kv"]["usage_mean"] == pytest.approx(0.3) and s["kv"]["usage_max"] == 0.4
+    assert s["preemptions"] == 1 and s["preempted_requests"] == 1
+    assert s["batch_size"]["histogram"] == {"2": 2}
+    assert s["strategy_decisions"]["phase_switches"] == 1
+    assert s["errors_by_code"] == {"invalid_json": 1}
+
+
+def test_markdown_has_every_section():
+    m = SessionMetrics()
+    m.on_admit(0.0)
+    m.on_result(_out(), 1.0)
+    report = build_report(status="completed", meta={"run_dir": "runs/x", "model": "m",
+                                                     "strategy": {"name": "baseline", "policy": "hb"}},
+                          totals={"outputs": 1, "errors": 2, "errors_by_code": {"invalid_json": 2}},
+                          session=m.summary(1.0), previous_sessions=[{"status": "interrupted"}])
+    md = render_markdown(report, PLOT_NAMES)
+    for heading in ("# batchinfer report: runs/x", "## Requests", "## Throughput", "## Latency",
+                    "## Engine", "## Strategy decisions", "## Earlier sessions", "## Plots",
+                    "## Definitions"):
+        assert heading in md
+    assert "`invalid_json` 2" in md and "baseline (policy=hb)" in md
+
+
+def test_merge_reports_sums_parts():
+    def part(outputs, errors, start, end, status="completed"):
+        return {"status": status, "model": "m", "totals": {
+            "input_records": outputs + errors, "outputs": outputs, "errors": errors, "remaining": 0,
+            "prompt_tokens": 10 * outputs, "completion_tokens": 20 * outputs,
+            "errors_by_code": {"invalid_json": errors}},
+            "session": {"requests_completed": outputs, "prompt_tokens": 10 * outputs,
+                        "completion_tokens": 20 * outputs, "generation_window": [start, end],
+                        "throughput": {"output_tokens_per_s": 1.0}}}
+    merged = merge_reports({"part-00000-of-00002": part(3, 1, 100.0, 110.0),
+                            "part-00001-of-00002": part(5, 0, 102.0, 120.0)}, "runs/x")
+    assert merged["status"] == "completed"
+    assert merged["totals"]["outputs"] == 8 and merged["totals"]["errors"] == 1
+    assert merged["totals"]["errors_by_code"] == {"invalid_json": 1}
+    assert merged["session"]["generation_s"] == 20.0
+    assert merged["session"]["throughput"]["output_tokens_per_s"] == 8.0  # 160 tokens / 20 s
+    assert "## Parts" in render_markdown(merged)
+    missing = merge_reports({"part-00000-of-00002": part(3, 1, 0, 1), "part-00001-of-00002": None},
+                            "runs/x")
+    assert missing["status"] == "interrupted" and "part-00001" in missing["status_detail"]
+
+
+def test_plots_are_pngs():
+    timeline = [{"t": float(i), "output_tokens_per_s": i, "prefill_tokens_per_s": 1, "kv_usage": 0.1,
+                 "kv_usage_max": 0.2, "num_running": 3, "batch_size_mean": 2,
+                 "batch_size_max": 3} for i in range(5)]
+    plots = render_plots(timeline, {"1": 3, "4": 2})
+    assert set(plots) == set(PLOT_NAMES)
+    assert all(png.startswith(b"\x89PNG") for png in plots.values())
+    assert render_plots([]) == {}
+
+
+def test_ordered_sink():
+    written = []
+    sink = OrderedSink("input", lambda kind, item: written.append(item))
+    numbers = [sink.admit() for _ in range(4)]
+    sink.submit(numbers[2], ("output", "c"))
+    sink.submit(numbers[1], ("output", "b"))
+    assert written == [] and sink.pending == 4 and sink.held == 2
+    sink.submit(numbers[0], ("error", "a"))
+    assert written == ["a", "b", "c"] and sink.pending == 1
+    sink.submit(numbers[3], ("output", "d"))
+    assert written == ["a", "b", "c", "d"] and sink.pending == 0
+    completion = OrderedSink("completion", lambda kind, item: written.append(item))
+    completion.admit(), completion.admit()
+    completion.submit(1, ("output", "y"))
+    assert written[-1] == "y" and completion.pending == 1
+
+
+def test_plain_progress_lines():
+    stream = io.StringIO()
+    progress = Progress(total=10, already_done=2, mode="lines", interval_s=0.0, stream=stream)
+    progress.update(3, 1, 120)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "batchinfer progress: 6/10 requests (60.0%), 1 errors" in lines[0]
+    assert "ETA" in lines[0] and lines[0][:4].isdigit()  # timestamped
+    assert "batchinfer finished" in lines[1]
+
+
+def test_slurm_shard_detection():
+    assert detect_shard({}).count == 1
+    # an sbatch script (no step) runs one process: it takes the whole input
+    assert detect_shard({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).count == 1
+    shard = detect_shard({"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"})
+    assert (shard.index, shard.count) == (2, 4)
+    shard = detect_shard({"SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
+                          "SLURM_STEP_NUM_TASKS": "2"})
+    assert (shard.index, shard.count) == (1, 2)
+    assert (parse_shard("3/5").index, parse_shard("3/5").count) == (3, 5)
+    from batchinfer.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_shard("5/5")
+    with pytest.raises(ConfigError):
+        detect_shard({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4", "SLURM_NTASKS": "4"})
