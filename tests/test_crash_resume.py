@@ -157,7 +157,7 @@ def test_torn_last_line_is_repaired_on_resume(tmp_path, recipe):
 def test_signal_stops_cleanly_and_resumes(tmp_path, recipe, sig, code):
     rng = random.Random(sig)
     prompts = tmp_path / "prompts.jsonl"
-    good, bad_lines = _prompts(prompts, 150, rng, bad_every=50)
+    good, bad_lines = _prompts(prompts, 80, rng, bad_every=40)
     out = tmp_path / "run"
     proc = _start(recipe, prompts, out)
     _wait_for_outputs(proc, out / "outputs.jsonl", 10)
