@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from .admission import build_request, prompt_token_ids
 from .errors import RequestError
+from .request import FinishReason
 from .input_records import InputError, RequestSpec
 from .inputs import InputReader, Shard
 from .metrics import SessionMetrics
@@ -243,7 +244,14 @@ class Job:
         t = time.perf_counter()
         now = self.clock()
         openai_input = self.reader.format == "openai"
-        if kind == "output":
+        if kind == "output" and _failed(item):
+            code = "aborted" if item.finish_reason == FinishReason.ABORT else "engine_error"
+            payload = item.payload
+            self.run_dir.write_error(error_record(payload.line, code, item.error or code,
+                                                  item.request_id, payload.metadata,
+                                                  payload.custom_id, openai=openai_input))
+            self.metrics.on_error(code, now)
+        elif kind == "output":
             self.run_dir.write_output(output_record(item, item.payload, self.engine.model_id))
             self.metrics.on_result(item, now)
         elif kind == "error":
@@ -369,6 +377,11 @@ class Job:
             for sig, old in previous.items():
                 signal.signal(sig, old)
         return restore
+
+
+def _failed(out) -> bool:
+    """A result the engine finished without an answer: an error record, not an output."""
+    return out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) or bool(out.error)
 
 
 def _shard_dict(shard: Shard) -> Optional[dict]:

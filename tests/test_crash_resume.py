@@ -102,7 +102,7 @@ def _check_exactly_once(out: Path, good: set, bad_lines: set) -> None:
 def test_kill_9_at_random_points_then_resume_exactly_once(tmp_path, recipe):
     rng = random.Random(1234)
     prompts = tmp_path / "prompts.jsonl"
-    good, bad_lines = _prompts(prompts, 240, rng, bad_every=37)
+    good, bad_lines = _prompts(prompts, 200, rng, bad_every=37)
     out = tmp_path / "run"
     outputs = out / "outputs.jsonl"
     kills = 0
@@ -112,7 +112,7 @@ def test_kill_9_at_random_points_then_resume_exactly_once(tmp_path, recipe):
     proc.kill()
     proc.wait()
     kills += 1
-    for _ in range(4):
+    for _ in range(3):
         before = _count_lines(outputs)
         proc = _start(recipe, prompts, out)
         _wait_for_outputs(proc, outputs, before + rng.randint(1, 25))
