@@ -40,26 +40,23 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device) -> "AttentionMetadata":
+        """From plain lists (one Python pass, then one tensor per field)."""
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         width = max((len(t) for t in block_tables), default=1) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        positions = []
-        for i, row in enumerate(block_tables):
-            if row:
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-            positions.append(torch.arange(seq_lens[i] - query_lens[i], seq_lens[i]))
-        pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)),
-                                               torch.tensor(query_lens, dtype=torch.int64))
-        blocks = table[seq_of_token, pos // block_size].to(torch.int64)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        slot_blocks, slot_offsets = [], []
+        for table, q_len, s_len in zip(block_tables, query_lens, seq_lens):
+            for pos in range(s_len - q_len, s_len):
+                slot_blocks.append(table[pos // block_size])
+                slot_offsets.append(pos % block_size)
         return cls(
             query_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=table.to(device),
-            slot_blocks=blocks.to(device),
-            slot_offsets=(pos % block_size).to(device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=device),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=device),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )

@@ -107,7 +107,8 @@ def build_engine(config: EngineConfig) -> Engine:
     backend = select_backend(config.device.attention_backend, device, dtype)
     if backend.name == "native":
         model.use_ops(NativeOps)
-    sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed)
+    sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
+                      native_kernels=backend.name == "native")
     executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device)
     info = {
         "model_id": model_id + (" [dummy weights]" if dummy else ""),

@@ -38,6 +38,7 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._events: list[dict] = []
+        self._generate_calls = 0
         self._clock0 = time.perf_counter()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
@@ -83,10 +84,11 @@ class Engine:
         finished: list[RequestOutput] = []
         for batch in self.scheduler.schedule():
             t_start = self.now()
+            shape = (len(batch), batch.num_prefill_tokens, batch.num_decode_tokens)
             result = self.executor.execute(batch)
             finished.extend(self._apply(batch, result))
             self.scheduler.on_result(batch)
-            self._record(batch, result, t_start)
+            self._record(batch.phase, shape, result, t_start)
         return finished
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> list[RequestOutput]:
@@ -134,7 +136,8 @@ class Engine:
         ids = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"gen-{id(prompts)}-{i}"
+            self._generate_calls += 1
+            rid = f"generate-{self._generate_calls}"
             self.add_request(Request(rid, tokens, sp, prompt=prompt if isinstance(prompt, str) else None,
                                      arrival_index=i))
             ids.append(rid)
@@ -145,14 +148,15 @@ class Engine:
         return [results[r] for r in ids]
 
     # --- observability --------------------------------------------------------------------------
-    def _record(self, batch: MicroBatch, result: StepResult, t_start: float) -> None:
+    def _record(self, phase: str, shape: tuple[int, int, int], result: StepResult,
+                t_start: float) -> None:
         self._counters["steps"] += 1
         bm = self.scheduler.block_manager
+        num_seqs, num_prefill, num_decode = shape
         self._events.append({
             "t": round(t_start, 6), "dur": round(self.now() - t_start, 6),
-            "phase": batch.phase, "num_seqs": len(batch),
-            "num_prefill_tokens": batch.num_prefill_tokens,
-            "num_decode_tokens": batch.num_decode_tokens,
+            "phase": phase, "num_seqs": num_seqs,
+            "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode,
             "forward_s": round(result.forward_s, 6), "sample_s": round(result.sample_s, 6),
             "kv_usage": round(bm.usage(), 4),
             "num_waiting": getattr(self.scheduler, "num_waiting", 0),

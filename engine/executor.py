@@ -54,6 +54,8 @@ def build_inputs(batch: MicroBatch, block_manager: BlockManager, device: torch.d
         prompt_len = seq.prompt_len
         if start + n <= prompt_len:
             ids.extend(seq.request.prompt_token_ids[start:start + n])
+        elif n == 1 and start >= prompt_len:  # the usual decode step: just the last output token
+            ids.append(seq.output_token_ids[start - prompt_len])
         else:
             ids.extend(seq.token_ids()[start:start + n])
         positions.extend(range(start, start + n))

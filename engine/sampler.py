@@ -50,8 +50,9 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 seed: int = 0):
+                 seed: int = 0, native_kernels: bool = False):
         self.vocab_size = vocab_size
+        self._argmax = _native_argmax if native_kernels else _torch_argmax
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -129,7 +130,7 @@ class Sampler:
             logits[batch.penalty_rows] = apply_penalties(
                 logits[batch.penalty_rows], batch.prompt_tokens, batch.output_tokens,
                 batch.repetition, batch.frequency, batch.presence)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = self._argmax(logits)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
@@ -148,6 +149,14 @@ class Sampler:
         if logprob_info is not None:
             logprob_info = attach_sampled(logprob_info, tokens)
         return tokens, logprob_info
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _native_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.ops.batchinfer.argmax_rows(logits)
 
 
 # --- the transforms, each usable and testable on its own ---------------------------------------

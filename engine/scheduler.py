@@ -29,6 +29,13 @@ class ScheduledSeq:
     num_tokens: int          # tokens of this sequence computed in this micro-batch
 
     @property
+    def is_decode(self) -> bool:
+        """One new token after a fully computed context (valid before the step is applied)."""
+        seq = self.seq
+        return (self.num_tokens == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+                and seq.num_computed_tokens >= seq.prompt_len)
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last known token, so a token is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
@@ -44,12 +51,13 @@ class MicroBatch:
         return sum(item.num_tokens for item in self.items)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items if i.seq.num_uncomputed_tokens > 1)
+    def num_decode_tokens(self) -> int:
+        """Valid until the engine applies the step (it reads the sequences' progress)."""
+        return sum(1 for item in self.items if item.is_decode)
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
 
     def __len__(self) -> int:
         return len(self.items)
@@ -216,10 +224,10 @@ class HybridBatching(BatchingScheduler):
 
 
 def _phase_of(items: list[ScheduledSeq]) -> str:
-    kinds = {item.seq.num_uncomputed_tokens > 1 for item in items}
-    if kinds == {True}:
-        return "prefill"
+    kinds = {item.is_decode for item in items}
     if kinds == {False}:
+        return "prefill"
+    if kinds == {True}:
         return "decode"
     return "mixed"
 

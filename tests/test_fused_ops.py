@@ -51,3 +51,10 @@ def test_write_kv_matches_index_put():
     NativeCPUAttention.write_kv(caches[2], caches[3], k, v, meta)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0][5, :, 2], k[7])  # seq 1, position 6 -> block 5 offset 2
+
+
+def test_argmax_rows_matches_torch_including_ties():
+    x = torch.randn(33, 49157)
+    x[3, 100] = x[3, 7] = 1e4  # a tie: the lower index wins, as in torch.argmax
+    x[5] = float("-inf")
+    assert torch.equal(torch.ops.batchinfer.argmax_rows(x), x.argmax(dim=-1))

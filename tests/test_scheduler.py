@@ -11,9 +11,11 @@ def seq(rid, prompt_len, max_tokens=8):
 
 
 def run_step(sched, token=7):
-    """What the engine does after executing: advance computed counts, append sampled tokens."""
+    """What the engine does after executing: advance computed counts, append sampled tokens.
+    Each batch gets `counts` (prefill, decode tokens), read before the step is applied."""
     batches = sched.schedule()
     for batch in batches:
+        batch.counts = (batch.num_prefill_tokens, batch.num_decode_tokens)
         for item in batch.items:
             samples = item.samples
             item.seq.num_computed_tokens += item.num_tokens
@@ -44,8 +46,10 @@ def test_hb_mixes_decodes_and_prefill_chunks_under_budget():
     sched.add(seq("a", 4))
     sched.add(seq("b", 15))
     first = run_step(sched)[0]
+    assert first.counts == (10, 0)
     assert [(i.seq.request_id, i.num_tokens) for i in first.items] == [("a", 4), ("b", 6)]
     second = run_step(sched)[0]  # a decodes (1), b continues its prompt (6), budget 10
+    assert second.counts == (6, 1)
     assert [(i.seq.request_id, i.num_tokens) for i in second.items] == [("a", 1), ("b", 6)]
     assert second.phase == "mixed"
     third = run_step(sched)[0]

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -146,12 +147,41 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, a
   });
 }
 
+// Row-wise argmax of [rows, cols] float32 (greedy sampling): one vectorized pass per row, rows in
+// parallel. Ties resolve to the lowest index, like torch.argmax. NaN is treated as smallest.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows");
+  const int64_t rows = x.size(0), cols = x.size(1), xs = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * xs;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t i = 0;
+#ifdef BATCHINFER_AVX2
+      __m256 vbest = _mm256_set1_ps(best);
+      for (; i + 8 <= cols; i += 8) vbest = _mm256_max_ps(vbest, _mm256_loadu_ps(row + i));
+      best = simd::hmax(vbest);
+#endif
+      for (; i < cols; ++i) best = std::max(best, row[i]);
+      int64_t arg = 0;
+      for (int64_t j = 0; j < cols; ++j)
+        if (row[j] == best) { arg = j; break; }
+      op[r] = arg;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, "
         "int head_dim) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -162,6 +192,7 @@ TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("write_kv", &write_kv);
 }

