@@ -2,13 +2,17 @@
 
 Order per step, as vLLM V1: raw logprobs (if asked) -> min_tokens masking of stop tokens ->
 repetition / frequency / presence penalties -> greedy argmax for temperature-0 rows; for the rest
-temperature -> min_p -> top_k -> top_p -> a sample drawn by the exponential race
-(argmax of probs / Exp(1) noise). Rows with a seed draw their noise from their own generator, so a
-seeded request samples the same tokens whatever else shares the batch. Every transform is a tensor
-op over the whole batch; work that no row needs is skipped.
+temperature -> min_p -> top_k -> top_p -> one draw from the filtered distribution.
+
+The draw is an inverse-CDF lookup with one uniform number per row, u = hash(seed, position): a
+request's seed (its own, or one the engine draws for it once) and the index of the token being
+sampled. So a seeded request samples the same tokens whatever else shares the batch, and even
+after a preemption. Every transform is a tensor op over the whole batch (or one fused CPU
+kernel, kernels/sampling.cpp); work that no row needs is skipped.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,72 +20,83 @@ import torch
 
 from .request import Sequence
 
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """A number in (0, 1) from (seed, position): splitmix64 over the pair."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / float(1 << 53)
+
 
 @dataclass
 class SamplingBatch:
     """Per-row tensors for one step, built from the sequences being sampled."""
 
     temperature: torch.Tensor            # [B] float (0 for greedy rows)
-    greedy: torch.Tensor                 # [B] bool
     all_greedy: bool
-    top_k: Optional[torch.Tensor]        # [B] long, vocab size where disabled
-    top_p: Optional[torch.Tensor]        # [B] float
-    min_p: Optional[torch.Tensor]        # [B] float
+    top_k: torch.Tensor                  # [B] long, 0 where disabled
+    top_p: torch.Tensor                  # [B] float
+    min_p: torch.Tensor                  # [B] float
+    uniform: torch.Tensor                # [B] float64 in (0, 1)
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
     penalty_rows: Optional[torch.Tensor]  # [P] row indices with any penalty
     repetition: Optional[torch.Tensor]   # [P]
     frequency: Optional[torch.Tensor]    # [P]
     presence: Optional[torch.Tensor]     # [P]
     prompt_tokens: Optional[torch.Tensor]  # [P, Lp] long, padded with vocab_size
     output_tokens: Optional[torch.Tensor]  # [P, Lo] long, padded with vocab_size
-    min_tokens_rows: Optional[torch.Tensor]  # [M] rows still under min_tokens
+    min_tokens_rows: Optional[list[int]]  # rows still under min_tokens
     min_tokens_stop_ids: Optional[list[list[int]]]
-    seeded_rows: list[tuple[int, torch.Generator]]
     max_logprobs: int                    # 0 when no row wants logprobs
 
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
                  seed: int = 0, native_kernels: bool = False):
         self.vocab_size = vocab_size
-        self._argmax = _native_argmax if native_kernels else _torch_argmax
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        self.native = native_kernels
+        self._rng = random.Random(seed)
+        self._seeds: dict[str, int] = {}
 
     def release(self, request_id: str) -> None:
-        self._seeded.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+
+    def _seed_of(self, seq: Sequence) -> int:
+        seed = seq.request.sampling.seed
+        if seed is not None:
+            return seed
+        rid = seq.request_id
+        if rid not in self._seeds:
+            self._seeds[rid] = self._rng.getrandbits(63)
+        return self._seeds[rid]
 
     # --- building the per-step batch ----------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.sampling for s in seqs]
-        dev, vocab = self.device, self.vocab_size
-        greedy_list = [p.greedy for p in params]
-        temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy_list, params)],
-                                   dtype=torch.float32, device=dev)
-        sampled = [i for i, g in enumerate(greedy_list) if not g]
-        top_k = top_p = min_p = None
-        if any(params[i].top_k_active for i in sampled):
-            top_k = torch.tensor([p.top_k if p.top_k_active and not p.greedy else vocab
-                                  for p in params], dtype=torch.long, device=dev)
-        if any(params[i].top_p < 1.0 for i in sampled):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        if any(params[i].min_p > 0.0 for i in sampled):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        dev = self.device
+        greedy = [p.greedy for p in params]
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        uniform = [0.5] * len(seqs)
+        for i in sampled:
+            uniform[i] = uniform_draw(self._seed_of(seqs[i]), len(seqs[i].output_token_ids))
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         penalty_fields: dict = dict(penalty_rows=None, repetition=None, frequency=None,
                                     presence=None, prompt_tokens=None, output_tokens=None)
         if pen:
+            vocab = self.vocab_size
             penalty_fields = dict(
                 penalty_rows=torch.tensor(pen, dtype=torch.long, device=dev),
                 repetition=torch.tensor([params[i].repetition_penalty for i in pen], device=dev),
@@ -92,74 +107,74 @@ class Sampler:
             )
         under_min = [i for i, (s, p) in enumerate(zip(seqs, params))
                      if len(s.output_token_ids) < p.min_tokens]
-        seeded_rows = []
-        for i in sampled:
-            seed = params[i].seed
-            if seed is not None:
-                rid = seqs[i].request_id
-                gen = self._seeded.get(rid)
-                if gen is None:
-                    gen = torch.Generator(device=dev)
-                    gen.manual_seed(seed)
-                    self._seeded[rid] = gen
-                seeded_rows.append((i, gen))
         return SamplingBatch(
-            temperature=temperature,
-            greedy=torch.tensor(greedy_list, dtype=torch.bool, device=dev),
-            all_greedy=all(greedy_list),
-            top_k=top_k, top_p=top_p, min_p=min_p, **penalty_fields,
-            min_tokens_rows=torch.tensor(under_min, dtype=torch.long, device=dev) if under_min else None,
+            temperature=torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                     dtype=torch.float32, device=dev),
+            all_greedy=not sampled,
+            top_k=torch.tensor([p.top_k if p.top_k_active else 0 for p in params], dtype=torch.long,
+                               device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            uniform=torch.tensor(uniform, dtype=torch.float64, device=dev),
+            use_top_k=any(params[i].top_k_active for i in sampled),
+            use_top_p=any(params[i].top_p < 1.0 for i in sampled),
+            use_min_p=any(params[i].min_p > 0.0 for i in sampled),
+            **penalty_fields,
+            min_tokens_rows=under_min or None,
             min_tokens_stop_ids=[list(self.eos_token_ids) + list(params[i].stop_token_ids or [])
                                  for i in under_min] if under_min else None,
-            seeded_rows=seeded_rows,
             max_logprobs=max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params) + 1,
         )
 
     # --- the step -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] float32 -> (token ids [B] long, logprob info or None)."""
-        logprob_info = None
-        if batch.max_logprobs > 0:
-            logprob_info = raw_logprobs(logits, batch.max_logprobs - 1)
-        if batch.min_tokens_rows is not None:
+        logprob_info = raw_logprobs(logits, batch.max_logprobs - 1) if batch.max_logprobs > 0 else None
+        if batch.min_tokens_rows is not None or batch.penalty_rows is not None:
             logits = logits.clone()
-            for row, ids in zip(batch.min_tokens_rows.tolist(), batch.min_tokens_stop_ids):
+        if batch.min_tokens_rows is not None:
+            for row, ids in zip(batch.min_tokens_rows, batch.min_tokens_stop_ids):
                 logits[row, ids] = float("-inf")
-        if batch.penalty_rows is not None:
-            logits = logits.clone() if batch.min_tokens_rows is None else logits
+        if batch.penalty_rows is not None and self.native:
+            torch.ops.batchinfer.apply_penalties_(logits, batch.penalty_rows, batch.prompt_tokens,
+                                                  batch.output_tokens, batch.repetition,
+                                                  batch.frequency, batch.presence)
+        elif batch.penalty_rows is not None:
             logits[batch.penalty_rows] = apply_penalties(
                 logits[batch.penalty_rows], batch.prompt_tokens, batch.output_tokens,
                 batch.repetition, batch.frequency, batch.presence)
-        greedy_tokens = self._argmax(logits)
         if batch.all_greedy:
-            tokens = greedy_tokens
+            tokens = (torch.ops.batchinfer.argmax_rows(logits) if self.native
+                      else logits.argmax(dim=-1))
+        elif self.native:
+            tokens = torch.ops.batchinfer.sample_rows(logits, batch.temperature, batch.top_k,
+                                                      batch.top_p, batch.min_p, batch.uniform)
         else:
-            temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
-            scaled = logits / temp.unsqueeze(1)
-            if batch.min_p is not None:
-                scaled = apply_min_p(scaled, batch.min_p)
-            if batch.top_k is not None or batch.top_p is not None:
-                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            for row, gen in batch.seeded_rows:
-                noise[row].exponential_(generator=gen)
-            sampled = probs.div_(noise).argmax(dim=-1)
-            tokens = torch.where(batch.greedy, greedy_tokens, sampled)
+            tokens = sample_torch(logits, batch)
         if logprob_info is not None:
             logprob_info = attach_sampled(logprob_info, tokens)
         return tokens, logprob_info
 
 
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
-def _native_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.ops.batchinfer.argmax_rows(logits)
-
-
 # --- the transforms, each usable and testable on its own ---------------------------------------
+def sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The portable path: filters as tensor ops, then an inverse-CDF lookup per row."""
+    greedy = batch.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = logits / temp.unsqueeze(1)
+    if batch.use_min_p:
+        scaled = apply_min_p(scaled, batch.min_p)
+    if batch.use_top_k or batch.use_top_p:
+        vocab = logits.shape[-1]
+        top_k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
+        scaled = apply_top_k_top_p(scaled, top_k if batch.use_top_k else None,
+                                   batch.top_p if batch.use_top_p else None)
+    cdf = torch.softmax(scaled, dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = (batch.uniform * cdf[:, -1]).unsqueeze(1)
+    drawn = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
 def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor,
                     presence: torch.Tensor) -> torch.Tensor:
@@ -187,19 +202,22 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """Keeps each row's top_k tokens, then the smallest set whose probability reaches top_p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    """Keeps each row's top_k tokens, then its largest tokens while the kept mass before them is
+    below top_p. Tokens tied with the last kept value are kept."""
     vocab = logits.shape[-1]
     if top_k is not None:
-        kth = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)
-        threshold = sorted_logits.gather(1, kth)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+        kth = logits.topk(int(top_k.clamp(1, vocab).max()), dim=-1).values
+        threshold = kth.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
     if top_p is not None:
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p.unsqueeze(1))
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        keep = before < top_p.unsqueeze(1)
+        last_kept = keep.sum(dim=-1, keepdim=True) - 1
+        threshold = sorted_logits.gather(1, last_kept)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return logits
 
 
 def raw_logprobs(logits: torch.Tensor, top_n: int):

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+
+from batchinfer.engine.kernels import load_native_kernels
 
 from batchinfer.engine.request import Request, SamplingParams, Sequence
 from batchinfer.engine.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
@@ -29,6 +32,22 @@ def test_penalties_match_vllm_definition():
             count = outputs[row].count(tok)
             x -= freq[row] * count + pres[row] * (count > 0)
             assert math.isclose(got[row, tok].item(), x, rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_native_penalties_match_the_torch_ones():
+    if not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, V, generator=gen) * 4
+    rows = torch.tensor([0, 2, 3])
+    prompts = torch.tensor([[1, 2, 3, V], [4, V, V, V], [5, 5, 6, 49]])
+    outputs = torch.tensor([[2, 2, 9, V, V], [V, V, V, V, V], [7, 8, 7, 7, 1]])
+    rep, freq, pres = torch.tensor([1.3, 1.0, 0.7]), torch.tensor([0.5, 0.2, -0.3]), torch.tensor([0.25, 1.0, 0.0])
+    expected = logits.clone()
+    expected[rows] = apply_penalties(logits[rows], prompts, outputs, rep, freq, pres)
+    got = logits.clone()
+    torch.ops.batchinfer.apply_penalties_(got, rows, prompts, outputs, rep, freq, pres)
+    torch.testing.assert_close(got, expected)
 
 
 def _ref_filter(row: torch.Tensor, k: int, p: float, min_p: float) -> set[int]:
@@ -77,12 +96,15 @@ def test_greedy_rows_take_argmax_after_penalties_and_min_tokens_masks_eos():
     assert tokens.tolist() == [0, 4, 4]
 
 
-def test_seeded_rows_do_not_depend_on_batch_neighbours():
-    params = SamplingParams(temperature=1.0, seed=1234)
+@pytest.mark.parametrize("native", [False, True])
+def test_seeded_rows_do_not_depend_on_batch_neighbours(native):
+    if native and not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
 
     def draw(neighbours: int):
-        sampler = Sampler(V, (0,), torch.device("cpu"), seed=neighbours)
+        sampler = Sampler(V, (0,), torch.device("cpu"), seed=neighbours, native_kernels=native)
         seqs = [_seq(f"n{i}", SamplingParams(temperature=1.0)) for i in range(neighbours)]
         seqs.append(_seq("me", params))
         rows = torch.cat([torch.randn(neighbours, V), logits])
@@ -90,18 +112,46 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
         for _ in range(20):
             tokens, _ = sampler.sample(rows, sampler.prepare(seqs))
             out.append(tokens[-1].item())
+            for s in seqs:
+                s.output_token_ids.append(out[-1])
         return out
 
     assert draw(0) == draw(5) == draw(17)
+    assert len(set(draw(0))) > 1
 
 
-def test_sampling_follows_the_distribution():
-    sampler = Sampler(4, (), torch.device("cpu"), seed=0)
-    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    seqs = [_seq(str(i), SamplingParams(temperature=1.0)) for i in range(4000)]
-    tokens, _ = sampler.sample(probs.log().expand(4000, 4).contiguous(), sampler.prepare(seqs))
-    freq = torch.bincount(tokens, minlength=4).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
+@pytest.mark.parametrize("native", [False, True])
+def test_sampling_follows_the_filtered_distribution(native):
+    if native and not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    sampler = Sampler(5, (), torch.device("cpu"), seed=0, native_kernels=native)
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.35, 0.05])
+    n = 6000
+    seqs = [_seq(str(i), SamplingParams(temperature=1.0, top_k=4, top_p=0.8)) for i in range(n)]
+    tokens, _ = sampler.sample(probs.log().expand(n, 5).contiguous(), sampler.prepare(seqs))
+    freq = torch.bincount(tokens, minlength=5).float() / n
+    # top_k=4 drops token 4; top_p=0.8 of the rest (0.95): 0.35 and 0.3 come before the mass
+    # reaches 0.8*0.95, 0.2 after it (0.65 < 0.76) is kept too, 0.1 is dropped.
+    expected = torch.tensor([0.0, 0.2, 0.3, 0.35, 0.0]) / 0.85
+    assert torch.allclose(freq, expected, atol=0.03)
+
+
+def test_native_kernel_matches_the_torch_path():
+    if not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    gen = torch.Generator().manual_seed(5)
+    rows = 64
+    logits = torch.randn(rows, 4000, generator=gen) * 3
+    logits[3, 100:] = float("-inf")
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=[0, 20, 0, 5][i % 4],
+                             top_p=[1.0, 0.9, 0.5, 1.0][(i // 4) % 4], min_p=[0.0, 0.05][(i // 16) % 2],
+                             seed=i) for i in range(rows)]
+    seqs = [_seq(str(i), p) for i, p in enumerate(params)]
+    torch_tokens, _ = Sampler(4000, (), torch.device("cpu")).sample(
+        logits, Sampler(4000, (), torch.device("cpu")).prepare(seqs))
+    native = Sampler(4000, (), torch.device("cpu"), native_kernels=True)
+    native_tokens, _ = native.sample(logits, native.prepare(seqs))
+    assert torch.equal(native_tokens, torch_tokens)
 
 
 def test_logprobs_are_raw_log_softmax():

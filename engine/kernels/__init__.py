@@ -15,7 +15,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp"]
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp", _DIR / "sampling.cpp"]
 _loaded: Optional[bool] = None
 
 
