@@ -111,49 +111,52 @@ void attend_item(const float* q, float* out, const float* kc, const float* vc, c
 }
 
 #ifdef BATCHINFER_AVX2
-// Same contract as attend_item; D a multiple of 8. Scores for 8 tokens come out of one hsum8, the
-// softmax and the V accumulation run 8 lanes at a time.
+// Same contract as attend_item, for kv heads [kv_head, kv_head + num_kv) at once: a block's heads
+// are adjacent in memory, so each block is one contiguous read per K and V. D a multiple of 8.
+// Scores for 8 tokens come out of one hsum8; softmax and V accumulation run 8 lanes at a time.
 template <int D>
 void attend_item_avx2(const float* q, float* out, const float* kc, const float* vc, const int* table,
                       int num_q, int ctx, int group, int block_size, int64_t q_tok_stride,
                       int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
-                      int64_t block_stride, float scale, int kv_head, int64_t head_stride) {
+                      int64_t block_stride, float scale, int kv_head, int num_kv, int64_t head_stride) {
   constexpr int C = D / 8;
-  const int rows = num_q * group;
+  const int per_head = num_q * group;       // rows of one kv head: (query, head-in-group)
+  const int rows = num_kv * per_head;
   std::vector<float> acc(static_cast<size_t>(rows) * D, 0.f);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
   std::vector<float> l(rows, 0.f);
   std::vector<float> qs(static_cast<size_t>(rows) * D);
   std::vector<float> s(static_cast<size_t>(block_size) + 8);
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int j = 0; j < num_q; ++j)
-    for (int g = 0; g < group; ++g) {
-      const float* src = q + j * q_tok_stride + (kv_head * group + g) * q_head_stride;
-      float* dst = qs.data() + (static_cast<size_t>(j) * group + g) * D;
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * c), vscale));
-    }
+  for (int r = 0; r < rows; ++r) {
+    const int h = kv_head + r / per_head, j = (r % per_head) / group, g = r % group;
+    const float* src = q + j * q_tok_stride + (h * group + g) * q_head_stride;
+    float* dst = qs.data() + static_cast<size_t>(r) * D;
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * c), vscale));
+  }
   const int last_pos = ctx + num_q - 1;
   const int num_blocks = last_pos / block_size + 1;
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t span = static_cast<int64_t>(num_kv) * head_stride;  // floats of this item per block
   for (int b = 0; b < num_blocks; ++b) {
-    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
-    const float* kb = kc + base;
-    const float* vb = vc + base;
+    const int64_t block_base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
     const int start = b * block_size;
     const int n = std::min(block_size, last_pos + 1 - start);
     if (b + 1 < num_blocks) {
       // Blocks are scattered, and hardware prefetchers stop at page boundaries: fetch the next
-      // block's K and V rows while this one is computed.
+      // block's K and V while this one is computed.
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride + kv_head * head_stride;
-      const int next_n = std::min(block_size, last_pos + 1 - start - block_size);
-      for (int64_t off = 0; off < static_cast<int64_t>(next_n) * D; off += 16) {
+      for (int64_t off = 0; off < span; off += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
       }
     }
     for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, ctx + r / group + 1 - start);
+      const int visible = std::min(n, ctx + (r % per_head) / group + 1 - start);
       if (visible <= 0) continue;
+      const int64_t base = block_base + static_cast<int64_t>(r / per_head) * head_stride;
+      const float* kb = kc + base;
+      const float* vb = vc + base;
       const float* qr = qs.data() + static_cast<size_t>(r) * D;
       __m256 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
@@ -212,8 +215,8 @@ void attend_item_avx2(const float* q, float* out, const float* kc, const float* 
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const int j = r / group, g = r % group;
-    float* dst = out + j * out_tok_stride + (kv_head * group + g) * out_head_stride;
+    const int h = kv_head + r / per_head, j = (r % per_head) / group, g = r % group;
+    float* dst = out + j * out_tok_stride + (h * group + g) * out_head_stride;
     const __m256 inv = _mm256_set1_ps(1.f / l[r]);
     const float* ar = acc.data() + static_cast<size_t>(r) * D;
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
@@ -246,13 +249,20 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   const int* tp = tables.data_ptr<int>();
   const int* sp = starts.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
-  struct Item { int seq, kv_head, q_begin, q_count; };
+  // Work items: (sequence, kv heads, tile of queries). The AVX2 path takes all kv heads of a
+  // sequence at once (contiguous block reads); the generic path one head per item.
+#ifdef BATCHINFER_AVX2
+  const bool all_heads = head_dim % 8 == 0 && (head_dim == 64 || head_dim == 128);
+#else
+  const bool all_heads = false;
+#endif
+  struct Item { int seq, kv_head, num_kv, q_begin, q_count; };
   std::vector<Item> items;
   for (int i = 0; i < num_seqs; ++i) {
     const int nq = sp[i + 1] - sp[i];
-    for (int h = 0; h < num_kv_heads; ++h)
+    for (int h = 0; h < num_kv_heads; h += all_heads ? num_kv_heads : 1)
       for (int j = 0; j < nq; j += kQueryTile)
-        items.push_back({i, h, j, std::min(kQueryTile, nq - j)});
+        items.push_back({i, h, all_heads ? num_kv_heads : 1, j, std::min(kQueryTile, nq - j)});
   }
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -275,12 +285,12 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
 #ifdef BATCHINFER_AVX2
       if (head_dim == 64) {
         attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
-                             ohs, block_stride, fscale, it.kv_head, head_stride);
+                             ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
         continue;
       }
       if (head_dim == 128) {
         attend_item_avx2<128>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
-                              ohs, block_stride, fscale, it.kv_head, head_stride);
+                              ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
         continue;
       }
 #endif
