@@ -4,8 +4,10 @@ The model runs on a flat batch: all scheduled tokens of all sequences in one [T]
 positions, and attention reads/writes the paged KV cache through `AttentionMetadata`. q/k/v and
 gate/up projections are fused at load time (one GEMM each instead of three and two).
 
-A `ModelPartition` says which layers (pipeline stage) this instance holds; the embedding lives on
-the first stage, the final norm and LM head on the last.
+A `ModelPartition` says which layers (pipeline stage) this instance holds, and which tensor-parallel
+shard of them (shard.py has the split); the embedding lives on the first stage, the final norm and
+LM head on the last. With tp > 1 the instance computes on its local heads and MLP rows and
+all-reduces after o_proj and down_proj; with tp = 1 no collective is called.
 """
 from __future__ import annotations
 
@@ -19,20 +21,27 @@ from torch import nn
 from ..attention import AttentionBackend, AttentionMetadata
 from .arch import ModelArch
 from .ops import TorchOps
+from .shard import ShardSizes, TensorParallelGroup, shard_sizes
 
 
 @dataclass(frozen=True)
 class ModelPartition:
-    """Layers [layer_start, layer_end) of the model; defaults to all of it."""
+    """Layers [layer_start, layer_end) of the model, tensor-parallel shard tp_rank of tp_size;
+    defaults to all of it."""
 
     layer_start: int = 0
     layer_end: Optional[int] = None
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def resolve(self, num_layers: int) -> "ModelPartition":
         end = num_layers if self.layer_end is None else self.layer_end
         if not 0 <= self.layer_start < end <= num_layers:
             raise ValueError(f"layer range [{self.layer_start}, {end}) is outside 0..{num_layers}")
-        return ModelPartition(self.layer_start, end)
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1} "
+                             f"(tp_size {self.tp_size})")
+        return ModelPartition(self.layer_start, end, self.tp_rank, self.tp_size)
 
     def is_first(self) -> bool:
         return self.layer_start == 0
@@ -93,12 +102,15 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_index: int):
+    """This rank's heads: column-parallel qkv_proj, row-parallel o_proj (+ all-reduce if tp > 1)."""
+
+    def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
+                 tp: Optional[TensorParallelGroup]):
         super().__init__()
-        self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.layer_index, self.tp = layer_index, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, shard.q_size + 2 * shard.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(shard.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
@@ -114,29 +126,39 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta)
         out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
+        out = self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch):
+    """This rank's intermediate rows: column-parallel gate_up_proj, row-parallel down_proj."""
+
+    def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup]):
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states so that each norm
     can be fused with the residual add before it (as vLLM does)."""
 
-    def __init__(self, arch: ModelArch, layer_index: int):
+    def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
+                 tp: Optional[TensorParallelGroup]):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer_index)
+        self.self_attn = Attention(arch, layer_index, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, shard, tp)
 
     def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
         norm = self.input_layernorm
@@ -152,24 +174,45 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """One partition of a Llama/Qwen2 causal LM."""
+    """One partition (pipeline stage x tensor-parallel shard) of a Llama/Qwen2 causal LM.
+
+    `tp_group` is required when partition.tp_size > 1 and must be that rank of that size.
+    """
 
     def __init__(self, arch: ModelArch, max_positions: int,
-                 partition: ModelPartition = ModelPartition()):
+                 partition: ModelPartition = ModelPartition(),
+                 tp_group: Optional[TensorParallelGroup] = None):
         super().__init__()
         self.arch = arch
         self.partition = partition.resolve(arch.num_layers)
+        self.shard = shard_sizes(arch, self.partition.tp_rank, self.partition.tp_size)
+        rank, size = self.shard.tp_rank, self.shard.tp_size
+        if size > 1 and (getattr(tp_group, "rank", None), getattr(tp_group, "size", None)) != (rank, size):
+            raise ValueError(f"tensor-parallel rank {rank} of {size} needs a TensorParallelGroup of "
+                             f"that rank and size, got {tp_group}")
+        # None on one rank: the single-process path calls no collective at all
+        self.tp = tp_group if size > 1 else None
         self.is_first = self.partition.is_first()
         self.is_last = self.partition.is_last(arch.num_layers)
-        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = (nn.Embedding(self.shard.vocab_shard, arch.hidden_size)
                              if self.is_first or (self.is_last and arch.tie_word_embeddings) else None)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.shard, self.tp) for i in
                                     range(self.partition.layer_start, self.partition.layer_end))
         self.rotary = Rotary(arch, max_positions)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if self.is_last else None
+        self.lm_head = (nn.Linear(arch.hidden_size, self.shard.vocab_shard, bias=False)
+                        if self.is_last else None)
         self.tie_weights()
         self.ops = TorchOps
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.shard.num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches: the KV tensors it allocates are [blocks, this, block, head_dim]."""
+        return self.shard.num_kv_heads
 
     def use_ops(self, ops) -> None:
         """TorchOps (portable) or NativeOps (fused CPU kernels)."""
@@ -185,19 +228,38 @@ class CausalLM(nn.Module):
                 residual: Optional[torch.Tensor] = None):
         """Token ids (first stage) or the previous stage's (hidden, residual) -> (hidden, residual).
 
-        A stage boundary passes both tensors, [T, hidden_size] each.
+        A stage boundary passes both tensors, [T, hidden_size] each (whole, on every TP rank).
         """
         if self.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self._embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, meta,
                                      backend, self.ops)
         return hidden, residual
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        # vocab-parallel: ids outside this rank's rows give zero rows; the sum over ranks is whole
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
-        """Final norm and LM head for the given rows (copies: the fused norm works in place)."""
+        """Final norm and LM head for the given rows (copies: the fused norm works in place).
+
+        -> [rows, vocab_size] on every TP rank (local logits gathered, padding dropped).
+        """
         if residual is None:
             hidden = self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         else:
             hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        logits = self.tp.all_gather_last_dim(logits)
+        if logits.shape[-1] != self.shard.vocab_size:
+            logits = logits[:, : self.shard.vocab_size].contiguous()
+        return logits

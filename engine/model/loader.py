@@ -1,13 +1,17 @@
 """Builds a CausalLM partition and fills it from safetensors (or random weights for `dummy`).
 
 Hugging Face tensor names are mapped onto the fused layout: q/k/v rows go into qkv_proj, gate/up
-rows into gate_up_proj. Only the tensors this partition needs are read.
+rows into gate_up_proj. Only the tensors this partition needs are read, and a tensor-parallel rank
+reads only its slices of them (shard.py says which). Dummy weights are generated as whole HF
+tensors from (seed, name) and go through the same slicing, so every layout gets the same model.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -17,6 +21,7 @@ from ..errors import ModelLoadError
 from .arch import ModelArch, arch_from_dict, read_arch
 from .fast_linear import pack_linears
 from .llama import CausalLM, ModelPartition
+from .shard import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -41,38 +46,44 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], wanted) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+@dataclass(frozen=True)
+class _Target:
+    """Where one HF tensor goes: rows [start, start + rows) of our parameter `param`, taking the
+    source slice [lo, hi) along `dim` (None: the whole tensor) of a tensor `full` wide there."""
 
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                for name in fh.keys():
-                    if wanted(name):
-                        yield name, fh.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: cannot read weights ({exc}); the file may be corrupt "
-                                 "or truncated") from None
+    param: str
+    start: int = 0
+    rows: Optional[int] = None
+    dim: Optional[int] = None
+    lo: int = 0
+    hi: int = 0
+    full: int = 0
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.dim is None else tensor.narrow(self.dim, self.lo, self.hi - self.lo)
 
 
 class _Filler:
-    """Copies HF tensors into the fused parameters and tracks which rows got filled."""
+    """Copies HF tensors (or this rank's slices of them) into the fused parameters and tracks
+    which rows got filled."""
 
     def __init__(self, model: CausalLM):
-        self.model, self.arch = model, model.arch
+        self.model, self.arch, self.shard = model, model.arch, model.shard
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
 
-    def target(self, name: str) -> Optional[tuple[str, int, int]]:
-        """HF name -> (our parameter, first row, row count) or None if not ours to hold."""
-        a, m = self.arch, self.model
-        if name == "model.embed_tokens.weight":
-            return ("embed_tokens.weight", 0, a.vocab_size) if m.embed_tokens is not None else None
+    def target(self, name: str) -> Optional[_Target]:
+        """HF name -> where it goes, or None if not ours to hold."""
+        a, m, sh = self.arch, self.model, self.shard
+        split = sh.tp_size > 1
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            ours = "embed_tokens" if name.startswith("model.") else "lm_head"
+            if getattr(m, ours) is None or (ours == "lm_head" and a.tie_word_embeddings):
+                return None
+            return _Target(f"{ours}.weight", 0, sh.vocab_rows, *self._cut(split, 0, sh.vocab_start,
+                                                                          sh.vocab_rows, a.vocab_size))
         if name == "model.norm.weight":
-            return ("norm.weight", 0, a.hidden_size) if m.norm is not None else None
-        if name == "lm_head.weight":
-            tied = a.tie_word_embeddings
-            return ("lm_head.weight", 0, a.vocab_size) if m.lm_head is not None and not tied else None
+            return _Target("norm.weight") if m.norm is not None else None
         match = _LAYER.match(name)
         if not match:
             return None
@@ -80,69 +91,150 @@ class _Filler:
         if not 0 <= layer < len(m.layers):
             return None
         rest, p = match.group(2), f"layers.{layer}."
-        q, kv, inter = a.q_size, a.kv_size, a.intermediate_size
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
         module, _, kind = rest.rpartition(".")
-        if module in fused:
-            target, start, rows = fused[module]
-            return f"{p}{target}.{kind}", start, rows
-        return f"{p}{rest}", 0, None
+        q, kv, inter = sh.q_size, sh.kv_size, sh.intermediate_size
+        i_start, i_full = sh.intermediate_start, a.intermediate_size
+        column = {  # column-parallel: this rank's output rows, into the fused parameter
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q, sh.q_start, a.q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv, sh.kv_start, a.kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv, sh.kv_start, a.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter, i_start, i_full),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter, i_start, i_full),
+        }
+        if module in column:
+            target, start, rows, lo, full = column[module]
+            return _Target(f"{p}{target}.{kind}", start, rows, *self._cut(split, 0, lo, rows, full))
+        row = {  # row-parallel: this rank's input columns
+            "self_attn.o_proj": (sh.q_start, q, a.q_size),
+            "mlp.down_proj": (i_start, inter, i_full),
+        }
+        if module in row and kind == "weight":
+            lo, cols, full = row[module]
+            return _Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, cols, full))
+        return _Target(f"{p}{rest}")
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        where = self.target(name)
+    @staticmethod
+    def _cut(split: bool, dim: int, lo: int, size: int, full: int) -> tuple:
+        """(dim, lo, hi, full) of a sliced source, or no slice when this rank holds all of it."""
+        return (dim, lo, lo + size, full) if split else (None, 0, 0, 0)
+
+    def check_source_shape(self, name: str, shape, where: _Target) -> None:
+        """A sliced tensor is checked whole, so a wrong width is not hidden by the slice."""
+        if where.dim is not None and (len(shape) <= where.dim or shape[where.dim] != where.full):
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
+                                 f"{where.full} along dim {where.dim}")
+
+    def put(self, name: str, tensor: torch.Tensor, where: Optional[_Target] = None) -> None:
+        """`tensor` is what `where` selects: this rank's slice when `where.dim` is set."""
+        where = self.target(name) if where is None else where
         if where is None:
             return
-        pname, start, rows = where
-        param = self.params.get(pname)
+        param = self.params.get(where.param)
         if param is None:
-            raise ModelLoadError(f"weight {name!r} maps to unknown parameter {pname!r}")
-        rows = param.shape[0] if rows is None else rows
-        dest = param.data[start:start + rows]
+            raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
+        rows = param.shape[0] if where.rows is None else where.rows
+        dest = param.data[where.start:where.start + rows]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config "
                                  f"implies {tuple(dest.shape)}")
         dest.copy_(tensor)
-        self.filled[pname] = self.filled.get(pname, 0) + rows
+        self.filled[where.param] = self.filled.get(where.param, 0) + rows
+
+    def expected_rows(self, pname: str) -> int:
+        if pname in ("embed_tokens.weight", "lm_head.weight"):
+            return self.shard.vocab_rows  # the rest is padding
+        return self.params[pname].shape[0]
 
     def check_complete(self, source: str) -> None:
-        missing = [n for n, p in self.params.items() if self.filled.get(n, 0) != p.shape[0]]
+        missing = [n for n in self.params if self.filled.get(n, 0) != self.expected_rows(n)]
         if missing:
             raise ModelLoadError(f"{source}: weights missing for {', '.join(missing[:6])}"
                                  f"{' ...' if len(missing) > 6 else ''}")
 
 
-def _dummy_init(model: CausalLM, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+def _read_weights(files: list[Path], filler: _Filler) -> None:
+    """Reads only what this partition holds; a TP rank reads only its slices (get_slice)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    where = filler.target(name)
+                    if where is None:
+                        continue
+                    if where.dim is None:
+                        tensor = fh.get_tensor(name)
+                    else:
+                        part = fh.get_slice(name)
+                        filler.check_source_shape(name, part.get_shape(), where)
+                        cut = slice(where.lo, where.hi)
+                        tensor = part[cut] if where.dim == 0 else part[:, cut]
+                    filler.put(name, tensor, where)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: cannot read weights ({exc}); the file may be corrupt "
+                                 "or truncated") from None
+
+
+def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The full model's Hugging Face tensor names and shapes (what a checkpoint would hold)."""
+    h, v = arch.hidden_size, arch.vocab_size
+    yield "model.embed_tokens.weight", (v, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        for proj, rows in (("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)):
+            yield f"{p}self_attn.{proj}_proj.weight", (rows, h)
+            if arch.qkv_bias:
+                yield f"{p}self_attn.{proj}_proj.bias", (rows,)
+        yield p + "self_attn.o_proj.weight", (h, arch.q_size)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (arch.intermediate_size, h)
+        yield p + "mlp.up_proj.weight", (arch.intermediate_size, h)
+        yield p + "mlp.down_proj.weight", (h, arch.intermediate_size)
+    yield "model.norm.weight", (h,)
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", (v, h)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full dummy tensor `name`: norms are ones, the rest N(0, 0.02) from a generator seeded
+    by (seed, name), so every partition of every layout sees the same full weights."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+
+
+def _fill_dummy(filler: _Filler, seed: int) -> None:
+    for name, shape in hf_tensor_shapes(filler.arch):
+        where = filler.target(name)
+        if where is not None:
+            filler.put(name, where.take(dummy_tensor(name, shape, seed)), where)
 
 
 def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                 max_positions: int, partition: ModelPartition = ModelPartition(),
-                dummy: bool = False, seed: int = 0) -> CausalLM:
+                dummy: bool = False, seed: int = 0,
+                tp_group: Optional[TensorParallelGroup] = None) -> CausalLM:
+    """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
+    `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way."""
     with torch.device("meta"):
-        model = CausalLM(arch, max_positions, partition)
+        model = CausalLM(arch, max_positions, partition, tp_group)
     model = model.to_empty(device="cpu").to(torch.float32)
     model.tie_weights()
     model.rotary.reset()
     with torch.no_grad():
+        for vocab_param in (model.embed_tokens, model.lm_head):
+            if vocab_param is not None:  # the padding rows of the last vocab shard
+                vocab_param.weight[model.shard.vocab_rows:].zero_()
+        filler = _Filler(model)
         if dummy:
-            _dummy_init(model, seed)
+            _fill_dummy(filler, seed)
+            filler.check_complete("dummy weights")
         else:
-            filler = _Filler(model)
-            files = safetensor_files(model_dir)
-            for name, tensor in _iter_tensors(files, lambda n: filler.target(n) is not None):
-                filler.put(name, tensor)
+            _read_weights(safetensor_files(model_dir), filler)
             filler.check_complete(str(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)

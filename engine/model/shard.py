@@ -1,0 +1,149 @@
+"""How a model is split across tensor-parallel ranks (Megatron-style).
+
+Column-parallel: qkv_proj (each rank holds whole q/k/v heads) and gate_up_proj (a contiguous
+block of intermediate rows). Row-parallel: o_proj and down_proj (the matching input columns),
+followed by an all-reduce. Vocab-parallel: the embedding and LM head rows, padded so that every
+rank holds ceil(vocab / tp) rows; the last shard may be partly padding, and padded logits are
+dropped after the all-gather.
+
+Everything here is size arithmetic, plus `TensorParallelGroup`, the two collectives the model
+needs. With tp = 1 that group is an identity and never touches torch.distributed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import torch
+
+from ..errors import ConfigError
+from .arch import ModelArch
+
+
+def allowed_tp_sizes(arch: ModelArch) -> list[int]:
+    """Every tp that splits heads, kv heads and intermediate rows evenly (ascending)."""
+    common = math.gcd(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+    return [d for d in range(1, common + 1) if common % d == 0]
+
+
+def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
+    """Raises ConfigError unless `tp_size` splits the model's heads and MLP evenly."""
+    allowed = ", ".join(map(str, allowed_tp_sizes(arch)))
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp_size!r}; allowed tp = {allowed}")
+    if tp_size in allowed_tp_sizes(arch):
+        return
+    heads, kv, inter = arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+    if heads % tp_size or kv % tp_size:
+        what = (f"the model has {heads} attention heads and {kv} kv heads; tp must divide both"
+                + (f" and the intermediate size {inter}" if inter % tp_size else ""))
+    else:
+        what = f"the model's intermediate size {inter} is not divisible by tp"
+    raise ConfigError(f"tp={tp_size} cannot split this model: {what}: allowed tp = {allowed}")
+
+
+def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
+    """Rows of the embedding / LM head each rank holds (padding included)."""
+    return -(-vocab_size // tp_size)
+
+
+def vocab_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The real vocab rows [start, end) of `tp_rank`; end - start < the shard size where padded."""
+    shard = vocab_shard_size(vocab_size, tp_size)
+    start = min(tp_rank * shard, vocab_size)
+    return start, min(start + shard, vocab_size)
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """What one tensor-parallel rank holds: local counts and where its slices start."""
+
+    tp_rank: int
+    tp_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int        # the full vocabulary (logits are this wide after the gather)
+    vocab_shard: int       # embedding / LM head rows on this rank, padding included
+    vocab_start: int
+    vocab_end: int         # real rows are [vocab_start, vocab_end)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def vocab_rows(self) -> int:
+        """Real (non-padding) embedding rows on this rank."""
+        return self.vocab_end - self.vocab_start
+
+    @property
+    def q_start(self) -> int:
+        """First row of this rank's q heads in the full q_proj (also its o_proj column)."""
+        return self.tp_rank * self.q_size
+
+    @property
+    def kv_start(self) -> int:
+        return self.tp_rank * self.kv_size
+
+    @property
+    def intermediate_start(self) -> int:
+        return self.tp_rank * self.intermediate_size
+
+
+def shard_sizes(arch: ModelArch, tp_rank: int = 0, tp_size: int = 1) -> ShardSizes:
+    """Local sizes for one rank; ConfigError if tp does not split the model."""
+    check_tensor_parallel(arch, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
+    start, end = vocab_range(arch.vocab_size, tp_size, tp_rank)
+    return ShardSizes(
+        tp_rank=tp_rank, tp_size=tp_size,
+        num_heads=arch.num_heads // tp_size, num_kv_heads=arch.num_kv_heads // tp_size,
+        head_dim=arch.head_dim, intermediate_size=arch.intermediate_size // tp_size,
+        vocab_size=arch.vocab_size, vocab_shard=vocab_shard_size(arch.vocab_size, tp_size),
+        vocab_start=start, vocab_end=end)
+
+
+class TensorParallelGroup:
+    """The collectives of one tensor-parallel group, over a torch.distributed process group.
+
+    `TensorParallelGroup()` (no process group) is the single-rank group: both collectives return
+    their input and torch.distributed is never imported or initialised.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        if group is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums `t` over the ranks, in place (t must be contiguous); returns t."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank 0's block first."""
+        if self.group is None:
+            return t
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def __repr__(self) -> str:
+        return f"TensorParallelGroup(rank={self.rank}, size={self.size})"
+
