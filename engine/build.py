@@ -10,7 +10,7 @@ import torch
 
 from .attention import select_backend
 from .config import EngineConfig
-from .engine import Engine
+from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
 from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
@@ -78,6 +78,10 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    if config.parallel.multiprocess:
+        from .runtime.build import build_parallel_engine
+
+        return build_parallel_engine(config)
     device = resolve_device(config.device.device)
     if device.type == "cpu":
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
@@ -122,7 +126,7 @@ def build_engine(config: EngineConfig) -> Engine:
     log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
              info["kv_cache_bytes"] / GiB, max_model_len, spec.capacity_tokens / max_model_len)
-    return Engine(scheduler, executor, tokenizer, max_model_len, info["model_id"], info)
+    return Engine([Replica(scheduler, executor)], tokenizer, max_model_len, info["model_id"], info)
 
 
 def _max_model_len(requested: Optional[int], arch: ModelArch) -> int:

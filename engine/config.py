@@ -81,8 +81,37 @@ class DeviceConfig(_Strict):
         "auto", description="native: compiled CPU paged-attention kernel; torch: portable path")
 
 
+class ParallelConfig(_Strict):
+    """How many processes run the model: tp x pp ranks per replica, dp replicas.
+
+    Anything but 1/1/1 runs on worker processes (engine/runtime/) exchanging tensors through
+    torch.distributed; the controller (this process) keeps requests, block tables and scheduling.
+    """
+
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline-parallel depth")
+    dp: int = Field(1, ge=1, description="data-parallel replicas")
+    pp_layers: Optional[list[int]] = Field(
+        None, description="layers per pipeline stage, e.g. [14, 16]; default: an even split")
+    threads_per_rank: Optional[int] = Field(
+        None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
+    step_timeout_seconds: float = Field(
+        600.0, gt=0, description="longest wait for a micro-batch's result before the run fails")
+    startup_timeout_seconds: float = Field(
+        900.0, gt=0, description="longest wait for the workers to load their model partitions")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.world_size > 1
+
+
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)

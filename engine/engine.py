@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from .config import EngineConfig
@@ -26,22 +28,37 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Replica:
+    """One copy of the model with its own scheduler, block tables and executor (data parallelism
+    runs several; the engine feeds them from one shared queue)."""
+
+    scheduler: Scheduler
+    executor: Executor
+
+
 class Engine:
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
-                 max_model_len: int, model_id: str, info: Optional[dict] = None):
-        self.scheduler = scheduler
-        self.executor = executor
+    def __init__(self, replicas: list[Replica], tokenizer: Tokenizer, max_model_len: int,
+                 model_id: str, info: Optional[dict] = None):
+        self.replicas = replicas
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_id = model_id
         self.info = info or {}
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self._seqs: dict[str, Sequence] = {}
+        self._pending: deque[Sequence] = deque()   # not yet given to a replica (dp > 1)
+        self._submitted: dict[int, float] = {}     # id(batch) -> submit time
         self._events: list[dict] = []
         self._generate_calls = 0
         self._clock0 = time.perf_counter()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one unless dp > 1)."""
+        return self.replicas[0].scheduler
 
     @classmethod
     def from_config(cls, config: Optional[EngineConfig] = None) -> "Engine":
@@ -67,10 +84,14 @@ class Engine:
             raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
-        self.scheduler.add(seq)
+        if len(self.replicas) == 1:
+            self.replicas[0].scheduler.add(seq)
+        else:
+            self._pending.append(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._pending) or any(
+            rep.scheduler.has_unfinished() or rep.executor.num_in_flight for rep in self.replicas)
 
     @property
     def num_unfinished(self) -> int:
@@ -81,15 +102,50 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Keeps every replica's pipeline full, then applies whatever micro-batches finished
+        (at least one, unless there is nothing to run); returns the requests that finished."""
+        self._feed()
+        for rep in self.replicas:
+            self._fill(rep)
+        busy = [rep for rep in self.replicas if rep.executor.num_in_flight]
+        if not busy:
+            return []
+        while not any(rep.executor.ready() for rep in busy):
+            busy[0].executor.wait()
         finished: list[RequestOutput] = []
-        for batch in self.scheduler.schedule():
-            t_start = self.now()
-            shape = (len(batch), batch.num_prefill_tokens, batch.num_decode_tokens)
-            result = self.executor.execute(batch)
-            finished.extend(self._apply(batch, result))
-            self.scheduler.on_result(batch)
-            self._record(batch.phase, shape, result, t_start)
+        for index, rep in enumerate(self.replicas):
+            while rep.executor.num_in_flight and rep.executor.ready():
+                batch, result = rep.executor.collect()
+                t_start = self._submitted.pop(id(batch), self.now())
+                shape = (len(batch), batch.num_prefill_tokens, batch.num_decode_tokens)
+                for item in batch.items:
+                    item.seq.in_flight = False
+                finished.extend(self._apply(batch, result))
+                rep.scheduler.on_result(batch)
+                self._record(rep, index, batch.phase, shape, result, t_start)
         return finished
+
+    def _fill(self, rep: Replica) -> None:
+        while rep.executor.num_in_flight < rep.executor.max_in_flight:
+            batches = rep.scheduler.schedule()
+            if not batches:
+                return
+            for batch in batches:
+                for item in batch.items:
+                    item.seq.in_flight = True
+                self._submitted[id(batch)] = self.now()
+                rep.executor.submit(batch)
+
+    def _feed(self) -> None:
+        """Data parallelism: a replica takes new requests only while its own queue is short, so
+        the one that finishes early takes more (no static split that idles one at the tail)."""
+        while self._pending:
+            hungry = [rep for rep in self.replicas if rep.scheduler.num_waiting_tokens
+                      < 2 * rep.scheduler.max_num_batched_tokens]
+            if not hungry:
+                return
+            rep = min(hungry, key=lambda r: (r.scheduler.num_waiting + r.scheduler.num_running))
+            rep.scheduler.add(self._pending.popleft())
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> list[RequestOutput]:
         now = self.now()
@@ -114,18 +170,41 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
-        self.executor.release(seq.request_id)
+        for rep in self.replicas:
+            rep.executor.release(seq.request_id)
         self._counters["prompt_tokens"] += seq.prompt_len
         return self.outputs.result(seq)
 
     def abort_all(self) -> list[RequestOutput]:
+        """Drops everything: in-flight micro-batches are waited for and their results discarded."""
+        seqs = list(self._pending)
+        self._pending.clear()
+        for rep in self.replicas:
+            while rep.executor.num_in_flight:
+                while not rep.executor.ready():
+                    rep.executor.wait()
+                batch, _ = rep.executor.collect()
+                for item in batch.items:
+                    item.seq.in_flight = False
+            seqs.extend(rep.scheduler.abort_all())
         outs = []
-        for seq in self.scheduler.abort_all():
+        for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
             seq.finish_time = self.now()
             outs.append(self._finish(seq))
         return outs
+
+    def close(self) -> None:
+        """Stops worker processes (if any). The engine is unusable afterwards."""
+        for rep in self.replicas:
+            rep.executor.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # --- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Union[str, list[int]]],
@@ -148,32 +227,46 @@ class Engine:
         return [results[r] for r in ids]
 
     # --- observability --------------------------------------------------------------------------
-    def _record(self, phase: str, shape: tuple[int, int, int], result: StepResult,
-                t_start: float) -> None:
+    def _record(self, rep: Replica, replica_index: int, phase: str, shape: tuple[int, int, int],
+                result: StepResult, t_start: float) -> None:
         self._counters["steps"] += 1
-        bm = self.scheduler.block_manager
+        scheduler = rep.scheduler
         num_seqs, num_prefill, num_decode = shape
-        self._events.append({
+        event = {
             "t": round(t_start, 6), "dur": round(self.now() - t_start, 6),
             "phase": phase, "num_seqs": num_seqs,
             "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode,
             "forward_s": round(result.forward_s, 6), "sample_s": round(result.sample_s, 6),
-            "kv_usage": round(bm.usage(), 4),
-            "num_waiting": getattr(self.scheduler, "num_waiting", 0),
-            "num_running": getattr(self.scheduler, "num_running", 0),
-        })
+            "kv_usage": round(scheduler.block_manager.usage(), 4),
+            "num_waiting": getattr(scheduler, "num_waiting", 0),
+            "num_running": getattr(scheduler, "num_running", 0),
+        }
+        if len(self.replicas) > 1:
+            event["replica"] = replica_index
+        self._events.append(event)
 
     def drain_step_events(self) -> list[dict]:
         events, self._events = self._events, []
         return events
 
+    def timeline(self, last: Optional[int] = None) -> list[dict]:
+        """Per-rank forward / send / receive intervals, oldest first (multi-process executors;
+        else empty). `last`: only the most recent events."""
+        source = getattr(self.replicas[0].executor, "timeline", None)
+        return source(last) if source is not None else []
+
     def stats(self) -> dict:
-        bm = self.scheduler.block_manager
+        managers = [rep.scheduler.block_manager for rep in self.replicas]
+        capacity = sum(bm.capacity_tokens for bm in managers)
+        used = sum(bm.usage() * bm.capacity_tokens for bm in managers)
+        summary = getattr(self.replicas[0].executor, "pipeline_summary", None)
+        pipeline = summary() if summary is not None else None
         return {
             **self._counters,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_capacity_tokens": bm.capacity_tokens,
-            "kv_usage": bm.usage(),
-            "max_concurrency": bm.capacity_tokens / self.max_model_len,
+            **({"pipeline": pipeline} if pipeline else {}),
+            "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
+            "kv_capacity_tokens": capacity,
+            "kv_usage": used / capacity if capacity else 0.0,
+            "max_concurrency": capacity / self.max_model_len,
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }

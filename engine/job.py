@@ -138,6 +138,12 @@ class Job:
 
     def _close(self, restore: Callable[[], None]) -> None:
         restore()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            try:
+                close_engine()  # stops worker processes, if any
+            except Exception:  # noqa: BLE001 - the run's outcome is already decided
+                log.exception("stopping the engine failed")
         if self._progress is not None:
             self._progress.close()
             self._progress = None
@@ -321,6 +327,14 @@ class Job:
             self._last_plots = self._last_report
             try:
                 plots = render_plots(self.metrics.timeline, session["batch_size"]["histogram"])
+                timeline = getattr(self.engine, "timeline", None)
+                events = timeline(last=4000) if timeline is not None else []
+                if events:
+                    from .runtime.timeline import plot_pipeline
+
+                    png = plot_pipeline(events)
+                    if png:
+                        plots["pipeline_timeline.png"] = png
             except Exception as exc:  # a plot must never fail a job
                 log.warning("could not draw the plots: %s", exc)
         names = tuple(sorted(plots)) if plots else tuple(

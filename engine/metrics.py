@@ -252,6 +252,7 @@ class SessionMetrics:
                 "max": max(sizes) if sizes else None,
                 "histogram": {str(k): sizes[k] for k in sorted(sizes)},
             },
+            **({"pipeline": stats["pipeline"]} if stats.get("pipeline") else {}),
             "strategy_decisions": {
                 "steps_by_phase": dict(self.step_phase_count),
                 "phase_switches": self.phase_switches,

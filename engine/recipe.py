@@ -22,7 +22,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
                       field_validator)
 
-from .config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from .config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                     SchedulerConfig, parse_size)
 from .recipe_errors import RecipeError, YamlLines, suggest, validation_problems
 from .request import SamplingParams
 
@@ -69,12 +70,6 @@ def strategy_class(name: Any) -> type[StrategyParams]:
 
 
 # --- the other sections ---------------------------------------------------------------------------
-class ParallelConfig(_Strict):
-    tp: int = Field(1, ge=1, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, description="pipeline-parallel depth")
-    dp: int = Field(1, ge=1, description="data-parallel replicas")
-
-
 class PredictorConfig(_Strict):
     name: Literal["none"] = Field("none", description="output-length predictor; only none for now")
 
@@ -137,7 +132,8 @@ class Recipe(_Strict):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, cache=self.memory,
-                            scheduler=self.strategy.scheduler_config(), device=self.device)
+                            scheduler=self.strategy.scheduler_config(), device=self.device,
+                            parallel=self.parallel)
 
     @property
     def max_in_flight(self) -> int:
@@ -217,17 +213,11 @@ def load_recipe(path: Union[str, Path]) -> Recipe:
     return recipe
 
 
-SUPPORTED_LAYOUTS = "tp=1, pp=1, dp=1 (one process)"
-
-
 def check_supported(recipe: Recipe, source: str = "<recipe>", lines: Optional[YamlLines] = None) -> None:
-    """Valid but not runnable by this version: say what is supported, before any model loads."""
+    """Checks that need no model: the ones needing its shape (heads, layers) run at engine start."""
     par = recipe.parallel
-    if (par.tp, par.pp, par.dp) != (1, 1, 1):
-        key = next(k for k in ("tp", "pp", "dp") if getattr(par, k) != 1)
-        line = lines.line(("parallel", key)) if lines else None
-        where = f"line {line}, parallel.{key}" if line else f"parallel.{key}"
-        raise RecipeError(source, [
-            f"{where}: tp={par.tp}, pp={par.pp}, dp={par.dp} is not supported by this version; "
-            f"supported: {SUPPORTED_LAYOUTS}. To spread a job over several processes or nodes, "
-            "run it under `srun -n N`: each task takes its own shard of the input"])
+    if par.pp_layers is not None and len(par.pp_layers) != par.pp:
+        line = lines.line(("parallel", "pp_layers")) if lines else None
+        where = f"line {line}, parallel.pp_layers" if line else "parallel.pp_layers"
+        raise RecipeError(source, [f"{where}: lists {len(par.pp_layers)} stages but pp is "
+                                   f"{par.pp}; give one layer count per pipeline stage"])

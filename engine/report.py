@@ -102,6 +102,15 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                    "steps", "batch size mean", "batch size max"],
                   [[kv.get("capacity_tokens"), _pct(kv.get("usage_mean")), _pct(kv.get("usage_max")),
                     s.get("preemptions"), bs.get("steps"), bs.get("mean"), bs.get("max")]])
+    pipeline = s.get("pipeline") or {}
+    if pipeline.get("ranks"):
+        out += ["## Workers", "", "Bubble ratio: share of the replica's active window a rank spent "
+                "not computing (waiting for input or for the controller).", ""]
+        out += _table(["rank", "replica", "stage", "tp rank", "micro-batches", "busy (s)",
+                       "waiting to receive (s)", "bubble ratio"],
+                      [[r["rank"], r["replica"], r["stage"], r["tp_rank"], r["micro_batches"],
+                        r["busy_s"], r["recv_wait_s"], _pct(r["bubble_ratio"])]
+                       for r in pipeline["ranks"]])
     phases = s.get("phases_s") or {}
     if phases:
         out += ["## Time per phase (seconds)", ""]

@@ -128,6 +128,8 @@ class Sequence:
     finish_time: Optional[float] = None
     # sampler state kept between steps so penalties never recount from scratch
     sampler_slot: int = -1
+    # inside a submitted micro-batch whose results are not back yet (pipeline parallelism)
+    in_flight: bool = False
 
     @property
     def request_id(self) -> str:

@@ -103,6 +103,15 @@ class BatchingScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
+    def _schedulable(self) -> list[Sequence]:
+        """Running sequences not inside an in-flight micro-batch (its results decide their next
+        step); oldest first, so preemption victims come from the end."""
+        return [seq for seq in self.running if not seq.in_flight]
+
     def on_result(self, batch: MicroBatch) -> None:
         """Frees the finished sequences' blocks; everything else stays where it is."""
         finished = [item.seq for item in batch.items if item.seq.is_finished]
@@ -179,7 +188,7 @@ class SeparateBatching(BatchingScheduler):
         if batch.items:
             return [batch]
         batch = MicroBatch(phase="decode")
-        order = list(self.running)  # oldest first; victims are taken from the end
+        order = self._schedulable()
         for seq in list(order):
             if seq not in self.running:
                 continue
@@ -199,7 +208,7 @@ class HybridBatching(BatchingScheduler):
         batch = MicroBatch(phase="mixed")
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        order = list(self.running)
+        order = self._schedulable()
         for seq in list(order):
             if budget <= 0:
                 break
@@ -232,9 +241,80 @@ def _phase_of(items: list[ScheduledSeq]) -> str:
     return "mixed"
 
 
+class VirtualEngines:
+    """Pipeline-parallel baseline as vLLM runs it: `pp` independent schedulers ("virtual engines")
+    over one block manager. A new request joins the one with the fewest unfinished sequences;
+    micro-batches come from them in turn, each only when its previous micro-batch is back, so
+    up to `pp` balanced micro-batches are in flight."""
+
+    def __init__(self, engines: list[BatchingScheduler]):
+        self.engines = engines
+        self.block_manager = engines[0].block_manager
+        self.max_num_batched_tokens = engines[0].max_num_batched_tokens
+        self._busy = [False] * len(engines)
+        self._owner: dict[int, int] = {}
+        self._next = 0
+
+    def add(self, seq: Sequence) -> None:
+        index = min(range(len(self.engines)),
+                    key=lambda i: self.engines[i].num_waiting + self.engines[i].num_running)
+        self.engines[index].add(seq)
+
+    def schedule(self) -> list[MicroBatch]:
+        n = len(self.engines)
+        for offset in range(n):
+            index = (self._next + offset) % n
+            if self._busy[index]:
+                continue
+            batches = self.engines[index].schedule()
+            if batches:
+                self._next = (index + 1) % n
+                self._busy[index] = True
+                for batch in batches:
+                    self._owner[id(batch)] = index
+                return batches
+        return []
+
+    def on_result(self, batch: MicroBatch) -> None:
+        index = self._owner.pop(id(batch))
+        self._busy[index] = False
+        self.engines[index].on_result(batch)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    def abort_all(self) -> list[Sequence]:
+        self._busy = [False] * len(self.engines)
+        self._owner.clear()
+        return [seq for e in self.engines for seq in e.abort_all()]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(e.num_preemptions for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(e.num_waiting_tokens for e in self.engines)
+
+
 def make_scheduler(policy: str, block_manager: BlockManager, max_num_seqs: int,
                    max_num_batched_tokens: int, max_model_len: int,
-                   chunk_size: Optional[int] = None) -> BatchingScheduler:
+                   chunk_size: Optional[int] = None, pipeline_depth: int = 1):
+    """The baseline policy; with pipeline_depth > 1, one virtual engine per pipeline slot
+    (max_num_seqs is the total, split between them)."""
+    if pipeline_depth > 1:
+        per_engine = max(1, -(-max_num_seqs // pipeline_depth))
+        return VirtualEngines([make_scheduler(policy, block_manager, per_engine,
+                                              max_num_batched_tokens, max_model_len, chunk_size)
+                               for _ in range(pipeline_depth)])
     if policy == "sb":
         return SeparateBatching(block_manager, max_num_seqs, max(max_num_batched_tokens, max_model_len),
                                 max_model_len)

@@ -115,10 +115,14 @@ def test_strategy_as_plain_name(tmp_path):
     assert _load(tmp_path, "strategy: baseline\n").strategy.name == "baseline"
 
 
-def test_parallel_layout_other_than_one_process_is_refused(tmp_path):
-    (text,) = _problems(tmp_path, "parallel:\n  tp: 2\n  pp: 1\n")
-    assert "line 2, parallel.tp: tp=2, pp=1, dp=1 is not supported" in text
-    assert "supported: tp=1, pp=1, dp=1" in text
+def test_parallel_layout_is_accepted_and_reaches_the_engine(tmp_path):
+    recipe = _load(tmp_path, "parallel:\n  tp: 2\n  pp: 2\n  dp: 1\n")
+    assert (recipe.engine_config().parallel.tp, recipe.engine_config().parallel.pp) == (2, 2)
+
+
+def test_pipeline_split_must_list_one_count_per_stage(tmp_path):
+    (text,) = _problems(tmp_path, "parallel:\n  pp: 2\n  pp_layers: [10, 10, 10]\n")
+    assert "line 3, parallel.pp_layers: lists 3 stages but pp is 2" in text
 
 
 def test_parallel_values_are_checked(tmp_path):

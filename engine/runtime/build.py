@@ -1,0 +1,118 @@
+"""Assembles a multi-process Engine: layout checks, KV sizing, worker spawn, one executor per replica.
+
+The controller (this process) never loads weights: it reads the model's config and tokenizer,
+converts a GGUF once (so workers only read the cached safetensors), builds the CPU kernels once
+(so workers do not race to compile them), then spawns tp x pp x dp workers.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..attention import select_backend
+from ..build import GiB, _max_model_len, kv_budget, resolve_device, resolve_dtype
+from ..config import EngineConfig
+from ..engine import Engine, Replica
+from ..errors import ConfigError
+from ..kv_cache import BlockManager
+from ..model.loader import load_arch
+from ..model.sources import resolve_model_dir
+from ..scheduler import make_scheduler
+from ..tokenizer import load_tokenizer
+from .executor import PipelineExecutor
+from .layout import ParallelLayout, threads_per_rank
+from .pool import WorkerPool
+from .worker import WorkerSpec, worker_main
+
+log = logging.getLogger("batchinfer")
+
+
+def rank_bytes_per_block(layout: ParallelLayout, arch, rank: int, block_size: int,
+                         dtype_bytes: int) -> int:
+    start, end = layout.stage_range(layout.info(rank).stage)
+    kv_heads = arch.num_kv_heads // layout.tp
+    return 2 * (end - start) * kv_heads * block_size * arch.head_dim * dtype_bytes
+
+
+def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int) -> int:
+    """Blocks per replica. cache.kv_cache_memory is per rank (as vLLM's is per GPU); auto splits
+    the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
+    block tables are shared."""
+    if config.cache.kv_cache_memory is not None:
+        per_rank = int(config.cache.kv_cache_memory)
+    else:
+        total = kv_budget(config, arch, device, dtype_bytes)
+        per_rank = total // (layout.world_size if device.type == "cpu" else 1)
+        per_rank -= arch.num_params() * dtype_bytes // layout.ranks_per_replica \
+            if device.type == "cuda" else 0
+    block_size = config.cache.block_size
+    return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
+               for r in layout.replica_ranks(0))
+
+
+def build_parallel_engine(config: EngineConfig) -> Engine:
+    device = resolve_device(config.device.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    model_dir, model_id = resolve_model_dir(config.model.path)
+    arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
+    layout = ParallelLayout.resolve(config.parallel, arch)
+    if device.type == "cuda" and torch.cuda.device_count() < layout.world_size:
+        raise ConfigError(f"parallel: {layout.world_size} ranks need {layout.world_size} GPUs; "
+                          f"torch sees {torch.cuda.device_count()}")
+    max_model_len = _max_model_len(config.model.max_model_len, arch)
+    tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
+    backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
+    num_blocks = num_kv_blocks(config, layout, arch, device, dtype_bytes)
+    block_size = config.cache.block_size
+    if num_blocks * block_size < max_model_len:
+        raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens per replica, less "
+                          f"than max_model_len ({max_model_len}); raise cache.kv_cache_memory or "
+                          "lower model.max_model_len")
+    threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
+    specs = [WorkerSpec(
+        rank=r, layout=layout, model_dir=str(model_dir), arch_overrides=config.model.hf_overrides,
+        dummy=config.model.load_format == "dummy", seed=config.model.seed,
+        dtype=str(dtype).replace("torch.", ""), device=device.type, max_model_len=max_model_len,
+        num_blocks=num_blocks, block_size=block_size, threads=threads,
+        attention_backend=backend.name, vocab_size=arch.vocab_size,
+        eos_token_ids=tuple(tokenizer.eos_token_ids),
+        timeout_s=config.parallel.step_timeout_seconds) for r in range(layout.world_size)]
+    infos = layout.ranks()
+    pool = WorkerPool([i.name for i in infos], {i.rank: {"replica": i.replica, "stage": i.stage,
+                                                         "tp_rank": i.tp_rank} for i in infos})
+    log.info("starting %s", layout.describe())
+    pool.start(worker_main, specs, config.parallel.startup_timeout_seconds)
+    sched = config.scheduler
+    replicas = []
+    for replica in range(layout.dp):
+        block_manager = BlockManager(num_blocks, block_size)
+        scheduler = make_scheduler(sched.policy, block_manager, sched.max_num_seqs,
+                                   sched.max_num_batched_tokens, max_model_len, sched.chunk_size,
+                                   pipeline_depth=layout.pp)
+        executor = PipelineExecutor(pool, layout, replica, block_manager,
+                                    config.parallel.step_timeout_seconds)
+        replicas.append(Replica(scheduler, executor))
+    dummy = config.model.load_format == "dummy"
+    capacity = num_blocks * block_size
+    info = {
+        "model_id": model_id + (" [dummy weights]" if dummy else ""),
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "attention_backend": backend.name, "vocab_size": arch.vocab_size,
+        "kv_cache_bytes": layout.dp * sum(
+            num_blocks * rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
+            for r in layout.replica_ranks(0)),
+        "kv_block_size": block_size, "num_params": arch.num_params(),
+        "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
+        "scheduler_policy": sched.policy,
+        "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                     "layers_per_stage": list(layout.layers_per_stage),
+                     "threads_per_rank": threads},
+    }
+    log.info("KV cache: %d tokens per replica x %d (%d blocks of %d, %.2f GiB in all); maximum "
+             "concurrency for %d-token requests: %.2fx per replica", capacity, layout.dp,
+             num_blocks, block_size, info["kv_cache_bytes"] / GiB, max_model_len,
+             capacity / max_model_len)
+    return Engine(replicas, tokenizer, max_model_len, info["model_id"], info)

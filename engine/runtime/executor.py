@@ -1,0 +1,91 @@
+"""The multi-process Executor: one replica's tp x pp worker ranks, up to `pp` micro-batches in flight.
+
+`submit` turns the micro-batch into a StepPlan and sends it to every rank of the replica (each
+needs the token counts and block tables; only the first stage uses the token ids). The sampling
+rank sees each request's prompt and parameters once (`new_requests`) and keeps its own copy of
+the tokens it sampled, so a plan carries no per-request history. Results come back in pipeline
+(FIFO) order.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Optional
+
+from ..executor import StepResult
+from ..kv_cache import BlockManager
+from ..request import Request
+from ..scheduler import MicroBatch
+from ..step_plan import plan_batch
+from .layout import ParallelLayout
+from .pool import WorkerError, WorkerPool
+
+
+class PipelineExecutor:
+    def __init__(self, pool: WorkerPool, layout: ParallelLayout, replica: int,
+                 block_manager: BlockManager, step_timeout_s: float):
+        self.pool, self.layout, self.replica = pool, layout, replica
+        self.block_manager = block_manager
+        self.step_timeout_s = step_timeout_s
+        self.ranks = layout.replica_ranks(replica)
+        self.max_in_flight = layout.pp
+        self._in_flight: deque[tuple[int, MicroBatch, list[int]]] = deque()
+        self._known: set[str] = set()        # requests the sampling rank already has
+        self._released: list[str] = []
+        self._next_mb = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def submit(self, batch: MicroBatch) -> None:
+        mb_id = self._next_mb
+        self._next_mb += 1
+        plan = plan_batch(batch, self.block_manager, mb_id)
+        for index, rid in zip(plan.sample_items, plan.sample_request_ids):
+            if rid not in self._known:
+                self._known.add(rid)
+                req = batch.items[index].seq.request
+                plan.new_requests.append(Request(rid, req.prompt_token_ids, req.sampling))
+        plan.released, self._released = self._released, []
+        for rank in self.ranks:
+            self.pool.send(rank, ("plan", plan))
+        self._in_flight.append((mb_id, batch, plan.sample_items))
+
+    def ready(self) -> bool:
+        return bool(self.pool.results[self.replica])
+
+    def wait(self) -> None:
+        self.pool.pump(self.step_timeout_s)
+
+    def collect(self) -> tuple[MicroBatch, StepResult]:
+        message = self.pool.results[self.replica].popleft()
+        mb_id, batch, sample_items = self._in_flight.popleft()
+        if message["mb_id"] != mb_id:
+            raise WorkerError(f"replica {self.replica}: result for micro-batch {message['mb_id']} "
+                              f"arrived while {mb_id} was expected (pipeline order broken)")
+        tokens: list[Optional[int]] = [None] * len(batch.items)
+        logprobs: list[Optional[dict]] = [None] * len(batch.items)
+        for index, token, logprob in zip(sample_items, message["tokens"], message["logprobs"]):
+            tokens[index], logprobs[index] = token, logprob
+        return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
+                                 sample_s=message["sample_s"])
+
+    def release(self, request_id: str) -> None:
+        if request_id in self._known:
+            self._known.discard(request_id)
+            self._released.append(request_id)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def pipeline_summary(self):
+        """Per-rank busy time and bubble ratio, over all replicas (the pool is shared)."""
+        return self.pool.stats.summary()
+
+    def timeline(self, last: Optional[int] = None) -> list[dict]:
+        """Events of every rank (the pool is shared by all replicas), oldest first."""
+        events = self.pool.events
+        if last is not None and len(events) > last:
+            return list(itertools.islice(events, len(events) - last, None))
+        return list(events)

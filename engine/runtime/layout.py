@@ -1,0 +1,126 @@
+"""Who is who in a multi-process run: ranks, pipeline stages, tensor shards, replicas.
+
+Global rank = replica * (pp * tp) + stage * tp + tp_rank. Each rank holds one `ModelPartition`
+(a layer range and a TP shard). Every check here runs in the controller before any process
+starts, so an impossible layout is a clear error, not a hang.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import ParallelConfig
+from ..errors import ConfigError
+from ..model.arch import ModelArch
+from ..model.llama import ModelPartition
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    replica: int
+    stage: int
+    tp_rank: int
+    partition: ModelPartition
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank} (replica {self.replica}, stage {self.stage}, tp {self.tp_rank})"
+
+
+def even_layer_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, as even as possible; earlier stages take the remainder last (the last
+    stage also runs the LM head, so it gets no extra layer when the split is uneven)."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if stage < extra else 0) for stage in range(pp)]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int
+    pp: int
+    dp: int
+    layers_per_stage: tuple[int, ...]
+
+    @classmethod
+    def resolve(cls, config: ParallelConfig, arch: ModelArch) -> "ParallelLayout":
+        tp, pp, dp = config.tp, config.pp, config.dp
+        layers = arch.num_layers
+        if pp > layers:
+            raise ConfigError(f"parallel.pp: pp={pp} pipeline stages, but the model has only "
+                              f"{layers} layers; allowed: 1..{layers}")
+        if config.pp_layers is not None:
+            split = list(config.pp_layers)
+            if len(split) != pp or sum(split) != layers or min(split) < 1:
+                raise ConfigError(f"parallel.pp_layers: {split} must list {pp} positive layer "
+                                  f"counts (one per stage) summing to the model's {layers} layers")
+        else:
+            split = even_layer_split(layers, pp)
+        if tp > 1:
+            from ..model.shard import check_tensor_parallel
+
+            try:
+                check_tensor_parallel(arch, tp)
+            except ConfigError as exc:
+                raise ConfigError(f"parallel.tp: {exc}") from None
+        return cls(tp, pp, dp, tuple(split))
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def stage_range(self, stage: int) -> tuple[int, int]:
+        start = sum(self.layers_per_stage[:stage])
+        return start, start + self.layers_per_stage[stage]
+
+    def rank(self, replica: int, stage: int, tp_rank: int) -> int:
+        return replica * self.ranks_per_replica + stage * self.tp + tp_rank
+
+    def info(self, rank: int) -> RankInfo:
+        replica, within = divmod(rank, self.ranks_per_replica)
+        stage, tp_rank = divmod(within, self.tp)
+        start, end = self.stage_range(stage)
+        partition = ModelPartition(start, end, tp_rank=tp_rank, tp_size=self.tp)
+        return RankInfo(rank, replica, stage, tp_rank, partition)
+
+    def ranks(self) -> list[RankInfo]:
+        return [self.info(r) for r in range(self.world_size)]
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        first = replica * self.ranks_per_replica
+        return list(range(first, first + self.ranks_per_replica))
+
+    def tp_groups(self) -> list[list[int]]:
+        """The ranks that all-reduce together: one group per (replica, stage)."""
+        return [[self.rank(r, s, t) for t in range(self.tp)]
+                for r in range(self.dp) for s in range(self.pp)]
+
+    def next_rank(self, rank: int) -> Optional[int]:
+        info = self.info(rank)
+        return None if info.stage == self.pp - 1 else self.rank(info.replica, info.stage + 1, info.tp_rank)
+
+    def prev_rank(self, rank: int) -> Optional[int]:
+        info = self.info(rank)
+        return None if info.stage == 0 else self.rank(info.replica, info.stage - 1, info.tp_rank)
+
+    def sampling_rank(self, replica: int) -> int:
+        """Where tokens are sampled by default: the last stage's first TP rank."""
+        return self.rank(replica, self.pp - 1, 0)
+
+    def describe(self) -> str:
+        stages = ", ".join(f"{a}-{b - 1}" for a, b in map(self.stage_range, range(self.pp)))
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ({self.world_size} worker processes; "
+                f"layers per stage: {stages})")
+
+
+def threads_per_rank(config: ParallelConfig, world_size: int, num_threads: Optional[int]) -> int:
+    """Cores split between ranks (at least one each) unless the recipe says otherwise."""
+    if config.threads_per_rank:
+        return config.threads_per_rank
+    cores = num_threads or os.cpu_count() or 1
+    return max(1, cores // world_size)

@@ -1,0 +1,165 @@
+"""The controller's side of the worker processes: spawn, control channel, fault detection, stop.
+
+Each worker gets a duplex pipe (the control channel: plans out; results, timeline events and
+errors back). Activations never touch it; they go rank to rank through torch.distributed, whose
+rendezvous is a TCPStore the controller opens on a port the OS picks (no fixed ports: two runs on
+one host never collide). Every wait here has a bound, and a worker that raises or dies (even by
+kill -9) is noticed through its pipe or its process sentinel and named in the error.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import signal
+import time
+from collections import defaultdict, deque
+from multiprocessing.connection import Connection, wait
+from typing import Optional
+
+from .timeline import PipelineStats
+
+log = logging.getLogger("batchinfer")
+EVENTS_KEEP = 200_000     # timeline events kept in memory (oldest dropped first)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died or stopped answering. The message names the rank and the cause."""
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is not answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerPool:
+    def __init__(self, rank_names: list[str], rank_meta: Optional[dict[int, dict]] = None):
+        self.rank_names = rank_names
+        self.stats = PipelineStats(rank_meta or {})
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        self.results: dict[int, deque] = defaultdict(deque)   # replica -> result messages
+        self.events: deque = deque(maxlen=EVENTS_KEEP)
+        self.store = None
+        self.closed = False
+        self._errors: list[str] = []
+
+    # --- start ----------------------------------------------------------------------------------
+    def start(self, target, specs: list, timeout_s: float) -> list[dict]:
+        """Spawns one process per spec, waits until each reports ready; -> their info dicts."""
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True,
+                                   timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        for spec in specs:
+            parent, child = ctx.Pipe(duplex=True)
+            spec.store_port = self.store.port
+            proc = ctx.Process(target=target, args=(spec, child), daemon=True,
+                               name=f"batchinfer-rank{spec.rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < len(specs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [self.rank_names[r] for r in range(len(specs)) if r not in ready]
+                self.close()
+                raise WorkerError(f"workers not ready after {timeout_s:.0f} s: {', '.join(missing)} "
+                                  "(raise parallel.startup_timeout_seconds for very large models)")
+            for rank, msg in self._receive(left):
+                if msg[0] == "ready":
+                    ready[rank] = msg[2]
+        return [ready[r] for r in range(len(specs))]
+
+    # --- messages -------------------------------------------------------------------------------
+    def send(self, rank: int, message) -> None:
+        try:
+            self.conns[rank].send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._raise_dead(rank)
+
+    def pump(self, timeout_s: float) -> None:
+        """Handles every message that arrives within `timeout_s` (at least one) or raises."""
+        got = self._receive(timeout_s)
+        if not got:
+            raise self._fail(f"no worker answered within {timeout_s:.0f} s (parallel."
+                             "step_timeout_seconds); the ranks are alive but stuck")
+        for rank, msg in got:
+            kind = msg[0]
+            if kind == "result":
+                self._add_events(msg[2].pop("events", ()))
+                self.results[msg[1]].append(msg[2])
+            elif kind == "events":
+                self._add_events(msg[2])
+
+    def _add_events(self, events) -> None:
+        self.events.extend(events)
+        self.stats.add(events)
+
+    def _receive(self, timeout_s: float) -> list[tuple[int, tuple]]:
+        if self.closed:
+            raise WorkerError("the worker processes were already stopped")
+        index = {c: r for r, c in enumerate(self.conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        ready = wait(list(index) + list(sentinels), timeout=timeout_s)
+        out = []
+        for obj in ready:
+            if obj in index:
+                rank = index[obj]
+                try:
+                    while obj.poll():
+                        msg = obj.recv()
+                        if msg[0] == "error":
+                            raise self._fail(f"{self.rank_names[rank]} failed: {msg[2]}")
+                        out.append((rank, msg))
+                except (EOFError, OSError):
+                    self._raise_dead(rank)
+        for obj in ready:
+            if obj in sentinels and not out:
+                self._raise_dead(sentinels[obj])
+        return out
+
+    def _raise_dead(self, rank: int) -> None:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        raise self._fail(f"{self.rank_names[rank]} (pid {proc.pid}) {_describe_exit(proc.exitcode)}")
+
+    def _fail(self, message: str) -> WorkerError:
+        self.close()
+        return WorkerError(message)
+
+    # --- stop -----------------------------------------------------------------------------------
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Asks every worker to stop, then terminates (and finally kills) the stragglers."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        for conn in self.conns:
+            conn.close()
+        self.store = None

@@ -1,0 +1,89 @@
+"""Pipeline timeline: per-rank busy time, bubble ratio, and a PNG of the micro-batches in flight.
+
+Workers record wall-clock intervals ("forward", "recv" wait, "send") per micro-batch. A rank's
+bubble ratio is the share of its replica's active window (first forward start to last forward
+end, over all the replica's ranks) in which it was not computing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Optional
+
+
+class PipelineStats:
+    """Running totals per rank, so a report never rescans the whole event history."""
+
+    def __init__(self, rank_meta: dict[int, dict]):
+        self.rank_meta = rank_meta          # rank -> {replica, stage, tp_rank}
+        self.busy = defaultdict(float)
+        self.recv_wait = defaultdict(float)
+        self.send = defaultdict(float)
+        self.micro_batches = defaultdict(int)
+        self.window: dict[int, list[float]] = {}   # replica -> [first start, last end]
+
+    def add(self, events: Iterable[dict]) -> None:
+        for e in events:
+            rank, dur = e["rank"], e["end"] - e["start"]
+            if e["kind"] == "forward":
+                self.busy[rank] += dur
+                self.micro_batches[rank] += 1
+                span = self.window.setdefault(e["replica"], [e["start"], e["end"]])
+                span[0], span[1] = min(span[0], e["start"]), max(span[1], e["end"])
+            elif e["kind"] == "recv":
+                self.recv_wait[rank] += dur
+            elif e["kind"] == "send":
+                self.send[rank] += dur
+
+    def summary(self) -> Optional[dict]:
+        if not self.busy:
+            return None
+        ranks = []
+        for rank in sorted(self.rank_meta):
+            meta = self.rank_meta[rank]
+            first, last = self.window.get(meta["replica"], (0.0, 0.0))
+            span = last - first
+            busy = self.busy.get(rank, 0.0)
+            ranks.append({"rank": rank, **meta, "micro_batches": self.micro_batches.get(rank, 0),
+                          "busy_s": round(busy, 3), "window_s": round(span, 3),
+                          "recv_wait_s": round(self.recv_wait.get(rank, 0.0), 3),
+                          "send_s": round(self.send.get(rank, 0.0), 3),
+                          "bubble_ratio": round(1.0 - busy / span, 4) if span > 0 else None})
+        stages: dict[int, list[float]] = defaultdict(list)
+        for r in ranks:
+            if r["bubble_ratio"] is not None:
+                stages[r["stage"]].append(r["bubble_ratio"])
+        return {"ranks": ranks,
+                "bubble_ratio_by_stage": {str(s): round(sum(v) / len(v), 4)
+                                          for s, v in sorted(stages.items())}}
+
+
+def plot_pipeline(events: list[dict], last_micro_batches: int = 48) -> Optional[bytes]:
+    """Gantt chart of the most recent micro-batches: one row per rank, forward bars coloured by
+    micro-batch, receive waits hatched."""
+    forwards = [e for e in events if e["kind"] == "forward"]
+    if not forwards:
+        return None
+    from ..plots import _figure, _png
+
+    recent = sorted({e["mb"] for e in forwards})[-last_micro_batches:]
+    keep = set(recent)
+    shown = [e for e in events if e["mb"] in keep and e["kind"] in ("forward", "recv")]
+    t0 = min(e["start"] for e in shown)
+    ranks = sorted({e["rank"] for e in shown})
+    row = {rank: i for i, rank in enumerate(ranks)}
+    plt, fig, ax = _figure(width=10.0, height=1.2 + 0.5 * len(ranks))
+    colours = plt.get_cmap("tab10")
+    for e in shown:
+        x, w = e["start"] - t0, e["end"] - e["start"]
+        y = row[e["rank"]]
+        if e["kind"] == "forward":
+            ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=colours(e["mb"] % 10))
+        else:
+            ax.broken_barh([(x, w)], (y - 0.15, 0.3), facecolors="none", edgecolors="grey",
+                           hatch="///")
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (forward: coloured by micro-batch; hatched: waiting to receive)")
+    ax.set_title(f"Pipeline timeline, last {len(recent)} micro-batches")
+    return _png(plt, fig)

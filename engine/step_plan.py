@@ -1,0 +1,88 @@
+"""A micro-batch as plain data: what every rank needs to run it, and nothing it can derive.
+
+The controller turns a scheduled `MicroBatch` into a `StepPlan` (token ids, query and sequence
+lengths, block tables, which rows sample); a worker (or the in-process executor) turns the plan
+into tensors. Stages after the first already know the shape of the activations they will receive
+from the plan (`num_tokens` x hidden size), so no per-step metadata travels with the tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import AttentionMetadata
+from .kv_cache import BlockManager
+from .request import Request
+from .scheduler import MicroBatch
+
+
+@dataclass
+class StepPlan:
+    mb_id: int
+    input_ids: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_items: list[int]            # batch item index of each sampled row
+    sample_request_ids: list[str]
+    sample_output_lens: list[int]      # tokens each sampled request has generated so far
+    new_requests: list[Request] = field(default_factory=list)  # first sight, for the sampling rank
+    released: list[str] = field(default_factory=list)          # finished since the last plan
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor       # rows of the hidden states that feed the sampler
+
+
+def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -> StepPlan:
+    """One pass over the batch; valid before the engine applies the step's results."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    sample_items, sample_ids, output_lens = [], [], []
+    for index, item in enumerate(batch.items):
+        seq, n = item.seq, item.num_tokens
+        start = seq.num_computed_tokens
+        prompt_len = seq.prompt_len
+        if start + n <= prompt_len:
+            ids.extend(seq.request.prompt_token_ids[start:start + n])
+        elif n == 1 and start >= prompt_len:  # the usual decode step: just the last output token
+            ids.append(seq.output_token_ids[start - prompt_len])
+        else:
+            ids.extend(seq.token_ids()[start:start + n])
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(block_manager.block_table(seq.request_id))
+        if item.samples:
+            sample_items.append(index)
+            sample_ids.append(seq.request_id)
+            output_lens.append(len(seq.output_token_ids))
+    return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens)
+
+
+def model_inputs(plan: StepPlan, block_size: int, device: torch.device) -> ModelInputs:
+    positions: list[int] = []
+    rows: list[int] = []
+    sampled = set(plan.sample_items)
+    end = 0
+    for index, (q_len, s_len) in enumerate(zip(plan.query_lens, plan.seq_lens)):
+        positions.extend(range(s_len - q_len, s_len))
+        end += q_len
+        if index in sampled:
+            rows.append(end - 1)
+    meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, block_size,
+                                   device)
+    return ModelInputs(
+        input_ids=torch.tensor(plan.input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        meta=meta,
+        logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
+    )

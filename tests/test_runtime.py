@@ -1,0 +1,217 @@
+"""Multi-process runtime: pipeline and data parallel workers give the single-process engine's
+tokens; layouts are checked before anything starts; a dead or failing worker is named quickly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.config import ParallelConfig
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.model.arch import arch_from_dict
+from batchinfer.engine.request import SamplingParams
+from batchinfer.engine.runtime.layout import ParallelLayout, even_layer_split
+from batchinfer.engine.runtime.pool import WorkerError, WorkerPool
+
+PROMPTS = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
+           "List three prime numbers:", "Explain photosynthesis in one paragraph, for a child "
+           "who has never heard of plants making food from light. " * 3, "1, 2, 3,"]
+SMALL = {"cache": {"kv_cache_memory": "64MiB"}, "model": {"max_model_len": 512}}
+
+
+def _arch(**over):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 1000, "max_position_embeddings": 512, **over}
+    return arch_from_dict(cfg, "test")
+
+
+# --- layout ----------------------------------------------------------------------------------------
+def test_even_split_and_rank_mapping():
+    assert even_layer_split(30, 2) == [15, 15] and even_layer_split(5, 3) == [2, 2, 1]
+    layout = ParallelLayout.resolve(ParallelConfig(tp=2, pp=2, dp=2), _arch(num_hidden_layers=6))
+    assert layout.world_size == 8 and layout.stage_range(1) == (3, 6)
+    info = layout.info(6)
+    assert (info.replica, info.stage, info.tp_rank) == (1, 1, 0)
+    assert layout.prev_rank(6) == 4 and layout.next_rank(6) is None and layout.next_rank(4) == 6
+    assert layout.tp_groups()[1] == [2, 3] and layout.sampling_rank(1) == 6
+    assert info.partition.layer_start == 3 and info.partition.tp_size == 2
+
+
+def test_impossible_layouts_name_the_key():
+    with pytest.raises(ConfigError, match=r"parallel.pp: pp=6 .* only 5 layers"):
+        ParallelLayout.resolve(ParallelConfig(pp=6), _arch())
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers: \[2, 2\] must list 2 positive"):
+        ParallelLayout.resolve(ParallelConfig(pp=2, pp_layers=[2, 2]), _arch())
+    with pytest.raises(ConfigError, match=r"parallel.tp: .*heads"):
+        ParallelLayout.resolve(ParallelConfig(tp=3), _arch())
+    assert ParallelLayout.resolve(ParallelConfig(pp=2, pp_layers=[1, 4]), _arch()).stage_range(1) == (1, 5)
+
+
+# --- parity with the single-process engine ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    engine = make_engine(**SMALL)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7,
+                            repetition_penalty=1.2, ignore_eos=True)
+    params = [greedy] * len(PROMPTS) + [seeded]
+    prompts = PROMPTS + ["Once upon a time"]
+    outs = engine.generate(prompts, params)
+    return prompts, params, [o.output_token_ids for o in outs]
+
+
+@pytest.mark.parametrize("parallel,scheduler", [
+    ({"pp": 2}, {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 64}),
+    ({"pp": 2, "pp_layers": [20, 10]}, {"policy": "sb"}),
+    ({"dp": 2}, {"policy": "hb"}),
+])
+def test_multiprocess_tokens_equal_single_process(make_engine, reference, parallel, scheduler):
+    prompts, params, expected = reference
+    with make_engine(**SMALL, parallel=parallel, scheduler=scheduler) as engine:
+        outs = engine.generate(prompts, params)
+        stats = engine.stats()
+    assert [o.output_token_ids for o in outs] == expected
+    ranks = stats["pipeline"]["ranks"]
+    assert len(ranks) == 2 and all(r["micro_batches"] > 0 for r in ranks)
+    assert all(0.0 <= r["bubble_ratio"] < 1.0 for r in ranks)
+
+
+DUMMY8 = {"load_format": "dummy", "max_model_len": 512,
+          "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                           "num_hidden_layers": 4}}
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "pp": 2}])
+def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine, parallel):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.output_token_ids for o in
+                make_engine(model=DUMMY8, cache=SMALL["cache"]).generate(PROMPTS, params)]
+    with make_engine(model=DUMMY8, cache=SMALL["cache"], parallel=parallel) as engine:
+        got = [o.output_token_ids for o in engine.generate(PROMPTS, params)]
+        ranks = engine.stats()["pipeline"]["ranks"]
+    assert got == expected
+    assert len(ranks) == 2 * parallel.get("pp", 1)
+
+
+# --- faults ----------------------------------------------------------------------------------------
+def test_killed_worker_is_named_within_seconds(make_engine):
+    engine = make_engine(**SMALL, parallel={"pp": 2})
+    victim = engine.replicas[0].executor.pool.procs[1]
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(_request(engine, f"r{i}", prompt, params))
+    for _ in range(3):
+        engine.step()
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 \(replica 0, stage 1, tp 0\).*SIGKILL"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - t0 < 10
+    assert not any(p.is_alive() for p in engine.replicas[0].executor.pool.procs)
+
+
+def _request(engine, rid, prompt, params):
+    from batchinfer.engine.request import Request
+
+    return Request(rid, engine.tokenizer.encode(prompt), params, prompt=prompt)
+
+
+class _Spec:
+    def __init__(self, rank):
+        self.rank = rank
+
+
+def test_worker_exception_is_reported_with_its_rank():
+    pool = WorkerPool(["rank 0 (stage 0)", "rank 1 (stage 1)"])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank \d \(stage \d\) failed: ValueError: weights for layer 7"):
+        pool.start(failing_worker_entry, [_Spec(0), _Spec(1)], timeout_s=60)
+        for _ in range(10):
+            pool.pump(5.0)
+    assert pool.closed and not any(p.is_alive() for p in pool.procs)
+    assert time.monotonic() - t0 < 30  # the sleeping workers were stopped, not waited for
+
+
+def failing_worker_entry(spec, conn):
+    conn.send(("ready", spec.rank, {}))
+    conn.send(("error", spec.rank, "ValueError: weights for layer 7 are missing"))
+    time.sleep(30)
+
+
+TINY_PP_RECIPE = """
+model:
+  load_format: dummy
+  max_model_len: 256
+  hf_overrides: {num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128,
+                 num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}
+sampling: {max_tokens: 32, temperature: 0.8}
+strategy: {name: baseline, max_num_seqs: 8}
+parallel: {pp: 2}
+memory: {kv_cache_memory: 8MiB}
+io: {max_in_flight: 16}
+report: {refresh_seconds: 0.5, plots: true, progress_interval_seconds: 1}
+"""
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The run's worker processes (spawned children running the worker entry point)."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            found.append(child)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_kill_a_worker_then_resume_exactly_once(tmp_path):
+    recipe = tmp_path / "pp.yaml"
+    recipe.write_text(TINY_PP_RECIPE)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Count to {i}:"}) + "\n"
+                               for i in range(60)))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "batchinfer.cli", "run", str(recipe), "--input", str(prompts),
+           "--output", str(out), "--progress", "lines"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs = out / "outputs.jsonl"
+    deadline = time.monotonic() + 120
+    while (not outputs.exists() or outputs.read_bytes().count(b"\n") < 10) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    t0 = time.monotonic()
+    log, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == 3, log
+    assert "rank 1" in log and "SIGKILL" in log
+    done_before = outputs.read_bytes().count(b"\n")
+    assert 10 <= done_before < 60
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    ids = [json.loads(line)["id"] for line in outputs.read_text().splitlines()]
+    errors = (out / "errors.jsonl").read_text().splitlines() if (out / "errors.jsonl").exists() else []
+    assert sorted(ids) == sorted(f"q{i}" for i in range(60)) and not errors
+    report = json.loads((out / "report.json").read_text())
+    assert report["session"]["pipeline"]["ranks"][0]["micro_batches"] > 0
+    assert (out / "plots" / "pipeline_timeline.png").stat().st_size > 1000
