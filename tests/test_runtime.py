@@ -16,7 +16,8 @@ from batchinfer.engine.config import ParallelConfig
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.arch import arch_from_dict
 from batchinfer.engine.request import SamplingParams
-from batchinfer.engine.runtime.layout import ParallelLayout, even_layer_split
+from batchinfer.engine.runtime.layout import (ParallelLayout, compute_balanced_split,
+                                              even_layer_split)
 from batchinfer.engine.runtime.pool import WorkerError, WorkerPool
 
 PROMPTS = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
@@ -35,13 +36,23 @@ def _arch(**over):
 # --- layout ----------------------------------------------------------------------------------------
 def test_even_split_and_rank_mapping():
     assert even_layer_split(30, 2) == [15, 15] and even_layer_split(5, 3) == [2, 2, 1]
-    layout = ParallelLayout.resolve(ParallelConfig(tp=2, pp=2, dp=2), _arch(num_hidden_layers=6))
+    layout = ParallelLayout.resolve(ParallelConfig(tp=2, pp=2, dp=2, pp_balance="layers"),
+                                    _arch(num_hidden_layers=6))
     assert layout.world_size == 8 and layout.stage_range(1) == (3, 6)
     info = layout.info(6)
     assert (info.replica, info.stage, info.tp_rank) == (1, 1, 0)
     assert layout.prev_rank(6) == 4 and layout.next_rank(6) is None and layout.next_rank(4) == 6
     assert layout.tp_groups()[1] == [2, 3] and layout.sampling_rank(1) == 6
     assert info.partition.layer_start == 3 and info.partition.tp_size == 2
+
+
+def test_default_split_balances_compute_with_the_lm_head_on_the_last_stage():
+    smollm2 = _arch(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    assert ParallelLayout.resolve(ParallelConfig(pp=2), smollm2).layers_per_stage == (19, 11)
+    assert compute_balanced_split(smollm2, 3) == [13, 12, 5]
+    tiny_head = _arch(num_hidden_layers=8, vocab_size=16)
+    assert compute_balanced_split(tiny_head, 2) == [4, 4]
 
 
 def test_impossible_layouts_name_the_key():

@@ -207,15 +207,10 @@ def _tp_worker(rank, world, init_file, out_dir, model_dir, overrides, dummy, pro
         dist.destroy_process_group()
 
 
-def _run_tp(tmp_path, world, model_dir, overrides, dummy, prompts, steps, names, monkeypatch):
-    import sys
-
+def _run_tp(tmp_path, world, model_dir, overrides, dummy, prompts, steps, names):
     import torch.multiprocessing as mp
 
-    # the spawned children import this module by name: make its root importable there
-    root = Path(__file__).resolve().parents[_tp_worker.__module__.count(".")]
-    monkeypatch.syspath_prepend(str(root))
-    assert sys.modules[_tp_worker.__module__].__file__ == __file__
+    # the spawned children import this module by name (pyproject's pytest `pythonpath`)
     mp.start_processes(_tp_worker, nprocs=world, join=True, start_method="spawn",
                        args=(world, tmp_path / "tp_init", tmp_path, str(model_dir), overrides, dummy,
                              prompts, steps, names))
@@ -241,21 +236,19 @@ def _check_same(ranks, reference, atol):
             assert torch.equal(tokens, ref_tokens), name
 
 
-def test_tp2_dummy_weights_match_single_process(tmp_path, default_model_dir, monkeypatch):
+def test_tp2_dummy_weights_match_single_process(tmp_path, default_model_dir):
     both = ("torch", "native")
-    ranks = _run_tp(tmp_path, 2, default_model_dir, TP2_MODEL, True, PROMPTS, DECODE_STEPS, both,
-                    monkeypatch)
+    ranks = _run_tp(tmp_path, 2, default_model_dir, TP2_MODEL, True, PROMPTS, DECODE_STEPS, both)
     reference = _reference(default_model_dir, TP2_MODEL, True, PROMPTS, DECODE_STEPS, both)
     assert reference["torch"][0].shape == (DECODE_STEPS + 1, len(PROMPTS), 5001)
     _check_same(ranks, reference, atol=2e-5)
 
 
-def test_tp3_real_weights_match_single_process(tmp_path, default_model_dir, monkeypatch):
+def test_tp3_real_weights_match_single_process(tmp_path, default_model_dir):
     """SmolLM2's 9 heads / 3 kv heads / 1536 intermediate split by 3, its real weights read with
     get_slice. To stay fast (three processes share two cores): its first 8 layers, one backend."""
     first_layers = {"num_hidden_layers": 8}
     prompts, steps, names = [list(range(1000, 1012)), [42, 7, 1999]], 3, (_backends()[-1][0].name,)
-    ranks = _run_tp(tmp_path, 3, default_model_dir, first_layers, False, prompts, steps, names,
-                    monkeypatch)
+    ranks = _run_tp(tmp_path, 3, default_model_dir, first_layers, False, prompts, steps, names)
     reference = _reference(default_model_dir, first_layers, False, prompts, steps, names)
     _check_same(ranks, reference, atol=5e-4)

@@ -36,6 +36,22 @@ def even_layer_split(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if stage < extra else 0) for stage in range(pp)]
 
 
+def compute_balanced_split(arch: ModelArch, pp: int) -> list[int]:
+    """Layers per stage so that each stage does about the same matmul work per generated token:
+    the last stage also runs the LM head (on SmolLM2 as much as ~8 decoder layers), so it gets
+    fewer layers; the others share the rest evenly."""
+    layers = arch.num_layers
+    if pp == 1:
+        return [layers]
+    per_layer = arch.flops_per_token() / 2 - arch.vocab_size * arch.hidden_size
+    per_layer /= layers
+    head = arch.vocab_size * arch.hidden_size
+    target = (layers * per_layer + head) / pp
+    last = int(round((target - head) / per_layer)) if per_layer > 0 else layers // pp
+    last = min(max(1, last), layers - (pp - 1))
+    return even_layer_split(layers - last, pp - 1) + [last]
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int
@@ -55,6 +71,8 @@ class ParallelLayout:
             if len(split) != pp or sum(split) != layers or min(split) < 1:
                 raise ConfigError(f"parallel.pp_layers: {split} must list {pp} positive layer "
                                   f"counts (one per stage) summing to the model's {layers} layers")
+        elif config.pp_balance == "compute":
+            split = compute_balanced_split(arch, pp)
         else:
             split = even_layer_split(layers, pp)
         if tp > 1:
