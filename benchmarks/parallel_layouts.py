@@ -48,7 +48,7 @@ def _requests(path: Path, n: int) -> list[dict]:
     return rows
 
 
-def run_config(name: str, n: int) -> dict:
+def run_config(name: str, n: int, pp_layers: list[int] | None = None) -> dict:
     """Inside a fresh process."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
@@ -57,6 +57,8 @@ def run_config(name: str, n: int) -> dict:
     sections = json.loads(json.dumps(CONFIGS[name]))
     sections.setdefault("model", {})["max_model_len"] = 2048
     sections.setdefault("scheduler", {}).setdefault("max_num_seqs", 256)
+    if pp_layers and sections.get("parallel", {}).get("pp", 1) > 1:
+        sections["parallel"]["pp_layers"] = pp_layers
     rows = _requests(WORKLOAD, n)
     with Engine.from_config(EngineConfig(**sections)) as engine:
         engine.generate(["warm-up"], SamplingParams(max_tokens=2, temperature=0))
@@ -69,7 +71,8 @@ def run_config(name: str, n: int) -> dict:
     n_in = sum(o.num_prompt_tokens for o in outs)
     n_out = sum(o.num_output_tokens for o in outs)
     pipeline = stats.get("pipeline") or {}
-    return {"config": name, "requests": len(outs), "elapsed_s": round(elapsed, 2),
+    return {"config": name, "layers_per_stage": engine.info.get("layers_per_stage"),
+            "requests": len(outs), "elapsed_s": round(elapsed, 2),
             "output_tok_per_s": round(n_out / elapsed, 1),
             "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
             "requests_per_s": round(len(outs) / elapsed, 3),
@@ -83,15 +86,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--pp-layers", type=int, nargs="+", default=None,
+                    help="layers per stage for the pp configurations (default: the engine's split)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(run_config(args.worker, args.requests)))
+        print(json.dumps(run_config(args.worker, args.requests, args.pp_layers)))
         return
     results = {}
     for name in args.only:
+        extra = ["--pp-layers", *map(str, args.pp_layers)] if args.pp_layers else []
         proc = subprocess.run([sys.executable, __file__, "--worker", name, "--requests",
-                               str(args.requests)], capture_output=True, text=True)
+                               str(args.requests), *extra], capture_output=True, text=True)
         if proc.returncode != 0:
             results[name] = {"error": proc.stderr.strip().splitlines()[-1:]}
             continue

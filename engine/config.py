@@ -92,10 +92,10 @@ class ParallelConfig(_Strict):
     pp: int = Field(1, ge=1, description="pipeline-parallel depth")
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     pp_layers: Optional[list[int]] = Field(
-        None, description="layers per pipeline stage, e.g. [19, 11]; default: from pp_balance")
+        None, description="layers per pipeline stage, e.g. [17, 13]; default: from pp_balance")
     pp_balance: Literal["compute", "layers"] = Field(
-        "compute", description="default split: equal matmul work per stage (the last stage's LM "
-                               "head counted) or equal layer counts")
+        "compute", description="default split: equal work per generated token on each stage (the "
+                               "last stage's LM head counted) or equal layer counts")
     threads_per_rank: Optional[int] = Field(
         None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
     step_timeout_seconds: float = Field(

@@ -49,8 +49,10 @@ def test_even_split_and_rank_mapping():
 def test_default_split_balances_compute_with_the_lm_head_on_the_last_stage():
     smollm2 = _arch(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
-    assert ParallelLayout.resolve(ParallelConfig(pp=2), smollm2).layers_per_stage == (19, 11)
-    assert compute_balanced_split(smollm2, 3) == [13, 12, 5]
+    assert ParallelLayout.resolve(ParallelConfig(pp=2), smollm2).layers_per_stage == (17, 13)
+    assert compute_balanced_split(smollm2, 3) == [12, 11, 7]
+    # decode-only, short contexts: the head weighs its GEMM FLOPs alone (~8 layers)
+    assert compute_balanced_split(smollm2, 2, prompt_per_output=0, mean_context=0) == [19, 11]
     tiny_head = _arch(num_hidden_layers=8, vocab_size=16)
     assert compute_balanced_split(tiny_head, 2) == [4, 4]
 

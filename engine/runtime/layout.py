@@ -36,18 +36,34 @@ def even_layer_split(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if stage < extra else 0) for stage in range(pp)]
 
 
-def compute_balanced_split(arch: ModelArch, pp: int) -> list[int]:
-    """Layers per stage so that each stage does about the same matmul work per generated token:
-    the last stage also runs the LM head (on SmolLM2 as much as ~8 decoder layers), so it gets
-    fewer layers; the others share the rest evenly."""
+# What a decoder layer costs per generated token beside its GEMMs. Defaults: ShareGPT's mean
+# lengths (107-token prompts, 296-token replies) and this class of CPU (165 GFLOP/s, 23 GB/s).
+PROMPT_TOKENS_PER_OUTPUT = 107 / 296
+MEAN_CONTEXT_TOKENS = 107 + 296 / 2
+FLOPS_PER_BYTE = 165 / 23
+
+
+def compute_balanced_split(arch: ModelArch, pp: int,
+                           prompt_per_output: float = PROMPT_TOKENS_PER_OUTPUT,
+                           mean_context: float = MEAN_CONTEXT_TOKENS,
+                           flops_per_byte: float = FLOPS_PER_BYTE) -> list[int]:
+    """Layers per stage so that each stage does about the same work per generated token.
+
+    The last stage also runs the LM head, once per generated token, while a decoder layer also
+    runs on the prompt tokens (1 + prompt/output tokens per generated token) and reads the KV
+    cache at the mean context (memory-bound: its bytes are charged at the machine's FLOP/byte
+    balance). On SmolLM2 with ShareGPT-like lengths the head then weighs about 4 layers and pp=2
+    splits 17 + 13 (benchmarks/parallel_layouts.py: stage bubbles 10% / 12%, against 4% / 24% for
+    19 + 11, which counts GEMM FLOPs alone)."""
     layers = arch.num_layers
     if pp == 1:
         return [layers]
-    per_layer = arch.flops_per_token() / 2 - arch.vocab_size * arch.hidden_size
-    per_layer /= layers
-    head = arch.vocab_size * arch.hidden_size
+    head = 2 * arch.vocab_size * arch.hidden_size
+    gemm_per_layer = (arch.flops_per_token() - head) / layers
+    kv_bytes = 2 * arch.kv_size * 4 * mean_context
+    per_layer = (gemm_per_layer + kv_bytes * flops_per_byte) * (1 + prompt_per_output)
     target = (layers * per_layer + head) / pp
-    last = int(round((target - head) / per_layer)) if per_layer > 0 else layers // pp
+    last = int(round((target - head) / per_layer))
     last = min(max(1, last), layers - (pp - 1))
     return even_layer_split(layers - last, pp - 1) + [last]
 
