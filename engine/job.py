@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..predictors.history import history_record, spec_text
 from .admission import build_request, prompt_token_ids
 from .errors import RequestError
 from .request import FinishReason
@@ -82,6 +83,7 @@ class Job:
                                   spec.shard, limit=spec.limit)
         self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
         self.engine = None
+        self.predictor = None                  # the recipe's output-length predictor
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
         self.stop_signal: Optional[int] = None
@@ -191,10 +193,22 @@ class Job:
                 from .engine import Engine
 
                 factory = Engine.from_config
+            # the predictor first: a bad predictor directory is a usage error (exit 2)
+            self.predictor = self._build_predictor()
             self.engine = factory(self.recipe.engine_config())
             self.engine.drain_step_events()
             self.metrics.start(self.engine.stats(), self.clock())
         self.metrics.phases_s["load"] += time.perf_counter() - t
+
+    def _build_predictor(self):
+        """The recipe's length predictor; none needs no prediction pass at all."""
+        cfg = self.recipe.predictor
+        if cfg.name == "none":
+            return None
+        from ..predictors import make_predictor
+
+        device = self.recipe.device.device
+        return make_predictor(cfg, device=None if device == "auto" else device)
 
     # --- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -218,32 +232,66 @@ class Job:
                         "resume", len(dropped))
 
     def _fill(self, records) -> bool:
-        """Reads and admits records until max_in_flight are pending; True when input is exhausted."""
+        """Reads and admits records until max_in_flight are pending; True when input is exhausted.
+
+        The records read in one call are tokenized one by one, then predicted in one batch (the
+        length predictor runs before scheduling), then handed to the engine."""
         t = time.perf_counter()
         limit = self.recipe.max_in_flight
+        batch: list = []
+        exhausted = False
         try:
             while self._sink.pending < limit and self.stop_signal is None:
                 item = next(records, None)
                 if item is None:
-                    return True
+                    exhausted = True
+                    break
                 order = self._sink.admit()
                 if isinstance(item, InputError):
                     self._sink.submit(order, ("error", item))
                     continue
-                self._admit(item, order)
-            return False
+                request = self._prepare(item, order)
+                if request is not None:
+                    batch.append((item, request))
         finally:
             self.metrics.phases_s["input"] += time.perf_counter() - t
+        self._predict([request for _, request in batch])
+        for spec, request in batch:
+            self._add(spec, request)
+        return exhausted
 
-    def _admit(self, spec: RequestSpec, order: int) -> None:
+    def _prepare(self, spec: RequestSpec, order: int):
+        """Tokenizes `spec` into an engine Request; a RequestError becomes its error record."""
         try:
             tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
-            self.engine.add_request(build_request(spec, self.engine.tokenizer, order,
-                                                  tokens=tokens))
+            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens)
+        except RequestError as exc:
+            self._request_error(spec, order, exc)
+            return None
+        if self.recipe.predictor.history or self.predictor is not None:
+            request.payload.prompt_text = spec_text(spec.prompt, spec.messages, tokens,
+                                                    self.engine.tokenizer)
+        return request
+
+    def _predict(self, requests: list) -> None:
+        if self.predictor is None or not requests:
+            return
+        t = time.perf_counter()
+        for request, length in zip(requests, self.predictor.predict(requests)):
+            request.predicted_output_len = length
+            request.payload.predicted_tokens = length
+        self.metrics.phases_s["predict"] += time.perf_counter() - t
+
+    def _add(self, spec: RequestSpec, request) -> None:
+        try:
+            self.engine.add_request(request)
             self.metrics.on_admit(self.clock())
         except RequestError as exc:
-            payload = RequestPayload.from_spec(spec, order)
-            self._sink.submit(order, ("request_error", (payload, spec.request_id, exc)))
+            self._request_error(spec, request.payload.order, exc)
+
+    def _request_error(self, spec: RequestSpec, order: int, exc: RequestError) -> None:
+        payload = RequestPayload.from_spec(spec, order)
+        self._sink.submit(order, ("request_error", (payload, spec.request_id, exc)))
 
     def _write(self, kind: str, item) -> None:
         """Called by the sink, in output order."""
@@ -259,6 +307,8 @@ class Job:
             self.metrics.on_error(code, now)
         elif kind == "output":
             self.run_dir.write_output(output_record(item, item.payload, self.engine.model_id))
+            if self.recipe.predictor.history:
+                self.run_dir.write_history(self._history_record(item))
             self.metrics.on_result(item, now)
         elif kind == "error":
             self.run_dir.write_error(input_error_record(item, openai_input))
@@ -273,6 +323,13 @@ class Job:
             m = self.metrics
             self._progress.update(m.completed, m.failed, m.completion_tokens)
         self.metrics.phases_s["write"] += time.perf_counter() - t
+
+    def _history_record(self, out) -> dict:
+        payload = out.payload
+        return history_record(out.request_id, payload.prompt_text, out.num_prompt_tokens,
+                              out.num_output_tokens, out.finish_reason, self.engine.model_id,
+                              payload.max_tokens, payload.predicted_tokens,
+                              prompts=self.recipe.predictor.history_prompts)
 
     def _tick(self, force: bool = False) -> None:
         now = self.clock()
@@ -308,6 +365,10 @@ class Job:
         if m.first_admit_t is not None:
             window = [round(self._wall0 + m.first_admit_t, 3),
                       round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
+        if self.predictor is not None:
+            pred = self.predictor.stats()
+            pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
+            summary["predictor"] = pred
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 

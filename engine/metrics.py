@@ -29,8 +29,10 @@ DEFINITIONS = {
     "latency_s.ttft": "per request: from admission to the engine to its first generated token",
     "latency_s.tpot": "per request: (e2e - ttft) / (generated tokens - 1), time per output token",
     "kv.usage": "share of KV cache blocks in use, per engine step (time-weighted mean, max)",
-    "phases_s": "wall time spent per phase: model load, reading+tokenizing input, engine steps "
-                "by batch phase, writing results, rendering reports",
+    "phases_s": "wall time spent per phase: model load, reading+tokenizing input, output-length "
+                "prediction, engine steps by batch phase, writing results, rendering reports",
+    "predictor": "the output-length predictor's inference: requests, batches, seconds and share "
+                 "of the job's elapsed time",
 }
 
 

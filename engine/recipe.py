@@ -7,7 +7,7 @@
     memory:   {kv_cache_memory, block_size, ...}       -> engine CacheConfig
     device:   {device, num_threads, ...}               -> engine DeviceConfig
     io:       {input_format, output_dir, output_order, prompt_field, ...}
-    predictor: {name: none}
+    predictor: {name: none|mean|oracle|bert, path, history_prompts, ...}
     report:   {refresh_seconds, plots, ...}
 
 The sections compose the engine's own pydantic models, so a key means the same thing in a recipe
@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
-                      field_validator)
+                      ValidationInfo, field_validator)
 
 from .config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                      SchedulerConfig, parse_size)
@@ -71,7 +71,55 @@ def strategy_class(name: Any) -> type[StrategyParams]:
 
 # --- the other sections ---------------------------------------------------------------------------
 class PredictorConfig(_Strict):
-    name: Literal["none"] = Field("none", description="output-length predictor; only none for now")
+    """Output-length predictor (TD-Pipe §3.3) and the history every run writes to train it."""
+
+    name: Literal["none", "mean", "oracle", "bert"] = Field(
+        "none", description="none: each request's max_tokens; mean: a history's mean; oracle: "
+        "the true length from the input line; bert: a trained BERT length classifier")
+    path: Optional[str] = Field(None, validate_default=True, description="bert: a directory made "
+                                "by `batchinfer predictor train`; mean: that, or a run directory "
+                                "holding history.jsonl")
+    oracle_field: str = Field("max_tokens", description="oracle: where the input line holds the "
+                              "true output length: max_tokens (a replayed trace sets it to the "
+                              "recorded length, with ignore_eos) or metadata.<key>")
+    batch_size: int = Field(64, ge=1, description="requests per predictor forward pass")
+    history: bool = Field(True, description="append one history.jsonl line per finished request "
+                          "(the training data of `batchinfer predictor train`)")
+    history_prompts: Literal["text", "hash"] = Field(
+        "text", description="text: keep each prompt in history.jsonl; hash: only its sha256")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v, info: ValidationInfo):
+        if "name" not in info.data:   # the name itself is wrong: that is the error to show
+            return v
+        name = info.data["name"]
+        if name not in ("bert", "mean"):
+            if v is not None:
+                raise ValueError(f"only the bert and mean predictors read a path (name is {name})")
+            return v
+        if not v:
+            need = ("a directory made by `batchinfer predictor train`" if name == "bert" else
+                    "a trained predictor directory or a run directory holding history.jsonl")
+            raise ValueError(f"the {name} predictor needs a path: {need}")
+        path = Path(v)
+        if not path.is_dir():
+            raise ValueError(f"{v}: no such directory")
+        if (path / "predictor.json").is_file():
+            return v
+        if name == "mean" and ((path / "history.jsonl").is_file()
+                               or any(path.glob("part-*-of-*/history.jsonl"))):
+            return v
+        what = "predictor.json" if name == "bert" else "predictor.json or history.jsonl"
+        raise ValueError(f"{v}: no {what} there (train a predictor with `batchinfer predictor "
+                         "train --history RUN_DIR --out DIR`)")
+
+    @field_validator("oracle_field")
+    @classmethod
+    def _oracle_field(cls, v: str):
+        if v == "max_tokens" or (v.startswith("metadata.") and len(v) > len("metadata.")):
+            return v
+        raise ValueError("use max_tokens or metadata.<key>")
 
 
 InputFormat = Literal["auto", "jsonl", "openai", "parquet", "arrow", "csv", "json"]

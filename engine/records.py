@@ -25,11 +25,16 @@ class RequestPayload:
     openai_url: Optional[str] = None
     openai_model: Optional[str] = None
     order: int = 0               # admission order in this session (for output_order: input)
+    # for history.jsonl (the length predictors' training data)
+    prompt_text: Optional[str] = None    # the prompt as predictors see it (chat rendered)
+    max_tokens: Optional[int] = None
+    predicted_tokens: Optional[int] = None
 
     @classmethod
     def from_spec(cls, spec: RequestSpec, order: int) -> "RequestPayload":
         return cls(line=spec.line, metadata=spec.metadata, custom_id=spec.custom_id,
-                   openai_url=spec.openai_url, openai_model=spec.extra.get("model"), order=order)
+                   openai_url=spec.openai_url, openai_model=spec.extra.get("model"), order=order,
+                   max_tokens=spec.sampling.max_tokens if spec.sampling is not None else None)
 
 
 def _short_hash(text: str) -> str:

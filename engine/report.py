@@ -115,6 +115,14 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     if phases:
         out += ["## Time per phase (seconds)", ""]
         out += _table(list(phases), [list(phases.values())])
+    predictor = s.get("predictor") or {}
+    if predictor:
+        share = predictor.get("share_of_job")
+        out += ["## Output-length predictor", "",
+                f"`{predictor.get('name')}`: {predictor.get('requests')} requests in "
+                f"{predictor.get('calls')} batches, {predictor.get('seconds')} s "
+                f"({predictor.get('ms_per_request') or 0:.3f} ms per request, "
+                f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time).", ""]
     decisions = s.get("strategy_decisions") or {}
     if decisions:
         by_phase = decisions.get("steps_by_phase") or {}

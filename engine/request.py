@@ -102,6 +102,9 @@ class Request:
     prompt: Optional[str] = None
     arrival_index: int = 0
     payload: Any = None
+    # output tokens the recipe's length predictor expects (set before scheduling; None: no
+    # prediction was made). Strategies that simulate future KV use (TD-Pipe) read it.
+    predicted_output_len: Optional[int] = None
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The run directory: the only code that writes (or reads back) a job's files.
 
     outputs.jsonl        one record per finished request, appended and flushed as it completes
+    history.jsonl        per finished request: prompt, token counts, finish reason, model (the
+                         length predictors' training data; predictors/history.py)
     errors.jsonl         one record per failed request or bad input line (with its line number)
     metrics.jsonl        timeline samples
     report.json / .md    refreshed while the job runs; plots/*.png beside them
@@ -36,7 +38,8 @@ from .records import record_id
 
 log = logging.getLogger(__name__)
 
-OUTPUTS, ERRORS, METRICS = "outputs.jsonl", "errors.jsonl", "metrics.jsonl"
+OUTPUTS, ERRORS, METRICS, HISTORY = ("outputs.jsonl", "errors.jsonl", "metrics.jsonl",
+                                     "history.jsonl")
 REPORT_JSON, REPORT_MD, RECIPE, MANIFEST, PLOTS, LOCK = (
     "report.json", "report.md", "recipe.resolved.yaml", "run.json", "plots", ".lock")
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})$")
@@ -174,11 +177,12 @@ class RunDir:
     def _load_prior(self, repair: bool) -> PriorState:
         prior = PriorState()
         if repair:
-            for name in (OUTPUTS, ERRORS, METRICS):
+            for name in (OUTPUTS, ERRORS, METRICS, HISTORY):
                 dropped = repair_torn_tail(self.path / name)
                 if dropped:
                     log.warning("%s: removed a torn last line (%d bytes) left by an interrupted "
-                                "run; that request runs again", self.path / name, dropped)
+                                "run%s", self.path / name, dropped,
+                                "; that request runs again" if name in (OUTPUTS, ERRORS) else "")
                     prior.torn_bytes += dropped
         for record in iter_jsonl_file(self.path / OUTPUTS):
             rid = record_id(record)
@@ -214,6 +218,9 @@ class RunDir:
 
     def write_metrics(self, sample: dict) -> None:
         self._writer(METRICS).write(sample)
+
+    def write_history(self, record: dict) -> None:
+        self._writer(HISTORY).write(record)
 
     def sync(self) -> None:
         """fsync the result files: flushed lines survive a process crash, synced ones a power cut."""

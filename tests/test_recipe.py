@@ -130,9 +130,13 @@ def test_parallel_values_are_checked(tmp_path):
     assert "parallel.tp" in text and "greater than or equal to 1" in text
 
 
-def test_predictor_only_none(tmp_path):
+def test_predictor_names_and_paths(tmp_path):
+    (text,) = _problems(tmp_path, "predictor: {name: bret}\n")
+    assert "predictor.name" in text and "'none'" in text and "'bert'" in text
     (text,) = _problems(tmp_path, "predictor: {name: bert}\n")
-    assert "predictor.name" in text and "'none'" in text
+    assert "line 1, predictor.path" in text and "needs a path" in text
+    (text,) = _problems(tmp_path, f"predictor:\n  name: bert\n  path: {tmp_path}\n")
+    assert "line 3, predictor.path" in text and "no predictor.json" in text
 
 
 def test_bad_sizes(tmp_path):

@@ -1,0 +1,181 @@
+"""`batchinfer predictor train|eval`: the output-length predictor, trained on run history."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import fail, setup_logging, user_errors
+
+HELP = """Train and evaluate the output-length predictor (TD-Pipe's BERT classifier).
+
+Every `batchinfer run` appends one line per finished request to history.jsonl in its run directory; that history is the training data.
+
+Example:
+
+    batchinfer predictor train --history runs/predictor_history__predictor_prompts --out runs/length_predictor
+    batchinfer predictor eval runs/length_predictor --history runs/predictor_history__predictor_prompts
+
+Then use it in a recipe:  predictor: {name: bert, path: runs/length_predictor}"""
+
+TRAIN_HELP = """Train a BERT length classifier on run history (60/20/20 split).
+
+Classes are ranges between percentiles of the training output lengths ([P0,P25) ... [P99,inf) by default); the predicted length is the class's training mean. Writes DIR/predictor.json and DIR/README.md (the model card: data, classes, test metrics), weights.safetensors and split.json.
+
+Example:
+
+    batchinfer predictor train --history runs/predictor_history__predictor_prompts --out runs/length_predictor"""
+
+EVAL_HELP = """Evaluate a trained predictor on history it did not train on.
+
+Reports per-request class accuracy (and the majority-class baseline) and TD-Pipe Fig. 14's accumulated error: the mean over groups of N requests of |sum predicted - sum actual| / sum actual, for N = 1, 8, 32, 128, 256. By default records of the predictor's own train and validation splits are left out.
+
+Example:
+
+    batchinfer predictor eval runs/length_predictor --history runs/predictor_history__predictor_prompts"""
+
+app = typer.Typer(name="predictor", help=HELP, no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise fail(f"{what} {text!r}: give comma-separated numbers, e.g. 0,25,50,75,99") from None
+
+
+def _read(history: list[Path], model: Optional[str]):
+    from batchinfer.predictors.history import read_history
+
+    try:
+        data = read_history(history, model=model, need_text=True)
+    except FileNotFoundError as exc:
+        raise fail(f"--history {exc}") from None
+    models = data.models()
+    if model is None and len(models) > 1:
+        listed = ", ".join(f"{m} ({n})" for m, n in models.most_common())
+        raise fail(f"the history holds outputs of {len(models)} models ({listed}); a predictor is "
+                   "per model: pick one with --model")
+    return data
+
+
+@app.command("train", help=TRAIN_HELP)
+def train(
+    history: list[Path] = typer.Option(..., "--history", help="Run directory (or history.jsonl); "
+                                       "repeat the option for several."),
+    out: Path = typer.Option(..., "--out", "-o", help="Predictor directory to write."),
+    model: Optional[str] = typer.Option(None, "--model", help="Only history of this model id "
+                                        "(needed when the history mixes models)."),
+    percentiles: str = typer.Option("0,25,50,75,99", help="Class edges as percentiles of the "
+                                    "training output lengths."),
+    epochs: int = typer.Option(40, min=1, help="Training epochs (the best on validation is kept)."),
+    train_layers: int = typer.Option(0, min=0, max=6, help="Top encoder layers to fine-tune with "
+                                     "the head (0: head only, fast)."),
+    lr: float = typer.Option(1e-3, help="Head learning rate."),
+    batch_size: int = typer.Option(64, min=1, help="Batch size for training and inference."),
+    pooling: str = typer.Option("cls", help="cls (the paper's [CLS] state) or mean."),
+    max_length: int = typer.Option(512, min=8, max=512, help="Prompt tokens the encoder reads."),
+    seed: int = typer.Option(0, help="Seed for the split, the head's init and the shuffles."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the model card as JSON."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    setup_logging(verbose)
+    if pooling not in ("cls", "mean"):
+        raise fail(f"--pooling {pooling!r}: use cls or mean")
+    from batchinfer.predictors.train import TrainConfig, train_predictor
+
+    cfg = TrainConfig(percentiles=_floats(percentiles, "--percentiles"), seed=seed, epochs=epochs,
+                      batch_size=batch_size, lr=lr, train_layers=train_layers, pooling=pooling,
+                      max_length=max_length, device=device)
+    with user_errors():
+        data = _read(history, model)
+        card = train_predictor(data.records, out, cfg, sources=[str(h) for h in history],
+                               skipped=dict(data.skipped)).card
+    if as_json:
+        typer.echo(json.dumps(card, indent=2))
+        return
+    _print_card(card, out)
+
+
+@app.command("eval", help=EVAL_HELP)
+def evaluate(
+    predictor_dir: Path = typer.Argument(..., help="A directory made by `predictor train`."),
+    history: list[Path] = typer.Option(..., "--history", help="Run directory (or history.jsonl); "
+                                       "repeat the option for several."),
+    all_records: bool = typer.Option(False, "--all", help="Also records the predictor trained "
+                                     "or validated on."),
+    groups: str = typer.Option("1,8,32,128,256", help="Group sizes N of the accumulated error."),
+    rounds: int = typer.Option(20, min=1, help="Shuffles averaged in the accumulated error."),
+    seed: int = typer.Option(0, help="Seed of those shuffles."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    setup_logging(verbose)
+    from batchinfer.predictors.bert import BertLengthPredictor
+    from batchinfer.predictors.train import evaluate as run_eval
+    from batchinfer.predictors.train import held_out, load_split
+
+    sizes = tuple(int(n) for n in _floats(groups, "--groups"))
+    with user_errors():
+        predictor = BertLengthPredictor.load(predictor_dir, device=device)
+        models = predictor.card["data"].get("models") or []
+        data = _read(history, models[0] if len(models) == 1 else None)
+        records = data.records if all_records else held_out(data.records, load_split(predictor_dir))
+        if not records:
+            raise fail(f"no held-out records in {', '.join(map(str, history))} (every one was used "
+                       "for training or validation); pass other history or --all")
+        metrics = run_eval(predictor, records, sizes, rounds, seed)
+    metrics["held_out_only"] = not all_records
+    if as_json:
+        typer.echo(json.dumps(metrics, indent=2))
+        return
+    _print_metrics(metrics, f"{predictor_dir} on {metrics['records']} "
+                   f"{'records' if all_records else 'held-out records'}")
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.2f}%"
+
+
+def _print_metrics(m: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{title}[/bold]")
+    console.print(f"class accuracy {_pct(m['class_accuracy'])} (majority class "
+                  f"{_pct(m['majority_class_accuracy'])}), mean abs error "
+                  f"{m['mean_abs_error_tokens']} tokens, inference "
+                  f"{m['inference_ms_per_request']} ms/request")
+    table = Table(title="accumulated error over groups of N requests (TD-Pipe Fig. 14)")
+    table.add_column("predictor")
+    for n in m["accumulated_error"]:
+        table.add_column(f"N={n}", justify="right")
+    table.add_row("bert", *[_pct(v) for v in m["accumulated_error"].values()])
+    table.add_row("mean", *[_pct(v) for v in m["mean_baseline_accumulated_error"].values()])
+    console.print(table)
+
+
+def _print_card(card: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cls, data = card["classes"], card["data"]
+    console.print(f"[bold]trained {out}[/bold] on {data['records']} records "
+                  f"({data['split']['train']}/{data['split']['val']}/{data['split']['test']}) in "
+                  f"{card['training']['seconds']} s; model card: {out / 'README.md'}")
+    table = Table(title="classes")
+    for col in ("class", "range (tokens)", "mean", "train records"):
+        table.add_column(col)
+    for i, (rng, mean, n) in enumerate(zip(cls["ranges"], cls["means"], cls["train_counts"])):
+        table.add_row(str(i), rng, f"{mean:g}", str(n))
+    console.print(table)
+    test = card["metrics"]["test"]
+    if test.get("records"):
+        _print_metrics(test, f"test split ({test['records']} records)")

@@ -1,0 +1,222 @@
+"""The output-length predictor interface and the factory that builds one from a recipe.
+
+    predictor = make_predictor(recipe.predictor)
+    lengths = predictor.predict(requests)      # one call per batch, list[int], same order
+
+`requests` are engine Requests (what the job admits) or LengthQuery objects (what eval builds
+from history); strategies only ever call `predict`. Every prediction is capped at the request's
+max_tokens: an output can never be longer, whatever the model guesses.
+
+    none    no knowledge: each request's max_tokens (the only safe bound), 0 when unbounded
+    mean    the mean output length of a history (a trained predictor's, or a run directory's)
+    oracle  the true length, read from the input line (benchmarks that replay a trace)
+    bert    TD-Pipe / μ-Serve's BERT length classifier (predictors/bert.py)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from batchinfer.engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PREDICTOR_CARD = "predictor.json"
+
+
+class PredictorError(ConfigError):
+    """A predictor that cannot be built or trained as asked (bad directory, too little data)."""
+
+
+@dataclass(frozen=True)
+class LengthQuery:
+    """What a predictor may look at for one request."""
+
+    text: str
+    prompt_tokens: int = 0
+    max_tokens: Optional[int] = None
+    oracle: Optional[int] = None         # the true length, when the input carries it
+
+
+def oracle_value(request: Any, oracle_field: str) -> Optional[int]:
+    """The true output length an input line carries in `oracle_field`: `max_tokens` (a replayed
+    trace sets it to the recorded length, with ignore_eos) or `metadata.<key>`."""
+    if oracle_field == "max_tokens":
+        sampling = getattr(request, "sampling", None)
+        return getattr(sampling, "max_tokens", None)
+    key = oracle_field.split(".", 1)[1]
+    metadata = getattr(getattr(request, "payload", None), "metadata", None) or {}
+    value = metadata.get(key)
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def as_query(request: Any, oracle_field: str = "max_tokens") -> LengthQuery:
+    """An engine Request (or a LengthQuery, returned as is) -> LengthQuery."""
+    if isinstance(request, LengthQuery):
+        return request
+    payload = getattr(request, "payload", None)
+    text = getattr(payload, "prompt_text", None)
+    if text is None:
+        text = request.prompt if isinstance(getattr(request, "prompt", None), str) else ""
+    sampling = getattr(request, "sampling", None)
+    return LengthQuery(text=text, prompt_tokens=len(getattr(request, "prompt_token_ids", ()) or ()),
+                       max_tokens=getattr(sampling, "max_tokens", None),
+                       oracle=oracle_value(request, oracle_field))
+
+
+def cap(length: float, max_tokens: Optional[int]) -> int:
+    value = max(int(round(length)), 0)
+    return min(value, max_tokens) if max_tokens is not None else value
+
+
+class LengthPredictor(ABC):
+    """Predicts each request's number of output tokens, a batch at a time."""
+
+    name: str = "?"
+
+    def __init__(self, oracle_field: str = "max_tokens"):
+        self.oracle_field = oracle_field
+        self.calls = 0
+        self.requests = 0
+        self.seconds = 0.0
+
+    def predict(self, requests: Sequence[Any]) -> list[int]:
+        queries = [as_query(r, self.oracle_field) for r in requests]
+        if not queries:
+            return []
+        t = time.perf_counter()
+        out = self.predict_queries(queries)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        self.requests += len(queries)
+        return out
+
+    @abstractmethod
+    def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
+        ...
+
+    def stats(self) -> dict:
+        """Inference cost so far (the job reports it as a share of its time)."""
+        return {"name": self.name, "calls": self.calls, "requests": self.requests,
+                "seconds": round(self.seconds, 4),
+                "ms_per_request": round(1e3 * self.seconds / self.requests, 4)
+                if self.requests else None}
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+class NonePredictor(LengthPredictor):
+    name = "none"
+
+    def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
+        return [q.max_tokens if q.max_tokens is not None else 0 for q in queries]
+
+
+class MeanPredictor(LengthPredictor):
+    name = "mean"
+
+    def __init__(self, mean: float, oracle_field: str = "max_tokens", source: str = ""):
+        super().__init__(oracle_field)
+        self.mean = float(mean)
+        self.source = source
+
+    def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
+        return [cap(self.mean, q.max_tokens) for q in queries]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "mean": round(self.mean, 3), "source": self.source}
+
+
+class OraclePredictor(LengthPredictor):
+    name = "oracle"
+
+    def __init__(self, oracle_field: str = "max_tokens"):
+        super().__init__(oracle_field)
+        self.missing = 0
+
+    def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
+        out = []
+        for q in queries:
+            if q.oracle is None:
+                # a line without the field: fall back to the cap (never fail the request)
+                self.missing += 1
+                if self.missing == 1:
+                    log.warning("oracle predictor: a request has no %s; predicting its "
+                                "max_tokens instead (further ones are only counted)",
+                                self.oracle_field)
+                out.append(q.max_tokens if q.max_tokens is not None else 0)
+            else:
+                out.append(cap(q.oracle, q.max_tokens))
+        return out
+
+    def stats(self) -> dict:
+        return {**super().stats(), "missing_oracle": self.missing}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "oracle_field": self.oracle_field}
+
+
+def history_mean(path: Path) -> float:
+    """The mean output length a mean predictor uses: a trained predictor's training mean, or the
+    mean over a run directory's history."""
+    path = Path(path)
+    card_path = path / PREDICTOR_CARD
+    if card_path.is_file():
+        import json
+
+        card = json.loads(card_path.read_text(encoding="utf-8"))
+        return float(card["classes"]["train_mean"])
+    from .history import read_history
+
+    data = read_history([path])
+    if not data.records:
+        raise PredictorError(f"{path}: the history holds no usable records")
+    return sum(r.output_tokens for r in data.records) / len(data.records)
+
+
+# name -> factory(config, device) -> LengthPredictor
+PREDICTORS: dict[str, Callable[[Any, Optional[str]], LengthPredictor]] = {
+    "none": lambda cfg, device: NonePredictor(cfg.oracle_field),
+    "oracle": lambda cfg, device: OraclePredictor(cfg.oracle_field),
+    "mean": lambda cfg, device: MeanPredictor(history_mean(Path(cfg.path)), cfg.oracle_field,
+                                              source=str(cfg.path)),
+}
+
+
+def _bert(cfg: Any, device: Optional[str]) -> LengthPredictor:
+    from .bert import BertLengthPredictor
+
+    return BertLengthPredictor.load(Path(cfg.path), device=device, batch_size=cfg.batch_size,
+                                    oracle_field=cfg.oracle_field)
+
+
+PREDICTORS["bert"] = _bert
+
+
+def register_predictor(name: str, factory: Callable[[Any, Optional[str]], LengthPredictor]) -> None:
+    PREDICTORS[name] = factory
+
+
+def make_predictor(cfg: Any, device: Optional[str] = None) -> LengthPredictor:
+    """The predictor a recipe's `predictor` section (PredictorConfig) names."""
+    factory = PREDICTORS.get(cfg.name)
+    if factory is None:
+        raise PredictorError(f"predictor.name: unknown predictor {cfg.name!r}; known: "
+                             f"{', '.join(sorted(PREDICTORS))}")
+    try:
+        return factory(cfg, device)
+    except PredictorError as exc:
+        raise PredictorError(f"predictor.path: {exc}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise PredictorError(f"predictor.path {cfg.path}: cannot build the {cfg.name} predictor "
+                             f"({type(exc).__name__}: {exc})") from None
