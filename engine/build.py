@@ -19,7 +19,6 @@ from .model.loader import build_model, load_arch
 from .model.ops import NativeOps
 from .model.sources import resolve_model_dir
 from .sampler import Sampler
-from .scheduler import make_scheduler
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("batchinfer")
@@ -81,7 +80,20 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.parallel.multiprocess:
         from .runtime.build import build_parallel_engine
 
-        return build_parallel_engine(config)
+        engine = build_parallel_engine(config)
+    else:
+        engine = _build_single_process(config)
+    if config.strategy is not None:
+        engine.info["strategy"] = config.strategy.name
+        try:
+            config.strategy.prepare(engine)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
+def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
     if device.type == "cpu":
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
@@ -106,8 +118,7 @@ def build_engine(config: EngineConfig) -> Engine:
     kv_caches = allocate_kv_tensors(spec, dtype, device)
     block_manager = BlockManager(spec.num_blocks, spec.block_size)
     sched_cfg = config.scheduler
-    scheduler = make_scheduler(sched_cfg.policy, block_manager, sched_cfg.max_num_seqs,
-                               sched_cfg.max_num_batched_tokens, max_model_len, sched_cfg.chunk_size)
+    scheduler = config.make_scheduler(block_manager, max_model_len)
     backend = select_backend(config.device.attention_backend, device, dtype)
     if backend.name == "native":
         model.use_ops(NativeOps)

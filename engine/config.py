@@ -6,7 +6,7 @@ error from here already names the key and what is allowed.
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -118,3 +118,15 @@ class EngineConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    # The recipe's strategy (a StrategyParams): builds each replica's scheduler and prepares the
+    # engine. None: the baseline policy of `scheduler`.
+    strategy: Optional[Any] = Field(None, exclude=True)
+
+    def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int = 1):
+        if self.strategy is not None:
+            return self.strategy.make_scheduler(block_manager, max_model_len, pipeline_depth)
+        from .scheduler import make_scheduler
+
+        s = self.scheduler
+        return make_scheduler(s.policy, block_manager, s.max_num_seqs, s.max_num_batched_tokens,
+                              max_model_len, s.chunk_size, pipeline_depth=pipeline_depth)

@@ -243,6 +243,13 @@ class Engine:
         }
         if len(self.replicas) > 1:
             event["replica"] = replica_index
+        predicted = getattr(scheduler, "predicted_kv_usage", None)
+        if predicted is not None:
+            event["kv_predicted"] = round(predicted, 4)
+        drain = getattr(scheduler, "drain_decisions", None)
+        decisions = drain() if drain is not None else None
+        if decisions:
+            event["decisions"] = decisions
         self._events.append(event)
 
     def drain_step_events(self) -> list[dict]:

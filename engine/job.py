@@ -42,7 +42,8 @@ log = logging.getLogger("batchinfer")
 EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 ENGINE_INFO_KEYS = ("device", "dtype", "attention_backend", "kv_cache_bytes", "kv_block_size",
-                    "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy")
+                    "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy",
+                    "strategy", "step_times", "parallel")
 
 
 def default_output_dir(recipe_path: Optional[str], input_path: Path) -> Path:

@@ -75,6 +75,7 @@ class _Bucket:
     decode_tokens: int = 0
     kv_usage_max: float = 0.0
     kv_usage_last: float = 0.0
+    kv_predicted: Optional[float] = None   # the strategy's forecast for the last step (TD-Pipe)
     num_waiting: int = 0
     num_running: int = 0
     requests_done: int = 0
@@ -152,8 +153,11 @@ class SessionMetrics:
             self.kv_weighted += kv * dur
             self.kv_time += dur
             self.kv_max = max(self.kv_max, kv)
-            if "decision" in ev and len(self.decisions) < MAX_DECISIONS:
-                self.decisions.append({"t": ev.get("t"), "decision": ev["decision"]})
+            if ev.get("kv_predicted") is not None:
+                bucket.kv_predicted = float(ev["kv_predicted"])
+            for decision in ev.get("decisions", ()):
+                if len(self.decisions) < MAX_DECISIONS:
+                    self.decisions.append({"t": ev.get("t"), **decision})
 
     def on_result(self, out: RequestOutput, t: float) -> None:
         self.completed += 1
@@ -200,6 +204,7 @@ class SessionMetrics:
             "batch_size_mean": round(b.seqs_sum / b.steps, 2) if b.steps else 0.0,
             "batch_size_max": b.seqs_max,
             "kv_usage": round(b.kv_usage_last, 4), "kv_usage_max": round(b.kv_usage_max, 4),
+            **({"kv_predicted": round(b.kv_predicted, 4)} if b.kv_predicted is not None else {}),
             "num_waiting": b.num_waiting, "num_running": b.num_running,
             "preemptions_total": int(stats.get("num_preemptions", 0)) - self._base_preemptions,
             "phase_s": {k: round(v, 4) for k, v in b.phase_s.items()},

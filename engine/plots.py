@@ -50,6 +50,9 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     ax.plot(t, [100 * s.get("kv_usage", 0) for s in timeline], label="KV usage (end of interval)")
     ax.plot(t, [100 * s.get("kv_usage_max", 0) for s in timeline], label="KV usage (max)",
             alpha=0.6)
+    predicted = [(s["t"], 100 * s["kv_predicted"]) for s in timeline if "kv_predicted" in s]
+    if predicted:   # the strategy's forecast for the same moment (TD-Pipe, paper Fig. 12)
+        ax.plot(*zip(*predicted), ".", color="tab:red", markersize=3, label="KV usage predicted")
     ax.set_ylim(0, 105)
     ax.set_xlabel("seconds since session start")
     ax.set_ylabel("% of KV blocks in use")

@@ -39,7 +39,20 @@ class StrategyParams(_Strict):
     name: str = "baseline"
 
     def scheduler_config(self) -> SchedulerConfig:
+        """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""
         raise NotImplementedError
+
+    def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
+        """One replica's Scheduler; the default is the baseline policy of scheduler_config()."""
+        from .scheduler import make_scheduler
+
+        cfg = self.scheduler_config()
+        return make_scheduler(cfg.policy, block_manager, cfg.max_num_seqs,
+                              cfg.max_num_batched_tokens, max_model_len, cfg.chunk_size,
+                              pipeline_depth=pipeline_depth)
+
+    def prepare(self, engine) -> None:
+        """Runs once the engine is built, before any request (e.g. profiling step times)."""
 
 
 class BaselineStrategy(StrategyParams, SchedulerConfig):
@@ -61,6 +74,8 @@ def register_strategy(name: str, params: type[StrategyParams]) -> None:
 
 def strategy_class(name: Any) -> type[StrategyParams]:
     """The parameter model registered for `name`; ValueError listing the known ones otherwise."""
+    from .. import strategies  # noqa: F401  (registers the built-in strategies)
+
     if isinstance(name, str) and name in STRATEGIES:
         return STRATEGIES[name]
     hint = suggest(str(name), STRATEGIES)
@@ -181,7 +196,7 @@ class Recipe(_Strict):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, cache=self.memory,
                             scheduler=self.strategy.scheduler_config(), device=self.device,
-                            parallel=self.parallel)
+                            parallel=self.parallel, strategy=self.strategy)
 
     @property
     def max_in_flight(self) -> int:

@@ -130,6 +130,15 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"Steps by phase: {', '.join(f'{k} {v}' for k, v in by_phase.items()) or '–'}; "
                 f"phase switches: {decisions.get('phase_switches', 0)}; "
                 f"preemptions: {decisions.get('preemptions', 0)}.", ""]
+        events = decisions.get("events") or []
+        if events:
+            out += _table(["t (s)", "switch", "reason", "inputs"],
+                          [[e.get("t"), e.get("switch"), e.get("reason"),
+                            ", ".join(f"{k}={v}" for k, v in e.items()
+                                      if k not in ("t", "switch", "reason"))]
+                           for e in events[:50]])
+            if len(events) > 50:
+                out += [f"({len(events) - 50} more in report.json)", ""]
     if report.get("parts"):
         out += ["## Parts", ""]
         out += _table(["part", "status", "outputs", "errors", "output tok/s", "updated"],

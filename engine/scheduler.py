@@ -153,6 +153,24 @@ class BatchingScheduler:
         self.block_manager.grow(seq.request_id, target)
         return True
 
+    def _whole_prompts(self) -> MicroBatch:
+        """A prefill micro-batch: whole prompts from the head of the queue (FCFS) while they fit
+        the token budget (the first one always does) and can be admitted."""
+        batch = MicroBatch(phase="prefill")
+        budget = self.max_num_batched_tokens
+        while self.waiting:
+            seq = self.waiting[0]
+            need = seq.num_uncomputed_tokens
+            if need > budget and batch.items:
+                break
+            if not self._admit(seq, need):
+                break
+            batch.items.append(ScheduledSeq(seq, need))
+            budget -= need
+            if budget <= 0:
+                break
+        return batch
+
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Moves the head of the queue to running if its first chunk fits above the watermark."""
         if len(self.running) >= self.max_num_seqs:
@@ -172,19 +190,7 @@ class SeparateBatching(BatchingScheduler):
     """SB: prefill-only steps (whole prompts) take priority; otherwise one decode step for all."""
 
     def schedule(self) -> list[MicroBatch]:
-        batch = MicroBatch(phase="prefill")
-        budget = self.max_num_batched_tokens
-        while self.waiting:
-            seq = self.waiting[0]
-            need = seq.num_uncomputed_tokens
-            if need > budget and batch.items:
-                break
-            if not self._admit(seq, need):
-                break
-            batch.items.append(ScheduledSeq(seq, need))
-            budget -= need
-            if budget <= 0:
-                break
+        batch = self._whole_prompts()
         if batch.items:
             return [batch]
         batch = MicroBatch(phase="decode")

@@ -1,0 +1,9 @@
+"""Strategies: each module registers its recipe parameters (engine/recipe.py's registry), which
+build each replica's Scheduler and prepare the engine.
+
+    baseline   engine/scheduler.py (SB / HB, vLLM-style virtual engines under PP)
+    tdpipe     temporally-disaggregated pipeline parallelism (TD-Pipe)
+"""
+from . import tdpipe  # noqa: F401
+
+__all__ = ["tdpipe"]

@@ -19,7 +19,6 @@ from ..errors import ConfigError
 from ..kv_cache import BlockManager
 from ..model.loader import load_arch
 from ..model.sources import resolve_model_dir
-from ..scheduler import make_scheduler
 from ..tokenizer import load_tokenizer
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, threads_per_rank
@@ -89,9 +88,7 @@ def build_parallel_engine(config: EngineConfig) -> Engine:
     replicas = []
     for replica in range(layout.dp):
         block_manager = BlockManager(num_blocks, block_size)
-        scheduler = make_scheduler(sched.policy, block_manager, sched.max_num_seqs,
-                                   sched.max_num_batched_tokens, max_model_len, sched.chunk_size,
-                                   pipeline_depth=layout.pp)
+        scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
         executor = PipelineExecutor(pool, layout, replica, block_manager,
                                     config.parallel.step_timeout_seconds)
         replicas.append(Replica(scheduler, executor))

@@ -79,6 +79,9 @@ class PipelineExecutor:
     def close(self) -> None:
         self.pool.close()
 
+    def reset_timeline(self) -> None:
+        self.pool.reset_timeline()
+
     def pipeline_summary(self):
         """Per-rank busy time and bubble ratio, over all replicas (the pool is shared)."""
         return self.pool.stats.summary()

@@ -50,6 +50,11 @@ class WorkerPool:
         self.closed = False
         self._errors: list[str] = []
 
+    def reset_timeline(self) -> None:
+        """Forgets the events so far (e.g. a startup profile's micro-batches)."""
+        self.stats = PipelineStats(self.stats.rank_meta)
+        self.events.clear()
+
     # --- start ----------------------------------------------------------------------------------
     def start(self, target, specs: list, timeout_s: float) -> list[dict]:
         """Spawns one process per spec, waits until each reports ready; -> their info dicts."""

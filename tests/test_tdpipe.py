@@ -1,0 +1,348 @@
+"""TD-Pipe (strategies/tdpipe.py): the three decisions on hand-made states, the scheduler driven
+by hand, and an end-to-end PP=2 run whose greedy outputs equal the baseline's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.recipe import parse_recipe
+from batchinfer.engine.recipe_errors import RecipeError
+from batchinfer.engine.request import Request, SamplingParams, Sequence, SequenceStatus
+from batchinfer.engine.step_times import StepTimes
+from batchinfer.strategies.tdpipe import TDPipeParams, TDPipeScheduler
+from batchinfer.strategies.tdpipe_policy import (KVForecast, WorkStealing, future_points,
+                                                 pack_prefill, spatial_intensity,
+                                                 temporal_intensity)
+
+TABLE = StepTimes(decode=[(1, 0.010), (16, 0.020), (64, 0.040), (256, 0.128)],
+                  prefill=[(64, 0.030), (256, 0.100), (1024, 0.400)])
+
+
+# --- Approach 1: Algorithm 1 ------------------------------------------------------------------------
+def test_future_points_default_is_every_32_steps_up_to_1024():
+    points = future_points()
+    assert points[0] == 32 and points[-1] == 1024 and len(points) == 32
+
+
+def test_forecast_adds_input_plus_point_up_to_the_predicted_length():
+    forecast = KVForecast([32, 64, 96], capacity_tokens=1000)
+    forecast.update(input_len=100, predict_len=70)    # alive at 32 and 64, gone by 96
+    forecast.update(input_len=10, predict_len=96)     # alive at all three
+    forecast.update(input_len=500, predict_len=31)    # finishes before the first point
+    assert forecast.usage == [132 + 42, 164 + 74, 106]
+    assert forecast.peak() == 238 and not forecast.should_switch()
+    forecast.update(input_len=900, predict_len=40)
+    assert forecast.usage[0] == 174 + 932 and forecast.should_switch()
+    assert forecast.at_step(0) == forecast.usage[0] and forecast.at_step(65) == 106
+    assert forecast.at_step(97) == 0
+
+
+# --- Approach 2: inter-batch work stealing, the paper's Fig. 9 ----------------------------------------
+def test_work_stealing_reproduces_figure_9():
+    stealing = WorkStealing(depth=4)
+    stealing.pool = list(range(512))
+    batches = [stealing.next_batch([], 0) for _ in range(4)]     # the initial even split
+    assert [len(b) for b in batches] == [128, 128, 128, 128] and not stealing.pool
+    # batch 0 returns: 48 finished, 80 remain -> average 116, all 80 resubmitted
+    b0 = stealing.next_batch(batches[0][:80], finished=48)
+    assert stealing.last_average == 116 and len(b0) == 80
+    # batch 1: 8 finished -> average 114, 6 stolen, 114 submitted
+    b1 = stealing.next_batch(batches[1][:120], finished=8)
+    assert stealing.last_average == 114 and len(b1) == 114 and len(stealing.pool) == 6
+    # batches 2 and 3: nothing finished, each trimmed to the average
+    b2 = stealing.next_batch(batches[2], finished=0)
+    b3 = stealing.next_batch(batches[3], finished=0)
+    assert (len(b2), len(b3)) == (114, 114) and len(stealing.pool) == 34
+    # next iteration: the stolen requests go to batch 0, and every batch holds 114
+    b0 = stealing.next_batch(b0, finished=0)
+    assert stealing.last_average == 114 and len(b0) == 114 and not stealing.pool
+    assert sorted(b0 + b1 + b2 + b3) == sorted(set(b0 + b1 + b2 + b3))    # nobody twice
+
+
+def test_work_stealing_off_keeps_the_batches_as_they_are():
+    stealing = WorkStealing(depth=4, enabled=False)
+    stealing.pool = list(range(512))
+    batches = [stealing.next_batch([], 0) for _ in range(4)]
+    assert [len(b) for b in batches] == [128] * 4
+    assert len(stealing.next_batch(batches[0][:80], finished=48)) == 80
+    assert len(stealing.next_batch(batches[1][:120], finished=8)) == 120
+    assert not stealing.pool
+
+
+# --- Approach 3: spatial vs temporal intensity ----------------------------------------------------------
+def test_spatial_intensity_is_achieved_over_peak_rate():
+    peak = 256 / 0.128                                       # the best requests / second
+    assert spatial_intensity(TABLE, 256) == pytest.approx(1.0)
+    assert spatial_intensity(TABLE, 16) == pytest.approx((16 / 0.020) / peak)
+    assert spatial_intensity(TABLE, 40) == pytest.approx((40 / 0.030) / peak)   # interpolated
+    assert spatial_intensity(TABLE, 0) == 0.0
+
+
+def test_temporal_intensity_is_one_minus_bubble_over_total():
+    # three pending prefill micro-batches of 1024, 256 and 64 tokens; decode batch of 16, PP=2
+    value, bubble, total = temporal_intensity(TABLE, [1024, 256, 64], 16, depth=2)
+    assert bubble == pytest.approx(0.400 - 0.020)
+    assert total == pytest.approx(0.400 + 0.100 + 0.030 + 2 * 0.020 + bubble)
+    assert value == pytest.approx(1 - bubble / total)
+    assert temporal_intensity(TABLE, [], 16, depth=2)[0] == 0.0
+    assert pack_prefill([100, 900, 30, 2000, 10], 1024) == [1000, 30, 2000, 10]
+
+
+# --- the scheduler, driven by hand ---------------------------------------------------------------------
+def _seq(i: int, prompt_len: int, max_tokens: int, predicted=None) -> Sequence:
+    request = Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True))
+    request.predicted_output_len = predicted
+    return Sequence(request)
+
+
+def _launch(sched):
+    batches = sched.schedule()
+    for batch in batches:
+        for item in batch.items:
+            item.seq.in_flight = True
+    return batches
+
+
+def _complete(sched, batch):
+    """What the engine does with a returned micro-batch."""
+    for item in batch.items:
+        seq = item.seq
+        seq.in_flight = False
+        seq.num_computed_tokens += item.num_tokens
+        if item.seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(7)
+            if len(seq.output_token_ids) >= seq.request.sampling.max_tokens:
+                seq.status = SequenceStatus.FINISHED
+    sched.on_result(batch)
+
+
+def _scheduler(num_blocks=64, depth=2, **params) -> TDPipeScheduler:
+    p = TDPipeParams(max_num_batched_tokens=64, future_point_interval=8,
+                     future_point_horizon=64, **params)
+    sched = TDPipeScheduler(BlockManager(num_blocks, 16, watermark=0.0), p, max_model_len=512,
+                            depth=depth)
+    sched.step_times = TABLE
+    return sched
+
+
+def test_greedy_prefill_switches_when_the_predicted_peak_exceeds_the_capacity():
+    sched = _scheduler(num_blocks=16)                       # 256 tokens
+    for i in range(8):                                       # 32-token prompts, 40 predicted tokens
+        sched.add(_seq(i, 32, 100, predicted=40))
+    first = _launch(sched)[0]
+    assert first.phase == "prefill" and len(first) == 2      # 64-token budget
+    assert sched.phase == "prefill"                          # 2 x (32 + 40) = 144 at point 8..40
+    second = _launch(sched)[0]
+    # 4 requests: at point 8 they hold 4 x 40 = 160 tokens; at point 40, 4 x 72 = 288 > 256
+    assert len(second) == 2 and sched.phase == "decode"
+    decision = sched.drain_decisions()[0]
+    assert decision["switch"] == "prefill->decode"
+    assert decision["reason"] == "predicted KV peak exceeds capacity"
+    assert decision["predicted_kv_peak"] == pytest.approx(288 / 256, abs=1e-3)
+
+
+def test_occupancy_ratio_ablation_switches_on_blocks_in_use():
+    sched = _scheduler(num_blocks=16, greedy_prefill=False, kv_occupancy_ratio=0.25)
+    for i in range(8):
+        sched.add(_seq(i, 32, 100, predicted=1000))
+    _launch(sched)                                           # 4 of 16 blocks: 25%
+    assert sched.phase == "decode"
+    assert sched.drain_decisions()[0]["reason"] == "KV occupancy ratio reached"
+
+
+STEEP = StepTimes(decode=[(1, 0.010), (4, 0.011), (8, 0.012), (256, 0.300)],
+                  prefill=[(16, 0.500), (64, 0.600)])
+
+
+def _drive(sched, depth, late=None, stop_on_prefill=True, max_steps=200):
+    """Keeps `depth` micro-batches in flight like the engine; adds `late` once decoding starts.
+    -> the launched micro-batches, in order."""
+    in_flight, launched = [], []
+    for _ in range(max_steps):
+        while len(in_flight) < depth:
+            nxt = _launch(sched)
+            if late is not None and sched.phase == "decode" and late.status is SequenceStatus.WAITING \
+                    and late not in sched.waiting:
+                sched.add(late)
+            if not nxt:
+                break
+            in_flight.extend(nxt)
+            launched.extend(nxt)
+            if stop_on_prefill and nxt[0].phase == "prefill" and late is not None \
+                    and any(item.seq is late for item in nxt[0].items):
+                return launched
+        if not in_flight:
+            break
+        _complete(sched, in_flight.pop(0))
+    return launched
+
+
+def test_decode_phase_keeps_pp_even_batches_and_returns_to_prefill_on_intensity():
+    sched = _scheduler(num_blocks=64, depth=2)
+    sched.step_times = STEEP
+    for i in range(16):       # half finish after 2 tokens, half run for 40
+        sched.add(_seq(i, 16, 2 if i % 2 else 40, predicted=8))
+    late = _seq(99, 16, 5, predicted=8)
+    launched = _drive(sched, 2, late=late)
+    decode = [b for b in launched if b.phase == "decode"]
+    sizes = [len(b) for b in decode]
+    # once every prefill is back, the two batches stay within one request of each other
+    assert all(abs(a - b) <= 1 for a, b in zip(sizes[2:], sizes[3:])), sizes
+    assert launched[-1].items[0].seq is late and sched.phase == "prefill"
+    switch = [d for d in sched.drain_decisions() if d["switch"] == "decode->prefill"]
+    assert len(switch) == 1 and switch[0]["reason"] == "spatial < temporal intensity"
+    x = switch[0]
+    assert x["spatial"] < x["temporal"] and x["decode_batch_size"] <= 4
+    assert x["spatial"] == pytest.approx(spatial_intensity(STEEP, x["decode_batch_size"]), abs=1e-4)
+    # while the batches were large (8 alive each), decoding was worth more than the switch
+    assert max(sizes) >= 6
+
+
+def test_finished_ratio_ablation():
+    sched = _scheduler(num_blocks=64, depth=1, intensity_switch=False, finished_ratio=0.5)
+    sched.step_times = None                                  # the ablation needs no table
+    for i in range(4):                                       # finish after 2, 3, 4, 5 tokens
+        sched.add(_seq(i, 16, 2 + i, predicted=100))
+    late = _seq(9, 16, 5)
+    launched = _drive(sched, 1, late=late)
+    assert launched[-1].items[0].seq is late
+    switch = [d for d in sched.drain_decisions() if d["switch"] == "decode->prefill"]
+    assert switch[0]["reason"] == "finished ratio reached"
+    assert switch[0]["finished_ratio"] == 0.5                # 2 of the 4 done, not before
+    assert switch[0]["running"] == 2
+
+
+def test_work_stealing_rebalances_a_batch_emptied_by_finishes():
+    """The first decode batch holds the short requests, the second the long ones: with stealing
+    the long batch gives half its requests away once the short ones are gone; without, one
+    pipeline slot runs everything and the other idles."""
+    sizes = {}
+    for enabled in (True, False):
+        sched = _scheduler(num_blocks=128, depth=2, work_stealing=enabled)
+        for i in range(16):
+            sched.add(_seq(i, 16, 3 if i < 8 else 30, predicted=30))
+        launched = _drive(sched, 2, stop_on_prefill=False)
+        decode = [len(b) for b in launched if b.phase == "decode"]
+        sizes[enabled] = decode
+        assert sched.block_manager.num_free_blocks == 128 and not sched.running
+    late_on, late_off = sizes[True][-10:], sizes[False][-10:]
+    assert max(late_on) - min(late_on) <= 1, sizes[True]
+    assert max(late_off) - min(late_off) >= 3, sizes[False]        # 6 and 2, forever
+
+
+def test_decode_preemption_never_evicts_a_reserved_member():
+    """A full cache during decode: the batch preempts idle requests, then its own last members,
+    and every request it launches holds KV blocks for its next token."""
+    sched = _scheduler(num_blocks=10, depth=1)
+    for i in range(5):                      # 5 x (16-token prompt + 30 tokens) = 230 > 160
+        sched.add(_seq(i, 16, 30, predicted=1))
+    launched = _drive(sched, 1, stop_on_prefill=False, max_steps=400)
+    assert sched.num_preemptions > 0
+    for batch in launched:
+        if batch.phase == "decode":
+            assert all(item.num_tokens == 1 for item in batch.items)
+    done = {id(item.seq) for b in launched for item in b.items}
+    assert len(done) == 5 and not sched.running and not sched.waiting
+    sched.block_manager.check_invariants()
+
+
+# --- recipe and step-time table ------------------------------------------------------------------------
+def test_recipe_validates_tdpipe_parameters():
+    recipe = parse_recipe({"strategy": {"name": "tdpipe", "work_stealing": False},
+                           "parallel": {"pp": 2}})
+    assert recipe.engine_config().strategy.work_stealing is False
+    with pytest.raises(RecipeError, match="strategy.kv_safty_ratio"):
+        parse_recipe({"strategy": {"name": "tdpipe", "kv_safty_ratio": 0.9}})
+
+
+def test_step_times_round_trip_and_bad_file(tmp_path):
+    path = tmp_path / "times.json"
+    TABLE.save(path)
+    loaded = StepTimes.load(path)
+    assert loaded.decode == TABLE.decode and loaded.prefill_time(640) == pytest.approx(0.25)
+    (tmp_path / "bad.json").write_text(json.dumps({"decode": []}))
+    with pytest.raises(ConfigError, match="bad.json"):
+        StepTimes.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="times > 0"):
+        StepTimes([(1, 0.0)], [(64, 0.1)])
+    with pytest.raises(ValueError, match="distinct"):
+        StepTimes([(1, 0.1), (1, 0.2)], [(64, 0.1)])
+
+
+# --- on the real engine --------------------------------------------------------------------------------
+WORDS = "the quick brown fox jumps over a lazy dog while singing".split()
+E2E_PROMPTS = [" ".join(WORDS[: 3 + (i * 7) % 11] * (1 + i % 3)) for i in range(16)]
+E2E_PARAMS = [SamplingParams(max_tokens=12 + (i * 13) % 40, temperature=0.0, ignore_eos=True)
+              for i in range(16)]
+TIGHT = {"model": {"max_model_len": 128}, "cache": {"kv_cache_memory": "10MiB"}}  # 227 tokens
+
+
+def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
+    """16 requests that need ~3x the KV cache: TD-Pipe alternates phases several times on two
+    pipeline stages and still produces the single-process baseline's greedy tokens."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    with make_engine(**TIGHT) as engine:
+        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    # the step times are profiled at startup on the two workers, before any request
+    config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=TDPipeParams(
+        max_num_batched_tokens=64, profile_decode_batch_sizes=[1, 8],
+        profile_prefill_tokens=[32, 64], profile_context_len=16))
+    with Engine.from_config(config) as engine:
+        assert engine.info["step_times"]["meta"]["pipeline_depth"] == 2
+        outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+        sched = engine.scheduler
+        events = engine.drain_step_events()
+        assert engine.info["strategy"] == "tdpipe"
+    assert [o.output_token_ids for o in outs] == reference
+    assert isinstance(sched, TDPipeScheduler) and sched.num_switches >= 3
+    assert {e["phase"] for e in events} == {"prefill", "decode"}        # never a mixed batch
+    decisions = [d for e in events for d in e.get("decisions", ())]
+    assert {d["switch"] for d in decisions} == {"prefill->decode", "decode->prefill"}
+    assert any("kv_predicted" in e for e in events if e["phase"] == "decode")
+    sched.block_manager.check_invariants()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_startup_profile_times_real_micro_batches_and_leaves_no_trace(make_engine):
+    from batchinfer.engine.step_times import profile_step_times
+
+    with make_engine(**TIGHT) as engine:
+        table = profile_step_times(engine, [1, 4, 256], [16, 48], context_len=16, prompt_len=32)
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks                 # every synthetic block back
+        # 256 x 17 tokens do not fit in 227: that micro-batch's sequences share their blocks
+        assert [b for b, _ in table.decode] == [1, 4, 256] and table.meta["shared_blocks"]
+        assert [n for n, _ in table.prefill] == [16, 48]
+        assert all(t > 0 for _, t in table.decode + table.prefill)
+        out = engine.generate(E2E_PROMPTS[:2], E2E_PARAMS[:2])
+        assert [len(o.output_token_ids) for o in out] == [12, 25]
+
+
+def test_tdpipe_recipe_runs_out_of_the_box(tmp_path):
+    """recipes/tdpipe.yaml as shipped, on the embedded default, through `batchinfer run`."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from batchinfer.cli.main import app
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", str(repo / "recipes" / "tdpipe.yaml"), "--input",
+                                      str(repo / "examples" / "quickstart.jsonl"), "--limit", "3",
+                                      "--output", str(out), "--progress", "off"])
+    assert result.exit_code == 0, result.output
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(outputs) == 3 and all(o["text"].strip() for o in outputs)
+    report = json.loads((out / "report.json").read_text())
+    events = report["session"]["strategy_decisions"]["events"]
+    assert events and events[0]["switch"] == "prefill->decode"
+    table = StepTimes.from_json(report["engine"]["step_times"])    # reusable as step_times:
+    assert [b for b, _ in table.decode] == [1, 8, 32, 64, 128, 256]
+    assert "## Strategy decisions" in (out / "report.md").read_text()
