@@ -350,3 +350,19 @@ def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     queries = [LengthQuery(r.prompt) for r in data.records[:8]]
     assert reloaded.predict(queries) == trained.predict(queries)
+
+
+def test_shipped_predictor_tells_short_answers_from_long_ones():
+    """examples/length_predictor, trained on examples/predictor_history (SmolLM2's own replies to
+    examples/predictor_prompts.jsonl), loads offline and ranks unseen prompts sensibly."""
+    repo = Path(__file__).resolve().parent.parent
+    card = json.loads((repo / "examples" / "length_predictor" / "predictor.json").read_text())
+    assert card["data"]["records"] == 3000
+    assert card["data"]["sources"] == ["examples/predictor_history"]
+    predictor = make_predictor(Recipe(predictor={
+        "name": "bert", "path": str(repo / "examples" / "length_predictor")}).predictor)
+    short, long_ = predictor.predict([
+        LengthQuery("What color is grass? Answer with one word.", max_tokens=512),
+        LengthQuery("Write a detailed essay of at least five paragraphs about the history of "
+                    "the printing press.", max_tokens=512)])
+    assert short < 100 and long_ > 200      # class means: 18 / 61 vs 226 / 427 / 512
