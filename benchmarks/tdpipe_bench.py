@@ -7,6 +7,8 @@ SmolLM2-135M fp32 on both cores (one per rank under PP=2). Every configuration g
 total KV memory (--kv-tokens of the single process's token size; each PP rank holds its stage's
 share), small enough that memory binds. TD-Pipe's predictor is the oracle (max_tokens under
 ignore_eos is the true length) unless --predictor mean (the workload's mean length for all).
+TP=2 runs a dummy-weight model of the same shape with 8 / 4 heads (SmolLM2's 9 / 3 do not split);
+`tdpipe-dummy8` is TD-Pipe on that model, for the comparison.
 Each configuration runs in a fresh process; figures follow `vllm bench throughput` (model load
 and TD-Pipe's startup profile excluded).
 
@@ -27,7 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO.parent / "shared" / "workloads" / "sharegpt-2k.jsonl"
-KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M fp32: 30 layers x 2 x 3 kv heads x 64 x 4 B
+# TP=2 needs heads that divide by 2: a dummy-weight model of SmolLM2's shape with 8 / 4 heads
+DUMMY8 = {"load_format": "dummy", "hf_overrides": {"num_attention_heads": 8,
+                                                   "num_key_value_heads": 4, "head_dim": 64}}
 
 TDPIPE = {"name": "tdpipe", "max_num_seqs": 512, "max_num_batched_tokens": 2048}
 CONFIGS = {
@@ -40,7 +44,16 @@ CONFIGS = {
                                       "max_num_batched_tokens": 2048}},
     "single-hb": {"pp": 1, "strategy": {"name": "baseline", "policy": "hb", "max_num_seqs": 512,
                                          "max_num_batched_tokens": 2048}},
+    "tdpipe-dummy8": {"pp": 2, "model": DUMMY8, "strategy": TDPIPE},
+    "tp2-hb-dummy8": {"tp": 2, "model": DUMMY8, "strategy": {
+        "name": "baseline", "policy": "hb", "max_num_seqs": 512, "max_num_batched_tokens": 2048}},
 }
+
+
+def kv_bytes_per_token(model: dict) -> int:
+    """fp32 K and V of every layer (SmolLM2-135M: 30 layers, 3 kv heads of 64 -> 46,080 B)."""
+    over = model.get("hf_overrides", {})
+    return 30 * 2 * over.get("num_key_value_heads", 3) * over.get("head_dim", 64) * 4
 
 
 def _requests(n: int, scale: float) -> list[dict]:
@@ -65,11 +78,14 @@ def run_config(name: str, n: int, scale: float, kv_tokens: int, predictor: str) 
 
     spec = CONFIGS[name]
     strategy = strategy_class(spec["strategy"]["name"]).model_validate(spec["strategy"])
-    # the same KV memory in all: a PP rank's budget is its share of the single process's bytes
-    kv_bytes = kv_tokens * KV_BYTES_PER_TOKEN // spec["pp"]
-    config = EngineConfig(model={"max_model_len": 2048}, cache={"kv_cache_memory": kv_bytes},
-                          parallel={"pp": spec["pp"]}, scheduler=strategy.scheduler_config(),
-                          strategy=strategy)
+    # the same KV memory in all: a rank's budget is its share of the single process's bytes
+    model = spec.get("model", {})
+    ranks = spec.get("pp", 1) * spec.get("tp", 1)
+    kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
+    config = EngineConfig(model={"max_model_len": 2048, **model},
+                          cache={"kv_cache_memory": kv_bytes},
+                          parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1)},
+                          scheduler=strategy.scheduler_config(), strategy=strategy)
     rows = _requests(n, scale)
     mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
     t_build = time.perf_counter()
