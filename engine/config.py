@@ -125,8 +125,6 @@ class EngineConfig(_Strict):
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int = 1):
         if self.strategy is not None:
             return self.strategy.make_scheduler(block_manager, max_model_len, pipeline_depth)
-        from .scheduler import make_scheduler
+        from .scheduler import scheduler_from_config
 
-        s = self.scheduler
-        return make_scheduler(s.policy, block_manager, s.max_num_seqs, s.max_num_batched_tokens,
-                              max_model_len, s.chunk_size, pipeline_depth=pipeline_depth)
+        return scheduler_from_config(self.scheduler, block_manager, max_model_len, pipeline_depth)

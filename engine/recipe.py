@@ -44,12 +44,10 @@ class StrategyParams(_Strict):
 
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
         """One replica's Scheduler; the default is the baseline policy of scheduler_config()."""
-        from .scheduler import make_scheduler
+        from .scheduler import scheduler_from_config
 
-        cfg = self.scheduler_config()
-        return make_scheduler(cfg.policy, block_manager, cfg.max_num_seqs,
-                              cfg.max_num_batched_tokens, max_model_len, cfg.chunk_size,
-                              pipeline_depth=pipeline_depth)
+        return scheduler_from_config(self.scheduler_config(), block_manager, max_model_len,
+                                     pipeline_depth)
 
     def prepare(self, engine) -> None:
         """Runs once the engine is built, before any request (e.g. profiling step times)."""

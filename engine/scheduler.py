@@ -311,6 +311,13 @@ class VirtualEngines:
         return sum(e.num_waiting_tokens for e in self.engines)
 
 
+def scheduler_from_config(cfg, block_manager: BlockManager, max_model_len: int,
+                          pipeline_depth: int = 1):
+    """The baseline policy a SchedulerConfig describes (one replica's scheduler)."""
+    return make_scheduler(cfg.policy, block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                          max_model_len, cfg.chunk_size, pipeline_depth=pipeline_depth)
+
+
 def make_scheduler(policy: str, block_manager: BlockManager, max_num_seqs: int,
                    max_num_batched_tokens: int, max_model_len: int,
                    chunk_size: Optional[int] = None, pipeline_depth: int = 1):

@@ -28,8 +28,6 @@ log = logging.getLogger("batchinfer")
 def _interpolate(table: list[tuple[int, float]], x: float) -> float:
     """Piecewise linear through the points; the end segments extend beyond them (never below the
     smallest measured time: a smaller micro-batch is not faster than the smallest one timed)."""
-    if not table:
-        raise ValueError("empty step-time table")
     if len(table) == 1 or x <= table[0][0]:
         return table[0][1] if x <= table[0][0] else table[0][1] * x / table[0][0]
     for (x0, y0), (x1, y1) in zip(table, table[1:]):
