@@ -1,11 +1,7 @@
 """TD-Pipe vs the pipeline baselines (PP+SB, PP+HB) and the single process, with the ablations.
 
-Workload: the first N requests of ../shared/workloads/sharegpt-2k.jsonl (real ShareGPT V3
-prompts; each request's max_tokens is its reference reply length x --output-scale, with
-ignore_eos, so every configuration does the same work), greedy, all submitted at time 0.
-SmolLM2-135M fp32 on both cores (one per rank under PP=2). Every configuration gets the same
-total KV memory (--kv-tokens of the single process's token size; each PP rank holds its stage's
-share), small enough that memory binds. TD-Pipe's predictor is the oracle (max_tokens under
+Workload and method: strategy_bench.py (1,000 ShareGPT prompts at time 0, the same KV memory for
+every configuration, one fresh process each). TD-Pipe's predictor is the oracle (max_tokens under
 ignore_eos is the true length) unless --predictor mean (the workload's mean length for all).
 TP=2 runs a dummy-weight model of the same shape with 8 / 4 heads (SmolLM2's 9 / 3 do not split);
 `tdpipe-dummy8` is TD-Pipe on that model, for the comparison.
@@ -13,22 +9,16 @@ Each configuration runs in a fresh process; figures follow `vllm bench throughpu
 and TD-Pipe's startup profile excluded).
 
     python benchmarks/tdpipe_bench.py --requests 1000 --output-scale 0.25
-    python benchmarks/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb
+    python benchmarks/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
 
 Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WORKLOAD = REPO.parent / "shared" / "workloads" / "sharegpt-2k.jsonl"
+from strategy_bench import main
+
 # TP=2 needs heads that divide by 2: a dummy-weight model of SmolLM2's shape with 8 / 4 heads
 DUMMY8 = {"load_format": "dummy", "hf_overrides": {"num_attention_heads": 8,
                                                    "num_key_value_heads": 4, "head_dim": 64}}
@@ -50,120 +40,5 @@ CONFIGS = {
 }
 
 
-def kv_bytes_per_token(model: dict) -> int:
-    """fp32 K and V of every layer (SmolLM2-135M: 30 layers, 3 kv heads of 64 -> 46,080 B)."""
-    over = model.get("hf_overrides", {})
-    return 30 * 2 * over.get("num_key_value_heads", 3) * over.get("head_dim", 64) * 4
-
-
-def _requests(n: int, scale: float) -> list[dict]:
-    rows = []
-    with open(WORKLOAD) as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                row["max_tokens"] = max(1, round(row["max_tokens"] * scale))
-                rows.append(row)
-            if len(rows) == n:
-                break
-    return rows
-
-
-def run_config(name: str, n: int, scale: float, kv_tokens: int, predictor: str) -> dict:
-    """Inside a fresh process."""
-    from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.engine import Engine
-    from batchinfer.engine.recipe import strategy_class
-    from batchinfer.engine.request import Request, SamplingParams
-
-    spec = CONFIGS[name]
-    strategy = strategy_class(spec["strategy"]["name"]).model_validate(spec["strategy"])
-    # the same KV memory in all: a rank's budget is its share of the single process's bytes
-    model = spec.get("model", {})
-    ranks = spec.get("pp", 1) * spec.get("tp", 1)
-    kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
-    config = EngineConfig(model={"max_model_len": 2048, **model},
-                          cache={"kv_cache_memory": kv_bytes},
-                          parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1)},
-                          scheduler=strategy.scheduler_config(), strategy=strategy)
-    rows = _requests(n, scale)
-    mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
-    t_build = time.perf_counter()
-    with Engine.from_config(config) as engine:
-        build_s = time.perf_counter() - t_build
-        tokens = [engine.tokenizer.encode(r["prompt"]) for r in rows]
-        start = time.perf_counter()
-        for i, (row, ids) in enumerate(zip(rows, tokens)):
-            request = Request(row["id"], ids, SamplingParams(max_tokens=row["max_tokens"],
-                                                             temperature=0.0, ignore_eos=True),
-                              arrival_index=i)
-            request.predicted_output_len = mean_len if predictor == "mean" else row["max_tokens"]
-            engine.add_request(request)
-        outs, events = [], []
-        while engine.has_unfinished():
-            outs.extend(engine.step())
-            events.extend(engine.drain_step_events())
-        elapsed = time.perf_counter() - start
-        stats = engine.stats()
-        sched = engine.scheduler
-    n_in = sum(o.num_prompt_tokens for o in outs)
-    n_out = sum(o.num_output_tokens for o in outs)
-    pipeline = stats.get("pipeline") or {}
-    phase_s: dict[str, float] = {}
-    for ev in events:
-        phase_s[ev["phase"]] = phase_s.get(ev["phase"], 0.0) + ev["dur"]
-    decode = [ev["num_seqs"] for ev in events if ev["phase"] == "decode"]
-    return {"config": name, "requests": len(outs), "elapsed_s": round(elapsed, 2),
-            "build_s": round(build_s, 1),
-            "output_tok_per_s": round(n_out / elapsed, 1),
-            "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
-            "requests_per_s": round(len(outs) / elapsed, 3),
-            "prompt_tokens": n_in, "output_tokens": n_out,
-            "kv_capacity_tokens": stats["kv_capacity_tokens"],
-            "steps": stats["steps"], "preemptions": stats["num_preemptions"],
-            "phase_switches": getattr(sched, "num_switches", None),
-            "mean_decode_batch": round(statistics.mean(decode), 1) if decode else None,
-            "micro_batch_seconds_by_phase": {k: round(v, 1) for k, v in phase_s.items()},
-            "bubble_ratio_by_stage": pipeline.get("bubble_ratio_by_stage"),
-            "step_times": stats.get("step_times")}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--output-scale", type=float, default=1.0,
-                    help="multiply each reference reply length (1.0: ShareGPT's own lengths)")
-    ap.add_argument("--kv-tokens", type=int, default=16384,
-                    help="KV capacity of the single process in tokens; PP ranks split its bytes")
-    ap.add_argument("--predictor", choices=["oracle", "mean"], default="oracle")
-    ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(run_config(args.worker, args.requests, args.output_scale,
-                                    args.kv_tokens, args.predictor)))
-        return
-    results = {}
-    for name in args.only:
-        proc = subprocess.run([sys.executable, __file__, "--worker", name, "--requests",
-                               str(args.requests), "--output-scale", str(args.output_scale),
-                               "--kv-tokens", str(args.kv_tokens), "--predictor", args.predictor],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            results[name] = {"error": proc.stderr.strip().splitlines()[-3:]}
-        else:
-            results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(json.dumps(results[name]), file=sys.stderr, flush=True)
-    ratios = {}
-    td = results.get("tdpipe", {}).get("output_tok_per_s")
-    for name, r in results.items():
-        if td and "output_tok_per_s" in r and name != "tdpipe":
-            ratios[f"tdpipe_vs_{name}"] = round(td / r["output_tok_per_s"], 3)
-    print(json.dumps({"workload": str(WORKLOAD), "requests": args.requests,
-                      "output_scale": args.output_scale, "kv_tokens": args.kv_tokens,
-                      "predictor": args.predictor, "ratios": ratios, "results": results},
-                     indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    main(CONFIGS, "tdpipe", __doc__.splitlines()[0], str(Path(__file__).resolve()))

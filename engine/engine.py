@@ -141,7 +141,8 @@ class Engine:
         the one that finishes early takes more (no static split that idles one at the tail)."""
         while self._pending:
             hungry = [rep for rep in self.replicas if rep.scheduler.num_waiting_tokens
-                      < 2 * rep.scheduler.max_num_batched_tokens]
+                      < getattr(rep.scheduler, "feed_tokens",
+                                2 * rep.scheduler.max_num_batched_tokens)]
             if not hungry:
                 return
             rep = min(hungry, key=lambda r: (r.scheduler.num_waiting + r.scheduler.num_running))

@@ -13,6 +13,8 @@ from typing import Optional
 
 import numpy as np
 
+from .micro_batch_tokens import DEFINITION as MICRO_BATCH_DEFINITION
+from .micro_batch_tokens import MicroBatchTokens
 from .request import RequestOutput
 
 RESERVOIR = 100_000
@@ -33,6 +35,7 @@ DEFINITIONS = {
                 "prediction, engine steps by batch phase, writing results, rendering reports",
     "predictor": "the output-length predictor's inference: requests, batches, seconds and share "
                  "of the job's elapsed time",
+    "micro_batch_tokens": MICRO_BATCH_DEFINITION,
 }
 
 
@@ -73,6 +76,8 @@ class _Bucket:
     seqs_max: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    mb_tokens_min: Optional[int] = None
+    mb_tokens_max: int = 0
     kv_usage_max: float = 0.0
     kv_usage_last: float = 0.0
     kv_predicted: Optional[float] = None   # the strategy's forecast for the last step (TD-Pipe)
@@ -96,6 +101,7 @@ class SessionMetrics:
         self.ttft = Reservoir(seed=2)
         self.tpot = Reservoir(seed=3)
         self.batch_sizes: Counter = Counter()
+        self.micro_batch_tokens = MicroBatchTokens()
         self.step_phase_s: Counter = Counter()
         self.step_phase_count: Counter = Counter()
         self.phase_switches = 0
@@ -137,8 +143,14 @@ class SessionMetrics:
             bucket.busy_s += dur
             bucket.seqs_sum += seqs
             bucket.seqs_max = max(bucket.seqs_max, seqs)
-            bucket.prefill_tokens += int(ev.get("num_prefill_tokens", 0))
-            bucket.decode_tokens += int(ev.get("num_decode_tokens", 0))
+            prefill, decode = int(ev.get("num_prefill_tokens", 0)), int(ev.get("num_decode_tokens", 0))
+            bucket.prefill_tokens += prefill
+            bucket.decode_tokens += decode
+            tokens = prefill + decode
+            bucket.mb_tokens_max = max(bucket.mb_tokens_max, tokens)
+            bucket.mb_tokens_min = tokens if bucket.mb_tokens_min is None else min(
+                bucket.mb_tokens_min, tokens)
+            self.micro_batch_tokens.add(prefill, decode, int(ev.get("replica", 0)))
             bucket.kv_usage_max = max(bucket.kv_usage_max, kv)
             bucket.kv_usage_last = kv
             bucket.num_waiting = int(ev.get("num_waiting", 0))
@@ -203,6 +215,10 @@ class SessionMetrics:
             "steps": b.steps, "busy_s": round(b.busy_s, 4),
             "batch_size_mean": round(b.seqs_sum / b.steps, 2) if b.steps else 0.0,
             "batch_size_max": b.seqs_max,
+            **({"mb_prefill_mean": round(b.prefill_tokens / b.steps, 2),
+                "mb_decode_mean": round(b.decode_tokens / b.steps, 2),
+                "mb_tokens_min": b.mb_tokens_min, "mb_tokens_max": b.mb_tokens_max}
+               if b.steps else {}),
             "kv_usage": round(b.kv_usage_last, 4), "kv_usage_max": round(b.kv_usage_max, 4),
             **({"kv_predicted": round(b.kv_predicted, 4)} if b.kv_predicted is not None else {}),
             "num_waiting": b.num_waiting, "num_running": b.num_running,
@@ -259,6 +275,7 @@ class SessionMetrics:
                 "max": max(sizes) if sizes else None,
                 "histogram": {str(k): sizes[k] for k in sorted(sizes)},
             },
+            "micro_batch_tokens": self.micro_batch_tokens.summary(),
             **({"pipeline": stats["pipeline"]} if stats.get("pipeline") else {}),
             "strategy_decisions": {
                 "steps_by_phase": dict(self.step_phase_count),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from typing import Optional
 
-PLOT_NAMES = ("throughput.png", "kv_usage.png", "batch_sizes.png")
+PLOT_NAMES = ("throughput.png", "kv_usage.png", "batch_sizes.png", "micro_batch_tokens.png")
 
 
 def _figure(width: float = 8.0, height: float = 3.6, ncols: int = 1):
@@ -86,4 +86,31 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     right.set_ylabel("steps")
     right.set_title("Batch size histogram")
     out["batch_sizes.png"] = _png(plt, fig)
+    tokens = _micro_batch_tokens(timeline, title)
+    if tokens is not None:
+        out["micro_batch_tokens.png"] = tokens
     return out
+
+
+def _micro_batch_tokens(timeline: list[dict], title: str) -> Optional[bytes]:
+    """Tokens per micro-batch over time (gLLM Fig. 4b): the mean split into prefill and decode,
+    with the smallest and largest micro-batch of each interval."""
+    rows = [s for s in timeline if "mb_prefill_mean" in s]
+    if not rows:
+        return None
+    t = [s["t"] for s in rows]
+    prefill = [s["mb_prefill_mean"] for s in rows]
+    decode = [s["mb_decode_mean"] for s in rows]
+    plt, fig, ax = _figure()
+    ax.stackplot(t, decode, prefill, labels=["decode tokens (mean)", "prefill tokens (mean)"],
+                 alpha=0.6, step="post")
+    ax.step(t, [s["mb_tokens_max"] for s in rows], where="post", color="black", linewidth=0.8,
+            label="largest micro-batch")
+    ax.step(t, [s["mb_tokens_min"] for s in rows], where="post", color="gray", linewidth=0.8,
+            linestyle="--", label="smallest micro-batch")
+    ax.set_xlabel("seconds since session start")
+    ax.set_ylabel("tokens per micro-batch")
+    ax.set_title(f"Batched tokens per micro-batch {title}".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize="small")
+    return _png(plt, fig)

@@ -102,6 +102,15 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                    "steps", "batch size mean", "batch size max"],
                   [[kv.get("capacity_tokens"), _pct(kv.get("usage_mean")), _pct(kv.get("usage_max")),
                     s.get("preemptions"), bs.get("steps"), bs.get("mean"), bs.get("max")]])
+    mb = s.get("micro_batch_tokens") or {}
+    if mb:
+        out += ["## Micro-batch tokens", "", "Tokens (prefill + decode) per micro-batch: even "
+                "micro-batches keep every pipeline stage busy.", ""]
+        out += _table(["micro-batches", "mean", "p10", "p50", "p90", "max", "CV",
+                       "mean change", "prefill mean", "decode mean"],
+                      [[mb.get("micro_batches"), mb.get("mean"), mb.get("p10"), mb.get("p50"),
+                        mb.get("p90"), mb.get("max"), mb.get("cv"), mb.get("mean_change"),
+                        mb.get("prefill_mean"), mb.get("decode_mean")]])
     pipeline = s.get("pipeline") or {}
     if pipeline.get("ranks"):
         out += ["## Workers", "", "Bubble ratio: share of the replica's active window a rank spent "

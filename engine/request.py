@@ -107,9 +107,10 @@ class Request:
     predicted_output_len: Optional[int] = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """Engine-side state of one request. The scheduler reads it; the engine mutates it.
+    Compared by identity (eq=False): `seq in running` must not compare every field.
 
     num_computed_tokens counts tokens whose KV is in the cache. A sequence is prefilling while
     num_computed_tokens < len(prompt) (+ generated, after a recompute preemption), decoding after.

@@ -196,7 +196,7 @@ class SeparateBatching(BatchingScheduler):
         batch = MicroBatch(phase="decode")
         order = self._schedulable()
         for seq in list(order):
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:    # preempted by an earlier one
                 continue
             if self._reserve(seq, 1, order):
                 batch.items.append(ScheduledSeq(seq, 1))
@@ -218,7 +218,7 @@ class HybridBatching(BatchingScheduler):
         for seq in list(order):
             if budget <= 0:
                 break
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
             if self._reserve(seq, want, order):

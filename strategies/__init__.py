@@ -3,7 +3,8 @@ build each replica's Scheduler and prepare the engine.
 
     baseline   engine/scheduler.py (SB / HB, vLLM-style virtual engines under PP)
     tdpipe     temporally-disaggregated pipeline parallelism (TD-Pipe)
+    gllm       Token Throttling: balanced hybrid micro-batches under PP (gLLM)
 """
-from . import tdpipe  # noqa: F401
+from . import gllm, tdpipe  # noqa: F401
 
-__all__ = ["tdpipe"]
+__all__ = ["gllm", "tdpipe"]

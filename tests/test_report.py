@@ -60,6 +60,30 @@ def test_session_metrics_summary():
     assert s["batch_size"]["histogram"] == {"2": 2}
     assert s["strategy_decisions"]["phase_switches"] == 1
     assert s["errors_by_code"] == {"invalid_json": 1}
+    assert sample["mb_tokens_min"] == 2 and sample["mb_tokens_max"] == 8
+    assert sample["mb_prefill_mean"] == 4.0 and sample["mb_decode_mean"] == 1.0
+    assert s["micro_batch_tokens"]["micro_batches"] == 2 and s["micro_batch_tokens"]["mean"] == 5.0
+    assert "## Micro-batch tokens" in render_markdown({"session": s})
+
+
+def test_micro_batch_tokens_measure_the_balance():
+    from batchinfer.engine.micro_batch_tokens import MicroBatchTokens
+
+    even, uneven = MicroBatchTokens(), MicroBatchTokens()
+    for i in range(100):
+        even.add(60, 40)
+        uneven.add(200 if i % 2 else 0, 0)                 # Sarathi's big / empty alternation
+    assert even.summary()["cv"] == 0.0 and even.summary()["mean_change"] == 0.0
+    u = uneven.summary()
+    assert u["mean"] == 100.0 and u["cv"] == pytest.approx(1.0) and u["mean_change"] == 200.0
+    assert (u["p10"], u["p50"], u["p90"], u["max"]) == (0, 0, 200, 200)
+    # consecutive changes are counted within a replica, never across two
+    two = MicroBatchTokens()
+    for i in range(10):
+        two.add(10, 0, replica=0)
+        two.add(50, 0, replica=1)
+    assert two.summary()["mean_change"] == 0.0
+    assert MicroBatchTokens().summary() is None
 
 
 def test_markdown_has_every_section():
@@ -103,7 +127,8 @@ def test_merge_reports_sums_parts():
 def test_plots_are_pngs():
     timeline = [{"t": float(i), "output_tokens_per_s": i, "prefill_tokens_per_s": 1, "kv_usage": 0.1,
                  "kv_usage_max": 0.2, "num_running": 3, "batch_size_mean": 2,
-                 "batch_size_max": 3} for i in range(5)]
+                 "batch_size_max": 3, "mb_prefill_mean": 30.0 * (i % 2), "mb_decode_mean": 8.0,
+                 "mb_tokens_min": 8, "mb_tokens_max": 40} for i in range(5)]
     plots = render_plots(timeline, {"1": 3, "4": 2})
     assert set(plots) == set(PLOT_NAMES)
     assert all(png.startswith(b"\x89PNG") for png in plots.values())

@@ -1,0 +1,71 @@
+"""How even the micro-batches are: tokens per micro-batch over a session (gLLM's Figs. 1 and 4b).
+
+Under pipeline parallelism every stage waits for the slowest micro-batch in flight, so uneven
+token counts are pipeline bubbles. This keeps bounded statistics of the token count of each
+micro-batch: a histogram (for percentiles), the coefficient of variation, and the mean change
+between consecutive micro-batches of one replica (what a stage sees one after the other).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Optional
+
+
+class MicroBatchTokens:
+    def __init__(self) -> None:
+        self.histogram: Counter = Counter()
+        self.count = 0
+        self.total = 0
+        self.total_sq = 0
+        self.prefill = 0
+        self.decode = 0
+        self.change = 0
+        self.changes = 0
+        self._last: dict[int, int] = {}      # replica -> tokens of its previous micro-batch
+
+    def add(self, prefill_tokens: int, decode_tokens: int, replica: int = 0) -> None:
+        tokens = prefill_tokens + decode_tokens
+        self.histogram[tokens] += 1
+        self.count += 1
+        self.total += tokens
+        self.total_sq += tokens * tokens
+        self.prefill += prefill_tokens
+        self.decode += decode_tokens
+        last = self._last.get(replica)
+        if last is not None:
+            self.change += abs(tokens - last)
+            self.changes += 1
+        self._last[replica] = tokens
+
+    def _percentile(self, q: float) -> int:
+        rank = max(1, math.ceil(q * self.count))
+        seen = 0
+        for tokens in sorted(self.histogram):
+            seen += self.histogram[tokens]
+            if seen >= rank:
+                return tokens
+        return max(self.histogram)
+
+    def summary(self) -> Optional[dict]:
+        if not self.count:
+            return None
+        mean = self.total / self.count
+        std = math.sqrt(max(self.total_sq / self.count - mean * mean, 0.0))
+        change = self.change / self.changes if self.changes else 0.0
+        return {
+            "micro_batches": self.count,
+            "mean": round(mean, 2), "std": round(std, 2),
+            "cv": round(std / mean, 4) if mean else None,
+            "p10": self._percentile(0.10), "p50": self._percentile(0.50),
+            "p90": self._percentile(0.90), "max": max(self.histogram),
+            "prefill_mean": round(self.prefill / self.count, 2),
+            "decode_mean": round(self.decode / self.count, 2),
+            "mean_change": round(change, 2),
+            "mean_change_ratio": round(change / mean, 4) if mean else None,
+        }
+
+
+DEFINITION = ("tokens (prefill + decode) per micro-batch: cv = std / mean; mean_change = mean "
+              "|difference| between a replica's consecutive micro-batches (gLLM Fig. 4b: even "
+              "micro-batches leave no pipeline bubbles)")
