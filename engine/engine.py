@@ -109,6 +109,13 @@ class Engine:
             self._fill(rep)
         busy = [rep for rep in self.replicas if rep.executor.num_in_flight]
         if not busy:
+            stalled = [rep.scheduler for rep in self.replicas if rep.scheduler.has_unfinished()]
+            if stalled:
+                # nothing in flight will free blocks or advance a request: the scheduler would be
+                # asked the same question forever
+                raise RuntimeError(
+                    f"scheduler {type(stalled[0]).__name__} has {stalled[0].num_waiting} waiting "
+                    f"and {stalled[0].num_running} running requests but schedules nothing")
             return []
         while not any(rep.executor.ready() for rep in busy):
             busy[0].executor.wait()

@@ -161,6 +161,11 @@ class TokenThrottlingScheduler(BatchingScheduler):
         self._note_suspension(waiting_tokens > 0 and kv_free < self.params.KV_thresh, kv_free)
         if self.num_preemptions == preemptions_before:    # as vLLM: no prefill after a preemption
             self._add_prefill(batch, p_budget)
+        if not batch.items and not any(seq.in_flight for seq in self.running):
+            # nothing runs and nothing will come back to free blocks (prompts started earlier
+            # hold the cache below KV_thresh): the oldest goes on with #MinP tokens, preempting
+            # newer ones, or the job would stall
+            self._add_prefill(batch, self.params.MinP)
         self.last_decision = ThrottleDecision(waiting_tokens, round(kv_free, 4), len(decodes),
                                               p_budget, d_budget)
         if not batch.items:
@@ -179,6 +184,21 @@ class TokenThrottlingScheduler(BatchingScheduler):
                 "running": len(self.running), "waiting": len(self.waiting)})
         self._suspended = suspended
 
+    def _make_room(self, seq: Sequence, target: int, batch: MicroBatch) -> bool:
+        """A started prompt's next chunk needs blocks: the newest idle requests outside this
+        micro-batch are preempted until it fits (else prompts that each hold part of the cache
+        would wait for one another forever). False when none is left to preempt."""
+        if self.block_manager.can_grow(seq.request_id, target):
+            return True
+        inside = {id(item.seq) for item in batch.items}
+        victims = [s for s in self.running
+                   if not s.in_flight and s is not seq and id(s) not in inside]
+        while not self.block_manager.can_grow(seq.request_id, target):
+            if not victims:
+                return False
+            self._preempt(victims.pop())
+        return True
+
     def drain_decisions(self) -> list[dict]:
         out, self._decisions = self._decisions, []
         return out
@@ -196,7 +216,7 @@ class TokenThrottlingScheduler(BatchingScheduler):
             if seq.status is SequenceStatus.WAITING:
                 if not self._admit(seq, take):
                     return                 # FCFS: nothing overtakes a prompt that cannot start
-            elif not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + take):
+            elif not self._make_room(seq, seq.num_computed_tokens + take, batch):
                 return
             else:
                 self.block_manager.grow(seq.request_id, seq.num_computed_tokens + take)

@@ -141,6 +141,17 @@ def test_last_prompt_that_does_not_fit_is_chunked():
     assert sched.num_waiting_tokens == 20
 
 
+def test_prompts_that_each_hold_part_of_the_cache_do_not_wait_for_each_other():
+    """Two 200-token prompts in a 256-token cache, chunked: the older one's next chunk preempts
+    the newer one instead of both waiting forever."""
+    sched = TokenThrottlingScheduler(BlockManager(16, 16, watermark=0.0),
+                                     GLLMParams(T=1, MaxP=128, MinP=8), max_model_len=256, depth=2)
+    trace = run_pipeline(sched, 2, {0: [make_seq(0, 200, 4), make_seq(1, 200, 4)]})
+    assert not sched.running and not sched.waiting and sched.num_preemptions >= 1
+    assert {r for b in trace for r in b.request_ids} == {"r0", "r1"}
+    sched.block_manager.check_invariants()
+
+
 # --- the case studies -----------------------------------------------------------------------------------
 def test_figure_7_new_requests_spread_over_the_following_micro_batches():
     """Fig. 7, first situation (PP depth 2, #T = 3): prompts arrive while requests decode.
