@@ -13,7 +13,9 @@ Every micro-batch is scheduled in two independent halves, then merged into one h
   blocks; prefill is suspended while KV_free < KV_thresh. `WT: false` drops the #WP term (eq. 2
   with the threshold), `UT: false` the KV term (eq. 1); both off: a fixed #MaxP. Prompts are
   taken first come first served (a started prompt's next chunk first); the last one that does
-  not fit the budget is chunked.
+  not fit the budget is chunked. A started prompt whose next chunk does not fit preempts newer
+  idle requests, and with nothing in flight the oldest prompt goes on with #MinP tokens (prompts
+  that each hold part of the cache would otherwise wait for one another forever).
 
 Unlike the baseline's virtual engines (one scheduler per pipeline slot, each with its own
 requests), one scheduler sees every request, so the split is global.

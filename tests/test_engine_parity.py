@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.engine.request import Request, SamplingParams
+from batchinfer.engine.request import SamplingParams
 
 MAX_NEW = 24
 

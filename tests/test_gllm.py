@@ -3,19 +3,16 @@ studies (Figs. 7 and 8) as scheduling traces against Sarathi-Serve's fixed budge
 on the real model whose greedy outputs equal the baseline's."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.recipe import parse_recipe
 from batchinfer.engine.recipe_errors import RecipeError
-from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.scheduler import HybridBatching
 from batchinfer.strategies.gllm import (GLLMParams, TokenThrottlingScheduler, decode_budget,
                                         is_decoding, prefill_budget)
 from tests.scheduler_driver import complete, launch, make_seq, run_pipeline
+from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
 
 DEFAULTS = GLLMParams()
 
@@ -222,24 +219,17 @@ def test_recipe_names_and_checks_the_papers_parameters():
         parse_recipe({"strategy": {"name": "gllm", "T": 0}})
 
 
-WORDS = "a long time ago in a galaxy far away there lived a small robot".split()
-PROMPTS = [" ".join(WORDS[: 4 + (i * 5) % 10] * (1 + i % 4)) for i in range(14)]
-PARAMS = [SamplingParams(max_tokens=10 + (i * 11) % 37, temperature=0.0, ignore_eos=True)
-          for i in range(14)]
-TIGHT = {"model": {"max_model_len": 128}, "cache": {"kv_cache_memory": "10MiB"}}  # 227 tokens
-
-
 def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
-    """Requests that need ~2x the KV cache, small #MaxP so prompts are chunked: two pipeline
+    """Requests that need ~3x the KV cache, small #MaxP so prompts are chunked: two pipeline
     stages with throttled hybrid micro-batches give the single process's greedy tokens."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
 
     with make_engine(**TIGHT) as engine:
-        reference = [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
+        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
     config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=GLLMParams(T=2, MaxP=48, MinP=8))
     with Engine.from_config(config) as engine:
-        outs = engine.generate(PROMPTS, PARAMS)
+        outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
         events = engine.drain_step_events()
         sched = engine.scheduler
         assert engine.info["strategy"] == "gllm"
@@ -254,19 +244,8 @@ def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
 def test_gllm_recipe_runs_out_of_the_box(tmp_path):
     """recipes/gllm.yaml as shipped, on the embedded default, through `batchinfer run`; the report
     shows the tokens per micro-batch."""
-    from typer.testing import CliRunner
-
-    from batchinfer.cli.main import app
-
-    repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", str(repo / "recipes" / "gllm.yaml"), "--input",
-                                      str(repo / "examples" / "quickstart.jsonl"), "--limit", "4",
-                                      "--output", str(out), "--progress", "off"])
-    assert result.exit_code == 0, result.output
-    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
-    assert len(outputs) == 4 and all(o["text"].strip() for o in outputs)
-    report = json.loads((out / "report.json").read_text())
+    _, report = run_shipped_recipe("gllm", out, limit=4)
     assert report["strategy"]["name"] == "gllm"
     balance = report["session"]["micro_batch_tokens"]
     assert balance["micro_batches"] > 0 and balance["mean"] > 0

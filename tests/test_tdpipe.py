@@ -10,12 +10,16 @@ from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.recipe import parse_recipe
 from batchinfer.engine.recipe_errors import RecipeError
-from batchinfer.engine.request import Request, SamplingParams, Sequence, SequenceStatus
+from batchinfer.engine.request import SequenceStatus
 from batchinfer.engine.step_times import StepTimes
 from batchinfer.strategies.tdpipe import TDPipeParams, TDPipeScheduler
 from batchinfer.strategies.tdpipe_policy import (KVForecast, WorkStealing, future_points,
                                                  pack_prefill, spatial_intensity,
                                                  temporal_intensity)
+from tests.scheduler_driver import complete as _complete
+from tests.scheduler_driver import launch as _launch
+from tests.scheduler_driver import make_seq as _seq
+from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
 
 TABLE = StepTimes(decode=[(1, 0.010), (16, 0.020), (64, 0.040), (256, 0.128)],
                   prefill=[(64, 0.030), (256, 0.100), (1024, 0.400)])
@@ -92,34 +96,6 @@ def test_temporal_intensity_is_one_minus_bubble_over_total():
 
 
 # --- the scheduler, driven by hand ---------------------------------------------------------------------
-def _seq(i: int, prompt_len: int, max_tokens: int, predicted=None) -> Sequence:
-    request = Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True))
-    request.predicted_output_len = predicted
-    return Sequence(request)
-
-
-def _launch(sched):
-    batches = sched.schedule()
-    for batch in batches:
-        for item in batch.items:
-            item.seq.in_flight = True
-    return batches
-
-
-def _complete(sched, batch):
-    """What the engine does with a returned micro-batch."""
-    for item in batch.items:
-        seq = item.seq
-        seq.in_flight = False
-        seq.num_computed_tokens += item.num_tokens
-        if item.seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(7)
-            if len(seq.output_token_ids) >= seq.request.sampling.max_tokens:
-                seq.status = SequenceStatus.FINISHED
-    sched.on_result(batch)
-
-
 def _scheduler(num_blocks=64, depth=2, **params) -> TDPipeScheduler:
     p = TDPipeParams(max_num_batched_tokens=64, future_point_interval=8,
                      future_point_horizon=64, **params)
@@ -274,11 +250,6 @@ def test_step_times_round_trip_and_bad_file(tmp_path):
 
 
 # --- on the real engine --------------------------------------------------------------------------------
-WORDS = "the quick brown fox jumps over a lazy dog while singing".split()
-E2E_PROMPTS = [" ".join(WORDS[: 3 + (i * 7) % 11] * (1 + i % 3)) for i in range(16)]
-E2E_PARAMS = [SamplingParams(max_tokens=12 + (i * 13) % 40, temperature=0.0, ignore_eos=True)
-              for i in range(16)]
-TIGHT = {"model": {"max_model_len": 128}, "cache": {"kv_cache_memory": "10MiB"}}  # 227 tokens
 
 
 def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
@@ -326,21 +297,8 @@ def test_startup_profile_times_real_micro_batches_and_leaves_no_trace(make_engin
 
 def test_tdpipe_recipe_runs_out_of_the_box(tmp_path):
     """recipes/tdpipe.yaml as shipped, on the embedded default, through `batchinfer run`."""
-    from pathlib import Path
-
-    from typer.testing import CliRunner
-
-    from batchinfer.cli.main import app
-
-    repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["run", str(repo / "recipes" / "tdpipe.yaml"), "--input",
-                                      str(repo / "examples" / "quickstart.jsonl"), "--limit", "3",
-                                      "--output", str(out), "--progress", "off"])
-    assert result.exit_code == 0, result.output
-    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
-    assert len(outputs) == 3 and all(o["text"].strip() for o in outputs)
-    report = json.loads((out / "report.json").read_text())
+    _, report = run_shipped_recipe("tdpipe", out, limit=3)
     events = report["session"]["strategy_decisions"]["events"]
     assert events and events[0]["switch"] == "prefill->decode"
     table = StepTimes.from_json(report["engine"]["step_times"])    # reusable as step_times:
