@@ -144,8 +144,9 @@ class Engine:
                 rep.executor.submit(batch)
 
     def _feed(self) -> None:
-        """Data parallelism: a replica takes new requests only while its own queue is short, so
-        the one that finishes early takes more (no static split that idles one at the tail)."""
+        """Data parallelism: a replica takes new requests only while its own queue is short (its
+        scheduler's `feed_tokens` waiting tokens, default twice its token budget), so the one
+        that finishes early takes more (no static split that idles one at the tail)."""
         while self._pending:
             hungry = [rep for rep in self.replicas if rep.scheduler.num_waiting_tokens
                       < getattr(rep.scheduler, "feed_tokens",
