@@ -22,6 +22,8 @@ CONFIGS = {
     "pp2-hb": {"pp": 2, "strategy": {"name": "baseline", "policy": "hb", "max_num_seqs": 512,
                                       "max_num_batched_tokens": 2048}},
     "pp2-sb": {"pp": 2, "strategy": {"name": "baseline", "policy": "sb", "max_num_seqs": 512}},
+    "single-hb": {"pp": 1, "strategy": {"name": "baseline", "policy": "hb", "max_num_seqs": 512,
+                                         "max_num_batched_tokens": 2048}},
     "gllm-no-wt": {"pp": 2, "strategy": {**GLLM, "WT": False}},
     "gllm-no-ut": {"pp": 2, "strategy": {**GLLM, "UT": False}},
     "gllm-no-decode-throttling": {"pp": 2, "strategy": {**GLLM, "decode_throttling": False}},
