@@ -234,11 +234,11 @@ class HybridBatching(BatchingScheduler):
             budget -= want
         if not batch.items:
             return []
-        batch.phase = _phase_of(batch.items)
+        batch.phase = phase_of(batch.items)
         return [batch]
 
 
-def _phase_of(items: list[ScheduledSeq]) -> str:
+def phase_of(items: list[ScheduledSeq]) -> str:
     kinds = {item.is_decode for item in items}
     if kinds == {False}:
         return "prefill"

@@ -26,13 +26,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from batchinfer.engine.config import SchedulerConfig
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.recipe import StrategyParams, register_strategy
 from batchinfer.engine.request import Sequence, SequenceStatus
-from batchinfer.engine.scheduler import BatchingScheduler, MicroBatch, ScheduledSeq, _phase_of
+from batchinfer.engine.scheduler import BatchingScheduler, MicroBatch, ScheduledSeq, phase_of
 
 
 class GLLMParams(StrategyParams):
@@ -52,6 +52,12 @@ class GLLMParams(StrategyParams):
     decode_throttling: bool = Field(True, description="#D = #RD / PP depth decodes per "
                                     "micro-batch (eq. 4); off: every idle decode")
     max_num_seqs: int = Field(1024, ge=1, description="most requests holding KV at once")
+
+    @model_validator(mode="after")
+    def _min_below_max(self):
+        if self.MinP > self.MaxP:
+            raise ValueError(f"MinP ({self.MinP}) must not exceed MaxP ({self.MaxP})")
+        return self
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(policy="hb", max_num_seqs=self.max_num_seqs,
@@ -172,7 +178,7 @@ class TokenThrottlingScheduler(BatchingScheduler):
                                               p_budget, d_budget)
         if not batch.items:
             return []
-        batch.phase = _phase_of(batch.items)
+        batch.phase = phase_of(batch.items)
         return [batch]
 
     def _note_suspension(self, suspended: bool, kv_free: float) -> None:

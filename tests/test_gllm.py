@@ -217,6 +217,8 @@ def test_recipe_names_and_checks_the_papers_parameters():
         parse_recipe({"strategy": {"name": "gllm", "KV_tresh": 0.1}})
     with pytest.raises(RecipeError, match="strategy.T"):
         parse_recipe({"strategy": {"name": "gllm", "T": 0}})
+    with pytest.raises(RecipeError, match="MinP"):
+        parse_recipe({"strategy": {"name": "gllm", "MinP": 4096}})
 
 
 def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
