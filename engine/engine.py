@@ -144,13 +144,12 @@ class Engine:
                 rep.executor.submit(batch)
 
     def _feed(self) -> None:
-        """Data parallelism: a replica takes new requests only while its own queue is short (its
-        scheduler's `feed_tokens` waiting tokens, default twice its token budget), so the one
-        that finishes early takes more (no static split that idles one at the tail)."""
+        """Data parallelism: a replica takes new requests only while its own queue is short
+        (below its scheduler's `feed_tokens`), so the one that finishes early takes more (no
+        static split that idles one at the tail)."""
         while self._pending:
-            hungry = [rep for rep in self.replicas if rep.scheduler.num_waiting_tokens
-                      < getattr(rep.scheduler, "feed_tokens",
-                                2 * rep.scheduler.max_num_batched_tokens)]
+            hungry = [rep for rep in self.replicas
+                      if rep.scheduler.num_waiting_tokens < rep.scheduler.feed_tokens]
             if not hungry:
                 return
             rep = min(hungry, key=lambda r: (r.scheduler.num_waiting + r.scheduler.num_running))

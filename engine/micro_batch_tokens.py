@@ -14,10 +14,7 @@ from typing import Optional
 
 class MicroBatchTokens:
     def __init__(self) -> None:
-        self.histogram: Counter = Counter()
-        self.count = 0
-        self.total = 0
-        self.total_sq = 0
+        self.histogram: Counter = Counter()   # tokens -> micro-batches; counts and moments too
         self.prefill = 0
         self.decode = 0
         self.change = 0
@@ -27,9 +24,6 @@ class MicroBatchTokens:
     def add(self, prefill_tokens: int, decode_tokens: int, replica: int = 0) -> None:
         tokens = prefill_tokens + decode_tokens
         self.histogram[tokens] += 1
-        self.count += 1
-        self.total += tokens
-        self.total_sq += tokens * tokens
         self.prefill += prefill_tokens
         self.decode += decode_tokens
         last = self._last.get(replica)
@@ -38,8 +32,8 @@ class MicroBatchTokens:
             self.changes += 1
         self._last[replica] = tokens
 
-    def _percentile(self, q: float) -> int:
-        rank = max(1, math.ceil(q * self.count))
+    def _percentile(self, q: float, count: int) -> int:
+        rank = max(1, math.ceil(q * count))
         seen = 0
         for tokens in sorted(self.histogram):
             seen += self.histogram[tokens]
@@ -48,19 +42,20 @@ class MicroBatchTokens:
         return max(self.histogram)
 
     def summary(self) -> Optional[dict]:
-        if not self.count:
+        count = sum(self.histogram.values())
+        if not count:
             return None
-        mean = self.total / self.count
-        std = math.sqrt(max(self.total_sq / self.count - mean * mean, 0.0))
+        mean = sum(t * n for t, n in self.histogram.items()) / count
+        std = math.sqrt(sum(n * (t - mean) ** 2 for t, n in self.histogram.items()) / count)
         change = self.change / self.changes if self.changes else 0.0
         return {
-            "micro_batches": self.count,
+            "micro_batches": count,
             "mean": round(mean, 2), "std": round(std, 2),
             "cv": round(std / mean, 4) if mean else None,
-            "p10": self._percentile(0.10), "p50": self._percentile(0.50),
-            "p90": self._percentile(0.90), "max": max(self.histogram),
-            "prefill_mean": round(self.prefill / self.count, 2),
-            "decode_mean": round(self.decode / self.count, 2),
+            "p10": self._percentile(0.10, count), "p50": self._percentile(0.50, count),
+            "p90": self._percentile(0.90, count), "max": max(self.histogram),
+            "prefill_mean": round(self.prefill / count, 2),
+            "decode_mean": round(self.decode / count, 2),
             "mean_change": round(change, 2),
             "mean_change_ratio": round(change / mean, 4) if mean else None,
         }

@@ -59,7 +59,7 @@ class OutputProcessor:
 
     def result(self, seq: Sequence) -> RequestOutput:
         params = seq.request.sampling
-        detok = self._detok.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)       # its incremental decoder is done
         if not (seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str)):
             seq.text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
         return RequestOutput(

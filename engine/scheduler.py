@@ -107,6 +107,11 @@ class BatchingScheduler:
     def num_waiting_tokens(self) -> int:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
+    @property
+    def feed_tokens(self) -> int:
+        """Data parallelism hands this replica new requests while fewer tokens than this wait."""
+        return 2 * self.max_num_batched_tokens
+
     def _schedulable(self) -> list[Sequence]:
         """Running sequences not inside an in-flight micro-batch (its results decide their next
         step); oldest first, so preemption victims come from the end."""
@@ -309,6 +314,10 @@ class VirtualEngines:
     @property
     def num_waiting_tokens(self) -> int:
         return sum(e.num_waiting_tokens for e in self.engines)
+
+    @property
+    def feed_tokens(self) -> int:
+        return self.engines[0].feed_tokens
 
 
 def scheduler_from_config(cfg, block_manager: BlockManager, max_model_len: int,

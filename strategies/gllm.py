@@ -114,14 +114,16 @@ class TokenThrottlingScheduler(BatchingScheduler):
         super().__init__(block_manager, params.max_num_seqs, params.MaxP, max_model_len)
         self.params = params
         self.depth = max(depth, 1)
-        # data parallelism hands a replica new requests while its queue is below this: WT needs
-        # #T x #MaxP waiting to reach #MaxP per micro-batch
-        self.feed_tokens = params.T * params.MaxP
         self.last_decision: Optional[ThrottleDecision] = None
         self.num_suspended = 0       # micro-batches scheduled while prefill was suspended
         self._suspended = False
         self._decisions: list[dict] = []
         self._chunk_in_flight: dict[int, int] = {}     # id(seq) -> prompt tokens in flight
+
+    @property
+    def feed_tokens(self) -> int:
+        """WT needs #T x #MaxP tokens waiting to reach #MaxP per micro-batch."""
+        return self.params.T * self.params.MaxP
 
     @property
     def kv_free(self) -> float:
@@ -192,20 +194,12 @@ class TokenThrottlingScheduler(BatchingScheduler):
                 "running": len(self.running), "waiting": len(self.waiting)})
         self._suspended = suspended
 
-    def _make_room(self, seq: Sequence, target: int, batch: MicroBatch) -> bool:
-        """A started prompt's next chunk needs blocks: the newest idle requests outside this
-        micro-batch are preempted until it fits (else prompts that each hold part of the cache
-        would wait for one another forever). False when none is left to preempt."""
-        if self.block_manager.can_grow(seq.request_id, target):
-            return True
+    def _idle_outside(self, batch: MicroBatch, seq: Sequence) -> list[Sequence]:
+        """Whom a started prompt's next chunk may preempt (newest last): idle requests outside
+        this micro-batch. Without it, prompts that each hold part of the cache would wait for
+        one another forever."""
         inside = {id(item.seq) for item in batch.items}
-        victims = [s for s in self.running
-                   if not s.in_flight and s is not seq and id(s) not in inside]
-        while not self.block_manager.can_grow(seq.request_id, target):
-            if not victims:
-                return False
-            self._preempt(victims.pop())
-        return True
+        return [s for s in self.running if not s.in_flight and s is not seq and id(s) not in inside]
 
     def drain_decisions(self) -> list[dict]:
         out, self._decisions = self._decisions, []
@@ -224,10 +218,8 @@ class TokenThrottlingScheduler(BatchingScheduler):
             if seq.status is SequenceStatus.WAITING:
                 if not self._admit(seq, take):
                     return                 # FCFS: nothing overtakes a prompt that cannot start
-            elif not self._make_room(seq, seq.num_computed_tokens + take, batch):
+            elif not self._reserve(seq, take, self._idle_outside(batch, seq)):
                 return
-            else:
-                self.block_manager.grow(seq.request_id, seq.num_computed_tokens + take)
             batch.items.append(ScheduledSeq(seq, take))
             self._chunk_in_flight[id(seq)] = take
             budget -= take
