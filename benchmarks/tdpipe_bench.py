@@ -10,6 +10,8 @@ and TD-Pipe's startup profile excluded).
 
     python benchmarks/tdpipe_bench.py --requests 1000 --output-scale 0.25
     python benchmarks/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
+    python benchmarks/tdpipe_bench.py --requests 500 --output-scale 0.25 --only tdpipe \
+        tdpipe-occupancy-30 tdpipe-occupancy-50 tdpipe-occupancy-70 tdpipe-occupancy-90
 
 Prints one JSON object.
 """
@@ -38,6 +40,15 @@ CONFIGS = {
     "tp2-hb-dummy8": {"tp": 2, "model": DUMMY8, "strategy": {
         "name": "baseline", "policy": "hb", "max_num_seqs": 512, "max_num_batched_tokens": 2048}},
 }
+# the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
+# the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the
+# intensity comparison)
+for _pct in (30, 50, 70, 90):
+    CONFIGS[f"tdpipe-occupancy-{_pct}"] = {"pp": 2, "strategy": {
+        **TDPIPE, "greedy_prefill": False, "kv_occupancy_ratio": _pct / 100}}
+for _pct in (10, 30, 50, 70, 90):
+    CONFIGS[f"tdpipe-finished-{_pct}"] = {"pp": 2, "strategy": {
+        **TDPIPE, "intensity_switch": False, "finished_ratio": _pct / 100}}
 
 
 if __name__ == "__main__":

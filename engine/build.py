@@ -77,7 +77,10 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    if config.parallel.multiprocess:
+    own = config.strategy.build_engine(config) if config.strategy is not None else None
+    if own is not None:
+        engine = own
+    elif config.parallel.multiprocess:
         from .runtime.build import build_parallel_engine
 
         engine = build_parallel_engine(config)

@@ -107,7 +107,8 @@ class Engine:
         self._feed()
         for rep in self.replicas:
             self._fill(rep)
-        busy = [rep for rep in self.replicas if rep.executor.num_in_flight]
+        busy = [rep for rep in self.replicas
+                 if rep.executor.num_in_flight or _pending_transfers(rep)]
         if not busy:
             stalled = [rep.scheduler for rep in self.replicas if rep.scheduler.has_unfinished()]
             if stalled:
@@ -117,10 +118,12 @@ class Engine:
                     f"scheduler {type(stalled[0]).__name__} has {stalled[0].num_waiting} waiting "
                     f"and {stalled[0].num_running} running requests but schedules nothing")
             return []
-        while not any(rep.executor.ready() for rep in busy):
+        while not any(rep.executor.ready() or _transfers_ready(rep) for rep in busy):
             busy[0].executor.wait()
         finished: list[RequestOutput] = []
         for index, rep in enumerate(self.replicas):
+            if _pending_transfers(rep) or _transfers_ready(rep):
+                rep.scheduler.on_transfers_done(rep.executor.take_done_transfers())
             while rep.executor.num_in_flight and rep.executor.ready():
                 batch, result = rep.executor.collect()
                 t_start = self._submitted.pop(id(batch), self.now())
@@ -133,8 +136,10 @@ class Engine:
         return finished
 
     def _fill(self, rep: Replica) -> None:
+        _run_actions(rep)
         while rep.executor.num_in_flight < rep.executor.max_in_flight:
             batches = rep.scheduler.schedule()
+            _run_actions(rep)    # copies and layout switches go before the micro-batches
             if not batches:
                 return
             for batch in batches:
@@ -285,3 +290,21 @@ class Engine:
             "max_concurrency": capacity / self.max_model_len,
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
+
+
+# --- optional capabilities: a scheduler that moves KV between tiers or switches layouts (Seesaw)
+# hands the executor actions and hears back which copies finished --------------------------------
+def _run_actions(rep: Replica) -> None:
+    take = getattr(rep.scheduler, "take_actions", None)
+    actions = take() if take is not None else None
+    if actions:
+        rep.executor.run_actions(actions)
+
+
+def _pending_transfers(rep: Replica) -> int:
+    return getattr(rep.executor, "num_pending_transfers", 0)
+
+
+def _transfers_ready(rep: Replica) -> bool:
+    ready = getattr(rep.executor, "transfers_ready", None)
+    return ready is not None and ready()

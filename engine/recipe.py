@@ -52,6 +52,11 @@ class StrategyParams(_Strict):
     def prepare(self, engine) -> None:
         """Runs once the engine is built, before any request (e.g. profiling step times)."""
 
+    def build_engine(self, config):
+        """An engine of the strategy's own making (Seesaw: two layouts over the same workers);
+        None: the standard single- or multi-process engine."""
+        return None
+
 
 class BaselineStrategy(StrategyParams, SchedulerConfig):
     """vLLM-style continuous batching: policy sb (separate) or hb (hybrid chunked prefill)."""

@@ -4,7 +4,8 @@ build each replica's Scheduler and prepare the engine.
     baseline   engine/scheduler.py (SB / HB, vLLM-style virtual engines under PP)
     tdpipe     temporally-disaggregated pipeline parallelism (TD-Pipe)
     gllm       Token Throttling: balanced hybrid micro-batches under PP (gLLM)
+    seesaw     PP prefill, TP decode, re-sharding at each switch, a CPU KV tier (Seesaw)
 """
-from . import gllm, tdpipe  # noqa: F401
+from . import gllm, seesaw, tdpipe  # noqa: F401
 
-__all__ = ["gllm", "tdpipe"]
+__all__ = ["gllm", "seesaw", "tdpipe"]

@@ -220,6 +220,21 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
                 tp_group: Optional[TensorParallelGroup] = None) -> CausalLM:
     """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
     `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way."""
+    model, filler = empty_partition(arch, max_positions, partition, tp_group)
+    with torch.no_grad():
+        if dummy:
+            _fill_dummy(filler, seed)
+            filler.check_complete("dummy weights")
+        else:
+            _read_weights(safetensor_files(model_dir), filler)
+            filler.check_complete(str(model_dir))
+    return finish_partition(model, device, dtype)
+
+
+def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartition,
+                    tp_group: Optional[TensorParallelGroup] = None) -> tuple[CausalLM, "_Filler"]:
+    """The partition's modules in fp32 host memory, unfilled, and the filler that maps Hugging
+    Face tensors (or slices of them) onto its fused parameters."""
     with torch.device("meta"):
         model = CausalLM(arch, max_positions, partition, tp_group)
     model = model.to_empty(device="cpu").to(torch.float32)
@@ -229,13 +244,11 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
         for vocab_param in (model.embed_tokens, model.lm_head):
             if vocab_param is not None:  # the padding rows of the last vocab shard
                 vocab_param.weight[model.shard.vocab_rows:].zero_()
-        filler = _Filler(model)
-        if dummy:
-            _fill_dummy(filler, seed)
-            filler.check_complete("dummy weights")
-        else:
-            _read_weights(safetensor_files(model_dir), filler)
-            filler.check_complete(str(model_dir))
+    return model, _Filler(model)
+
+
+def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Filled partition -> on its device, in its dtype, linears packed, ready for inference."""
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     pack_linears(model)

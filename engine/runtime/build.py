@@ -7,6 +7,7 @@ converts a GGUF once (so workers only read the cached safetensors), builds the C
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,65 +52,107 @@ def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dt
                for r in layout.replica_ranks(0))
 
 
-def build_parallel_engine(config: EngineConfig) -> Engine:
+@dataclass
+class ModelSetup:
+    """What the controller knows of the model before any worker starts."""
+
+    device: torch.device
+    dtype: torch.dtype
+    dtype_bytes: int
+    model_dir: Path
+    model_id: str
+    arch: object
+    max_model_len: int
+    tokenizer: object
+    backend_name: str
+
+
+def model_setup(config: EngineConfig) -> ModelSetup:
     device = resolve_device(config.device.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     model_dir, model_id = resolve_model_dir(config.model.path)
     arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
-    layout = ParallelLayout.resolve(config.parallel, arch)
-    if device.type == "cuda" and torch.cuda.device_count() < layout.world_size:
-        raise ConfigError(f"parallel: {layout.world_size} ranks need {layout.world_size} GPUs; "
-                          f"torch sees {torch.cuda.device_count()}")
-    max_model_len = _max_model_len(config.model.max_model_len, arch)
     tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
     backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
-    num_blocks = num_kv_blocks(config, layout, arch, device, dtype_bytes)
-    block_size = config.cache.block_size
+    return ModelSetup(device, dtype, torch.tensor([], dtype=dtype).element_size(), Path(model_dir),
+                      model_id, arch, _max_model_len(config.model.max_model_len, arch), tokenizer,
+                      backend.name)
+
+
+def check_gpus(setup: ModelSetup, world_size: int) -> None:
+    if setup.device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ConfigError(f"parallel: {world_size} ranks need {world_size} GPUs; "
+                          f"torch sees {torch.cuda.device_count()}")
+
+
+def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
     if num_blocks * block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens per replica, less "
                           f"than max_model_len ({max_model_len}); raise cache.kv_cache_memory or "
                           "lower model.max_model_len")
-    threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
+
+
+def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
+                  num_blocks: int, threads: int, **extra) -> WorkerPool:
+    """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields)."""
     specs = [WorkerSpec(
-        rank=r, layout=layout, model_dir=str(model_dir), arch_overrides=config.model.hf_overrides,
-        dummy=config.model.load_format == "dummy", seed=config.model.seed,
-        dtype=str(dtype).replace("torch.", ""), device=device.type, max_model_len=max_model_len,
-        num_blocks=num_blocks, block_size=block_size, threads=threads,
-        attention_backend=backend.name, vocab_size=arch.vocab_size,
-        eos_token_ids=tuple(tokenizer.eos_token_ids),
-        timeout_s=config.parallel.step_timeout_seconds) for r in range(layout.world_size)]
+        rank=r, layout=layout, model_dir=str(setup.model_dir),
+        arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
+        seed=config.model.seed, dtype=str(setup.dtype).replace("torch.", ""),
+        device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
+        block_size=config.cache.block_size, threads=threads, attention_backend=setup.backend_name,
+        vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
+        timeout_s=config.parallel.step_timeout_seconds, **extra)
+        for r in range(layout.world_size)]
     infos = layout.ranks()
     pool = WorkerPool([i.name for i in infos], {i.rank: {"replica": i.replica, "stage": i.stage,
                                                          "tp_rank": i.tp_rank} for i in infos})
     log.info("starting %s", layout.describe())
     pool.start(worker_main, specs, config.parallel.startup_timeout_seconds)
-    sched = config.scheduler
-    replicas = []
-    for replica in range(layout.dp):
-        block_manager = BlockManager(num_blocks, block_size)
-        scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
-        executor = PipelineExecutor(pool, layout, replica, block_manager,
-                                    config.parallel.step_timeout_seconds)
-        replicas.append(Replica(scheduler, executor))
+    return pool
+
+
+def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout, num_blocks: int,
+                threads: int, kv_cache_bytes: int) -> dict:
     dummy = config.model.load_format == "dummy"
-    capacity = num_blocks * block_size
+    arch, block_size = setup.arch, config.cache.block_size
     info = {
-        "model_id": model_id + (" [dummy weights]" if dummy else ""),
-        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "attention_backend": backend.name, "vocab_size": arch.vocab_size,
-        "kv_cache_bytes": layout.dp * sum(
-            num_blocks * rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
-            for r in layout.replica_ranks(0)),
-        "kv_block_size": block_size, "num_params": arch.num_params(),
-        "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
-        "scheduler_policy": sched.policy,
+        "model_id": setup.model_id + (" [dummy weights]" if dummy else ""),
+        "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
+        "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
+        "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
+        "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
+        "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads},
     }
+    capacity = num_blocks * block_size
     log.info("KV cache: %d tokens per replica x %d (%d blocks of %d, %.2f GiB in all); maximum "
              "concurrency for %d-token requests: %.2fx per replica", capacity, layout.dp,
-             num_blocks, block_size, info["kv_cache_bytes"] / GiB, max_model_len,
-             capacity / max_model_len)
-    return Engine(replicas, tokenizer, max_model_len, info["model_id"], info)
+             num_blocks, block_size, kv_cache_bytes / GiB, setup.max_model_len,
+             capacity / setup.max_model_len)
+    return info
+
+
+def build_parallel_engine(config: EngineConfig) -> Engine:
+    setup = model_setup(config)
+    layout = ParallelLayout.resolve(config.parallel, setup.arch)
+    check_gpus(setup, layout.world_size)
+    num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes)
+    block_size = config.cache.block_size
+    check_capacity(num_blocks, block_size, setup.max_model_len)
+    threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
+    pool = start_workers(config, setup, layout, num_blocks, threads)
+    replicas = []
+    for replica in range(layout.dp):
+        block_manager = BlockManager(num_blocks, block_size)
+        scheduler = config.make_scheduler(block_manager, setup.max_model_len, layout.pp)
+        executor = PipelineExecutor(pool, layout, replica, block_manager,
+                                    config.parallel.step_timeout_seconds)
+        replicas.append(Replica(scheduler, executor))
+    kv_bytes = layout.dp * sum(
+        num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
+        for r in layout.replica_ranks(0))
+    info = engine_info(config, setup, layout, num_blocks, threads, kv_bytes)
+    return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)

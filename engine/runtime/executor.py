@@ -28,11 +28,15 @@ class PipelineExecutor:
         self.block_manager = block_manager
         self.step_timeout_s = step_timeout_s
         self.ranks = layout.replica_ranks(replica)
-        self.max_in_flight = layout.pp
         self._in_flight: deque[tuple[int, MicroBatch, list[int]]] = deque()
         self._known: set[str] = set()        # requests the sampling rank already has
         self._released: list[str] = []
         self._next_mb = 0
+
+    @property
+    def max_in_flight(self) -> int:
+        """The pipeline's depth: one micro-batch per stage."""
+        return self.layout.pp
 
     @property
     def num_in_flight(self) -> int:

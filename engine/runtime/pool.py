@@ -45,6 +45,7 @@ class WorkerPool:
         self.procs: list = []
         self.conns: list[Connection] = []
         self.results: dict[int, deque] = defaultdict(deque)   # replica -> result messages
+        self.swapped: list[tuple[int, list[int], float]] = []  # (rank, transfer ids, seconds)
         self.events: deque = deque(maxlen=EVENTS_KEEP)
         self.store = None
         self.closed = False
@@ -107,6 +108,8 @@ class WorkerPool:
                 self.results[msg[1]].append(msg[2])
             elif kind == "events":
                 self._add_events(msg[2])
+            elif kind == "swapped":
+                self.swapped.append((rank, msg[2], msg[3]))
 
     def _add_events(self, events) -> None:
         self.events.extend(events)

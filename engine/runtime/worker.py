@@ -14,11 +14,11 @@ import ctypes
 import datetime
 import os
 import signal
+import threading
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -45,6 +45,7 @@ class WorkerSpec:
     eos_token_ids: tuple
     timeout_s: float
     store_port: int = 0
+    seesaw: object = None       # resharding.worker_layouts.LayoutSpec: two layouts, a CPU KV store
 
 
 def _die_with_parent() -> None:
@@ -74,15 +75,29 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 class Worker:
     def __init__(self, spec: WorkerSpec, conn):
         self.spec, self.conn = spec, conn
-        self.layout = spec.layout
-        self.info = self.layout.info(spec.rank)
-        self.prev = self.layout.prev_rank(spec.rank)
-        self.next = self.layout.next_rank(spec.rank)
-        self.is_last = self.next is None
-        self.samples = self.is_last and self.info.tp_rank == 0
+        self._set_roles(spec.layout)
         self.events: list[dict] = []
+        self.switcher = None
+        self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._last_flush = time.monotonic()
         self._sends: deque = deque()
+
+    def _set_roles(self, layout) -> None:
+        """Who this rank is in `layout`: its stage and shard, its neighbours, whether it samples
+        (Seesaw fixes the sampling rank across its layouts: the sampler keeps per-request state)."""
+        rank = self.spec.rank
+        self.layout = layout
+        self.info = layout.info(rank)
+        self.prev = layout.prev_rank(rank)
+        self.next = layout.next_rank(rank)
+        self.is_last = self.next is None
+        seesaw = self.spec.seesaw
+        self.samples = self.is_last and (rank == seesaw.sampling_rank if seesaw is not None
+                                         else self.info.tp_rank == 0)
+
+    def send(self, message) -> None:
+        with self._send_lock:
+            self.conn.send(message)
 
     # --- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -108,33 +123,41 @@ class Worker:
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", store=store,
                                 rank=spec.rank, world_size=layout.world_size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
-        tp_group = None
-        if layout.tp > 1:
-            from ..model.shard import TensorParallelGroup
-
-            for ranks in layout.tp_groups():  # every rank creates every group, in the same order
-                group = dist.new_group(ranks)
-                if spec.rank in ranks:
-                    tp_group = TensorParallelGroup(group)
         dtype = getattr(torch, spec.dtype)
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
-        self.model = build_model(Path(spec.model_dir), arch, dtype, self.device, spec.max_model_len,
-                                 self.info.partition, dummy=spec.dummy, seed=spec.seed,
-                                 tp_group=tp_group)
-        self.backend = select_backend(spec.attention_backend, self.device, dtype)
-        if self.backend.name == "native":
-            self.model.use_ops(NativeOps)
-        layers = self.model.partition.layer_end - self.model.partition.layer_start
-        kv_heads = self.model.num_local_kv_heads
-        kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size, kv_heads, arch.head_dim,
-                              torch.tensor([], dtype=dtype).element_size())
-        self.kv_caches = allocate_kv_tensors(kv_spec, dtype, self.device)
         self.hidden_size, self.dtype = arch.hidden_size, dtype
+        self.backend = select_backend(spec.attention_backend, self.device, dtype)
+        if spec.seesaw is not None:
+            from batchinfer.resharding.worker_layouts import LayoutSwitcher
+
+            self.switcher = LayoutSwitcher(self, spec.seesaw, arch, self._report_swaps)
+            self._enter_layout(spec.seesaw.initial)
+        else:
+            tp_group = None
+            if layout.tp > 1:
+                from ..model.shard import TensorParallelGroup
+
+                for ranks in layout.tp_groups():  # every rank creates every group, same order
+                    group = dist.new_group(ranks)
+                    if spec.rank in ranks:
+                        tp_group = TensorParallelGroup(group)
+            self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
+                                     spec.max_model_len, self.info.partition, dummy=spec.dummy,
+                                     seed=spec.seed, tp_group=tp_group)
+            if self.backend.name == "native":
+                self.model.use_ops(NativeOps)
+            layers = self.model.partition.layer_end - self.model.partition.layer_start
+            kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
+                                  self.model.num_local_kv_heads, arch.head_dim,
+                                  torch.tensor([], dtype=dtype).element_size())
+            self.kv_caches = allocate_kv_tensors(kv_spec, dtype, self.device)
+        layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
-                        if self.samples else None)
+                        if self.samples or (spec.seesaw is not None
+                                            and spec.rank == spec.seesaw.sampling_rank) else None)
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
-        self.conn.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
+        self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
                                              "attention_backend": self.backend.name}))
 
     # --- loop -----------------------------------------------------------------------------------
@@ -147,12 +170,39 @@ class Worker:
                     message = self.conn.recv()
                     if message[0] == "stop":
                         break
+                    if message[0] == "swap":
+                        self.switcher.prefetcher.submit(*message[1:])
+                        continue
+                    if message[0] == "reshard":
+                        while pending:       # plans sent before the switch run in the old layout
+                            self._execute(*pending.popleft())
+                        self._finish_sends()
+                        t0 = time.time()
+                        self._enter_layout(message[1])
+                        stats = self.switcher.last_stats
+                        self._event("reshard", -1, t0, layout=message[1],
+                                    bytes_from_host=stats.bytes_from_host)
+                        self._flush_events(force=True)
+                        continue
                     pending.append(self._post_receives(message[1]))
                     continue
                 self._execute(*pending.popleft())
                 self._flush_events()
         self._finish_sends()
         self._flush_events(force=True)
+        if self.switcher is not None:
+            self.switcher.prefetcher.close()
+
+    def _enter_layout(self, name: str) -> None:
+        from ..model.ops import NativeOps
+
+        layout, self.model, self.kv_caches = self.switcher.enter(name)
+        if self.backend.name == "native":
+            self.model.use_ops(NativeOps)
+        self._set_roles(layout)
+
+    def _report_swaps(self, transfer_ids: list[int], seconds: float) -> None:
+        self.send(("swapped", self.spec.rank, transfer_ids, seconds))
 
     def _post_receives(self, plan):
         import torch.distributed as dist
@@ -203,7 +253,7 @@ class Worker:
                 tokens, logprobs = self._sample(plan, logits)
         self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
         if self.samples:
-            self.conn.send(("result", self.info.replica, {
+            self.send(("result", self.info.replica, {
                 "mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                 "forward_s": forward_s, "sample_s": time.time() - t1,
                 "events": self._take_events()}))
@@ -266,7 +316,7 @@ class Worker:
 
     def _flush_events(self, force: bool = False) -> None:
         if self.events and (force or time.monotonic() - self._last_flush >= EVENT_FLUSH_S):
-            self.conn.send(("events", self.spec.rank, self._take_events()))
+            self.send(("events", self.spec.rank, self._take_events()))
 
 
 def _tag(mb_id: int, which: int) -> int:

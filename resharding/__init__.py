@@ -1,0 +1,1 @@
+"""Seesaw's machinery: weight re-sharding between two layouts, the CPU KV store, the prefetcher."""

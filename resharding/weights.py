@@ -1,0 +1,144 @@
+"""Weight re-sharding (Seesaw §4.1): each rank keeps a host copy of the weights its layouts need
+and, at every switch, builds the new layout's partition from it.
+
+The host copy holds whole Hugging Face tensors, read once at start from the safetensors (or made
+from the dummy seed), pinned on CUDA so the copy to the device can overlap. A re-shard builds the
+new partition's fused parameters from their slices (shard.py's split, the same code the direct
+loader runs, so a re-sharded rank equals a directly loaded one) and keeps the norms the two
+partitions share instead of copying them again. The old partition is dropped first, so a rank
+never holds both.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from batchinfer.engine.model.arch import ModelArch
+from batchinfer.engine.model.llama import CausalLM, ModelPartition
+from batchinfer.engine.model.loader import (_Filler, _read_weights, dummy_tensor, empty_partition,
+                                            finish_partition, hf_tensor_shapes, safetensor_files)
+from batchinfer.engine.model.shard import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReshardStats:
+    seconds: float
+    bytes_from_host: int
+    bytes_kept: int
+
+
+class _Collect:
+    """Stands in for the loader's filler: takes every tensor some partition needs, whole."""
+
+    def __init__(self, wanted: set[str]):
+        self.wanted, self.tensors = wanted, {}
+
+    def target(self, name: str):
+        return _WHOLE if name in self.wanted else None
+
+    def check_source_shape(self, name, shape, where) -> None:
+        pass
+
+    def put(self, name: str, tensor: torch.Tensor, where=None) -> None:
+        self.tensors[name] = tensor.to(torch.float32)
+
+
+class _Whole:
+    dim = None
+
+
+_WHOLE = _Whole()
+
+
+def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition]) -> set[str]:
+    """The Hugging Face tensors any of `partitions` reads (a TP shard reads its slice of each)."""
+    names = set()
+    for partition in partitions:
+        with torch.device("meta"):   # shapes only: nothing is allocated
+            filler = _Filler(CausalLM(arch, 16, partition, _SizeOnlyGroup(partition)))
+        names.update(name for name, _ in hf_tensor_shapes(arch) if filler.target(name) is not None)
+    return names
+
+
+class _SizeOnlyGroup(TensorParallelGroup):
+    """Rank and size of a partition, for building its (unfilled) modules to ask what it reads;
+    the collectives are never called."""
+
+    def __init__(self, partition: ModelPartition):
+        self.group, self.rank, self.size = None, partition.tp_rank, partition.tp_size
+
+
+class HostWeights:
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @classmethod
+    def load(cls, model_dir: Path, arch: ModelArch, partitions: list[ModelPartition],
+             dummy: bool = False, seed: int = 0, pin: bool = False) -> "HostWeights":
+        wanted = needed_names(arch, partitions)
+        collect = _Collect(wanted)
+        if dummy:
+            for name, shape in hf_tensor_shapes(arch):
+                if name in wanted:
+                    collect.put(name, dummy_tensor(name, shape, seed))
+        else:
+            _read_weights(safetensor_files(model_dir), collect)
+        missing = wanted - set(collect.tensors)
+        if missing:
+            raise ValueError(f"{model_dir}: weights missing for {', '.join(sorted(missing)[:6])}")
+        tensors = collect.tensors
+        if pin:
+            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        return cls(tensors)
+
+    def build(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+              max_positions: int, partition: ModelPartition,
+              tp_group: Optional[TensorParallelGroup] = None,
+              previous: Optional[CausalLM] = None) -> tuple[CausalLM, ReshardStats]:
+        """The partition, filled from the host copy; norms that `previous` holds for the same
+        layers are kept (moved over) instead of copied again."""
+        t0 = time.perf_counter()
+        kept = _shared_norms(previous, partition, arch) if previous is not None else {}
+        model, filler = empty_partition(arch, max_positions, partition, tp_group)
+        from_host = 0
+        with torch.no_grad():
+            for name, tensor in self.tensors.items():
+                where = filler.target(name)
+                if where is None:
+                    continue
+                if name in kept:
+                    filler.put(name, kept[name].to("cpu", torch.float32), where)
+                    continue
+                part = where.take(tensor)
+                filler.put(name, part, where)
+                from_host += part.numel() * part.element_size()
+            filler.check_complete("the host copy of the weights")
+        model = finish_partition(model, device, dtype)
+        kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
+        return model, ReshardStats(time.perf_counter() - t0, from_host, kept_bytes)
+
+
+def _shared_norms(previous: CausalLM, partition: ModelPartition, arch: ModelArch) -> dict:
+    """HF name -> tensor for the RMSNorm weights both partitions hold whole (TP replicates them)."""
+    old = previous.partition
+    new = partition.resolve(arch.num_layers)
+    kept = {}
+    for index in range(max(old.layer_start, new.layer_start), min(old.layer_end, new.layer_end)):
+        layer = previous.layers[index - old.layer_start]
+        kept[f"model.layers.{index}.input_layernorm.weight"] = layer.input_layernorm.weight
+        kept[f"model.layers.{index}.post_attention_layernorm.weight"] = \
+            layer.post_attention_layernorm.weight
+    if previous.norm is not None and new.is_last(arch.num_layers):
+        kept["model.norm.weight"] = previous.norm.weight
+    return kept
