@@ -31,7 +31,15 @@ def kv_bytes_per_token(model: dict) -> int:
     return 30 * 2 * over.get("num_key_value_heads", 3) * over.get("head_dim", 64) * 4
 
 
-def _requests(n: int, scale: float) -> list[dict]:
+# prefill-heavy documents (arxiv-summarization-like: long input, short output): consecutive real
+# ShareGPT prompts joined up to DOC_CHARS characters (~1,500 tokens), then a summary request of
+# 1/SUMMARY_RATIO of the document's tokens (arxiv-summarization's inputs are ~15-25x its outputs)
+DOC_CHARS = 6000
+SUMMARY_RATIO = 16
+CHARS_PER_TOKEN = 4
+
+
+def _requests(n: int, scale: float, workload: str = "sharegpt") -> list[dict]:
     rows = []
     with open(WORKLOAD) as fh:
         for line in fh:
@@ -39,12 +47,32 @@ def _requests(n: int, scale: float) -> list[dict]:
                 row = json.loads(line)
                 row["max_tokens"] = max(1, round(row["max_tokens"] * scale))
                 rows.append(row)
-            if len(rows) == n:
-                break
-    return rows
+    if workload == "prefill-heavy":
+        rows = _documents(rows, scale)
+    return rows[:n]
 
 
-def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str) -> dict:
+def _documents(rows: list[dict], scale: float) -> list[dict]:
+    docs, parts, size = [], [], 0
+    for row in rows:
+        text = row["prompt"]
+        if size + len(text) > DOC_CHARS and parts:
+            docs.append(parts)
+            parts, size = [], 0
+        if len(text) <= DOC_CHARS:
+            parts.append(text)
+            size += len(text) + 2
+    out = []
+    for i, parts in enumerate(docs):
+        body = "\n\n".join(parts)
+        tokens = len(body) // CHARS_PER_TOKEN
+        out.append({"id": f"doc-{i}", "prompt": body + "\n\nSummarize the text above.",
+                    "max_tokens": max(1, round(tokens / SUMMARY_RATIO * scale))})
+    return out
+
+
+def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
+               workload: str = "sharegpt") -> dict:
     """One configuration, inside a fresh process."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
@@ -57,11 +85,13 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     model = spec.get("model", {})
     ranks = spec.get("pp", 1) * spec.get("tp", 1)
     kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
-    config = EngineConfig(model={"max_model_len": 2048, **model},
+    config = EngineConfig(model={"max_model_len": 4096 if workload == "prefill-heavy" else 2048,
+                                 **model},
                           cache={"kv_cache_memory": kv_bytes},
-                          parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1)},
+                          parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1),
+                                    **spec.get("parallel", {})},
                           scheduler=strategy.scheduler_config(), strategy=strategy)
-    rows = _requests(n, scale)
+    rows = _requests(n, scale, workload)
     mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:
@@ -104,6 +134,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
             "micro_batch_seconds_by_phase": {k: round(v, 1) for k, v in phase_s.items()},
             "bubble_ratio_by_stage": pipeline.get("bubble_ratio_by_stage"),
             "micro_batch_tokens": balance.summary(),
+            "strategy_stats": stats.get("strategy_stats"),
             "step_times": stats.get("step_times")}
 
 
@@ -118,6 +149,9 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     ap.add_argument("--kv-tokens", type=int, default=16384,
                     help="KV capacity of the single process in tokens; PP ranks split its bytes")
     ap.add_argument("--predictor", choices=["oracle", "mean"], default="oracle")
+    ap.add_argument("--workload", choices=["sharegpt", "prefill-heavy"], default="sharegpt",
+                    help="prefill-heavy: ~1,500-token documents of joined ShareGPT prompts, "
+                    "summaries of 1/16 of their tokens")
     ap.add_argument("--only", nargs="+", choices=sorted(configs), default=list(configs))
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each configuration (interleaved); medians are reported")
@@ -125,7 +159,8 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(run_config(configs[args.worker], args.worker, args.requests,
-                                    args.output_scale, args.kv_tokens, args.predictor)))
+                                    args.output_scale, args.kv_tokens, args.predictor,
+                                    args.workload)))
         return
     runs: dict[str, list[dict]] = {name: [] for name in args.only}
     for _ in range(args.repeat):
@@ -133,7 +168,8 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
             proc = subprocess.run([sys.executable, script, "--worker", name, "--requests",
                                    str(args.requests), "--output-scale", str(args.output_scale),
                                    "--kv-tokens", str(args.kv_tokens), "--predictor",
-                                   args.predictor], capture_output=True, text=True)
+                                   args.predictor, "--workload", args.workload],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 result = {"error": proc.stderr.strip().splitlines()[-3:]}
             else:
@@ -155,7 +191,7 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     for name, r in results.items():
         if ref and "output_tok_per_s_median" in r and name != reference:
             ratios[f"{reference}_vs_{name}"] = round(ref / r["output_tok_per_s_median"], 3)
-    print(json.dumps({"workload": str(WORKLOAD), "requests": args.requests,
+    print(json.dumps({"workload": str(WORKLOAD), "kind": args.workload, "requests": args.requests,
                       "output_scale": args.output_scale, "kv_tokens": args.kv_tokens,
                       "predictor": args.predictor, "repeat": args.repeat, "ratios": ratios,
                       "results": results}, indent=1))

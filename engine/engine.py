@@ -259,6 +259,10 @@ class Engine:
         predicted = getattr(scheduler, "predicted_kv_usage", None)
         if predicted is not None:
             event["kv_predicted"] = round(predicted, 4)
+        store = getattr(scheduler, "store_kv_usage", None)
+        if store is not None:
+            event["kv_store_usage"] = round(store, 4)
+            event["layout"] = scheduler.layout
         drain = getattr(scheduler, "drain_decisions", None)
         decisions = drain() if drain is not None else None
         if decisions:
@@ -281,9 +285,15 @@ class Engine:
         used = sum(bm.usage() * bm.capacity_tokens for bm in managers)
         summary = getattr(self.replicas[0].executor, "pipeline_summary", None)
         pipeline = summary() if summary is not None else None
+        strategy_stats: dict = {}
+        for part in (self.replicas[0].scheduler, self.replicas[0].executor):
+            summary_of = getattr(part, "strategy_summary", None)
+            if summary_of is not None:
+                strategy_stats.update(summary_of())
         return {
             **self._counters,
             **({"pipeline": pipeline} if pipeline else {}),
+            **({"strategy_stats": strategy_stats} if strategy_stats else {}),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
             "kv_usage": used / capacity if capacity else 0.0,

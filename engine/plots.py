@@ -53,6 +53,9 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     predicted = [(s["t"], 100 * s["kv_predicted"]) for s in timeline if "kv_predicted" in s]
     if predicted:   # the strategy's forecast for the same moment (TD-Pipe, paper Fig. 12)
         ax.plot(*zip(*predicted), ".", color="tab:red", markersize=3, label="KV usage predicted")
+    store = [(s["t"], 100 * s["kv_store_usage"]) for s in timeline if "kv_store_usage" in s]
+    if store:       # the second tier (Seesaw's CPU store)
+        ax.plot(*zip(*store), color="tab:purple", label="CPU KV store usage")
     ax.set_ylim(0, 105)
     ax.set_xlabel("seconds since session start")
     ax.set_ylabel("% of KV blocks in use")

@@ -7,6 +7,7 @@ throughput and latency describe the current session (earlier sessions are listed
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from typing import Any, Optional
 
 from .metrics import DEFINITIONS
@@ -148,6 +149,12 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                            for e in events[:50]])
             if len(events) > 50:
                 out += [f"({len(events) - 50} more in report.json)", ""]
+    strategy_stats = (report.get("engine") or {}).get("strategy_stats") or {}
+    if strategy_stats:
+        out += ["## Strategy", ""]
+        out += _table(["measure", "value"],
+                      [[k.replace("_", " "), json.dumps(v) if isinstance(v, dict) else v]
+                       for k, v in strategy_stats.items()])
     if report.get("parts"):
         out += ["## Parts", ""]
         out += _table(["part", "status", "outputs", "errors", "output tok/s", "updated"],

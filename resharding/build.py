@@ -33,8 +33,9 @@ def resolve_layouts(config: EngineConfig, params, arch) -> dict[str, ParallelLay
                           f"layout (parallel.tp x pp = {par.tp} x {par.pp})")
     prefill = ParallelLayout.resolve(par, arch)
     try:
-        decode = ParallelLayout.resolve(ParallelConfig(tp=params.decode_tp, pp=params.decode_pp),
-                                        arch)
+        decode = ParallelLayout.resolve(ParallelConfig(
+            tp=params.decode_tp, pp=params.decode_pp, pp_layers=params.decode_pp_layers,
+            pp_balance=par.pp_balance), arch)
     except ConfigError as exc:
         raise ConfigError(f"strategy.decode_tp / decode_pp: {exc}") from None
     return {PREFILL: prefill, DECODE: decode}

@@ -8,7 +8,9 @@ after the micro-batches sent before it. A transfer is done when every rank has r
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Optional
 
 from batchinfer.engine.runtime.executor import PipelineExecutor
 
@@ -32,6 +34,25 @@ class SeesawExecutor(PipelineExecutor):
         self._done: list[int] = []
         self.swap_seconds_by_rank: dict[int, float] = {}
         self.num_reshards = 0
+        self.seconds_by_layout: dict[str, float] = {name: 0.0 for name in layouts}
+        self._since: Optional[float] = None      # the current layout's start (first submit)
+
+    def submit(self, batch) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+        super().submit(batch)
+
+    def strategy_summary(self) -> dict:
+        """Wall time in each layout (first micro-batch on), copy time per rank, re-shards."""
+        seconds = dict(self.seconds_by_layout)
+        if self._since is not None:
+            seconds[self.current] += time.perf_counter() - self._since
+        reshard = self.pool.stats.reshard_seconds()
+        return {"seconds_by_layout": {k: round(v, 3) for k, v in seconds.items()},
+                "num_reshards": self.num_reshards,
+                "reshard_seconds_by_rank": {str(r): round(v, 3) for r, v in reshard.items()},
+                "swap_seconds_by_rank": {str(r): round(v, 3)
+                                         for r, v in sorted(self.swap_seconds_by_rank.items())}}
 
     @property
     def num_pending_transfers(self) -> int:
@@ -42,7 +63,14 @@ class SeesawExecutor(PipelineExecutor):
             if isinstance(action, Reshard):
                 if self.num_in_flight or self._reports:
                     raise RuntimeError("re-shard requested with micro-batches or copies in flight")
+                if self._since is not None:
+                    now = time.perf_counter()
+                    self.seconds_by_layout[self.current] += now - self._since
+                    self._since = now
+                same = self.layouts[action.name] == self.layout
                 self.current, self.layout = action.name, self.layouts[action.name]
+                if same:     # c_p == c_d (the ablation without re-sharding): nothing to rebuild
+                    continue
                 self.num_reshards += 1
                 message = ("reshard", action.name)
             elif isinstance(action, Transfer):

@@ -14,7 +14,7 @@ workers' main thread, between micro-batches, instead of the prefetcher thread).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
@@ -29,6 +29,8 @@ class SeesawParams(StrategyParams):
     decode_tp: int = Field(2, ge=1, description="tensor-parallel degree of the decode layout c_d "
                            "(the prefill layout c_p is the recipe's parallel section)")
     decode_pp: int = Field(1, ge=1, description="pipeline depth of the decode layout c_d")
+    decode_pp_layers: Optional[list[int]] = Field(
+        None, description="layers per decode pipeline stage; default: parallel.pp_balance's split")
     cpu_kv_cache_memory: Union[int, str] = Field(
         "4GiB", validate_default=True, description="size of the CPU KV store (shared memory), "
         "whole-model KV for all heads and layers")

@@ -125,11 +125,20 @@ class SeesawScheduler:
     def on_transfers_done(self, transfer_ids: list[int]) -> None:
         for tid in transfer_ids:
             transfer = self.tiers.complete(tid)
-            seq = self.moving.pop(tid)
-            if transfer.kind == SWAP_OUT:
+            seq = self.moving.pop(tid, None)
+            if seq is None:          # aborted while its copy ran: drop what is left of it
+                self.tiers.free(transfer.request_id)
+            elif transfer.kind == SWAP_OUT:
                 self.stored.append(seq)
             else:
                 self.running.append(seq)
+
+    def strategy_summary(self) -> dict:
+        """Switches and the KV that moved between the tiers (tokens)."""
+        return {"num_switches": self.num_switches,
+                "swapped_out_tokens": self.tiers.swapped_out_tokens,
+                "swapped_in_tokens": self.tiers.swapped_in_tokens,
+                "cpu_store_tokens": self.tiers.store.capacity_tokens}
 
     def take_actions(self) -> list:
         actions, self._actions = self._actions, []
@@ -202,30 +211,35 @@ class SeesawScheduler:
         if not self._draining and self._want_prefill():
             self._draining = True
         if self._draining:
-            return self._drain_to_prefill()
+            if self.num_in_flight:
+                return []
+            if not self.running or self._room_to_prefill():
+                return self._drain_to_prefill()
+            self._draining = False    # the decodes that were in flight grew past the room
         self._copy_in()
         return self._decode_batches()
 
     def _want_prefill(self) -> bool:
-        if not self.waiting:
+        if not self.waiting or not self._room_to_prefill():
             return False
         if self.policy == "transition_minimizing":
             return not self.stored and not self._moving_in()
         if self.policy == "decode_prioritizing":
             return not (self.stored or self.running or self.moving)
-        # prefill_prioritizing: as soon as the running sequences and the next prompt fit the store
-        on_device = sum(self.tiers.store_blocks_for(s.num_computed_tokens) for s in self.running)
-        incoming = sum(self.tiers.store_blocks_for(s.num_computed_tokens)
-                       for s in self.moving.values())
-        return self.tiers.can_swap_out(self.waiting[0].num_uncomputed_tokens, on_device + incoming)
+        return True   # prefill_prioritizing: as soon as the next prompt fits
+
+    def _room_to_prefill(self) -> bool:
+        """The store takes the sequences on the device (copied out at the switch) and the next
+        prompt; otherwise a switch would find nothing to prefill."""
+        on_device = sum(self.tiers.store_blocks_for(s.num_computed_tokens)
+                        for s in self.running + list(self.moving.values()))
+        return self.tiers.can_swap_out(self.waiting[0].num_uncomputed_tokens, on_device)
 
     def _moving_in(self) -> bool:
         return any(t.kind != SWAP_OUT for t in self.tiers.pending.values())
 
     def _drain_to_prefill(self) -> list[MicroBatch]:
-        """Waits for decodes in flight, copies the running sequences out, then switches."""
-        if self.num_in_flight:
-            return []
+        """Copies the running sequences out (nothing in flight), then switches."""
         while self.running:
             seq = self.running.pop()
             if self.tiers.can_swap_out(seq.num_computed_tokens):
@@ -309,12 +323,12 @@ class SeesawScheduler:
         return self.num_in_flight == 0 and not self.moving
 
     def _switch(self, phase: str, reason: str) -> None:
-        self.phase = phase
+        self.phase_before, self.phase = self.phase, phase
         self.num_switches += 1
         self._actions.append(Reshard(phase))
         if len(self._decisions) < MAX_DECISIONS:
             self._decisions.append({
-                "decision": f"switch to {phase}", "reason": reason,
+                "switch": f"{self.phase_before}->{phase}", "reason": reason,
                 "waiting": len(self.waiting), "in_store": len(self.stored),
                 "on_device": len(self.running),
                 "store_usage": round(self.tiers.store.usage(), 4),

@@ -19,6 +19,7 @@ class PipelineStats:
         self.recv_wait = defaultdict(float)
         self.send = defaultdict(float)
         self.micro_batches = defaultdict(int)
+        self.reshard = defaultdict(float)           # Seesaw: time spent switching layouts
         self.window: dict[int, list[float]] = {}   # replica -> [first start, last end]
 
     def add(self, events: Iterable[dict]) -> None:
@@ -33,6 +34,11 @@ class PipelineStats:
                 self.recv_wait[rank] += dur
             elif e["kind"] == "send":
                 self.send[rank] += dur
+            elif e["kind"] == "reshard":
+                self.reshard[rank] += dur
+
+    def reshard_seconds(self) -> dict[int, float]:
+        return dict(sorted(self.reshard.items()))
 
     def summary(self) -> Optional[dict]:
         if not self.busy:

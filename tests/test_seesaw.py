@@ -1,0 +1,294 @@
+"""Seesaw (issue 8): the tier allocator, the transition-minimizing schedule, weight re-sharding,
+and end-to-end runs through several layout switches that give the baseline's greedy tokens."""
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.model.llama import ModelPartition
+from batchinfer.engine.model.loader import build_model, load_arch
+from batchinfer.engine.model.sources import resolve_model_dir
+from batchinfer.resharding.executor import Reshard
+from batchinfer.resharding.kv_tiers import KVTiers, Transfer
+from batchinfer.resharding.weights import HostWeights, _SizeOnlyGroup
+from batchinfer.strategies.seesaw import SeesawParams
+from batchinfer.strategies.seesaw_scheduler import SeesawScheduler
+from tests.scheduler_driver import complete, launch, make_seq
+from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, run_shipped_recipe
+
+DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
+          "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}}
+
+
+# --- the CPU store's allocator and the moves between tiers ----------------------------------------
+moves = st.lists(st.tuples(st.sampled_from(["admit", "out", "in", "done", "finish"]),
+                           st.integers(0, 5), st.integers(1, 40)), max_size=150)
+
+
+@settings(max_examples=300, deadline=None)
+@given(moves)
+def test_tiers_never_leak_or_double_allocate(operations):
+    tiers = KVTiers(BlockManager(12, 4), BlockManager(20, 4))
+    tokens: dict[str, int] = {}
+    for op, i, n in operations:
+        rid = f"s{i}"
+        moving = tiers.is_moving(rid)
+        on_device = bool(tiers.device.block_table(rid))
+        in_store = bool(tiers.store.block_table(rid))
+        if op == "admit" and not (on_device or in_store):
+            if tiers.device.can_grow(rid, n):
+                tiers.device.grow(rid, n)
+                tokens[rid] = n
+        elif op == "out" and on_device and not in_store and not moving:
+            if tiers.can_swap_out(tokens[rid]):
+                tiers.swap_out(rid, tokens[rid])
+        elif op == "in" and in_store and not on_device and not moving:
+            if tiers.can_swap_in(tokens[rid]):
+                tiers.swap_in(rid, tokens[rid])
+        elif op == "done" and tiers.pending:
+            ids = sorted(tiers.pending)
+            tiers.complete(ids[n % len(ids)])
+        elif op == "finish" and rid in tokens and not moving:
+            tiers.free(rid)
+            del tokens[rid]
+        tiers.check_invariants()
+        for held in tokens:   # every live sequence's KV is in exactly one tier unless moving
+            places = bool(tiers.device.block_table(held)) + bool(tiers.store.block_table(held))
+            assert places == (2 if tiers.is_moving(held) else 1)
+    for tid in list(tiers.pending):
+        tiers.complete(tid)
+    for rid in tokens:
+        tiers.free(rid)
+    tiers.check_invariants()
+    assert tiers.device.num_free_blocks == 12 and tiers.store.num_free_blocks == 20
+
+
+def test_a_move_holds_both_tiers_until_done():
+    tiers = KVTiers(BlockManager(4, 4), BlockManager(4, 4))
+    tiers.device.grow("a", 7)
+    out = tiers.swap_out("a", 7)
+    assert out.device_blocks == tuple(tiers.device.block_table("a")) and len(out.store_blocks) == 2
+    with pytest.raises(ValueError):
+        tiers.free("a")
+    tiers.complete(out.transfer_id)
+    assert not tiers.device.block_table("a") and tiers.swapped_out_tokens == 7
+    back = tiers.swap_in("a", 7)
+    assert len(back.device_blocks) == 2
+    tiers.complete(back.transfer_id)
+    assert not tiers.store.block_table("a") and tiers.device.num_free_blocks == 2
+
+
+# --- the schedule ----------------------------------------------------------------------------------
+def drive(sched: SeesawScheduler, max_iterations: int = 20_000) -> list[dict]:
+    """The engine's loop without a model: up to the current phase's depth in flight, copies
+    reported done one iteration after they start. -> the switches, in order."""
+    in_flight: deque = deque()
+    copies: list[int] = []
+    switches = []
+    for _ in range(max_iterations):
+        if not sched.has_unfinished():
+            return switches
+        depth = sched.prefill_depth if sched.phase == "prefill" else sched.decode_depth
+        batches = launch(sched) if len(in_flight) < depth else []
+        for action in sched.take_actions():
+            if isinstance(action, Transfer):
+                copies.append(action.transfer_id)
+            else:
+                assert isinstance(action, Reshard) and not in_flight and not copies
+                switches.append({"to": action.name, "waiting": len(sched.waiting),
+                                 "in_store": len(sched.stored), "running": len(sched.running),
+                                 "store_free": sched.tiers.store.num_free_blocks})
+        in_flight.extend(batches)
+        sched.check_invariants()
+        if batches and len(in_flight) < depth:
+            continue
+        if copies:
+            done, copies[:] = list(copies), []
+            sched.on_transfers_done(done)
+        elif in_flight:
+            complete(sched, in_flight.popleft())
+        elif not batches:
+            raise AssertionError(f"stalled in {sched.phase}: {len(sched.waiting)} waiting")
+    raise AssertionError("did not finish")
+
+
+def _scheduler(policy="transition_minimizing", store_blocks=24, device_blocks=10):
+    return SeesawScheduler(BlockManager(device_blocks, 8), BlockManager(store_blocks, 8),
+                           max_num_seqs=64, max_num_batched_tokens=32, max_model_len=64,
+                           prefill_depth=2, decode_depth=1, policy=policy)
+
+
+def _workload(n=24):
+    return [make_seq(i, 10 + (i * 7) % 20, 4 + (i * 5) % 30) for i in range(n)]
+
+
+def test_transition_minimizing_switches_only_with_the_store_full_or_empty():
+    sched = _scheduler()
+    for seq in _workload():
+        sched.add(seq)
+    switches = drive(sched)
+    assert len(switches) >= 3 and switches[0]["to"] == "decode"
+    for s in switches:
+        if s["to"] == "decode":      # the next prompt no longer fits the store, or none is left
+            assert s["waiting"] == 0 or s["store_free"] < 4
+        else:                        # the store drained onto the device first
+            assert s["in_store"] == s["running"] or s["waiting"] > 0
+    sched.check_invariants()
+    assert sched.tiers.device.num_free_blocks == 10 and sched.tiers.store.num_free_blocks == 24
+    assert sched.tiers.swapped_in_tokens == sched.tiers.swapped_out_tokens > 0
+
+
+def test_the_papers_fig2_policies_switch_more_or_less_often():
+    counts = {}
+    for policy in ("transition_minimizing", "prefill_prioritizing", "decode_prioritizing"):
+        sched = _scheduler(policy)
+        seqs = _workload()
+        for seq in seqs:
+            sched.add(seq)
+        counts[policy] = len(drive(sched))
+        assert all(seq.is_finished for seq in seqs)
+    assert counts["prefill_prioritizing"] > counts["transition_minimizing"]
+    assert counts["decode_prioritizing"] <= counts["transition_minimizing"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["transition_minimizing", "prefill_prioritizing", "decode_prioritizing"]),
+       st.integers(6, 20), st.integers(0, 30), st.integers(1, 64), st.integers(1, 2),
+       st.integers(1, 2), st.lists(st.tuples(st.integers(2, 37), st.integers(1, 38)),
+                                   min_size=1, max_size=30))
+def test_every_workload_finishes_under_every_schedule(policy, device, extra, max_seqs, p_depth,
+                                                      d_depth, lengths):
+    """Any cache sizes (the store at least the device), depths and lengths: no stall, everything
+    finishes, every block of both tiers is free at the end."""
+    sched = SeesawScheduler(BlockManager(device, 8), BlockManager(device + extra, 8), max_seqs,
+                            32, 40, prefill_depth=p_depth, decode_depth=d_depth, policy=policy)
+    seqs = [make_seq(i, p, max(1, min(n, 40 - p))) for i, (p, n) in enumerate(lengths)]
+    for seq in seqs:
+        sched.add(seq)
+    drive(sched)
+    assert all(seq.is_finished for seq in seqs)
+    assert sched.block_manager.num_free_blocks == device
+    assert sched.tiers.store.num_free_blocks == device + extra
+
+
+def test_decode_sequences_go_back_to_the_store_when_the_device_runs_out():
+    """A device of 3 blocks, sequences that grow past it: the newest idle one is copied out
+    (not recomputed) and comes back later; everything finishes."""
+    sched = SeesawScheduler(BlockManager(4, 4), BlockManager(40, 4), max_num_seqs=8,
+                            max_num_batched_tokens=16, max_model_len=16, decode_depth=1)
+    seqs = [make_seq(i, 3, 9) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    drive(sched)
+    assert all(seq.is_finished for seq in seqs)
+    assert sched.num_preemptions > 0 and all(seq.num_preemptions == 0 for seq in seqs)
+
+
+# --- weights ---------------------------------------------------------------------------------------
+def _params(model) -> dict:
+    out = {}
+    for name, module in model.named_modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:   # oneDNN-packed linears: compare their outputs on a probe
+            probe = torch.ones(2, module.in_features)
+            out[name] = module(probe)
+    for name, param in model.named_parameters():
+        out[name] = param.detach()
+    return out
+
+
+def test_resharded_weights_equal_the_direct_shards():
+    """SmolLM2 (9 / 3 heads split by 3): stage 0 of PP=2, then TP rank 1 of 3 re-sharded from the
+    host copy, equal what the direct loader reads from the safetensors for that shard."""
+    model_dir, _ = resolve_model_dir(None)
+    arch = load_arch(Path(model_dir))
+    pp_stage = ModelPartition(0, 15)
+    tp_shard = ModelPartition(0, None, tp_rank=1, tp_size=3)
+    host = HostWeights.load(Path(model_dir), arch, [pp_stage, tp_shard])
+    first, _ = host.build(arch, torch.float32, torch.device("cpu"), 64, pp_stage)
+    second, stats = host.build(arch, torch.float32, torch.device("cpu"), 64, tp_shard,
+                               _SizeOnlyGroup(tp_shard), previous=first)
+    assert stats.bytes_kept > 0 and stats.bytes_from_host > 0
+    direct = build_model(Path(model_dir), arch, torch.float32, torch.device("cpu"), 64, tp_shard,
+                         tp_group=_SizeOnlyGroup(tp_shard))
+    ours, theirs = _params(second), _params(direct)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+# --- end to end ------------------------------------------------------------------------------------
+def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str) -> EngineConfig:
+    return EngineConfig(model=model, cache={"kv_cache_memory": kv}, parallel=parallel,
+                        scheduler=params.scheduler_config(), strategy=params)
+
+
+def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine):
+    """Dummy 8-head model: PP=2 prefill, TP=2 decode, a device cache of ~230 tokens and a CPU
+    store of 256: several switches, every token equal to the single process's."""
+    with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB"}) as engine:
+        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    token = 30 * 2 * 4 * 64 * 4
+    params = SeesawParams(cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
+    config = _seesaw_config(params, {"pp": 2, "pp_balance": "layers"}, DUMMY8, str(token * 240 // 2))
+    with Engine.from_config(config) as engine:
+        outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+        events = engine.drain_step_events()
+        stats = engine.stats()
+        sched = engine.scheduler
+    assert [o.output_token_ids for o in outs] == reference
+    switches = [d for e in events for d in e.get("decisions", ())]
+    assert len(switches) >= 3
+    seesaw = stats["strategy_stats"]
+    assert seesaw["num_reshards"] == len(switches)
+    assert set(seesaw["seconds_by_layout"]) == {"prefill", "decode"}
+    assert seesaw["swapped_out_tokens"] >= sum(len(engine.tokenizer.encode(p)) for p in E2E_PROMPTS)
+    assert {e["layout"] for e in events} == {"prefill", "decode"}
+    assert max(e["kv_store_usage"] for e in events) > 0.5
+    sched.check_invariants()
+    assert sched.tiers.store.num_free_blocks == sched.tiers.store.num_blocks
+
+
+def test_smollm2_pp_only_layouts_equal_the_baseline(make_engine):
+    """SmolLM2 with two pipeline layouts (15 + 15 for prefill, 20 + 10 for decode), copies on the
+    main thread (the async ablation): the same greedy tokens as the single process."""
+    tight = {"max_model_len": 128}
+    with make_engine(model=tight, cache={"kv_cache_memory": "10MiB"}) as engine:
+        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    params = SeesawParams(decode_tp=1, decode_pp=2, decode_pp_layers=[20, 10],
+                          cpu_kv_cache_memory="40MiB", async_pipeline=False)
+    config = _seesaw_config(params, {"pp": 2, "pp_layers": [15, 15]}, tight, "5MiB")
+    with Engine.from_config(config) as engine:
+        outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+        stats = engine.stats()
+    assert [o.output_token_ids for o in outs] == reference
+    assert stats["strategy_stats"]["num_reshards"] >= 1
+
+
+def test_a_layout_the_model_cannot_take_is_a_clear_error():
+    params = SeesawParams(decode_tp=2)
+    with pytest.raises(ConfigError, match="strategy.decode_tp.*9 attention heads"):
+        Engine.from_config(_seesaw_config(params, {"pp": 2}, {"max_model_len": 128}, "5MiB"))
+    with pytest.raises(ConfigError, match="same 2 ranks"):
+        Engine.from_config(_seesaw_config(SeesawParams(decode_tp=3), {"pp": 2},
+                                          {"max_model_len": 128}, "5MiB"))
+    small = SeesawParams(decode_tp=1, decode_pp=2, cpu_kv_cache_memory="1MiB")
+    with pytest.raises(ConfigError, match="strategy.cpu_kv_cache_memory"):
+        Engine.from_config(_seesaw_config(small, {"pp": 2}, {"max_model_len": 128}, "5MiB"))
+
+
+def test_seesaw_recipe_runs_out_of_the_box(tmp_path):
+    """recipes/seesaw.yaml as shipped: SmolLM2 (the embedded default), PP=3 prefill, TP=3 decode."""
+    out = tmp_path / "run"
+    _, report = run_shipped_recipe("seesaw", out, limit=4)
+    assert report["strategy"]["name"] == "seesaw"
+    assert "seconds_by_layout" in report["engine"]["strategy_stats"]
