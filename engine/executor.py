@@ -5,6 +5,11 @@ model over them against the paged KV cache, samples where a sequence reached its
 and hands back those tokens. `submit` starts a micro-batch, `collect` returns the next finished
 one: the in-process executor runs it inside `submit` (one in flight); the multi-process one
 (engine/runtime/) keeps up to `max_in_flight` micro-batches in its pipeline.
+
+Optional, for a scheduler that moves KV between tiers or switches layouts (Seesaw's
+resharding/executor.py): `run_actions(actions)` carries out what the scheduler's `take_actions()`
+decided, `num_pending_transfers` / `transfers_ready()` / `take_done_transfers()` report the copies,
+which the engine hands to the scheduler's `on_transfers_done()`.
 """
 from __future__ import annotations
 

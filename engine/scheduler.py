@@ -136,11 +136,8 @@ class BatchingScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        requeue_for_recompute(seq, self.waiting)
         self.num_preemptions += 1
 
     def _reserve(self, seq: Sequence, num_tokens: int, victims_from: list[Sequence]) -> bool:
@@ -241,6 +238,14 @@ class HybridBatching(BatchingScheduler):
             return []
         batch.phase = phase_of(batch.items)
         return [batch]
+
+
+def requeue_for_recompute(seq: Sequence, waiting: deque) -> None:
+    """Preemption by recompute: the sequence lost its KV and goes back to the queue's front."""
+    seq.num_computed_tokens = 0
+    seq.num_preemptions += 1
+    seq.status = SequenceStatus.WAITING
+    waiting.appendleft(seq)
 
 
 def phase_of(items: list[ScheduledSeq]) -> str:

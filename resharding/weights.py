@@ -62,12 +62,12 @@ def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition]) -> set[s
     names = set()
     for partition in partitions:
         with torch.device("meta"):   # shapes only: nothing is allocated
-            filler = _Filler(CausalLM(arch, 16, partition, _SizeOnlyGroup(partition)))
+            filler = _Filler(CausalLM(arch, 16, partition, ShapeOnlyGroup(partition)))
         names.update(name for name, _ in hf_tensor_shapes(arch) if filler.target(name) is not None)
     return names
 
 
-class _SizeOnlyGroup(TensorParallelGroup):
+class ShapeOnlyGroup(TensorParallelGroup):
     """Rank and size of a partition, for building its (unfilled) modules to ask what it reads;
     the collectives are never called."""
 
@@ -105,11 +105,11 @@ class HostWeights:
     def build(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
               max_positions: int, partition: ModelPartition,
               tp_group: Optional[TensorParallelGroup] = None,
-              previous: Optional[CausalLM] = None) -> tuple[CausalLM, ReshardStats]:
-        """The partition, filled from the host copy; norms that `previous` holds for the same
-        layers are kept (moved over) instead of copied again."""
+              kept: Optional[dict] = None) -> tuple[CausalLM, ReshardStats]:
+        """The partition, filled from the host copy except for `kept` (HF name -> tensor the
+        rank already holds, from `shared_norms`)."""
         t0 = time.perf_counter()
-        kept = _shared_norms(previous, partition, arch) if previous is not None else {}
+        kept = kept or {}
         model, filler = empty_partition(arch, max_positions, partition, tp_group)
         from_host = 0
         with torch.no_grad():
@@ -118,7 +118,7 @@ class HostWeights:
                 if where is None:
                     continue
                 if name in kept:
-                    filler.put(name, kept[name].to("cpu", torch.float32), where)
+                    filler.put(name, kept[name], where)
                     continue
                 part = where.take(tensor)
                 filler.put(name, part, where)
@@ -129,8 +129,9 @@ class HostWeights:
         return model, ReshardStats(time.perf_counter() - t0, from_host, kept_bytes)
 
 
-def _shared_norms(previous: CausalLM, partition: ModelPartition, arch: ModelArch) -> dict:
-    """HF name -> tensor for the RMSNorm weights both partitions hold whole (TP replicates them)."""
+def shared_norms(previous: CausalLM, partition: ModelPartition, arch: ModelArch) -> dict:
+    """HF name -> (a host copy of) the RMSNorm weights `previous` holds that `partition` holds
+    whole too (TP replicates norms), so they survive dropping `previous`."""
     old = previous.partition
     new = partition.resolve(arch.num_layers)
     kept = {}
@@ -141,4 +142,4 @@ def _shared_norms(previous: CausalLM, partition: ModelPartition, arch: ModelArch
             layer.post_attention_layernorm.weight
     if previous.norm is not None and new.is_last(arch.num_layers):
         kept["model.norm.weight"] = previous.norm.weight
-    return kept
+    return {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in kept.items()}

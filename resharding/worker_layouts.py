@@ -17,7 +17,7 @@ import torch
 
 from .kv_store import ShardView
 from .prefetcher import Prefetcher
-from .weights import HostWeights, ReshardStats
+from .weights import HostWeights, ReshardStats, shared_norms
 
 
 @dataclass
@@ -80,12 +80,12 @@ class LayoutSwitcher:
         worker, wspec, arch = self.worker, self.worker.spec, self.arch
         self.prefetcher.drain()
         layout = self.spec.layouts[name]
+        partition = layout.info(wspec.rank).partition
         previous = getattr(worker, "model", None)
-        worker.model = None
+        kept = shared_norms(previous, partition, arch) if previous is not None else {}
+        worker.model = previous = None     # the old partition goes before the new one is built
         model, stats = self.host.build(arch, worker.dtype, worker.device, wspec.max_model_len,
-                                       layout.info(wspec.rank).partition, self.tp_groups[name],
-                                       previous=previous)
-        del previous
+                                       partition, self.tp_groups[name], kept=kept)
         view = shard_view(layout, wspec.rank, arch)
         layers, heads = view.layer_end - view.layer_start, view.head_end - view.head_start
         shape = (layers, 2, wspec.num_blocks, heads, wspec.block_size, arch.head_dim)

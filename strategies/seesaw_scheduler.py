@@ -30,7 +30,7 @@ from typing import Optional
 
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.request import Sequence, SequenceStatus
-from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
+from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq, requeue_for_recompute
 from batchinfer.resharding.executor import Reshard
 from batchinfer.resharding.kv_tiers import SWAP_OUT, KVTiers, Transfer
 
@@ -310,10 +310,7 @@ class SeesawScheduler:
 
     def _recompute_later(self, seq: Sequence) -> None:
         self.tiers.free(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        requeue_for_recompute(seq, self.waiting)
 
     # --- switches -------------------------------------------------------------------------------
     def _depth(self) -> int:

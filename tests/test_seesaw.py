@@ -19,7 +19,7 @@ from batchinfer.engine.model.loader import build_model, load_arch
 from batchinfer.engine.model.sources import resolve_model_dir
 from batchinfer.resharding.executor import Reshard
 from batchinfer.resharding.kv_tiers import KVTiers, Transfer
-from batchinfer.resharding.weights import HostWeights, _SizeOnlyGroup
+from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup, shared_norms
 from batchinfer.strategies.seesaw import SeesawParams
 from batchinfer.strategies.seesaw_scheduler import SeesawScheduler
 from tests.scheduler_driver import complete, launch, make_seq
@@ -215,11 +215,13 @@ def test_resharded_weights_equal_the_direct_shards():
     tp_shard = ModelPartition(0, None, tp_rank=1, tp_size=3)
     host = HostWeights.load(Path(model_dir), arch, [pp_stage, tp_shard])
     first, _ = host.build(arch, torch.float32, torch.device("cpu"), 64, pp_stage)
+    kept = shared_norms(first, tp_shard, arch)
+    assert len(kept) == 2 * 15          # the norms of layers 0-14 (no final norm on stage 0)
     second, stats = host.build(arch, torch.float32, torch.device("cpu"), 64, tp_shard,
-                               _SizeOnlyGroup(tp_shard), previous=first)
+                               ShapeOnlyGroup(tp_shard), kept=kept)
     assert stats.bytes_kept > 0 and stats.bytes_from_host > 0
     direct = build_model(Path(model_dir), arch, torch.float32, torch.device("cpu"), 64, tp_shard,
-                         tp_group=_SizeOnlyGroup(tp_shard))
+                         tp_group=ShapeOnlyGroup(tp_shard))
     ours, theirs = _params(second), _params(direct)
     assert ours.keys() == theirs.keys()
     for name in theirs:
