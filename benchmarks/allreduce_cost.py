@@ -49,6 +49,8 @@ def _rank(rank: int, port: int, queue) -> None:
             dist.all_reduce(t)
         ar = (time.perf_counter() - t0) / n
         xs = [torch.randn(rows, w.shape[0]) for w in weights]
+        for x, w in zip(xs, weights):    # warm-up
+            x @ w
         t0 = time.perf_counter()
         for _ in range(5):
             for x, w in zip(xs, weights):

@@ -9,6 +9,8 @@ process; figures follow `vllm bench throughput` (model load excluded).
 
     python benchmarks/seesaw_bench.py --workload prefill-heavy --requests 40
     python benchmarks/seesaw_bench.py --workload sharegpt --requests 300 --output-scale 0.25
+    python benchmarks/seesaw_bench.py --workload prefill-heavy --requests 40 --only seesaw \
+        seesaw-pp2-only tp2-sb pp2-sb
 
 Prints one JSON object.
 """
@@ -43,6 +45,7 @@ CONFIGS = {
         **SEESAW, "cpu_kv_tier": False}},
     "seesaw-no-async": {"pp": 2, "parallel": EVEN, "model": DUMMY8, "strategy": {
         **SEESAW, "async_pipeline": False}},
+    # c_d = c_p = PP=2: no re-sharding, the CPU tier and the transition-minimizing schedule only
     "seesaw-pp2-only": {"pp": 2, "parallel": EVEN, "model": DUMMY8, "strategy": {
         **SEESAW, "decode_tp": 1, "decode_pp": 2}},
 }
