@@ -154,7 +154,9 @@ class SeesawScheduler:
         for seq in seqs:
             if not self.tiers.is_moving(seq.request_id):
                 self.tiers.free(seq.request_id)
-        self.waiting.clear(), self.stored.clear(), self.moving.clear()
+        self.waiting.clear()
+        self.stored.clear()
+        self.moving.clear()      # their copies still report back: on_transfers_done drops them
         self.prefilling, self.running = [], []
         return seqs
 
