@@ -193,6 +193,22 @@ def test_decode_sequences_go_back_to_the_store_when_the_device_runs_out():
     assert sched.num_preemptions > 0 and all(seq.num_preemptions == 0 for seq in seqs)
 
 
+def test_abort_with_copies_in_flight_frees_both_tiers_when_they_report():
+    sched = _scheduler()
+    seqs = _workload(6)
+    for seq in seqs:
+        sched.add(seq)
+    batch = launch(sched)[0]
+    complete(sched, batch)                     # prefilled: copies out start
+    copies = [a.transfer_id for a in sched.take_actions() if isinstance(a, Transfer)]
+    assert copies
+    aborted = sched.abort_all()
+    assert set(map(id, aborted)) == set(map(id, seqs)) and not sched.has_unfinished()
+    sched.on_transfers_done(copies)            # the ranks report after the abort
+    sched.check_invariants()
+    assert sched.tiers.device.num_free_blocks == 10 and sched.tiers.store.num_free_blocks == 24
+
+
 # --- weights ---------------------------------------------------------------------------------------
 def _params(model) -> dict:
     out = {}
