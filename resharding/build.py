@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from batchinfer.engine.build import GiB, kv_budget
+from batchinfer.engine.build import GiB
 from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info, model_setup,
-                                             rank_bytes_per_block, start_workers)
+                                             per_rank_kv_budget, rank_bytes_per_block,
+                                             start_workers)
 from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
 from batchinfer.strategies.seesaw_scheduler import DECODE, PREFILL, SeesawScheduler
 
@@ -48,8 +49,7 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     prefill = layouts[PREFILL]
     check_gpus(setup, prefill.world_size)
     # every rank gets the same block count; a block is as big as the rank's larger shard
-    per_rank = (int(config.cache.kv_cache_memory) if config.cache.kv_cache_memory is not None
-                else kv_budget(config, arch, setup.device, setup.dtype_bytes) // prefill.world_size)
+    per_rank = per_rank_kv_budget(config, prefill, arch, setup.device, setup.dtype_bytes)
     block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, setup.dtype_bytes)
                       for lay in layouts.values() for r in range(lay.world_size))
     num_blocks = per_rank // block_bytes

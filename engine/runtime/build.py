@@ -36,17 +36,23 @@ def rank_bytes_per_block(layout: ParallelLayout, arch, rank: int, block_size: in
     return 2 * (end - start) * kv_heads * block_size * arch.head_dim * dtype_bytes
 
 
+def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, device,
+                       dtype_bytes: int) -> int:
+    """KV bytes of one rank: cache.kv_cache_memory, or auto (the host's budget split between the
+    ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA)."""
+    if config.cache.kv_cache_memory is not None:
+        return int(config.cache.kv_cache_memory)
+    total = kv_budget(config, arch, device, dtype_bytes)
+    if device.type == "cpu":
+        return total // layout.world_size
+    return total - arch.num_params() * dtype_bytes // layout.ranks_per_replica
+
+
 def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int) -> int:
     """Blocks per replica. cache.kv_cache_memory is per rank (as vLLM's is per GPU); auto splits
     the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
     block tables are shared."""
-    if config.cache.kv_cache_memory is not None:
-        per_rank = int(config.cache.kv_cache_memory)
-    else:
-        total = kv_budget(config, arch, device, dtype_bytes)
-        per_rank = total // (layout.world_size if device.type == "cpu" else 1)
-        per_rank -= arch.num_params() * dtype_bytes // layout.ranks_per_replica \
-            if device.type == "cuda" else 0
+    per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes)
     block_size = config.cache.block_size
     return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
                for r in layout.replica_ranks(0))
