@@ -48,29 +48,20 @@ class KVTiers:
         return self.store_blocks_for(num_tokens) + reserved_blocks <= self.store.num_free_blocks
 
     def can_swap_in(self, num_tokens: int, keep_free_blocks: int = 0) -> bool:
-        need = -(-num_tokens // self.device.block_size)
-        return need + keep_free_blocks <= self.device.num_free_blocks
+        return self.store_blocks_for(num_tokens) + keep_free_blocks <= self.device.num_free_blocks
 
     def swap_out(self, request_id: str, num_tokens: int) -> Transfer:
         """Starts moving the KV of `request_id` (held on the device) into the store."""
-        device_blocks = self.device.block_table(request_id)
-        if len(device_blocks) * self.device.block_size < num_tokens:
-            raise ValueError(f"{request_id!r} holds {len(device_blocks)} device blocks, too few "
-                             f"for {num_tokens} tokens")
-        if self.store.block_table(request_id):
-            raise ValueError(f"{request_id!r} already has blocks in the CPU store")
+        device_blocks = _move(self.device, "device", self.store, "CPU store", request_id,
+                              num_tokens)
         store_blocks = self.store.grow(request_id, num_tokens)
         need = self.store_blocks_for(num_tokens)
         return self._start(SWAP_OUT, request_id, num_tokens, device_blocks[:need], store_blocks)
 
     def swap_in(self, request_id: str, num_tokens: int) -> Transfer:
         """Starts moving the KV of `request_id` (in the store) onto the device."""
-        store_blocks = self.store.block_table(request_id)
-        if len(store_blocks) * self.store.block_size < num_tokens:
-            raise ValueError(f"{request_id!r} holds {len(store_blocks)} store blocks, too few "
-                             f"for {num_tokens} tokens")
-        if self.device.block_table(request_id):
-            raise ValueError(f"{request_id!r} already has device blocks")
+        store_blocks = _move(self.store, "CPU store", self.device, "device", request_id,
+                             num_tokens)
         device_blocks = self.device.grow(request_id, num_tokens)
         return self._start(SWAP_IN, request_id, num_tokens, device_blocks, store_blocks)
 
@@ -109,3 +100,15 @@ class KVTiers:
             assert tuple(self.store.block_table(transfer.request_id)) == transfer.store_blocks
             held = self.device.block_table(transfer.request_id)
             assert tuple(held[:len(transfer.device_blocks)]) == transfer.device_blocks
+
+
+def _move(source: BlockManager, source_name: str, dest: BlockManager, dest_name: str,
+          request_id: str, num_tokens: int) -> list[int]:
+    """The source blocks of a move, checked: they hold `num_tokens`, the destination holds none."""
+    blocks = source.block_table(request_id)
+    if len(blocks) * source.block_size < num_tokens:
+        raise ValueError(f"{request_id!r} holds {len(blocks)} {source_name} blocks, too few for "
+                         f"{num_tokens} tokens")
+    if dest.block_table(request_id):
+        raise ValueError(f"{request_id!r} already has {dest_name} blocks")
+    return blocks

@@ -20,8 +20,9 @@ import torch
 
 from batchinfer.engine.model.arch import ModelArch
 from batchinfer.engine.model.llama import CausalLM, ModelPartition
-from batchinfer.engine.model.loader import (_Filler, _read_weights, dummy_tensor, empty_partition,
-                                            finish_partition, hf_tensor_shapes, safetensor_files)
+from batchinfer.engine.model.loader import (_Filler, _read_weights, _Target, dummy_tensor,
+                                            empty_partition, finish_partition, hf_tensor_shapes,
+                                            safetensor_files)
 from batchinfer.engine.model.shard import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,13 @@ class _Collect:
         self.wanted, self.tensors = wanted, {}
 
     def target(self, name: str):
-        return _WHOLE if name in self.wanted else None
+        return _Target("whole") if name in self.wanted else None   # no slice: the whole tensor
 
     def check_source_shape(self, name, shape, where) -> None:
         pass
 
     def put(self, name: str, tensor: torch.Tensor, where=None) -> None:
         self.tensors[name] = tensor.to(torch.float32)
-
-
-class _Whole:
-    dim = None
-
-
-_WHOLE = _Whole()
 
 
 def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition]) -> set[str]:

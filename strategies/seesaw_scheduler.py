@@ -30,7 +30,8 @@ from typing import Optional
 
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.request import Sequence, SequenceStatus
-from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq, requeue_for_recompute
+from batchinfer.engine.scheduler import (BatchingScheduler, MicroBatch, ScheduledSeq,
+                                         requeue_for_recompute)
 from batchinfer.resharding.executor import Reshard
 from batchinfer.resharding.kv_tiers import SWAP_OUT, KVTiers, Transfer
 
@@ -39,26 +40,24 @@ POLICIES = ("transition_minimizing", "prefill_prioritizing", "decode_prioritizin
 MAX_DECISIONS = 10_000
 
 
-class SeesawScheduler:
+class SeesawScheduler(BatchingScheduler):
+    """The queue (`waiting`, `add`, the token counts) is the baseline's; `running` holds only the
+    sequences whose KV is on the device and that decode."""
+
     def __init__(self, device: BlockManager, store: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefill_depth: int = 1,
                  decode_depth: int = 1, policy: str = "transition_minimizing"):
         if policy not in POLICIES:
             raise ValueError(f"unknown Seesaw schedule {policy!r}; allowed: {', '.join(POLICIES)}")
-        self.block_manager = device
+        super().__init__(device, max_num_seqs, max(max_num_batched_tokens, max_model_len),
+                         max_model_len)
         self.tiers = KVTiers(device, store)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-        self.max_model_len = max_model_len
         self.prefill_depth, self.decode_depth = prefill_depth, decode_depth
         self.policy = policy
         self.phase = PREFILL
-        self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []     # in a prefill micro-batch in flight
         self.stored: deque[Sequence] = deque()   # KV in the CPU store, to decode
-        self.running: list[Sequence] = []        # KV on the device, decoding
         self.moving: dict[int, Sequence] = {}    # transfer id -> sequence
-        self.num_preemptions = 0
         self.num_switches = 0
         self.num_in_flight = 0
         self._draining = False                   # decode -> prefill: running copied out first
@@ -66,28 +65,12 @@ class SeesawScheduler:
         self._decisions: list[dict] = []
 
     # --- the Scheduler protocol -----------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.stored or self.running or self.moving)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self.running) + len(self.prefilling)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
-
-    @property
-    def feed_tokens(self) -> int:
-        return 2 * self.max_num_batched_tokens
 
     @property
     def layout(self) -> str:
@@ -280,10 +263,11 @@ class SeesawScheduler:
         take = idle[: max(1, share if in_flight else -(-len(idle) // slots))]
         batch = MicroBatch(phase=DECODE)
         scheduled: set[int] = set()
+        evicted: set[int] = set()
         for seq in take:
-            if seq not in self.running:      # went back to the store for an earlier one
+            if id(seq) in evicted:           # went back to the store for an earlier one
                 continue
-            if self._grow(seq, scheduled):
+            if self._grow(seq, scheduled, evicted):
                 batch.items.append(ScheduledSeq(seq, 1))
                 scheduled.add(id(seq))
         if not batch.items:
@@ -291,7 +275,7 @@ class SeesawScheduler:
         self.num_in_flight += 1
         return [batch]
 
-    def _grow(self, seq: Sequence, scheduled: set[int]) -> bool:
+    def _grow(self, seq: Sequence, scheduled: set[int], evicted: set[int]) -> bool:
         """Room for one more token of `seq`: the newest idle sequence not yet in this
         micro-batch goes back to the store (recomputed later if the store is full)."""
         target = seq.num_computed_tokens + 1
@@ -301,6 +285,7 @@ class SeesawScheduler:
             if not victims:
                 return False
             victim = victims[-1]
+            evicted.add(id(victim))
             self.running.remove(victim)
             self.num_preemptions += 1
             if self.tiers.can_swap_out(victim.num_computed_tokens):

@@ -154,8 +154,7 @@ class Worker:
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
-                        if self.samples or (spec.seesaw is not None
-                                            and spec.rank == spec.seesaw.sampling_rank) else None)
+                        if self.samples else None)   # Seesaw: the same rank in every layout
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
                                              "attention_backend": self.backend.name}))
