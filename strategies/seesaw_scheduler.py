@@ -155,27 +155,24 @@ class SeesawScheduler(BatchingScheduler):
     def _prefill_batch(self) -> Optional[MicroBatch]:
         if self._draining or self.num_in_flight >= self._depth():
             return None
-        batch = MicroBatch(phase=PREFILL)
-        budget = self.max_num_batched_tokens
-        while self.waiting:
-            seq = self.waiting[0]
-            need = seq.num_uncomputed_tokens
-            if need > budget and batch.items:
-                break
-            if not self._next_prompt_fits_store():
-                break
-            if not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + need):
-                break   # the device is full until copies out finish
-            self.waiting.popleft()
-            self.block_manager.grow(seq.request_id, seq.num_computed_tokens + need)
-            seq.status = SequenceStatus.RUNNING
-            self.prefilling.append(seq)
-            batch.items.append(ScheduledSeq(seq, need))
-            budget -= need
+        batch = self._whole_prompts()
         if not batch.items:
             return None
         self.num_in_flight += 1
         return batch
+
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """The baseline's whole-prompt batching admits through here: the prompt needs room in the
+        store (for its copy-out) and on the device (until the copy is done)."""
+        if not self._next_prompt_fits_store():
+            return False
+        if not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + num_tokens):
+            return False     # the device is full until copies out finish
+        self.waiting.popleft()
+        self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.prefilling.append(seq)
+        return True
 
     def _prefill_over(self) -> bool:
         return not self.waiting or not self._next_prompt_fits_store()
