@@ -99,8 +99,11 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
         tokens = [engine.tokenizer.encode(r["prompt"]) for r in rows]
         start = time.perf_counter()
         for i, (row, ids) in enumerate(zip(rows, tokens)):
+            sampling = {"temperature": 0.0, **spec.get("sampling", {})}
+            if sampling["temperature"] > 0:
+                sampling.setdefault("seed", i)
             request = Request(row["id"], ids, SamplingParams(max_tokens=row["max_tokens"],
-                                                             temperature=0.0, ignore_eos=True),
+                                                             ignore_eos=True, **sampling),
                               arrival_index=i)
             request.predicted_output_len = mean_len if predictor == "mean" else row["max_tokens"]
             engine.add_request(request)
@@ -111,6 +114,9 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
         elapsed = time.perf_counter() - start
         stats = engine.stats()
         sched = engine.scheduler
+        timeline = (timeline_summary(engine.replicas[0].executor.timeline())
+                    if spec.get("timeline") and hasattr(engine.replicas[0].executor, "timeline")
+                    else None)
     n_in = sum(o.num_prompt_tokens for o in outs)
     n_out = sum(o.num_output_tokens for o in outs)
     pipeline = stats.get("pipeline") or {}
@@ -135,7 +141,45 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
             "bubble_ratio_by_stage": pipeline.get("bubble_ratio_by_stage"),
             "micro_batch_tokens": balance.summary(),
             "strategy_stats": stats.get("strategy_stats"),
-            "step_times": stats.get("step_times")}
+            "step_times": stats.get("step_times"),
+            **({"timeline": timeline} if timeline else {})}
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds of the intervals `a` covered by the intervals `b` (each list sorted, b disjoint)."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def timeline_summary(events: list[dict]) -> dict:
+    """Per pipeline rank: medians per micro-batch of each recorded interval (forward, input
+    preparation, receive wait, send) and the share of input preparation that overlapped that
+    rank's forwards (SiPipe's token-safe execution hides it; inline it is 0); per sampler
+    process: the median sampling time."""
+    by_rank: dict[int, dict[str, list]] = {}
+    for e in events:
+        key = ("sampler " if e["stage"] < 0 else "rank ") + str(e["rank"])
+        by_rank.setdefault(key, {}).setdefault(e["kind"], []).append((e["start"], e["end"]))
+    out = {}
+    for rank, kinds in sorted(by_rank.items()):
+        row = {f"{kind}_ms_median": round(statistics.median(e - s for s, e in spans) * 1e3, 3)
+               for kind, spans in kinds.items()}
+        prepare, forward = sorted(kinds.get("prepare", [])), sorted(kinds.get("forward", []))
+        prep_s = sum(e - s for s, e in prepare)
+        if prep_s > 0:
+            row["prepare_hidden_share"] = round(_overlap(prepare, forward) / prep_s, 3)
+            row["prepare_s"] = round(prep_s, 2)
+        if forward:
+            row["forward_s"] = round(sum(e - s for s, e in forward), 2)
+        out[rank] = row
+    return out
 
 
 def main(configs: dict, reference: str, description: str, script: str) -> None:

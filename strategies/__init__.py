@@ -5,7 +5,8 @@ build each replica's Scheduler and prepare the engine.
     tdpipe     temporally-disaggregated pipeline parallelism (TD-Pipe)
     gllm       Token Throttling: balanced hybrid micro-batches under PP (gLLM)
     seesaw     PP prefill, TP decode, re-sharding at each switch, a CPU KV tier (Seesaw)
+    sipipe     CPU sampling, token-safe execution, structure-aware transmission (SiPipe)
 """
-from . import gllm, seesaw, tdpipe  # noqa: F401
+from . import gllm, seesaw, sipipe, tdpipe  # noqa: F401
 
-__all__ = ["gllm", "seesaw", "tdpipe"]
+__all__ = ["gllm", "seesaw", "sipipe", "tdpipe"]

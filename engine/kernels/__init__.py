@@ -15,7 +15,19 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp", _DIR / "sampling.cpp"]
+# Two builds with different floating-point contracts:
+# - the model kernels may reassociate (-ffast-math vectorizes their reductions and exps);
+# - the sampling kernels compute IEEE arithmetic as written (no fast-math, no FMA contraction):
+#   the column-wise kernels (SiPipe) must give bitwise the row kernels' results, which fast-math
+#   breaks by reassociating double sums into vector partial sums, rewriting x / r as x * (1 / r)
+#   and calling libmvec's vector expf for some std::exp. Their vector code uses intrinsics.
+_BUILDS = {
+    "model": ([_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp"],
+              ["-O3", "-ffast-math", "-fopenmp"]),
+    "sampling": ([_DIR / "sampling.cpp", _DIR / "sampling_columns.cpp"],
+                 ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+                  "-fopenmp"]),
+}
 _loaded: Optional[bool] = None
 
 
@@ -48,19 +60,22 @@ def load_native_kernels() -> bool:
     import torch
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256()
-    for path in sorted(_DIR.glob("*.cpp")) + sorted(_DIR.glob("*.h")):
-        digest.update(path.read_bytes())
-    source_hash = digest.hexdigest()[:10]
-    name = f"batchinfer_kernels_{source_hash}_{_cpu_fingerprint()}"
-    build_dir = cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    root = cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}"
     try:
-        load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_DIR)], build_directory=str(build_dir),
-             extra_cflags=["-O3", "-ffast-math", "-fopenmp", *arch_flags],
-             extra_ldflags=["-lm", "-fopenmp"], is_python_module=False, verbose=False)
-        _loaded = hasattr(torch.ops.batchinfer, "paged_attention")
+        for build, (sources, flags) in _BUILDS.items():
+            cflags = [*flags, *arch_flags]
+            digest = hashlib.sha256(" ".join(cflags).encode())
+            for path in sorted(sources) + sorted(_DIR.glob("*.h")):
+                digest.update(path.read_bytes())
+            name = f"batchinfer_{build}_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
+            build_dir = root / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+            load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(_DIR)],
+                 build_directory=str(build_dir), extra_cflags=cflags,
+                 extra_ldflags=["-lm", "-fopenmp"], is_python_module=False, verbose=False)
+        _loaded = (hasattr(torch.ops.batchinfer, "paged_attention")
+                   and hasattr(torch.ops.batchinfer, "sample_columns"))
     except Exception as exc:  # compiler missing, headers missing, ...: portable path instead
         log.warning("native CPU kernels unavailable (%s); using the torch path", exc)
         _loaded = False

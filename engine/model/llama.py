@@ -247,19 +247,29 @@ class CausalLM(nn.Module):
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(hidden)
 
+    def _final_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        if residual is None:
+            return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+
     def compute_logits(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """Final norm and LM head for the given rows (copies: the fused norm works in place).
 
         -> [rows, vocab_size] on every TP rank (local logits gathered, padding dropped).
         """
-        if residual is None:
-            hidden = self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        else:
-            hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(self._final_norm(hidden, residual)).float()
         if self.tp is None:
             return logits
         logits = self.tp.all_gather_last_dim(logits)
         if logits.shape[-1] != self.shard.vocab_size:
             logits = logits[:, : self.shard.vocab_size].contiguous()
         return logits
+
+    def compute_logits_columns(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                               out: torch.Tensor) -> None:
+        """This rank's real vocabulary rows of the logits, transposed into out [vocab_rows, rows]
+        (SiPipe's column-wise layout: a TP rank's shard is a row range of the full [V, rows], so
+        no all-gather). The same LM head as compute_logits, so the same values, bit for bit;
+        `out` may live in host memory."""
+        logits = self.lm_head(self._final_norm(hidden, residual))
+        out.copy_(logits[:, : self.shard.vocab_rows].t())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -99,8 +100,10 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 
 
 def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
-                  num_blocks: int, threads: int, **extra) -> WorkerPool:
-    """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields)."""
+                  num_blocks: int, threads: int, rank_extra: Optional[dict] = None,
+                  helpers: tuple = (), helper_names: tuple = (), **extra) -> WorkerPool:
+    """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields, for every rank;
+    rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
     specs = [WorkerSpec(
         rank=r, layout=layout, model_dir=str(setup.model_dir),
         arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
@@ -108,13 +111,13 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
         block_size=config.cache.block_size, threads=threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
-        timeout_s=config.parallel.step_timeout_seconds, **extra)
+        timeout_s=config.parallel.step_timeout_seconds, **extra, **(rank_extra or {}).get(r, {}))
         for r in range(layout.world_size)]
     infos = layout.ranks()
-    pool = WorkerPool([i.name for i in infos], {i.rank: {"replica": i.replica, "stage": i.stage,
+    pool = WorkerPool([i.name for i in infos] + list(helper_names), {i.rank: {"replica": i.replica, "stage": i.stage,
                                                          "tp_rank": i.tp_rank} for i in infos})
     log.info("starting %s", layout.describe())
-    pool.start(worker_main, specs, config.parallel.startup_timeout_seconds)
+    pool.start(worker_main, specs, config.parallel.startup_timeout_seconds, helpers=helpers)
     return pool
 
 

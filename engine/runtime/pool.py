@@ -57,18 +57,20 @@ class WorkerPool:
         self.events.clear()
 
     # --- start ----------------------------------------------------------------------------------
-    def start(self, target, specs: list, timeout_s: float) -> list[dict]:
-        """Spawns one process per spec, waits until each reports ready; -> their info dicts."""
+    def start(self, target, specs: list, timeout_s: float, helpers: tuple = ()) -> list[dict]:
+        """Spawns one process per spec (and per (target, spec) in `helpers`, e.g. SiPipe's CPU
+        samplers, ranked after the workers), waits until each reports ready; -> their infos."""
         import torch.distributed as dist
 
         self.store = dist.TCPStore("127.0.0.1", 0, None, True,
                                    timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        for spec in specs:
+        entries = [(target, spec) for spec in specs] + list(helpers)
+        for entry_target, spec in entries:
             parent, child = ctx.Pipe(duplex=True)
             spec.store_port = self.store.port
-            proc = ctx.Process(target=target, args=(spec, child), daemon=True,
+            proc = ctx.Process(target=entry_target, args=(spec, child), daemon=True,
                                name=f"batchinfer-rank{spec.rank}")
             proc.start()
             child.close()
@@ -76,17 +78,17 @@ class WorkerPool:
             self.conns.append(parent)
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
-        while len(ready) < len(specs):
+        while len(ready) < len(entries):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [self.rank_names[r] for r in range(len(specs)) if r not in ready]
+                missing = [self.rank_names[r] for r in range(len(entries)) if r not in ready]
                 self.close()
                 raise WorkerError(f"workers not ready after {timeout_s:.0f} s: {', '.join(missing)} "
                                   "(raise parallel.startup_timeout_seconds for very large models)")
             for rank, msg in self._receive(left):
                 if msg[0] == "ready":
                     ready[rank] = msg[2]
-        return [ready[r] for r in range(len(specs))]
+        return [ready[r] for r in range(len(entries))]
 
     # --- messages -------------------------------------------------------------------------------
     def send(self, rank: int, message) -> None:

@@ -1,12 +1,16 @@
 """A worker process: one rank's model partition and KV cache, executing micro-batch plans.
 
 The loop, per plan (plans arrive in pipeline order on the control pipe):
-- stages after the first post their receives for (hidden, residual) as soon as the plan arrives:
-  the shape is the plan's token count x hidden size, so no metadata travels with the tensors;
+- stages after the first post their receives for (hidden, residual) as soon as the plan arrives
+  (stage_transport.py: after the first transfer the shape is the plan's token count x the hidden
+  size the first transfer carried, so no metadata travels with the tensors);
+- prepare the model inputs (inline, or with SiPipe's token-safe execution one plan ahead on a
+  thread: input_prep.py);
 - run the partition's layers; the tensor-parallel all-reduces happen inside the model;
 - send (hidden, residual) on to the next stage, or, on the last stage, compute the logits of the
-  rows that sample and (TP rank 0) sample them and send the tokens to the controller.
-Every forward, receive and send is recorded (wall clock) for the pipeline timeline.
+  rows that sample and (TP rank 0) sample them and send the tokens to the controller (SiPipe:
+  write them transposed for a CPU sampler process instead, sipipe/logits_channel.py).
+Every forward, input preparation, receive and send is recorded (wall clock) for the timeline.
 """
 from __future__ import annotations
 
@@ -19,8 +23,12 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from .input_prep import TokenSafeInputs, VersionedInputs
+from .stage_transport import StageReceiver, StageSender
 
 EVENT_FLUSH_S = 0.5
 MAX_PENDING_SENDS = 8
@@ -46,6 +54,7 @@ class WorkerSpec:
     timeout_s: float
     store_port: int = 0
     seesaw: object = None       # resharding.worker_layouts.LayoutSpec: two layouts, a CPU KV store
+    sipipe: object = None       # sipipe.build.SiPipeWorkerSpec: SiPipe's switches, sampler link
 
 
 def _die_with_parent() -> None:
@@ -78,7 +87,10 @@ class Worker:
         self._set_roles(spec.layout)
         self.events: list[dict] = []
         self.switcher = None
+        self.inputs = None                   # SiPipe's token-safe input preparation
+        self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
+        self._events_lock = threading.Lock()  # the input thread records events too
         self._last_flush = time.monotonic()
         self._sends: deque = deque()
 
@@ -91,9 +103,23 @@ class Worker:
         self.prev = layout.prev_rank(rank)
         self.next = layout.next_rank(rank)
         self.is_last = self.next is None
-        seesaw = self.spec.seesaw
-        self.samples = self.is_last and (rank == seesaw.sampling_rank if seesaw is not None
-                                         else self.info.tp_rank == 0)
+        seesaw, sipipe = self.spec.seesaw, self.spec.sipipe
+        link = sipipe.link if sipipe is not None and self.is_last else None
+        self.logits_out = None
+        if link is not None:
+            from batchinfer.sipipe.logits_channel import LogitsProducer
+
+            self.logits_out = LogitsProducer(link, self.spec.vocab_size, self.info.tp_rank)
+        self.samples = self.is_last and link is None and (
+            rank == seesaw.sampling_rank if seesaw is not None else self.info.tp_rank == 0)
+
+    def _open_channels(self) -> None:
+        """The transports to the neighbour stages of the current layout (new ones per layout)."""
+        sipipe = self.spec.sipipe
+        aware = sipipe.structure_aware if sipipe is not None else True
+        self.receiver = (StageReceiver(self.prev, self.device, aware)
+                         if self.prev is not None else None)
+        self.sender = StageSender(self.next, self.device, aware) if self.next is not None else None
 
     def send(self, message) -> None:
         with self._send_lock:
@@ -151,6 +177,10 @@ class Worker:
                                   self.model.num_local_kv_heads, arch.head_dim,
                                   torch.tensor([], dtype=dtype).element_size())
             self.kv_caches = allocate_kv_tensors(kv_spec, dtype, self.device)
+        self._open_channels()
+        if spec.sipipe is not None and spec.sipipe.token_safe:
+            versioned = VersionedInputs(spec.block_size, self.device)
+            self.inputs = TokenSafeInputs(versioned.fill, self._prepared)
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
@@ -178,6 +208,7 @@ class Worker:
                         self._finish_sends()
                         t0 = time.time()
                         self._enter_layout(message[1])
+                        self._open_channels()
                         stats = self.switcher.last_stats
                         self._event("reshard", -1, t0, layout=message[1],
                                     bytes_from_host=stats.bytes_from_host)
@@ -187,6 +218,8 @@ class Worker:
                     continue
                 self._execute(*pending.popleft())
                 self._flush_events()
+        if self.inputs is not None:
+            self.inputs.close()
         self._finish_sends()
         self._flush_events(force=True)
         if self.switcher is not None:
@@ -204,41 +237,52 @@ class Worker:
         self.send(("swapped", self.spec.rank, transfer_ids, seconds))
 
     def _post_receives(self, plan):
-        import torch.distributed as dist
+        if self.inputs is not None:
+            self.inputs.submit(plan)
+        received = (self.receiver.post(plan.mb_id, plan.num_tokens)
+                    if self.receiver is not None else None)
+        return plan, received
 
-        if self.prev is None:
-            return plan, None, None
-        shape = (plan.num_tokens, self.hidden_size)
-        hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
-        residual = torch.empty(shape, dtype=self.dtype, device=self.device)
-        works = [dist.irecv(hidden, src=self.prev, tag=_tag(plan.mb_id, 0)),
-                 dist.irecv(residual, src=self.prev, tag=_tag(plan.mb_id, 1))]
-        return plan, (hidden, residual), works
+    def _prepared(self, plan, start: float, end: float) -> None:
+        self._event("prepare", plan.mb_id, start, end=end)
 
-    def _execute(self, plan, received, works) -> None:
-        import torch.distributed as dist
-
+    def _model_inputs(self, plan):
         from ..step_plan import model_inputs
 
-        hidden = residual = None
-        if works is not None:
+        if self.inputs is None:
             t0 = time.time()
-            for work in works:
-                work.wait()
+            inputs = model_inputs(plan, self.spec.block_size, self.device)
+            self._event("prepare", plan.mb_id, t0)
+            return inputs
+        taken, inputs = self.inputs.take(self.spec.timeout_s)
+        if taken.mb_id != plan.mb_id:
+            raise RuntimeError(f"prepared inputs of micro-batch {taken.mb_id} reached the forward "
+                               f"of {plan.mb_id}")
+        return inputs
+
+    def _execute(self, plan, received) -> None:
+        hidden = residual = None
+        if received is not None:
+            t0 = time.time()
+            tensors = received.wait()
             self._event("recv", plan.mb_id, t0)
-            hidden, residual = received
+            hidden, residual = tensors["hidden"], tensors["residual"]
+        inputs = self._model_inputs(plan)
         t0 = time.time()
-        inputs = model_inputs(plan, self.spec.block_size, self.device)
         hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                       inputs.meta, self.backend, hidden, residual)
         if not self.is_last:
             self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
             t1 = time.time()
-            self._sends.append((plan.mb_id, t1, [
-                dist.isend(hidden.contiguous(), dst=self.next, tag=_tag(plan.mb_id, 0)),
-                dist.isend(residual.contiguous(), dst=self.next, tag=_tag(plan.mb_id, 1))],
-                (hidden, residual)))
+            works = self.sender.send(plan.mb_id, {"hidden": hidden, "residual": residual})
+            self._sends.append((plan.mb_id, t1, works))
             self._reap_sends()
+            return
+        if self.logits_out is not None:
+            forward_s = time.time() - t0
+            self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
+                                    forward_s)
+            self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
             return
         self._forget(plan.released)
         tokens, logprobs = [], []
@@ -289,34 +333,34 @@ class Worker:
     def _reap_sends(self) -> None:
         while self._sends and (len(self._sends) > MAX_PENDING_SENDS
                                or all(w.is_completed() for w in self._sends[0][2])):
-            mb_id, t0, works, _keep = self._sends.popleft()
+            mb_id, t0, works = self._sends.popleft()
             for work in works:
                 work.wait()
             self._event("send", mb_id, t0)
 
     def _finish_sends(self) -> None:
         while self._sends:
-            mb_id, t0, works, _keep = self._sends.popleft()
+            mb_id, t0, works = self._sends.popleft()
             for work in works:
                 try:
                     work.wait()
                 except RuntimeError:
                     pass
 
-    def _event(self, kind: str, mb_id: int, start: float, **extra) -> None:
-        self.events.append({"rank": self.spec.rank, "replica": self.info.replica,
-                            "stage": self.info.stage, "tp_rank": self.info.tp_rank,
-                            "kind": kind, "mb": mb_id, "start": start, "end": time.time(), **extra})
+    def _event(self, kind: str, mb_id: int, start: float, end: Optional[float] = None,
+               **extra) -> None:
+        event = {"rank": self.spec.rank, "replica": self.info.replica, "stage": self.info.stage,
+                 "tp_rank": self.info.tp_rank, "kind": kind, "mb": mb_id, "start": start,
+                 "end": time.time() if end is None else end, **extra}
+        with self._events_lock:
+            self.events.append(event)
 
     def _take_events(self) -> list[dict]:
-        events, self.events = self.events, []
+        with self._events_lock:
+            events, self.events = self.events, []
         self._last_flush = time.monotonic()
         return events
 
     def _flush_events(self, force: bool = False) -> None:
         if self.events and (force or time.monotonic() - self._last_flush >= EVENT_FLUSH_S):
             self.send(("events", self.spec.rank, self._take_events()))
-
-
-def _tag(mb_id: int, which: int) -> int:
-    return (mb_id % (1 << 20)) * 2 + which

@@ -1,0 +1,158 @@
+"""SiPipe's token-safe execution model (§5.2, Fig. 6): a worker's input preparation runs on its own
+thread, one iteration ahead of the forward, writing into one of two versioned input buffers while
+the forward reads the other.
+
+Two finite-state machines share a CPU indicator CI and a GPU indicator GI (the latest iteration
+each has taken up; both start at -1):
+- the CPU executor runs (prepares iteration CI + 1 into buffer version (CI + 1) % 2) only when
+  CI == GI, i.e. the forward has taken every input prepared so far; it then queues a descriptor
+  and increments CI;
+- the GPU executor raises GI as soon as it takes an input up (before running it), which lets the
+  CPU prepare the next iteration into the other version.
+So when the CPU writes version v for iteration i + 1, the forward has started iteration i (the
+other version) and has finished iteration i - 1 (the forward loop is sequential; on CUDA the
+copies into the buffers are stream-ordered after it): a buffer is never overwritten while read.
+On CUDA the paper binds two captured graphs per batch size to the two versions; here (eager
+execution) the forward reads views of the version's buffers.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from ..attention import AttentionMetadata
+from ..step_plan import ModelInputs, StepPlan
+
+
+class VersionedInputs:
+    """Two physical versions of every model-input tensor, grown (never shrunk) on demand."""
+
+    FIELDS = {"input_ids": torch.long, "positions": torch.long, "slot_blocks": torch.long,
+              "slot_offsets": torch.long, "query_start": torch.int32, "seq_lens": torch.int32,
+              "logits_rows": torch.long}
+
+    def __init__(self, block_size: int, device: torch.device, tokens: int = 256, seqs: int = 64,
+                 blocks: int = 16):
+        self.block_size, self.device = block_size, device
+        self.versions = [self._allocate(tokens, seqs, blocks) for _ in range(2)]
+
+    def _allocate(self, tokens: int, seqs: int, blocks: int) -> dict:
+        sizes = {"input_ids": tokens, "positions": tokens, "slot_blocks": tokens,
+                 "slot_offsets": tokens, "query_start": seqs + 1, "seq_lens": seqs,
+                 "logits_rows": seqs}
+        out = {k: torch.empty(n, dtype=self.FIELDS[k], device=self.device)
+               for k, n in sizes.items()}
+        out["block_tables"] = torch.zeros((seqs, blocks), dtype=torch.int32, device=self.device)
+        return out
+
+    def fill(self, version: int, plan: StepPlan) -> ModelInputs:
+        """Writes `plan`'s inputs into buffer `version`; -> views of it."""
+        bs = self.block_size
+        positions, rows, slot_blocks, slot_offsets, starts = [], [], [], [], [0]
+        sampled = set(plan.sample_items)
+        for index, (q_len, s_len, table) in enumerate(zip(plan.query_lens, plan.seq_lens,
+                                                          plan.block_tables)):
+            span = range(s_len - q_len, s_len)
+            positions.extend(span)
+            slot_blocks.extend(table[p // bs] for p in span)
+            slot_offsets.extend(p % bs for p in span)
+            starts.append(starts[-1] + q_len)
+            if index in sampled:
+                rows.append(starts[-1] - 1)
+        n_tok, n_seq = len(plan.input_ids), len(plan.seq_lens)
+        width = max((len(t) for t in plan.block_tables), default=1) or 1
+        buf = self.versions[version]
+        if (n_tok > buf["input_ids"].numel() or n_seq > buf["seq_lens"].numel()
+                or width > buf["block_tables"].shape[1]):
+            buf = self.versions[version] = self._allocate(
+                max(n_tok, buf["input_ids"].numel()), max(n_seq, buf["seq_lens"].numel()),
+                max(width, buf["block_tables"].shape[1]))
+        values = {"input_ids": plan.input_ids, "positions": positions, "slot_blocks": slot_blocks,
+                  "slot_offsets": slot_offsets, "query_start": starts, "seq_lens": plan.seq_lens,
+                  "logits_rows": rows}
+        views = {}
+        for key, data in values.items():
+            view = buf[key][:len(data)]
+            view.copy_(torch.tensor(data, dtype=self.FIELDS[key]), non_blocking=True)
+            views[key] = view
+        tables = buf["block_tables"][:n_seq, :width]
+        tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables],
+                                  dtype=torch.int32).view(n_seq, width), non_blocking=True)
+        meta = AttentionMetadata(views["query_start"], views["seq_lens"], tables,
+                                 views["slot_blocks"], views["slot_offsets"],
+                                 list(plan.query_lens), list(plan.seq_lens))
+        return ModelInputs(views["input_ids"], views["positions"], meta, views["logits_rows"])
+
+
+class TokenSafeInputs:
+    """The CPU executor (a thread) and the GPU executor's side of the handshake (`take`)."""
+
+    def __init__(self, prepare: Callable[[int, StepPlan], ModelInputs],
+                 on_prepared: Optional[Callable[[StepPlan, float, float], None]] = None):
+        self._prepare, self._on_prepared = prepare, on_prepared
+        self.ci = -1                       # CPU indicator: latest iteration prepared
+        self.gi = -1                       # GPU indicator: latest iteration taken up
+        self._cond = threading.Condition()
+        self._schedules: deque = deque()   # scheduling outputs (plans) not yet prepared
+        self._inputs: deque = deque()      # (iteration, plan, inputs) ready for the forward
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._cpu_executor, name="batchinfer-inputs",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, plan: StepPlan) -> None:
+        with self._cond:
+            self._schedules.append(plan)
+            self._cond.notify_all()
+
+    def take(self, timeout_s: float) -> tuple[StepPlan, ModelInputs]:
+        """The GPU executor: W -> R when an input is ready; GI is raised on entering R."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._inputs:
+                if self._error is not None:
+                    raise RuntimeError(f"input preparation failed: {self._error}") from self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no prepared input within {timeout_s:.0f} s")
+                self._cond.wait(left)
+            iteration, plan, inputs = self._inputs.popleft()
+            self.gi = iteration
+            self._cond.notify_all()
+        return plan, inputs
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5.0)
+
+    def _cpu_executor(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not (self._schedules and self.ci == self.gi):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                plan = self._schedules.popleft()
+                iteration = self.ci + 1
+            start = time.time()
+            try:
+                with torch.inference_mode():
+                    inputs = self._prepare(iteration % 2, plan)
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the forward loop in take()
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            if self._on_prepared is not None:
+                self._on_prepared(plan, start, time.time())
+            with self._cond:
+                self._inputs.append((iteration, plan, inputs))
+                self.ci = iteration
+                self._cond.notify_all()

@@ -1,0 +1,112 @@
+"""Assembles a SiPipe engine: the baseline's workers with SiPipe's worker switches, and (with CPU
+sampling) p sampler processes per replica wired to the last stage by shared-memory logits slots
+and pipes."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from dataclasses import dataclass
+from typing import Optional
+
+from batchinfer.engine.engine import Engine, Replica
+from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info,
+                                             model_setup, num_kv_blocks, rank_bytes_per_block,
+                                             start_workers)
+from batchinfer.engine.runtime.executor import PipelineExecutor
+from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
+
+from .executor import SiPipeExecutor
+from .logits_channel import SamplerLink, allocate_slots
+from .sampler_process import SamplerSpec, sampler_main
+
+log = logging.getLogger("batchinfer")
+
+
+@dataclass
+class SiPipeWorkerSpec:
+    """A worker's SiPipe switches; `link` only on last-stage ranks with CPU sampling."""
+
+    token_safe: bool
+    structure_aware: bool
+    link: Optional[SamplerLink] = None
+
+
+def _samplers(config, setup, layout: ParallelLayout, params, rank_extra: dict):
+    """Sampler specs for every replica, and each last-stage rank's link to its replica's."""
+    ctx = mp.get_context("spawn")
+    vocab, capacity, p = setup.arch.vocab_size, params.max_num_seqs, layout.pp
+    helpers, names, ranks, ends = [], [], {}, []
+    for replica in range(layout.dp):
+        slots, consumed = allocate_slots(p, vocab, capacity)
+        last = [r for r in layout.replica_ranks(replica) if layout.info(r).stage == layout.pp - 1]
+        writers: dict[int, list] = {r: [] for r in last}
+        ranks[replica] = []
+        for index in range(p):
+            rank = layout.world_size + replica * p + index
+            readers = []
+            for r in last:
+                read_end, write_end = ctx.Pipe(duplex=False)
+                readers.append(read_end)
+                writers[r].append(write_end)
+                ends += [read_end, write_end]
+            helpers.append((sampler_main, SamplerSpec(
+                rank=rank, replica=replica, index=index, vocab_size=vocab, capacity=capacity,
+                max_model_len=setup.max_model_len,
+                eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
+                threads=params.sampler_threads, slot=slots[index], consumed=consumed,
+                logits_conns=readers)))
+            names.append(f"sampler {index} of replica {replica}")
+            ranks[replica].append(rank)
+        for r in last:
+            rank_extra[r]["sipipe"].link = SamplerLink(slots, consumed, writers[r])
+    return helpers, tuple(names), ranks, ends
+
+
+def build_sipipe_engine(config, params) -> Engine:
+    setup = model_setup(config)
+    layout = ParallelLayout.resolve(config.parallel, setup.arch)
+    check_gpus(setup, layout.world_size)
+    num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes)
+    block_size = config.cache.block_size
+    check_capacity(num_blocks, block_size, setup.max_model_len)
+    threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
+    rank_extra = {r: {"sipipe": SiPipeWorkerSpec(params.token_safe_execution,
+                                                 params.structure_aware_transmission)}
+                  for r in range(layout.world_size)}
+    helpers, names, sampler_ranks, ends = (), (), {}, []
+    if params.cpu_sampling:
+        helpers, names, sampler_ranks, ends = _samplers(config, setup, layout, params, rank_extra)
+    try:
+        pool = start_workers(config, setup, layout, num_blocks, threads, rank_extra=rank_extra,
+                             helpers=tuple(helpers), helper_names=names)
+    finally:
+        for end in ends:          # the children hold their own copies now
+            end.close()
+    replicas = []
+    for replica in range(layout.dp):
+        block_manager = BlockManager(num_blocks, block_size)
+        scheduler = params.make_scheduler(block_manager, setup.max_model_len, layout.pp)
+        timeout = config.parallel.step_timeout_seconds
+        if params.cpu_sampling:
+            executor = SiPipeExecutor(pool, layout, replica, block_manager, timeout,
+                                      sampler_ranks[replica], params.max_num_seqs,
+                                      config.model.seed)
+        else:
+            executor = PipelineExecutor(pool, layout, replica, block_manager, timeout)
+        replicas.append(Replica(scheduler, executor))
+    kv_bytes = layout.dp * sum(
+        num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
+        for r in layout.replica_ranks(0))
+    info = engine_info(config, setup, layout, num_blocks, threads, kv_bytes)
+    info["sipipe"] = {"cpu_sampling": params.cpu_sampling,
+                      "samplers_per_replica": layout.pp if params.cpu_sampling else 0,
+                      "sampler_columns": params.max_num_seqs,
+                      "token_safe_execution": params.token_safe_execution,
+                      "structure_aware_transmission": params.structure_aware_transmission}
+    log.info("SiPipe: CPU sampling %s (%d samplers per replica), token-safe execution %s, "
+             "structure-aware transmission %s", "on" if params.cpu_sampling else "off",
+             layout.pp if params.cpu_sampling else 0,
+             "on" if params.token_safe_execution else "off",
+             "on" if params.structure_aware_transmission else "off")
+    return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)

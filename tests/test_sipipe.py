@@ -1,0 +1,259 @@
+"""SiPipe: column assignment, column-wise incremental sampling against the default sampler and a
+from-scratch computation, the token-safe input handshake under injected delays, and end to end."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from batchinfer.engine.kernels import load_native_kernels
+from batchinfer.engine.request import Request, SamplingParams, Sequence
+from batchinfer.engine.runtime.input_prep import TokenSafeInputs, VersionedInputs
+from batchinfer.engine.sampler import Sampler
+from batchinfer.engine.step_plan import StepPlan, model_inputs
+from batchinfer.sipipe.column_sampler import ColumnSampler
+from batchinfer.sipipe.columns import ColumnAssigner, ColumnJoin
+
+
+def _join_stub(rid, col):
+    return ColumnJoin(col, rid, [], [], None, 0)
+
+
+def test_columns_stay_dense_leavers_are_filled_by_the_last_column():
+    a = ColumnAssigner(capacity=4)
+    cols, up = a.assign(["a", "b", "c"], [0, 0, 0], _join_stub)
+    assert cols == [0, 1, 2] and [j.request_id for j in up.joins] == ["a", "b", "c"]
+    cols, up = a.assign(["a", "c"], [1, 1], _join_stub)          # b left: c moves into its column
+    assert cols == [0, 1] and up.moves == [(2, 1)] and not up.joins and up.width == 2
+    cols, up = a.assign(["c", "a", "d"], [2, 2, 0], _join_stub)  # d joins at the end
+    assert cols == [1, 0, 2] and [j.request_id for j in up.joins] == ["d"]
+    cols, up = a.assign(["c", "a", "d"], [3, 2, 1], _join_stub)  # a's history was trimmed: rebuild
+    assert cols == [1, 0, 2] and [(j.request_id, j.column) for j in up.joins] == [("a", 0)]
+    with pytest.raises(ValueError, match="exceed the sampler's 4 columns"):
+        a.assign(list("vwxyz"), [0] * 5, _join_stub)
+
+
+# --- column-wise sampling ------------------------------------------------------------------------
+PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                   frequency_penalty=0.2, presence_penalty=0.3),
+    SamplingParams(temperature=1.0, top_p=0.5, presence_penalty=-0.5, logprobs=2),
+    SamplingParams(temperature=0.7, min_tokens=6, stop_token_ids=[5], frequency_penalty=1.0),
+    SamplingParams(temperature=1.2, top_k=1),
+]
+
+
+def _scratch(seq: Sequence, vocab: int):
+    seen = torch.zeros(vocab, dtype=torch.uint8)
+    seen[seq.request.prompt_token_ids] = 1
+    counts = torch.zeros(vocab)
+    for t in seq.output_token_ids:
+        counts[t] += 1
+        seen[t] = 1
+    return seen, counts, (counts > 0).float()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_incremental_columns_equal_scratch_and_the_default_sampler(native):
+    """Two replicas (PP=2) over 60 micro-batches with sequences joining, leaving, moving between
+    replicas and having their output trimmed: after every step each column's buffers equal a
+    from-scratch computation, and (native kernels) the tokens equal the default sampler's."""
+    if native and not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    vocab, rng = 1003, random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    default = Sampler(vocab, (2,), torch.device("cpu"), native_kernels=native)
+    replicas = [(ColumnAssigner(16), ColumnSampler(vocab, 16, 256, (2,), native)) for _ in range(2)]
+    seqs, members, counter = {}, [[], []], 0
+    for step in range(60):
+        r = step % 2
+        assigner, sampler = replicas[r]
+        batch = members[r]
+        batch[:] = [rid for rid in batch if rng.random() > 0.15]            # leavers
+        if batch and rng.random() < 0.1:                                     # one moves over
+            members[1 - r].append(batch.pop(rng.randrange(len(batch))))
+        while len(batch) < 9 and rng.random() < 0.6:                         # joiners
+            counter += 1
+            rid = f"r{counter}"
+            params = PARAMS[counter % len(PARAMS)].model_copy(update={"seed": counter})
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            seqs[rid] = Sequence(request=Request(rid, prompt, params))
+            batch.append(rid)
+        if not batch:
+            continue
+        for rid in batch:
+            if seqs[rid].output_token_ids and rng.random() < 0.05:          # trimmed by the engine
+                seqs[rid].output_token_ids.pop()
+        rng.shuffle(batch)
+        rows = [seqs[rid] for rid in batch]
+        logits = torch.randn(len(rows), vocab, generator=gen) * 3
+        expected, info = default.sample(logits.clone(), default.prepare(rows))
+
+        def join_of(rid, col):
+            s = seqs[rid]
+            return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
+                              s.request.sampling, s.request.sampling.seed)
+
+        cols, update = assigner.assign(batch, [len(s.output_token_ids) for s in rows], join_of)
+        sampler.apply(update)
+        logits_t = torch.empty(vocab, update.width)
+        logits_t[:, cols] = logits.t()
+        tokens, logprobs = sampler.sample(logits_t)
+        got = [tokens[c] for c in cols]
+        if native:
+            assert got == expected.tolist(), f"step {step}"
+            for row, (seq, c) in enumerate(zip(rows, cols)):
+                if seq.request.sampling.logprobs is not None:
+                    assert logprobs[c]["logprob"] == pytest.approx(float(info["sampled"][row]))
+                    assert [t for t, _ in logprobs[c]["top"]] == info["top_ids"][row, :2].tolist()
+        for seq, token in zip(rows, got):
+            seq.output_token_ids.append(token)
+        for seq, c in zip(rows, cols):
+            seen, counts, present = _scratch(seq, vocab)
+            n = len(seq.output_token_ids)
+            assert torch.equal(sampler.seen[:, c], seen)
+            assert torch.equal(sampler.counts[:, c], counts)
+            assert torch.equal(sampler.present[:, c], present)
+            assert int(sampler.lengths[c]) == n
+            assert sampler.outputs[:n, c].tolist() == seq.output_token_ids
+
+
+# --- token-safe execution ------------------------------------------------------------------------
+def _plans(rng: random.Random, count: int, block_size: int = 4) -> list[StepPlan]:
+    plans = []
+    for mb in range(count):
+        q_lens, s_lens, tables, ids, sample = [], [], [], [], []
+        for i in range(rng.randrange(1, 6)):
+            q = rng.choice([1, 1, rng.randrange(1, 20)])
+            s = q + rng.randrange(0, 30)
+            q_lens.append(q)
+            s_lens.append(s)
+            tables.append([rng.randrange(100) for _ in range(-(-s // block_size))])
+            ids.extend(rng.randrange(1000) for _ in range(q))
+            if rng.random() < 0.8:
+                sample.append(i)
+        plans.append(StepPlan(mb, ids, q_lens, s_lens, tables, sample, [], []))
+    return plans
+
+
+def test_versioned_buffers_hold_the_same_inputs_as_model_inputs():
+    versioned = VersionedInputs(block_size=4, device=torch.device("cpu"), tokens=8, seqs=2, blocks=2)
+    for i, plan in enumerate(_plans(random.Random(0), 30)):
+        got, want = versioned.fill(i % 2, plan), model_inputs(plan, 4, torch.device("cpu"))
+        for name in ("input_ids", "positions", "logits_rows"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("query_start", "seq_lens", "block_tables", "slot_blocks", "slot_offsets"):
+            assert torch.equal(getattr(got.meta, name), getattr(want.meta, name)), name
+
+
+def test_token_safe_handshake_never_overwrites_a_buffer_being_read():
+    """Random delays on both sides; the CPU executor must run ahead (overlap happens) and must
+    never write the version the forward is reading."""
+    rng = random.Random(1)
+    lock = threading.Lock()
+    content, reading, overlaps = [None, None], [False, False], []
+    forward_busy = threading.Event()
+
+    def prepare(version, plan):
+        with lock:
+            assert not reading[version], f"plan {plan.mb_id} writes version {version} while read"
+        if forward_busy.is_set():
+            overlaps.append(plan.mb_id)
+        time.sleep(rng.random() * 0.002)
+        content[version] = plan.mb_id
+        with lock:
+            assert not reading[version], f"plan {plan.mb_id} wrote version {version} while read"
+        return version
+
+    inputs = TokenSafeInputs(prepare)
+    plans = _plans(random.Random(2), 150)
+    for plan in plans[:3]:
+        inputs.submit(plan)
+    try:
+        for i, plan in enumerate(plans):
+            if i + 3 < len(plans):
+                inputs.submit(plans[i + 3])
+            taken, version = inputs.take(timeout_s=10)
+            assert taken.mb_id == plan.mb_id and version == i % 2
+            with lock:
+                reading[version] = True
+            forward_busy.set()
+            for _ in range(3):                      # the forward reads its inputs over time
+                assert content[version] == plan.mb_id
+                time.sleep(rng.random() * 0.001)
+            forward_busy.clear()
+            with lock:
+                reading[version] = False
+    finally:
+        inputs.close()
+    assert len(overlaps) > 20, "the CPU executor never ran ahead of the forward"
+
+
+def test_a_failing_input_preparation_reaches_the_forward():
+    def prepare(version, plan):
+        raise ValueError("bad block table")
+
+    inputs = TokenSafeInputs(prepare)
+    inputs.submit(_plans(random.Random(0), 1)[0])
+    with pytest.raises(RuntimeError, match="bad block table"):
+        inputs.take(timeout_s=10)
+    inputs.close()
+
+
+# --- end to end ------------------------------------------------------------------------------------
+E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
+       "List three prime numbers:", "1, 2, 3,"]
+DUMMY8 = {"load_format": "dummy", "max_model_len": 512,
+          "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                           "num_hidden_layers": 4}}
+
+
+def _e2e_params():
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, min_p=0.02,
+                            seed=7, repetition_penalty=1.2, frequency_penalty=0.3,
+                            presence_penalty=0.2, logprobs=1, ignore_eos=True)
+    return [greedy, seeded, greedy, seeded, seeded]
+
+
+@pytest.mark.parametrize("model,parallel,switches", [
+    ({"max_model_len": 512}, {"pp": 2}, {}),
+    ({"max_model_len": 512}, {"pp": 2}, {"cpu_sampling": False, "token_safe_execution": False,
+                                         "structure_aware_transmission": False}),
+    (DUMMY8, {"tp": 2}, {}),
+])
+def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, switches):
+    """Every switch setting samples the single process's tokens (the logits are the same bits and
+    the column kernels are the row kernels' arithmetic); under TP each rank writes its vocabulary
+    rows of the logits into the sampler's slot."""
+    from batchinfer.strategies.sipipe import SiPipeParams
+
+    params = _e2e_params()
+    reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(E2E, params)
+    strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64, **switches)
+    with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}, parallel=parallel,
+                     strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
+        outs = eng.generate(E2E, params)
+        events = eng.replicas[0].executor.timeline()
+        info = eng.info["sipipe"]
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
+    for got, want in zip(outs, reference):
+        if want.logprobs:
+            assert [lp["logprob"] for lp in got.logprobs] == pytest.approx(
+                [lp["logprob"] for lp in want.logprobs], abs=1e-5)
+    kinds = {e["kind"] for e in events}
+    assert "prepare" in kinds and "forward" in kinds
+    assert ("sample" in kinds) == info["cpu_sampling"] == switches.get("cpu_sampling", True)
+
+
+def test_sipipe_recipe_runs_out_of_the_box(tmp_path):
+    from tests.strategy_e2e import run_shipped_recipe
+
+    _, report = run_shipped_recipe("sipipe", tmp_path / "run", limit=4)
+    assert report["strategy"]["name"] == "sipipe"
+    assert report["engine"]["sipipe"]["samplers_per_replica"] == 2
