@@ -72,16 +72,17 @@ def _column_method(seqs, native: bool, logits_steps, max_len: int) -> list[float
     assigner = ColumnAssigner(batch)
     by_id = {s.request_id: s for s in seqs}
     ids = [s.request_id for s in seqs]
-    _, update = assigner.assign(ids, [len(s.output_token_ids) for s in seqs], lambda rid, col: (
-        ColumnJoin(col, rid, by_id[rid].request.prompt_token_ids,
-                   list(by_id[rid].output_token_ids), by_id[rid].request.sampling,
-                   by_id[rid].request.sampling.seed)))
-    sampler.apply(update)                     # the join: once per sequence, not per step
+
+    def join_of(rid, col):                    # once per sequence (the first, warm-up step)
+        seq = by_id[rid]
+        return ColumnJoin(col, rid, seq.request.prompt_token_ids, list(seq.output_token_ids),
+                          seq.request.sampling, seq.request.sampling.seed)
+
     times = []
     for logits in logits_steps:
         logits_t = logits.t().contiguous()    # how the last stage delivers them
         start = time.perf_counter()
-        columns, update = assigner.assign(ids, [len(s.output_token_ids) for s in seqs], None)
+        _, update = assigner.assign(ids, [len(s.output_token_ids) for s in seqs], join_of)
         sampler.apply(update)
         tokens, _ = sampler.sample(logits_t)
         for seq, token in zip(seqs, tokens):

@@ -102,13 +102,14 @@ class ColumnSampler:
         info = None
         if any(w is not None for w in want):
             info = raw_logprobs(logits_t.t(), max(w or 0 for w in want))
+        lengths = self.lengths[:n].tolist()
         for col, p in enumerate(params):
-            if self.lengths[col] < p.min_tokens:
+            if lengths[col] < p.min_tokens:
                 stop = list(self.eos_token_ids) + list(p.stop_token_ids or [])
                 logits_t[stop, col] = float("-inf")
         if any(p.uses_penalties for p in params):
             self._apply_penalties(logits_t, n)
-        tokens = self._draw(logits_t, n, params)
+        tokens = self._draw(logits_t, params, lengths)
         self._record(tokens, n)
         logprobs: list = [None] * n
         if info is not None:
@@ -131,9 +132,9 @@ class ColumnSampler:
         penalized -= self.frequency[:n] * self.counts[:, :n] + self.presence[:n] * self.present[:, :n]
         logits_t.copy_(torch.where(seen, penalized, logits_t))
 
-    def _draw(self, logits_t: torch.Tensor, n: int, params) -> torch.Tensor:
+    def _draw(self, logits_t: torch.Tensor, params, lengths: list[int]) -> torch.Tensor:
+        n = len(params)
         uniform = torch.full((n,), 0.5, dtype=torch.float64)
-        lengths = self.lengths[:n].tolist()
         for col, p in enumerate(params):
             if not p.greedy:
                 uniform[col] = uniform_draw(self.seeds[col], lengths[col])

@@ -46,7 +46,8 @@ class VersionedInputs:
                  "logits_rows": seqs}
         out = {k: torch.empty(n, dtype=self.FIELDS[k], device=self.device)
                for k, n in sizes.items()}
-        out["block_tables"] = torch.zeros((seqs, blocks), dtype=torch.int32, device=self.device)
+        # flat, so a [seqs, width] view of its head is contiguous whatever the width
+        out["block_tables"] = torch.zeros(seqs * blocks, dtype=torch.int32, device=self.device)
         return out
 
     def fill(self, version: int, plan: StepPlan) -> ModelInputs:
@@ -67,10 +68,11 @@ class VersionedInputs:
         width = max((len(t) for t in plan.block_tables), default=1) or 1
         buf = self.versions[version]
         if (n_tok > buf["input_ids"].numel() or n_seq > buf["seq_lens"].numel()
-                or width > buf["block_tables"].shape[1]):
+                or n_seq * width > buf["block_tables"].numel()):
+            seqs = max(n_seq, buf["seq_lens"].numel())
             buf = self.versions[version] = self._allocate(
-                max(n_tok, buf["input_ids"].numel()), max(n_seq, buf["seq_lens"].numel()),
-                max(width, buf["block_tables"].shape[1]))
+                max(n_tok, buf["input_ids"].numel()), seqs,
+                max(width, -(-buf["block_tables"].numel() // seqs)))
         values = {"input_ids": plan.input_ids, "positions": positions, "slot_blocks": slot_blocks,
                   "slot_offsets": slot_offsets, "query_start": starts, "seq_lens": plan.seq_lens,
                   "logits_rows": rows}
@@ -79,7 +81,7 @@ class VersionedInputs:
             view = buf[key][:len(data)]
             view.copy_(torch.tensor(data, dtype=self.FIELDS[key]), non_blocking=True)
             views[key] = view
-        tables = buf["block_tables"][:n_seq, :width]
+        tables = buf["block_tables"][:n_seq * width].view(n_seq, width)
         tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables],
                                   dtype=torch.int32).view(n_seq, width), non_blocking=True)
         meta = AttentionMetadata(views["query_start"], views["seq_lens"], tables,
