@@ -8,13 +8,10 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Optional
 
-from batchinfer.engine.engine import Engine, Replica
-from batchinfer.engine.kv_cache import BlockManager
-from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info,
-                                             model_setup, num_kv_blocks, rank_bytes_per_block,
-                                             start_workers)
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.runtime.build import assemble_engine, plan_parallel, start_workers
 from batchinfer.engine.runtime.executor import PipelineExecutor
-from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
+from batchinfer.engine.runtime.layout import ParallelLayout
 
 from .executor import SiPipeExecutor
 from .logits_channel import SamplerLink, allocate_slots
@@ -64,13 +61,8 @@ def _samplers(config, setup, layout: ParallelLayout, params, rank_extra: dict):
 
 
 def build_sipipe_engine(config, params) -> Engine:
-    setup = model_setup(config)
-    layout = ParallelLayout.resolve(config.parallel, setup.arch)
-    check_gpus(setup, layout.world_size)
-    num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes)
-    block_size = config.cache.block_size
-    check_capacity(num_blocks, block_size, setup.max_model_len)
-    threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
+    plan = plan_parallel(config)
+    setup, layout = plan.setup, plan.layout
     rank_extra = {r: {"sipipe": SiPipeWorkerSpec(params.token_safe_execution,
                                                  params.structure_aware_transmission)}
                   for r in range(layout.world_size)}
@@ -78,35 +70,28 @@ def build_sipipe_engine(config, params) -> Engine:
     if params.cpu_sampling:
         helpers, names, sampler_ranks, ends = _samplers(config, setup, layout, params, rank_extra)
     try:
-        pool = start_workers(config, setup, layout, num_blocks, threads, rank_extra=rank_extra,
-                             helpers=tuple(helpers), helper_names=names)
+        pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
+                             rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names)
     finally:
         for end in ends:          # the children hold their own copies now
             end.close()
-    replicas = []
-    for replica in range(layout.dp):
-        block_manager = BlockManager(num_blocks, block_size)
-        scheduler = params.make_scheduler(block_manager, setup.max_model_len, layout.pp)
-        timeout = config.parallel.step_timeout_seconds
+    timeout = config.parallel.step_timeout_seconds
+
+    def make_executor(replica: int, block_manager):
         if params.cpu_sampling:
-            executor = SiPipeExecutor(pool, layout, replica, block_manager, timeout,
-                                      sampler_ranks[replica], params.max_num_seqs,
-                                      config.model.seed)
-        else:
-            executor = PipelineExecutor(pool, layout, replica, block_manager, timeout)
-        replicas.append(Replica(scheduler, executor))
-    kv_bytes = layout.dp * sum(
-        num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
-        for r in layout.replica_ranks(0))
-    info = engine_info(config, setup, layout, num_blocks, threads, kv_bytes)
-    info["sipipe"] = {"cpu_sampling": params.cpu_sampling,
-                      "samplers_per_replica": layout.pp if params.cpu_sampling else 0,
-                      "sampler_columns": params.max_num_seqs,
-                      "token_safe_execution": params.token_safe_execution,
-                      "structure_aware_transmission": params.structure_aware_transmission}
+            return SiPipeExecutor(pool, layout, replica, block_manager, timeout,
+                                  sampler_ranks[replica], params.max_num_seqs, config.model.seed)
+        return PipelineExecutor(pool, layout, replica, block_manager, timeout)
+
+    samplers = layout.pp if params.cpu_sampling else 0
+    info = {"sipipe": {"cpu_sampling": params.cpu_sampling, "samplers_per_replica": samplers,
+                       "sampler_columns": params.max_num_seqs,
+                       "token_safe_execution": params.token_safe_execution,
+                       "structure_aware_transmission": params.structure_aware_transmission}}
     log.info("SiPipe: CPU sampling %s (%d samplers per replica), token-safe execution %s, "
-             "structure-aware transmission %s", "on" if params.cpu_sampling else "off",
-             layout.pp if params.cpu_sampling else 0,
+             "structure-aware transmission %s", "on" if params.cpu_sampling else "off", samplers,
              "on" if params.token_safe_execution else "off",
              "on" if params.structure_aware_transmission else "off")
-    return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)
+    return assemble_engine(config, plan, make_executor, extra_info=info,
+                           scheduler_of=lambda block_manager: params.make_scheduler(
+                               block_manager, setup.max_model_len, layout.pp))

@@ -9,9 +9,7 @@ not a thread: sampling is CPU work that must not share the workers' interpreter 
 from __future__ import annotations
 
 import os
-import signal
 import time
-import traceback
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -38,21 +36,9 @@ class SamplerSpec:
 
 
 def sampler_main(spec: SamplerSpec, conn) -> None:
-    from batchinfer.engine.runtime.worker import _die_with_parent
+    from batchinfer.engine.runtime.worker import run_child
 
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        SamplerProcess(spec, conn).run()
-    except (EOFError, BrokenPipeError):
-        pass
-    except BaseException as exc:  # noqa: BLE001 - reported to the controller, then exit
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        try:
-            conn.send(("error", spec.rank, f"{detail}\n{traceback.format_exc()}"))
-        except OSError:
-            pass
-        os._exit(1)
+    run_child(spec.rank, conn, lambda: SamplerProcess(spec, conn).run())
 
 
 class SamplerProcess:

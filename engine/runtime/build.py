@@ -144,24 +144,47 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
     return info
 
 
-def build_parallel_engine(config: EngineConfig) -> Engine:
+@dataclass
+class ParallelPlan:
+    """The checked layout of a multi-process engine and what each rank gets."""
+
+    setup: ModelSetup
+    layout: ParallelLayout
+    num_blocks: int
+    threads: int
+
+
+def plan_parallel(config: EngineConfig) -> ParallelPlan:
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
     check_gpus(setup, layout.world_size)
     num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes)
-    block_size = config.cache.block_size
-    check_capacity(num_blocks, block_size, setup.max_model_len)
+    check_capacity(num_blocks, config.cache.block_size, setup.max_model_len)
     threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
-    pool = start_workers(config, setup, layout, num_blocks, threads)
+    return ParallelPlan(setup, layout, num_blocks, threads)
+
+
+def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
+                    scheduler_of=None, extra_info: Optional[dict] = None) -> Engine:
+    """One replica per dp rank: a scheduler (`scheduler_of(block_manager)`, default the
+    config's) and `make_executor(replica, block_manager)`."""
+    setup, layout, block_size = plan.setup, plan.layout, config.cache.block_size
     replicas = []
     for replica in range(layout.dp):
-        block_manager = BlockManager(num_blocks, block_size)
-        scheduler = config.make_scheduler(block_manager, setup.max_model_len, layout.pp)
-        executor = PipelineExecutor(pool, layout, replica, block_manager,
-                                    config.parallel.step_timeout_seconds)
-        replicas.append(Replica(scheduler, executor))
+        block_manager = BlockManager(plan.num_blocks, block_size)
+        scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
+                     config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
+        replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
     kv_bytes = layout.dp * sum(
-        num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
+        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
         for r in layout.replica_ranks(0))
-    info = engine_info(config, setup, layout, num_blocks, threads, kv_bytes)
+    info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes)
+    info.update(extra_info or {})
     return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)
+
+
+def build_parallel_engine(config: EngineConfig) -> Engine:
+    plan = plan_parallel(config)
+    pool = start_workers(config, plan.setup, plan.layout, plan.num_blocks, plan.threads)
+    return assemble_engine(config, plan, lambda replica, block_manager: PipelineExecutor(
+        pool, plan.layout, replica, block_manager, config.parallel.step_timeout_seconds))

@@ -66,16 +66,22 @@ def _die_with_parent() -> None:
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
+    run_child(spec.rank, conn, lambda: Worker(spec, conn).run())
+
+
+def run_child(rank: int, conn, body) -> None:
+    """A spawned process's frame: dies with the controller, leaves SIGINT to it, and reports any
+    exception (with its traceback) on the control pipe before exiting."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when to stop
     try:
-        Worker(spec, conn).run()
+        body()
     except (EOFError, BrokenPipeError):
         pass  # the controller went away
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, then exit
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
-            conn.send(("error", spec.rank, f"{detail}\n{traceback.format_exc()}"))
+            conn.send(("error", rank, f"{detail}\n{traceback.format_exc()}"))
         except OSError:
             pass
         os._exit(1)
