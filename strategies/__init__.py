@@ -6,7 +6,8 @@ build each replica's Scheduler and prepare the engine.
     gllm       Token Throttling: balanced hybrid micro-batches under PP (gLLM)
     seesaw     PP prefill, TP decode, re-sharding at each switch, a CPU KV tier (Seesaw)
     sipipe     CPU sampling, token-safe execution, structure-aware transmission (SiPipe)
+    sidp       data-parallel replicas sharing FFN weights: Weight as a Service (SiDP)
 """
-from . import gllm, seesaw, sipipe, tdpipe  # noqa: F401
+from . import gllm, seesaw, sidp, sipipe, tdpipe  # noqa: F401
 
-__all__ = ["gllm", "seesaw", "sipipe", "tdpipe"]
+__all__ = ["gllm", "seesaw", "sidp", "sipipe", "tdpipe"]

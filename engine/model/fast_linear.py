@@ -9,6 +9,7 @@ oneDNN) the module is left as it is.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ PACK_BATCH_HINT = 128
 
 
 def onednn_available() -> bool:
+    """BATCHINFER_PACK_LINEARS=0 turns packing off (plain torch linears everywhere)."""
+    if os.environ.get("BATCHINFER_PACK_LINEARS", "1") == "0":
+        return False
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 

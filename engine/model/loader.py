@@ -217,7 +217,7 @@ def _fill_dummy(filler: _Filler, seed: int) -> None:
 def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                 max_positions: int, partition: ModelPartition = ModelPartition(),
                 dummy: bool = False, seed: int = 0,
-                tp_group: Optional[TensorParallelGroup] = None) -> CausalLM:
+                tp_group: Optional[TensorParallelGroup] = None, pack: bool = True) -> CausalLM:
     """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
     `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way."""
     model, filler = empty_partition(arch, max_positions, partition, tp_group)
@@ -228,7 +228,7 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
         else:
             _read_weights(safetensor_files(model_dir), filler)
             filler.check_complete(str(model_dir))
-    return finish_partition(model, device, dtype)
+    return finish_partition(model, device, dtype, pack)
 
 
 def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartition,
@@ -247,11 +247,14 @@ def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartiti
     return model, _Filler(model)
 
 
-def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Filled partition -> on its device, in its dtype, linears packed, ready for inference."""
+def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
+                     pack: bool = True) -> CausalLM:
+    """Filled partition -> on its device, in its dtype, linears packed (unless `pack` is false:
+    the caller still needs the plain weights), ready for inference."""
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    pack_linears(model)
+    if pack:
+        pack_linears(model)
     return model
 
 

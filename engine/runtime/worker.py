@@ -55,6 +55,7 @@ class WorkerSpec:
     store_port: int = 0
     seesaw: object = None       # resharding.worker_layouts.LayoutSpec: two layouts, a CPU KV store
     sipipe: object = None       # sipipe.build.SiPipeWorkerSpec: SiPipe's switches, sampler link
+    sidp: object = None         # sidp.shared_ffn.SiDPWorkerSpec: the shared FFN store, owners
 
 
 def _die_with_parent() -> None:
@@ -94,6 +95,7 @@ class Worker:
         self.events: list[dict] = []
         self.switcher = None
         self.inputs = None                   # SiPipe's token-safe input preparation
+        self.weight_slots = None             # SiDP's cache of remote FFN weights
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
@@ -157,7 +159,6 @@ class Worker:
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         dtype = getattr(torch, spec.dtype)
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
-        self.hidden_size, self.dtype = arch.hidden_size, dtype
         self.backend = select_backend(spec.attention_backend, self.device, dtype)
         if spec.seesaw is not None:
             from batchinfer.resharding.worker_layouts import LayoutSwitcher
@@ -175,7 +176,9 @@ class Worker:
                         tp_group = TensorParallelGroup(group)
             self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
-                                     seed=spec.seed, tp_group=tp_group)
+                                     seed=spec.seed, tp_group=tp_group, pack=spec.sidp is None)
+            if spec.sidp is not None:
+                self._share_ffn()
             if self.backend.name == "native":
                 self.model.use_ops(NativeOps)
             layers = self.model.partition.layer_end - self.model.partition.layer_start
@@ -226,10 +229,27 @@ class Worker:
                 self._flush_events()
         if self.inputs is not None:
             self.inputs.close()
+        if self.weight_slots is not None:
+            self.weight_slots.close()
         self._finish_sends()
         self._flush_events(force=True)
         if self.switcher is not None:
             self.switcher.prefetcher.close()
+
+    def _share_ffn(self) -> None:
+        """SiDP: owners publish their FFN weights, everyone drops theirs; the slots start reading
+        only once every owner has written (a barrier over all ranks)."""
+        import torch.distributed as dist
+
+        from batchinfer.sidp.shared_ffn import install_shared_ffn
+
+        from ..model.fast_linear import pack_linears
+
+        self.weight_slots = install_shared_ffn(self.model, self.spec.sidp, self.info.replica,
+                                               self.device, self.spec.timeout_s, start=False)
+        pack_linears(self.model)          # the attention's linears; the FFN GEMMs read shared rows
+        dist.barrier()
+        self.weight_slots.start()
 
     def _enter_layout(self, name: str) -> None:
         from ..model.ops import NativeOps
@@ -302,10 +322,12 @@ class Worker:
                 tokens, logprobs = self._sample(plan, logits)
         self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
         if self.samples:
-            self.send(("result", self.info.replica, {
-                "mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
-                "forward_s": forward_s, "sample_s": time.time() - t1,
-                "events": self._take_events()}))
+            result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
+                      "forward_s": forward_s, "sample_s": time.time() - t1,
+                      "events": self._take_events()}
+            if self.weight_slots is not None:
+                result["weight_slots"] = vars(self.weight_slots.stats).copy()
+            self.send(("result", self.info.replica, result))
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs

@@ -1,0 +1,30 @@
+"""SiDP (Weight as a Service) vs plain DP=2 on this CPU, at the same memory per replica.
+
+Workload and method: strategy_bench.py (ShareGPT prompts at time 0, one fresh process per
+configuration), greedy. --kv-tokens is plain DP's KV cache per replica; SiDP's replicas get the
+same budget plus the FFN bytes they no longer hold. At the default 5,840 tokens (269 MB: the
+per-replica budget is 1.5x SmolLM2-135M's 538 MB of fp32 weights) and full-length replies, KV
+binds: the memory-bound regime of the paper.
+
+    python benchmarks/sidp_bench.py --requests 100 --output-scale 1.0 --kv-tokens 5840
+
+Prints one JSON object; the ratios are SiDP's output tok/s over each other configuration's, and
+each result's kv_capacity_tokens is the engine's (both replicas).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from strategy_bench import main
+
+BATCHING = {"policy": "hb", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+CONFIGS = {
+    "sidp": {"parallel": {"dp": 2}, "strategy": {"name": "sidp", **BATCHING}},
+    "dp2": {"parallel": {"dp": 2}, "strategy": {"name": "baseline", **BATCHING}},
+    "sidp-no-peak-shifting": {"parallel": {"dp": 2}, "strategy": {
+        "name": "sidp", "peak_shifting": False, **BATCHING}},
+}
+
+
+if __name__ == "__main__":
+    main(CONFIGS, "sidp", __doc__.splitlines()[0], str(Path(__file__).resolve()))

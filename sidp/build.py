@@ -1,0 +1,67 @@
+"""Assembles a SiDP engine: d data-parallel workers sharing one FFN store, each with the KV cache
+its freed FFN memory buys (the per-replica memory budget stays plain DP's)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
+                                             rank_bytes_per_block, start_workers)
+
+from .executor import SiDPExecutor, SlotTotals
+from .ffn_store import FFNStore
+from .ownership import prefetch_order, resolve_owners, slots_needed
+from .shared_ffn import SiDPWorkerSpec
+
+log = logging.getLogger("batchinfer")
+
+
+def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int) -> int:
+    """FFN bytes a rank no longer holds: the layers it does not own, less its weight slots."""
+    remote = len(prefetch_order(rank, owners, dp))
+    slots = min(slots_needed(rank, owners, dp), remote)
+    return (remote - slots) * layer_bytes
+
+
+def build_sidp_engine(config, params):
+    par = config.parallel
+    if par.tp != 1 or par.pp != 1 or par.dp < 2:
+        raise ConfigError(f"parallel: strategy sidp shares FFN weights between data-parallel "
+                          f"replicas of one rank each; needs tp: 1, pp: 1, dp >= 2 (got tp: "
+                          f"{par.tp}, pp: {par.pp}, dp: {par.dp})")
+    plan = plan_parallel(config)
+    setup, layout, arch = plan.setup, plan.layout, plan.setup.arch
+    try:
+        owners = resolve_owners(params.owners, arch.num_layers, layout.dp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
+                              setup.dtype)
+    block_size = config.cache.block_size
+    budget = per_rank_kv_budget(config, layout, arch, setup.device, setup.dtype_bytes)
+    num_blocks = min(
+        (budget + freed_ffn_bytes(r, owners, layout.dp, store.layer_bytes()))
+        // rank_bytes_per_block(layout, arch, r, block_size, setup.dtype_bytes)
+        for r in range(layout.world_size))
+    plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
+    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting)
+    pool = start_workers(config, setup, layout, num_blocks, plan.threads, sidp=spec)
+    totals = SlotTotals(layout.dp)
+    timeout = par.step_timeout_seconds
+    info = {"sidp": {
+        "owners": owners, "peak_shifting": params.peak_shifting,
+        "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
+        "weight_slots_per_rank": [min(slots_needed(r, owners, layout.dp),
+                                      len(prefetch_order(r, owners, layout.dp)))
+                                  for r in range(layout.dp)],
+        "kv_tokens_per_replica": num_blocks * block_size,
+        "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,
+        "kv_capacity_vs_plain_dp": round(num_blocks / plain_blocks, 3) if plain_blocks else None}}
+    log.info("SiDP: %d replicas share one FFN store (%.0f MiB); KV per replica %d tokens "
+             "(plain DP: %d)", layout.dp, info["sidp"]["ffn_store_bytes"] / 2**20,
+             num_blocks * block_size, plain_blocks * block_size)
+    return assemble_engine(config, plan, lambda replica, block_manager: SiDPExecutor(
+        pool, layout, replica, block_manager, timeout, totals), extra_info=info,
+        scheduler_of=lambda block_manager: params.make_scheduler(
+            block_manager, setup.max_model_len, layout.pp))

@@ -1,0 +1,165 @@
+"""SiDP's Weight-as-a-Service parts: ownership and the peak-shifted prefetch order, the shared FFN
+store, and the weight slots under a forward loop with random delays."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from batchinfer.engine.request import SamplingParams
+from batchinfer.sidp.ffn_store import FFNStore
+from batchinfer.sidp.ownership import (default_owners, prefetch_order, resolve_owners,
+                                       slots_needed)
+from batchinfer.sidp.weight_slots import WeightSlots
+
+
+@pytest.mark.parametrize("num_layers,dp", [(30, 2), (30, 4), (7, 3), (8, 8), (5, 1)])
+def test_peak_shifting_covers_every_non_owner_layer_once_per_cycle(num_layers, dp):
+    owners = default_owners(num_layers, dp)
+    for rank in range(dp):
+        order = prefetch_order(rank, owners, dp)
+        assert sorted(order) == [l for l in range(num_layers) if owners[l] != rank]
+        cycles = [layer // dp for layer in order]             # a cycle's reads are done
+        assert cycles == sorted(cycles)                       # before the next cycle's start
+        assert slots_needed(rank, owners, dp) <= max(dp - 1, 0)
+    if dp > 1 and num_layers >= dp:           # at a cycle's start the ranks read different layers
+        firsts = []
+        for rank in range(dp):
+            order = prefetch_order(rank, owners, dp)
+            firsts.append(next(l for l in order if l < dp))
+        assert len(set(firsts)) == dp
+        unshifted = {prefetch_order(r, owners, dp, peak_shifting=False)[0] for r in range(1, dp)}
+        assert unshifted == {0}                 # without it every non-owner starts at layer 0
+
+
+def test_owner_maps_are_checked():
+    assert resolve_owners(None, 4, 2) == [0, 1, 0, 1]
+    assert resolve_owners([1, 1, 0, 0], 4, 2) == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="lists 3 layers; the model has 4"):
+        resolve_owners([0, 1, 0], 4, 2)
+    with pytest.raises(ValueError, match=r"owners\[2\] = 5: owners are data-parallel ranks 0..1"):
+        resolve_owners([0, 1, 5, 0], 4, 2)
+    assert slots_needed(0, [1, 1, 0, 0], 2) == 2   # a lopsided map needs more slots
+
+
+def _store(num_layers: int) -> FFNStore:
+    store = FFNStore.allocate(num_layers, hidden=8, intermediate=12, dtype=torch.float32)
+    for layer in range(num_layers):
+        store.write(layer, torch.full((24, 8), float(layer)), torch.full((8, 12), -float(layer)))
+    return store
+
+
+@pytest.mark.parametrize("dp,rank", [(2, 1), (4, 2), (3, 0)])
+def test_slots_hold_the_right_layer_and_never_leak(dp, rank):
+    """A forward loop over 6 passes with random delays on both sides: every acquired slot holds
+    its layer's weights, every remote layer is fetched once per pass, and at the end every slot
+    is free again."""
+    num_layers, rng = 13, random.Random(dp * 10 + rank)
+    store = _store(num_layers)
+    owners = default_owners(num_layers, dp)
+    order = prefetch_order(rank, owners, dp)
+    slow_store = _SlowStore(store, rng)
+    slots = WeightSlots(slow_store, order, slots_needed(rank, owners, dp), torch.device("cpu"))
+    try:
+        for _ in range(6):
+            for layer in range(num_layers):
+                if owners[layer] == rank:
+                    weights = store.view(layer)
+                else:
+                    weights = slots.acquire(layer, timeout_s=10)
+                time.sleep(rng.random() * 0.001)
+                assert torch.all(weights["gate_up"] == layer)
+                assert torch.all(weights["down"] == -layer)
+                if owners[layer] != rank:
+                    slots.release(layer)
+        deadline = time.monotonic() + 5
+        while slots.occupancy()[1] < len(slots.slots) and time.monotonic() < deadline:
+            time.sleep(0.01)              # the thread fills the freed slots for the next pass
+    finally:
+        slots.close()
+    free, ready, in_use = slots.occupancy()
+    assert in_use == 0 and free + ready == len(slots.slots)
+    remote = len(order)
+    assert 6 * remote <= slots.stats.fetches <= 6 * remote + len(slots.slots)
+    assert slots.stats.hits + slots.stats.waits == 6 * remote
+
+
+class _SlowStore:
+    """The store, with a random delay on every remote read."""
+
+    def __init__(self, store: FFNStore, rng: random.Random):
+        self.store, self.rng, self.gate_up = store, rng, store.gate_up
+
+    def layer_shapes(self):
+        return self.store.layer_shapes()
+
+    def layer_bytes(self):
+        return self.store.layer_bytes()
+
+    def read_into(self, layer, slot):
+        time.sleep(self.rng.random() * 0.002)
+        self.store.read_into(layer, slot)
+
+
+def test_a_failed_read_reaches_the_forward():
+    class Broken(_SlowStore):
+        def read_into(self, layer, slot):
+            raise OSError("owner went away")
+
+    store = _store(4)
+    slots = WeightSlots(Broken(store, random.Random(0)), [1, 3], 1, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="owner went away"):
+        slots.acquire(1, timeout_s=10)
+    slots.close()
+
+
+# --- end to end ------------------------------------------------------------------------------------
+E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
+       "List three prime numbers:", "1, 2, 3,"]
+
+
+@pytest.mark.parametrize("strategy", [{}, {"peak_shifting": False}, {"owners": [1] * 20 + [0] * 10}])
+def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
+    """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
+    packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
+    remote layer read through the slots."""
+    from batchinfer.strategies.sidp import SiDPParams
+
+    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
+    with make_engine(**base, parallel={"dp": 2}) as engine:
+        expected = [o.output_token_ids for o in engine.generate(E2E, params)]
+        plain = engine.stats()["kv_capacity_tokens"]
+    sidp = SiDPParams(**strategy)
+    with make_engine(**base, parallel={"dp": 2}, strategy=sidp,
+                     scheduler=sidp.scheduler_config()) as engine:
+        got = [o.output_token_ids for o in engine.generate(E2E, params)]
+        stats = engine.stats()
+    assert got == expected
+    assert stats["kv_capacity_tokens"] > 2 * plain
+    assert stats["sidp"]["plain_dp_kv_tokens_per_replica"] * 2 == plain
+    slots = stats["strategy_stats"]
+    assert slots["weight_fetches"] > 0 and slots["weight_slot_hit_ratio"] is not None
+
+
+def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.strategies.sidp import SiDPParams
+
+    base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
+    with pytest.raises(ConfigError, match=r"needs tp: 1, pp: 1, dp >= 2 \(got tp: 1, pp: 2"):
+        make_engine(**base, parallel={"pp": 2, "dp": 2}, strategy=SiDPParams())
+    with pytest.raises(ConfigError, match="strategy.owners lists 2 layers; the model has 30"):
+        make_engine(**base, parallel={"dp": 2}, strategy=SiDPParams(owners=[0, 1]))
+
+
+def test_sidp_recipe_runs_out_of_the_box(tmp_path):
+    from tests.strategy_e2e import run_shipped_recipe
+
+    _, report = run_shipped_recipe("sidp", tmp_path / "run", limit=4)
+    assert report["strategy"]["name"] == "sidp"
+    assert report["engine"]["sidp"]["kv_capacity_vs_plain_dp"] > 1.0
+    assert report["engine"]["strategy_stats"]["weight_fetches"] > 0
