@@ -23,6 +23,8 @@ CONFIGS = {
     "dp2": {"parallel": {"dp": 2}, "strategy": {"name": "baseline", **BATCHING}},
     "sidp-no-peak-shifting": {"parallel": {"dp": 2}, "strategy": {
         "name": "sidp", "peak_shifting": False, **BATCHING}},
+    "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {
+        "name": "sidp", "weight_slots": False, **BATCHING}},
 }
 
 

@@ -17,11 +17,16 @@ from .shared_ffn import SiDPWorkerSpec
 log = logging.getLogger("batchinfer")
 
 
-def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int) -> int:
+def num_slots(rank: int, owners: list[int], dp: int, weight_slots: bool = True) -> int:
+    remote = len(prefetch_order(rank, owners, dp))
+    return min(slots_needed(rank, owners, dp), remote) if weight_slots else 0
+
+
+def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int,
+                    weight_slots: bool = True) -> int:
     """FFN bytes a rank no longer holds: the layers it does not own, less its weight slots."""
     remote = len(prefetch_order(rank, owners, dp))
-    slots = min(slots_needed(rank, owners, dp), remote)
-    return (remote - slots) * layer_bytes
+    return (remote - num_slots(rank, owners, dp, weight_slots)) * layer_bytes
 
 
 def build_sidp_engine(config, params):
@@ -36,24 +41,28 @@ def build_sidp_engine(config, params):
         owners = resolve_owners(params.owners, arch.num_layers, layout.dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if not params.weight_slots and setup.device.type != "cpu":
+        raise ConfigError("strategy.weight_slots: false reads the owners' weights in place, "
+                          "which needs the replicas to share host memory (device cpu)")
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
                               setup.dtype)
     block_size = config.cache.block_size
     budget = per_rank_kv_budget(config, layout, arch, setup.device, setup.dtype_bytes)
     num_blocks = min(
-        (budget + freed_ffn_bytes(r, owners, layout.dp, store.layer_bytes()))
+        (budget + freed_ffn_bytes(r, owners, layout.dp, store.layer_bytes(),
+                                  params.weight_slots))
         // rank_bytes_per_block(layout, arch, r, block_size, setup.dtype_bytes)
         for r in range(layout.world_size))
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
-    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting)
+    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, params.weight_slots)
     pool = start_workers(config, setup, layout, num_blocks, plan.threads, sidp=spec)
     totals = SlotTotals(layout.dp)
     timeout = par.step_timeout_seconds
     info = {"sidp": {
         "owners": owners, "peak_shifting": params.peak_shifting,
+        "weight_slots": params.weight_slots,
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
-        "weight_slots_per_rank": [min(slots_needed(r, owners, layout.dp),
-                                      len(prefetch_order(r, owners, layout.dp)))
+        "weight_slots_per_rank": [num_slots(r, owners, layout.dp, params.weight_slots)
                                   for r in range(layout.dp)],
         "kv_tokens_per_replica": num_blocks * block_size,
         "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,

@@ -28,6 +28,7 @@ class SiDPWorkerSpec:
     owners: list[int]
     dp: int
     peak_shifting: bool = True
+    weight_slots: bool = True    # false: remote layers compute from the owner's rows in place
 
 
 class SharedMLP(nn.Module):
@@ -37,7 +38,7 @@ class SharedMLP(nn.Module):
         self.layer, self.store, self.slots, self.timeout_s = layer, store, slots, timeout_s
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if self.slots is None:                          # owned: the store's rows, in place
+        if self.slots is None:                          # the store's rows, in place
             weights = self.store.view(self.layer)
             return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
         weights = self.slots.acquire(self.layer, self.timeout_s)
@@ -58,10 +59,11 @@ def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.dev
     for index, layer in enumerate(layers):
         if spec.owners[index] == rank:
             spec.store.write(index, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-    order = prefetch_order(rank, spec.owners, spec.dp, spec.peak_shifting)
+    order = (prefetch_order(rank, spec.owners, spec.dp, spec.peak_shifting)
+             if spec.weight_slots else [])
     slots = WeightSlots(spec.store, order, slots_needed(rank, spec.owners, spec.dp), device,
                         start=start)
     for index, layer in enumerate(layers):
-        owned = spec.owners[index] == rank
-        layer.mlp = SharedMLP(index, spec.store, None if owned else slots, timeout_s)
+        in_place = spec.owners[index] == rank or not spec.weight_slots
+        layer.mlp = SharedMLP(index, spec.store, None if in_place else slots, timeout_s)
     return slots

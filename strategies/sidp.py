@@ -24,6 +24,9 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                                         "weights; default: layer l -> rank l mod dp")
     peak_shifting: bool = Field(True, description="rank r starts each dp-layer cycle's "
                                 "prefetches at layer c + r (§4.2); off: every rank at c")
+    weight_slots: bool = Field(True, description="read remote FFN weights into d - 1 slots "
+                               "ahead of use (§4.2); false (CPU only): compute from the "
+                               "owner's shared rows in place, no copies")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))

@@ -120,7 +120,8 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
        "List three prime numbers:", "1, 2, 3,"]
 
 
-@pytest.mark.parametrize("strategy", [{}, {"peak_shifting": False}, {"owners": [1] * 20 + [0] * 10}])
+@pytest.mark.parametrize("strategy", [{}, {"peak_shifting": False}, {"owners": [1] * 20 + [0] * 10},
+                                      {"weight_slots": False}])
 def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
@@ -142,7 +143,10 @@ def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     assert stats["kv_capacity_tokens"] > 2 * plain
     assert stats["sidp"]["plain_dp_kv_tokens_per_replica"] * 2 == plain
     slots = stats["strategy_stats"]
-    assert slots["weight_fetches"] > 0 and slots["weight_slot_hit_ratio"] is not None
+    if strategy.get("weight_slots", True):
+        assert slots["weight_fetches"] > 0 and slots["weight_slot_hit_ratio"] is not None
+    else:                                    # in place: no copies, no slots
+        assert slots["weight_fetches"] == 0 and stats["sidp"]["weight_slots_per_rank"] == [0, 0]
 
 
 def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
