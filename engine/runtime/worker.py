@@ -159,6 +159,7 @@ class Worker:
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         dtype = getattr(torch, spec.dtype)
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
+        self.dtype = dtype                   # Seesaw's layout switcher builds partitions in it
         self.backend = select_backend(spec.attention_backend, self.device, dtype)
         if spec.seesaw is not None:
             from batchinfer.resharding.worker_layouts import LayoutSwitcher
