@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "sampling_common.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -22,48 +23,12 @@
 
 namespace {
 
-constexpr int kBuckets = 64;  // binades of w for the top_p pre-selection
-
 int64_t argmax_row(const float* row, int64_t cols) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t arg = 0;
   for (int64_t j = 0; j < cols; ++j)
     if (row[j] > best) { best = row[j]; arg = j; }
   return arg;
-}
-
-inline int binade(float w) {  // floor(-log2 w) for w in (0, 1], clamped to the last bucket
-  int bits;
-  std::memcpy(&bits, &w, sizeof bits);
-  const int exponent = ((bits >> 23) & 0xff) - 127;
-  return std::min(kBuckets - 1, std::max(0, -exponent));
-}
-
-// Threshold for top_p over the kept w (w >= floor_w): the smallest kept value once the mass before
-// it reaches p * total.
-float top_p_threshold(const std::vector<float>& w, int64_t cols, float floor_w, double total, float p,
-                      std::vector<float>& scratch) {
-  double mass[kBuckets] = {0};
-  for (int64_t j = 0; j < cols; ++j)
-    if (w[j] >= floor_w && w[j] > 0.f) mass[binade(w[j])] += w[j];
-  const double goal = static_cast<double>(p) * total;
-  double before = 0.0;
-  int boundary = kBuckets - 1;
-  for (int b = 0; b < kBuckets; ++b) {
-    if (before + mass[b] >= goal) { boundary = b; break; }
-    before += mass[b];
-  }
-  scratch.clear();
-  for (int64_t j = 0; j < cols; ++j)
-    if (w[j] >= floor_w && w[j] > 0.f && binade(w[j]) == boundary) scratch.push_back(w[j]);
-  std::sort(scratch.begin(), scratch.end(), std::greater<float>());
-  float threshold = scratch.empty() ? floor_w : scratch.back();
-  for (float value : scratch) {
-    if (before >= goal) break;
-    threshold = value;
-    before += value;
-  }
-  return threshold;
 }
 
 int64_t sample_row(const float* row, int64_t cols, float temperature, int64_t top_k, float top_p,
@@ -91,7 +56,8 @@ int64_t sample_row(const float* row, int64_t cols, float temperature, int64_t to
   for (int64_t k = 0; k < cols; ++k)
     if (w[k] >= floor_w) total += w[k];
   if (top_p < 1.f) {
-    floor_w = std::max(floor_w, top_p_threshold(w, cols, floor_w, total, top_p, scratch));
+    floor_w = std::max(floor_w, sampling::top_p_threshold(w.data(), cols, floor_w, total, top_p,
+                                                          scratch));
     total = 0.0;
     for (int64_t k = 0; k < cols; ++k)
       if (w[k] >= floor_w) total += w[k];

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "sampling_common.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -32,7 +33,6 @@
 
 namespace {
 
-constexpr int kBuckets = 64;  // binades of w for the top_p pre-selection, as in sampling.cpp
 constexpr int kLanes = 8;
 constexpr int64_t kAhead = 48;  // rows prefetched ahead in the column passes
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -108,39 +108,6 @@ void apply_penalties_columns_(at::Tensor& logits_t, const at::Tensor& seen, cons
 }
 
 // ---- sampling ---------------------------------------------------------------------------------
-inline int binade(float w) {  // floor(-log2 w) for w in (0, 1], clamped to the last bucket
-  int bits;
-  std::memcpy(&bits, &w, sizeof bits);
-  const int exponent = ((bits >> 23) & 0xff) - 127;
-  return std::min(kBuckets - 1, std::max(0, -exponent));
-}
-
-// sampling.cpp's top_p_threshold over the kept w only (vocabulary order): the tokens it skips
-// there (w < floor_w) add nothing to any bucket, so every sum and the sorted boundary are the same.
-float top_p_threshold(const std::vector<float>& w, float floor_w, double total, float p,
-                      std::vector<float>& scratch) {
-  double mass[kBuckets] = {0};
-  for (float x : w) if (x >= floor_w && x > 0.f) mass[binade(x)] += x;
-  const double goal = static_cast<double>(p) * total;
-  double before = 0.0;
-  int boundary = kBuckets - 1;
-  for (int b = 0; b < kBuckets; ++b) {
-    if (before + mass[b] >= goal) { boundary = b; break; }
-    before += mass[b];
-  }
-  scratch.clear();
-  for (float x : w)
-    if (x >= floor_w && x > 0.f && binade(x) == boundary) scratch.push_back(x);
-  std::sort(scratch.begin(), scratch.end(), std::greater<float>());
-  float threshold = scratch.empty() ? floor_w : scratch.back();
-  for (float value : scratch) {
-    if (before >= goal) break;
-    threshold = value;
-    before += value;
-  }
-  return threshold;
-}
-
 // One column of a block. Columns with top_k or top_p keep a list of (token, w), vocabulary order,
 // holding every token with w >= thr: thr is the min_p floor, raised (top_k) to the k-th largest w
 // of the list whenever the list is full. thr never exceeds the column's k-th largest w, so the
@@ -181,7 +148,8 @@ int64_t draw_list(Lane& L, float top_p, double u, std::vector<float>& scratch) {
   double total = 0.0;
   for (float w : L.val) if (w >= floor_w) total += w;
   if (top_p < 1.f) {
-    floor_w = std::max(floor_w, top_p_threshold(L.val, floor_w, total, top_p, scratch));
+    floor_w = std::max(floor_w, sampling::top_p_threshold(
+        L.val.data(), static_cast<int64_t>(L.val.size()), floor_w, total, top_p, scratch));
     total = 0.0;
     for (float w : L.val) if (w >= floor_w) total += w;
   }
