@@ -41,9 +41,9 @@ def build_sidp_engine(config, params):
         owners = resolve_owners(params.owners, arch.num_layers, layout.dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if not params.weight_slots and setup.device.type != "cpu":
-        raise ConfigError("strategy.weight_slots: false reads the owners' weights in place, "
-                          "which needs the replicas to share host memory (device cpu)")
+    if setup.device.type != "cpu":
+        raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
+                          "host shared memory; the CUDA IPC path is not built yet)")
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
                               setup.dtype)
     block_size = config.cache.block_size

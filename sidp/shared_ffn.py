@@ -39,13 +39,17 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         if self.slots is None:                          # the store's rows, in place
-            weights = self.store.view(self.layer)
-            return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
+            return _ffn(x, self.store.view(self.layer), ops)
         weights = self.slots.acquire(self.layer, self.timeout_s)
         try:
-            return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
+            return _ffn(x, weights, ops)
         finally:
             self.slots.release(self.layer)
+
+
+def _ffn(x: torch.Tensor, weights: dict[str, torch.Tensor], ops) -> torch.Tensor:
+    """The MLP's arithmetic (llama.py's MLP), on weights from wherever they live."""
+    return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
 
 
 def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.device,
