@@ -41,25 +41,33 @@ class AttentionMetadata:
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device) -> "AttentionMetadata":
         """From plain lists (one Python pass, then one tensor per field)."""
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        slot_blocks, slot_offsets = [], []
-        for table, q_len, s_len in zip(block_tables, query_lens, seq_lens):
-            for pos in range(s_len - q_len, s_len):
-                slot_blocks.append(table[pos // block_size])
-                slot_offsets.append(pos % block_size)
-        return cls(
-            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=device),
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-        )
+        lists = metadata_lists(query_lens, seq_lens, block_tables, block_size)
+        return cls(**{name: torch.tensor(lists[name], dtype=dtype, device=device)
+                      for name, dtype in METADATA_DTYPES.items()},
+                   query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+# the tensor fields of AttentionMetadata and their dtypes
+METADATA_DTYPES = {"query_start": torch.int32, "seq_lens": torch.int32,
+                   "block_tables": torch.int32, "slot_blocks": torch.int64,
+                   "slot_offsets": torch.int64}
+
+
+def metadata_lists(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   block_size: int) -> dict[str, list]:
+    """AttentionMetadata's fields as plain lists (block tables padded to the widest)."""
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    width = max((len(t) for t in block_tables), default=1) or 1
+    slot_blocks, slot_offsets = [], []
+    for table, q_len, s_len in zip(block_tables, query_lens, seq_lens):
+        for pos in range(s_len - q_len, s_len):
+            slot_blocks.append(table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+    return {"query_start": starts, "seq_lens": list(seq_lens),
+            "block_tables": [t + [0] * (width - len(t)) for t in block_tables],
+            "slot_blocks": slot_blocks, "slot_offsets": slot_offsets}
 
 
 class AttentionBackend(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import METADATA_DTYPES, AttentionMetadata, metadata_lists
 from .kv_cache import BlockManager
 from .request import Request
 from .scheduler import MicroBatch
@@ -68,7 +68,9 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
     return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens)
 
 
-def model_inputs(plan: StepPlan, block_size: int, device: torch.device) -> ModelInputs:
+def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:
+    """Every model input of `plan` as a plain list: AttentionMetadata's fields, the token ids,
+    their positions and the rows that feed the sampler."""
     positions: list[int] = []
     rows: list[int] = []
     sampled = set(plan.sample_items)
@@ -78,11 +80,20 @@ def model_inputs(plan: StepPlan, block_size: int, device: torch.device) -> Model
         end += q_len
         if index in sampled:
             rows.append(end - 1)
-    meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, block_size,
-                                   device)
-    return ModelInputs(
-        input_ids=torch.tensor(plan.input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=meta,
-        logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
-    )
+    return {**metadata_lists(plan.query_lens, plan.seq_lens, plan.block_tables, block_size),
+            "input_ids": plan.input_ids, "positions": positions, "logits_rows": rows}
+
+
+def model_inputs(plan: StepPlan, block_size: int, device: torch.device) -> ModelInputs:
+    lists = input_lists(plan, block_size)
+    tensors = {name: torch.tensor(lists[name], dtype=dtype, device=device)
+               for name, dtype in INPUT_DTYPES.items()}
+    meta = AttentionMetadata(**{name: tensors[name] for name in METADATA_DTYPES},
+                             query_lens_cpu=list(plan.query_lens),
+                             seq_lens_cpu=list(plan.seq_lens))
+    return ModelInputs(tensors["input_ids"], tensors["positions"], meta, tensors["logits_rows"])
+
+
+# every tensor of ModelInputs (the metadata's included) and its dtype
+INPUT_DTYPES = {**METADATA_DTYPES, "input_ids": torch.long, "positions": torch.long,
+                "logits_rows": torch.long}

@@ -11,22 +11,17 @@ from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget
 
 from .executor import SiDPExecutor, SlotTotals
 from .ffn_store import FFNStore
-from .ownership import prefetch_order, resolve_owners, slots_needed
+from .ownership import prefetch_order, resolve_owners, weight_slots
 from .shared_ffn import SiDPWorkerSpec
 
 log = logging.getLogger("batchinfer")
 
 
-def num_slots(rank: int, owners: list[int], dp: int, weight_slots: bool = True) -> int:
-    remote = len(prefetch_order(rank, owners, dp))
-    return min(slots_needed(rank, owners, dp), remote) if weight_slots else 0
-
-
 def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int,
-                    weight_slots: bool = True) -> int:
+                    with_slots: bool = True) -> int:
     """FFN bytes a rank no longer holds: the layers it does not own, less its weight slots."""
     remote = len(prefetch_order(rank, owners, dp))
-    return (remote - num_slots(rank, owners, dp, weight_slots)) * layer_bytes
+    return (remote - weight_slots(rank, owners, dp, with_slots)) * layer_bytes
 
 
 def build_sidp_engine(config, params):
@@ -62,7 +57,7 @@ def build_sidp_engine(config, params):
         "owners": owners, "peak_shifting": params.peak_shifting,
         "weight_slots": params.weight_slots,
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
-        "weight_slots_per_rank": [num_slots(r, owners, layout.dp, params.weight_slots)
+        "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, params.weight_slots)
                                   for r in range(layout.dp)],
         "kv_tokens_per_replica": num_blocks * block_size,
         "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,

@@ -25,11 +25,11 @@ class SiDPExecutor(PipelineExecutor):
         super().__init__(pool, layout, replica, block_manager, step_timeout_s)
         self.totals = totals
 
-    def collect(self):
-        message = self.pool.results[self.replica][0]
+    def _take_result(self, mb_id: int) -> dict:
+        message = super()._take_result(mb_id)
         if "weight_slots" in message:
             self.totals.latest[self.replica] = message["weight_slots"]
-        return super().collect()
+        return message
 
     def strategy_summary(self) -> dict:
         return self.totals.summary()

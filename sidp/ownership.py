@@ -41,6 +41,11 @@ def prefetch_order(rank: int, owners: list[int], dp: int, peak_shifting: bool = 
     return order
 
 
+def weight_slots(rank: int, owners: list[int], dp: int, enabled: bool = True) -> int:
+    """The slots a rank allocates: slots_needed, or none when remote layers are read in place."""
+    return slots_needed(rank, owners, dp) if enabled else 0
+
+
 def slots_needed(rank: int, owners: list[int], dp: int) -> int:
     """Most non-owned layers in one cycle: the slots that let a whole cycle be prefetched (d - 1
     with the default map). Fewer could deadlock: slots filled with layers needed later."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ffn_store import FFNStore
-from .ownership import prefetch_order, slots_needed
+from .ownership import prefetch_order, weight_slots
 from .weight_slots import WeightSlots
 
 
@@ -65,7 +65,8 @@ def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.dev
             spec.store.write(index, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
     order = (prefetch_order(rank, spec.owners, spec.dp, spec.peak_shifting)
              if spec.weight_slots else [])
-    slots = WeightSlots(spec.store, order, slots_needed(rank, spec.owners, spec.dp), device,
+    slots = WeightSlots(spec.store, order,
+                        weight_slots(rank, spec.owners, spec.dp, spec.weight_slots), device,
                         start=start)
     for index, layer in enumerate(layers):
         in_place = spec.owners[index] == rank or not spec.weight_slots

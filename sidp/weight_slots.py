@@ -31,8 +31,8 @@ class WeightSlots:
                  start: bool = True):
         if order and num_slots < 1:
             raise ValueError("a rank that reads remote layers needs at least one weight slot")
-        # more slots than distinct layers would fetch a layer again before its first copy is used
-        num_slots = min(num_slots, len(order))
+        if num_slots > len(order):   # a layer would be fetched again before its copy is used
+            raise ValueError(f"{num_slots} weight slots for {len(order)} remote layers")
         self.store, self.order = store, order
         self.slots = [{name: torch.empty(shape, dtype=store.gate_up.dtype, device=device)
                        for name, shape in store.layer_shapes().items()}

@@ -29,7 +29,7 @@ class SiPipeWorkerSpec:
     link: Optional[SamplerLink] = None
 
 
-def _samplers(config, setup, layout: ParallelLayout, params, rank_extra: dict):
+def _samplers(setup, layout: ParallelLayout, params, rank_extra: dict):
     """Sampler specs for every replica, and each last-stage rank's link to its replica's."""
     ctx = mp.get_context("spawn")
     vocab, capacity, p = setup.arch.vocab_size, params.max_num_seqs, layout.pp
@@ -68,7 +68,7 @@ def build_sipipe_engine(config, params) -> Engine:
                   for r in range(layout.world_size)}
     helpers, names, sampler_ranks, ends = (), (), {}, []
     if params.cpu_sampling:
-        helpers, names, sampler_ranks, ends = _samplers(config, setup, layout, params, rank_extra)
+        helpers, names, sampler_ranks, ends = _samplers(setup, layout, params, rank_extra)
     try:
         pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
                              rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names)

@@ -12,7 +12,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-from batchinfer.engine.executor import StepResult
 from batchinfer.engine.runtime.executor import PipelineExecutor
 from batchinfer.engine.runtime.pool import WorkerError
 from batchinfer.engine.scheduler import MicroBatch
@@ -40,20 +39,16 @@ class SiPipeExecutor(PipelineExecutor):
         self._sampled = 0                 # micro-batches sampled, and their CPU sampling time
         self._sample_s = 0.0
 
-    def submit(self, batch: MicroBatch) -> None:
-        mb_id = self._next_mb
-        self._next_mb += 1
+    def _plan(self, batch: MicroBatch, mb_id: int) -> ColumnPlan:
+        """The plan with each sampled row's column; the sampler gets its moves and joins."""
         plan = plan_batch(batch, self.block_manager, mb_id)
         sampler = mb_id % len(self.sampler_ranks)
         seqs = {batch.items[i].seq.request_id: batch.items[i].seq for i in plan.sample_items}
         columns, update = self.assigners[sampler].assign(
             plan.sample_request_ids, plan.sample_output_lens,
             lambda rid, col: self._join(seqs[rid], col))
-        plan = ColumnPlan(**vars(plan), sampler=sampler, sample_columns=columns)
         self.pool.send(self.sampler_ranks[sampler], ("step", mb_id, update))
-        for rank in self.ranks:
-            self.pool.send(rank, ("plan", plan))
-        self._in_flight.append((mb_id, batch, (plan.sample_items, columns)))
+        return ColumnPlan(**vars(plan), sampler=sampler, sample_columns=columns)
 
     def _join(self, seq, column: int) -> ColumnJoin:
         sampling = seq.request.sampling
@@ -72,8 +67,8 @@ class SiPipeExecutor(PipelineExecutor):
     def ready(self) -> bool:
         return bool(self._in_flight) and self._result_of(self._in_flight[0][0]) is not None
 
-    def collect(self) -> tuple[MicroBatch, StepResult]:
-        mb_id, batch, (sample_items, columns) = self._in_flight.popleft()
+    def _take_result(self, mb_id: int) -> dict:
+        """Samplers finish out of order: the result of `mb_id`, wherever it is in the queue."""
         message = self._result_of(mb_id)
         if message is None:
             raise WorkerError(f"replica {self.replica}: collect before micro-batch {mb_id}'s "
@@ -81,12 +76,13 @@ class SiPipeExecutor(PipelineExecutor):
         self.pool.results[self.replica].remove(message)
         self._sampled += 1
         self._sample_s += message["sample_s"]
-        tokens: list[Optional[int]] = [None] * len(batch.items)
-        logprobs: list[Optional[dict]] = [None] * len(batch.items)
-        for index, col in zip(sample_items, columns):
-            tokens[index], logprobs[index] = message["tokens"][col], message["logprobs"][col]
-        return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
-                                 sample_s=message["sample_s"])
+        return message
+
+    @staticmethod
+    def _sampled_rows(plan: ColumnPlan, message: dict):
+        """The sampler answers in column order."""
+        return ((index, message["tokens"][col], message["logprobs"][col])
+                for index, col in zip(plan.sample_items, plan.sample_columns))
 
     def release(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)

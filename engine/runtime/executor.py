@@ -16,7 +16,7 @@ from ..executor import StepResult
 from ..kv_cache import BlockManager
 from ..request import Request
 from ..scheduler import MicroBatch
-from ..step_plan import plan_batch
+from ..step_plan import StepPlan, plan_batch
 from .layout import ParallelLayout
 from .pool import WorkerError, WorkerPool
 
@@ -28,7 +28,7 @@ class PipelineExecutor:
         self.block_manager = block_manager
         self.step_timeout_s = step_timeout_s
         self.ranks = layout.replica_ranks(replica)
-        self._in_flight: deque[tuple[int, MicroBatch, list[int]]] = deque()
+        self._in_flight: deque[tuple[int, MicroBatch, StepPlan]] = deque()
         self._known: set[str] = set()        # requests the sampling rank already has
         self._released: list[str] = []
         self._next_mb = 0
@@ -45,6 +45,13 @@ class PipelineExecutor:
     def submit(self, batch: MicroBatch) -> None:
         mb_id = self._next_mb
         self._next_mb += 1
+        plan = self._plan(batch, mb_id)
+        for rank in self.ranks:
+            self.pool.send(rank, ("plan", plan))
+        self._in_flight.append((mb_id, batch, plan))
+
+    def _plan(self, batch: MicroBatch, mb_id: int) -> StepPlan:
+        """The plan every rank gets; the sampling rank learns each request once."""
         plan = plan_batch(batch, self.block_manager, mb_id)
         for index, rid in zip(plan.sample_items, plan.sample_request_ids):
             if rid not in self._known:
@@ -52,9 +59,7 @@ class PipelineExecutor:
                 req = batch.items[index].seq.request
                 plan.new_requests.append(Request(rid, req.prompt_token_ids, req.sampling))
         plan.released, self._released = self._released, []
-        for rank in self.ranks:
-            self.pool.send(rank, ("plan", plan))
-        self._in_flight.append((mb_id, batch, plan.sample_items))
+        return plan
 
     def ready(self) -> bool:
         return bool(self.pool.results[self.replica])
@@ -63,17 +68,27 @@ class PipelineExecutor:
         self.pool.pump(self.step_timeout_s)
 
     def collect(self) -> tuple[MicroBatch, StepResult]:
-        message = self.pool.results[self.replica].popleft()
-        mb_id, batch, sample_items = self._in_flight.popleft()
-        if message["mb_id"] != mb_id:
-            raise WorkerError(f"replica {self.replica}: result for micro-batch {message['mb_id']} "
-                              f"arrived while {mb_id} was expected (pipeline order broken)")
+        mb_id, batch, plan = self._in_flight.popleft()
+        message = self._take_result(mb_id)
         tokens: list[Optional[int]] = [None] * len(batch.items)
         logprobs: list[Optional[dict]] = [None] * len(batch.items)
-        for index, token, logprob in zip(sample_items, message["tokens"], message["logprobs"]):
+        for index, token, logprob in self._sampled_rows(plan, message):
             tokens[index], logprobs[index] = token, logprob
         return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
                                  sample_s=message["sample_s"])
+
+    def _take_result(self, mb_id: int) -> dict:
+        """The sampling rank answers in pipeline order."""
+        message = self.pool.results[self.replica].popleft()
+        if message["mb_id"] != mb_id:
+            raise WorkerError(f"replica {self.replica}: result for micro-batch {message['mb_id']} "
+                              f"arrived while {mb_id} was expected (pipeline order broken)")
+        return message
+
+    @staticmethod
+    def _sampled_rows(plan: StepPlan, message: dict):
+        """(batch item, token, logprob) of each sampled row; the tokens come in plan order."""
+        return zip(plan.sample_items, message["tokens"], message["logprobs"])
 
     def release(self, request_id: str) -> None:
         if request_id in self._known:

@@ -24,16 +24,12 @@ from typing import Callable, Optional
 
 import torch
 
-from ..attention import AttentionMetadata
-from ..step_plan import ModelInputs, StepPlan
+from ..attention import METADATA_DTYPES, AttentionMetadata
+from ..step_plan import INPUT_DTYPES, ModelInputs, StepPlan, input_lists
 
 
 class VersionedInputs:
     """Two physical versions of every model-input tensor, grown (never shrunk) on demand."""
-
-    FIELDS = {"input_ids": torch.long, "positions": torch.long, "slot_blocks": torch.long,
-              "slot_offsets": torch.long, "query_start": torch.int32, "seq_lens": torch.int32,
-              "logits_rows": torch.long}
 
     def __init__(self, block_size: int, device: torch.device, tokens: int = 256, seqs: int = 64,
                  blocks: int = 16):
@@ -41,52 +37,36 @@ class VersionedInputs:
         self.versions = [self._allocate(tokens, seqs, blocks) for _ in range(2)]
 
     def _allocate(self, tokens: int, seqs: int, blocks: int) -> dict:
+        # block_tables is flat, so a [seqs, width] view of its head is contiguous at any width
         sizes = {"input_ids": tokens, "positions": tokens, "slot_blocks": tokens,
                  "slot_offsets": tokens, "query_start": seqs + 1, "seq_lens": seqs,
-                 "logits_rows": seqs}
-        out = {k: torch.empty(n, dtype=self.FIELDS[k], device=self.device)
-               for k, n in sizes.items()}
-        # flat, so a [seqs, width] view of its head is contiguous whatever the width
-        out["block_tables"] = torch.zeros(seqs * blocks, dtype=torch.int32, device=self.device)
-        return out
+                 "logits_rows": seqs, "block_tables": seqs * blocks}
+        return {name: torch.zeros(sizes[name], dtype=dtype, device=self.device)
+                for name, dtype in INPUT_DTYPES.items()}
 
     def fill(self, version: int, plan: StepPlan) -> ModelInputs:
-        """Writes `plan`'s inputs into buffer `version`; -> views of it."""
-        bs = self.block_size
-        positions, rows, slot_blocks, slot_offsets, starts = [], [], [], [], [0]
-        sampled = set(plan.sample_items)
-        for index, (q_len, s_len, table) in enumerate(zip(plan.query_lens, plan.seq_lens,
-                                                          plan.block_tables)):
-            span = range(s_len - q_len, s_len)
-            positions.extend(span)
-            slot_blocks.extend(table[p // bs] for p in span)
-            slot_offsets.extend(p % bs for p in span)
-            starts.append(starts[-1] + q_len)
-            if index in sampled:
-                rows.append(starts[-1] - 1)
-        n_tok, n_seq = len(plan.input_ids), len(plan.seq_lens)
-        width = max((len(t) for t in plan.block_tables), default=1) or 1
+        """Writes `plan`'s inputs (step_plan.input_lists, as model_inputs has them) into buffer
+        `version`; -> views of it."""
+        lists = input_lists(plan, self.block_size)
+        tables = lists.pop("block_tables")
+        n_seq, width = len(tables), len(tables[0]) if tables else 1
         buf = self.versions[version]
-        if (n_tok > buf["input_ids"].numel() or n_seq > buf["seq_lens"].numel()
-                or n_seq * width > buf["block_tables"].numel()):
+        if (len(lists["input_ids"]) > buf["input_ids"].numel()
+                or n_seq > buf["seq_lens"].numel() or n_seq * width > buf["block_tables"].numel()):
             seqs = max(n_seq, buf["seq_lens"].numel())
             buf = self.versions[version] = self._allocate(
-                max(n_tok, buf["input_ids"].numel()), seqs,
+                max(len(lists["input_ids"]), buf["input_ids"].numel()), seqs,
                 max(width, -(-buf["block_tables"].numel() // seqs)))
-        values = {"input_ids": plan.input_ids, "positions": positions, "slot_blocks": slot_blocks,
-                  "slot_offsets": slot_offsets, "query_start": starts, "seq_lens": plan.seq_lens,
-                  "logits_rows": rows}
         views = {}
-        for key, data in values.items():
-            view = buf[key][:len(data)]
-            view.copy_(torch.tensor(data, dtype=self.FIELDS[key]), non_blocking=True)
-            views[key] = view
-        tables = buf["block_tables"][:n_seq * width].view(n_seq, width)
-        tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables],
-                                  dtype=torch.int32).view(n_seq, width), non_blocking=True)
-        meta = AttentionMetadata(views["query_start"], views["seq_lens"], tables,
-                                 views["slot_blocks"], views["slot_offsets"],
-                                 list(plan.query_lens), list(plan.seq_lens))
+        for name, data in lists.items():
+            views[name] = buf[name][:len(data)]
+            views[name].copy_(torch.tensor(data, dtype=INPUT_DTYPES[name]), non_blocking=True)
+        views["block_tables"] = buf["block_tables"][:n_seq * width].view(n_seq, width)
+        views["block_tables"].copy_(torch.tensor(tables, dtype=torch.int32).view(n_seq, width),
+                                    non_blocking=True)
+        meta = AttentionMetadata(**{name: views[name] for name in METADATA_DTYPES},
+                                 query_lens_cpu=list(plan.query_lens),
+                                 seq_lens_cpu=list(plan.seq_lens))
         return ModelInputs(views["input_ids"], views["positions"], meta, views["logits_rows"])
 
 

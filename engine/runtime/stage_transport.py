@@ -36,6 +36,10 @@ class TransferCounters:
     tensor_messages: int = 0
     bytes: int = 0
 
+    def add_tensor(self, t: torch.Tensor) -> None:
+        self.tensor_messages += 1
+        self.bytes += t.numel() * t.element_size()
+
 
 def _tag(mb_id: int, slot: int) -> int:
     return (mb_id % (1 << 20)) * _SLOTS + slot
@@ -88,7 +92,7 @@ class StageSender:
         works = []
         for slot, t in enumerate(tensors.values(), start=2):
             works.append(_InFlight(dist.isend(t, dst=self.peer, tag=_tag(mb_id, slot)), t))
-            self._count_tensor(t)
+            self.counters.add_tensor(t)
         self.transfers += 1
         return works
 
@@ -120,12 +124,8 @@ class StageSender:
         self.counters.bytes += size.numel() * 8 + blob.numel()
         for slot, t in enumerate(tensors.values(), start=2):
             dist.send(t, dst=self.peer, tag=_tag(mb_id, slot))
-            self._count_tensor(t)
+            self.counters.add_tensor(t)
         self.transfers += 1
-
-    def _count_tensor(self, t: torch.Tensor) -> None:
-        self.counters.tensor_messages += 1
-        self.counters.bytes += t.numel() * t.element_size()
 
 
 class PendingReceive:
@@ -146,7 +146,7 @@ class PendingReceive:
             t = torch.empty((self.num_tokens, *dims), dtype=dtype, device=r.device)
             self.works.append(dist.irecv(t, src=r.peer, tag=_tag(self.mb_id, slot)))
             self.tensors[key] = t
-            r._count_tensor(t)
+            r.counters.add_tensor(t)
         self.mode = "posted"
 
     def wait(self) -> dict[str, torch.Tensor]:
@@ -200,7 +200,7 @@ class StageReceiver:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(t, src=self.peer, tag=_tag(handle.mb_id, slot))
             tensors[key] = t
-            self._count_tensor(t)
+            self.counters.add_tensor(t)
         if self.structure_aware and self.structure is None:
             bad = [key for key, _, shape in meta if not shape or shape[0] != handle.num_tokens]
             if bad:
@@ -212,7 +212,3 @@ class StageReceiver:
                 lazy._post(self.structure)
             self._unresolved = []
         return tensors
-
-    def _count_tensor(self, t: torch.Tensor) -> None:
-        self.counters.tensor_messages += 1
-        self.counters.bytes += t.numel() * t.element_size()
