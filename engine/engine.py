@@ -107,6 +107,7 @@ class Engine:
         self._feed()
         for rep in self.replicas:
             self._fill(rep)
+        _flush_submissions(self.replicas)
         busy = [rep for rep in self.replicas
                  if rep.executor.num_in_flight or _pending_transfers(rep)]
         if not busy:
@@ -303,12 +304,22 @@ class Engine:
 
 
 # --- optional capabilities: a scheduler that moves KV between tiers or switches layouts (Seesaw)
-# hands the executor actions and hears back which copies finished --------------------------------
+# hands the executor actions and hears back which copies finished; executors that send the
+# replicas' micro-batches together (SiDP) hear when a step's scheduling is done -----------------
 def _run_actions(rep: Replica) -> None:
     take = getattr(rep.scheduler, "take_actions", None)
     actions = take() if take is not None else None
     if actions:
         rep.executor.run_actions(actions)
+
+
+def _flush_submissions(replicas: list[Replica]) -> None:
+    """An executor that sends the replicas' micro-batches together (SiDP's CaS rounds) hears
+    when every replica has been offered work this step."""
+    for rep in replicas:
+        flush = getattr(rep.executor, "flush_submissions", None)
+        if flush is not None:
+            flush()
 
 
 def _pending_transfers(rep: Replica) -> int:

@@ -9,8 +9,10 @@ from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
                                              rank_bytes_per_block, start_workers)
 
-from .executor import SiDPExecutor, SlotTotals
+from .executor import SiDPExecutor
 from .ffn_store import FFNStore
+from .mode_switch import ModeSwitch, profiled_threshold
+from .orchestrator import Orchestrator
 from .ownership import prefetch_order, resolve_owners, weight_slots
 from .shared_ffn import SiDPWorkerSpec
 
@@ -49,13 +51,28 @@ def build_sidp_engine(config, params):
         // rank_bytes_per_block(layout, arch, r, block_size, setup.dtype_bytes)
         for r in range(layout.world_size))
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
-    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, params.weight_slots)
+    profile = params.compute_service and params.batch_threshold is None
+    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, params.weight_slots,
+                          params.compute_service, params.gemm_fusion, profile_costs=profile)
     pool = start_workers(config, setup, layout, num_blocks, plan.threads, sidp=spec)
-    totals = SlotTotals(layout.dp)
+    threshold, costs = params.batch_threshold, None
+    if profile:
+        costs = pool.infos[0]["sidp_costs"]
+        costs["p2p_s"] = costs["p2p_s"] or 0.0
+        threshold = profiled_threshold(costs["ffn_s"], costs["fetch_s"], costs["p2p_s"],
+                                       layout.dp, fetch_hidden=setup.device.type == "cuda")
+        log.info("SiDP: B_th = %d (profiled: a layer's weight read %.2f ms, activation transfer "
+                 "%.3f ms, FFN %s)", threshold, costs["fetch_s"] * 1e3, costs["p2p_s"] * 1e3,
+                 ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in costs["ffn_s"].items()))
+    switch = ModeSwitch(threshold or 1, params.mode_switch_patience,
+                        params.mode_switch_hysteresis, enabled=params.compute_service)
+    orchestrator = Orchestrator(pool, layout.dp, switch, params.dummy_skipping)
     timeout = par.step_timeout_seconds
     info = {"sidp": {
         "owners": owners, "peak_shifting": params.peak_shifting,
         "weight_slots": params.weight_slots,
+        "compute_service": params.compute_service, "batch_threshold": threshold,
+        "batch_threshold_costs": costs,
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
         "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, params.weight_slots)
                                   for r in range(layout.dp)],
@@ -66,6 +83,6 @@ def build_sidp_engine(config, params):
              "(plain DP: %d)", layout.dp, info["sidp"]["ffn_store_bytes"] / 2**20,
              num_blocks * block_size, plain_blocks * block_size)
     return assemble_engine(config, plan, lambda replica, block_manager: SiDPExecutor(
-        pool, layout, replica, block_manager, timeout, totals), extra_info=info,
+        pool, layout, replica, block_manager, timeout, orchestrator), extra_info=info,
         scheduler_of=lambda block_manager: params.make_scheduler(
             block_manager, setup.max_model_len, layout.pp))

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .compute_service import ComputeService, ffn
 from .ffn_store import FFNStore
 from .ownership import prefetch_order, weight_slots
 from .weight_slots import WeightSlots
@@ -29,33 +29,68 @@ class SiDPWorkerSpec:
     dp: int
     peak_shifting: bool = True
     weight_slots: bool = True    # false: remote layers compute from the owner's rows in place
+    compute_service: bool = True  # CaS rounds may come (the rank posts P2P transfers for them)
+    gemm_fusion: bool = True
+    profile_costs: bool = False  # measure what B_th is derived from (sidp/cost_profile.py)
 
 
 class SharedMLP(nn.Module):
     def __init__(self, layer: int, store: FFNStore, slots: Optional[WeightSlots],
-                 timeout_s: float):
+                 service: Optional[ComputeService], timeout_s: float):
         super().__init__()
         self.layer, self.store, self.slots, self.timeout_s = layer, store, slots, timeout_s
+        self.service = service
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.service is not None and self.service.active:   # a CaS round
+            return self.service.forward(self.layer, x, ops)
         if self.slots is None:                          # the store's rows, in place
-            return _ffn(x, self.store.view(self.layer), ops)
+            return ffn(x, self.store.view(self.layer), ops)
         weights = self.slots.acquire(self.layer, self.timeout_s)
         try:
-            return _ffn(x, weights, ops)
+            return ffn(x, weights, ops)
         finally:
             self.slots.release(self.layer)
 
 
-def _ffn(x: torch.Tensor, weights: dict[str, torch.Tensor], ops) -> torch.Tensor:
-    """The MLP's arithmetic (llama.py's MLP), on weights from wherever they live."""
-    return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
+class RankFFN:
+    """A rank's SiDP state: its weight slots (WaS) and its compute service (CaS), and the counters
+    it reports to the controller."""
+
+    def __init__(self, slots: WeightSlots, service: Optional[ComputeService]):
+        self.slots, self.service = slots, service
+
+    def begin(self, plan) -> None:
+        """Before a forward: a plan with `cas_rows` is this replica's part of a CaS round."""
+        rows = getattr(plan, "cas_rows", None)
+        if rows:
+            self.service.begin(rows)
+
+    def end(self) -> None:
+        if self.service is not None and self.service.active:
+            self.service.end()
+
+    def serve(self, plan, ops) -> None:
+        """A dummy plan: no model, only the owned layers served (§4.3, dummy skipping)."""
+        self.service.serve_round(plan.cas_rows, ops)
+
+    def stats(self) -> dict:
+        out = {"weight_slots": vars(self.slots.stats).copy()}
+        if self.service is not None:
+            out["compute_service"] = vars(self.service.stats).copy()
+        return out
+
+    def start(self) -> None:
+        self.slots.start()
+
+    def close(self) -> None:
+        self.slots.close()
 
 
 def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.device,
-                       timeout_s: float, start: bool = True) -> WeightSlots:
-    """Owned layers -> the store; every MLP -> a SharedMLP; -> the rank's weight slots (start
-    their prefetch thread only once every owner has written: after a barrier)."""
+                       timeout_s: float, start: bool = True) -> RankFFN:
+    """Owned layers -> the store; every MLP -> a SharedMLP; -> the rank's slots and service (the
+    slots' prefetch thread starts only once every owner has written: after a barrier)."""
     layers = model.layers
     if len(layers) != len(spec.owners):
         raise ValueError(f"SiDP needs every layer on every rank (got {len(layers)} of "
@@ -68,7 +103,9 @@ def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.dev
     slots = WeightSlots(spec.store, order,
                         weight_slots(rank, spec.owners, spec.dp, spec.weight_slots), device,
                         start=start)
+    service = (ComputeService(rank, spec.owners, spec.store, spec.store.down.dtype, device,
+                              spec.gemm_fusion) if spec.compute_service else None)
     for index, layer in enumerate(layers):
         in_place = spec.owners[index] == rank or not spec.weight_slots
-        layer.mlp = SharedMLP(index, spec.store, None if in_place else slots, timeout_s)
-    return slots
+        layer.mlp = SharedMLP(index, spec.store, None if in_place else slots, service, timeout_s)
+    return RankFFN(slots, service)

@@ -1,11 +1,13 @@
 """Strategy `sidp`: data-parallel replicas that share FFN weights (../shared/papers/sidp.txt §4).
 
-Built so far: ownership (layer l -> rank l mod d, or `owners`), Weight as a Service with d - 1
-preallocated weight slots per rank filled ahead of use by a prefetch / housekeeper thread, and
-peak shifting (`peak_shifting: false` is the paper's ablation, Fig. 10); the freed FFN memory
-becomes KV cache at plain DP's per-replica memory budget (sidp/). Device cpu: the store is host
-shared memory. Not yet: Compute as a Service for the small-batch tail, the WaS/CaS mode switch
-and the CUDA IPC path.
+Ownership (layer l -> rank l mod d, or `owners`); Weight as a Service with d - 1 preallocated
+weight slots per rank filled ahead of use by a prefetch / housekeeper thread, and peak shifting
+(`peak_shifting: false` is the paper's ablation, Fig. 10); the freed FFN memory becomes KV cache
+at plain DP's per-replica memory budget. Compute as a Service for the small-batch tail (activations
+to the owner, GEMM fusion, dummy skipping), entered and left by the job orchestrator at the batch
+threshold B_th (profiled at startup unless given) with patience and hysteresis
+(`compute_service: false` is the paper's WaS-only, Fig. 13). Device cpu: the store is host shared
+memory; the CUDA IPC path is not built.
 """
 from __future__ import annotations
 
@@ -28,6 +30,22 @@ class SiDPParams(StrategyParams, SchedulerConfig):
     weight_slots: bool = Field(True, description="read remote FFN weights into d - 1 slots "
                                "ahead of use (§4.2); false: compute from the owner's shared "
                                "rows in place, no copies (replicas share host memory)")
+    compute_service: bool = Field(True, description="CaS (§4.3): below B_th the replicas run "
+                                  "in rounds and send FFN inputs to each layer's owner; false: "
+                                  "WaS only")
+    batch_threshold: Optional[int] = Field(None, ge=1, description="B_th: CaS once the "
+                                           "effective batch (most tokens a replica runs in an "
+                                           "iteration) stays below it; default: profiled at "
+                                           "startup (sidp/mode_switch.py)")
+    mode_switch_patience: int = Field(16, ge=1, description="iterations the batch must stay "
+                                      "past a bound before the group switches mode")
+    mode_switch_hysteresis: float = Field(1.5, ge=1.0, description="back to WaS only once the "
+                                          "batch stays at or above this x B_th")
+    gemm_fusion: bool = Field(True, description="the owner runs one GEMM over every "
+                              "replica's rows (§4.3); false: one per replica")
+    dummy_skipping: bool = Field(True, description="a replica with no work brings nothing to a "
+                                 "CaS round (§4.3); false: it pushes one zero row through "
+                                 "every layer, as a dummy run would")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))

@@ -46,9 +46,12 @@ class PipelineExecutor:
         mb_id = self._next_mb
         self._next_mb += 1
         plan = self._plan(batch, mb_id)
+        self._in_flight.append((mb_id, batch, plan))
+        self._dispatch(plan)
+
+    def _dispatch(self, plan: StepPlan) -> None:
         for rank in self.ranks:
             self.pool.send(rank, ("plan", plan))
-        self._in_flight.append((mb_id, batch, plan))
 
     def _plan(self, batch: MicroBatch, mb_id: int) -> StepPlan:
         """The plan every rank gets; the sampling rank learns each request once."""

@@ -46,6 +46,8 @@ class WorkerPool:
         self.conns: list[Connection] = []
         self.results: dict[int, deque] = defaultdict(deque)   # replica -> result messages
         self.swapped: list[tuple[int, list[int], float]] = []  # (rank, transfer ids, seconds)
+        self.worker_stats: dict[int, dict] = {}   # rank -> its latest (cumulative) counters
+        self.infos: list[dict] = []               # what each process reported when ready
         self.events: deque = deque(maxlen=EVENTS_KEEP)
         self.store = None
         self.closed = False
@@ -88,7 +90,8 @@ class WorkerPool:
             for rank, msg in self._receive(left):
                 if msg[0] == "ready":
                     ready[rank] = msg[2]
-        return [ready[r] for r in range(len(entries))]
+        self.infos = [ready[r] for r in range(len(entries))]
+        return self.infos
 
     # --- messages -------------------------------------------------------------------------------
     def send(self, rank: int, message) -> None:
@@ -103,6 +106,13 @@ class WorkerPool:
         if not got:
             raise self._fail(f"no worker answered within {timeout_s:.0f} s (parallel."
                              "step_timeout_seconds); the ranks are alive but stuck")
+        self._handle(got)
+
+    def poll(self) -> None:
+        """Handles the messages already here, without waiting."""
+        self._handle(self._receive(0))
+
+    def _handle(self, got: list[tuple[int, tuple]]) -> None:
         for rank, msg in got:
             kind = msg[0]
             if kind == "result":
@@ -112,6 +122,8 @@ class WorkerPool:
                 self._add_events(msg[2])
             elif kind == "swapped":
                 self.swapped.append((rank, msg[2], msg[3]))
+            elif kind == "stats":
+                self.worker_stats[rank] = msg[2]
 
     def _add_events(self, events) -> None:
         self.events.extend(events)

@@ -95,7 +95,7 @@ class Worker:
         self.events: list[dict] = []
         self.switcher = None
         self.inputs = None                   # SiPipe's token-safe input preparation
-        self.weight_slots = None             # SiDP's cache of remote FFN weights
+        self.shared_ffn = None               # SiDP: weight slots and compute service
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
@@ -145,6 +145,7 @@ class Worker:
         from pathlib import Path
 
         spec, layout = self.spec, self.layout
+        ready_extra: dict = {}
         torch.set_num_threads(spec.threads)
         if spec.device == "cuda":
             local = spec.rank % max(torch.cuda.device_count(), 1)
@@ -178,10 +179,10 @@ class Worker:
             self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
                                      seed=spec.seed, tp_group=tp_group, pack=spec.sidp is None)
-            if spec.sidp is not None:
-                self._share_ffn()
             if self.backend.name == "native":
                 self.model.use_ops(NativeOps)
+            if spec.sidp is not None:
+                ready_extra["sidp_costs"] = self._share_ffn()
             layers = self.model.partition.layer_end - self.model.partition.layer_start
             kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
@@ -197,7 +198,7 @@ class Worker:
                         if self.samples else None)   # Seesaw: the same rank in every layout
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
-                                             "attention_backend": self.backend.name}))
+                                        "attention_backend": self.backend.name, **ready_extra}))
 
     # --- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -230,27 +231,33 @@ class Worker:
                 self._flush_events()
         if self.inputs is not None:
             self.inputs.close()
-        if self.weight_slots is not None:
-            self.weight_slots.close()
+        if self.shared_ffn is not None:
+            self.shared_ffn.close()
         self._finish_sends()
         self._flush_events(force=True)
         if self.switcher is not None:
             self.switcher.prefetcher.close()
 
-    def _share_ffn(self) -> None:
+    def _share_ffn(self) -> Optional[dict]:
         """SiDP: owners publish their FFN weights, everyone drops theirs; the slots start reading
-        only once every owner has written (a barrier over all ranks)."""
+        only once every owner has written (a barrier over all ranks), after the costs B_th is
+        derived from are measured (when asked). -> those costs."""
         import torch.distributed as dist
 
+        from batchinfer.sidp.cost_profile import measure_costs
         from batchinfer.sidp.shared_ffn import install_shared_ffn
 
         from ..model.fast_linear import pack_linears
 
-        self.weight_slots = install_shared_ffn(self.model, self.spec.sidp, self.info.replica,
-                                               self.device, self.spec.timeout_s, start=False)
+        sidp = self.spec.sidp
+        self.shared_ffn = install_shared_ffn(self.model, sidp, self.info.replica, self.device,
+                                             self.spec.timeout_s, start=False)
         pack_linears(self.model)          # the attention's linears; the FFN GEMMs read shared rows
         dist.barrier()
-        self.weight_slots.start()
+        costs = (measure_costs(sidp.store, sidp.owners, self.info.replica, self.model.ops,
+                               self.device) if sidp.profile_costs else None)
+        self.shared_ffn.start()
+        return costs
 
     def _enter_layout(self, name: str) -> None:
         from ..model.ops import NativeOps
@@ -288,6 +295,12 @@ class Worker:
         return inputs
 
     def _execute(self, plan, received) -> None:
+        if self.shared_ffn is not None:
+            self._execute_shared(plan, received)
+            return
+        self._execute_plain(plan, received)
+
+    def _execute_plain(self, plan, received) -> None:
         hidden = residual = None
         if received is not None:
             t0 = time.time()
@@ -326,9 +339,21 @@ class Worker:
             result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                       "forward_s": forward_s, "sample_s": time.time() - t1,
                       "events": self._take_events()}
-            if self.weight_slots is not None:
-                result["weight_slots"] = vars(self.weight_slots.stats).copy()
             self.send(("result", self.info.replica, result))
+
+    def _execute_shared(self, plan, received) -> None:
+        """SiDP: a dummy plan (no tokens: this replica's part of a CaS round it has no work for)
+        only serves the layers it owns; a real one runs inside its round when it has one. The
+        counters go to the controller after either."""
+        t0 = time.time()
+        if plan.num_tokens == 0:
+            self.shared_ffn.serve(plan, self.model.ops)
+            self._event("serve", plan.mb_id, t0)
+        else:
+            self.shared_ffn.begin(plan)
+            self._execute_plain(plan, received)
+            self.shared_ffn.end()
+        self.send(("stats", self.spec.rank, self.shared_ffn.stats()))
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs
