@@ -1,4 +1,4 @@
-"""SiDP (Weight as a Service) vs plain DP=2 on this CPU, at the same memory per replica.
+"""SiDP vs plain DP=2 on this CPU, at the same memory per replica; WaS only vs WaS + CaS (Fig. 13).
 
 Workload and method: strategy_bench.py (ShareGPT prompts at time 0, one fresh process per
 configuration), greedy. --kv-tokens is plain DP's KV cache per replica; SiDP's replicas get the
@@ -7,6 +7,11 @@ per-replica budget is 1.5x SmolLM2-135M's 538 MB of fp32 weights) and full-lengt
 binds: the memory-bound regime of the paper.
 
     python benchmarks/sidp_bench.py --requests 100 --output-scale 1.0 --kv-tokens 5840
+    python benchmarks/sidp_bench.py --requests 100 --output-scale 1.0 --kv-tokens 5840 \
+        --only sidp-was-only sidp sidp-bth-16          # paper Fig. 13: WaS only vs WaS + CaS
+
+`sidp` switches to CaS below the B_th it profiles at startup; `sidp-bth-16` below 16 whatever
+the profile says (to see the tail in CaS here).
 
 Prints one JSON object; the ratios are SiDP's output tok/s over each other configuration's, and
 each result's kv_capacity_tokens is the engine's (both replicas).
@@ -20,6 +25,10 @@ from strategy_bench import main
 BATCHING = {"policy": "hb", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
 CONFIGS = {
     "sidp": {"parallel": {"dp": 2}, "strategy": {"name": "sidp", **BATCHING}},
+    "sidp-was-only": {"parallel": {"dp": 2}, "strategy": {
+        "name": "sidp", "compute_service": False, **BATCHING}},
+    "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {
+        "name": "sidp", "batch_threshold": 16, **BATCHING}},
     "dp2": {"parallel": {"dp": 2}, "strategy": {"name": "baseline", **BATCHING}},
     "sidp-no-peak-shifting": {"parallel": {"dp": 2}, "strategy": {
         "name": "sidp", "peak_shifting": False, **BATCHING}},

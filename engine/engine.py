@@ -67,7 +67,9 @@ class Engine:
         return build_engine(config or EngineConfig())
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, replica: Optional[int] = None) -> None:
+        """replica: pin the request to that data-parallel replica (default: the least loaded
+        takes it when it has room)."""
         if request.request_id in self._seqs:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
         prompt_len = len(request.prompt_token_ids)
@@ -84,8 +86,10 @@ class Engine:
             raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
-        if len(self.replicas) == 1:
-            self.replicas[0].scheduler.add(seq)
+        if replica is not None and not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
+        if len(self.replicas) == 1 or replica is not None:
+            self.replicas[replica or 0].scheduler.add(seq)
         else:
             self._pending.append(seq)
 
@@ -260,6 +264,9 @@ class Engine:
         predicted = getattr(scheduler, "predicted_kv_usage", None)
         if predicted is not None:
             event["kv_predicted"] = round(predicted, 4)
+        mode = getattr(rep.executor, "last_mode", None)
+        if mode is not None:     # how the step ran (SiDP: WaS or CaS, paper Fig. 15)
+            event["mode"] = mode
         store = getattr(scheduler, "store_kv_usage", None)
         if store is not None:
             event["kv_store_usage"] = round(store, 4)

@@ -82,6 +82,7 @@ class _Bucket:
     kv_usage_last: float = 0.0
     kv_predicted: Optional[float] = None   # the strategy's forecast for the last step (TD-Pipe)
     kv_store: Optional[float] = None       # the CPU KV store's occupancy (Seesaw)
+    mode_steps: Counter = field(default_factory=Counter)  # steps per execution mode (SiDP)
     num_waiting: int = 0
     num_running: int = 0
     requests_done: int = 0
@@ -170,6 +171,8 @@ class SessionMetrics:
                 bucket.kv_predicted = float(ev["kv_predicted"])
             if ev.get("kv_store_usage") is not None:
                 bucket.kv_store = float(ev["kv_store_usage"])
+            if ev.get("mode") is not None:
+                bucket.mode_steps[ev["mode"]] += 1
             for decision in ev.get("decisions", ()):
                 if len(self.decisions) < MAX_DECISIONS:
                     self.decisions.append({"t": ev.get("t"), **decision})
@@ -225,6 +228,7 @@ class SessionMetrics:
             "kv_usage": round(b.kv_usage_last, 4), "kv_usage_max": round(b.kv_usage_max, 4),
             **({"kv_predicted": round(b.kv_predicted, 4)} if b.kv_predicted is not None else {}),
             **({"kv_store_usage": round(b.kv_store, 4)} if b.kv_store is not None else {}),
+            **({"mode_steps": dict(b.mode_steps)} if b.mode_steps else {}),
             "num_waiting": b.num_waiting, "num_running": b.num_running,
             "preemptions_total": int(stats.get("num_preemptions", 0)) - self._base_preemptions,
             "phase_s": {k: round(v, 4) for k, v in b.phase_s.items()},

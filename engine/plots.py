@@ -4,7 +4,8 @@ from __future__ import annotations
 import io
 from typing import Optional
 
-PLOT_NAMES = ("throughput.png", "kv_usage.png", "batch_sizes.png", "micro_batch_tokens.png")
+PLOT_NAMES = ("throughput.png", "kv_usage.png", "batch_sizes.png", "micro_batch_tokens.png",
+              "execution_modes.png")
 
 
 def _figure(width: float = 8.0, height: float = 3.6, ncols: int = 1):
@@ -92,7 +93,37 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     tokens = _micro_batch_tokens(timeline, title)
     if tokens is not None:
         out["micro_batch_tokens.png"] = tokens
+    modes = _execution_modes(timeline, title)
+    if modes is not None:
+        out["execution_modes.png"] = modes
     return out
+
+
+def _execution_modes(timeline: list[dict], title: str) -> Optional[bytes]:
+    """The largest micro-batch and the share of steps in each execution mode over time (SiDP's
+    WaS / CaS, paper Fig. 15)."""
+    rows = [s for s in timeline if s.get("mode_steps") and "mb_tokens_max" in s]
+    if not rows:
+        return None
+    t = [s["t"] for s in rows]
+    modes = sorted({m for s in rows for m in s["mode_steps"]})
+    plt, fig, ax = _figure()
+    ax.step(t, [s["mb_tokens_max"] for s in rows], where="post", color="black", linewidth=0.8,
+            label="largest micro-batch (tokens)")
+    ax.set_yscale("symlog")
+    ax.set_xlabel("seconds since session start")
+    ax.set_ylabel("tokens per micro-batch")
+    ax.grid(alpha=0.3)
+    share = ax.twinx()
+    for mode in modes:
+        share.step(t, [100 * s["mode_steps"].get(mode, 0) / sum(s["mode_steps"].values())
+                       for s in rows], where="post", alpha=0.7, label=f"% steps in {mode.upper()}")
+    share.set_ylim(0, 105)
+    share.set_ylabel("% of steps")
+    ax.set_title(f"Execution mode over time {title}".strip())
+    lines, lines2 = ax.get_legend_handles_labels(), share.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize="small")
+    return _png(plt, fig)
 
 
 def _micro_batch_tokens(timeline: list[dict], title: str) -> Optional[bytes]:

@@ -58,12 +58,10 @@ def build_sidp_engine(config, params):
     threshold, costs = params.batch_threshold, None
     if profile:
         costs = pool.infos[0]["sidp_costs"]
-        costs["p2p_s"] = costs["p2p_s"] or 0.0
-        threshold = profiled_threshold(costs["ffn_s"], costs["fetch_s"], costs["p2p_s"],
-                                       layout.dp, fetch_hidden=setup.device.type == "cuda")
-        log.info("SiDP: B_th = %d (profiled: a layer's weight read %.2f ms, activation transfer "
-                 "%.3f ms, FFN %s)", threshold, costs["fetch_s"] * 1e3, costs["p2p_s"] * 1e3,
-                 ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in costs["ffn_s"].items()))
+        threshold = profiled_threshold(costs["was_s"], costs["cas_s"])
+        log.info("SiDP: B_th = %d (profiled FFN path of a forward, WaS / CaS ms by rows: %s)",
+                 threshold, ", ".join(f"{b}: {costs['was_s'][b] * 1e3:.1f} / "
+                                      f"{costs['cas_s'][b] * 1e3:.1f}" for b in costs["was_s"]))
     switch = ModeSwitch(threshold or 1, params.mode_switch_patience,
                         params.mode_switch_hysteresis, enabled=params.compute_service)
     orchestrator = Orchestrator(pool, layout.dp, switch, params.dummy_skipping)

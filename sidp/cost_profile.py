@@ -1,7 +1,12 @@
-"""What B_th is derived from, measured by the ranks themselves at startup (§4.3, "offline
-profiling"): one layer's FFN time against batch rows, one layer's weight read into a slot, and one
-activation transfer between two replicas. Measured in the workers, with their thread counts and
-while the other replicas measure too (as they run), before the weight slots start reading.
+"""What B_th is derived from (§4.3, "offline profiling"), measured by the ranks at startup: the FFN
+path of one forward in each mode, in the tail the switch is for (replica 0 has B rows, the others
+have run dry), for B = 1 .. 64:
+- WaS: replica 0 alone runs every FFN, the remote layers' from its weight slots (filled by the
+  prefetch thread, as in a forward);
+- CaS: a real round of the compute service (rows [B, 0, ...]): replica 0 sends the remote layers'
+  inputs to their owners, which serve them as dummies.
+Measured in the workers, with their thread counts, before the first plan. The attention and the
+rest of the layer are the same in both modes, so they are left out.
 """
 from __future__ import annotations
 
@@ -11,11 +16,54 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compute_service import ffn
-from .ffn_store import FFNStore
+from .compute_service import ServiceStats, ffn
+from .weight_slots import SlotStats
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PING_TAG = 1 << 20           # clear of the CaS transfers, which are tagged with their layer
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def profile_modes(rank_ffn, dp: int, ops, device: torch.device, repeats: int = 3) -> dict:
+    """rank_ffn: the rank's shared_ffn.RankFFN, slots started. -> {"was_s": {rows: seconds},
+    "cas_s": {rows: seconds}} on replica 0 ({} elsewhere). Every replica must call it at the same
+    point: the CaS rounds need them all."""
+    service, slots = rank_ffn.service, rank_ffn.slots
+    replica, owners, store = service.replica, service.owners, service.store
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def was_pass(x):
+        for layer, owner in enumerate(owners):
+            if owner == replica or not slots.order:
+                ffn(x, store.view(layer), ops)
+            else:
+                ffn(x, slots.acquire(layer, 60.0), ops)
+                slots.release(layer)
+        sync()
+
+    def cas_round(x):
+        service.begin(rows)
+        for layer in range(len(owners)):
+            service.forward(layer, x, ops)
+        service.end()
+        sync()
+
+    was_s, cas_s = {}, {}
+    with torch.inference_mode():
+        for size in BATCH_SIZES:
+            x = torch.randn((size, store.down.shape[1]), dtype=store.down.dtype, device=device)
+            rows = [size] + [0] * (dp - 1)
+            if replica == 0:
+                was_s[size] = _median_time(lambda: was_pass(x), repeats)
+            dist.barrier()
+            if replica == 0:
+                cas_s[size] = _median_time(lambda: cas_round(x), repeats)
+            else:
+                for _ in range(repeats + 1):
+                    service.serve_round(rows, ops)
+    service.stats, slots.stats = ServiceStats(), SlotStats()   # the profile's are not the job's
+    return {"was_s": was_s, "cas_s": cas_s} if replica == 0 else {}
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -26,47 +74,3 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def measure_costs(store: FFNStore, owners: list[int], replica: int, ops, device: torch.device,
-                  repeats: int = 5, pings: int = 20) -> dict:
-    """-> {"ffn_s": {rows: seconds}, "fetch_s": ..., "p2p_s": ... (replicas 0 and 1 measure it
-    between them; others report None)}."""
-    owned = next(layer for layer, owner in enumerate(owners) if owner == replica)
-    remote = next(layer for layer, owner in enumerate(owners) if owner != replica)
-    hidden = store.down.shape[1]
-    dtype = store.down.dtype
-    x = torch.randn((BATCH_SIZES[-1], hidden), dtype=dtype, device=device)
-    weights = store.view(owned)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    with torch.inference_mode():
-        ffn_s = {rows: _median_time(lambda rows=rows: (ffn(x[:rows], weights, ops), sync()),
-                                    repeats) for rows in BATCH_SIZES}
-        slot = {name: torch.empty(shape, dtype=dtype, device=device)
-                for name, shape in store.layer_shapes().items()}
-        fetch_s = _median_time(lambda: (store.read_into(remote, slot), sync()), repeats)
-    return {"ffn_s": ffn_s, "fetch_s": fetch_s, "p2p_s": _ping(replica, hidden, dtype, device,
-                                                               pings)}
-
-
-def _ping(replica: int, hidden: int, dtype, device, pings: int):
-    """Half the median round trip of a one-row activation between replicas 0 and 1."""
-    if replica > 1:
-        return None
-    peer = 1 - replica
-    buffer = torch.zeros((1, hidden), dtype=dtype, device=device)
-    times = []
-    for _ in range(pings + 3):
-        t0 = time.perf_counter()
-        if replica == 0:
-            dist.send(buffer, peer, tag=PING_TAG)
-            dist.recv(buffer, peer, tag=PING_TAG)
-        else:
-            dist.recv(buffer, peer, tag=PING_TAG)
-            dist.send(buffer, peer, tag=PING_TAG)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:]) / 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 from batchinfer.engine.runtime.executor import PipelineExecutor
 from batchinfer.engine.step_plan import StepPlan
 
+from .mode_switch import CAS, WAS
 from .orchestrator import Orchestrator
 
 
@@ -16,12 +17,16 @@ class SiDPExecutor(PipelineExecutor):
         self.orchestrator = orchestrator
         orchestrator.executors[replica] = self
         self.num_sent = 0           # plans at the worker whose results are not collected yet
+        self.last_mode: str = WAS   # the mode the last collected micro-batch ran in
+        self._cas_mbs: set[int] = set()
 
     def _dispatch(self, plan: StepPlan) -> None:
         self.orchestrator.submit(self.replica, plan)
 
-    def mark_sent(self) -> None:
+    def mark_sent(self, mb_id: int, cas: bool) -> None:
         self.num_sent += 1
+        if cas:
+            self._cas_mbs.add(mb_id)
 
     def result_arrived(self) -> bool:
         return bool(self.pool.results[self.replica])
@@ -40,6 +45,8 @@ class SiDPExecutor(PipelineExecutor):
     def _take_result(self, mb_id: int) -> dict:
         message = super()._take_result(mb_id)
         self.num_sent -= 1
+        self.last_mode = CAS if mb_id in self._cas_mbs else WAS
+        self._cas_mbs.discard(mb_id)
         return message
 
     def strategy_summary(self) -> dict:

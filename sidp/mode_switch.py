@@ -6,9 +6,9 @@ batch has stayed below the threshold B_th for `patience` consecutive iterations,
 it has stayed at or above `hysteresis` x B_th as long. Pure Python over numbers: the same object
 runs in the engine, in unit tests and in a simulator.
 
-B_th comes from profiling (`profiled_threshold`): the smallest batch at which WaS's layer time
-(the FFN GEMM plus whatever part of the weight fetch the forward does not hide) is no more than
-CaS's (the owner's fused GEMM over every replica's rows, plus the activations' round trip).
+B_th comes from profiling (`profiled_threshold` over cost_profile.py's measurements): the
+smallest batch at which a forward's FFN path under WaS (weight reads into slots plus the GEMMs) is
+no slower than under CaS (the activations' round trips to the owners, who compute them).
 """
 from __future__ import annotations
 
@@ -76,35 +76,18 @@ class ModeSwitch:
 
     def summary(self) -> dict:
         total = self.iterations[WAS] + self.iterations[CAS]
-        return {"mode_threshold_b_th": self.threshold, "mode_switches": self.switches,
+        return {"mode_threshold_b_th": self.threshold if self.enabled else None,
+                "mode_switches": self.switches,
                 "mode_iterations": dict(self.iterations),
                 "cas_iteration_share": round(self.iterations[CAS] / total, 4) if total else None,
                 "mode_timeline": [s.as_dict() for s in self.segments]}
 
 
-def profiled_threshold(ffn_s: dict[int, float], fetch_s: float, p2p_s: float, dp: int,
-                       fetch_hidden: bool) -> int:
-    """B_th from measured costs: ffn_s (batch rows -> one layer's FFN time), fetch_s (one layer's
-    weights read into a slot), p2p_s (one activation transfer between replicas). fetch_hidden: the
-    read runs on its own engine (a GPU's copy engine) and overlaps the forward; on a CPU it takes
-    the same cores and memory, so WaS pays it in full. -> the smallest measured batch from which
-    on WaS is no slower per layer; past the largest measured, that size doubled."""
-    sizes = sorted(ffn_s)
-    remote_share = (dp - 1) / dp
-
-    def ffn(rows: int) -> float:        # linear between measured sizes, proportional past them
-        if rows <= sizes[0]:
-            return ffn_s[sizes[0]]
-        for low, high in zip(sizes, sizes[1:]):
-            if rows <= high:
-                frac = (rows - low) / (high - low)
-                return ffn_s[low] + frac * (ffn_s[high] - ffn_s[low])
-        return ffn_s[sizes[-1]] * rows / sizes[-1]
-
-    for rows in sizes:
-        unhidden = max(0.0, fetch_s - ffn(rows)) if fetch_hidden else fetch_s
-        was = ffn(rows) + remote_share * unhidden
-        cas = ffn(dp * rows) + remote_share * 2 * p2p_s
-        if was <= cas:
+def profiled_threshold(was_s: dict[int, float], cas_s: dict[int, float]) -> int:
+    """B_th from the startup profile (cost_profile.py: one forward's FFN path in each mode, by
+    batch rows): the smallest measured batch from which WaS is no slower than CaS; past the
+    largest measured, that size doubled."""
+    for rows in sorted(was_s):
+        if was_s[rows] <= cas_s[rows]:
             return rows
-    return 2 * sizes[-1]
+    return 2 * max(was_s)

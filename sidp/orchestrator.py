@@ -98,7 +98,7 @@ class Orchestrator:
 
     def _send(self, replica: int, plan: StepPlan) -> None:
         self.pool.send(replica, ("plan", plan))   # tp 1, pp 1: replica r is rank r
-        self.executors[replica].mark_sent()
+        self.executors[replica].mark_sent(plan.mb_id, isinstance(plan, RoundPlan))
 
     def _observe(self, effective_batch: int) -> None:
         self.switch.observe(effective_batch, time.perf_counter() - self._t0)

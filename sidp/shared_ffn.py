@@ -31,7 +31,7 @@ class SiDPWorkerSpec:
     weight_slots: bool = True    # false: remote layers compute from the owner's rows in place
     compute_service: bool = True  # CaS rounds may come (the rank posts P2P transfers for them)
     gemm_fusion: bool = True
-    profile_costs: bool = False  # measure what B_th is derived from (sidp/cost_profile.py)
+    profile_costs: bool = False  # measure what B_th is derived from (cost_profile.py)
 
 
 class SharedMLP(nn.Module):

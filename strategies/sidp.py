@@ -36,7 +36,7 @@ class SiDPParams(StrategyParams, SchedulerConfig):
     batch_threshold: Optional[int] = Field(None, ge=1, description="B_th: CaS once the "
                                            "effective batch (most tokens a replica runs in an "
                                            "iteration) stays below it; default: profiled at "
-                                           "startup (sidp/mode_switch.py)")
+                                           "startup (sidp/cost_profile.py)")
     mode_switch_patience: int = Field(16, ge=1, description="iterations the batch must stay "
                                       "past a bound before the group switches mode")
     mode_switch_hysteresis: float = Field(1.5, ge=1.0, description="back to WaS only once the "

@@ -128,7 +128,8 @@ def test_plots_are_pngs():
     timeline = [{"t": float(i), "output_tokens_per_s": i, "prefill_tokens_per_s": 1, "kv_usage": 0.1,
                  "kv_usage_max": 0.2, "num_running": 3, "batch_size_mean": 2,
                  "batch_size_max": 3, "mb_prefill_mean": 30.0 * (i % 2), "mb_decode_mean": 8.0,
-                 "mb_tokens_min": 8, "mb_tokens_max": 40} for i in range(5)]
+                 "mb_tokens_min": 8, "mb_tokens_max": 40, "mode_steps": {"was": 3, "cas": i}}
+                for i in range(5)]
     plots = render_plots(timeline, {"1": 3, "4": 2})
     assert set(plots) == set(PLOT_NAMES)
     assert all(png.startswith(b"\x89PNG") for png in plots.values())

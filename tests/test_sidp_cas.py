@@ -35,18 +35,12 @@ def test_was_only_never_switches():
     assert switch.switches == 0 and switch.summary()["cas_iteration_share"] == 0.0
 
 
-def test_threshold_from_measured_costs():
-    # FFN time flat up to 8 rows (memory bound: 1 ms), then linear; dp 2: half the layers remote
-    ffn_s = {1: 1e-3, 2: 1e-3, 4: 1e-3, 8: 1e-3, 16: 2e-3, 32: 4e-3}
-    # a CPU pays the 1 ms read in full: WaS 1 + 0.5 = 1.5 ms a layer; CaS runs twice the rows
-    # at the owner: ffn(2B) = 1 ms up to B = 4, 2 ms at B = 8 -> WaS from 8
-    assert profiled_threshold(ffn_s, 1e-3, 0.0, 2, fetch_hidden=False) == 8
-    # transfers add to CaS (a round trip on half the layers): at 0.5 ms each, as slow as the read
-    assert profiled_threshold(ffn_s, 1e-3, 0.5e-3, 2, fetch_hidden=False) == 1
-    # a copy engine hides a read that takes no longer than the layer: WaS from the start
-    assert profiled_threshold(ffn_s, 1e-3, 0.0, 2, fetch_hidden=True) == 1
-    # a read so slow that CaS wins at every measured size
-    assert profiled_threshold(ffn_s, 1.0, 0.0, 2, fetch_hidden=False) == 64
+def test_threshold_from_the_profiled_modes():
+    was = {1: 70e-3, 2: 71e-3, 4: 74e-3, 8: 80e-3, 16: 95e-3}
+    cas = {1: 50e-3, 2: 55e-3, 4: 65e-3, 8: 80e-3, 16: 115e-3}
+    assert profiled_threshold(was, cas) == 8            # the first batch where WaS is no slower
+    assert profiled_threshold(was, {b: 0.0 for b in was}) == 32   # CaS wins everywhere
+    assert profiled_threshold(was, {b: 1.0 for b in was}) == 1    # WaS wins everywhere
 
 
 # --- the orchestrator, with a recording pool --------------------------------------------------
@@ -64,7 +58,7 @@ class _Executor:
         self.orchestrator, self.replica, self.num_sent = orchestrator, replica, 0
         orchestrator.executors[replica] = self
 
-    def mark_sent(self):
+    def mark_sent(self, mb_id, cas):
         self.num_sent += 1
 
     def result_arrived(self):
@@ -193,7 +187,9 @@ def test_cas_greedy_outputs_equal_plain_dp_in_cas_and_across_switches(
                    and orchestrator.rounds >= 3)
         stats = engine.stats()["strategy_stats"]
         per = _service_stats(engine, stats["cas_rounds"])
+        step_modes = {event.get("mode") for event in engine.drain_step_events()}
     assert got == plain_dp_outputs
+    assert step_modes == {WAS, CAS}                   # each step says how it ran (Fig. 15)
     assert stats["mode_switches"] >= 3                # WaS -> CaS -> WaS -> CaS
     assert [s["mode"] for s in stats["mode_timeline"]][:4] == [WAS, CAS, WAS, CAS]
     assert stats["cas_rounds"] >= 6
@@ -227,3 +223,17 @@ def test_a_replica_with_no_work_triggers_no_transfer_in_cas(make_engine, monkeyp
     else:
         assert dummy["activations_sent"] == 15 * stats["cas_rounds"]   # its 15 remote layers
         assert worker["rows_served"] == dummy["activations_sent"]
+
+
+def test_cas_without_gemm_fusion_gives_the_same_tokens(make_engine, monkeypatch, plain_dp_outputs):
+    """The owner runs one GEMM chain per replica instead of one over all rows."""
+    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    with _sidp(make_engine, batch_threshold=10_000, mode_switch_patience=1,
+               gemm_fusion=False) as engine:
+        tok = engine.tokenizer
+        got = _run(engine, [_requests("a", PROMPTS, tok, [12, 30, 8, 40, 20, 16])])
+        stats = engine.stats()["strategy_stats"]
+        per = _service_stats(engine, stats["cas_rounds"])
+    assert got == {k: v for k, v in plain_dp_outputs.items() if k.startswith("a")}
+    assert stats["cas_rounds"] > 0 and sum(s["fused_gemms"] for s in per) == 0
+    assert sum(s["rows_served"] for s in per) > 0

@@ -244,7 +244,7 @@ class Worker:
         derived from are measured (when asked). -> those costs."""
         import torch.distributed as dist
 
-        from batchinfer.sidp.cost_profile import measure_costs
+        from batchinfer.sidp.cost_profile import profile_modes
         from batchinfer.sidp.shared_ffn import install_shared_ffn
 
         from ..model.fast_linear import pack_linears
@@ -254,10 +254,9 @@ class Worker:
                                              self.spec.timeout_s, start=False)
         pack_linears(self.model)          # the attention's linears; the FFN GEMMs read shared rows
         dist.barrier()
-        costs = (measure_costs(sidp.store, sidp.owners, self.info.replica, self.model.ops,
-                               self.device) if sidp.profile_costs else None)
         self.shared_ffn.start()
-        return costs
+        return (profile_modes(self.shared_ffn, sidp.dp, self.model.ops, self.device)
+                if sidp.profile_costs else None)
 
     def _enter_layout(self, name: str) -> None:
         from ..model.ops import NativeOps
