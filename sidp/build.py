@@ -10,7 +10,7 @@ from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget
                                              rank_bytes_per_block, start_workers)
 
 from .executor import SiDPExecutor
-from .ffn_store import FFNStore
+from .ffn_store import FFNStore, blocked_layout_available
 from .mode_switch import ModeSwitch, profiled_threshold
 from .orchestrator import Orchestrator
 from .ownership import prefetch_order, resolve_owners, weight_slots
@@ -41,8 +41,9 @@ def build_sidp_engine(config, params):
     if setup.device.type != "cpu":
         raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
                           "host shared memory; the CUDA IPC path is not built yet)")
+    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, setup.dtype)
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
-                              setup.dtype)
+                              setup.dtype, blocked=blocked)
     block_size = config.cache.block_size
     budget = per_rank_kv_budget(config, layout, arch, setup.device, setup.dtype_bytes)
     num_blocks = min(
@@ -68,7 +69,7 @@ def build_sidp_engine(config, params):
     timeout = par.step_timeout_seconds
     info = {"sidp": {
         "owners": owners, "peak_shifting": params.peak_shifting,
-        "weight_slots": params.weight_slots,
+        "weight_slots": params.weight_slots, "ffn_layout": "blocked" if blocked else "rows",
         "compute_service": params.compute_service, "batch_threshold": threshold,
         "batch_threshold_costs": costs,
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,

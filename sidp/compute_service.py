@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ffn_store import FFNStore
+from .ffn_store import FFNStore, linear
 
 
 @dataclass
@@ -33,10 +33,9 @@ class ServiceStats:
 
 
 def ffn(x: torch.Tensor, weights: dict[str, torch.Tensor], ops) -> torch.Tensor:
-    """The MLP's arithmetic (llama.py's MLP), on weights from wherever they live."""
-    import torch.nn.functional as F
-
-    return F.linear(ops.silu_and_mul(F.linear(x, weights["gate_up"])), weights["down"])
+    """The MLP's arithmetic (llama.py's MLP), on weights from wherever they live, in the store's
+    layout."""
+    return linear(ops.silu_and_mul(linear(x, weights["gate_up"])), weights["down"])
 
 
 class ComputeService:
@@ -45,7 +44,7 @@ class ComputeService:
         # strategy sidp runs tp 1, pp 1: replica r is process-group rank r
         self.replica, self.owners, self.store = replica, owners, store
         self.dtype, self.device, self.gemm_fusion = dtype, device, gemm_fusion
-        self.hidden = store.down.shape[1]
+        self.hidden = store.hidden_size
         self.stats = ServiceStats()
         self.rows: Optional[list[int]] = None
         self._inputs: dict[int, list] = {}    # owned layer -> [(peer, buffer, work)]

@@ -52,7 +52,7 @@ def profile_modes(rank_ffn, dp: int, ops, device: torch.device, repeats: int = 3
     was_s, cas_s = {}, {}
     with torch.inference_mode():
         for size in BATCH_SIZES:
-            x = torch.randn((size, store.down.shape[1]), dtype=store.down.dtype, device=device)
+            x = torch.randn((size, store.hidden_size), dtype=store.down.dtype, device=device)
             rows = [size] + [0] * (dp - 1)
             if replica == 0:
                 was_s[size] = _median_time(lambda: was_pass(x), repeats)

@@ -5,6 +5,10 @@ hands to every data-parallel worker (torch shares the storage by file descriptor
 collide on). Only the layer's owner writes its row, at load time; the others read it into a weight
 slot when they need it (one-sided: the owner does nothing). On CUDA the paper exposes the owner's
 HBM through IPC handles instead.
+
+Layout: plain [out, in] rows, or, where the CPU kernels are built and linears are packed (the
+default), blocked for kernels/blocked_linear.cpp: panels of 16 output rows, [out / 16, in, 16].
+oneDNN's packed weights would be faster still but are opaque and cannot live in shared memory.
 """
 from __future__ import annotations
 
@@ -13,6 +17,30 @@ from dataclasses import dataclass
 import torch
 
 TENSORS = ("gate_up", "down")
+PANEL = 16
+
+
+def blocked_layout_available(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """The blocked layout needs the native kernels, packing on (BATCHINFER_PACK_LINEARS), fp32
+    and every output dimension a multiple of the panel width."""
+    from batchinfer.engine.kernels import load_native_kernels
+    from batchinfer.engine.model.fast_linear import onednn_available
+
+    return (dtype == torch.float32 and hidden % PANEL == 0 and (2 * intermediate) % PANEL == 0
+            and onednn_available() and load_native_kernels())
+
+
+def to_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in, 16]: panel p holds output rows 16 p .. 16 p + 15, in-major."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for a weight in either layout."""
+    if weight.dim() == 3:
+        return torch.ops.batchinfer.blocked_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
 
 
 @dataclass
@@ -21,12 +49,26 @@ class FFNStore:
     down: torch.Tensor         # [layers, hidden, intermediate]
 
     @classmethod
-    def allocate(cls, num_layers: int, hidden: int, intermediate: int,
-                 dtype: torch.dtype) -> "FFNStore":
+    def allocate(cls, num_layers: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 blocked: bool = False) -> "FFNStore":
         import torch.multiprocessing  # noqa: F401  (registers the pickling of shared tensors)
 
-        return cls(torch.empty((num_layers, 2 * intermediate, hidden), dtype=dtype).share_memory_(),
-                   torch.empty((num_layers, hidden, intermediate), dtype=dtype).share_memory_())
+        if blocked:
+            shapes = ((2 * intermediate // PANEL, hidden, PANEL),
+                      (hidden // PANEL, intermediate, PANEL))
+        else:
+            shapes = ((2 * intermediate, hidden), (hidden, intermediate))
+        return cls(*(torch.empty((num_layers, *shape), dtype=dtype).share_memory_()
+                     for shape in shapes))
+
+    @property
+    def blocked(self) -> bool:
+        return self.gate_up.dim() == 4
+
+    @property
+    def hidden_size(self) -> int:
+        """The FFN's input (and output) width: gate_up's `in` in either layout."""
+        return self.gate_up.shape[2]
 
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(getattr(self, name).shape[1:]) for name in TENSORS}
@@ -40,6 +82,9 @@ class FFNStore:
         return {name: getattr(self, name)[layer] for name in TENSORS}
 
     def write(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """The owner's weights, [out, in] each, in the store's layout."""
+        if self.blocked:
+            gate_up, down = to_blocked(gate_up), to_blocked(down)
         self.gate_up[layer].copy_(gate_up)
         self.down[layer].copy_(down)
 

@@ -161,9 +161,49 @@ def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
 
 
 def test_sidp_recipe_runs_out_of_the_box(tmp_path):
+    from batchinfer.engine.kernels import load_native_kernels
     from tests.strategy_e2e import run_shipped_recipe
 
     _, report = run_shipped_recipe("sidp", tmp_path / "run", limit=4)
     assert report["strategy"]["name"] == "sidp"
     assert report["engine"]["sidp"]["kv_capacity_vs_plain_dp"] > 1.0
     assert report["engine"]["strategy_stats"]["weight_fetches"] > 0
+    if load_native_kernels():         # the FFN store in the blocked layout, through its kernel
+        assert report["engine"]["sidp"]["ffn_layout"] == "blocked"
+
+
+# --- the blocked layout and its kernel ------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("out_features,in_features", [(48, 40), (96, 576), (32, 3)])
+def test_blocked_linear_equals_torch_linear(rows, out_features, in_features):
+    from batchinfer.engine.kernels import load_native_kernels
+    from batchinfer.sidp.ffn_store import linear, to_blocked
+
+    if not load_native_kernels():
+        pytest.skip("native CPU kernels unavailable")
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    got = linear(x, to_blocked(w).contiguous())
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_a_blocked_store_gives_the_plain_stores_ffn():
+    from batchinfer.engine.kernels import load_native_kernels
+    from batchinfer.engine.model.ops import TorchOps
+    from batchinfer.sidp.compute_service import ffn
+
+    if not load_native_kernels():
+        pytest.skip("native CPU kernels unavailable")
+    plain = FFNStore.allocate(2, 32, 48, torch.float32)
+    blocked = FFNStore.allocate(2, 32, 48, torch.float32, blocked=True)
+    assert blocked.blocked and not plain.blocked and blocked.layer_bytes() == plain.layer_bytes()
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        gate_up, down = torch.randn(96, 32, generator=gen), torch.randn(32, 48, generator=gen)
+        plain.write(layer, gate_up, down)
+        blocked.write(layer, gate_up, down)
+    x = torch.randn(5, 32, generator=gen)
+    for layer in range(2):
+        torch.testing.assert_close(ffn(x, blocked.view(layer), TorchOps),
+                                   ffn(x, plain.view(layer), TorchOps), rtol=1e-5, atol=1e-4)
