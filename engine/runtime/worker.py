@@ -240,8 +240,9 @@ class Worker:
 
     def _share_ffn(self) -> Optional[dict]:
         """SiDP: owners publish their FFN weights, everyone drops theirs; the slots start reading
-        only once every owner has written (a barrier over all ranks), after the costs B_th is
-        derived from are measured (when asked). -> those costs."""
+        only once every owner has written (a barrier over all ranks); then, when asked, every
+        rank measures the costs B_th is derived from (its WaS pass reads through the slots).
+        -> those costs (replica 0's; None when not asked)."""
         import torch.distributed as dist
 
         from batchinfer.sidp.cost_profile import profile_modes
@@ -252,7 +253,7 @@ class Worker:
         sidp = self.spec.sidp
         self.shared_ffn = install_shared_ffn(self.model, sidp, self.info.replica, self.device,
                                              self.spec.timeout_s, start=False)
-        pack_linears(self.model)          # the attention's linears; the FFN GEMMs read shared rows
+        pack_linears(self.model)          # the attention's linears; the FFN's live in the store
         dist.barrier()
         self.shared_ffn.start()
         return (profile_modes(self.shared_ffn, sidp.dp, self.model.ops, self.device)
