@@ -39,11 +39,11 @@ def ffn(x: torch.Tensor, weights: dict[str, torch.Tensor], ops) -> torch.Tensor:
 
 
 class ComputeService:
-    def __init__(self, replica: int, owners: list[int], store: FFNStore, dtype: torch.dtype,
-                 device: torch.device, gemm_fusion: bool = True):
+    def __init__(self, replica: int, owners: list[int], store: FFNStore, device: torch.device,
+                 gemm_fusion: bool = True):
         # strategy sidp runs tp 1, pp 1: replica r is process-group rank r
         self.replica, self.owners, self.store = replica, owners, store
-        self.dtype, self.device, self.gemm_fusion = dtype, device, gemm_fusion
+        self.dtype, self.device, self.gemm_fusion = store.gate_up.dtype, device, gemm_fusion
         self.hidden = store.hidden_size
         self.stats = ServiceStats()
         self.rows: Optional[list[int]] = None
@@ -102,10 +102,8 @@ class ComputeService:
         for layer, owner in enumerate(self.owners):
             if mine:
                 self.forward(layer, zeros, ops)
-            elif owner == self.replica and self._inputs[layer]:
-                self._serve(layer, None, ops)
-            else:
-                self._inputs.pop(layer, None)
+            elif owner == self.replica:
+                self._serve(layer, None, ops)     # nothing to do when nobody brought rows
         self.end()
 
     # --- the owner's side -----------------------------------------------------------------------

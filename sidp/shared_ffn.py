@@ -103,8 +103,8 @@ def install_shared_ffn(model, spec: SiDPWorkerSpec, rank: int, device: torch.dev
     slots = WeightSlots(spec.store, order,
                         weight_slots(rank, spec.owners, spec.dp, spec.weight_slots), device,
                         start=start)
-    service = (ComputeService(rank, spec.owners, spec.store, spec.store.down.dtype, device,
-                              spec.gemm_fusion) if spec.compute_service else None)
+    service = (ComputeService(rank, spec.owners, spec.store, device, spec.gemm_fusion)
+               if spec.compute_service else None)
     for index, layer in enumerate(layers):
         in_place = spec.owners[index] == rank or not spec.weight_slots
         layer.mlp = SharedMLP(index, spec.store, None if in_place else slots, service, timeout_s)

@@ -47,7 +47,6 @@ def test_threshold_from_the_profiled_modes():
 class _Pool:
     def __init__(self):
         self.sent: list[tuple[int, StepPlan]] = []
-        self.results = {0: [], 1: [], 2: []}
 
     def send(self, rank, message):
         self.sent.append((rank, message[1]))

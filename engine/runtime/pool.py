@@ -117,6 +117,9 @@ class WorkerPool:
             kind = msg[0]
             if kind == "result":
                 self._add_events(msg[2].pop("events", ()))
+                stats = msg[2].pop("stats", None)
+                if stats is not None:
+                    self.worker_stats[rank] = stats
                 self.results[msg[1]].append(msg[2])
             elif kind == "events":
                 self._add_events(msg[2])

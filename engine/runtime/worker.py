@@ -339,21 +339,23 @@ class Worker:
             result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                       "forward_s": forward_s, "sample_s": time.time() - t1,
                       "events": self._take_events()}
+            if self.shared_ffn is not None:         # SiDP's counters ride on the result
+                result["stats"] = self.shared_ffn.stats()
             self.send(("result", self.info.replica, result))
 
     def _execute_shared(self, plan, received) -> None:
         """SiDP: a dummy plan (no tokens: this replica's part of a CaS round it has no work for)
-        only serves the layers it owns; a real one runs inside its round when it has one. The
-        counters go to the controller after either."""
-        t0 = time.time()
+        only serves the layers it owns and has no result, so it sends its counters alone; a
+        real one runs inside its round when it has one."""
         if plan.num_tokens == 0:
+            t0 = time.time()
             self.shared_ffn.serve(plan, self.model.ops)
             self._event("serve", plan.mb_id, t0)
-        else:
-            self.shared_ffn.begin(plan)
-            self._execute_plain(plan, received)
-            self.shared_ffn.end()
-        self.send(("stats", self.spec.rank, self.shared_ffn.stats()))
+            self.send(("stats", self.spec.rank, self.shared_ffn.stats()))
+            return
+        self.shared_ffn.begin(plan)
+        self._execute_plain(plan, received)
+        self.shared_ffn.end()
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs
