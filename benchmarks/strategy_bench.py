@@ -39,7 +39,7 @@ SUMMARY_RATIO = 16
 CHARS_PER_TOKEN = 4
 
 
-def _requests(n: int, scale: float, workload: str = "sharegpt") -> list[dict]:
+def bench_requests(n: int, scale: float, workload: str = "sharegpt") -> list[dict]:
     rows = []
     with open(WORKLOAD) as fh:
         for line in fh:
@@ -71,27 +71,33 @@ def _documents(rows: list[dict], scale: float) -> list[dict]:
     return out
 
 
-def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
-               workload: str = "sharegpt") -> dict:
-    """One configuration, inside a fresh process."""
+def engine_config(spec: dict, kv_tokens: int, workload: str = "sharegpt"):
+    """The EngineConfig of a configuration: every one gets the same KV memory (a rank's budget is
+    its share of the single process's bytes; each data-parallel replica gets the whole)."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.engine import Engine
-    from batchinfer.engine.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.recipe import strategy_class
-    from batchinfer.engine.request import Request, SamplingParams
 
     strategy = strategy_class(spec["strategy"]["name"]).model_validate(spec["strategy"])
-    # the same KV memory in all: a rank's budget is its share of the single process's bytes
     model = spec.get("model", {})
     ranks = spec.get("pp", 1) * spec.get("tp", 1)
     kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
-    config = EngineConfig(model={"max_model_len": 4096 if workload == "prefill-heavy" else 2048,
-                                 **model},
-                          cache={"kv_cache_memory": kv_bytes},
-                          parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1),
-                                    **spec.get("parallel", {})},
-                          scheduler=strategy.scheduler_config(), strategy=strategy)
-    rows = _requests(n, scale, workload)
+    return EngineConfig(model={"max_model_len": 4096 if workload == "prefill-heavy" else 2048,
+                               **model},
+                        cache={"kv_cache_memory": kv_bytes},
+                        parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1),
+                                  **spec.get("parallel", {})},
+                        scheduler=strategy.scheduler_config(), strategy=strategy)
+
+
+def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
+               workload: str = "sharegpt") -> dict:
+    """One configuration, inside a fresh process."""
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.micro_batch_tokens import MicroBatchTokens
+    from batchinfer.engine.request import Request, SamplingParams
+
+    config = engine_config(spec, kv_tokens, workload)
+    rows = bench_requests(n, scale, workload)
     mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from .config import EngineConfig
 from .errors import RequestError
@@ -39,7 +39,9 @@ class Replica:
 
 class Engine:
     def __init__(self, replicas: list[Replica], tokenizer: Tokenizer, max_model_len: int,
-                 model_id: str, info: Optional[dict] = None):
+                 model_id: str, info: Optional[dict] = None,
+                 clock: Optional[Callable[[], float]] = None):
+        """clock: seconds, monotonic (default time.perf_counter; the simulator's virtual clock)."""
         self.replicas = replicas
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -51,7 +53,8 @@ class Engine:
         self._submitted: dict[int, float] = {}     # id(batch) -> submit time
         self._events: list[dict] = []
         self._generate_calls = 0
-        self._clock0 = time.perf_counter()
+        self._clock = clock or time.perf_counter
+        self._clock0 = self._clock()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
 
@@ -102,7 +105,7 @@ class Engine:
         return len(self._seqs)
 
     def now(self) -> float:
-        return time.perf_counter() - self._clock0
+        return self._clock() - self._clock0
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -25,9 +25,10 @@ from .scheduler import MicroBatch, ScheduledSeq
 log = logging.getLogger("batchinfer")
 
 
-def _interpolate(table: list[tuple[int, float]], x: float) -> float:
-    """Piecewise linear through the points; the end segments extend beyond them (never below the
-    smallest measured time: a smaller micro-batch is not faster than the smallest one timed)."""
+def interpolate(table: list[tuple[int, float]], x: float) -> float:
+    """Piecewise linear through the points (sorted by x). Extrapolation rules: below the first
+    point, its time (a smaller micro-batch is not faster than the smallest one timed); above the
+    last point, the last segment's slope, never negative (a one-point table: proportional to x)."""
     if len(table) == 1 or x <= table[0][0]:
         return table[0][1] if x <= table[0][0] else table[0][1] * x / table[0][0]
     for (x0, y0), (x1, y1) in zip(table, table[1:]):
@@ -56,10 +57,10 @@ class StepTimes:
                 raise ValueError(f"{name}: sizes must be distinct and >= 1, times > 0")
 
     def decode_time(self, batch_size: int) -> float:
-        return _interpolate(self.decode, max(batch_size, 1))
+        return interpolate(self.decode, max(batch_size, 1))
 
     def prefill_time(self, num_tokens: int) -> float:
-        return _interpolate(self.prefill, max(num_tokens, 1))
+        return interpolate(self.prefill, max(num_tokens, 1))
 
     def peak_decode_rate(self) -> float:
         """Requests advanced per second at the best measured batch size (TD-Pipe's Peak)."""
@@ -91,7 +92,7 @@ class StepTimes:
 
 
 # --- measuring -------------------------------------------------------------------------------------
-class _Synthetic:
+class SyntheticSequences:
     """Sequences that exist only to be timed: real blocks, never scheduled, released after."""
 
     def __init__(self, engine, vocab_size: int):
@@ -141,9 +142,10 @@ class _Synthetic:
         self.seqs.clear()
 
 
-def _steady_interval(executor, batches: list[MicroBatch], rounds: int) -> float:
+def _steady_interval(executor, batches: list[MicroBatch], rounds: int, clock) -> float:
     """Keeps the executor full with the batches in turn; the median time between completions
-    after the first round (warm-up, pipeline fill) is one micro-batch's steady-state time."""
+    after the first round (warm-up, pipeline fill) is one micro-batch's steady-state time.
+    clock: the engine's (wall time, or the simulator's virtual time)."""
     total = len(batches) * (rounds + 1)
     feed = cycle(batches)
     submitted, stamps = 0, []
@@ -154,7 +156,7 @@ def _steady_interval(executor, batches: list[MicroBatch], rounds: int) -> float:
         while not executor.ready():
             executor.wait()
         executor.collect()
-        stamps.append(time.perf_counter())
+        stamps.append(clock())
     skip = len(batches)
     intervals = [b - a for a, b in zip(stamps[skip - 1:], stamps[skip:])]
     return statistics.median(intervals)
@@ -173,7 +175,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
     # positions stay inside the model's rotary table
     prompt_len = max(1, min(prompt_len, engine.max_model_len))
     context_len = max(1, min(context_len, engine.max_model_len - 1))
-    synth = _Synthetic(engine, int(engine.info.get("vocab_size") or 2))
+    synth = SyntheticSequences(engine, int(engine.info.get("vocab_size") or 2))
     executor = synth.executor
     depth = executor.max_in_flight
     t0 = time.perf_counter()
@@ -187,7 +189,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
                     break
                 batches.append(MicroBatch([ScheduledSeq(s, 1) for s in seqs], phase="decode"))
             if len(batches) == depth:
-                decode.append((size, _steady_interval(executor, batches, rounds)))
+                decode.append((size, _steady_interval(executor, batches, rounds, engine.now)))
             else:
                 log.info("step profile: decode batch %d skipped (KV cache too small)", size)
             synth.release()
@@ -203,7 +205,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
                 batches.append(MicroBatch([ScheduledSeq(s, s.prompt_len) for s in seqs],
                                           phase="prefill"))
             if len(batches) == depth:
-                prefill.append((tokens, _steady_interval(executor, batches, rounds)))
+                prefill.append((tokens, _steady_interval(executor, batches, rounds, engine.now)))
             else:
                 log.info("step profile: prefill of %d tokens skipped (KV cache too small)", tokens)
             synth.release()

@@ -1,0 +1,106 @@
+"""What the simulator asks of a cost model, and the one that reads a measured profile table.
+
+A micro-batch is reduced to its `BatchShape` (token and sequence counts, the context its decode
+queries read, the query x key pairs of its prefill chunks, the rows that sample). A cost model
+prices one pipeline stage running that shape over its layers (`stage_seconds`), the activations a
+stage hands the next one (`transfer_seconds`), and the controller's own work per step. Two
+implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
+`RooflineCostModel` (a hardware preset, sim/hardware.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from batchinfer.engine.scheduler import MicroBatch
+
+from .profile_table import ProfileTable
+
+# what a stage hands the next one per token: the hidden state and the residual
+ACTIVATIONS_PER_TOKEN = 2
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    tokens: int
+    seqs: int
+    decode_context: int       # sum of the context lengths that decode queries read
+    prefill_pairs: float      # sum over prefill chunks of query x key pairs (causal)
+    sample_rows: int
+
+    @classmethod
+    def of(cls, batch: MicroBatch) -> "BatchShape":
+        """Valid before the engine applies the step (it reads the sequences' progress)."""
+        tokens = context = rows = 0
+        pairs = 0.0
+        for item in batch.items:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            tokens += n
+            if item.is_decode:
+                context += start + 1
+            else:
+                pairs += n * (start + (n + 1) / 2)
+            if item.samples:
+                rows += 1
+        return cls(tokens, len(batch.items), context, pairs, rows)
+
+
+class CostModel(Protocol):
+    num_layers: int
+    kv_bytes_per_token: int                  # whole model
+
+    def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
+                      threads: int) -> float: ...
+    def transfer_seconds(self, tokens: int) -> float: ...
+    def controller_seconds(self, seqs: int) -> float: ...
+    def auto_kv_bytes_per_rank(self, config, arch, layout) -> int: ...
+
+
+class MeasuredCostModel:
+    """Prices micro-batches from a profile of this machine (sim/profile_table.py)."""
+
+    def __init__(self, table: ProfileTable):
+        self.table = table
+        self.num_layers = int(table.model["num_layers"])
+        self.hidden_size = int(table.model["hidden_size"])
+        self.dtype_bytes = int(table.model["dtype_bytes"])
+        self.kv_bytes_per_token = table.kv_bytes_per_token
+
+    def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
+                      threads: int) -> float:
+        """`layers` decoder layers (+ LM head and sampler on the last stage). Under TP each rank
+        does 1/tp of the layer's work (profiled at `threads` per rank) and two all-reduces of the
+        micro-batch's hidden states per layer."""
+        comp = self.table.rank_compute(threads)
+        layer = comp.layer_seconds(shape.tokens, shape.seqs, shape.decode_context,
+                                   shape.prefill_pairs)
+        seconds = layers * layer / tp
+        if tp > 1:
+            nbytes = shape.tokens * self.hidden_size * self.dtype_bytes
+            seconds += 2 * layers * self.table.allreduce.allreduce_seconds(nbytes, tp)
+        if last:
+            seconds += comp.head_seconds(shape.sample_rows)
+        return seconds
+
+    def transfer_seconds(self, tokens: int) -> float:
+        nbytes = ACTIVATIONS_PER_TOKEN * tokens * self.hidden_size * self.dtype_bytes
+        return self.table.p2p.seconds(nbytes)
+
+    def controller_seconds(self, seqs: int) -> float:
+        return self.table.controller_per_step_s + self.table.controller_per_seq_s * seqs
+
+    def auto_kv_bytes_per_rank(self, config, arch, layout) -> int:
+        """The engine's auto KV budget (cache.kv_cache_memory unset) from the profiled memory:
+        on a CPU host the ranks split one budget (engine/build.py's kv_budget); on a GPU each
+        rank has its own memory less its share of the weights."""
+        from batchinfer.engine.build import CPU_AUTO_KV_CAP, activation_headroom
+
+        sched = config.scheduler
+        free = self.table.memory_available_bytes * config.cache.memory_utilization
+        headroom = activation_headroom(arch, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                       self.dtype_bytes)
+        if self.table.hardware.get("device", "cpu") == "cpu":
+            return int(min(free - headroom, CPU_AUTO_KV_CAP) // layout.world_size)
+        weights = arch.num_params() * self.dtype_bytes // layout.ranks_per_replica
+        return int(free - headroom - weights)

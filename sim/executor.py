@@ -1,0 +1,150 @@
+"""The simulated Executor: the engine's Executor seam over a virtual clock and a cost model.
+
+Each replica's pipeline is `pp` stages; a stage runs one micro-batch at a time, in submission
+order. A micro-batch submitted at virtual time t (after the controller's own work for the step,
+which advances the clock) enters stage 0 when the stage is free, each later stage when the
+previous one finished and the activations arrived (`transfer_seconds`) and the stage is free;
+it completes when the last stage (LM head and sampler included) is done. The engine waits by
+advancing the shared clock to the next completion of any replica, so data-parallel replicas run
+side by side in virtual time. Sampled tokens are a filler id: simulated requests stop on their
+length (max_tokens with ignore_eos), which is all the schedulers look at.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from batchinfer.engine.executor import StepResult
+from batchinfer.engine.scheduler import MicroBatch
+
+from .cost_model import BatchShape, CostModel
+
+FILLER_TOKEN = 1
+_EPS = 1e-12
+
+
+class VirtualClock:
+    """Simulated seconds; the executors registered on it say when their next event is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.executors: list["SimulatedExecutor"] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += max(seconds, 0.0)
+
+    def advance_to_next_event(self) -> None:
+        events = [e.next_completion for e in self.executors if e.next_completion is not None]
+        if not events:
+            raise RuntimeError("the simulated engine waits, but nothing is in flight")
+        self.now = max(self.now, min(events))
+
+
+@dataclass
+class _InFlight:
+    batch: MicroBatch
+    mb_id: int
+    done_at: float
+    forward_s: float
+    sample_s: float
+
+
+class SimulatedExecutor:
+    def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
+                 tp: int = 1, threads: int = 1, replica: int = 0):
+        self.clock, self.cost = clock, cost
+        self.layers_per_stage = list(layers_per_stage)
+        self.tp, self.threads, self.replica = tp, threads, replica
+        self.pp = len(self.layers_per_stage)
+        self._free_at = [0.0] * self.pp
+        self._busy = [0.0] * self.pp
+        self._micro_batches = [0] * self.pp
+        self._window: Optional[list[float]] = None
+        self._in_flight: deque[_InFlight] = deque()
+        self._next_mb = 0
+        self.events: list[dict] = []
+        self.record_events = True
+        clock.executors.append(self)
+
+    # --- the Executor protocol -------------------------------------------------------------------
+    @property
+    def max_in_flight(self) -> int:
+        return self.pp
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def next_completion(self) -> Optional[float]:
+        return self._in_flight[0].done_at if self._in_flight else None
+
+    def submit(self, batch: MicroBatch) -> None:
+        shape = BatchShape.of(batch)
+        self.clock.advance(self.cost.controller_seconds(shape.seqs))
+        t = self.clock.now
+        mb_id, self._next_mb = self._next_mb, self._next_mb + 1
+        forward = sample = 0.0
+        for stage, layers in enumerate(self.layers_per_stage):
+            last = stage == self.pp - 1
+            if stage > 0:
+                t += self.cost.transfer_seconds(shape.tokens)
+            start = max(t, self._free_at[stage])
+            seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads)
+            end = start + seconds
+            self._free_at[stage] = end
+            self._busy[stage] += seconds
+            self._micro_batches[stage] += 1
+            forward += seconds
+            if self.record_events:
+                self.events.append({"replica": self.replica, "stage": stage, "rank": stage,
+                                    "kind": "forward", "mb_id": mb_id, "start": start,
+                                    "end": end})
+            if self._window is None:
+                self._window = [start, end]
+            t = end
+        self._window[1] = max(self._window[1], t)
+        self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
+
+    def ready(self) -> bool:
+        return bool(self._in_flight) and self._in_flight[0].done_at <= self.clock.now + _EPS
+
+    def wait(self) -> None:
+        self.clock.advance_to_next_event()
+
+    def collect(self) -> tuple[MicroBatch, StepResult]:
+        done = self._in_flight.popleft()
+        tokens = [FILLER_TOKEN if item.samples else None for item in done.batch.items]
+        return done.batch, StepResult(tokens, [None] * len(tokens), forward_s=done.forward_s,
+                                      sample_s=done.sample_s)
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+    def close(self) -> None:
+        self._in_flight.clear()
+
+    # --- observability (the multi-process executor's names) -------------------------------------
+    def reset_timeline(self) -> None:
+        self._busy = [0.0] * self.pp
+        self._micro_batches = [0] * self.pp
+        self._window = None
+        self.events.clear()
+
+    def timeline(self, last: Optional[int] = None) -> list[dict]:
+        return list(self.events[-last:] if last else self.events)
+
+    def stage_summary(self) -> Optional[dict]:
+        """Busy time and bubble ratio of each stage over this replica's window (first start to
+        last completion)."""
+        if self._window is None:
+            return None
+        span = self._window[1] - self._window[0]
+        return {"window_s": span, "stages": [
+            {"stage": s, "busy_s": self._busy[s], "micro_batches": self._micro_batches[s],
+             "bubble_ratio": 1.0 - self._busy[s] / span if span > 0 else None}
+            for s in range(self.pp)]}

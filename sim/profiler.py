@@ -1,0 +1,262 @@
+"""Measures this machine for a recipe's model and writes a ProfileTable (sim/profile_table.py).
+
+What is timed, all on the engine's own code paths:
+- forward time of decode micro-batches (batch size x context length grid) and prefill
+  micro-batches (token counts, and one token count at two prompt lengths for the attention
+  term), through the in-process executor with synthetic sequences holding real KV blocks, at
+  every thread count a rank may get (a PP=2 run on 2 cores gives each rank one);
+- the LM head and the sampler for a range of sampled rows;
+- the controller's own time per step (a short real job: each step's wall time less the executor's);
+- point-to-point and all-reduce latency and bandwidth between two processes (gloo on CPU, NCCL on
+  CUDA), each on its own threads;
+- KV bytes per token and the memory available.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from batchinfer.engine.build import available_memory
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.request import Request, SamplingParams
+from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
+from batchinfer.engine.step_times import SyntheticSequences
+
+from .link_profile import profile_links
+from .profile_fit import fit_rank_compute
+from .profile_table import LinkCost, ProfileTable
+
+Progress = Callable[[str], None]
+
+DECODE_BATCHES = (1, 4, 16, 64, 256)
+DECODE_CONTEXTS = (32, 512)
+PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
+PREFILL_PROMPT_LEN = 256
+ATTENTION_PROBE = (1024, (64, 1024))      # the same tokens as short and as one long prompt
+HEAD_ROWS = (1, 16, 64, 256)
+PROFILE_KV_BYTES = 2 * 2**30
+
+
+class _Probe:
+    """Synthetic micro-batches on replica 0's in-process executor, timed by its own clock."""
+
+    def __init__(self, engine: Engine, repeats: int):
+        self.engine = engine
+        self.executor = engine.replicas[0].executor
+        self.synth = SyntheticSequences(engine, int(engine.info["vocab_size"]))
+        self.repeats = repeats
+
+    def forward_seconds(self, batch: MicroBatch) -> float:
+        self.executor.execute(batch)                         # warm-up
+        return statistics.median(self.executor.execute(batch).forward_s
+                                 for _ in range(self.repeats))
+
+    def fits(self, size: int, tokens_each: int) -> bool:
+        """Own blocks for every sequence: shared blocks would be read from cache, which no real
+        batch gets (so no shared-block point enters the fit)."""
+        return self.synth.fits(size, tokens_each)
+
+    def warm_up(self) -> None:
+        """A few micro-batches first, so the first timed point does not pay for cold caches,
+        page faults and thread-pool start."""
+        for _ in range(3):
+            self.decode(8, 64)
+            self.prefill([128])
+
+    def decode(self, size: int, context: int) -> Optional[dict]:
+        if not self.fits(size, context + 1):
+            return None
+        seqs = [self.synth.make(context, decode=True) for _ in range(size)]
+        try:
+            self.synth.allocate(seqs, context + 1)
+            batch = MicroBatch([ScheduledSeq(s, 1) for s in seqs], phase="decode")
+            return {"kind": "decode", "tokens": size, "seqs": size,
+                    "decode_context": size * (context + 1), "prefill_pairs": 0.0,
+                    "seconds": self.forward_seconds(batch)}
+        finally:
+            self.synth.release()
+
+    def prefill(self, lengths: list[int]) -> Optional[dict]:
+        if not self.fits(len(lengths), max(lengths)):
+            return None
+        seqs = [self.synth.make(n, decode=False) for n in lengths]
+        try:
+            self.synth.allocate(seqs, max(lengths))
+            batch = MicroBatch([ScheduledSeq(s, s.prompt_len) for s in seqs], phase="prefill")
+            return {"kind": "prefill", "tokens": sum(lengths), "seqs": len(lengths),
+                    "decode_context": 0, "prefill_pairs": sum(n * (n + 1) / 2 for n in lengths),
+                    "seconds": self.forward_seconds(batch)}
+        finally:
+            self.synth.release()
+
+    def head(self, rows: int) -> tuple[float, float]:
+        """(LM head seconds, sampler seconds) for `rows` sampled rows."""
+        executor = self.executor
+        model, sampler = executor.model, executor.sampler
+        hidden = torch.randn(rows, model.arch.hidden_size, dtype=_dtype(model),
+                             device=executor.device)
+        seqs = [self.synth.make(4, decode=True) for _ in range(rows)]
+        try:
+            with torch.inference_mode():
+                model.compute_logits(hidden, None)
+                head, sample = [], []
+                for _ in range(self.repeats):
+                    t0 = time.perf_counter()
+                    logits = model.compute_logits(hidden, None)
+                    _sync(executor.device)
+                    t1 = time.perf_counter()
+                    sampler.sample(logits, sampler.prepare(seqs))
+                    _sync(executor.device)
+                    head.append(t1 - t0)
+                    sample.append(time.perf_counter() - t1)
+        finally:
+            self.synth.release()
+        return statistics.median(head), statistics.median(sample)
+
+
+def _dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _round_down(value: int, step: int) -> int:
+    return value // step * step
+
+
+def _prefill_lengths(tokens: int, prompt_len: int) -> list[int]:
+    lengths = [prompt_len] * (tokens // prompt_len)
+    if tokens % prompt_len:
+        lengths.append(tokens % prompt_len)
+    return lengths
+
+
+def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, decode_contexts,
+                    prefill_tokens, attention_probe, head_rows, progress: Progress):
+    """-> RankCompute at `threads` (the process's torch threads are set to it)."""
+    if engine.replicas[0].executor.device.type == "cpu":
+        torch.set_num_threads(threads)
+    probe = _Probe(engine, repeats)
+    probe.warm_up()
+    points = []
+    capacity = engine.replicas[0].scheduler.block_manager.capacity_tokens
+    for size in decode_batches:
+        longest = max(decode_contexts)
+        for context in decode_contexts:
+            if context == longest:       # the long context shrinks to what the cache holds
+                context = min(context, _round_down(capacity // size - size, 32))
+                if context <= min(decode_contexts):
+                    continue
+            progress(f"{threads} thread(s): decode batch {size} at context {context}")
+            point = probe.decode(size, context)
+            if point is not None:
+                points.append(point)
+    shapes = [_prefill_lengths(n, min(n, PREFILL_PROMPT_LEN)) for n in prefill_tokens]
+    if attention_probe:
+        total, prompts = attention_probe
+        shapes += [_prefill_lengths(total, p) for p in prompts]
+    for lengths in shapes:
+        progress(f"{threads} thread(s): prefill {sum(lengths)} tokens as {len(lengths)} prompt(s)")
+        point = probe.prefill(lengths)
+        if point is not None:
+            points.append(point)
+    head, sampling = [], []
+    for rows in head_rows:
+        progress(f"{threads} thread(s): LM head and sampler, {rows} rows")
+        h, s = probe.head(rows)
+        head.append((rows, h))
+        sampling.append((rows, s))
+    num_layers = engine.replicas[0].executor.model.arch.num_layers
+    return fit_rank_compute(points, num_layers, head, sampling)
+
+
+def measure_controller(engine: Engine, num_requests: int = 48, prompt_len: int = 24,
+                       output_len: int = 24) -> tuple[float, float]:
+    """(per step, per sequence) seconds the controller spends beside the executor: a short real
+    job, each step's wall time less the executor's forward and sampling, fitted on batch size."""
+    vocab = int(engine.info["vocab_size"])
+    for i in range(num_requests):
+        tokens = [1 + (i * 7 + j) % (vocab - 1) for j in range(prompt_len)]
+        engine.add_request(Request(f"__controller-profile-{i}", tokens,
+                                   SamplingParams(max_tokens=output_len, ignore_eos=True,
+                                                  temperature=0.0)))
+    seqs, overheads = [], []
+    engine.drain_step_events()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        events = engine.drain_step_events()
+        if len(events) == 1:
+            ev = events[0]
+            seqs.append(ev["num_seqs"])
+            overheads.append(max(wall - ev["forward_s"] - ev["sample_s"], 0.0))
+    if len(set(seqs)) < 2:
+        return (statistics.median(overheads) if overheads else 0.0), 0.0
+    slope, intercept = np.polyfit(np.asarray(seqs, float), np.asarray(overheads), 1)
+    return max(float(intercept), 0.0), max(float(slope), 0.0)
+
+
+def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, repeats: int = 3,
+                    progress: Optional[Progress] = None, quick: bool = False) -> ProfileTable:
+    """Profiles the recipe's model on this machine (minutes; `quick`: a few seconds, coarse).
+    threads: per-rank thread counts to time (default: every divisor split of the cores)."""
+    progress = progress or (lambda message: None)
+    t_start = time.perf_counter()
+    cores = config.device.num_threads or os.cpu_count() or 1
+    if threads is None:
+        threads = sorted({max(1, cores // n) for n in range(1, cores + 1)})
+    probe_config = EngineConfig(model=config.model, device=config.device,
+                                cache={"block_size": config.cache.block_size,
+                                       "kv_cache_memory": PROFILE_KV_BYTES})
+    sets = dict(decode_batches=(1, 8) if quick else DECODE_BATCHES,
+                decode_contexts=(16, 64) if quick else DECODE_CONTEXTS,
+                prefill_tokens=(16, 64) if quick else PREFILL_TOKENS,
+                attention_probe=(64, (16, 64)) if quick else ATTENTION_PROBE,
+                head_rows=(1, 8) if quick else HEAD_ROWS)
+    progress("loading the model")
+    with Engine.from_config(probe_config) as engine:
+        executor = engine.replicas[0].executor
+        device = executor.device
+        if device.type != "cpu":
+            threads = [1]
+        compute = {}
+        for t in threads:
+            compute[t] = measure_compute(engine, t, 1 if quick else repeats, progress=progress,
+                                         **sets)
+        if device.type == "cpu":
+            torch.set_num_threads(cores)
+        progress("controller overhead: a short job")
+        per_step, per_seq = measure_controller(engine, 8 if quick else 48)
+        arch = executor.model.arch
+        dtype = _dtype(executor.model)
+        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+        model_info = {"model_id": engine.model_id, "num_layers": arch.num_layers,
+                      "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
+                      "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
+                      "num_params": arch.num_params()}
+        kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
+    progress("point-to-point and all-reduce between two processes")
+    links = profile_links(device.type, quick=quick)
+    hardware = {"device": device.type, "cores": cores, "machine": platform.machine(),
+                "processor": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds")}
+    return ProfileTable(model_info, hardware, compute, LinkCost(**links["p2p"]),
+                        LinkCost(**links["allreduce"]), per_step, per_seq, kv_per_token,
+                        available_memory(device),
+                        {"seconds": round(time.perf_counter() - t_start, 1), "quick": quick,
+                         "repeats": repeats, "link_backend": links["backend"],
+                         "link_points": links["points"]})

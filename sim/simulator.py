@@ -1,0 +1,194 @@
+"""The discrete-event simulator: the real Engine, schedulers and strategy preparation, on simulated
+executors that advance a virtual clock by a cost model.
+
+    result = simulate(config, requests, cost_model, arch)
+
+`config` is the EngineConfig a recipe makes (strategy, parallel layout, KV memory); `requests`
+are (prompt tokens, output tokens, predicted output tokens) triples. The engine is the one
+`batchinfer run` drives: the same data-parallel feeding, the same pipeline filling, the strategy's
+own Scheduler objects over real block managers sized as the engine sizes them, and the strategy's
+`prepare` (TD-Pipe profiles its step-time table on the simulated executor, in virtual time).
+Nothing reads the wall clock, so a simulation is deterministic.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.engine import Engine, Replica
+from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.model.arch import ModelArch
+from batchinfer.engine.recipe import StrategyParams
+from batchinfer.engine.request import Request, SamplingParams
+from batchinfer.engine.runtime.build import rank_bytes_per_block
+from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
+
+from .cost_model import CostModel
+from .executor import SimulatedExecutor, VirtualClock
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    prompt_len: int
+    output_len: int
+    predicted_len: Optional[int] = None
+
+
+@dataclass
+class SimResult:
+    strategy: str
+    tp: int
+    pp: int
+    dp: int
+    requests: int
+    failed: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tok_per_s: float
+    total_tok_per_s: float
+    kv_capacity_tokens: int
+    bubble_ratio: Optional[float]               # mean over every rank's stage
+    bubble_ratio_by_stage: dict = field(default_factory=dict)
+    steps: int = 0
+    preemptions: int = 0
+    phase_switches: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class LengthOnlyTokenizer:
+    """What the engine asks of a tokenizer when requests carry token counts, not text: the
+    simulated outputs are filler ids that stop on their length."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def token_text(self, token_id: int) -> str:
+        return ""
+
+
+def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cost: CostModel,
+              dtype_bytes: int, max_model_len: int) -> int:
+    """Blocks per replica, as engine/runtime/build.py counts them (every rank of a replica gets
+    the count its fullest stage allows)."""
+    per_rank = config.cache.kv_cache_memory
+    if per_rank is None:
+        per_rank = cost.auto_kv_bytes_per_rank(config, arch, layout)
+    block_size = config.cache.block_size
+    blocks = min(int(per_rank) // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
+                 for r in layout.replica_ranks(0))
+    if blocks * block_size < max_model_len:
+        raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp} leaves "
+                          f"{max(blocks, 0) * block_size} KV tokens per replica, less than "
+                          f"max_model_len ({max_model_len})")
+    return blocks
+
+
+def check_simulated(config: EngineConfig) -> None:
+    """A strategy that builds its own engine (its own executor: Seesaw, SiPipe, SiDP) needs a
+    simulated executor of its own; the others run on SimulatedExecutor."""
+    strategy = config.strategy
+    if strategy is not None and type(strategy).build_engine is not StrategyParams.build_engine:
+        raise ConfigError(f"strategy {strategy.name!r} is not simulated yet; simulated: baseline, "
+                          "tdpipe, gllm")
+
+
+def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max_model_len: int,
+                     dtype_bytes: int, cores: int = 1, model_id: str = "simulated") -> Engine:
+    """An Engine whose replicas run on simulated executors (one virtual clock for all)."""
+    check_simulated(config)
+    layout = ParallelLayout.resolve(config.parallel, arch)
+    num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
+    threads = threads_per_rank(config.parallel, layout.world_size, cores)
+    clock = VirtualClock()
+    replicas = []
+    for replica in range(layout.dp):
+        block_manager = BlockManager(num_blocks, config.cache.block_size)
+        scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
+        executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
+                                     threads, replica)
+        replicas.append(Replica(scheduler, executor))
+    info = {"vocab_size": arch.vocab_size, "simulated": True,
+            "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                         "layers_per_stage": list(layout.layers_per_stage),
+                         "threads_per_rank": threads}}
+    engine = Engine(replicas, LengthOnlyTokenizer(arch.vocab_size), max_model_len, model_id,
+                    info, clock=clock)
+    if config.strategy is not None:
+        engine.info["strategy"] = config.strategy.name
+        config.strategy.prepare(engine)
+    return engine
+
+
+def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, arch: ModelArch,
+             max_model_len: int, dtype_bytes: int, cores: int = 1) -> SimResult:
+    """Runs every request to its output length (all submitted at time 0, as `batchinfer run` and
+    `vllm bench throughput` do) and reports the virtual throughput."""
+    engine = simulated_engine(config, cost, arch, max_model_len, dtype_bytes, cores)
+    failed = 0
+    start = engine.now()
+    for i, req in enumerate(requests):
+        request = Request(f"sim-{i}", [FILLER_PROMPT_TOKEN] * req.prompt_len,
+                          SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True,
+                                         temperature=0.0), arrival_index=i)
+        request.predicted_output_len = req.predicted_len
+        try:
+            engine.add_request(request)
+        except RequestError:
+            failed += 1
+    prompt_tokens = output_tokens = finished = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            finished += 1
+            prompt_tokens += len(out.prompt_token_ids)
+            output_tokens += len(out.output_token_ids)
+        engine.drain_step_events()
+    elapsed = max(engine.now() - start, 1e-12)
+    stats = engine.stats()
+    return _result(config, engine, stats, finished, failed, prompt_tokens, output_tokens, elapsed)
+
+
+FILLER_PROMPT_TOKEN = 1
+
+
+def _result(config: EngineConfig, engine: Engine, stats: dict, finished: int, failed: int,
+            prompt_tokens: int, output_tokens: int, elapsed: float) -> SimResult:
+    par = engine.info["parallel"]
+    bubbles: dict[str, list[float]] = {}
+    for rep in engine.replicas:
+        summary = rep.executor.stage_summary()
+        for stage in (summary or {}).get("stages", []):
+            if stage["bubble_ratio"] is not None:
+                bubbles.setdefault(str(stage["stage"]), []).append(stage["bubble_ratio"])
+    by_stage = {s: round(statistics.mean(v), 4) for s, v in sorted(bubbles.items())}
+    return SimResult(
+        strategy=config.strategy.name if config.strategy is not None else "baseline",
+        tp=par["tp"], pp=par["pp"], dp=par["dp"], requests=finished, failed=failed,
+        prompt_tokens=prompt_tokens, output_tokens=output_tokens, elapsed_s=elapsed,
+        output_tok_per_s=output_tokens / elapsed,
+        total_tok_per_s=(prompt_tokens + output_tokens) / elapsed,
+        kv_capacity_tokens=stats["kv_capacity_tokens"],
+        bubble_ratio=round(statistics.mean(by_stage.values()), 4) if by_stage else None,
+        bubble_ratio_by_stage=by_stage, steps=stats["steps"],
+        preemptions=stats["num_preemptions"],
+        phase_switches=getattr(engine.scheduler, "num_switches", None))
+
+
+def simulate_recipe_model(config: EngineConfig, requests: list[SimRequest], cost: CostModel,
+                          cores: int) -> SimResult:
+    """`simulate` for the model the config names (its config.json, overrides and length limit),
+    on a cost model of this machine."""
+    from batchinfer.engine.runtime.build import model_setup
+
+    setup = model_setup(config)
+    return simulate(config, requests, cost, setup.arch, setup.max_model_len, setup.dtype_bytes,
+                    cores)

@@ -1,0 +1,212 @@
+"""The simulator (sim/): a hand-computed pipeline timeline, end-to-end runs of the real schedulers
+on simulated executors, determinism, the cost fit and the profile table's round trips."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.model.arch import arch_from_dict
+from batchinfer.engine.recipe import strategy_class
+from batchinfer.engine.request import Request, SamplingParams, Sequence
+from batchinfer.engine.runtime.build import num_kv_blocks
+from batchinfer.engine.runtime.layout import ParallelLayout
+from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
+from batchinfer.sim.cost_model import BatchShape, MeasuredCostModel
+from batchinfer.sim.executor import FILLER_TOKEN, SimulatedExecutor, VirtualClock
+from batchinfer.sim.profile_fit import fit_rank_compute
+from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
+from batchinfer.sim.simulator import SimRequest, kv_blocks, simulate
+
+ARCH = arch_from_dict({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+                       "intermediate_size": 128, "num_hidden_layers": 4,
+                       "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "max_position_embeddings": 4096})
+
+
+class LinearCost:
+    """Hand-checkable prices: 0.5 s per token per layer, 1 s for the head when a row samples,
+    0.25 s per stage hand-off, 0.1 s of controller work per step."""
+
+    num_layers = 4
+    kv_bytes_per_token = ARCH.kv_bytes_per_token(4)
+
+    def stage_seconds(self, shape, layers, last, tp, threads):
+        return layers * 0.5 * shape.tokens + (1.0 if last and shape.sample_rows else 0.0)
+
+    def transfer_seconds(self, tokens):
+        return 0.25
+
+    def controller_seconds(self, seqs):
+        return 0.1
+
+    def auto_kv_bytes_per_rank(self, config, arch, layout):
+        return 1 << 20
+
+
+def _prefill(prompt_len: int, rid: str) -> MicroBatch:
+    seq = Sequence(Request(rid, [1] * prompt_len, SamplingParams(max_tokens=4)))
+    return MicroBatch([ScheduledSeq(seq, prompt_len)], phase="prefill")
+
+
+def test_two_stage_timeline_equals_hand_computed():
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock, LinearCost(), [2, 2])
+    a, b = _prefill(4, "a"), _prefill(2, "b")
+    executor.submit(a)     # controller 0.1; stage 0 [0.1, 4.1]; +0.25; stage 1 [4.35, 9.35]
+    executor.submit(b)     # controller 0.2; stage 0 [4.1, 6.1]; stage 1 waits: [9.35, 12.35]
+    assert not executor.ready()
+    executor.wait()
+    assert clock.now == pytest.approx(9.35)
+    batch, result = executor.collect()
+    assert batch is a and result.tokens == [FILLER_TOKEN]
+    assert not executor.ready()
+    executor.wait()
+    assert clock.now == pytest.approx(12.35)
+    spans = [(e["mb_id"], e["stage"], e["start"], e["end"]) for e in executor.timeline()]
+    expected = [(0, 0, 0.1, 4.1), (0, 1, 4.35, 9.35), (1, 0, 4.1, 6.1), (1, 1, 9.35, 12.35)]
+    assert spans == [pytest.approx(s) for s in expected]
+    summary = executor.stage_summary()
+    assert summary["window_s"] == pytest.approx(12.25)
+    assert [s["bubble_ratio"] for s in summary["stages"]] == pytest.approx(
+        [1 - 6 / 12.25, 1 - 8 / 12.25])
+
+
+def _config(strategy: dict, pp: int = 1, dp: int = 1, kv_bytes: int = 1 << 20) -> EngineConfig:
+    params = strategy_class(strategy["name"]).model_validate(strategy)
+    return EngineConfig(model={"max_model_len": 512}, cache={"kv_cache_memory": kv_bytes},
+                        parallel={"pp": pp, "dp": dp}, scheduler=params.scheduler_config(),
+                        strategy=params)
+
+
+def test_single_request_end_to_end_equals_hand_computed():
+    """One request, 4 prompt tokens, 3 outputs, one stage of 4 layers: a prefill step
+    (0.1 + 8 + 1) then two decode steps (0.1 + 2 + 1 each)."""
+    config = _config({"name": "baseline", "policy": "sb"})
+    result = simulate(config, [SimRequest(4, 3)], LinearCost(), ARCH, 512, 4)
+    assert result.elapsed_s == pytest.approx(9.1 + 2 * 3.1)
+    assert result.output_tokens == 3 and result.steps == 3
+    assert result.output_tok_per_s == pytest.approx(3 / 15.3, rel=1e-3)
+
+
+def _table() -> ProfileTable:
+    compute = {t: RankCompute([(1, 1e-4 / t), (64, 4e-4 / t), (2048, 1e-2 / t)], 2e-6, 1e-9,
+                              2e-10, [(1, 1e-3), (256, 4e-3)], [(1, 1e-4), (256, 1e-3)])
+               for t in (1, 2)}
+    return ProfileTable({"model_id": "test", "num_layers": 4, "hidden_size": 64,
+                         "vocab_size": 1000, "dtype": "float32", "dtype_bytes": 4},
+                        {"device": "cpu", "cores": 2}, compute, LinkCost(1e-4, 1e9),
+                        LinkCost(2e-4, 5e8), 1e-4, 1e-6, ARCH.kv_bytes_per_token(4), 8 << 30)
+
+
+WORKLOAD = [SimRequest(8 + (i * 37) % 120, 4 + (i * 53) % 90, 4 + (i * 53) % 90)
+            for i in range(80)]
+SIMULATED = {
+    "single-hb": ({"name": "baseline", "policy": "hb"}, 1, 1),
+    "pp2-sb": ({"name": "baseline", "policy": "sb"}, 2, 1),
+    "tdpipe": ({"name": "tdpipe", "step_times": None}, 2, 1),
+    "gllm": ({"name": "gllm"}, 2, 1),
+    "dp2-hb": ({"name": "baseline", "policy": "hb"}, 1, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIMULATED))
+def test_simulation_is_deterministic_and_runs_every_request(name):
+    strategy, pp, dp = SIMULATED[name]
+    cost = MeasuredCostModel(_table())
+    # a KV cache that binds: 4,096 tokens per replica
+    runs = [simulate(_config(strategy, pp, dp, kv_bytes=4096 * cost.kv_bytes_per_token // pp),
+                     WORKLOAD, cost, ARCH, 512, 4, cores=2).to_json() for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0]["requests"] == len(WORKLOAD) and runs[0]["failed"] == 0
+    assert runs[0]["output_tokens"] == sum(r.output_len for r in WORKLOAD)
+    assert runs[0]["pp"] == pp and runs[0]["dp"] == dp
+    assert set(runs[0]["bubble_ratio_by_stage"]) == {str(s) for s in range(pp)}
+
+
+def test_tdpipe_profiles_its_step_times_on_the_simulated_executor():
+    cost = MeasuredCostModel(_table())
+    from batchinfer.sim.simulator import simulated_engine
+
+    engine = simulated_engine(_config({"name": "tdpipe"}, pp=2), cost, ARCH, 512, 4, cores=2)
+    table = engine.scheduler.step_times
+    assert table is not None
+    # a decode micro-batch in steady state costs its slower stage (stage times from the model)
+    assert table.decode_time(1) > 0 and table.decode_time(256) > table.decode_time(1)
+
+
+def test_kv_blocks_match_the_engine():
+    config = _config({"name": "baseline", "policy": "hb"}, pp=2, kv_bytes=3 << 20)
+    layout = ParallelLayout.resolve(config.parallel, ARCH)
+    import torch
+
+    assert kv_blocks(config, layout, ARCH, LinearCost(), 4, 512) == num_kv_blocks(
+        config, layout, ARCH, torch.device("cpu"), 4)
+
+
+def test_impossible_layouts_and_unsimulated_strategies_are_clear_errors():
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        simulate(_config({"name": "baseline"}, pp=8), WORKLOAD, LinearCost(), ARCH, 512, 4)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        simulate(_config({"name": "baseline"}, kv_bytes=1024), WORKLOAD, LinearCost(), ARCH,
+                 512, 4)
+    with pytest.raises(ConfigError, match="not simulated"):
+        simulate(_config({"name": "seesaw"}), WORKLOAD, LinearCost(), ARCH, 512, 4)
+
+
+def test_batch_shape_counts_decode_context_and_prefill_pairs():
+    prefill = _prefill(4, "p")
+    seq = Sequence(Request("d", [1] * 10, SamplingParams(max_tokens=4)))
+    seq.output_token_ids.append(5)
+    seq.num_computed_tokens = 10
+    batch = MicroBatch(prefill.items + [ScheduledSeq(seq, 1)])
+    shape = BatchShape.of(batch)
+    assert (shape.tokens, shape.seqs, shape.decode_context, shape.sample_rows) == (5, 2, 11, 2)
+    assert shape.prefill_pairs == pytest.approx(4 * 2.5)
+
+
+def test_fit_recovers_a_known_cost_model():
+    truth = RankCompute([(1, 2e-4), (16, 3e-4), (256, 2e-3), (2048, 1.5e-2)], 5e-6, 2e-9, 3e-10,
+                        [(1, 1e-3)], [(1, 1e-4)])
+    points = []
+    for size in (1, 16, 256):
+        for context in (32, 512):
+            points.append({"tokens": size, "seqs": size, "decode_context": size * (context + 1),
+                           "prefill_pairs": 0.0})
+    for tokens, prompts in ((16, [16]), (256, [256]), (2048, [256] * 8), (2048, [2048])):
+        points.append({"tokens": tokens, "seqs": len(prompts), "decode_context": 0,
+                       "prefill_pairs": sum(n * (n + 1) / 2 for n in prompts)})
+    for p in points:
+        p["seconds"] = 30 * truth.layer_seconds(p["tokens"], p["seqs"], p["decode_context"],
+                                                p["prefill_pairs"])
+    fitted = fit_rank_compute(points, 30, [(1, 1e-3)], [(1, 1e-4)])
+    for p in fitted.points:
+        assert p["fitted_seconds"] == pytest.approx(p["seconds"], rel=1e-3)
+    assert fitted.attn_decode_s == pytest.approx(2e-9, rel=1e-2)
+    assert [y for _, y in fitted.layer_dense] == sorted(y for _, y in fitted.layer_dense)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_profile_table_round_trips(tmp_path, suffix):
+    table = _table()
+    table.compute[1].points.append({"kind": "decode", "tokens": 1, "seconds": 0.01})
+    path = tmp_path / f"profile{suffix}"
+    table.save(path)
+    assert ProfileTable.load(path).to_json() == table.to_json()
+
+
+def test_a_table_of_another_version_is_refused(tmp_path):
+    import json
+
+    data = _table().to_json()
+    data["version"] = 99
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="version 99"):
+        ProfileTable.load(path)
+
+
+def test_unprofiled_thread_counts_scale_from_the_nearest_below():
+    table = _table()
+    four = table.rank_compute(4)
+    assert four.layer_dense[0][1] == pytest.approx(table.compute[2].layer_dense[0][1] / 2)
