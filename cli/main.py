@@ -1,4 +1,4 @@
-"""The `batchinfer` command: run, validate, report, predictor."""
+"""The `batchinfer` command: run, validate, report, profile, predictor."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,6 +8,7 @@ import typer
 from batchinfer import __version__
 
 from . import predictor as predictor_cmd
+from . import profile as profile_cmd
 from . import report as report_cmd
 from . import run as run_cmd
 from . import validate as validate_cmd
@@ -38,6 +39,7 @@ def main(version: Optional[bool] = typer.Option(None, "--version", callback=_ver
 app.command("run", help=run_cmd.HELP, epilog=run_cmd.EPILOG)(run_cmd.run)
 app.command("validate", help=validate_cmd.HELP, epilog=validate_cmd.EPILOG)(validate_cmd.validate)
 app.command("report", help=report_cmd.HELP, epilog=report_cmd.EPILOG)(report_cmd.report)
+app.command("profile", help=profile_cmd.HELP, epilog=profile_cmd.EPILOG)(profile_cmd.profile)
 app.add_typer(predictor_cmd.app, name="predictor")
 
 

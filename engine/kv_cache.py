@@ -79,6 +79,16 @@ class BlockManager:
             if self._ref[block] == 0:
                 self._free.append(block)
 
+    def scatter_free(self, count: int, seed: int = 0) -> None:
+        """Shuffles the next `count` free blocks: after a while of running, sequences that grew
+        a block at a time and finished in any order leave the free list scattered, and attention
+        over scattered blocks is slower (the profiler lays its probes out this way)."""
+        import random
+
+        head = [self._free.popleft() for _ in range(min(count, len(self._free)))]
+        random.Random(seed).shuffle(head)
+        self._free.extendleft(reversed(head))
+
     def check_invariants(self) -> None:
         """Every block is either free with refcount 0 or held exactly refcount times."""
         held: dict[int, int] = {}

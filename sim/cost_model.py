@@ -24,6 +24,7 @@ ACTIVATIONS_PER_TOKEN = 2
 class BatchShape:
     tokens: int
     seqs: int
+    decode_seqs: int
     decode_context: int       # sum of the context lengths that decode queries read
     prefill_pairs: float      # sum over prefill chunks of query x key pairs (causal)
     sample_rows: int
@@ -31,19 +32,20 @@ class BatchShape:
     @classmethod
     def of(cls, batch: MicroBatch) -> "BatchShape":
         """Valid before the engine applies the step (it reads the sequences' progress)."""
-        tokens = context = rows = 0
+        tokens = context = rows = decodes = 0
         pairs = 0.0
         for item in batch.items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             tokens += n
             if item.is_decode:
+                decodes += 1
                 context += start + 1
             else:
                 pairs += n * (start + (n + 1) / 2)
             if item.samples:
                 rows += 1
-        return cls(tokens, len(batch.items), context, pairs, rows)
+        return cls(tokens, len(batch.items), decodes, context, pairs, rows)
 
 
 class CostModel(Protocol):
@@ -73,8 +75,8 @@ class MeasuredCostModel:
         does 1/tp of the layer's work (profiled at `threads` per rank) and two all-reduces of the
         micro-batch's hidden states per layer."""
         comp = self.table.rank_compute(threads)
-        layer = comp.layer_seconds(shape.tokens, shape.seqs, shape.decode_context,
-                                   shape.prefill_pairs)
+        layer = comp.layer_seconds(shape.tokens, shape.seqs, shape.decode_seqs,
+                                   shape.decode_context, shape.prefill_pairs)
         seconds = layers * layer / tp
         if tp > 1:
             nbytes = shape.tokens * self.hidden_size * self.dtype_bytes

@@ -3,12 +3,14 @@
 Per thread count of a rank (a PP=2 run on 2 cores gives each rank 1 thread), one decoder layer:
 
     seconds = dense(tokens) + per_seq_s * sequences
-              + attn_decode_s * (context tokens read by decode queries)
+              + attn_decode(decode sequences) * (context tokens read by decode queries)
               + attn_prefill_s * (query x key pairs of prefill chunks)
 
 `dense` is a table over the micro-batch's token count (GEMMs, norms, activations: what does not
-depend on context); the three coefficients are fitted from the measured points, which the table
-keeps (with the fit's prediction beside each) so a reader can check the model. The last pipeline
+depend on context); `attn_decode` a table over the number of decode sequences (a few sequences
+keep fewer threads busy in the attention kernel, so a context token costs more); both tables and
+the two coefficients are fitted from the measured points, which the table keeps (with the fit's
+prediction beside each) so a reader can check the model. The last pipeline
 stage adds `lm_head(rows)` and `sampling(rows)` for the rows that sample. Links cost
 `latency_s + bytes / bytes_per_s` (p2p between stages; all-reduce of `ranks` ranks, scaled as a
 ring for other sizes). The controller's own time per step is `per_step_s + per_seq_s * seqs`.
@@ -49,26 +51,27 @@ class RankCompute:
 
     layer_dense: Points
     per_seq_s: float
-    attn_decode_s: float
+    attn_decode: Points              # (decode sequences, seconds per context token)
     attn_prefill_s: float
     lm_head: Points
     sampling: Points
     points: list[dict] = field(default_factory=list)   # the measurements the fit came from
 
     def __post_init__(self) -> None:
-        for name in ("layer_dense", "lm_head", "sampling"):
+        for name in ("layer_dense", "attn_decode", "lm_head", "sampling"):
             table = _points(getattr(self, name))
             if not table or min(x for x, _ in table) < 1 or min(y for _, y in table) < 0:
                 raise ValueError(f"{name}: needs points with size >= 1 and seconds >= 0")
             setattr(self, name, table)
-        for name in ("per_seq_s", "attn_decode_s", "attn_prefill_s"):
+        for name in ("per_seq_s", "attn_prefill_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
-    def layer_seconds(self, tokens: int, seqs: int, decode_context: float,
+    def layer_seconds(self, tokens: int, seqs: int, decode_seqs: int, decode_context: float,
                       prefill_pairs: float) -> float:
+        attn = interpolate(self.attn_decode, max(decode_seqs, 1)) if decode_context else 0.0
         return (interpolate(self.layer_dense, max(tokens, 1)) + self.per_seq_s * seqs
-                + self.attn_decode_s * decode_context + self.attn_prefill_s * prefill_pairs)
+                + attn * decode_context + self.attn_prefill_s * prefill_pairs)
 
     def head_seconds(self, rows: int) -> float:
         """Final norm + LM head + sampler for `rows` sampled rows (0: nothing)."""
@@ -78,7 +81,8 @@ class RankCompute:
 
     def scaled(self, factor: float) -> "RankCompute":
         return RankCompute([(x, y * factor) for x, y in self.layer_dense], self.per_seq_s * factor,
-                           self.attn_decode_s * factor, self.attn_prefill_s * factor,
+                           [(x, y * factor) for x, y in self.attn_decode],
+                           self.attn_prefill_s * factor,
                            [(x, y * factor) for x, y in self.lm_head],
                            [(x, y * factor) for x, y in self.sampling])
 
@@ -165,10 +169,10 @@ class ProfileTable:
             writer.writerow([name, "", "", json.dumps(getattr(self, name), sort_keys=True)])
         for threads, comp in self.compute.items():
             section = f"compute.{threads}"
-            for table in ("layer_dense", "lm_head", "sampling"):
+            for table in ("layer_dense", "attn_decode", "lm_head", "sampling"):
                 for x, y in getattr(comp, table):
                     writer.writerow([section, table, x, repr(y)])
-            for scalar in ("per_seq_s", "attn_decode_s", "attn_prefill_s"):
+            for scalar in ("per_seq_s", "attn_prefill_s"):
                 writer.writerow([section, scalar, "", repr(getattr(comp, scalar))])
             writer.writerow([section, "points", "", json.dumps(comp.points)])
         for link in ("p2p", "allreduce"):
@@ -192,7 +196,7 @@ class ProfileTable:
                 data[section] = json.loads(value)
             elif section.startswith("compute."):
                 comp = data["compute"].setdefault(section.split(".", 1)[1], {
-                    "layer_dense": [], "lm_head": [], "sampling": []})
+                    "layer_dense": [], "attn_decode": [], "lm_head": [], "sampling": []})
                 if key == "points":
                     comp["points"] = json.loads(value)
                 elif x:

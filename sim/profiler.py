@@ -36,13 +36,16 @@ from .profile_table import LinkCost, ProfileTable
 
 Progress = Callable[[str], None]
 
-DECODE_BATCHES = (1, 4, 16, 64, 256)
+# dense enough that interpolating between knots stays within a few percent (GEMM speed is not
+# linear in the row count between 16 and 64 rows on a CPU)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DECODE_CONTEXTS = (32, 512)
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
 PREFILL_PROMPT_LEN = 256
 ATTENTION_PROBE = (1024, (64, 1024))      # the same tokens as short and as one long prompt
 HEAD_ROWS = (1, 16, 64, 256)
-PROFILE_KV_BYTES = 2 * 2**30
+PROFILE_KV_BYTES = 4 * 2**30          # every sequence of a probe gets its own blocks
+DECODE_REPEATS = 5                    # decode probes are cheap: more repeats, less noise
 
 
 class _Probe:
@@ -54,10 +57,10 @@ class _Probe:
         self.synth = SyntheticSequences(engine, int(engine.info["vocab_size"]))
         self.repeats = repeats
 
-    def forward_seconds(self, batch: MicroBatch) -> float:
+    def forward_seconds(self, batch: MicroBatch, repeats: Optional[int] = None) -> float:
         self.executor.execute(batch)                         # warm-up
         return statistics.median(self.executor.execute(batch).forward_s
-                                 for _ in range(self.repeats))
+                                 for _ in range(repeats or self.repeats))
 
     def fits(self, size: int, tokens_each: int) -> bool:
         """Own blocks for every sequence: shared blocks would be read from cache, which no real
@@ -71,28 +74,37 @@ class _Probe:
             self.decode(8, 64)
             self.prefill([128])
 
+    def scatter(self, num_seqs: int, tokens_each: int) -> None:
+        """The probe's blocks in random order from a region a quarter larger than it needs, as
+        a cache full of running sequences hands them out (contiguous blocks read ~30% faster)."""
+        bm = self.synth.block_manager
+        need = num_seqs * -(-tokens_each // bm.block_size)
+        bm.scatter_free(need + need // 4, seed=need)
+
     def decode(self, size: int, context: int) -> Optional[dict]:
         if not self.fits(size, context + 1):
             return None
+        self.scatter(size, context + 1)
         seqs = [self.synth.make(context, decode=True) for _ in range(size)]
         try:
             self.synth.allocate(seqs, context + 1)
             batch = MicroBatch([ScheduledSeq(s, 1) for s in seqs], phase="decode")
-            return {"kind": "decode", "tokens": size, "seqs": size,
+            return {"kind": "decode", "tokens": size, "seqs": size, "decode_seqs": size,
                     "decode_context": size * (context + 1), "prefill_pairs": 0.0,
-                    "seconds": self.forward_seconds(batch)}
+                    "seconds": self.forward_seconds(batch, max(self.repeats, DECODE_REPEATS))}
         finally:
             self.synth.release()
 
     def prefill(self, lengths: list[int]) -> Optional[dict]:
         if not self.fits(len(lengths), max(lengths)):
             return None
+        self.scatter(len(lengths), max(lengths))
         seqs = [self.synth.make(n, decode=False) for n in lengths]
         try:
             self.synth.allocate(seqs, max(lengths))
             batch = MicroBatch([ScheduledSeq(s, s.prompt_len) for s in seqs], phase="prefill")
             return {"kind": "prefill", "tokens": sum(lengths), "seqs": len(lengths),
-                    "decode_context": 0, "prefill_pairs": sum(n * (n + 1) / 2 for n in lengths),
+                    "decode_seqs": 0, "decode_context": 0, "prefill_pairs": sum(n * (n + 1) / 2 for n in lengths),
                     "seconds": self.forward_seconds(batch)}
         finally:
             self.synth.release()
@@ -155,7 +167,7 @@ def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, 
         longest = max(decode_contexts)
         for context in decode_contexts:
             if context == longest:       # the long context shrinks to what the cache holds
-                context = min(context, _round_down(capacity // size - size, 32))
+                context = min(context, _round_down(capacity // size - 16, 32))
                 if context <= min(decode_contexts):
                     continue
             progress(f"{threads} thread(s): decode batch {size} at context {context}")

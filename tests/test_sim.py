@@ -90,8 +90,8 @@ def test_single_request_end_to_end_equals_hand_computed():
 
 
 def _table() -> ProfileTable:
-    compute = {t: RankCompute([(1, 1e-4 / t), (64, 4e-4 / t), (2048, 1e-2 / t)], 2e-6, 1e-9,
-                              2e-10, [(1, 1e-3), (256, 4e-3)], [(1, 1e-4), (256, 1e-3)])
+    compute = {t: RankCompute([(1, 1e-4 / t), (64, 4e-4 / t), (2048, 1e-2 / t)], 2e-6,
+                              [(1, 4e-9), (256, 1e-9)], 2e-10, [(1, 1e-3), (256, 4e-3)], [(1, 1e-4), (256, 1e-3)])
                for t in (1, 2)}
     return ProfileTable({"model_id": "test", "num_layers": 4, "hidden_size": 64,
                          "vocab_size": 1000, "dtype": "float32", "dtype_bytes": 4},
@@ -161,28 +161,30 @@ def test_batch_shape_counts_decode_context_and_prefill_pairs():
     seq.num_computed_tokens = 10
     batch = MicroBatch(prefill.items + [ScheduledSeq(seq, 1)])
     shape = BatchShape.of(batch)
-    assert (shape.tokens, shape.seqs, shape.decode_context, shape.sample_rows) == (5, 2, 11, 2)
+    assert (shape.tokens, shape.seqs, shape.decode_seqs, shape.decode_context,
+            shape.sample_rows) == (5, 2, 1, 11, 2)
     assert shape.prefill_pairs == pytest.approx(4 * 2.5)
 
 
 def test_fit_recovers_a_known_cost_model():
-    truth = RankCompute([(1, 2e-4), (16, 3e-4), (256, 2e-3), (2048, 1.5e-2)], 5e-6, 2e-9, 3e-10,
-                        [(1, 1e-3)], [(1, 1e-4)])
+    truth = RankCompute([(1, 2e-4), (16, 3e-4), (256, 2e-3), (2048, 1.5e-2)], 5e-6,
+                        [(1, 6e-9), (16, 3e-9), (256, 2e-9)], 3e-10, [(1, 1e-3)], [(1, 1e-4)])
     points = []
     for size in (1, 16, 256):
         for context in (32, 512):
-            points.append({"tokens": size, "seqs": size, "decode_context": size * (context + 1),
-                           "prefill_pairs": 0.0})
+            points.append({"tokens": size, "seqs": size, "decode_seqs": size,
+                           "decode_context": size * (context + 1), "prefill_pairs": 0.0})
     for tokens, prompts in ((16, [16]), (256, [256]), (2048, [256] * 8), (2048, [2048])):
-        points.append({"tokens": tokens, "seqs": len(prompts), "decode_context": 0,
+        points.append({"tokens": tokens, "seqs": len(prompts), "decode_seqs": 0,
+                       "decode_context": 0,
                        "prefill_pairs": sum(n * (n + 1) / 2 for n in prompts)})
     for p in points:
-        p["seconds"] = 30 * truth.layer_seconds(p["tokens"], p["seqs"], p["decode_context"],
-                                                p["prefill_pairs"])
+        p["seconds"] = 30 * truth.layer_seconds(p["tokens"], p["seqs"], p["decode_seqs"],
+                                                p["decode_context"], p["prefill_pairs"])
     fitted = fit_rank_compute(points, 30, [(1, 1e-3)], [(1, 1e-4)])
     for p in fitted.points:
         assert p["fitted_seconds"] == pytest.approx(p["seconds"], rel=1e-3)
-    assert fitted.attn_decode_s == pytest.approx(2e-9, rel=1e-2)
+    assert fitted.attn_decode == [pytest.approx(p, rel=1e-2) for p in truth.attn_decode]
     assert [y for _, y in fitted.layer_dense] == sorted(y for _, y in fitted.layer_dense)
 
 
@@ -210,3 +212,20 @@ def test_unprofiled_thread_counts_scale_from_the_nearest_below():
     table = _table()
     four = table.rank_compute(4)
     assert four.layer_dense[0][1] == pytest.approx(table.compute[2].layer_dense[0][1] / 2)
+
+
+def test_a_quick_real_profile_round_trips(tmp_path):
+    """The profiler on the embedded model (coarse settings): every section filled, the fit's
+    prediction beside each measured point, and the saved table loads back equal."""
+    from batchinfer.sim.profiler import profile_machine
+
+    table = profile_machine(EngineConfig(), threads=[1], quick=True)
+    compute = table.compute[1]
+    assert compute.points and all(p["seconds"] > 0 and p["fitted_seconds"] > 0
+                                  for p in compute.points)
+    assert table.p2p.bytes_per_s > 0 and table.allreduce.bytes_per_s > 0
+    assert table.kv_bytes_per_token == 46080 and table.memory_available_bytes > 0
+    for suffix in (".json", ".csv"):
+        path = tmp_path / f"table{suffix}"
+        table.save(path)
+        assert ProfileTable.load(path).to_json() == table.to_json()

@@ -1,0 +1,140 @@
+"""`batchinfer profile RECIPE --input FILE`: measure (or take a preset), simulate, rank, pick."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import fail, setup_logging, user_errors
+
+HELP = """Pick the strategy and parallel layout for a job by simulating it.
+
+Samples the input lengths of --input and the output lengths from the recipe's predictor (or --history), then simulates every applicable strategy (baseline SB / HB, TD-Pipe, gLLM, the recipe's own) on every (tp, pp, dp) layout with the engine's real schedulers, and prints them ranked by predicted output tok/s with KV capacity and pipeline bubble ratio. Writes profile_table.json (measured), ranking.json and best_recipe.yaml to --out.
+
+--hardware measured (default) profiles this machine for the recipe's model first (a few minutes, with a progress bar; reuse the table with --table). A preset (a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200) plans for GPUs that are not here, with a roofline cost model of their specs; --model then names one of the papers' models (llama2-13b, codellama-34b, llama3.1-70b, qwen2.5-14b, qwen2.5-32b, qwen2.5-72b) if the recipe's is not the one to plan for.
+
+Examples:
+
+    batchinfer profile recipes/quickstart.yaml --input examples/quickstart.jsonl
+    batchinfer profile recipes/quickstart.yaml --input prompts.jsonl --hardware l20 --gpus 4 --model llama2-13b"""
+
+EPILOG = ("Every number printed is simulated. Exit codes: 0 done, 2 bad recipe, input, table or "
+          "arguments.")
+
+
+def profile(
+    recipe: Path = typer.Argument(..., help="Recipe YAML."),
+    input: Path = typer.Option(..., "--input", "-i", help="The job's prompt file."),
+    hardware: str = typer.Option("measured", "--hardware", help="measured (this machine) or a "
+                                 "preset: a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="Ranks a layout uses. "
+                                       "Default: 4 for a preset; the cores on a CPU host."),
+    model: Optional[str] = typer.Option(None, "--model", help="A preset model to plan for "
+                                        "(with a preset --hardware)."),
+    table: Optional[Path] = typer.Option(None, "--table", help="A profile table saved by an "
+                                         "earlier run (profile_table.json): no measuring."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where the table, ranking and "
+                                       "winning recipe go. Default: profile-<recipe>/."),
+    requests: int = typer.Option(2000, "--requests", min=1, help="Simulate the first N usable "
+                                 "requests of --input."),
+    history: Optional[list[Path]] = typer.Option(None, "--history", help="Run directory or "
+                                                 "history.jsonl whose output lengths to sample "
+                                                 "(repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+) -> None:
+    setup_logging(quiet=True if as_json else quiet)
+    from batchinfer.engine.recipe import load_recipe
+    from batchinfer.predictors import PredictorError
+    from batchinfer.sim.planner import plan
+
+    out_dir = out or Path(f"profile-{recipe.stem}")
+    with user_errors():
+        parsed = load_recipe(recipe)
+        if not input.is_file():
+            raise fail(f"--input {input}: no such file")
+        if table is not None and hardware != "measured":
+            raise fail("--table is a measured profile; it goes with --hardware measured")
+        try:
+            with _progress(as_json or quiet) as (say, tick):
+                result = plan(parsed, input, out_dir, hardware, gpus, table, model, requests,
+                              history, progress=say, on_candidate=tick)
+        except (ValueError, FileNotFoundError, PredictorError) as exc:
+            raise fail(str(exc)) from None
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        _render(result)
+
+
+class _progress:
+    """A rich status line while profiling and simulating (nothing when quiet)."""
+
+    def __init__(self, silent: bool):
+        self.silent = silent
+        self.status = None
+        self.done = 0
+
+    def __enter__(self):
+        if not self.silent:
+            from batchinfer.engine.progress import stderr_console
+
+            self.status = stderr_console().status("starting")
+            self.status.start()
+        return self.say, self.tick
+
+    def say(self, message: str) -> None:
+        if self.status is not None:
+            self.status.update(message)
+
+    def tick(self, cand) -> None:
+        self.done += 1
+        self.say(f"simulated {self.done}: {cand.label} tp={cand.tp} pp={cand.pp} dp={cand.dp}")
+
+    def __exit__(self, *exc) -> None:
+        if self.status is not None:
+            self.status.stop()
+
+
+def _render(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    setup, workload = result.setup, result.workload.summary()
+    desc = setup.description
+    where = (f"this machine ({desc.get('device')}, {desc.get('cores')} cores; table "
+             f"{desc.get('table')})" if desc.get("hardware") == "measured" else
+             f"{desc['gpus']} x {desc['hardware']} ({desc['source']}), model {desc['model']}")
+    console.print(f"[bold]Simulated[/bold] on {where}")
+    console.print(f"workload: {workload['requests']} requests (mean prompt "
+                  f"{workload['mean_prompt_tokens']} tokens, mean output "
+                  f"{workload['mean_output_tokens']} from {workload['output_lengths_from']})"
+                  + (f"; left out: {workload['skipped']}" if workload["skipped"] else ""))
+    grid = Table(title="strategies x layouts, best first (simulated)")
+    for col in ("#", "strategy", "tp", "pp", "dp", "output tok/s", "total tok/s",
+                "KV tokens/replica", "bubble", "preempted"):
+        grid.add_column(col, justify="left" if col == "strategy" else "right")
+    rank = 0
+    for cand in result.ranked:
+        r = cand.result
+        if r is None:
+            continue
+        rank += 1
+        bubble = f"{r.bubble_ratio:.0%}" if r.bubble_ratio is not None else "-"
+        grid.add_row(str(rank), cand.label, str(cand.tp), str(cand.pp), str(cand.dp),
+                     f"{r.output_tok_per_s:,.1f}", f"{r.total_tok_per_s:,.1f}",
+                     f"{r.kv_capacity_tokens:,}", bubble, str(r.preemptions))
+    console.print(grid)
+    skipped = [c for c in result.ranked if c.result is None]
+    for cand in skipped:
+        console.print(f"  skipped {cand.label} tp={cand.tp} pp={cand.pp} dp={cand.dp}: "
+                      f"{cand.skipped}")
+    if result.best_recipe is not None:
+        console.print(f"winning recipe: {result.out_dir / 'best_recipe.yaml'}")
+    else:
+        console.print("[red]no candidate could run[/red]")
+    console.print(f"ranking: {result.out_dir / 'ranking.json'}")

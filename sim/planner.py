@@ -1,0 +1,152 @@
+"""`batchinfer profile`'s work, without the terminal: pick the cost model (this machine's profile,
+or a hardware preset), read the workload, simulate every candidate, write the winning recipe.
+
+The CLI (cli/profile.py) renders what `plan` returns; benchmarks and tests call it directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from batchinfer.engine.errors import ConfigError
+
+from .search import Candidate, candidates, run_search
+from .workload import Workload, load_workload
+
+TABLE_FILE, RANKING_FILE, RECIPE_FILE = "profile_table.json", "ranking.json", "best_recipe.yaml"
+
+
+@dataclass
+class CostSetup:
+    cost: object
+    arch: object
+    dtype_bytes: int
+    cores: int           # CPU threads the ranks split (1 per GPU for a preset)
+    devices: int         # ranks a layout may use
+    description: dict = field(default_factory=dict)
+
+
+def measured_setup(recipe, table_path: Optional[Path], out_dir: Path, devices: Optional[int],
+                   progress: Callable[[str], None]) -> CostSetup:
+    """This machine: the saved table, else a fresh profile (saved to out_dir for reuse)."""
+    from batchinfer.engine.runtime.build import model_setup
+
+    from .cost_model import MeasuredCostModel
+    from .profile_table import ProfileTable
+    from .profiler import profile_machine
+
+    config = recipe.engine_config()
+    if table_path is not None:
+        table = ProfileTable.load(table_path)
+    else:
+        table = profile_machine(config, progress=progress)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table_path = out_dir / TABLE_FILE
+        table.save(table_path)
+    setup = model_setup(config)
+    if int(table.model["num_layers"]) != setup.arch.num_layers or \
+            int(table.model["hidden_size"]) != setup.arch.hidden_size:
+        raise ConfigError(f"{table_path}: profiled for {table.model['model_id']}, not the recipe's "
+                          f"model ({setup.model_id}); profile again without --table")
+    cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
+    if table.hardware.get("device") == "cpu":
+        world = devices or cores
+    else:
+        world = devices or 1
+    return CostSetup(MeasuredCostModel(table), setup.arch, int(table.model["dtype_bytes"]), cores,
+                     world, {"hardware": "measured", "table": str(table_path),
+                             "device": table.hardware.get("device"), "cores": cores})
+
+
+def preset_setup(recipe, hardware: str, devices: int, model: Optional[str]) -> CostSetup:
+    """A preset GPU x `devices`, for the recipe's model (its config.json) or a model preset."""
+    from batchinfer.engine.runtime.build import model_setup
+
+    from .hardware import RooflineCostModel, preset
+    from .model_presets import model_preset
+
+    spec = preset(hardware)
+    arch = model_preset(model) if model else model_setup(recipe.engine_config()).arch
+    return CostSetup(RooflineCostModel(spec, arch), arch, 2, devices, devices,
+                     {"hardware": spec.name, "gpus": devices, "model": model or "recipe",
+                      "source": spec.source, "dtype": "bfloat16"})
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Candidate]
+    workload: Workload
+    setup: CostSetup
+    best_recipe: Optional[str]
+    out_dir: Path
+
+    def to_json(self) -> dict:
+        return {"simulated": True, "cost_model": self.setup.description,
+                "workload": self.workload.summary(), "ranking": [c.row() for c in self.ranked]}
+
+
+def max_len_for(recipe, arch) -> int:
+    limit = arch.max_position_embeddings
+    requested = recipe.model.max_model_len
+    if requested is not None and requested > limit:
+        raise ConfigError(f"model.max_model_len {requested} exceeds what the model supports "
+                          f"({limit})")
+    return requested or limit
+
+
+def winning_recipe(recipe, best: Candidate, note: str) -> str:
+    """The recipe with the winner's strategy and layout, as YAML (checked by the recipe parser)."""
+    from batchinfer.engine.recipe import parse_recipe
+
+    data = yaml.safe_load(recipe.to_yaml())
+    data["strategy"] = dict(best.strategy)
+    parallel = dict(data.get("parallel") or {})
+    if parallel.get("pp") != best.pp:
+        parallel.pop("pp_layers", None)
+    parallel.update(tp=best.tp, pp=best.pp, dp=best.dp)
+    data["parallel"] = parallel
+    parse_recipe(data, "the winning recipe")
+    return f"# {note}\n" + yaml.safe_dump(data, sort_keys=False)
+
+
+def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
+         devices: Optional[int] = None, table: Optional[Path] = None, model: Optional[str] = None,
+         max_requests: Optional[int] = 2000, history: Optional[list[Path]] = None,
+         progress: Callable[[str], None] = lambda m: None,
+         on_candidate: Optional[Callable[[Candidate], None]] = None) -> PlanResult:
+    from batchinfer.engine.runtime.build import model_setup
+
+    if hardware == "measured":
+        if model:
+            raise ConfigError("--model names a preset model for a preset --hardware; measured "
+                              "profiles time the recipe's own model")
+        setup = measured_setup(recipe, table, out_dir, devices, progress)
+    else:
+        setup = preset_setup(recipe, hardware, devices or 4, model)
+    max_len = max_len_for(recipe, setup.arch)
+    progress("reading the workload")
+    tokenizer = model_setup(recipe.engine_config()).tokenizer
+    workload = load_workload(recipe, input_path, tokenizer, max_len, max_requests, history)
+    if not workload.requests:
+        raise ConfigError(f"{input_path}: no usable request to simulate ({workload.skipped})")
+    cands = candidates(recipe.strategy, setup.arch, setup.devices,
+                       include_single=hardware == "measured")
+    ranked = run_search(recipe.engine_config(), cands, workload.requests, setup.cost, setup.arch,
+                        max_len, setup.dtype_bytes, setup.cores, on_candidate)
+    best = ranked[0] if ranked and ranked[0].result is not None else None
+    text = None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if best is not None:
+        hw = setup.description.get("hardware")
+        note = (f"written by `batchinfer profile` ({hw}): simulated "
+                f"{best.result.output_tok_per_s:.1f} output tok/s on {input_path.name}")
+        text = winning_recipe(recipe, best, note)
+        (out_dir / RECIPE_FILE).write_text(text)
+    result = PlanResult(ranked, workload, setup, text, out_dir)
+    (out_dir / RANKING_FILE).write_text(json.dumps(result.to_json(), indent=1))
+    return result

@@ -1,0 +1,115 @@
+"""Every applicable strategy x (tp, pp, dp) layout, simulated and ranked by output tok/s.
+
+Layouts use all `devices` (tp * pp * dp = devices; on a CPU host the single process with every
+core is a candidate too); TP needs head counts it divides, PP at most one stage per layer.
+Strategies: the baselines SB and HB at any layout, TD-Pipe and gLLM under PP (they are pipeline
+schedules), and the recipe's own strategy with its parameters. Batching knobs (max_num_seqs, the
+token budget) come from the recipe. A layout the cost model or the engine rejects (the KV cache
+cannot hold max_model_len, ...) is listed with its reason instead of a number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.model.shard import check_tensor_parallel
+from batchinfer.engine.recipe import StrategyParams, strategy_class
+
+from .simulator import SimRequest, SimResult, check_simulated, simulate
+
+PIPELINE_ONLY = ("tdpipe", "gllm")
+
+
+@dataclass
+class Candidate:
+    label: str
+    strategy: dict
+    tp: int
+    pp: int
+    dp: int
+    result: Optional[SimResult] = None
+    skipped: Optional[str] = None
+
+    def row(self) -> dict:
+        out = {"label": self.label, "strategy": self.strategy, "tp": self.tp, "pp": self.pp,
+               "dp": self.dp}
+        if self.result is not None:
+            out["simulated"] = self.result.to_json()
+        if self.skipped:
+            out["skipped"] = self.skipped
+        return out
+
+
+def layouts(devices: int, arch, include_single: bool = False) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) using all `devices` that the model can split into."""
+    out = [(1, 1, 1)] if include_single and devices > 1 else []
+    for tp in range(1, devices + 1):
+        if devices % tp:
+            continue
+        if tp > 1:
+            try:
+                check_tensor_parallel(arch, tp)
+            except ConfigError:
+                continue
+        rest = devices // tp
+        for pp in range(1, rest + 1):
+            if rest % pp == 0 and pp <= arch.num_layers:
+                out.append((tp, pp, rest // pp))
+    return out
+
+
+def strategy_candidates(recipe_strategy: StrategyParams) -> list[tuple[str, dict]]:
+    """(label, strategy parameters) with the recipe's batching knobs."""
+    knobs = recipe_strategy.scheduler_config()
+    batching = {"max_num_seqs": knobs.max_num_seqs,
+                "max_num_batched_tokens": knobs.max_num_batched_tokens}
+    out = [("baseline-sb", {"name": "baseline", "policy": "sb", **batching}),
+           ("baseline-hb", {"name": "baseline", "policy": "hb", **batching}),
+           ("tdpipe", {"name": "tdpipe", **batching}),
+           ("gllm", {"name": "gllm", "max_num_seqs": knobs.max_num_seqs})]
+    own = recipe_strategy.model_dump(mode="json")
+    known = [strategy_class(s["name"]).model_validate(s).model_dump(mode="json") for _, s in out]
+    if own not in known:
+        out.append((f"recipe ({recipe_strategy.name})", own))
+    return out
+
+
+def candidates(recipe_strategy: StrategyParams, arch, devices: int,
+               include_single: bool = False) -> list[Candidate]:
+    out = []
+    for label, strategy in strategy_candidates(recipe_strategy):
+        for tp, pp, dp in layouts(devices, arch, include_single):
+            if strategy["name"] in PIPELINE_ONLY and pp < 2:
+                continue
+            out.append(Candidate(label, strategy, tp, pp, dp))
+    return out
+
+
+def candidate_config(base: EngineConfig, cand: Candidate) -> EngineConfig:
+    params = strategy_class(cand.strategy["name"]).model_validate(cand.strategy)
+    parallel = base.parallel.model_dump()
+    parallel.update(tp=cand.tp, pp=cand.pp, dp=cand.dp)
+    if cand.pp != base.parallel.pp:
+        parallel["pp_layers"] = None
+    return EngineConfig(model=base.model, cache=base.cache, device=base.device,
+                        parallel=parallel, scheduler=params.scheduler_config(), strategy=params)
+
+
+def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimRequest], cost,
+               arch, max_model_len: int, dtype_bytes: int, cores: int,
+               progress: Optional[Callable[[Candidate], None]] = None) -> list[Candidate]:
+    """Simulates each candidate; -> the simulated ones best first, then the skipped ones."""
+    for cand in cands:
+        try:
+            config = candidate_config(base, cand)
+            check_simulated(config)
+            cand.result = simulate(config, requests, cost, arch, max_model_len, dtype_bytes, cores)
+        except (ConfigError, ValueError) as exc:
+            cand.skipped = str(exc).splitlines()[0]
+        if progress is not None:
+            progress(cand)
+    ran = sorted((c for c in cands if c.result is not None),
+                 key=lambda c: -c.result.output_tok_per_s)
+    return ran + [c for c in cands if c.result is None]

@@ -1,0 +1,92 @@
+"""The workload `batchinfer profile` simulates: input lengths from the user's file, output lengths
+from the recipe's predictor or from a history of earlier runs.
+
+Input lengths are the prompts' token counts as a run would see them (the reader, the chat
+template, the tokenizer). Output lengths, in order of preference: `--history` (earlier runs'
+history.jsonl: each request gets a length drawn from their output lengths, seeded, so the mix
+matches what the model really generated), else the recipe's predictor (none: each request's
+max_tokens, exact under ignore_eos and an upper bound otherwise; mean; oracle; bert). Every
+length is capped by max_tokens and by what max_model_len leaves after the prompt. Lines that would
+fail in a run (malformed, too long) are counted and left out.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from batchinfer.engine.admission import build_request, prompt_token_ids
+from batchinfer.engine.errors import RequestError
+from batchinfer.engine.input_records import InputError
+from batchinfer.engine.inputs import InputReader
+
+from .simulator import SimRequest
+
+
+@dataclass
+class Workload:
+    requests: list[SimRequest]
+    source: str                       # where output lengths came from
+    lines_read: int = 0
+    skipped: dict = field(default_factory=dict)   # reason -> count
+
+    def summary(self) -> dict:
+        n = len(self.requests)
+        return {"requests": n, "lines_read": self.lines_read, "skipped": self.skipped,
+                "output_lengths_from": self.source,
+                "mean_prompt_tokens": round(sum(r.prompt_len for r in self.requests) / n, 1) if n else 0,
+                "mean_output_tokens": round(sum(r.output_len for r in self.requests) / n, 1) if n else 0}
+
+
+def _history_lengths(sources: list[Path]) -> list[int]:
+    from batchinfer.predictors.history import read_history
+
+    data = read_history(sources)
+    lengths = [r.output_tokens for r in data.records if r.output_tokens > 0]
+    if not lengths:
+        raise ValueError(f"{', '.join(map(str, sources))}: no usable history records")
+    return lengths
+
+
+def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
+                  max_requests: Optional[int] = None, history: Optional[list[Path]] = None,
+                  seed: int = 0) -> Workload:
+    """The first `max_requests` usable requests of the file (all by default)."""
+    reader = InputReader(input_path, recipe.io, recipe.sampling)
+    skipped: dict[str, int] = {}
+    requests = []
+    for item in reader:
+        if max_requests is not None and len(requests) >= max_requests:
+            break
+        if isinstance(item, InputError):
+            skipped[item.code] = skipped.get(item.code, 0) + 1
+            continue
+        try:
+            tokens = prompt_token_ids(item, tokenizer, recipe.io.chat_template)
+            if not tokens or len(tokens) >= max_model_len:
+                raise RequestError("prompt_too_long" if tokens else "empty_prompt", "")
+        except RequestError as exc:
+            skipped[exc.code] = skipped.get(exc.code, 0) + 1
+            continue
+        request = build_request(item, tokenizer, len(requests), tokens=tokens)
+        request.payload.prompt_text = item.prompt if isinstance(item.prompt, str) else None
+        requests.append(request)
+    if history:
+        pool = _history_lengths(history)
+        rng = random.Random(seed)
+        lengths = [rng.choice(pool) for _ in requests]
+        source = f"history ({len(pool)} records)"
+    else:
+        from batchinfer.predictors import make_predictor
+
+        predictor = make_predictor(recipe.predictor, device="cpu")
+        lengths = predictor.predict(requests) if requests else []
+        source = f"predictor {recipe.predictor.name}"
+    out = []
+    for request, length in zip(requests, lengths):
+        room = max_model_len - len(request.prompt_token_ids)
+        cap = request.sampling.max_tokens or room
+        length = max(1, min(int(length), cap, room))
+        out.append(SimRequest(len(request.prompt_token_ids), length, length))
+    return Workload(out, source, reader.records_read, skipped)

@@ -1,0 +1,96 @@
+"""`batchinfer profile`: ranking, the winning recipe, a reused table, presets, clear errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from batchinfer.cli.main import app
+from batchinfer.engine.recipe import load_recipe
+from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "quickstart.yaml"
+INPUT = REPO / "examples" / "quickstart.jsonl"
+
+
+def _smollm_table(path: Path) -> Path:
+    """A table with SmolLM2-135M's shape (what a profile of the embedded default records)."""
+    compute = {t: RankCompute([(1, 1e-3 / t), (64, 5e-3 / t), (2048, 0.14 / t)], 1e-6,
+                              [(1, 3e-7), (64, 1.4e-7)], 3e-8, [(1, 6e-3 / t), (256, 0.15 / t)], [(1, 2e-4), (256, 3e-3)])
+               for t in (1, 2)}
+    table = ProfileTable({"model_id": "SmolLM2-135M-Instruct", "num_layers": 30,
+                          "hidden_size": 576, "vocab_size": 49152, "dtype": "float32",
+                          "dtype_bytes": 4}, {"device": "cpu", "cores": 2}, compute,
+                         LinkCost(1e-4, 4e9), LinkCost(2e-4, 1.5e9), 3.5e-4, 0.0, 46080, 16 << 30)
+    table.save(path)
+    return path
+
+
+def test_profile_with_a_saved_table_ranks_and_writes_the_winner(tmp_path):
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT), "--table",
+                                      str(_smollm_table(tmp_path / "t.json")), "--out", str(out),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["simulated"] is True
+    ranked = [r for r in report["ranking"] if "simulated" in r]
+    speeds = [r["simulated"]["output_tok_per_s"] for r in ranked]
+    assert speeds == sorted(speeds, reverse=True) and speeds[0] > 0
+    layouts = {(r["tp"], r["pp"], r["dp"]) for r in report["ranking"]}
+    assert {(1, 1, 1), (1, 2, 1), (1, 1, 2)} <= layouts
+    # SmolLM2's 9 heads do not split by 2: no TP=2 candidate
+    assert all(r["tp"] == 1 for r in report["ranking"])
+    assert report["workload"]["requests"] == sum(1 for line in INPUT.open() if line.strip())
+    best = load_recipe(out / "best_recipe.yaml")
+    top = ranked[0]
+    assert (best.parallel.tp, best.parallel.pp, best.parallel.dp) == (top["tp"], top["pp"],
+                                                                      top["dp"])
+    assert best.strategy.name == top["strategy"]["name"]
+    assert best.sampling == load_recipe(RECIPE).sampling       # the rest of the recipe is kept
+    assert json.loads((out / "ranking.json").read_text())["ranking"] == report["ranking"]
+
+
+def test_profile_on_a_preset_plans_for_a_paper_model(tmp_path):
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT),
+                                      "--hardware", "l20", "--gpus", "4", "--model",
+                                      "llama2-13b", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["cost_model"]["hardware"] == "l20"
+    layouts = {(r["tp"], r["pp"], r["dp"]) for r in report["ranking"]}
+    assert (4, 1, 1) in layouts and (1, 4, 1) in layouts and (2, 2, 1) in layouts
+    assert any(r["label"] == "tdpipe" and "simulated" in r for r in report["ranking"])
+
+
+def test_profile_renders_a_table(tmp_path):
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT),
+                                      "--hardware", "a100-pcie", "--gpus", "2", "--model",
+                                      "qwen2.5-14b", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "simulated" in result.output.lower() and "winning recipe" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "tpu-v9"], "unknown hardware preset 'tpu-v9'; known: a10"),
+    (["--hardware", "l20", "--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+    (["--hardware", "l20", "--table", "x.json"], "--table is a measured profile"),
+    (["--model", "llama2-13b"], "--model names a preset model"),
+])
+def test_profile_usage_errors_exit_2_with_the_reason(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT), "--out",
+                                      str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_a_table_that_is_not_one_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT), "--table",
+                                      str(bad), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "not a batchinfer profile table" in result.output
