@@ -73,7 +73,7 @@ def load_or_profile(path: Path):
 
     if path.exists():
         return ProfileTable.load(path)
-    table = profile_machine(EngineConfig(), progress=lambda m: print(m, file=sys.stderr))
+    table = profile_machine(EngineConfig(), progress=lambda m, *_: print(m, file=sys.stderr))
     table.save(path)
     return table
 

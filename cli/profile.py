@@ -57,9 +57,9 @@ def profile(
         if table is not None and hardware != "measured":
             raise fail("--table is a measured profile; it goes with --hardware measured")
         try:
-            with _progress(as_json or quiet) as (say, tick):
+            with _progress(as_json or quiet) as update:
                 result = plan(parsed, input, out_dir, hardware, gpus, table, model, requests,
-                              history, progress=say, on_candidate=tick)
+                              history, progress=update)
         except (ValueError, FileNotFoundError, PredictorError) as exc:
             raise fail(str(exc)) from None
     if as_json:
@@ -71,32 +71,33 @@ def profile(
 
 
 class _progress:
-    """A rich status line while profiling and simulating (nothing when quiet)."""
+    """A rich progress bar (steps of the profile, then candidates simulated); nothing when
+    quiet."""
 
     def __init__(self, silent: bool):
         self.silent = silent
-        self.status = None
-        self.done = 0
+        self.bar = None
+        self.task = None
 
     def __enter__(self):
         if not self.silent:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
             from batchinfer.engine.progress import stderr_console
 
-            self.status = stderr_console().status("starting")
-            self.status.start()
-        return self.say, self.tick
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), console=stderr_console(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("starting", total=None)
+        return self.update
 
-    def say(self, message: str) -> None:
-        if self.status is not None:
-            self.status.update(message)
-
-    def tick(self, cand) -> None:
-        self.done += 1
-        self.say(f"simulated {self.done}: {cand.label} tp={cand.tp} pp={cand.pp} dp={cand.dp}")
+    def update(self, message: str, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=message, completed=done, total=total)
 
     def __exit__(self, *exc) -> None:
-        if self.status is not None:
-            self.status.stop()
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _render(result) -> None:
@@ -115,9 +116,10 @@ def _render(result) -> None:
                   f"{workload['mean_output_tokens']} from {workload['output_lengths_from']})"
                   + (f"; left out: {workload['skipped']}" if workload["skipped"] else ""))
     grid = Table(title="strategies x layouts, best first (simulated)")
-    for col in ("#", "strategy", "tp", "pp", "dp", "output tok/s", "total tok/s",
-                "KV tokens/replica", "bubble", "preempted"):
-        grid.add_column(col, justify="left" if col == "strategy" else "right")
+    for col in ("#", "strategy", "tp", "pp", "dp", "out tok/s", "total tok/s", "KV/replica",
+                "bubble", "preempt"):
+        grid.add_column(col, justify="left" if col == "strategy" else "right",
+                        no_wrap=col == "strategy")
     rank = 0
     for cand in result.ranked:
         r = cand.result

@@ -56,6 +56,7 @@ class CostModel(Protocol):
                       threads: int) -> float: ...
     def transfer_seconds(self, tokens: int) -> float: ...
     def controller_seconds(self, seqs: int) -> float: ...
+    def host_copy_seconds(self, nbytes: float) -> float: ...
     def auto_kv_bytes_per_rank(self, config, arch, layout) -> int: ...
 
 
@@ -91,6 +92,14 @@ class MeasuredCostModel:
 
     def controller_seconds(self, seqs: int) -> float:
         return self.table.controller_per_step_s + self.table.controller_per_seq_s * seqs
+
+    def host_copy_seconds(self, nbytes: float) -> float:
+        if self.table.host_copy is None:
+            from batchinfer.engine.errors import ConfigError
+
+            raise ConfigError("the profile table has no host copy bandwidth (made by an older "
+                              "profiler); profile again")
+        return self.table.host_copy.seconds(nbytes)
 
     def auto_kv_bytes_per_rank(self, config, arch, layout) -> int:
         """The engine's auto KV budget (cache.kv_cache_memory unset) from the profiled memory:

@@ -55,7 +55,9 @@ class _InFlight:
 
 class SimulatedExecutor:
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
-                 tp: int = 1, threads: int = 1, replica: int = 0):
+                 tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True):
+        """register: on the clock (False for a pipeline another executor wraps, which
+        reports its events for it)."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -68,7 +70,8 @@ class SimulatedExecutor:
         self._next_mb = 0
         self.events: list[dict] = []
         self.record_events = True
-        clock.executors.append(self)
+        if register:
+            clock.executors.append(self)
 
     # --- the Executor protocol -------------------------------------------------------------------
     @property
@@ -109,6 +112,15 @@ class SimulatedExecutor:
             t = end
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
+
+    def hold_stages_until(self, t: float) -> None:
+        """No stage starts a micro-batch before t (ranks busy with something else: a weight
+        reload, a copy on their main thread); counted as busy time."""
+        for stage in range(self.pp):
+            start = max(self._free_at[stage], self.clock.now)
+            if t > start:
+                self._busy[stage] += t - start
+                self._free_at[stage] = t
 
     def ready(self) -> bool:
         return bool(self._in_flight) and self._in_flight[0].done_at <= self.clock.now + _EPS

@@ -32,30 +32,33 @@ class HardwarePreset:
     interconnect: str          # pcie | nvlink
     allreduce_bandwidth: float  # bytes/s of tensor per second of all-reduce, 4 GPUs
     p2p_bandwidth: float       # bytes/s between two GPUs
+    host_bandwidth: float      # bytes/s between a GPU and host memory (PCIe)
     source: str
 
 
 PCIE4_X8 = 16 * GiB            # Seesaw §6.1: PCIe 4.0 x8 per GPU
+PCIE4_X16 = 25 * GB            # PCIe 4.0 x16 as achieved (assumed)
+PCIE5_X16 = 50 * GB            # PCIe 5.0 x16 as achieved (assumed)
 NVLINK3 = 600 * GiB            # Seesaw §6.1
 NVLINK4 = 900 * GB             # vendor datasheet (H100 / H200 / H20 SXM)
 
 PRESETS: dict[str, HardwarePreset] = {p.name: p for p in (
-    HardwarePreset("a10", 125, 600 * GiB, 24 * GiB, "pcie", PCIE4_X8 * 0.9, PCIE4_X8,
+    HardwarePreset("a10", 125, 600 * GiB, 24 * GiB, "pcie", PCIE4_X8 * 0.9, PCIE4_X8, PCIE4_X8,
                    "Seesaw Table 1 (all-reduce: 0.9 x PCIe 4.0 x8, assumed)"),
-    HardwarePreset("l4", 121, 300 * GiB, 24 * GiB, "pcie", PCIE4_X8 * 0.9, PCIE4_X8,
+    HardwarePreset("l4", 121, 300 * GiB, 24 * GiB, "pcie", PCIE4_X8 * 0.9, PCIE4_X8, PCIE4_X8,
                    "Seesaw Table 1 (all-reduce: 0.9 x PCIe 4.0 x8, assumed)"),
-    HardwarePreset("l20", 119.5, 864 * GB, 48 * GB, "pcie", 14.65 * GB, 20.79 * GB,
+    HardwarePreset("l20", 119.5, 864 * GB, 48 * GB, "pcie", 14.65 * GB, 20.79 * GB, PCIE4_X16,
                    "TD-Pipe Table 1; p2p: gLLM §5.1"),
     HardwarePreset("a100-pcie", 312, 1935 * GB, 80 * GB, "pcie", 14.82 * GB, 20.79 * GB,
-                   "TD-Pipe Table 1 (A100 80GB PCIe); p2p as gLLM's PCIe nodes"),
+                   PCIE4_X16, "TD-Pipe Table 1 (A100 80GB PCIe); p2p as gLLM's PCIe nodes"),
     HardwarePreset("a100-sxm", 312, 1555 * GiB, 40 * GiB, "nvlink", NVLINK3 * 0.5, NVLINK3 * 0.5,
-                   "Seesaw Table 1 (A100 40GB, NVLink 600 GiB/s; half of it as achieved)"),
+                   PCIE4_X16, "Seesaw Table 1 (A100 40GB, NVLink 600 GiB/s; half of it as achieved)"),
     HardwarePreset("h100", 989, 3350 * GB, 80 * GB, "nvlink", NVLINK4 * 0.5, NVLINK4 * 0.5,
-                   "vendor datasheet (H100 SXM 80GB; SiPipe's testbed)"),
+                   PCIE5_X16, "vendor datasheet (H100 SXM 80GB; SiPipe's testbed)"),
     HardwarePreset("h20", 148, 4000 * GB, 144 * GB, "nvlink", NVLINK4 * 0.5, NVLINK4 * 0.5,
-                   "memory: SiDP Table 1; FLOPS, bandwidth: vendor datasheet"),
+                   PCIE5_X16, "memory: SiDP Table 1; FLOPS, bandwidth: vendor datasheet"),
     HardwarePreset("h200", 989, 4800 * GB, 144 * GB, "nvlink", NVLINK4 * 0.5, NVLINK4 * 0.5,
-                   "memory: SiDP Table 1; FLOPS, bandwidth: vendor datasheet"),
+                   PCIE5_X16, "memory: SiDP Table 1; FLOPS, bandwidth: vendor datasheet"),
 )}
 
 COMPUTE_EFFICIENCY = 0.6       # achieved share of the tensor-core peak in large GEMMs
@@ -126,6 +129,9 @@ class RooflineCostModel:
 
     def controller_seconds(self, seqs: int) -> float:
         return CONTROLLER_PER_STEP_S + CONTROLLER_PER_SEQ_S * seqs
+
+    def host_copy_seconds(self, nbytes: float) -> float:
+        return LINK_LATENCY_S + nbytes / self.hardware.host_bandwidth
 
     def auto_kv_bytes_per_rank(self, config, arch, layout) -> int:
         """A GPU's memory x utilization, less its share of the weights and the activations."""

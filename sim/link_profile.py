@@ -62,7 +62,7 @@ def _rank_main(rank: int, port: int, device_type: str, sizes, repeats: int, queu
         dist.destroy_process_group()
 
 
-def _fit(sizes: list[int], seconds: list[float]) -> dict:
+def fit_link(sizes: list[int], seconds: list[float]) -> dict:
     """latency + bytes / bandwidth, both non-negative."""
     slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds), 1)
     if slope <= 0:     # flat: all latency; charge the largest size's rate as bandwidth
@@ -92,6 +92,6 @@ def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 
             if proc.is_alive():
                 proc.kill()
     nbytes = [r[0] for r in rows]
-    return {"p2p": _fit(nbytes, [r[1] for r in rows]),
-            "allreduce": {**_fit(nbytes, [r[2] for r in rows]), "ranks": 2},
+    return {"p2p": fit_link(nbytes, [r[1] for r in rows]),
+            "allreduce": {**fit_link(nbytes, [r[2] for r in rows]), "ranks": 2},
             "points": [list(r) for r in rows], "backend": "nccl" if device_type == "cuda" else "gloo"}

@@ -32,7 +32,7 @@ class CostSetup:
 
 
 def measured_setup(recipe, table_path: Optional[Path], out_dir: Path, devices: Optional[int],
-                   progress: Callable[[str], None]) -> CostSetup:
+                   progress: Callable[[str, int, int], None]) -> CostSetup:
     """This machine: the saved table, else a fresh profile (saved to out_dir for reuse)."""
     from batchinfer.engine.runtime.build import model_setup
 
@@ -74,7 +74,8 @@ def preset_setup(recipe, hardware: str, devices: int, model: Optional[str]) -> C
     arch = model_preset(model) if model else model_setup(recipe.engine_config()).arch
     return CostSetup(RooflineCostModel(spec, arch), arch, 2, devices, devices,
                      {"hardware": spec.name, "gpus": devices, "model": model or "recipe",
-                      "source": spec.source, "dtype": "bfloat16"})
+                      "source": spec.source, "dtype": "bfloat16",
+                      "prompt_tokens": "counted with the recipe model's tokenizer"})
 
 
 @dataclass
@@ -117,8 +118,9 @@ def winning_recipe(recipe, best: Candidate, note: str) -> str:
 def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
          devices: Optional[int] = None, table: Optional[Path] = None, model: Optional[str] = None,
          max_requests: Optional[int] = 2000, history: Optional[list[Path]] = None,
-         progress: Callable[[str], None] = lambda m: None,
-         on_candidate: Optional[Callable[[Candidate], None]] = None) -> PlanResult:
+         progress: Callable[[str, int, int], None] = lambda *args: None) -> PlanResult:
+    """progress(what now, steps done, steps in all): the profile's steps, then the
+    candidates'."""
     from batchinfer.engine.runtime.build import model_setup
 
     if hardware == "measured":
@@ -129,7 +131,7 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
     else:
         setup = preset_setup(recipe, hardware, devices or 4, model)
     max_len = max_len_for(recipe, setup.arch)
-    progress("reading the workload")
+    progress("reading the workload", 0, 1)
     tokenizer = model_setup(recipe.engine_config()).tokenizer
     workload = load_workload(recipe, input_path, tokenizer, max_len, max_requests, history)
     if not workload.requests:
@@ -137,7 +139,9 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
     cands = candidates(recipe.strategy, setup.arch, setup.devices,
                        include_single=hardware == "measured")
     ranked = run_search(recipe.engine_config(), cands, workload.requests, setup.cost, setup.arch,
-                        max_len, setup.dtype_bytes, setup.cores, on_candidate)
+                        max_len, setup.dtype_bytes, setup.cores,
+                        lambda c, done, total: progress(
+                            f"simulated {c.label} tp={c.tp} pp={c.pp} dp={c.dp}", done, total))
     best = ranked[0] if ranked and ranked[0].result is not None else None
     text = None
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@ the two coefficients are fitted from the measured points, which the table keeps 
 prediction beside each) so a reader can check the model. The last pipeline
 stage adds `lm_head(rows)` and `sampling(rows)` for the rows that sample. Links cost
 `latency_s + bytes / bytes_per_s` (p2p between stages; all-reduce of `ranks` ranks, scaled as a
-ring for other sizes). The controller's own time per step is `per_step_s + per_seq_s * seqs`.
+ring for other sizes; host_copy: a copy between device and host memory, Seesaw's KV tier and
+weight reloads). The controller's own time per step is `per_step_s + per_seq_s * seqs`.
 
 EXTRAPOLATION (also written into every saved table): tables are piecewise linear through their
 points; below the first point they keep its time, above the last they follow the last segment's
@@ -27,7 +28,7 @@ import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.step_times import interpolate
@@ -118,6 +119,7 @@ class ProfileTable:
     kv_bytes_per_token: int          # whole model, all layers
     memory_available_bytes: int      # for KV + weights on the device (host RAM on CPU)
     meta: dict = field(default_factory=dict)
+    host_copy: Optional[LinkCost] = None   # device <-> host memory (Seesaw's KV tier, weights)
 
     def __post_init__(self) -> None:
         if not self.compute:
@@ -137,7 +139,8 @@ class ProfileTable:
         return {"format": FORMAT, "version": VERSION, "extrapolation": EXTRAPOLATION,
                 "model": self.model, "hardware": self.hardware,
                 "compute": {str(t): asdict(c) for t, c in self.compute.items()},
-                "links": {"p2p": asdict(self.p2p), "allreduce": asdict(self.allreduce)},
+                "links": {"p2p": asdict(self.p2p), "allreduce": asdict(self.allreduce),
+                          **({"host_copy": asdict(self.host_copy)} if self.host_copy else {})},
                 "controller": {"per_step_s": self.controller_per_step_s,
                                "per_seq_s": self.controller_per_seq_s},
                 "memory": {"kv_bytes_per_token": self.kv_bytes_per_token,
@@ -155,7 +158,8 @@ class ProfileTable:
         return cls(data["model"], data["hardware"], compute, LinkCost(**data["links"]["p2p"]),
                    LinkCost(**data["links"]["allreduce"]), data["controller"]["per_step_s"],
                    data["controller"]["per_seq_s"], int(data["memory"]["kv_bytes_per_token"]),
-                   int(data["memory"]["available_bytes"]), dict(data.get("meta", {})))
+                   int(data["memory"]["available_bytes"]), dict(data.get("meta", {})),
+                   LinkCost(**data["links"]["host_copy"]) if "host_copy" in data["links"] else None)
 
     # --- CSV: one row per number -----------------------------------------------------------------
     def to_csv(self) -> str:
@@ -175,7 +179,9 @@ class ProfileTable:
             for scalar in ("per_seq_s", "attn_prefill_s"):
                 writer.writerow([section, scalar, "", repr(getattr(comp, scalar))])
             writer.writerow([section, "points", "", json.dumps(comp.points)])
-        for link in ("p2p", "allreduce"):
+        for link in ("p2p", "allreduce", "host_copy"):
+            if getattr(self, link) is None:
+                continue
             for key, value in asdict(getattr(self, link)).items():
                 writer.writerow([f"links.{link}", key, "", repr(value)])
         writer.writerow(["controller", "per_step_s", "", repr(self.controller_per_step_s)])
@@ -204,7 +210,7 @@ class ProfileTable:
                 else:
                     comp[key] = float(value)
             elif section.startswith("links."):
-                link = data["links"][section.split(".", 1)[1]]
+                link = data["links"].setdefault(section.split(".", 1)[1], {})
                 link[key] = int(value) if key == "ranks" else float(value)
             elif section in ("controller", "memory"):
                 data[section][key] = float(value) if section == "controller" else int(value)

@@ -8,7 +8,7 @@ What is timed, all on the engine's own code paths:
 - the LM head and the sampler for a range of sampled rows;
 - the controller's own time per step (a short real job: each step's wall time less the executor's);
 - point-to-point and all-reduce latency and bandwidth between two processes (gloo on CPU, NCCL on
-  CUDA), each on its own threads;
+  CUDA), each on its own threads, and copies between device and host memory;
 - KV bytes per token and the memory available.
 """
 from __future__ import annotations
@@ -34,7 +34,18 @@ from .link_profile import profile_links
 from .profile_fit import fit_rank_compute
 from .profile_table import LinkCost, ProfileTable
 
-Progress = Callable[[str], None]
+Progress = Callable[[str, int, int], None]     # (what now, steps done, steps in all)
+
+
+class _Steps:
+    """Counts the profile's steps for a progress bar."""
+
+    def __init__(self, total: int, report: Progress):
+        self.done, self.total, self.report = 0, total, report
+
+    def __call__(self, message: str) -> None:
+        self.report(message, self.done, self.total)
+        self.done += 1
 
 # dense enough that interpolating between knots stays within a few percent (GEMM speed is not
 # linear in the row count between 16 and 64 rows on a CPU)
@@ -155,7 +166,7 @@ def _prefill_lengths(tokens: int, prompt_len: int) -> list[int]:
 
 
 def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, decode_contexts,
-                    prefill_tokens, attention_probe, head_rows, progress: Progress):
+                    prefill_tokens, attention_probe, head_rows, progress: Callable[[str], None]):
     """-> RankCompute at `threads` (the process's torch threads are set to it)."""
     if engine.replicas[0].executor.device.type == "cpu":
         torch.set_num_threads(threads)
@@ -168,9 +179,9 @@ def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, 
         for context in decode_contexts:
             if context == longest:       # the long context shrinks to what the cache holds
                 context = min(context, _round_down(capacity // size - 16, 32))
-                if context <= min(decode_contexts):
-                    continue
             progress(f"{threads} thread(s): decode batch {size} at context {context}")
+            if context < longest and context <= min(decode_contexts):
+                continue
             point = probe.decode(size, context)
             if point is not None:
                 points.append(point)
@@ -191,6 +202,26 @@ def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, 
         sampling.append((rows, s))
     num_layers = engine.replicas[0].executor.model.arch.num_layers
     return fit_rank_compute(points, num_layers, head, sampling)
+
+
+def measure_host_copy(device: torch.device, quick: bool = False) -> LinkCost:
+    """Device <-> host copies (on CPU: memory to memory, one thread, as a rank's copy runs)."""
+    from .link_profile import fit_link
+
+    sizes = (1 << 20, 1 << 24) if quick else (1 << 20, 1 << 24, 1 << 27)
+    points = []
+    for nbytes in sizes:
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dst = torch.empty(nbytes // 4, dtype=torch.float32,
+                          pin_memory=device.type == "cuda")
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        points.append((nbytes, statistics.median(times[1:])))
+    return LinkCost(**fit_link([p[0] for p in points], [p[1] for p in points]))
 
 
 def measure_controller(engine: Engine, num_requests: int = 48, prompt_len: int = 24,
@@ -224,7 +255,6 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                     progress: Optional[Progress] = None, quick: bool = False) -> ProfileTable:
     """Profiles the recipe's model on this machine (minutes; `quick`: a few seconds, coarse).
     threads: per-rank thread counts to time (default: every divisor split of the cores)."""
-    progress = progress or (lambda message: None)
     t_start = time.perf_counter()
     cores = config.device.num_threads or os.cpu_count() or 1
     if threads is None:
@@ -237,16 +267,25 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                 prefill_tokens=(16, 64) if quick else PREFILL_TOKENS,
                 attention_probe=(64, (16, 64)) if quick else ATTENTION_PROBE,
                 head_rows=(1, 8) if quick else HEAD_ROWS)
+    per_threads = (len(sets["decode_batches"]) * len(sets["decode_contexts"])
+                   + len(sets["prefill_tokens"]) + len(sets["attention_probe"][1])
+                   + len(sets["head_rows"]))
+    progress = _Steps(4 + per_threads * len(threads), progress or (lambda *args: None))
     progress("loading the model")
     with Engine.from_config(probe_config) as engine:
         executor = engine.replicas[0].executor
         device = executor.device
         if device.type != "cpu":
+            progress.total -= per_threads * (len(threads) - 1)
             threads = [1]
         compute = {}
         for t in threads:
             compute[t] = measure_compute(engine, t, 1 if quick else repeats, progress=progress,
                                          **sets)
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        progress("copies between device and host memory")
+        host_copy = measure_host_copy(device, quick)
         if device.type == "cpu":
             torch.set_num_threads(cores)
         progress("controller overhead: a short job")
@@ -271,4 +310,4 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                         available_memory(device),
                         {"seconds": round(time.perf_counter() - t_start, 1), "quick": quick,
                          "repeats": repeats, "link_backend": links["backend"],
-                         "link_points": links["points"]})
+                         "link_points": links["points"]}, host_copy)

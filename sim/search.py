@@ -99,9 +99,11 @@ def candidate_config(base: EngineConfig, cand: Candidate) -> EngineConfig:
 
 def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimRequest], cost,
                arch, max_model_len: int, dtype_bytes: int, cores: int,
-               progress: Optional[Callable[[Candidate], None]] = None) -> list[Candidate]:
-    """Simulates each candidate; -> the simulated ones best first, then the skipped ones."""
-    for cand in cands:
+               progress: Optional[Callable[[Candidate, int, int], None]] = None
+               ) -> list[Candidate]:
+    """Simulates each candidate; -> the simulated ones best first, then the skipped ones.
+    progress(candidate, done, total) after each."""
+    for done, cand in enumerate(cands, 1):
         try:
             config = candidate_config(base, cand)
             check_simulated(config)
@@ -109,7 +111,7 @@ def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimReq
         except (ConfigError, ValueError) as exc:
             cand.skipped = str(exc).splitlines()[0]
         if progress is not None:
-            progress(cand)
+            progress(cand, done, len(cands))
     ran = sorted((c for c in cands if c.result is not None),
                  key=lambda c: -c.result.output_tok_per_s)
     return ran + [c for c in cands if c.result is None]

@@ -12,6 +12,8 @@ Nothing reads the wall clock, so a simulation is deterministic.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -28,6 +30,8 @@ from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
 
 from .cost_model import CostModel
 from .executor import SimulatedExecutor, VirtualClock
+
+FILLER_PROMPT_TOKEN = 1      # simulated prompts: only their length matters
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class SimResult:
     steps: int = 0
     preemptions: int = 0
     phase_switches: Optional[int] = None
+    strategy_stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -93,13 +98,17 @@ def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cos
     return blocks
 
 
+OWN_EXECUTORS = ("seesaw",)       # strategies with an executor of their own in the simulator
+
+
 def check_simulated(config: EngineConfig) -> None:
     """A strategy that builds its own engine (its own executor: Seesaw, SiPipe, SiDP) needs a
-    simulated executor of its own; the others run on SimulatedExecutor."""
+    simulated executor of its own (Seesaw has one); the others run on SimulatedExecutor."""
     strategy = config.strategy
-    if strategy is not None and type(strategy).build_engine is not StrategyParams.build_engine:
+    if strategy is not None and strategy.name not in OWN_EXECUTORS and \
+            type(strategy).build_engine is not StrategyParams.build_engine:
         raise ConfigError(f"strategy {strategy.name!r} is not simulated yet; simulated: baseline, "
-                          "tdpipe, gllm")
+                          "tdpipe, gllm, seesaw")
 
 
 def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max_model_len: int,
@@ -107,16 +116,23 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     """An Engine whose replicas run on simulated executors (one virtual clock for all)."""
     check_simulated(config)
     layout = ParallelLayout.resolve(config.parallel, arch)
-    num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
     threads = threads_per_rank(config.parallel, layout.world_size, cores)
     clock = VirtualClock()
     replicas = []
-    for replica in range(layout.dp):
-        block_manager = BlockManager(num_blocks, config.cache.block_size)
-        scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
-        executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
-                                     threads, replica)
-        replicas.append(Replica(scheduler, executor))
+    if config.strategy is not None and config.strategy.name == "seesaw":
+        from .seesaw_sim import seesaw_replica
+
+        replica, _ = seesaw_replica(config, config.strategy, arch, cost, clock, dtype_bytes,
+                                    max_model_len, threads)
+        replicas.append(replica)
+    else:
+        num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
+        for index in range(layout.dp):
+            block_manager = BlockManager(num_blocks, config.cache.block_size)
+            scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
+            executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
+                                         threads, index)
+            replicas.append(Replica(scheduler, executor))
     info = {"vocab_size": arch.vocab_size, "simulated": True,
             "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                          "layers_per_stage": list(layout.layers_per_stage),
@@ -125,8 +141,20 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
                     info, clock=clock)
     if config.strategy is not None:
         engine.info["strategy"] = config.strategy.name
-        config.strategy.prepare(engine)
+        with _quiet("batchinfer"):      # its startup log speaks of wall time; this is virtual
+            config.strategy.prepare(engine)
     return engine
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, arch: ModelArch,
@@ -157,9 +185,6 @@ def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, 
     return _result(config, engine, stats, finished, failed, prompt_tokens, output_tokens, elapsed)
 
 
-FILLER_PROMPT_TOKEN = 1
-
-
 def _result(config: EngineConfig, engine: Engine, stats: dict, finished: int, failed: int,
             prompt_tokens: int, output_tokens: int, elapsed: float) -> SimResult:
     par = engine.info["parallel"]
@@ -180,7 +205,8 @@ def _result(config: EngineConfig, engine: Engine, stats: dict, finished: int, fa
         bubble_ratio=round(statistics.mean(by_stage.values()), 4) if by_stage else None,
         bubble_ratio_by_stage=by_stage, steps=stats["steps"],
         preemptions=stats["num_preemptions"],
-        phase_switches=getattr(engine.scheduler, "num_switches", None))
+        phase_switches=getattr(engine.scheduler, "num_switches", None),
+        strategy_stats=stats.get("strategy_stats", {}))
 
 
 def simulate_recipe_model(config: EngineConfig, requests: list[SimRequest], cost: CostModel,

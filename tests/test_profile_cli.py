@@ -94,3 +94,31 @@ def test_a_table_that_is_not_one_is_a_clear_error(tmp_path):
                                       str(bad), "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "not a batchinfer profile table" in result.output
+
+
+def test_the_workload_takes_output_lengths_from_history_or_the_predictor(tmp_path):
+    """Input lengths as a run tokenizes them; output lengths drawn from earlier runs' history,
+    or (predictor none) each request's max_tokens; malformed lines are counted and left out."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.runtime.build import model_setup
+    from batchinfer.predictors.history import history_record
+    from batchinfer.sim.workload import load_workload
+
+    recipe = load_recipe(RECIPE)
+    tokenizer = model_setup(EngineConfig()).tokenizer
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Hello there", "max_tokens": 7}\n'
+                       'not json\n'
+                       '{"id": "b", "prompt": "Write a poem about the sea."}\n')
+    plain = load_workload(recipe, prompts, tokenizer, 2048)
+    assert [r.output_len for r in plain.requests] == [7, recipe.sampling.max_tokens]
+    assert plain.requests[0].prompt_len == len(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}]))       # the recipe's chat_template: always
+    assert sum(plain.skipped.values()) == 1 and plain.lines_read == 3
+    history = tmp_path / "history.jsonl"
+    history.write_text("".join(json.dumps(history_record(f"h{i}", "x", 3, n, "length", None, 500))
+                               + "\n" for i, n in enumerate((40, 41, 42))))
+    drawn = load_workload(recipe, prompts, tokenizer, 2048, history=[history])
+    assert drawn.source.startswith("history")
+    # drawn from the history, capped by each request's max_tokens (7 for "a")
+    assert drawn.requests[0].output_len == 7 and drawn.requests[1].output_len in (40, 41, 42)

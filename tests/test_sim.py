@@ -40,6 +40,9 @@ class LinearCost:
     def controller_seconds(self, seqs):
         return 0.1
 
+    def host_copy_seconds(self, nbytes):
+        return 0.5
+
     def auto_kv_bytes_per_rank(self, config, arch, layout):
         return 1 << 20
 
@@ -96,7 +99,8 @@ def _table() -> ProfileTable:
     return ProfileTable({"model_id": "test", "num_layers": 4, "hidden_size": 64,
                          "vocab_size": 1000, "dtype": "float32", "dtype_bytes": 4},
                         {"device": "cpu", "cores": 2}, compute, LinkCost(1e-4, 1e9),
-                        LinkCost(2e-4, 5e8), 1e-4, 1e-6, ARCH.kv_bytes_per_token(4), 8 << 30)
+                        LinkCost(2e-4, 5e8), 1e-4, 1e-6, ARCH.kv_bytes_per_token(4), 8 << 30,
+                        host_copy=LinkCost(1e-5, 1e10))
 
 
 WORKLOAD = [SimRequest(8 + (i * 37) % 120, 4 + (i * 53) % 90, 4 + (i * 53) % 90)
@@ -122,6 +126,23 @@ def test_simulation_is_deterministic_and_runs_every_request(name):
     assert runs[0]["output_tokens"] == sum(r.output_len for r in WORKLOAD)
     assert runs[0]["pp"] == pp and runs[0]["dp"] == dp
     assert set(runs[0]["bubble_ratio_by_stage"]) == {str(s) for s in range(pp)}
+
+
+def test_seesaw_switches_layouts_and_moves_kv_in_the_simulator():
+    """PP=2 prefill, TP=2 decode, a CPU store: the real Seesaw scheduler drives re-shards and
+    copies on the simulated executor, deterministically, and every request finishes."""
+    config = _config({"name": "seesaw", "decode_tp": 2, "cpu_kv_cache_memory": "3MiB"}, pp=2,
+                     kv_bytes=1024 * ARCH.kv_bytes_per_token(4) // 2)
+    runs = [simulate(config, WORKLOAD, MeasuredCostModel(_table()), ARCH, 512, 4, cores=2)
+            for _ in range(2)]
+    assert runs[0].to_json() == runs[1].to_json()
+    result = runs[0]
+    assert result.requests == len(WORKLOAD)
+    assert result.output_tokens == sum(r.output_len for r in WORKLOAD)
+    stats = result.strategy_stats
+    assert stats["num_reshards"] >= 2 and stats["num_switches"] >= 2
+    assert stats["swapped_out_tokens"] > 0 and stats["swapped_in_tokens"] > 0
+    assert stats["reshard_seconds"] > 0 and stats["copy_seconds"] > 0
 
 
 def test_tdpipe_profiles_its_step_times_on_the_simulated_executor():
@@ -151,7 +172,7 @@ def test_impossible_layouts_and_unsimulated_strategies_are_clear_errors():
         simulate(_config({"name": "baseline"}, kv_bytes=1024), WORKLOAD, LinearCost(), ARCH,
                  512, 4)
     with pytest.raises(ConfigError, match="not simulated"):
-        simulate(_config({"name": "seesaw"}), WORKLOAD, LinearCost(), ARCH, 512, 4)
+        simulate(_config({"name": "sidp"}, dp=2), WORKLOAD, LinearCost(), ARCH, 512, 4)
 
 
 def test_batch_shape_counts_decode_context_and_prefill_pairs():
