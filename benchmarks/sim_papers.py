@@ -13,6 +13,10 @@ Scenarios (the paper's claim in `expect`, each strategy at its own defaults):
 - seesaw: CodeLlama-34B on 4 x A10 (PCIe) with prefill-heavy documents (arxiv-summarization-
   like): Seesaw (PP4 prefill, TP4 decode, 80 GiB of CPU KV store per GPU as in §6.1) >= the
   best static layout (TP4, PP4, TP2 x PP2, each with SB and HB) (Seesaw §6.2, Fig. 10 / 12)
+Not reproduced: SiPipe (its gains come from per-step CPU work, sampling and input preparation,
+that the roofline does not price; with only its modelled mechanisms, CPU sampler lanes and
+metadata-free hand-offs, it simulates slower than vLLM's PP on 8 x H100, Qwen2.5-72B);
+SiDP (not simulated).
 
     python benchmarks/sim_papers.py --requests 2000
 

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from batchinfer.engine.scheduler import MicroBatch
 
+from batchinfer.engine.step_times import interpolate
+
 from .profile_table import ProfileTable
 
 # what a stage hands the next one per token: the hidden state and the residual
@@ -51,9 +53,11 @@ class BatchShape:
 class CostModel(Protocol):
     num_layers: int
     kv_bytes_per_token: int                  # whole model
+    logits_bytes: int                        # one row of logits (fp32)
 
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
-                      threads: int) -> float: ...
+                      threads: int, sample: bool = True) -> float: ...
+    def cpu_sample_seconds(self, rows: int) -> float: ...
     def transfer_seconds(self, tokens: int) -> float: ...
     def controller_seconds(self, seqs: int) -> float: ...
     def host_copy_seconds(self, nbytes: float) -> float: ...
@@ -69,12 +73,14 @@ class MeasuredCostModel:
         self.hidden_size = int(table.model["hidden_size"])
         self.dtype_bytes = int(table.model["dtype_bytes"])
         self.kv_bytes_per_token = table.kv_bytes_per_token
+        self.logits_bytes = 4 * int(table.model["vocab_size"])
+        self._sampling_threads = min(table.compute)        # a sampler process: one thread
 
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
-                      threads: int) -> float:
-        """`layers` decoder layers (+ LM head and sampler on the last stage). Under TP each rank
-        does 1/tp of the layer's work (profiled at `threads` per rank) and two all-reduces of the
-        micro-batch's hidden states per layer."""
+                      threads: int, sample: bool = True) -> float:
+        """`layers` decoder layers (+ LM head, and the sampler unless `sample` is False, on the
+        last stage). Under TP each rank does 1/tp of the layer's work (profiled at `threads` per
+        rank) and two all-reduces of the micro-batch's hidden states per layer."""
         comp = self.table.rank_compute(threads)
         layer = comp.layer_seconds(shape.tokens, shape.seqs, shape.decode_seqs,
                                    shape.decode_context, shape.prefill_pairs)
@@ -82,9 +88,15 @@ class MeasuredCostModel:
         if tp > 1:
             nbytes = shape.tokens * self.hidden_size * self.dtype_bytes
             seconds += 2 * layers * self.table.allreduce.allreduce_seconds(nbytes, tp)
-        if last:
-            seconds += comp.head_seconds(shape.sample_rows)
+        if last and shape.sample_rows:
+            seconds += interpolate(comp.lm_head, shape.sample_rows)
+            if sample:
+                seconds += interpolate(comp.sampling, shape.sample_rows)
         return seconds
+
+    def cpu_sample_seconds(self, rows: int) -> float:
+        """The sampler alone, on one thread (a SiPipe sampler process)."""
+        return interpolate(self.table.rank_compute(self._sampling_threads).sampling, rows)
 
     def transfer_seconds(self, tokens: int) -> float:
         nbytes = ACTIVATIONS_PER_TOKEN * tokens * self.hidden_size * self.dtype_bytes

@@ -55,9 +55,13 @@ class _InFlight:
 
 class SimulatedExecutor:
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
-                 tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True):
+                 tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
+                 cpu_samplers: int = 0, structure_aware: bool = True):
         """register: on the clock (False for a pipeline another executor wraps, which
-        reports its events for it)."""
+        reports its events for it). SiPipe's mechanisms: `cpu_samplers` > 0 samples on that many
+        CPU sampler lanes (micro-batch n on lane n mod p) after the last stage's LM head, beside
+        the next micro-batches' forwards; `structure_aware` False sends each hand-off's metadata
+        first (two more messages) and blocks the sender until the receiver takes it."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -68,6 +72,9 @@ class SimulatedExecutor:
         self._window: Optional[list[float]] = None
         self._in_flight: deque[_InFlight] = deque()
         self._next_mb = 0
+        self.cpu_samplers, self.structure_aware = cpu_samplers, structure_aware
+        self._sampler_free_at = [0.0] * cpu_samplers
+        self._last_done = 0.0
         self.events: list[dict] = []
         self.record_events = True
         if register:
@@ -92,12 +99,18 @@ class SimulatedExecutor:
         t = self.clock.now
         mb_id, self._next_mb = self._next_mb, self._next_mb + 1
         forward = sample = 0.0
+        on_cpu = self.cpu_samplers > 0
         for stage, layers in enumerate(self.layers_per_stage):
             last = stage == self.pp - 1
             if stage > 0:
                 t += self.cost.transfer_seconds(shape.tokens)
+                if not self.structure_aware:
+                    t += 2 * self.cost.transfer_seconds(0)
             start = max(t, self._free_at[stage])
-            seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads)
+            if stage > 0 and not self.structure_aware:      # the sender waits for the receiver
+                self._free_at[stage - 1] = max(self._free_at[stage - 1], start)
+            seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads,
+                                              sample=not on_cpu)
             end = start + seconds
             self._free_at[stage] = end
             self._busy[stage] += seconds
@@ -110,6 +123,13 @@ class SimulatedExecutor:
             if self._window is None:
                 self._window = [start, end]
             t = end
+        if on_cpu and shape.sample_rows:
+            lane = mb_id % self.cpu_samplers
+            start = max(t + self.cost.host_copy_seconds(shape.sample_rows * self.cost.logits_bytes),
+                        self._sampler_free_at[lane])
+            sample = self.cost.cpu_sample_seconds(shape.sample_rows)
+            t = self._sampler_free_at[lane] = start + sample
+        t = self._last_done = max(t, self._last_done)        # results come back in order
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
 

@@ -66,6 +66,7 @@ MEMORY_EFFICIENCY = 0.8        # achieved share of the memory bandwidth
 LAYER_OVERHEAD_S = 20e-6       # kernel launches and small ops per decoder layer
 LINK_LATENCY_S = 20e-6         # per p2p transfer / all-reduce step
 SAMPLING_PASSES = 4            # softmax, top-k/p and friends read the logits a few times
+HOST_SAMPLING_BANDWIDTH = 20 * GB   # what one CPU sampler process streams (DDR5 host, assumed)
 CONTROLLER_PER_STEP_S = 1e-3   # this engine's Python controller per micro-batch
 CONTROLLER_PER_SEQ_S = 5e-6
 
@@ -85,6 +86,7 @@ class RooflineCostModel:
         self.hardware, self.arch, self.dtype_bytes = hardware, arch, dtype_bytes
         self.num_layers = arch.num_layers
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
+        self.logits_bytes = 4 * arch.vocab_size
         h, i = arch.hidden_size, arch.intermediate_size
         self.layer_params = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * i
         self.peak_flops = hardware.tflops * 1e12 * COMPUTE_EFFICIENCY
@@ -105,22 +107,34 @@ class RooflineCostModel:
         return self._roofline(flops, nbytes) + LAYER_OVERHEAD_S
 
     def head_seconds(self, rows: int, tp: int) -> float:
+        """The final norm and LM head for `rows` sampled rows."""
         if rows <= 0:
             return 0.0
         v, h = self.arch.vocab_size, self.arch.hidden_size
-        head = self._roofline(2 * v * h * rows / tp, v * h * self.dtype_bytes / tp)
-        sampling = SAMPLING_PASSES * rows * v * 4 / self.bandwidth + LAYER_OVERHEAD_S
-        return head + sampling
+        return self._roofline(2 * v * h * rows / tp, v * h * self.dtype_bytes / tp)
+
+    def sample_seconds(self, rows: int, bandwidth: float = 0.0) -> float:
+        """The sampler: a few passes over the fp32 logits (on the GPU, or at `bandwidth`)."""
+        if rows <= 0:
+            return 0.0
+        return (SAMPLING_PASSES * rows * self.logits_bytes / (bandwidth or self.bandwidth)
+                + LAYER_OVERHEAD_S)
+
+    def cpu_sample_seconds(self, rows: int) -> float:
+        """One of SiPipe's CPU sampler processes."""
+        return self.sample_seconds(rows, HOST_SAMPLING_BANDWIDTH)
 
     # --- the CostModel protocol -------------------------------------------------------------------
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
-                      threads: int) -> float:
+                      threads: int, sample: bool = True) -> float:
         seconds = layers * self.layer_seconds(shape, tp)
         if tp > 1:
             nbytes = shape.tokens * self.arch.hidden_size * self.dtype_bytes
             seconds += 2 * layers * self.allreduce.allreduce_seconds(nbytes, tp)
         if last:
             seconds += self.head_seconds(shape.sample_rows, tp)
+            if sample:
+                seconds += self.sample_seconds(shape.sample_rows)
         return seconds
 
     def transfer_seconds(self, tokens: int) -> float:

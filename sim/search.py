@@ -3,7 +3,9 @@
 Layouts use all `devices` (tp * pp * dp = devices; on a CPU host the single process with every
 core is a candidate too); TP needs head counts it divides, PP at most one stage per layer.
 Strategies: the baselines SB and HB at any layout, TD-Pipe and gLLM under PP (they are pipeline
-schedules), and the recipe's own strategy with its parameters. Batching knobs (max_num_seqs, the
+schedules), and the recipe's own strategy with its parameters (SiPipe, Seesaw: simulated when the
+recipe names them; SiPipe's gains come largely from per-step CPU overheads the cost models do
+not price, so it is not offered on its own). Batching knobs (max_num_seqs, the
 token budget) come from the recipe. A layout the cost model or the engine rejects (the KV cache
 cannot hold max_model_len, ...) is listed with its reason instead of a number.
 """
@@ -19,7 +21,7 @@ from batchinfer.engine.recipe import StrategyParams, strategy_class
 
 from .simulator import SimRequest, SimResult, check_simulated, simulate
 
-PIPELINE_ONLY = ("tdpipe", "gllm")
+PIPELINE_ONLY = ("tdpipe", "gllm", "sipipe")
 
 
 @dataclass

@@ -98,7 +98,7 @@ def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cos
     return blocks
 
 
-OWN_EXECUTORS = ("seesaw",)       # strategies with an executor of their own in the simulator
+OWN_EXECUTORS = ("seesaw", "sipipe")   # strategies whose executor the simulator models
 
 
 def check_simulated(config: EngineConfig) -> None:
@@ -108,7 +108,7 @@ def check_simulated(config: EngineConfig) -> None:
     if strategy is not None and strategy.name not in OWN_EXECUTORS and \
             type(strategy).build_engine is not StrategyParams.build_engine:
         raise ConfigError(f"strategy {strategy.name!r} is not simulated yet; simulated: baseline, "
-                          "tdpipe, gllm, seesaw")
+                          "tdpipe, gllm, seesaw, sipipe")
 
 
 def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max_model_len: int,
@@ -127,11 +127,12 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         replicas.append(replica)
     else:
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
+        sipipe = _sipipe_options(config.strategy, layout)
         for index in range(layout.dp):
             block_manager = BlockManager(num_blocks, config.cache.block_size)
             scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
-                                         threads, index)
+                                         threads, index, **sipipe)
             replicas.append(Replica(scheduler, executor))
     info = {"vocab_size": arch.vocab_size, "simulated": True,
             "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
@@ -144,6 +145,16 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         with _quiet("batchinfer"):      # its startup log speaks of wall time; this is virtual
             config.strategy.prepare(engine)
     return engine
+
+
+def _sipipe_options(strategy, layout: ParallelLayout) -> dict:
+    """SiPipe's executor switches: p CPU samplers (one per pipeline stage, as sipipe/build.py
+    starts them) and structure-aware hand-offs. Token-safe execution overlaps input preparation,
+    which the cost model does not separate from the forward: not modelled."""
+    if strategy is None or strategy.name != "sipipe":
+        return {}
+    return {"cpu_samplers": layout.pp if strategy.cpu_sampling else 0,
+            "structure_aware": strategy.structure_aware_transmission}
 
 
 @contextlib.contextmanager

@@ -25,14 +25,20 @@ ARCH = arch_from_dict({"model_type": "llama", "vocab_size": 1000, "hidden_size":
 
 
 class LinearCost:
-    """Hand-checkable prices: 0.5 s per token per layer, 1 s for the head when a row samples,
-    0.25 s per stage hand-off, 0.1 s of controller work per step."""
+    """Hand-checkable prices: 0.5 s per token per layer, 1 s of sampling when a row samples
+    (on the last stage, or on a CPU sampler), 0.25 s per stage hand-off, 0.1 s of controller work
+    per step, 0.5 s per host copy."""
 
     num_layers = 4
     kv_bytes_per_token = ARCH.kv_bytes_per_token(4)
+    logits_bytes = 4000
 
-    def stage_seconds(self, shape, layers, last, tp, threads):
-        return layers * 0.5 * shape.tokens + (1.0 if last and shape.sample_rows else 0.0)
+    def stage_seconds(self, shape, layers, last, tp, threads, sample=True):
+        return layers * 0.5 * shape.tokens + (1.0 if last and shape.sample_rows and sample
+                                              else 0.0)
+
+    def cpu_sample_seconds(self, rows):
+        return 1.0
 
     def transfer_seconds(self, tokens):
         return 0.25
@@ -75,6 +81,48 @@ def test_two_stage_timeline_equals_hand_computed():
         [1 - 6 / 12.25, 1 - 8 / 12.25])
 
 
+def _spans(executor) -> list[tuple]:
+    return [(e["mb_id"], e["stage"], e["start"], e["end"]) for e in executor.timeline()]
+
+
+def _drain(executor, clock) -> list[float]:
+    """Completion times, in order."""
+    done = []
+    while executor.num_in_flight:
+        while not executor.ready():
+            executor.wait()
+        executor.collect()
+        done.append(clock.now)
+    return done
+
+
+def test_sipipe_cpu_samplers_take_sampling_off_the_last_stage():
+    """Sampling leaves the last stage for CPU sampler lanes (micro-batch n on lane n mod 2):
+    a: stage 1 [4.35, 8.35], logits copy 0.5, lane 0 [8.85, 9.85]; b: stage 1 [8.35, 10.35],
+    lane 1 [10.85, 11.85] (on the stage it would end at 12.35)."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock, LinearCost(), [2, 2], cpu_samplers=2)
+    executor.submit(_prefill(4, "a"))
+    executor.submit(_prefill(2, "b"))
+    assert _spans(executor) == [pytest.approx(s) for s in [
+        (0, 0, 0.1, 4.1), (0, 1, 4.35, 8.35), (1, 0, 4.1, 6.1), (1, 1, 8.35, 10.35)]]
+    assert _drain(executor, clock) == pytest.approx([9.85, 11.85])
+
+
+def test_structure_unaware_hand_offs_send_metadata_and_block_the_sender():
+    """Two more messages per hand-off (0.25 s each) and stage 0 waits until stage 1 takes
+    its activations: b's stage 0 is free only at 9.85, when stage 1 starts it."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock, LinearCost(), [2, 2], structure_aware=False)
+    executor.submit(_prefill(4, "a"))
+    executor.submit(_prefill(2, "b"))
+    executor.submit(_prefill(2, "c"))
+    spans = _spans(executor)
+    assert spans[:4] == [pytest.approx(s) for s in [
+        (0, 0, 0.1, 4.1), (0, 1, 4.85, 9.85), (1, 0, 4.85, 6.85), (1, 1, 9.85, 12.85)]]
+    assert spans[4] == pytest.approx((2, 0, 9.85, 11.85))
+
+
 def _config(strategy: dict, pp: int = 1, dp: int = 1, kv_bytes: int = 1 << 20) -> EngineConfig:
     params = strategy_class(strategy["name"]).model_validate(strategy)
     return EngineConfig(model={"max_model_len": 512}, cache={"kv_cache_memory": kv_bytes},
@@ -111,6 +159,7 @@ SIMULATED = {
     "tdpipe": ({"name": "tdpipe", "step_times": None}, 2, 1),
     "gllm": ({"name": "gllm"}, 2, 1),
     "dp2-hb": ({"name": "baseline", "policy": "hb"}, 1, 2),
+    "sipipe": ({"name": "sipipe"}, 2, 1),
 }
 
 
