@@ -13,10 +13,10 @@ Scenarios (the paper's claim in `expect`, each strategy at its own defaults):
 - seesaw: CodeLlama-34B on 4 x A10 (PCIe) with prefill-heavy documents (arxiv-summarization-
   like): Seesaw (PP4 prefill, TP4 decode, 80 GiB of CPU KV store per GPU as in §6.1) >= the
   best static layout (TP4, PP4, TP2 x PP2, each with SB and HB) (Seesaw §6.2, Fig. 10 / 12)
-Not reproduced: SiPipe (its gains come from per-step CPU work, sampling and input preparation,
-that the roofline does not price; with only its modelled mechanisms, CPU sampler lanes and
-metadata-free hand-offs, it simulates slower than vLLM's PP on 8 x H100, Qwen2.5-72B);
-SiDP (not simulated).
+- sipipe: Qwen2.5-72B on 8 x H100 (NVLink) at PP4 x TP2: SiPipe > vLLM's PP (HB) at the same
+  layout (SiPipe §7.2, Fig. 8a). NOT reproduced: its gains come from per-step CPU work (sampling,
+  input preparation) that the roofline does not price; only its CPU sampler lanes and
+  metadata-free hand-offs are modelled. SiDP is not simulated.
 
     python benchmarks/sim_papers.py --requests 2000
 
@@ -51,9 +51,14 @@ SCENARIOS = {
                     "pp4-sb": ("sb", 4), "pp4-hb": ("hb", 4), "tp2pp2-sb": ("sb", (2, 2)),
                     "tp2pp2-hb": ("hb", (2, 2))},
         "expect_best": "seesaw"},
+    "sipipe/qwen2.5-72b/8xH100": {
+        "hardware": "h100", "gpus": 8, "model": "qwen2.5-72b", "workload": "sharegpt",
+        "configs": {"sipipe": ("sipipe", (2, 4)), "vllm-pp4tp2-hb": ("hb", (2, 4))},
+        "expect": ["sipipe", "vllm-pp4tp2-hb"]},
 }
 STRATEGIES = {"tdpipe": {"name": "tdpipe"}, "gllm": {"name": "gllm"},
               "seesaw": {"name": "seesaw", "decode_tp": 4, "cpu_kv_cache_memory": "320GiB"},
+              "sipipe": {"name": "sipipe", "policy": "hb"},
               "hb": {"name": "baseline", "policy": "hb"}, "sb": {"name": "baseline", "policy": "sb"}}
 
 
