@@ -133,6 +133,16 @@ class SimulatedExecutor:
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
 
+    @property
+    def window(self) -> Optional[tuple[float, float]]:
+        """(first start, last completion) of the micro-batches so far."""
+        return tuple(self._window) if self._window is not None else None
+
+    @property
+    def busy_until(self) -> float:
+        """When the last stage with work queued is done with it."""
+        return max(self._free_at)
+
     def hold_stages_until(self, t: float) -> None:
         """No stage starts a micro-batch before t (ranks busy with something else: a weight
         reload, a copy on their main thread); counted as busy time."""

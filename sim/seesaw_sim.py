@@ -119,9 +119,8 @@ class SimulatedSeesawExecutor:
             self._copy_free_at = start + seconds
             self._copies[transfer.transfer_id] = start + seconds
         else:            # on the ranks' main threads, after what they already have queued
-            pipeline = self.pipeline
-            start = max(max(pipeline._free_at), self.clock.now)
-            pipeline.hold_stages_until(start + seconds)
+            start = max(self.pipeline.busy_until, self.clock.now)
+            self.pipeline.hold_stages_until(start + seconds)
             self._copies[transfer.transfer_id] = start + seconds
 
     @property
@@ -146,7 +145,7 @@ class SimulatedSeesawExecutor:
         """Per rank: busy time in either layout over the whole window (rank r is stage r // tp
         of each layout)."""
         parts = {name: p.stage_summary() for name, p in self.pipelines.items()}
-        windows = [p._window for p in self.pipelines.values() if p._window is not None]
+        windows = [p.window for p in self.pipelines.values() if p.window is not None]
         if not windows:
             return None
         span = max(w[1] for w in windows) - min(w[0] for w in windows)
