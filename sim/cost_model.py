@@ -3,8 +3,8 @@
 A micro-batch is reduced to its `BatchShape` (token and sequence counts, the context its decode
 queries read, the query x key pairs of its prefill chunks, the rows that sample). A cost model
 prices one pipeline stage running that shape over its layers (`stage_seconds`), the activations a
-stage hands the next one (`transfer_seconds`), and the controller's own work per step. Two
-implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
+stage hands the next one (`transfer_seconds`), the controller's own work per step, copies
+between device and host memory (Seesaw) and a CPU sampler's work (SiPipe). Two implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
 `RooflineCostModel` (a hardware preset, sim/hardware.py).
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchinfer.engine.scheduler import MicroBatch
-
 from batchinfer.engine.step_times import interpolate
 
 from .profile_table import ProfileTable

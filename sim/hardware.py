@@ -5,13 +5,14 @@ their measured all-reduce bandwidth; Seesaw Table 1: A10, L4, A100-SXM; gLLM §5
 p2p 20.79 GB/s; SiDP Table 1: H20 / H200 memory, NVLink 4); the rest from the vendors'
 datasheets, marked as such in `source`.
 
-The roofline: a decoder layer on one rank takes the longer of its FLOPs at `compute_efficiency` x
+The roofline: a decoder layer on one rank takes the longer of its FLOPs at COMPUTE_EFFICIENCY x
 peak and its bytes (the rank's weight shard, the KV its decode queries read) at
-`memory_efficiency` x bandwidth, plus a fixed per-layer launch overhead; under TP, two
+MEMORY_EFFICIENCY x bandwidth, plus a fixed per-layer launch overhead; under TP, two
 all-reduces of the micro-batch's hidden states per layer at the preset's all-reduce bandwidth
 (TD-Pipe's definition: tensor bytes / all-reduce time). The last stage adds the LM head (same
-roofline) and sampling (a few passes over the logits). Efficiencies and overheads are stated
-assumptions, the same for every preset, so rankings come from the specs.
+roofline) and sampling (a few passes over the logits). Host copies (Seesaw's KV tier and weight
+reloads, SiPipe's logits) go over the preset's PCIe link to the host. Efficiencies and overheads
+are stated assumptions, the same for every preset, so rankings come from the specs.
 """
 from __future__ import annotations
 
