@@ -61,17 +61,22 @@ def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_b
     return (max_tokens * per_token * dtype_bytes + 4 * max_seqs * arch.vocab_size * 4 + GiB // 2)
 
 
-def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype_bytes: int) -> int:
+def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype_bytes: int,
+              available: Optional[int] = None) -> int:
+    """available: the device's free bytes (default: asked of the device; the simulator passes
+    a profiled or a preset GPU's memory)."""
     if config.cache.kv_cache_memory is not None:
         return int(config.cache.kv_cache_memory)
-    free = available_memory(device) * config.cache.memory_utilization
+    if available is None:
+        available = available_memory(device)
+    free = available * config.cache.memory_utilization
     budget = int(free - activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                             config.scheduler.max_num_seqs, dtype_bytes))
     if device.type == "cpu":
         budget = min(budget, CPU_AUTO_KV_CAP)
     if budget <= 0:
         raise ConfigError(f"no memory left for the KV cache after the weights "
-                          f"({available_memory(device) / GiB:.1f} GiB available); set "
+                          f"({available / GiB:.1f} GiB available); set "
                           "cache.kv_cache_memory or use a smaller model")
     return budget
 

@@ -7,6 +7,7 @@ touches a tensor, so schedulers and the simulator use it as is.
 from __future__ import annotations
 
 import logging
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable
@@ -83,8 +84,6 @@ class BlockManager:
         """Shuffles the next `count` free blocks: after a while of running, sequences that grew
         a block at a time and finished in any order leave the free list scattered, and attention
         over scattered blocks is slower (the profiler lays its probes out this way)."""
-        import random
-
         head = [self._free.popleft() for _ in range(min(count, len(self._free)))]
         random.Random(seed).shuffle(head)
         self._free.extendleft(reversed(head))

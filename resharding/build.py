@@ -42,29 +42,40 @@ def resolve_layouts(config: EngineConfig, params, arch) -> dict[str, ParallelLay
     return {PREFILL: prefill, DECODE: decode}
 
 
+def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
+                per_rank: int, dtype_bytes: int, max_model_len: int) -> tuple[int, int, int]:
+    """-> (device blocks, bytes of a device block, store blocks). Every rank gets the same block
+    count; a block is as big as the rank's larger shard of either layout. The store holds
+    cpu_kv_cache_memory of whole-model KV (with the tier off: what the device holds). The
+    simulator sizes its Seesaw with this too."""
+    block_size = config.cache.block_size
+    block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes)
+                      for lay in layouts.values() for r in range(lay.world_size))
+    num_blocks = per_rank // block_bytes
+    check_capacity(num_blocks - 1, block_size, max_model_len)
+    token_bytes = arch.kv_bytes_per_token(dtype_bytes)
+    if not params.cpu_kv_tier:
+        return num_blocks, block_bytes, num_blocks
+    store_blocks = int(params.cpu_kv_cache_memory) // (token_bytes * block_size)
+    if store_blocks < num_blocks:
+        raise ConfigError(
+            f"strategy.cpu_kv_cache_memory: {params.cpu_kv_cache_memory} bytes hold "
+            f"{store_blocks * block_size} tokens, fewer than the device cache's "
+            f"{num_blocks * block_size}; the store must take every decoding sequence at a "
+            f"switch (one token takes {token_bytes} bytes)")
+    return num_blocks, block_bytes, store_blocks
+
+
 def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     setup = model_setup(config)
     arch, block_size = setup.arch, config.cache.block_size
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
     check_gpus(setup, prefill.world_size)
-    # every rank gets the same block count; a block is as big as the rank's larger shard
     per_rank = per_rank_kv_budget(config, prefill, arch, setup.device, setup.dtype_bytes)
-    block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, setup.dtype_bytes)
-                      for lay in layouts.values() for r in range(lay.world_size))
-    num_blocks = per_rank // block_bytes
-    check_capacity(num_blocks - 1, block_size, setup.max_model_len)
+    num_blocks, block_bytes, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
+                                                        setup.dtype_bytes, setup.max_model_len)
     token_bytes = arch.kv_bytes_per_token(setup.dtype_bytes)
-    if params.cpu_kv_tier:
-        store_blocks = int(params.cpu_kv_cache_memory) // (token_bytes * block_size)
-        if store_blocks < num_blocks:
-            raise ConfigError(
-                f"strategy.cpu_kv_cache_memory: {params.cpu_kv_cache_memory} bytes hold "
-                f"{store_blocks * block_size} tokens, fewer than the device cache's "
-                f"{num_blocks * block_size}; the store must take every decoding sequence at a "
-                f"switch (one token takes {token_bytes} bytes)")
-    else:
-        store_blocks = num_blocks
     store = allocate_store(store_blocks, arch.num_layers, arch.num_kv_heads, block_size,
                            arch.head_dim, setup.dtype)
     threads = threads_per_rank(config.parallel, prefill.world_size, config.device.num_threads)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from batchinfer.engine.scheduler import MicroBatch
 from batchinfer.engine.step_times import interpolate
 
@@ -60,7 +62,15 @@ class CostModel(Protocol):
     def transfer_seconds(self, tokens: int) -> float: ...
     def controller_seconds(self, seqs: int) -> float: ...
     def host_copy_seconds(self, nbytes: float) -> float: ...
-    def auto_kv_bytes_per_rank(self, config, arch, layout) -> int: ...
+
+    # what the engine's KV budget reads (engine/build.py kv_budget): the device and its memory
+    device: str                              # cpu | cuda
+    memory_bytes: int                        # free memory of one device (host RAM on CPU)
+
+
+def cost_device(cost: CostModel) -> torch.device:
+    """The device kind a cost model prices (the engine's KV budget rules differ by kind)."""
+    return torch.device(cost.device)
 
 
 class MeasuredCostModel:
@@ -72,6 +82,8 @@ class MeasuredCostModel:
         self.hidden_size = int(table.model["hidden_size"])
         self.dtype_bytes = int(table.model["dtype_bytes"])
         self.kv_bytes_per_token = table.kv_bytes_per_token
+        self.device = table.hardware.get("device", "cpu")
+        self.memory_bytes = table.memory_available_bytes
         self.logits_bytes = 4 * int(table.model["vocab_size"])
         self._sampling_threads = min(table.compute)        # a sampler process: one thread
 
@@ -111,18 +123,3 @@ class MeasuredCostModel:
             raise ConfigError("the profile table has no host copy bandwidth (made by an older "
                               "profiler); profile again")
         return self.table.host_copy.seconds(nbytes)
-
-    def auto_kv_bytes_per_rank(self, config, arch, layout) -> int:
-        """The engine's auto KV budget (cache.kv_cache_memory unset) from the profiled memory:
-        on a CPU host the ranks split one budget (engine/build.py's kv_budget); on a GPU each
-        rank has its own memory less its share of the weights."""
-        from batchinfer.engine.build import CPU_AUTO_KV_CAP, activation_headroom
-
-        sched = config.scheduler
-        free = self.table.memory_available_bytes * config.cache.memory_utilization
-        headroom = activation_headroom(arch, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                       self.dtype_bytes)
-        if self.table.hardware.get("device", "cpu") == "cpu":
-            return int(min(free - headroom, CPU_AUTO_KV_CAP) // layout.world_size)
-        weights = arch.num_params() * self.dtype_bytes // layout.ranks_per_replica
-        return int(free - headroom - weights)

@@ -88,6 +88,7 @@ class RooflineCostModel:
         self.num_layers = arch.num_layers
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
         self.logits_bytes = 4 * arch.vocab_size
+        self.device, self.memory_bytes = "cuda", int(hardware.memory)
         h, i = arch.hidden_size, arch.intermediate_size
         self.layer_params = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * i
         self.peak_flops = hardware.tflops * 1e12 * COMPUTE_EFFICIENCY
@@ -147,14 +148,3 @@ class RooflineCostModel:
 
     def host_copy_seconds(self, nbytes: float) -> float:
         return LINK_LATENCY_S + nbytes / self.hardware.host_bandwidth
-
-    def auto_kv_bytes_per_rank(self, config, arch, layout) -> int:
-        """A GPU's memory x utilization, less its share of the weights and the activations."""
-        from batchinfer.engine.build import activation_headroom
-
-        sched = config.scheduler
-        free = self.hardware.memory * config.cache.memory_utilization
-        headroom = activation_headroom(arch, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                       self.dtype_bytes)
-        weights = arch.num_params() * self.dtype_bytes // layout.ranks_per_replica
-        return int(free - headroom - weights)

@@ -31,11 +31,10 @@ class CostSetup:
     description: dict = field(default_factory=dict)
 
 
-def measured_setup(recipe, table_path: Optional[Path], out_dir: Path, devices: Optional[int],
-                   progress: Callable[[str, int, int], None]) -> CostSetup:
-    """This machine: the saved table, else a fresh profile (saved to out_dir for reuse)."""
-    from batchinfer.engine.runtime.build import model_setup
-
+def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
+                   devices: Optional[int], progress: Callable[[str, int, int], None]) -> CostSetup:
+    """This machine: the saved table, else a fresh profile (saved to out_dir for reuse).
+    model: the recipe's ModelSetup (engine/runtime/build.py)."""
     from .cost_model import MeasuredCostModel
     from .profile_table import ProfileTable
     from .profiler import profile_machine
@@ -48,30 +47,27 @@ def measured_setup(recipe, table_path: Optional[Path], out_dir: Path, devices: O
         out_dir.mkdir(parents=True, exist_ok=True)
         table_path = out_dir / TABLE_FILE
         table.save(table_path)
-    setup = model_setup(config)
-    if int(table.model["num_layers"]) != setup.arch.num_layers or \
-            int(table.model["hidden_size"]) != setup.arch.hidden_size:
+    if int(table.model["num_layers"]) != model.arch.num_layers or \
+            int(table.model["hidden_size"]) != model.arch.hidden_size:
         raise ConfigError(f"{table_path}: profiled for {table.model['model_id']}, not the recipe's "
-                          f"model ({setup.model_id}); profile again without --table")
+                          f"model ({model.model_id}); profile again without --table")
     cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
     if table.hardware.get("device") == "cpu":
         world = devices or cores
     else:
         world = devices or 1
-    return CostSetup(MeasuredCostModel(table), setup.arch, int(table.model["dtype_bytes"]), cores,
+    return CostSetup(MeasuredCostModel(table), model.arch, int(table.model["dtype_bytes"]), cores,
                      world, {"hardware": "measured", "table": str(table_path),
                              "device": table.hardware.get("device"), "cores": cores})
 
 
-def preset_setup(recipe, hardware: str, devices: int, model: Optional[str]) -> CostSetup:
-    """A preset GPU x `devices`, for the recipe's model (its config.json) or a model preset."""
-    from batchinfer.engine.runtime.build import model_setup
-
+def preset_setup(recipe_model, hardware: str, devices: int, model: Optional[str]) -> CostSetup:
+    """A preset GPU x `devices`, for the recipe's model (its ModelSetup) or a model preset."""
     from .hardware import RooflineCostModel, preset
     from .model_presets import model_preset
 
     spec = preset(hardware)
-    arch = model_preset(model) if model else model_setup(recipe.engine_config()).arch
+    arch = model_preset(model) if model else recipe_model.arch
     return CostSetup(RooflineCostModel(spec, arch), arch, 2, devices, devices,
                      {"hardware": spec.name, "gpus": devices, "model": model or "recipe",
                       "source": spec.source, "dtype": "bfloat16",
@@ -89,15 +85,6 @@ class PlanResult:
     def to_json(self) -> dict:
         return {"simulated": True, "cost_model": self.setup.description,
                 "workload": self.workload.summary(), "ranking": [c.row() for c in self.ranked]}
-
-
-def max_len_for(recipe, arch) -> int:
-    limit = arch.max_position_embeddings
-    requested = recipe.model.max_model_len
-    if requested is not None and requested > limit:
-        raise ConfigError(f"model.max_model_len {requested} exceeds what the model supports "
-                          f"({limit})")
-    return requested or limit
 
 
 def winning_recipe(recipe, best: Candidate, note: str) -> str:
@@ -121,19 +108,21 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
          progress: Callable[[str, int, int], None] = lambda *args: None) -> PlanResult:
     """progress(what now, steps done, steps in all): the profile's steps, then the
     candidates'."""
+    from batchinfer.engine.build import _max_model_len
     from batchinfer.engine.runtime.build import model_setup
 
+    if hardware == "measured" and model:
+        raise ConfigError("--model names a preset model for a preset --hardware; measured "
+                          "profiles time the recipe's own model")
+    recipe_model = model_setup(recipe.engine_config())     # config.json and tokenizer, no weights
     if hardware == "measured":
-        if model:
-            raise ConfigError("--model names a preset model for a preset --hardware; measured "
-                              "profiles time the recipe's own model")
-        setup = measured_setup(recipe, table, out_dir, devices, progress)
+        setup = measured_setup(recipe, recipe_model, table, out_dir, devices, progress)
     else:
-        setup = preset_setup(recipe, hardware, devices or 4, model)
-    max_len = max_len_for(recipe, setup.arch)
+        setup = preset_setup(recipe_model, hardware, devices or 4, model)
+    max_len = _max_model_len(recipe.model.max_model_len, setup.arch)
     progress("reading the workload", 0, 1)
-    tokenizer = model_setup(recipe.engine_config()).tokenizer
-    workload = load_workload(recipe, input_path, tokenizer, max_len, max_requests, history)
+    workload = load_workload(recipe, input_path, recipe_model.tokenizer, max_len, max_requests,
+                             history)
     if not workload.requests:
         raise ConfigError(f"{input_path}: no usable request to simulate ({workload.skipped})")
     cands = candidates(recipe.strategy, setup.arch, setup.devices,

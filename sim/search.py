@@ -19,7 +19,7 @@ from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.shard import check_tensor_parallel
 from batchinfer.engine.recipe import StrategyParams, strategy_class
 
-from .simulator import SimRequest, SimResult, check_simulated, simulate
+from .simulator import SimRequest, SimResult, simulate
 
 PIPELINE_ONLY = ("tdpipe", "gllm", "sipipe")
 
@@ -107,9 +107,8 @@ def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimReq
     progress(candidate, done, total) after each."""
     for done, cand in enumerate(cands, 1):
         try:
-            config = candidate_config(base, cand)
-            check_simulated(config)
-            cand.result = simulate(config, requests, cost, arch, max_model_len, dtype_bytes, cores)
+            cand.result = simulate(candidate_config(base, cand), requests, cost, arch,
+                                   max_model_len, dtype_bytes, cores)
         except (ConfigError, ValueError) as exc:
             cand.skipped = str(exc).splitlines()[0]
         if progress is not None:

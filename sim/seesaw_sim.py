@@ -9,23 +9,21 @@ block managers, on an executor that switches between two simulated pipelines.
   link, all ranks in parallel. With `async_pipeline` the copies run on their own channel, one
   after another, beside the compute (the prefetcher thread); without it they occupy the ranks
   between micro-batches.
-The KV sizing is resharding/build.py's: every rank gets the block count of the larger shard of
-either layout; the store holds `cpu_kv_cache_memory` of whole-model KV (or, with the tier off,
-what the device holds).
+The KV sizing is resharding/build.py's (`tier_blocks`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from batchinfer.engine.engine import Replica
-from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
-from batchinfer.engine.runtime.build import rank_bytes_per_block
+from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
 from batchinfer.resharding.executor import Reshard
 from batchinfer.resharding.kv_tiers import Transfer
 from batchinfer.strategies.seesaw_scheduler import DECODE, PREFILL, SeesawScheduler
 
+from .cost_model import cost_device
 from .executor import SimulatedExecutor, VirtualClock
 
 _EPS = 1e-12
@@ -164,36 +162,25 @@ class SimulatedSeesawExecutor:
 
 
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
-                   max_model_len: int, threads: int) -> tuple[Replica, int]:
-    """-> (the replica, device KV tokens). resharding/build.py's sizing and checks."""
-    from batchinfer.resharding.build import resolve_layouts
+                   max_model_len: int, threads: int) -> Replica:
+    """The replica, sized and checked as resharding/build.py does."""
+    from batchinfer.resharding.build import resolve_layouts, tier_blocks
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
     block_size = config.cache.block_size
-    per_rank = config.cache.kv_cache_memory
-    if per_rank is None:
-        per_rank = cost.auto_kv_bytes_per_rank(config, arch, prefill)
-    block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes)
-                      for lay in layouts.values() for r in range(lay.world_size))
-    num_blocks = int(per_rank) // block_bytes
-    if (num_blocks - 1) * block_size < max_model_len:
-        raise ConfigError(f"parallel / strategy.decode_tp: the KV cache holds "
-                          f"{max(num_blocks - 1, 0) * block_size} tokens, less than max_model_len "
-                          f"({max_model_len})")
-    token_bytes = arch.kv_bytes_per_token(dtype_bytes)
-    store_blocks = (int(params.cpu_kv_cache_memory) // (token_bytes * block_size)
-                    if params.cpu_kv_tier else num_blocks)
-    if store_blocks < num_blocks:
-        raise ConfigError(f"strategy.cpu_kv_cache_memory: holds {store_blocks * block_size} "
-                          f"tokens, fewer than the device cache's {num_blocks * block_size}")
+    per_rank = per_rank_kv_budget(config, prefill, arch, cost_device(cost), dtype_bytes,
+                                  cost.memory_bytes)
+    num_blocks, _, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
+                                              dtype_bytes, max_model_len)
     device = BlockManager(num_blocks, block_size)
     scheduler = SeesawScheduler(device, BlockManager(store_blocks, block_size),
                                 params.max_num_seqs, params.max_num_batched_tokens,
                                 max_model_len, prefill_depth=prefill.pp,
                                 decode_depth=layouts[DECODE].pp, policy=params.schedule)
     executor = SimulatedSeesawExecutor(clock, cost, layouts, threads,
-                                       arch.num_params() * dtype_bytes, token_bytes,
+                                       arch.num_params() * dtype_bytes,
+                                       arch.kv_bytes_per_token(dtype_bytes),
                                        params.async_pipeline)
-    return Replica(scheduler, executor), num_blocks * block_size
+    return Replica(scheduler, executor)
 

@@ -25,10 +25,10 @@ from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.model.arch import ModelArch
 from batchinfer.engine.recipe import StrategyParams
 from batchinfer.engine.request import Request, SamplingParams
-from batchinfer.engine.runtime.build import rank_bytes_per_block
+from batchinfer.engine.runtime.build import num_kv_blocks
 from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
 
-from .cost_model import CostModel
+from .cost_model import CostModel, cost_device
 from .executor import SimulatedExecutor, VirtualClock
 
 FILLER_PROMPT_TOKEN = 1      # simulated prompts: only their length matters
@@ -83,14 +83,11 @@ class LengthOnlyTokenizer:
 
 def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cost: CostModel,
               dtype_bytes: int, max_model_len: int) -> int:
-    """Blocks per replica, as engine/runtime/build.py counts them (every rank of a replica gets
-    the count its fullest stage allows)."""
-    per_rank = config.cache.kv_cache_memory
-    if per_rank is None:
-        per_rank = cost.auto_kv_bytes_per_rank(config, arch, layout)
+    """Blocks per replica: the engine's count (engine/runtime/build.py) for the cost model's
+    device and memory."""
+    blocks = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
+                           cost.memory_bytes)
     block_size = config.cache.block_size
-    blocks = min(int(per_rank) // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
-                 for r in layout.replica_ranks(0))
     if blocks * block_size < max_model_len:
         raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp} leaves "
                           f"{max(blocks, 0) * block_size} KV tokens per replica, less than "
@@ -122,9 +119,8 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     if config.strategy is not None and config.strategy.name == "seesaw":
         from .seesaw_sim import seesaw_replica
 
-        replica, _ = seesaw_replica(config, config.strategy, arch, cost, clock, dtype_bytes,
-                                    max_model_len, threads)
-        replicas.append(replica)
+        replicas.append(seesaw_replica(config, config.strategy, arch, cost, clock, dtype_bytes,
+                                       max_model_len, threads))
     else:
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
         sipipe = _sipipe_options(config.strategy, layout)

@@ -20,6 +20,7 @@ from batchinfer.engine.admission import build_request, prompt_token_ids
 from batchinfer.engine.errors import RequestError
 from batchinfer.engine.input_records import InputError
 from batchinfer.engine.inputs import InputReader
+from batchinfer.predictors.history import spec_text
 
 from .simulator import SimRequest
 
@@ -70,7 +71,8 @@ def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
             skipped[exc.code] = skipped.get(exc.code, 0) + 1
             continue
         request = build_request(item, tokenizer, len(requests), tokens=tokens)
-        request.payload.prompt_text = item.prompt if isinstance(item.prompt, str) else None
+        # the text a predictor reads, as the job gives it (engine/job.py)
+        request.payload.prompt_text = spec_text(item.prompt, item.messages, tokens, tokenizer)
         requests.append(request)
     if history:
         pool = _history_lengths(history)

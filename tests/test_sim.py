@@ -32,6 +32,7 @@ class LinearCost:
     num_layers = 4
     kv_bytes_per_token = ARCH.kv_bytes_per_token(4)
     logits_bytes = 4000
+    device, memory_bytes = "cpu", 8 << 30
 
     def stage_seconds(self, shape, layers, last, tp, threads, sample=True):
         return layers * 0.5 * shape.tokens + (1.0 if last and shape.sample_rows and sample
@@ -49,8 +50,6 @@ class LinearCost:
     def host_copy_seconds(self, nbytes):
         return 0.5
 
-    def auto_kv_bytes_per_rank(self, config, arch, layout):
-        return 1 << 20
 
 
 def _prefill(prompt_len: int, rid: str) -> MicroBatch:

@@ -38,22 +38,24 @@ def rank_bytes_per_block(layout: ParallelLayout, arch, rank: int, block_size: in
 
 
 def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, device,
-                       dtype_bytes: int) -> int:
+                       dtype_bytes: int, available: Optional[int] = None) -> int:
     """KV bytes of one rank: cache.kv_cache_memory, or auto (the host's budget split between the
-    ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA)."""
+    ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA).
+    available: as kv_budget's."""
     if config.cache.kv_cache_memory is not None:
         return int(config.cache.kv_cache_memory)
-    total = kv_budget(config, arch, device, dtype_bytes)
+    total = kv_budget(config, arch, device, dtype_bytes, available)
     if device.type == "cpu":
         return total // layout.world_size
     return total - arch.num_params() * dtype_bytes // layout.ranks_per_replica
 
 
-def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int) -> int:
+def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int,
+                  available: Optional[int] = None) -> int:
     """Blocks per replica. cache.kv_cache_memory is per rank (as vLLM's is per GPU); auto splits
     the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
-    block tables are shared."""
-    per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes)
+    block tables are shared. available: as kv_budget's."""
+    per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
     block_size = config.cache.block_size
     return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
                for r in layout.replica_ranks(0))
