@@ -36,6 +36,14 @@ CONFIGS = {
     "gllm-pp2": {"pp": 2, "strategy": {"name": "gllm", "max_num_seqs": 512}},
     "dp2-hb": {"parallel": {"dp": 2}, "strategy": HB},
 }
+DEFAULT = list(CONFIGS)          # the fidelity set
+CONFIGS.update({                 # SiDP (sidp_bench.py's batching), asked for with --only
+    "sidp": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp"}},
+    "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp",
+                                                          "weight_slots": False}},
+    "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp",
+                                                        "batch_threshold": 16}},
+})
 
 
 def simulated(spec: dict, n: int, scale: float, kv_tokens: int, workload: str, table,
@@ -87,7 +95,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=16384)
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "prefill-heavy"],
                     choices=["sharegpt", "prefill-heavy"])
-    ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=DEFAULT)
     ap.add_argument("--simulate-only", action="store_true")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

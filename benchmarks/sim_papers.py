@@ -16,7 +16,14 @@ Scenarios (the paper's claim in `expect`, each strategy at its own defaults):
 - sipipe: Qwen2.5-72B on 8 x H100 (NVLink) at PP4 x TP2: SiPipe > vLLM's PP (HB) at the same
   layout (SiPipe §7.2, Fig. 8a). NOT reproduced: its gains come from per-step CPU work (sampling,
   input preparation) that the roofline does not price; only its CPU sampler lanes and
-  metadata-free hand-offs are modelled. SiDP is not simulated.
+  metadata-free hand-offs are modelled.
+- sidp: Qwen2.5-32B on 8 x H20 (NVLink) at 0.6 of GPU memory (the paper's Fig. 12 budget):
+  SiDP (replicas of one GPU, tp 1 x dp 8: the layout this project's SiDP builds) >= the best
+  plain layout with HB (vLLM-style DP x TP) (SiDP §5.2, Fig. 6 / 12); ShareGPT replies x 4 (up to
+  the 4,096-token limit) so that KV binds. NOT reproduced: with tp 1 a replica streams 7 of
+  every 8 FFN layers (0.85 GB each) over its link per forward, which the FFN compute hides only
+  at batches near the 256-sequence cap; the paper's wins are at TP2 x DP4, which this SiDP does
+  not build.
 
     python benchmarks/sim_papers.py --requests 2000
 
@@ -55,15 +62,23 @@ SCENARIOS = {
         "hardware": "h100", "gpus": 8, "model": "qwen2.5-72b", "workload": "sharegpt",
         "configs": {"sipipe": ("sipipe", (2, 4)), "vllm-pp4tp2-hb": ("hb", (2, 4))},
         "expect": ["sipipe", "vllm-pp4tp2-hb"]},
+    "sidp/qwen2.5-32b/8xH20": {
+        "hardware": "h20", "gpus": 8, "model": "qwen2.5-32b", "workload": "sharegpt",
+        "memory_utilization": 0.6, "output_scale": 4.0,
+        "configs": {"sidp-dp8": ("sidp", (1, 1, 8)), "dp8-hb": ("hb", (1, 1, 8)),
+                    "tp2dp4-hb": ("hb", (2, 1, 4)), "tp4dp2-hb": ("hb", (4, 1, 2)),
+                    "tp8-hb": ("hb", (8, 1))},
+        "expect_best": "sidp-dp8"},
 }
 STRATEGIES = {"tdpipe": {"name": "tdpipe"}, "gllm": {"name": "gllm"},
               "seesaw": {"name": "seesaw", "decode_tp": 4, "cpu_kv_cache_memory": "320GiB"},
-              "sipipe": {"name": "sipipe", "policy": "hb"},
+              "sipipe": {"name": "sipipe", "policy": "hb"}, "sidp": {"name": "sidp"},
               "hb": {"name": "baseline", "policy": "hb"}, "sb": {"name": "baseline", "policy": "sb"}}
 
 
 def simulate_scenario(scenario: dict, rows: list[dict], tokenizer) -> dict:
     from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.errors import ConfigError
     from batchinfer.engine.recipe import strategy_class
     from batchinfer.sim.hardware import RooflineCostModel, preset
     from batchinfer.sim.model_presets import model_preset
@@ -80,21 +95,30 @@ def simulate_scenario(scenario: dict, rows: list[dict], tokenizer) -> dict:
             requests.append(SimRequest(n, out, out))
     results = {}
     for name, (strategy, layout) in scenario["configs"].items():
-        tp, pp = layout if isinstance(layout, tuple) else (1, layout)
+        tp, pp, dp = (layout + (1,))[:3] if isinstance(layout, tuple) else (1, layout, 1)
         params = strategy_class(STRATEGIES[strategy]["name"]).model_validate(STRATEGIES[strategy])
-        config = EngineConfig(model={"max_model_len": max_len}, parallel={"pp": pp, "tp": tp},
+        config = EngineConfig(model={"max_model_len": max_len},
+                              cache={"memory_utilization": scenario.get("memory_utilization", 0.9)},
+                              parallel={"pp": pp, "tp": tp, "dp": dp},
                               scheduler=params.scheduler_config(), strategy=params)
         t0 = time.perf_counter()
-        r = simulate(config, requests, cost, arch, max_len, 2, cores=scenario["gpus"])
+        try:
+            r = simulate(config, requests, cost, arch, max_len, 2, cores=scenario["gpus"])
+        except ConfigError as exc:
+            results[name] = {"skipped": str(exc)}
+            print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
+            continue
         results[name] = {"output_tok_per_s": round(r.output_tok_per_s, 1),
                          "total_tok_per_s": round(r.total_tok_per_s, 1),
                          "kv_capacity_tokens": r.kv_capacity_tokens,
                          "bubble_ratio": r.bubble_ratio, "preemptions": r.preemptions,
                          "phase_switches": r.phase_switches, "steps": r.steps,
-                         **({"strategy_stats": r.strategy_stats} if strategy == "seesaw" else {}),
+                         **({"strategy_stats": _brief(r.strategy_stats)}
+                            if strategy in ("seesaw", "sidp") else {}),
                          "simulation_wall_s": round(time.perf_counter() - t0, 1)}
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
-    order = sorted(results, key=lambda k: -results[k]["output_tok_per_s"])
+    ran = [k for k in results if "output_tok_per_s" in results[k]]
+    order = sorted(ran, key=lambda k: -results[k]["output_tok_per_s"])
     out = {"hardware": f"{scenario['gpus']} x {scenario['hardware']}",
            "model": scenario["model"], "workload": scenario["workload"],
            "requests": len(requests), "results": results, "simulated_order": order}
@@ -109,6 +133,11 @@ def simulate_scenario(scenario: dict, rows: list[dict], tokenizer) -> dict:
     return out
 
 
+def _brief(stats: dict) -> dict:
+    """A strategy's counters without its per-segment timeline."""
+    return {k: v for k, v in stats.items() if k != "mode_timeline"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -121,7 +150,8 @@ def main() -> None:
     out = {}
     for name in args.only:
         scenario = SCENARIOS[name]
-        rows = bench_requests(args.requests, 1.0, scenario["workload"])
+        rows = bench_requests(args.requests, scenario.get("output_scale", 1.0),
+                              scenario["workload"])
         out[name] = simulate_scenario(scenario, rows, tokenizer)
     print(json.dumps({"simulated": True, "requests": args.requests, "scenarios": out}, indent=1))
 

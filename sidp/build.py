@@ -26,12 +26,26 @@ def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int,
     return (remote - weight_slots(rank, owners, dp, with_slots)) * layer_bytes
 
 
-def build_sidp_engine(config, params):
-    par = config.parallel
+def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list[int],
+                    layer_bytes: int, with_slots: bool, available=None) -> int:
+    """KV blocks per replica: plain DP's per-rank budget plus the FFN bytes each rank no longer
+    holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's)."""
+    budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
+    return min((budget + freed_ffn_bytes(r, owners, layout.dp, layer_bytes, with_slots))
+               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, dtype_bytes)
+               for r in range(layout.world_size))
+
+
+def check_sidp_layout(par) -> None:
     if par.tp != 1 or par.pp != 1 or par.dp < 2:
         raise ConfigError(f"parallel: strategy sidp shares FFN weights between data-parallel "
                           f"replicas of one rank each; needs tp: 1, pp: 1, dp >= 2 (got tp: "
                           f"{par.tp}, pp: {par.pp}, dp: {par.dp})")
+
+
+def build_sidp_engine(config, params):
+    par = config.parallel
+    check_sidp_layout(par)
     plan = plan_parallel(config)
     setup, layout, arch = plan.setup, plan.layout, plan.setup.arch
     try:
@@ -45,12 +59,8 @@ def build_sidp_engine(config, params):
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
                               setup.dtype, blocked=blocked)
     block_size = config.cache.block_size
-    budget = per_rank_kv_budget(config, layout, arch, setup.device, setup.dtype_bytes)
-    num_blocks = min(
-        (budget + freed_ffn_bytes(r, owners, layout.dp, store.layer_bytes(),
-                                  params.weight_slots))
-        // rank_bytes_per_block(layout, arch, r, block_size, setup.dtype_bytes)
-        for r in range(layout.world_size))
+    num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
+                                 store.layer_bytes(), params.weight_slots)
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
     profile = params.compute_service and params.batch_threshold is None
     spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, params.weight_slots,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchinfer.engine.step_plan import StepPlan
 
@@ -34,15 +35,19 @@ def dummy_plan(rows: list[int]) -> RoundPlan:
 
 
 class Orchestrator:
-    def __init__(self, pool, dp: int, switch: ModeSwitch, dummy_skipping: bool = True):
+    def __init__(self, pool, dp: int, switch: ModeSwitch, dummy_skipping: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
+        """pool: what plans go out through (the workers'); clock: the mode timeline's (the
+        simulator's is virtual)."""
         self.pool, self.dp, self.switch = pool, dp, switch
+        self.clock = clock
         self.dummy_skipping = dummy_skipping
         self.executors: list = [None] * dp            # replica -> its SiDPExecutor
         self._held: dict[int, StepPlan] = {}           # CaS plans waiting for their round
         self._sent_now: dict[int, int] = {}            # WaS plans sent since the last flush
         self._latest_rows = [0] * dp
         self.rounds = 0
-        self._t0 = time.perf_counter()
+        self._t0 = clock()
 
     @property
     def mode(self) -> str:
@@ -87,21 +92,27 @@ class Orchestrator:
         # without dummy skipping (the ablation) a dummy pushes one zero row through every layer
         rows = real if self.dummy_skipping else [n if n else 1 for n in real]
         self.rounds += 1
-        for replica in range(self.dp):
-            plan = self._held.pop(replica, None)
-            if plan is None:
-                self.pool.send(replica, ("plan", dummy_plan(rows)))
-                continue
-            self._send(replica, RoundPlan(**vars(plan), cas_rows=rows))
+        plans, self._held = self._held, {}
+        self._send_round_plans(plans, rows)
         self._latest_rows = real
         self._observe(max(real))
 
+    # --- transport (the simulator's orchestrator overrides these two) ---------------------------
     def _send(self, replica: int, plan: StepPlan) -> None:
         self.pool.send(replica, ("plan", plan))   # tp 1, pp 1: replica r is rank r
         self.executors[replica].mark_sent(plan.mb_id, isinstance(plan, RoundPlan))
 
+    def _send_round_plans(self, plans: dict, rows: list[int]) -> None:
+        """One CaS round: each replica's held plan, a dummy for the others."""
+        for replica in range(self.dp):
+            plan = plans.get(replica)
+            if plan is None:
+                self.pool.send(replica, ("plan", dummy_plan(rows)))
+                continue
+            self._send(replica, RoundPlan(**vars(plan), cas_rows=rows))
+
     def _observe(self, effective_batch: int) -> None:
-        self.switch.observe(effective_batch, time.perf_counter() - self._t0)
+        self.switch.observe(effective_batch, self.clock() - self._t0)
 
     def summary(self) -> dict:
         return {**self.switch.summary(), "cas_rounds": self.rounds}

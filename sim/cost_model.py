@@ -4,7 +4,9 @@ A micro-batch is reduced to its `BatchShape` (token and sequence counts, the con
 queries read, the query x key pairs of its prefill chunks, the rows that sample). A cost model
 prices one pipeline stage running that shape over its layers (`stage_seconds`), the activations a
 stage hands the next one (`transfer_seconds`), the controller's own work per step, copies
-between device and host memory (Seesaw) and a CPU sampler's work (SiPipe). Two implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
+between device and host memory (Seesaw), a CPU sampler's work (SiPipe), and SiDP's pieces: one
+layer's FFN alone, a remote FFN layer's weights read into a weight slot, a point-to-point message.
+Two implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
 `RooflineCostModel` (a hardware preset, sim/hardware.py).
 """
 from __future__ import annotations
@@ -62,10 +64,20 @@ class CostModel(Protocol):
     def transfer_seconds(self, tokens: int) -> float: ...
     def controller_seconds(self, seqs: int) -> float: ...
     def host_copy_seconds(self, nbytes: float) -> float: ...
+    def ffn_seconds(self, tokens: int, threads: int) -> float: ...
+    def weight_read_seconds(self, nbytes: float) -> float: ...
+    def p2p_seconds(self, nbytes: float) -> float: ...
 
     # what the engine's KV budget reads (engine/build.py kv_budget): the device and its memory
     device: str                              # cpu | cuda
     memory_bytes: int                        # free memory of one device (host RAM on CPU)
+
+
+def ffn_share(arch) -> float:
+    """The FFN's share of a decoder layer's weights (and of its dense GEMM FLOPs)."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    ffn = 3 * h * i
+    return ffn / (h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + ffn)
 
 
 def cost_device(cost: CostModel) -> torch.device:
@@ -123,3 +135,21 @@ class MeasuredCostModel:
             raise ConfigError("the profile table has no host copy bandwidth (made by an older "
                               "profiler); profile again")
         return self.table.host_copy.seconds(nbytes)
+
+    def ffn_seconds(self, tokens: int, threads: int) -> float:
+        """One layer's FFN over `tokens` rows: its weight share of the layer's dense term."""
+        share = self.table.model.get("ffn_share")
+        if share is None:
+            from batchinfer.engine.errors import ConfigError
+
+            raise ConfigError("the profile table does not say the model's FFN share (made by an "
+                              "older profiler); profile again")
+        return float(share) * interpolate(self.table.rank_compute(threads).layer_dense,
+                                          max(tokens, 1))
+
+    def weight_read_seconds(self, nbytes: float) -> float:
+        """SiDP's slot fill: a copy from shared host memory on CPU, a peer read on GPUs."""
+        return self.host_copy_seconds(nbytes) if self.device == "cpu" else self.p2p_seconds(nbytes)
+
+    def p2p_seconds(self, nbytes: float) -> float:
+        return self.table.p2p.seconds(nbytes)

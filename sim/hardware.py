@@ -148,3 +148,14 @@ class RooflineCostModel:
 
     def host_copy_seconds(self, nbytes: float) -> float:
         return LINK_LATENCY_S + nbytes / self.hardware.host_bandwidth
+
+    def ffn_seconds(self, tokens: int, threads: int) -> float:
+        h, i = self.arch.hidden_size, self.arch.intermediate_size
+        return self._roofline(6 * h * i * tokens, 3 * h * i * self.dtype_bytes) + LAYER_OVERHEAD_S
+
+    def weight_read_seconds(self, nbytes: float) -> float:
+        """A peer GPU's weights over the interconnect (SiDP's WaS)."""
+        return self.p2p.seconds(nbytes)
+
+    def p2p_seconds(self, nbytes: float) -> float:
+        return self.p2p.seconds(nbytes)

@@ -15,6 +15,7 @@ stage adds `lm_head(rows)` and `sampling(rows)` for the rows that sample. Links 
 `latency_s + bytes / bytes_per_s` (p2p between stages; all-reduce of `ranks` ranks, scaled as a
 ring for other sizes; host_copy: a copy between device and host memory, Seesaw's KV tier and
 weight reloads). The controller's own time per step is `per_step_s + per_seq_s * seqs`.
+The model's `ffn_share` (FFN weights over a layer's) splits `dense` for SiDP's FFN-only work.
 
 EXTRAPOLATION (also written into every saved table): tables are piecewise linear through their
 points; below the first point they keep its time, above the last they follow the last segment's

@@ -30,6 +30,7 @@ from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
 from batchinfer.engine.step_times import SyntheticSequences
 
+from .cost_model import ffn_share
 from .link_profile import profile_links
 from .profile_fit import fit_rank_compute
 from .profile_table import LinkCost, ProfileTable
@@ -296,7 +297,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
         model_info = {"model_id": engine.model_id, "num_layers": arch.num_layers,
                       "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
                       "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
-                      "num_params": arch.num_params()}
+                      "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6)}
         kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
     progress("point-to-point and all-reduce between two processes")
     links = profile_links(device.type, quick=quick)

@@ -3,7 +3,8 @@
 Layouts use all `devices` (tp * pp * dp = devices; on a CPU host the single process with every
 core is a candidate too); TP needs head counts it divides, PP at most one stage per layer.
 Strategies: the baselines SB and HB at any layout, TD-Pipe and gLLM under PP (they are pipeline
-schedules), and the recipe's own strategy with its parameters (SiPipe, Seesaw: simulated when the
+schedules), SiDP (HB batching) where replicas are single ranks (tp 1, pp 1, dp >= 2), and the
+recipe's own strategy with its parameters (SiPipe, Seesaw: simulated when the
 recipe names them; SiPipe's gains come largely from per-step CPU overheads the cost models do
 not price, so it is not offered on its own). Batching knobs (max_num_seqs, the
 token budget) come from the recipe. A layout the cost model or the engine rejects (the KV cache
@@ -70,7 +71,8 @@ def strategy_candidates(recipe_strategy: StrategyParams) -> list[tuple[str, dict
     out = [("baseline-sb", {"name": "baseline", "policy": "sb", **batching}),
            ("baseline-hb", {"name": "baseline", "policy": "hb", **batching}),
            ("tdpipe", {"name": "tdpipe", **batching}),
-           ("gllm", {"name": "gllm", "max_num_seqs": knobs.max_num_seqs})]
+           ("gllm", {"name": "gllm", "max_num_seqs": knobs.max_num_seqs}),
+           ("sidp", {"name": "sidp", "policy": "hb", **batching})]
     own = recipe_strategy.model_dump(mode="json")
     known = [strategy_class(s["name"]).model_validate(s).model_dump(mode="json") for _, s in out]
     if own not in known:
@@ -84,6 +86,8 @@ def candidates(recipe_strategy: StrategyParams, arch, devices: int,
     for label, strategy in strategy_candidates(recipe_strategy):
         for tp, pp, dp in layouts(devices, arch, include_single):
             if strategy["name"] in PIPELINE_ONLY and pp < 2:
+                continue
+            if strategy["name"] == "sidp" and not (tp == 1 and pp == 1 and dp >= 2):
                 continue
             out.append(Candidate(label, strategy, tp, pp, dp))
     return out

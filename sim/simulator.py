@@ -87,25 +87,28 @@ def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cos
     device and memory."""
     blocks = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
                            cost.memory_bytes)
-    block_size = config.cache.block_size
-    if blocks * block_size < max_model_len:
-        raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp} leaves "
-                          f"{max(blocks, 0) * block_size} KV tokens per replica, less than "
-                          f"max_model_len ({max_model_len})")
+    check_kv_capacity(blocks * config.cache.block_size, layout, max_model_len)
     return blocks
 
 
-OWN_EXECUTORS = ("seesaw", "sipipe")   # strategies whose executor the simulator models
+def check_kv_capacity(tokens: int, layout: ParallelLayout, max_model_len: int) -> None:
+    if tokens < max_model_len:
+        raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp} leaves "
+                          f"{max(tokens, 0)} KV tokens per replica, less than "
+                          f"max_model_len ({max_model_len})")
+
+
+OWN_EXECUTORS = ("seesaw", "sipipe", "sidp")   # strategies whose executor the simulator models
 
 
 def check_simulated(config: EngineConfig) -> None:
     """A strategy that builds its own engine (its own executor: Seesaw, SiPipe, SiDP) needs a
-    simulated executor of its own (Seesaw has one); the others run on SimulatedExecutor."""
+    simulated executor of its own; the others run on SimulatedExecutor."""
     strategy = config.strategy
     if strategy is not None and strategy.name not in OWN_EXECUTORS and \
             type(strategy).build_engine is not StrategyParams.build_engine:
         raise ConfigError(f"strategy {strategy.name!r} is not simulated yet; simulated: baseline, "
-                          "tdpipe, gllm, seesaw, sipipe")
+                          "tdpipe, gllm, seesaw, sipipe, sidp")
 
 
 def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max_model_len: int,
@@ -116,11 +119,20 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     threads = threads_per_rank(config.parallel, layout.world_size, cores)
     clock = VirtualClock()
     replicas = []
-    if config.strategy is not None and config.strategy.name == "seesaw":
+    info = {}
+    name = config.strategy.name if config.strategy is not None else None
+    if name == "seesaw":
         from .seesaw_sim import seesaw_replica
 
         replicas.append(seesaw_replica(config, config.strategy, arch, cost, clock, dtype_bytes,
                                        max_model_len, threads))
+    elif name == "sidp":
+        from .sidp_sim import sidp_replicas
+
+        plain = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
+                              cost.memory_bytes)
+        replicas, info["sidp"] = sidp_replicas(config, config.strategy, arch, cost, clock, layout,
+                                               dtype_bytes, max_model_len, threads, plain)
     else:
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
         sipipe = _sipipe_options(config.strategy, layout)
@@ -130,10 +142,10 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
                                          threads, index, **sipipe)
             replicas.append(Replica(scheduler, executor))
-    info = {"vocab_size": arch.vocab_size, "simulated": True,
+    info.update({"vocab_size": arch.vocab_size, "simulated": True,
             "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                          "layers_per_stage": list(layout.layers_per_stage),
-                         "threads_per_rank": threads}}
+                         "threads_per_rank": threads}})
     engine = Engine(replicas, LengthOnlyTokenizer(arch.vocab_size), max_model_len, model_id,
                     info, clock=clock)
     if config.strategy is not None:

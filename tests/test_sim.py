@@ -213,14 +213,12 @@ def test_kv_blocks_match_the_engine():
         config, layout, ARCH, torch.device("cpu"), 4)
 
 
-def test_impossible_layouts_and_unsimulated_strategies_are_clear_errors():
+def test_impossible_layouts_are_clear_errors():
     with pytest.raises(ConfigError, match="parallel.pp"):
         simulate(_config({"name": "baseline"}, pp=8), WORKLOAD, LinearCost(), ARCH, 512, 4)
     with pytest.raises(ConfigError, match="max_model_len"):
         simulate(_config({"name": "baseline"}, kv_bytes=1024), WORKLOAD, LinearCost(), ARCH,
                  512, 4)
-    with pytest.raises(ConfigError, match="not simulated"):
-        simulate(_config({"name": "sidp"}, dp=2), WORKLOAD, LinearCost(), ARCH, 512, 4)
 
 
 def test_batch_shape_counts_decode_context_and_prefill_pairs():
