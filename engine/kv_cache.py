@@ -1,8 +1,11 @@
 """Paged KV cache: the block manager (pure Python, scheduler side) and the KV tensors (worker side).
 
 The block manager hands out fixed-size blocks from a free list, keeps one block table per
-sequence and a reference count per block (shared prefixes hold a block more than once). It never
-touches a tensor, so schedulers and the simulator use it as is.
+sequence and a reference count per block (shared prefixes hold a block more than once). With
+prefix caching on, full blocks are indexed by their contents (engine/prefix_cache.py): a new
+sequence starts with the cached blocks of its prefix, and blocks nobody holds stay cached until
+their room is needed (least recently used first). It never touches a tensor, so schedulers and
+the simulator use it as is.
 """
 from __future__ import annotations
 
@@ -10,13 +13,16 @@ import logging
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable, Optional, Sequence
+
+from .prefix_cache import PrefixIndex
 
 log = logging.getLogger(__name__)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 prefix_caching: bool = False, hash_fn: Callable[[object], int] = hash):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -25,18 +31,23 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
+        self.prefix: Optional[PrefixIndex] = PrefixIndex(hash_fn) if prefix_caching else None
+        self._registered: dict[Hashable, int] = {}   # seq -> its leading blocks in the index
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # --- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free ones and cached ones nobody holds."""
+        return len(self._free) + (self.prefix.num_evictable if self.prefix else 0)
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return self._tables.get(seq_id, [])
@@ -48,16 +59,16 @@ class BlockManager:
 
     def can_grow(self, seq_id: Hashable, total_tokens: int, keep_watermark: bool = False) -> bool:
         reserve = self.watermark_blocks if keep_watermark else 0
-        return self.blocks_needed(seq_id, total_tokens) <= len(self._free) - reserve
+        return self.blocks_needed(seq_id, total_tokens) <= self.num_free_blocks - reserve
 
     # --- changes -------------------------------------------------------------------------------
     def grow(self, seq_id: Hashable, total_tokens: int) -> list[int]:
         """Extends the table to cover `total_tokens`; returns the new blocks. Caller checked room."""
         need = self.blocks_needed(seq_id, total_tokens)
-        if need > len(self._free):
-            raise MemoryError(f"need {need} KV blocks, {len(self._free)} free")
+        if need > self.num_free_blocks:
+            raise MemoryError(f"need {need} KV blocks, {self.num_free_blocks} free")
         table = self._tables.setdefault(seq_id, [])
-        new = [self._free.popleft() for _ in range(need)]
+        new = [self._take() for _ in range(need)]
         for block in new:
             self._ref[block] = 1
         table.extend(new)
@@ -75,10 +86,57 @@ class BlockManager:
         table.extend(blocks)
 
     def free(self, seq_id: Hashable) -> None:
-        for block in self._tables.pop(seq_id, ()):
+        """Tail blocks first, so that a prefix outlives what followed it in the cache."""
+        self._registered.pop(seq_id, None)
+        for block in reversed(self._tables.pop(seq_id, ())):
             self._ref[block] -= 1
             if self._ref[block] == 0:
-                self._free.append(block)
+                if self.prefix is not None and self.prefix.is_cached(block):
+                    self.prefix.park(block)
+                else:
+                    self._free.append(block)
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        return self.prefix.evict()
+
+    # --- prefix caching ---------------------------------------------------------------------------
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Starts `seq_id`'s table (it has none) with the cached blocks of token_ids' prefix;
+        -> the tokens they hold. At least the last token is left to compute: a query is never
+        empty."""
+        if self.prefix is None:
+            return 0
+        if self._tables.get(seq_id):
+            raise ValueError(f"{seq_id!r} already has blocks")
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        blocks = self.prefix.match(token_ids, self.block_size, max_blocks)
+        for block in blocks:
+            if self._ref[block] == 0:
+                self.prefix.unpark(block)
+            self._ref[block] += 1
+        if blocks:
+            self._tables[seq_id] = list(blocks)
+        self._registered[seq_id] = len(blocks)
+        self.prefix_queried_tokens += len(token_ids)
+        self.prefix_hit_tokens += len(blocks) * self.block_size
+        return len(blocks) * self.block_size
+
+    def cache_computed(self, seq_id: Hashable, token_ids: Sequence[int],
+                       num_computed: int) -> None:
+        """Indexes `seq_id`'s full blocks whose `num_computed` leading tokens' KV is written."""
+        if self.prefix is None:
+            return
+        table = self._tables.get(seq_id, ())
+        full = min(num_computed // self.block_size, len(table))
+        start = self._registered.get(seq_id, 0)
+        for i in range(start, full):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if not self.prefix.register(table[i], table[i - 1] if i else None, tokens):
+                break       # its parent is not cached (or an equal block is): nothing after is
+            start = i + 1
+        self._registered[seq_id] = start
 
     def scatter_free(self, count: int, seed: int = 0) -> None:
         """Shuffles the next `count` free blocks: after a while of running, sequences that grew
@@ -89,7 +147,8 @@ class BlockManager:
         self._free.extendleft(reversed(head))
 
     def check_invariants(self) -> None:
-        """Every block is either free with refcount 0 or held exactly refcount times."""
+        """Every block is held exactly refcount times, or (refcount 0) either on the free list,
+        not cached, or parked in the prefix cache, never both."""
         held: dict[int, int] = {}
         for table in self._tables.values():
             for block in table:
@@ -99,7 +158,11 @@ class BlockManager:
         for block in range(self.num_blocks):
             count = held.get(block, 0)
             assert self._ref[block] == count, f"block {block}: ref {self._ref[block]} != held {count}"
-            assert (block in free) == (count == 0), f"block {block}: free-list state is wrong"
+            parked = self.prefix is not None and self.prefix.is_evictable(block)
+            cached = self.prefix is not None and self.prefix.is_cached(block)
+            assert (block in free) + parked == (count == 0), f"block {block}: free state is wrong"
+            assert not (block in free and cached), f"block {block}: free but still cached"
+            assert not parked or cached, f"block {block}: parked but not cached"
 
 
 @dataclass(frozen=True)

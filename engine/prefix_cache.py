@@ -1,0 +1,116 @@
+"""Automatic prefix caching's index: which KV blocks hold which token contents.
+
+A full block is known by a chained key, the hash of its tokens and of its parent block's key, so
+equal prefixes give equal keys. A lookup never trusts a hash: each cached block keeps its own
+tokens and the identity (block, generation) of its parent, and a match must equal both, walking
+from a sequence's first block, so a hash collision can only miss, never hand out another
+prefix's KV. Blocks that no sequence holds stay cached (evictable, least recently used first)
+until the block manager needs the room; a block evicted and reused gets a new generation, so the
+cached blocks that followed it can no longer match (they are evicted in their turn).
+
+Pure Python over block ids, used by the block manager (engine/kv_cache.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+Parent = Optional[tuple[int, int]]      # (block, generation) of the previous block; None: first
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: int
+    tokens: tuple[int, ...]
+    parent: Parent
+    generation: int
+
+
+class PrefixIndex:
+    def __init__(self, hash_fn: Callable[[object], int] = hash):
+        """hash_fn: of (parent key, tokens); tests pass a colliding one."""
+        self._hash = hash_fn
+        self._entries: dict[int, _Entry] = {}          # cached block -> what it holds
+        self._by_key: dict[int, list[int]] = {}        # chained key -> cached blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # held by nobody, LRU first
+        self._generation = 0
+
+    # --- queries --------------------------------------------------------------------------------
+    def is_cached(self, block: int) -> bool:
+        return block in self._entries
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
+        """The cached blocks that hold token_ids' first full blocks, in order (at most
+        max_blocks), stopping at the first block not cached."""
+        blocks: list[int] = []
+        parent: Parent = None
+        parent_key: Optional[int] = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            if len(tokens) < block_size:
+                break
+            key = self._hash((parent_key, tokens))
+            found = self._find(key, tokens, parent)
+            if found is None:
+                break
+            blocks.append(found)
+            parent, parent_key = (found, self._entries[found].generation), key
+        return blocks
+
+    # --- changes --------------------------------------------------------------------------------
+    def register(self, block: int, parent_block: Optional[int], tokens: tuple[int, ...]) -> bool:
+        """`block` now holds `tokens`, following `parent_block` (None: a sequence's first block).
+        False when it cannot be cached: its parent is not, or an equal block already is."""
+        if block in self._entries:
+            return True
+        if parent_block is None:
+            parent, parent_key = None, None
+        else:
+            entry = self._entries.get(parent_block)
+            if entry is None:
+                return False
+            parent, parent_key = (parent_block, entry.generation), entry.key
+        key = self._hash((parent_key, tokens))
+        if self._find(key, tokens, parent) is not None:
+            return False
+        self._generation += 1
+        self._entries[block] = _Entry(key, tokens, parent, self._generation)
+        self._by_key.setdefault(key, []).append(block)
+        return True
+
+    def park(self, block: int) -> None:
+        """A cached block no sequence holds any more: evictable, most recently used."""
+        self._evictable[block] = None
+
+    def unpark(self, block: int) -> None:
+        """A parked block a sequence takes again."""
+        del self._evictable[block]
+
+    def evict(self) -> int:
+        """Drops the least recently used evictable block from the cache; -> the block."""
+        block, _ = self._evictable.popitem(last=False)
+        entry = self._entries.pop(block)
+        bucket = self._by_key[entry.key]
+        bucket.remove(block)
+        if not bucket:
+            del self._by_key[entry.key]
+        return block
+
+    def _find(self, key: int, tokens: tuple[int, ...], parent: Parent) -> Optional[int]:
+        for block in self._by_key.get(key, ()):
+            entry = self._entries[block]
+            if entry.tokens == tokens and entry.parent == parent:
+                return block
+        return None
