@@ -124,7 +124,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
             f"({max_model_len}); raise cache.kv_cache_memory (one token takes "
             f"{arch.kv_bytes_per_token(dtype_bytes)} bytes) or lower model.max_model_len")
     kv_caches = allocate_kv_tensors(spec, dtype, device)
-    block_manager = BlockManager(spec.num_blocks, spec.block_size)
+    block_manager = BlockManager(spec.num_blocks, spec.block_size,
+                                 prefix_caching=config.cache.enable_prefix_caching)
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
     backend = select_backend(config.device.attention_backend, device, dtype)

@@ -56,6 +56,9 @@ class CacheConfig(_Strict):
         None, description="KV budget (bytes or e.g. '2GiB'); empty: auto from free memory")
     memory_utilization: float = Field(0.9, gt=0.0, le=1.0,
                                       description="share of free memory auto may take")
+    enable_prefix_caching: bool = Field(
+        False, description="automatic prefix caching: reuse the KV of full blocks a sequence "
+        "shares with earlier ones, kept until their room is needed (LRU)")
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -305,12 +305,24 @@ class Engine:
             **self._counters,
             **({"pipeline": pipeline} if pipeline else {}),
             **({"strategy_stats": strategy_stats} if strategy_stats else {}),
+            **_prefix_cache_stats(managers),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
             "kv_usage": used / capacity if capacity else 0.0,
             "max_concurrency": capacity / self.max_model_len,
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
+
+
+def _prefix_cache_stats(managers: list) -> dict:
+    """Tokens of admitted sequences and how many of them came from the prefix cache."""
+    caching = [bm for bm in managers if bm.prefix is not None]
+    if not caching:
+        return {}
+    queried = sum(bm.prefix_queried_tokens for bm in caching)
+    hit = sum(bm.prefix_hit_tokens for bm in caching)
+    return {"prefix_cache": {"queried_tokens": queried, "hit_tokens": hit,
+                             "hit_rate": round(hit / queried, 4) if queried else None}}
 
 
 # --- optional capabilities: a scheduler that moves KV between tiers or switches layouts (Seesaw)

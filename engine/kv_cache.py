@@ -32,9 +32,10 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
         self.prefix: Optional[PrefixIndex] = PrefixIndex(hash_fn) if prefix_caching else None
-        self._registered: dict[Hashable, int] = {}   # seq -> its leading blocks in the index
-        self.prefix_queried_tokens = 0
-        self.prefix_hit_tokens = 0
+        # seq -> (its leading blocks indexed, the cached block that stands for the last of them)
+        self._indexed: dict[Hashable, tuple[int, Optional[int]]] = {}
+        self.prefix_queried_tokens = 0      # tokens of admitted sequences (prefix caching on)
+        self.prefix_hit_tokens = 0          # ... whose KV came from the cache
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -87,7 +88,7 @@ class BlockManager:
 
     def free(self, seq_id: Hashable) -> None:
         """Tail blocks first, so that a prefix outlives what followed it in the cache."""
-        self._registered.pop(seq_id, None)
+        self._indexed.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, ())):
             self._ref[block] -= 1
             if self._ref[block] == 0:
@@ -118,25 +119,36 @@ class BlockManager:
             self._ref[block] += 1
         if blocks:
             self._tables[seq_id] = list(blocks)
-        self._registered[seq_id] = len(blocks)
-        self.prefix_queried_tokens += len(token_ids)
-        self.prefix_hit_tokens += len(blocks) * self.block_size
+        self._indexed[seq_id] = (len(blocks), blocks[-1] if blocks else None)
         return len(blocks) * self.block_size
+
+    def count_admission(self, num_tokens: int, cached_tokens: int) -> None:
+        """A sequence started with `cached_tokens` of its `num_tokens` from the cache."""
+        self.prefix_queried_tokens += num_tokens
+        self.prefix_hit_tokens += cached_tokens
+
+    def has_uncached_blocks(self, seq_id: Hashable, num_computed: int) -> bool:
+        """Whether cache_computed has full blocks of `seq_id` to index (cheap; no tokens)."""
+        if self.prefix is None:
+            return False
+        full = min(num_computed // self.block_size, len(self._tables.get(seq_id, ())))
+        return full > self._indexed.get(seq_id, (0, None))[0]
 
     def cache_computed(self, seq_id: Hashable, token_ids: Sequence[int],
                        num_computed: int) -> None:
         """Indexes `seq_id`'s full blocks whose `num_computed` leading tokens' KV is written."""
-        if self.prefix is None:
+        if not self.has_uncached_blocks(seq_id, num_computed):
             return
-        table = self._tables.get(seq_id, ())
+        table = self._tables[seq_id]
         full = min(num_computed // self.block_size, len(table))
-        start = self._registered.get(seq_id, 0)
-        for i in range(start, full):
+        done, parent = self._indexed.get(seq_id, (0, None))
+        for i in range(done, full):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if not self.prefix.register(table[i], table[i - 1] if i else None, tokens):
-                break       # its parent is not cached (or an equal block is): nothing after is
-            start = i + 1
-        self._registered[seq_id] = start
+            parent = self.prefix.register(table[i], parent, tokens)
+            if parent is None:      # the chain's cached parent was evicted: nothing after it
+                self._indexed[seq_id] = (len(table) + (1 << 40), None)
+                return
+        self._indexed[seq_id] = (full, parent)
 
     def scatter_free(self, count: int, seed: int = 0) -> None:
         """Shuffles the next `count` free blocks: after a while of running, sequences that grew

@@ -70,25 +70,29 @@ class PrefixIndex:
         return blocks
 
     # --- changes --------------------------------------------------------------------------------
-    def register(self, block: int, parent_block: Optional[int], tokens: tuple[int, ...]) -> bool:
-        """`block` now holds `tokens`, following `parent_block` (None: a sequence's first block).
-        False when it cannot be cached: its parent is not, or an equal block already is."""
+    def register(self, block: int, parent_block: Optional[int],
+                 tokens: tuple[int, ...]) -> Optional[int]:
+        """`block` now holds `tokens`, following cached `parent_block` (None: a sequence's
+        first block). -> the cached block that stands for this content from now on: `block`, or
+        an equal block cached before it (`block` then stays private); None when the parent is
+        no longer cached (nothing after it can be)."""
         if block in self._entries:
-            return True
+            return block
         if parent_block is None:
             parent, parent_key = None, None
         else:
             entry = self._entries.get(parent_block)
             if entry is None:
-                return False
+                return None
             parent, parent_key = (parent_block, entry.generation), entry.key
         key = self._hash((parent_key, tokens))
-        if self._find(key, tokens, parent) is not None:
-            return False
+        equal = self._find(key, tokens, parent)
+        if equal is not None:
+            return equal
         self._generation += 1
         self._entries[block] = _Entry(key, tokens, parent, self._generation)
         self._by_key.setdefault(key, []).append(block)
-        return True
+        return block
 
     def park(self, block: int) -> None:
         """A cached block no sequence holds any more: evictable, most recently used."""

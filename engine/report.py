@@ -149,6 +149,13 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                            for e in events[:50]])
             if len(events) > 50:
                 out += [f"({len(events) - 50} more in report.json)", ""]
+    prefix = (report.get("engine") or {}).get("prefix_cache")
+    if prefix:
+        rate = prefix.get("hit_rate")
+        out += ["## Prefix cache", "",
+                f"{prefix.get('hit_tokens', 0):,} of {prefix.get('queried_tokens', 0):,} tokens of "
+                f"the admitted sequences came from the cache"
+                + (f" ({rate:.1%})." if rate is not None else "."), ""]
     strategy_stats = (report.get("engine") or {}).get("strategy_stats") or {}
     if strategy_stats:
         out += ["## Strategy", ""]

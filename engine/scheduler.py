@@ -11,7 +11,9 @@ Baselines:
 - `HybridBatching` (HB, Sarathi-Serve / vLLM v1): every step first takes one token of every running
   decode, then fills the rest of the token budget with prefill chunks (at most `chunk_size` each).
 Both preempt by recompute when KV blocks run out: the newest running sequence loses its blocks
-and goes back to the front of the queue, to be prefilled again later.
+and goes back to the front of the queue, to be prefilled again later. With prefix caching on in
+the block manager, a sequence starts from the cached blocks of its tokens (also after a
+preemption) and its full blocks are indexed as their results come back.
 """
 from __future__ import annotations
 
@@ -118,7 +120,14 @@ class BatchingScheduler:
         return [seq for seq in self.running if not seq.in_flight]
 
     def on_result(self, batch: MicroBatch) -> None:
-        """Frees the finished sequences' blocks; everything else stays where it is."""
+        """Indexes the blocks the step filled (prefix caching), frees the finished sequences'
+        blocks; everything else stays where it is."""
+        bm = self.block_manager
+        if bm.prefix is not None:
+            for item in batch.items:
+                seq = item.seq
+                if bm.has_uncached_blocks(seq.request_id, seq.num_computed_tokens):
+                    bm.cache_computed(seq.request_id, seq.token_ids(), seq.num_computed_tokens)
         finished = [item.seq for item in batch.items if item.seq.is_finished]
         for seq in finished:
             self.block_manager.free(seq.request_id)
@@ -162,6 +171,7 @@ class BatchingScheduler:
         budget = self.max_num_batched_tokens
         while self.waiting:
             seq = self.waiting[0]
+            self._match_prefix(seq)
             need = seq.num_uncomputed_tokens
             if need > budget and batch.items:
                 break
@@ -173,14 +183,26 @@ class BatchingScheduler:
                 break
         return batch
 
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Prefix caching: the head of the queue, holding no KV yet, starts from the cached
+        blocks of its tokens (given back by _admit if it cannot start now)."""
+        bm = self.block_manager
+        if bm.prefix is not None and seq.num_computed_tokens == 0 and \
+                not bm.block_table(seq.request_id):
+            seq.num_computed_tokens = bm.match_prefix(seq.request_id, seq.token_ids())
+
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Moves the head of the queue to running if its first chunk fits above the watermark."""
-        if len(self.running) >= self.max_num_seqs:
-            return False
         # The watermark keeps headroom for running decodes; with nothing running it would only stall.
-        if not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + num_tokens,
-                                           keep_watermark=bool(self.running)):
+        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_grow(
+                seq.request_id, seq.num_computed_tokens + num_tokens,
+                keep_watermark=bool(self.running)):
+            if seq.num_computed_tokens:       # cached blocks matched for it: back to the cache
+                self.block_manager.free(seq.request_id)
+                seq.num_computed_tokens = 0
             return False
+        if self.block_manager.prefix is not None:
+            self.block_manager.count_admission(seq.num_tokens, seq.num_computed_tokens)
         self.waiting.popleft()
         self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -229,6 +251,7 @@ class HybridBatching(BatchingScheduler):
         # As vLLM: after a preemption, admit nothing new this step (it would be evicted next).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions_before:
             seq = self.waiting[0]
+            self._match_prefix(seq)
             want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
             if not self._admit(seq, want):
                 break

@@ -67,6 +67,10 @@ def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelL
 
 
 def build_seesaw_engine(config: EngineConfig, params) -> Engine:
+    if config.cache.enable_prefix_caching:
+        raise ConfigError("cache.enable_prefix_caching: strategy seesaw moves KV between its "
+                          "tiers by sequence and does not share cached blocks; set it to false "
+                          "(supported by baseline, tdpipe, gllm, sipipe, sidp)")
     setup = model_setup(config)
     arch, block_size = setup.arch, config.cache.block_size
     layouts = resolve_layouts(config, params, arch)

@@ -214,6 +214,8 @@ class TokenThrottlingScheduler(BatchingScheduler):
         for seq in self._prefill_queue():
             if budget <= 0:
                 return
+            if seq.status is SequenceStatus.WAITING:
+                self._match_prefix(seq)
             take = min(seq.num_uncomputed_tokens, budget)
             if seq.status is SequenceStatus.WAITING:
                 if not self._admit(seq, take):

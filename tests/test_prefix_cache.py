@@ -15,6 +15,7 @@ def _run(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
     """Admits a sequence as a scheduler would: cached prefix, then blocks for the rest, computed
     and indexed; -> the tokens that came from the cache."""
     cached = bm.match_prefix(seq_id, tokens)
+    bm.count_admission(len(tokens), cached)
     bm.grow(seq_id, len(tokens))
     bm.cache_computed(seq_id, tokens, len(tokens))
     return cached

@@ -173,7 +173,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
     setup, layout, block_size = plan.setup, plan.layout, config.cache.block_size
     replicas = []
     for replica in range(layout.dp):
-        block_manager = BlockManager(plan.num_blocks, block_size)
+        block_manager = BlockManager(plan.num_blocks, block_size,
+                                     prefix_caching=config.cache.enable_prefix_caching)
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
