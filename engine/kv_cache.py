@@ -34,6 +34,10 @@ class BlockManager:
         self.prefix: Optional[PrefixIndex] = PrefixIndex(hash_fn) if prefix_caching else None
         # seq -> (its leading blocks indexed, the cached block that stands for the last of them)
         self._indexed: dict[Hashable, tuple[int, Optional[int]]] = {}
+        # blocks being computed right now (admitted, not yet indexed): key -> sequences, and per
+        # sequence (index of its first such block, their keys)
+        self._computing: dict[int, int] = {}
+        self._computing_of: dict[Hashable, tuple[int, list[int]]] = {}
         self.prefix_queried_tokens = 0      # tokens of admitted sequences (prefix caching on)
         self.prefix_hit_tokens = 0          # ... whose KV came from the cache
 
@@ -89,6 +93,7 @@ class BlockManager:
     def free(self, seq_id: Hashable) -> None:
         """Tail blocks first, so that a prefix outlives what followed it in the cache."""
         self._indexed.pop(seq_id, None)
+        self._done_computing(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, ())):
             self._ref[block] -= 1
             if self._ref[block] == 0:
@@ -126,6 +131,55 @@ class BlockManager:
         """A sequence started with `cached_tokens` of its `num_tokens` from the cache."""
         self.prefix_queried_tokens += num_tokens
         self.prefix_hit_tokens += cached_tokens
+
+    def _next_keys(self, seq_id: Hashable, token_ids: Sequence[int],
+                   count: Optional[int] = None) -> tuple[int, list[int]]:
+        """(index, keys) of the full blocks of token_ids after those `seq_id` matched."""
+        done, last = self._indexed.get(seq_id, (0, None))
+        full = len(token_ids) // self.block_size
+        count = full - done if count is None else min(count, full - done)
+        parent_key = self.prefix.key_of(last) if last is not None else None
+        return done, self.prefix.chain_keys(token_ids, self.block_size, done, max(count, 0),
+                                            parent_key)
+
+    def start_computing(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """`seq_id` was admitted to compute token_ids past its cached prefix: until their
+        blocks are indexed, a sequence that needs the same blocks can wait for them."""
+        if self.prefix is None:
+            return
+        first, keys = self._next_keys(seq_id, token_ids)
+        self._computing_of[seq_id] = (first, keys)
+        for key in keys:
+            self._computing[key] = self._computing.get(key, 0) + 1
+
+    def computing_elsewhere(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
+        """Whether the first block of token_ids past `seq_id`'s cached prefix (a full block
+        before its last token) is being computed by a running sequence."""
+        if self.prefix is None or not self._computing:
+            return False
+        done, _ = self._indexed.get(seq_id, (0, None))
+        if (done + 1) * self.block_size > len(token_ids) - 1:
+            return False
+        _, keys = self._next_keys(seq_id, token_ids, 1)
+        return bool(keys) and keys[0] in self._computing
+
+    def computed(self, seq_id: Hashable, num_computed: int) -> None:
+        """`seq_id`'s first `num_computed` tokens' KV is written (a step came back)."""
+        if seq_id in self._computing_of:
+            self._done_computing(seq_id, num_computed // self.block_size)
+
+    def _done_computing(self, seq_id: Hashable, upto: Optional[int]) -> None:
+        """The blocks of `seq_id` before block `upto` (None: all) are no longer being computed."""
+        first, keys = self._computing_of.pop(seq_id, (0, []))
+        cut = len(keys) if upto is None else max(0, min(upto - first, len(keys)))
+        for key in keys[:cut]:
+            left = self._computing[key] - 1
+            if left:
+                self._computing[key] = left
+            else:
+                del self._computing[key]
+        if cut < len(keys):
+            self._computing_of[seq_id] = (first + cut, keys[cut:])
 
     def has_uncached_blocks(self, seq_id: Hashable, num_computed: int) -> bool:
         """Whether cache_computed has full blocks of `seq_id` to index (cheap; no tokens)."""

@@ -51,6 +51,21 @@ class PrefixIndex:
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 
+    def key_of(self, block: int) -> int:
+        return self._entries[block].key
+
+    def chain_keys(self, token_ids: Sequence[int], block_size: int, first: int, count: int,
+                   parent_key: Optional[int]) -> list[int]:
+        """The chained keys of full blocks first .. first + count - 1 of token_ids, after a block
+        whose key is parent_key (None: from the start). Keys only, nothing verified: for
+        decisions a collision can only make slower, never wrong."""
+        keys = []
+        for i in range(first, first + count):
+            parent_key = self._hash((parent_key,
+                                     tuple(token_ids[i * block_size:(i + 1) * block_size])))
+            keys.append(parent_key)
+        return keys
+
     def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
         """The cached blocks that hold token_ids' first full blocks, in order (at most
         max_blocks), stopping at the first block not cached."""

@@ -79,6 +79,10 @@ class Scheduler(Protocol):
 class BatchingScheduler:
     """Queues, admission and preemption shared by the baseline policies."""
 
+    # prefix caching: the head of the queue waits for a shared prefix another sequence is
+    # computing (off for schedulers whose phases an empty prefill batch would end)
+    wait_for_shared_prefix = True
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
         self.block_manager = block_manager
@@ -126,6 +130,7 @@ class BatchingScheduler:
         if bm.prefix is not None:
             for item in batch.items:
                 seq = item.seq
+                bm.computed(seq.request_id, seq.num_computed_tokens)
                 if bm.has_uncached_blocks(seq.request_id, seq.num_computed_tokens):
                     bm.cache_computed(seq.request_id, seq.token_ids(), seq.num_computed_tokens)
         finished = [item.seq for item in batch.items if item.seq.is_finished]
@@ -172,6 +177,8 @@ class BatchingScheduler:
         while self.waiting:
             seq = self.waiting[0]
             self._match_prefix(seq)
+            if self._waits_for_prefix(seq):
+                break
             need = seq.num_uncomputed_tokens
             if need > budget and batch.items:
                 break
@@ -191,6 +198,19 @@ class BatchingScheduler:
                 not bm.block_table(seq.request_id):
             seq.num_computed_tokens = bm.match_prefix(seq.request_id, seq.token_ids())
 
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """Prefix caching: the head of the queue waits while a running sequence computes the
+        next block of its prefix, so a shared prefix is computed once (then read from the
+        cache), not once per sequence admitted beside the first."""
+        bm = self.block_manager
+        if bm.prefix is None or not self.wait_for_shared_prefix or \
+                not bm.computing_elsewhere(seq.request_id, seq.token_ids()):
+            return False
+        if seq.num_computed_tokens:           # its matched blocks go back to the cache
+            bm.free(seq.request_id)
+            seq.num_computed_tokens = 0
+        return True
+
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Moves the head of the queue to running if its first chunk fits above the watermark."""
         # The watermark keeps headroom for running decodes; with nothing running it would only stall.
@@ -203,6 +223,7 @@ class BatchingScheduler:
             return False
         if self.block_manager.prefix is not None:
             self.block_manager.count_admission(seq.num_tokens, seq.num_computed_tokens)
+            self.block_manager.start_computing(seq.request_id, seq.token_ids())
         self.waiting.popleft()
         self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -252,6 +273,8 @@ class HybridBatching(BatchingScheduler):
         while self.waiting and budget > 0 and self.num_preemptions == preemptions_before:
             seq = self.waiting[0]
             self._match_prefix(seq)
+            if self._waits_for_prefix(seq):
+                break
             want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
             if not self._admit(seq, want):
                 break

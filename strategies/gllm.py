@@ -216,6 +216,8 @@ class TokenThrottlingScheduler(BatchingScheduler):
                 return
             if seq.status is SequenceStatus.WAITING:
                 self._match_prefix(seq)
+                if self._waits_for_prefix(seq):
+                    return
             take = min(seq.num_uncomputed_tokens, budget)
             if seq.status is SequenceStatus.WAITING:
                 if not self._admit(seq, take):

@@ -102,6 +102,9 @@ register_strategy("tdpipe", TDPipeParams)
 
 
 class TDPipeScheduler(BatchingScheduler):
+    # an empty prefill batch would end the prefill phase (Algorithm 1): no waiting for a prefix
+    wait_for_shared_prefix = False
+
     def __init__(self, block_manager: BlockManager, params: TDPipeParams, max_model_len: int,
                  depth: int):
         super().__init__(block_manager, params.max_num_seqs, params.max_num_batched_tokens,

@@ -127,3 +127,29 @@ def test_property_blocks_never_leak_or_mix_contents(ops, collide):
         bm.free(seq_id)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_prefix_being_computed_makes_the_next_sequence_wait_for_it():
+    bm = BlockManager(32, BS, prefix_caching=True)
+    shared = list(range(10, 22))                       # 3 blocks
+    first, second = shared + [1, 2], shared + [3, 4]
+    assert bm.match_prefix("a", first) == 0
+    bm.grow("a", len(first))
+    bm.start_computing("a", first)
+    assert bm.match_prefix("b", second) == 0
+    assert bm.computing_elsewhere("b", second)         # a computes b's first block right now
+    assert not bm.computing_elsewhere("c", [9] * 14)   # another prefix does not wait
+    bm.free("b")
+    bm.computed("a", 8)                                # a chunk of 8 tokens came back
+    bm.cache_computed("a", first, 8)
+    assert bm.match_prefix("b", second) == 8
+    assert bm.computing_elsewhere("b", second)         # its third block is still in the works
+    bm.free("b")
+    bm.computed("a", 14)
+    bm.cache_computed("a", first, 14)
+    assert bm.match_prefix("b", second) == 12
+    assert not bm.computing_elsewhere("b", second)
+    bm.free("a")
+    bm.free("b")
+    assert not bm._computing                           # nothing left marked
+    bm.check_invariants()

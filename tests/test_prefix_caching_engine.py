@@ -3,6 +3,8 @@ caching off, under SB, HB with small chunks, a cache small enough to evict and p
 gLLM, TD-Pipe and SiDP; a fully cached prompt computes its last token; seesaw refuses it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from batchinfer.engine.config import EngineConfig
@@ -58,6 +60,19 @@ def test_outputs_equal_caching_off_and_prefixes_are_reused(sections):
     assert stats["prefix_cache"]["hit_tokens"] > 0
     assert stats["computed_prefill_tokens"] == plain_prefill - stats["prefix_cache"]["hit_tokens"]
     assert stats["computed_prefill_tokens"] < 0.6 * plain_prefill
+
+
+def test_a_shared_prefix_is_computed_once_within_one_batch():
+    """All prompts arrive together: the first computes the system prompt, the others wait for
+    it a step and then read it from the cache."""
+    with _engine(4096, True, scheduler={"policy": "hb", "max_num_batched_tokens": 512}) as engine:
+        prompts = _prompts(engine.tokenizer)
+        engine.generate(prompts, PARAMS)
+        stats = engine.stats()
+    common = os.path.commonprefix(prompts[:-1])        # the system prompt's tokens
+    shared = len(common) // 16 * 16                    # in full blocks
+    assert stats["prefix_cache"]["hit_tokens"] >= 5 * shared       # 5 of 6 sharing prompts
+    assert stats["computed_prefill_tokens"] <= sum(map(len, prompts)) - 5 * shared
 
 
 def test_a_small_cache_evicts_and_preempts_with_the_same_outputs():
