@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from ..predictors.history import history_record, spec_text
 from .admission import build_request, prompt_token_ids
 from .errors import RequestError
+from .read_ahead import Deduplicator, group_by_prefix
 from .request import FinishReason
 from .input_records import InputError, RequestSpec
 from .inputs import InputReader, Shard
@@ -86,6 +87,7 @@ class Job:
         self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
+        self.dedup = Deduplicator(spec.recipe.io.dedup)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
         self.stop_signal: Optional[int] = None
@@ -223,6 +225,8 @@ class Job:
             if engine.has_unfinished():
                 for out in engine.step():
                     self._sink.submit(out.payload.order, ("output", out))
+                    for copy in self.dedup.results_for(out):
+                        self._sink.submit(copy.payload.order, ("output", copy))
                 self.metrics.on_steps(engine.drain_step_events())
             elif exhausted:
                 break
@@ -231,7 +235,7 @@ class Job:
         if self.stop_signal is not None and engine is not None and engine.has_unfinished():
             dropped = engine.abort_all()
             log.warning("dropped %d requests in flight; they were not written and run again on "
-                        "resume", len(dropped))
+                        "resume", len(dropped) + self.dedup.dropped())
 
     def _fill(self, records) -> bool:
         """Reads and admits records until max_in_flight are pending; True when input is exhausted.
@@ -257,6 +261,14 @@ class Job:
                     batch.append((item, request))
         finally:
             self.metrics.phases_s["input"] += time.perf_counter() - t
+        if self.recipe.io.group_prefixes:
+            batch = group_by_prefix(batch, lambda item: item[1].prompt_token_ids)
+        kept = []
+        for spec, request in batch:
+            if not self.dedup.follow(request):
+                self.dedup.lead(request)
+                kept.append((spec, request))
+        batch = kept
         self._predict([request for _, request in batch])
         for spec, request in batch:
             self._add(spec, request)
@@ -290,6 +302,9 @@ class Job:
             self.metrics.on_admit(self.clock())
         except RequestError as exc:
             self._request_error(spec, request.payload.order, exc)
+            for follower in self.dedup.abandon(request):       # the same request, the same error
+                self._sink.submit(follower.payload.order,
+                                  ("request_error", (follower.payload, follower.request_id, exc)))
 
     def _request_error(self, spec: RequestSpec, order: int, exc: RequestError) -> None:
         payload = RequestPayload.from_spec(spec, order)
@@ -371,6 +386,8 @@ class Job:
             pred = self.predictor.stats()
             pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
             summary["predictor"] = pred
+        if self.dedup.enabled:
+            summary["dedup"] = self.dedup.stats.as_dict()
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 

@@ -159,6 +159,12 @@ class IOConfig(_Strict):
     output_order: Literal["completion", "input"] = "completion"
     max_in_flight: Optional[int] = Field(None, ge=1, description="requests read but not yet "
                                          "written; default 2 x max_num_seqs")
+    group_prefixes: bool = Field(True, description="hand the requests read in one go to the "
+                                 "engine sorted by prompt tokens, so requests sharing a prefix "
+                                 "run together (engine/read_ahead.py)")
+    dedup: bool = Field(True, description="compute a request once when its prompt and "
+                        "deterministic sampling (greedy or seeded) equal an earlier one's in "
+                        "flight; each gets its own result record")
     max_line_bytes: Union[int, str] = Field("4MiB", validate_default=True,
                                             description="longer input lines are errors")
 

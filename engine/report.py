@@ -149,6 +149,12 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                            for e in events[:50]])
             if len(events) > 50:
                 out += [f"({len(events) - 50} more in report.json)", ""]
+    dedup = (report.get("session") or {}).get("dedup")
+    if dedup and dedup.get("requests"):
+        out += ["## Duplicates", "",
+                f"{dedup['requests']:,} requests were answered from an identical request's "
+                f"result (this session): {dedup['prompt_tokens_saved']:,} prompt and "
+                f"{dedup['output_tokens_saved']:,} output tokens not computed.", ""]
     prefix = (report.get("engine") or {}).get("prefix_cache")
     if prefix:
         rate = prefix.get("hit_rate")

@@ -1,0 +1,100 @@
+"""Prefix grouping, deduplication and prefix caching in the job runner (engine/read_ahead.py):
+outputs with all three on equal outputs with all three off; unseeded sampling is never
+deduplicated; a leader the engine refuses takes its followers with it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
+from batchinfer.engine.read_ahead import Deduplicator, dedup_key, group_by_prefix
+from batchinfer.engine.recipe import Recipe
+from batchinfer.engine.request import Request, RequestOutput, FinishReason, SamplingParams
+
+TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
+    "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
+SYSTEM = "You answer questions about numbers briefly and precisely, without lists. " * 4
+
+
+def _recipe(on: bool, sampling: SamplingParams) -> Recipe:
+    return Recipe(model=TINY_MODEL,
+                  memory={"kv_cache_memory": "16MiB", "enable_prefix_caching": on},
+                  io={"group_prefixes": on, "dedup": on, "max_in_flight": 64},
+                  sampling=sampling, strategy={"name": "baseline", "max_num_seqs": 8},
+                  report={"plots": False})
+
+
+def _workload(path: Path) -> Path:
+    """40 requests: a shared system prompt (two variants), distinct questions, 30% duplicates,
+    interleaved so that grouping has something to do."""
+    rows = []
+    for i in range(28):
+        system = SYSTEM if i % 2 else SYSTEM.upper()
+        rows.append({"id": f"r{i}", "prompt": system + f"What is {i} times {i + 3}?",
+                     "metadata": {"i": i}})
+    for j in range(12):                                # exact duplicates of earlier prompts
+        rows.append({"id": f"dup{j}", "prompt": rows[j * 2]["prompt"], "metadata": {"dup": j}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(tmp_path: Path, name: str, on: bool, sampling: SamplingParams) -> tuple[dict, dict]:
+    out = tmp_path / name
+    spec = JobSpec(recipe=_recipe(on, sampling), input_path=_workload(tmp_path / "in.jsonl"),
+                   output_dir=out, progress="off")
+    assert run_job(spec).exit_code == EXIT_OK
+    records = {}
+    for line in (out / "outputs.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["id"]] = record
+    return records, json.loads((out / "report.json").read_text())
+
+
+def test_grouping_dedup_and_caching_change_no_output(tmp_path):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(tmp_path, "off", False, greedy)
+    fast, report = _run(tmp_path, "on", True, greedy)
+    assert len(plain) == len(fast) == 40
+    for rid, record in plain.items():
+        assert fast[rid]["text"] == record["text"]
+        assert fast[rid]["completion_tokens"] == record["completion_tokens"]
+        assert fast[rid]["metadata"] == record["metadata"]     # each keeps its own metadata
+    dedup = report["session"]["dedup"]
+    assert dedup["requests"] == 12 and dedup["output_tokens_saved"] == 12 * 8
+    assert report["engine"]["prefix_cache"]["hit_tokens"] > 0
+    assert "## Duplicates" in (tmp_path / "on" / "report.md").read_text()
+
+
+def test_unseeded_sampling_is_never_deduplicated(tmp_path):
+    _, report = _run(tmp_path, "unseeded", True, SamplingParams(max_tokens=4, temperature=0.8))
+    assert report["session"]["dedup"]["requests"] == 0
+
+
+def _request(rid: str, tokens: list[int], **sampling) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4, **sampling))
+
+
+def test_seeded_duplicates_follow_and_a_refused_leader_takes_its_followers():
+    dedup = Deduplicator()
+    leader = _request("a", [1, 2, 3], temperature=0.9, seed=7)
+    assert dedup_key(_request("x", [1, 2, 3], temperature=0.9)) is None
+    assert not dedup.follow(leader)
+    dedup.lead(leader)
+    assert dedup.follow(_request("b", [1, 2, 3], temperature=0.9, seed=7))
+    assert not dedup.follow(_request("c", [1, 2, 3], temperature=0.9, seed=8))
+    assert [f.request_id for f in dedup.abandon(leader)] == ["b"]
+    assert not dedup.follow(_request("d", [1, 2, 3], temperature=0.9, seed=7))
+
+    dedup.lead(leader)
+    dedup.follow(_request("e", [1, 2, 3], temperature=0.9, seed=7))
+    out = RequestOutput("a", [1, 2, 3], [5, 6], "xy", FinishReason.LENGTH)
+    copies = dedup.results_for(out)
+    assert [(c.request_id, c.output_token_ids) for c in copies] == [("e", [5, 6])]
+    assert dedup.stats.requests == 1 and dedup.stats.prompt_tokens_saved == 3
+
+
+def test_grouping_puts_shared_prefixes_together():
+    prompts = [[5, 1, 2], [9, 9], [5, 1, 3], [9, 8, 1], [5, 2]]
+    assert group_by_prefix(prompts, lambda p: p) == [[5, 1, 2], [5, 1, 3], [5, 2], [9, 8, 1],
+                                                      [9, 9]]
