@@ -25,7 +25,7 @@ from typing import Callable, Optional
 from ..predictors.history import history_record, spec_text
 from .admission import build_request, prompt_token_ids
 from .errors import RequestError
-from .read_ahead import Deduplicator, group_by_prefix
+from .read_ahead import ReadAhead
 from .request import FinishReason
 from .input_records import InputError, RequestSpec
 from .inputs import InputReader, Shard
@@ -87,7 +87,7 @@ class Job:
         self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
-        self.dedup = Deduplicator(spec.recipe.io.dedup)
+        self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
         self.stop_signal: Optional[int] = None
@@ -222,28 +222,31 @@ class Job:
         while self.stop_signal is None:
             if not exhausted:
                 exhausted = self._fill(records)
+            self.read_ahead.feed()
             if engine.has_unfinished():
                 for out in engine.step():
                     self._sink.submit(out.payload.order, ("output", out))
-                    for copy in self.dedup.results_for(out):
+                    for copy in self.read_ahead.finished(out):
                         self._sink.submit(copy.payload.order, ("output", copy))
                 self.metrics.on_steps(engine.drain_step_events())
-            elif exhausted:
+            elif exhausted and not self.read_ahead.waiting:
                 break
             self._tick()
         self.metrics.finished_t = self.clock()
         if self.stop_signal is not None and engine is not None and engine.has_unfinished():
             dropped = engine.abort_all()
             log.warning("dropped %d requests in flight; they were not written and run again on "
-                        "resume", len(dropped) + self.dedup.dropped())
+                        "resume", len(dropped) + self.read_ahead.drop())
 
     def _fill(self, records) -> bool:
-        """Reads and admits records until max_in_flight are pending; True when input is exhausted.
+        """Reads records until max_in_flight (plus io.group_window when grouping) are pending;
+        True when input is exhausted.
 
         The records read in one call are tokenized one by one, then predicted in one batch (the
-        length predictor runs before scheduling), then handed to the engine."""
+        length predictor runs before scheduling); a duplicate waits for its leader, the others
+        go to the engine, through the prefix window when grouping."""
         t = time.perf_counter()
-        limit = self.recipe.max_in_flight
+        limit = self.read_ahead.read_limit
         batch: list = []
         exhausted = False
         try:
@@ -261,17 +264,9 @@ class Job:
                     batch.append((item, request))
         finally:
             self.metrics.phases_s["input"] += time.perf_counter() - t
-        if self.recipe.io.group_prefixes:
-            batch = group_by_prefix(batch, lambda item: item[1].prompt_token_ids)
-        kept = []
-        for spec, request in batch:
-            if not self.dedup.follow(request):
-                self.dedup.lead(request)
-                kept.append((spec, request))
-        batch = kept
-        self._predict([request for _, request in batch])
-        for spec, request in batch:
-            self._add(spec, request)
+        leaders = self.read_ahead.leaders(batch)
+        self._predict([request for _, request in leaders])
+        self.read_ahead.place(leaders)
         return exhausted
 
     def _prepare(self, spec: RequestSpec, order: int):
@@ -296,15 +291,17 @@ class Job:
             request.payload.predicted_tokens = length
         self.metrics.phases_s["predict"] += time.perf_counter() - t
 
-    def _add(self, spec: RequestSpec, request) -> None:
+    def _add(self, spec: RequestSpec, request) -> bool:
         try:
             self.engine.add_request(request)
-            self.metrics.on_admit(self.clock())
         except RequestError as exc:
             self._request_error(spec, request.payload.order, exc)
-            for follower in self.dedup.abandon(request):       # the same request, the same error
+            for follower in self.read_ahead.dedup.abandon(request):   # the same error
                 self._sink.submit(follower.payload.order,
                                   ("request_error", (follower.payload, follower.request_id, exc)))
+            return False
+        self.metrics.on_admit(self.clock())
+        return True
 
     def _request_error(self, spec: RequestSpec, order: int, exc: RequestError) -> None:
         payload = RequestPayload.from_spec(spec, order)
@@ -386,8 +383,7 @@ class Job:
             pred = self.predictor.stats()
             pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
             summary["predictor"] = pred
-        if self.dedup.enabled:
-            summary["dedup"] = self.dedup.stats.as_dict()
+        summary.update(self.read_ahead.summary())
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 

@@ -159,9 +159,12 @@ class IOConfig(_Strict):
     output_order: Literal["completion", "input"] = "completion"
     max_in_flight: Optional[int] = Field(None, ge=1, description="requests read but not yet "
                                          "written; default 2 x max_num_seqs")
-    group_prefixes: bool = Field(True, description="hand the requests read in one go to the "
-                                 "engine sorted by prompt tokens, so requests sharing a prefix "
-                                 "run together (engine/read_ahead.py)")
+    group_prefixes: bool = Field(True, description="hold requests read ahead in a window "
+                                 "sorted by prompt tokens and hand them to the engine in that "
+                                 "order, so requests sharing a prefix run together "
+                                 "(engine/read_ahead.py)")
+    group_window: int = Field(1024, ge=0, description="with group_prefixes: requests read ahead "
+                              "beyond max_in_flight to group (bounds memory with it)")
     dedup: bool = Field(True, description="compute a request once when its prompt and "
                         "deterministic sampling (greedy or seeded) equal an earlier one's in "
                         "flight; each gets its own result record")

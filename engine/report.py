@@ -155,6 +155,15 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"{dedup['requests']:,} requests were answered from an identical request's "
                 f"result (this session): {dedup['prompt_tokens_saved']:,} prompt and "
                 f"{dedup['output_tokens_saved']:,} output tokens not computed.", ""]
+    grouping = (report.get("session") or {}).get("grouping")
+    if (grouping and grouping.get("shared_tokens_sent_order")
+            and (report.get("engine") or {}).get("prefix_cache")):
+        out += ["## Prefix grouping", "",
+                f"Prompt tokens shared with the previous request: "
+                f"{grouping['shared_tokens_read_order']:,} in input order, "
+                f"{grouping['shared_tokens_sent_order']:,} in the grouped order sent to the "
+                f"engine; grouping let up to {grouping['prefill_tokens_saved']:,} prompt tokens "
+                f"come from the prefix cache instead of being computed (this session).", ""]
     prefix = (report.get("engine") or {}).get("prefix_cache")
     if prefix:
         rate = prefix.get("hit_rate")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
-from batchinfer.engine.read_ahead import Deduplicator, dedup_key, group_by_prefix
+from batchinfer.engine.read_ahead import Deduplicator, GroupingStats, PrefixWindow, dedup_key
 from batchinfer.engine.recipe import Recipe
 from batchinfer.engine.request import Request, RequestOutput, FinishReason, SamplingParams
 
@@ -17,10 +17,10 @@ TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
 SYSTEM = "You answer questions about numbers briefly and precisely, without lists. " * 4
 
 
-def _recipe(on: bool, sampling: SamplingParams) -> Recipe:
+def _recipe(on: bool, sampling: SamplingParams, **io) -> Recipe:
     return Recipe(model=TINY_MODEL,
                   memory={"kv_cache_memory": "16MiB", "enable_prefix_caching": on},
-                  io={"group_prefixes": on, "dedup": on, "max_in_flight": 64},
+                  io={"group_prefixes": on, "dedup": on, "max_in_flight": 64, **io},
                   sampling=sampling, strategy={"name": "baseline", "max_num_seqs": 8},
                   report={"plots": False})
 
@@ -39,9 +39,10 @@ def _workload(path: Path) -> Path:
     return path
 
 
-def _run(tmp_path: Path, name: str, on: bool, sampling: SamplingParams) -> tuple[dict, dict]:
+def _run(tmp_path: Path, name: str, on: bool, sampling: SamplingParams,
+         **io) -> tuple[dict, dict]:
     out = tmp_path / name
-    spec = JobSpec(recipe=_recipe(on, sampling), input_path=_workload(tmp_path / "in.jsonl"),
+    spec = JobSpec(recipe=_recipe(on, sampling, **io), input_path=_workload(tmp_path / "in.jsonl"),
                    output_dir=out, progress="off")
     assert run_job(spec).exit_code == EXIT_OK
     records = {}
@@ -63,7 +64,31 @@ def test_grouping_dedup_and_caching_change_no_output(tmp_path):
     dedup = report["session"]["dedup"]
     assert dedup["requests"] == 12 and dedup["output_tokens_saved"] == 12 * 8
     assert report["engine"]["prefix_cache"]["hit_tokens"] > 0
-    assert "## Duplicates" in (tmp_path / "on" / "report.md").read_text()
+    grouping = report["session"]["grouping"]
+    # the two system prompts alternate in the input: grouping makes each request's neighbour
+    # share its system prompt
+    assert grouping["shared_tokens_sent_order"] > grouping["shared_tokens_read_order"]
+    assert grouping["prefill_tokens_saved"] > 0
+    markdown = (tmp_path / "on" / "report.md").read_text()
+    assert "## Duplicates" in markdown and "## Prefix grouping" in markdown
+
+
+def test_a_small_window_in_input_order_streams_everything_in_order(tmp_path):
+    """The window refills as the engine finishes; results held back for input order never stop
+    the window from feeding the engine (the requests they wait for may still be in it)."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(tmp_path, "off", False, greedy)
+    out = tmp_path / "small"
+    spec = JobSpec(recipe=_recipe(True, greedy, max_in_flight=3, group_window=5,
+                                  output_order="input"),
+                   input_path=tmp_path / "in.jsonl", output_dir=out, progress="off")
+    assert run_job(spec).exit_code == EXIT_OK
+    records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    expected = [f"r{i}" for i in range(28)] + [f"dup{j}" for j in range(12)]
+    assert [r["id"] for r in records] == expected
+    assert all(r["text"] == plain[r["id"]]["text"] for r in records)
+    report = json.loads((out / "report.json").read_text())
+    assert report["session"]["grouping"]["prefill_tokens_saved"] > 0
 
 
 def test_unseeded_sampling_is_never_deduplicated(tmp_path):
@@ -94,7 +119,27 @@ def test_seeded_duplicates_follow_and_a_refused_leader_takes_its_followers():
     assert dedup.stats.requests == 1 and dedup.stats.prompt_tokens_saved == 3
 
 
-def test_grouping_puts_shared_prefixes_together():
-    prompts = [[5, 1, 2], [9, 9], [5, 1, 3], [9, 8, 1], [5, 2]]
-    assert group_by_prefix(prompts, lambda p: p) == [[5, 1, 2], [5, 1, 3], [5, 2], [9, 8, 1],
-                                                      [9, 9]]
+def test_window_sweeps_the_token_trie_and_later_reads_join_the_sweep():
+    window = PrefixWindow()
+    for order, prompt in enumerate([[5, 1, 2], [9, 9], [5, 1, 3], [9, 8, 1], [5, 2]]):
+        window.add(prompt, order, prompt)
+    assert [window.pop(), window.pop()] == [[5, 1, 2], [5, 1, 3]]
+    window.add([5, 1, 2, 7], 5, [5, 1, 2, 7])     # behind the cursor: waits for the next sweep
+    window.add([5, 1, 4], 6, [5, 1, 4])           # ahead of it: joins this sweep
+    assert [window.pop() for _ in range(4)] == [[5, 1, 4], [5, 2], [9, 8, 1], [9, 9]]
+    window.add([1], 7, "first")
+    window.add([5, 1, 2], 8, "equal prompts keep read order")
+    window.add([5, 1, 2], 9, "second")
+    assert [window.pop() for _ in range(len(window))] == [       # wrapped around
+        "first", "equal prompts keep read order", "second", [5, 1, 2, 7]]
+
+
+def test_grouping_stats_count_what_neighbours_share():
+    stats = GroupingStats()
+    for tokens in ([5, 1, 2], [9, 9], [5, 1, 3]):
+        stats.on_read(tokens)
+    for tokens in ([5, 1, 2], [5, 1, 3], [9, 9], [9, 9, 4]):
+        stats.on_sent(tokens)
+    stats.on_read([9, 9, 4])
+    assert stats.as_dict() == {"shared_tokens_read_order": 0, "shared_tokens_sent_order": 4,
+                               "prefill_tokens_saved": 4}
