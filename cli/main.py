@@ -1,4 +1,4 @@
-"""The `batchinfer` command: run, validate, report, profile, predictor."""
+"""The `batchinfer` command: run, validate, report, profile, bench, predictor."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,6 +7,7 @@ import typer
 
 from batchinfer import __version__
 
+from . import bench as bench_cmd
 from . import predictor as predictor_cmd
 from . import profile as profile_cmd
 from . import report as report_cmd
@@ -40,6 +41,7 @@ app.command("run", help=run_cmd.HELP, epilog=run_cmd.EPILOG)(run_cmd.run)
 app.command("validate", help=validate_cmd.HELP, epilog=validate_cmd.EPILOG)(validate_cmd.validate)
 app.command("report", help=report_cmd.HELP, epilog=report_cmd.EPILOG)(report_cmd.report)
 app.command("profile", help=profile_cmd.HELP, epilog=profile_cmd.EPILOG)(profile_cmd.profile)
+app.command("bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.bench)
 app.add_typer(predictor_cmd.app, name="predictor")
 
 

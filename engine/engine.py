@@ -21,7 +21,8 @@ from .config import EngineConfig
 from .errors import RequestError
 from .executor import Executor, StepResult
 from .output import OutputProcessor
-from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from .request import (FinishReason, Request, RequestOutput, SamplingParams, Sequence,
+                      SequenceStatus, check_prompt)
 from .scheduler import MicroBatch, Scheduler
 from .tokenizer import Tokenizer
 
@@ -75,18 +76,8 @@ class Engine:
         takes it when it has room)."""
         if request.request_id in self._seqs:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len == 0:
-            raise RequestError("empty_prompt", "the prompt has no tokens")
-        if prompt_len >= self.max_model_len:
-            raise RequestError("prompt_too_long",
-                               f"the prompt has {prompt_len} tokens; max_model_len is "
-                               f"{self.max_model_len}, which must leave room for at least one "
-                               "generated token")
-        limit = self.info.get("vocab_size") or self.tokenizer.vocab_size
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= limit:
-            bad = [t for t in request.prompt_token_ids if not 0 <= t < limit]
-            raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
+        check_prompt(request, self.max_model_len,
+                     self.info.get("vocab_size") or self.tokenizer.vocab_size)
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
         if replica is not None and not 0 <= replica < len(self.replicas):

