@@ -71,7 +71,10 @@ def bench(
         table.add_column(title)
     for cells in table_rows(result):
         table.add_row(*cells)
-    Console().print(table)
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=200)        # a log file: no column squeezed
+    out.print(table)
     typer.echo(f"{output / 'bench.md'}, {output / 'bench.json'}")
 
 

@@ -130,3 +130,25 @@ def test_a_job_through_vllm_matches_our_engine(tmp_path):
                                                                             abs=1e-3)
             assert [t["token_id"] for t in a["top_logprobs"]] == \
                 [t["token_id"] for t in b["top_logprobs"]]
+
+
+@pytest.mark.skipif(not Path(PEER_PYTHON).is_file(), reason="no vLLM build (peer-vllm.sh)")
+def test_a_vllm_job_resumes_where_it_stopped(tmp_path):
+    """The job runner's promises hold with vLLM computing: a second session runs only what the
+    first did not write."""
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "prompt": f"Count to {i}.", "max_tokens": 4}) + "\n"
+        for i in range(5)))
+    recipe = Recipe(strategy={"name": "vllm", "python": PEER_PYTHON},
+                    sampling={"temperature": 0.0}, memory={"kv_cache_memory": "1GiB"},
+                    model={"max_model_len": 512}, report={"plots": False})
+    out = tmp_path / "run"
+    first = run_job(JobSpec(recipe=recipe, input_path=tmp_path / "in.jsonl", output_dir=out,
+                            progress="off", limit=2))
+    second = run_job(JobSpec(recipe=recipe, input_path=tmp_path / "in.jsonl", output_dir=out,
+                             progress="off"))
+    assert (first.outputs, second.outputs) == (2, 5)
+    ids = [json.loads(line)["id"] for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert sorted(ids) == [f"q{i}" for i in range(5)]
+    report = json.loads((out / "report.json").read_text())
+    assert report["session"]["session"] == 2 and report["session"]["requests_completed"] == 3
