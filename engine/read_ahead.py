@@ -130,7 +130,8 @@ class Deduplicator:
         return True
 
     def lead(self, request: Request) -> None:
-        """`request` went to the engine: equal requests read later follow it."""
+        """`request` will be computed (it went to the engine or waits in the prefix window):
+        equal requests read later follow it."""
         if not self.enabled:
             return
         key = dedup_key(request)

@@ -74,7 +74,10 @@ class VllmEngine:
         proc.stdin.flush()
         first = _read(proc, timeout=params.startup_timeout_seconds)
         if "ready" not in first:
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             raise ConfigError(f"strategy vllm: {first.get('error')}")
         facts = first["ready"]
         log.info("vLLM %s ready: KV cache %d tokens", facts.get("vllm_version"),
