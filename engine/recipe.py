@@ -16,7 +16,7 @@ and in Python. Loading is yaml.safe_load plus pydantic: a recipe is data and nev
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
@@ -37,6 +37,8 @@ class StrategyParams(_Strict):
     """Base of every strategy's parameter model; `name` selects the strategy."""
 
     name: str = "baseline"
+    # False: `batchinfer profile` has no model of it (an external engine) and leaves it out
+    simulated: ClassVar[bool] = True
 
     def scheduler_config(self) -> SchedulerConfig:
         """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""

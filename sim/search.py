@@ -75,7 +75,7 @@ def strategy_candidates(recipe_strategy: StrategyParams) -> list[tuple[str, dict
            ("sidp", {"name": "sidp", "policy": "hb", **batching})]
     own = recipe_strategy.model_dump(mode="json")
     known = [strategy_class(s["name"]).model_validate(s).model_dump(mode="json") for _, s in out]
-    if own not in known:
+    if own not in known and recipe_strategy.simulated:
         out.append((f"recipe ({recipe_strategy.name})", own))
     return out
 

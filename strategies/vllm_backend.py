@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field
 
@@ -40,6 +40,7 @@ class VllmParams(StrategyParams):
     """Where vLLM is and the knobs it gets beyond what the recipe's other sections map to."""
 
     name: Literal["vllm"] = "vllm"
+    simulated: ClassVar[bool] = False      # vLLM's scheduler is not ours to simulate
     python: Optional[str] = Field(None, description="Python interpreter with vLLM installed "
                                   "(a vLLM in its own venv); default: this one")
     max_num_seqs: int = Field(256, ge=1, description="vLLM's max_num_seqs")

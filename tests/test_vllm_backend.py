@@ -152,3 +152,10 @@ def test_a_vllm_job_resumes_where_it_stopped(tmp_path):
     assert sorted(ids) == [f"q{i}" for i in range(5)]
     report = json.loads((out / "report.json").read_text())
     assert report["session"]["session"] == 2 and report["session"]["requests_completed"] == 3
+
+
+def test_profile_leaves_vllm_out_of_its_candidates():
+    from batchinfer.sim.search import strategy_candidates
+
+    labels = [label for label, _ in strategy_candidates(VllmParams(max_num_seqs=64))]
+    assert labels and not any("vllm" in label for label in labels)
