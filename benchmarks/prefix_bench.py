@@ -28,16 +28,13 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from w_decode import PEER_MODEL, PEER_PYTHON, PEER_SCRIPT, REPO, _subprocess_json
+
 WORKLOAD = REPO.parent / "shared" / "workloads" / "sharegpt-2k.jsonl"
-PEER_PYTHON = Path("/tmp/peer-vllm/bin/python")
-PEER_MODEL = Path("/tmp/peer-models/smollm2")
-PEER_SCRIPT = REPO.parent / "shared" / "tools" / "peer_vllm_bench.py"
 
 OFF = {"memory": {"enable_prefix_caching": False}, "io": {"group_prefixes": False, "dedup": False}}
 CONFIGS = {
@@ -115,14 +112,6 @@ def run_ours(workload: Path, overrides: dict, out_dir: Path) -> dict:
             "prefix_cache": report["engine"].get("prefix_cache"),
             "dedup": session.get("dedup"), "grouping": session.get("grouping"),
             "preemptions": session.get("preemptions")}
-
-
-def _subprocess_json(cmd: list[str]) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
 
 def _median(runs: list[dict], key: str) -> float:

@@ -81,15 +81,9 @@ def bench(
 def _synthetic(recipe_path: Path, kind: str, output: Path, n: int, seed: int,
                input_len: Optional[int], output_len: Optional[int]) -> Path:
     from batchinfer.bench.workloads import make_workload
-    from batchinfer.engine.build import _max_model_len
-    from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.build import model_source
     from batchinfer.engine.recipe import load_recipe
-    from batchinfer.engine.tokenizer import load_tokenizer
 
-    model = load_recipe(recipe_path).model
-    model_dir, model_id = resolve_model_dir(model.path)
-    arch = load_arch(model_dir, model.hf_overrides or None)
-    tokenizer = load_tokenizer(model, model_dir, model_id, arch.eos_token_ids)
-    return make_workload(kind, output / f"{kind}-{n}-seed{seed}.jsonl", tokenizer, n, seed,
-                         _max_model_len(model.max_model_len, arch), input_len, output_len)
+    source = model_source(load_recipe(recipe_path).model)
+    return make_workload(kind, output / f"{kind}-{n}-seed{seed}.jsonl", source.tokenizer, n, seed,
+                         source.max_model_len, input_len, output_len)

@@ -49,6 +49,15 @@ def check_length(num_tokens: int, max_model_len: int) -> None:
                            "token")
 
 
+def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
+    """RequestError unless the prompt fits the model: check_length's rule, and every id in the
+    vocabulary (what engines check when they admit a request)."""
+    check_length(len(request.prompt_token_ids), max_model_len)
+    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+        raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
+
+
 def build_request(spec: RequestSpec, tokenizer, order: int, chat_template: str = "auto",
                   tokens: Optional[list[int]] = None) -> Request:
     ids = tokens if tokens is not None else prompt_token_ids(spec, tokenizer, chat_template)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .attention import select_backend
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
@@ -19,7 +20,7 @@ from .model.loader import build_model, load_arch
 from .model.ops import NativeOps
 from .model.sources import resolve_model_dir
 from .sampler import Sampler
-from .tokenizer import load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("batchinfer")
 CPU_AUTO_KV_CAP = 4 * 2**30  # like vLLM's CPU default: a host shares its RAM with other jobs
@@ -101,16 +102,34 @@ def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
+@dataclass
+class ModelSource:
+    """A model before any weight is loaded: its directory, config, context length, tokenizer."""
+
+    model_dir: Path
+    model_id: str
+    arch: ModelArch
+    max_model_len: int
+    tokenizer: Tokenizer
+
+
+def model_source(model_cfg: ModelConfig) -> ModelSource:
+    model_dir, model_id = resolve_model_dir(model_cfg.path)
+    arch = load_arch(Path(model_dir), model_cfg.hf_overrides or None)
+    return ModelSource(Path(model_dir), model_id, arch,
+                       _max_model_len(model_cfg.max_model_len, arch),
+                       load_tokenizer(model_cfg, Path(model_dir), model_id, arch.eos_token_ids))
+
+
 def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
     if device.type == "cpu":
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
     dtype = resolve_dtype(config.model.dtype, device)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    model_dir, model_id = resolve_model_dir(config.model.path)
-    arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
-    max_model_len = _max_model_len(config.model.max_model_len, arch)
-    tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
+    source = model_source(config.model)
+    model_dir, model_id, arch = source.model_dir, source.model_id, source.arch
+    max_model_len, tokenizer = source.max_model_len, source.tokenizer
 
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,

@@ -21,8 +21,8 @@ from .config import EngineConfig
 from .errors import RequestError
 from .executor import Executor, StepResult
 from .output import OutputProcessor
-from .request import (FinishReason, Request, RequestOutput, SamplingParams, Sequence,
-                      SequenceStatus, check_prompt)
+from .admission import check_prompt
+from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
 from .tokenizer import Tokenizer
 

@@ -12,8 +12,6 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .errors import RequestError
-
 
 class SamplingParams(BaseModel):
     """Per-request sampling, vLLM semantics.
@@ -192,18 +190,3 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-
-def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
-    """RequestError unless the prompt fits the model: not empty, leaves room for one generated
-    token, every id in the vocabulary."""
-    prompt_len = len(request.prompt_token_ids)
-    if prompt_len == 0:
-        raise RequestError("empty_prompt", "the prompt has no tokens")
-    if prompt_len >= max_model_len:
-        raise RequestError("prompt_too_long",
-                           f"the prompt has {prompt_len} tokens; max_model_len is "
-                           f"{max_model_len}, which must leave room for at least one "
-                           "generated token")
-    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
-        raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")

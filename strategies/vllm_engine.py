@@ -13,13 +13,11 @@ import subprocess
 import time
 from typing import Optional
 
-from batchinfer.engine.build import resolve_device
+from batchinfer.engine.admission import check_prompt
+from batchinfer.engine.build import model_source, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import ConfigError, RequestError
-from batchinfer.engine.model.loader import load_arch
-from batchinfer.engine.model.sources import resolve_model_dir
-from batchinfer.engine.request import FinishReason, Request, RequestOutput, check_prompt
-from batchinfer.engine.tokenizer import load_tokenizer
+from batchinfer.engine.request import FinishReason, Request, RequestOutput
 
 from .vllm_backend import WORKER, VllmParams, engine_args, engine_env, vllm_python
 
@@ -62,10 +60,8 @@ class VllmEngine:
     def start(cls, config: EngineConfig, params: VllmParams) -> "VllmEngine":
         python = vllm_python(params)
         device = resolve_device(config.device.device).type
-        model_dir, model_id = resolve_model_dir(config.model.path)
-        arch = load_arch(model_dir, config.model.hf_overrides or None)
-        tokenizer = load_tokenizer(config.model, model_dir, model_id, arch.eos_token_ids)
-        args = engine_args(config, params, model_dir, device)
+        source = model_source(config.model)
+        args = engine_args(config, params, source.model_dir, device)
         log.info("starting vLLM under %s: %s", python, args)
         proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=engine_env(config), text=True,
@@ -83,12 +79,12 @@ class VllmEngine:
         log.info("vLLM %s ready: KV cache %d tokens", facts.get("vllm_version"),
                  facts.get("kv_capacity_tokens", 0))
         info = {"device": device, "dtype": args["dtype"], "strategy": "vllm",
-                "model_id": model_id, "kv_block_size": facts.get("kv_block_size"),
+                "model_id": source.model_id, "kv_block_size": facts.get("kv_block_size"),
                 "max_model_len": facts["max_model_len"],
                 "parallel": {"tp": config.parallel.tp, "pp": config.parallel.pp, "dp": 1},
                 "strategy_stats": {"vllm_version": facts.get("vllm_version"), "python": python,
                                    "engine_args": args}}
-        return cls(proc, tokenizer, model_id, facts, info, arch.vocab_size)
+        return cls(proc, source.tokenizer, source.model_id, facts, info, source.arch.vocab_size)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
