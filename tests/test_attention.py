@@ -57,3 +57,32 @@ def test_large_scores_stay_finite():
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, TorchAttention().attend(q * 200, kc, vc, meta, 0.125),
                                rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2)])
+def test_decode_batch_in_physical_block_order(head_dim, heads, kv_heads):
+    """The decode path visits blocks in physical order across sequences: interleaved (lockstep)
+    block tables, a block shared by two sequences (prefix caching) and a thread count that
+    splits the batch must all give the per-sequence answer."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_seqs = 16, 37
+    seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
+    width = max(-(-s // block_size) for s in seq_lens)
+    # block b of sequence i at b * num_seqs + i, as an allocator serving a batch in lockstep does
+    tables = [[b * num_seqs + i for b in range(-(-s // block_size))] for i, s in enumerate(seq_lens)]
+    tables[5][0] = tables[4][0]  # a shared prefix block
+    num_blocks = width * num_seqs
+    kc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    vc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    meta = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size, torch.device("cpu"))
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    expected = TorchAttention().attend(q, kc, vc, meta, scale)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = NativeCPUAttention().attend(q, kc, vc, meta, scale)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

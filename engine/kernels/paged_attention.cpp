@@ -8,6 +8,8 @@
 // Work is split over (sequence, kv head, tile of queries); each item streams the sequence's K/V
 // once with an online softmax (per block: scores, running max, rescale, accumulate), reusing every
 // loaded K/V row for all the tile's queries and all query heads that share the kv head (GQA).
+// Decode rows (one query per sequence) take attend_decode_avx2 instead: a thread's share of the
+// batch in two passes over its blocks in physical order (see there).
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -222,6 +224,157 @@ void attend_item_avx2(const float* q, float* out, const float* kc, const float* 
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
   }
 }
+
+// Decode (one query per sequence) for a set of sequences, all kv heads at once, in two passes
+// instead of an online softmax: scores for every cached token first, one softmax per query head,
+// then the V pass. Each pass visits the (sequence, block) pairs in physical block order, not
+// sequence by sequence: sequences that grow in lockstep (a batch decoding together) get their
+// blocks interleaved by the allocator, so physical order turns scattered 12 KB reads into long
+// runs the hardware prefetcher follows (measured 1.5x faster than per-sequence order at 139
+// tokens of context on a 2-core AVX2 machine), and is no worse when the blocks are scattered.
+// block_size and D multiples of 8.
+struct DecodeSeq {
+  const float* q;    // [heads, D] at q_head_stride
+  float* out;        // [heads, D] at out_head_stride
+  const int* table;  // block table
+  int tokens;        // positions to attend: cached + this one
+};
+
+template <int D>
+void attend_decode_avx2(const DecodeSeq* seqs, int count, const float* kc, const float* vc,
+                        int group, int block_size, int64_t q_head_stride, int64_t out_head_stride,
+                        int64_t block_stride, float scale, int num_kv, int64_t head_stride) {
+  constexpr int C = D / 8;
+  const int rows = num_kv * group;
+  struct Visit { int block, seq, index; };
+  thread_local std::vector<Visit> visits;
+  thread_local std::vector<size_t> offsets;  // each sequence's scores [rows, padded] then acc [rows, D]
+  thread_local std::vector<float> scratch;
+  visits.clear();
+  offsets.resize(count + 1);
+  offsets[0] = 0;
+  for (int i = 0; i < count; ++i) {
+    const int padded = (seqs[i].tokens + 7) & ~7;
+    offsets[i + 1] = offsets[i] + static_cast<size_t>(rows) * (padded + D);
+    const int num_blocks = (seqs[i].tokens + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; ++b) visits.push_back({seqs[i].table[b], i, b});
+  }
+  std::sort(visits.begin(), visits.end(), [](const Visit& a, const Visit& b) { return a.block < b.block; });
+  scratch.resize(offsets[count]);
+  const int64_t span = static_cast<int64_t>(num_kv) * head_stride;  // floats of one block, all heads
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  auto scores_of = [&](int i) { return scratch.data() + offsets[i]; };
+  auto padded_of = [&](int i) { return (seqs[i].tokens + 7) & ~7; };
+  auto acc_of = [&](int i) { return scores_of(i) + static_cast<size_t>(rows) * padded_of(i); };
+  auto prefetch = [&](const float* cache, size_t v) {
+    if (v >= visits.size()) return;
+    const float* block = cache + static_cast<int64_t>(visits[v].block) * block_stride;
+    for (int64_t off = 0; off < span; off += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(block + off), _MM_HINT_T0);
+  };
+  // Pass 1: scores[r, t] = scale * q_r . k_t
+  for (size_t v = 0; v < visits.size(); ++v) {
+    prefetch(kc, v + 1);
+    const DecodeSeq& sq = seqs[visits[v].seq];
+    const int start = visits[v].index * block_size;
+    const int n = std::min(block_size, sq.tokens - start);
+    const int padded = padded_of(visits[v].seq);
+    float* scores = scores_of(visits[v].seq);
+    const float* block = kc + static_cast<int64_t>(visits[v].block) * block_stride;
+    for (int h = 0; h < num_kv; ++h) {
+      const float* kb = block + h * head_stride;
+      for (int g = 0; g < group; ++g) {
+        const int r = h * group + g;
+        const float* qr = sq.q + r * q_head_stride;
+        __m256 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qr + 8 * c), vscale);
+        float* sr = scores + static_cast<size_t>(r) * padded + start;
+        for (int t0 = 0; t0 < n; t0 += 8) {
+          __m256 a[8];
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+          const float* kr = kb + static_cast<int64_t>(t0) * D;
+          const int valid = std::min(8, n - t0);
+          if (valid == 8) {
+            for (int c = 0; c < C; ++c)
+              for (int u = 0; u < 8; ++u)
+                a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
+          } else {
+            for (int u = 0; u < valid; ++u)
+              for (int c = 0; c < C; ++c)
+                a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
+          }
+          __m256 sv = simd::hsum8(a);
+          if (valid < 8)
+            sv = _mm256_blendv_ps(neg_inf, sv, _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
+          _mm256_storeu_ps(sr + t0, sv);
+        }
+      }
+    }
+  }
+  // Softmax per row: p = exp(s - max); 1 / sum is applied to the output at the end.
+  thread_local std::vector<float> inv_sum;
+  inv_sum.resize(static_cast<size_t>(count) * rows);
+  for (int i = 0; i < count; ++i) {
+    const int padded = padded_of(i), tokens = seqs[i].tokens;
+    float* scores = scores_of(i);
+    for (int r = 0; r < rows; ++r) {
+      float* sr = scores + static_cast<size_t>(r) * padded;
+      __m256 vmax = neg_inf;
+      for (int t0 = 0; t0 < padded; t0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + t0));
+      const __m256 vm = _mm256_set1_ps(simd::hmax(vmax));
+      __m256 vsum = _mm256_setzero_ps();
+      for (int t0 = 0; t0 < padded; t0 += 8) {
+        __m256 p = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(sr + t0), vm));
+        const int valid = tokens - t0;
+        if (valid < 8)
+          p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
+        _mm256_storeu_ps(sr + t0, p);
+        vsum = _mm256_add_ps(vsum, p);
+      }
+      inv_sum[static_cast<size_t>(i) * rows + r] = 1.f / simd::hsum(vsum);
+    }
+    std::fill(acc_of(i), acc_of(i) + static_cast<size_t>(rows) * D, 0.f);
+  }
+  // Pass 2: acc[r] += p[r, t] * v_t
+  for (size_t v = 0; v < visits.size(); ++v) {
+    prefetch(vc, v + 1);
+    const DecodeSeq& sq = seqs[visits[v].seq];
+    const int start = visits[v].index * block_size;
+    const int n = std::min(block_size, sq.tokens - start);
+    const int padded = padded_of(visits[v].seq);
+    const float* scores = scores_of(visits[v].seq);
+    float* acc = acc_of(visits[v].seq);
+    const float* block = vc + static_cast<int64_t>(visits[v].block) * block_stride;
+    for (int h = 0; h < num_kv; ++h) {
+      const float* vb = block + h * head_stride;
+      for (int g = 0; g < group; ++g) {
+        const int r = h * group + g;
+        const float* pr = scores + static_cast<size_t>(r) * padded + start;
+        float* ar = acc + static_cast<size_t>(r) * D;
+        __m256 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(ar + 8 * c);
+        for (int t = 0; t < n; ++t) {
+          const __m256 p = _mm256_broadcast_ss(pr + t);
+          const float* vr = vb + static_cast<int64_t>(t) * D;
+          for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(ar + 8 * c, o[c]);
+      }
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    const float* acc = acc_of(i);
+    for (int r = 0; r < rows; ++r) {
+      float* dst = seqs[i].out + r * out_head_stride;
+      const __m256 inv = _mm256_set1_ps(inv_sum[static_cast<size_t>(i) * rows + r]);
+      const float* ar = acc + static_cast<size_t>(r) * D;
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
+    }
+  }
+}
 #endif
 
 at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
@@ -253,13 +406,21 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   // sequence at once (contiguous block reads); the generic path one head per item.
 #ifdef BATCHINFER_AVX2
   const bool all_heads = head_dim % 8 == 0 && (head_dim == 64 || head_dim == 128);
+  const bool decode_path = all_heads && block_size % 8 == 0;
 #else
   const bool all_heads = false;
 #endif
   struct Item { int seq, kv_head, num_kv, q_begin, q_count; };
   std::vector<Item> items;
+  std::vector<int> decode_seqs;  // one query each: attend_decode_avx2, in physical block order
   for (int i = 0; i < num_seqs; ++i) {
     const int nq = sp[i + 1] - sp[i];
+#ifdef BATCHINFER_AVX2
+    if (decode_path && nq == 1) {
+      decode_seqs.push_back(i);
+      continue;
+    }
+#endif
     for (int h = 0; h < num_kv_heads; h += all_heads ? num_kv_heads : 1)
       for (int j = 0; j < nq; j += kQueryTile)
         items.push_back({i, h, all_heads ? num_kv_heads : 1, j, std::min(kQueryTile, nq - j)});
@@ -273,6 +434,39 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
   const float fscale = static_cast<float>(scale);
 
+#ifdef BATCHINFER_AVX2
+  if (!decode_seqs.empty()) {
+    // Contiguous runs of sequences, one per thread, balanced by tokens attended.
+    const int parts = std::max(1, std::min<int>(at::get_num_threads(), decode_seqs.size()));
+    std::vector<DecodeSeq> dseqs;
+    int64_t total = 0;
+    for (int i : decode_seqs) {
+      dseqs.push_back({qp + sp[i] * qts, op + sp[i] * ots, tp + static_cast<int64_t>(i) * max_blocks, lp[i]});
+      total += lp[i];
+    }
+    std::vector<int> bounds(1, 0);
+    int64_t run = 0;
+    for (int i = 0; i < static_cast<int>(dseqs.size()); ++i) {
+      run += dseqs[i].tokens;
+      if (run * parts >= total * static_cast<int64_t>(bounds.size()) && static_cast<int>(bounds.size()) < parts)
+        bounds.push_back(i + 1);
+    }
+    bounds.push_back(dseqs.size());
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int first = bounds[p], count = bounds[p + 1] - first;
+        if (count <= 0) continue;
+        if (head_dim == 64)
+          attend_decode_avx2<64>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
+                                 block_stride, fscale, num_kv_heads, head_stride);
+        else
+          attend_decode_avx2<128>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
+                                  block_stride, fscale, num_kv_heads, head_stride);
+      }
+    });
+  }
+#endif
+  if (items.empty()) return out;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w];
