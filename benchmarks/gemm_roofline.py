@@ -2,7 +2,9 @@
 
 One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up and down
 projections at M rows, plus the LM head once. Timing exactly those GEMMs (same packed oneDNN path
-the engine uses, same thread count) gives the throughput no engine can beat on this machine.
+the engine uses, same thread count, each layer its own weights) gives the decode throughput no
+engine can beat on this machine. A whole workload also has to prefill its prompts: the workload
+roofline adds those GEMMs (w_decode.py reports both).
 
     python benchmarks/gemm_roofline.py --batch 128 256 512
 """
@@ -25,33 +27,58 @@ def _linear(out_f: int, in_f: int, packed: bool):
     return PackedLinear(lin) if packed else lin
 
 
+class _ModelGemms:
+    """One layer's four projections (with distinct weights per layer, as the model streams them)
+    and the LM head, packed like the engine's."""
+
+    def __init__(self, arch: ModelArch, packed: bool):
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.arch = arch
+        self.layers = [[_linear(arch.q_size + 2 * arch.kv_size, h, packed), _linear(h, arch.q_size, packed),
+                        _linear(2 * i, h, packed), _linear(h, i, packed)] for _ in range(arch.num_layers)]
+        self.head = _linear(arch.vocab_size, h, packed)
+
+    def seconds(self, layer_rows: int, head_rows: int, repeats: int) -> float:
+        """Median time of the layers' GEMMs at layer_rows rows plus the head at head_rows."""
+        a = self.arch
+        x_h, x_q = torch.randn(layer_rows, a.hidden_size), torch.randn(layer_rows, a.q_size)
+        x_i, x_head = torch.randn(layer_rows, a.intermediate_size), torch.randn(head_rows, a.hidden_size)
+        inputs = [x_h, x_q, x_h, x_i]
+
+        def run():
+            for layer in self.layers:
+                for lin, x in zip(layer, inputs):
+                    lin(x)
+            self.head(x_head)
+
+        run()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
 @torch.inference_mode()
-def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, packed: bool = True) -> dict:
+def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, packed: bool = True,
+                  prompt_tokens: int = 0, output_tokens: int = 0) -> dict:
+    """Decode-step roofline at `batch` rows; with prompt_tokens and output_tokens (per request,
+    batch requests) also the workload's: its prefill GEMMs (every prompt token through the
+    layers, one row per request through the head) plus output_tokens - 1 decode steps."""
     packed = packed and onednn_available()
-    h, i = arch.hidden_size, arch.intermediate_size
-    layer = [_linear(arch.q_size + 2 * arch.kv_size, h, packed), _linear(h, arch.q_size, packed),
-             _linear(2 * i, h, packed), _linear(h, i, packed)]
-    head = _linear(arch.vocab_size, h, packed)
-    x_h, x_q, x_i = torch.randn(batch, h), torch.randn(batch, arch.q_size), torch.randn(batch, i)
-    inputs = [x_h, x_q, x_h, x_i]
-
-    def step():
-        for _ in range(arch.num_layers):
-            for lin, x in zip(layer, inputs):
-                lin(x)
-        head(x_h)
-
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    return {"batch": batch, "step_ms": round(step_s * 1e3, 2),
-            "gflops": round(arch.flops_per_token() * batch / step_s / 1e9, 1),
-            "roofline_tok_per_s": round(batch / step_s, 1), "packed_onednn": packed,
-            "threads": torch.get_num_threads()}
+    gemms = _ModelGemms(arch, packed)
+    step_s = gemms.seconds(batch, batch, repeats)
+    out = {"batch": batch, "step_ms": round(step_s * 1e3, 2),
+           "gflops": round(arch.flops_per_token() * batch / step_s / 1e9, 1),
+           "roofline_tok_per_s": round(batch / step_s, 1), "packed_onednn": packed,
+           "threads": torch.get_num_threads()}
+    if prompt_tokens and output_tokens:
+        prefill_s = gemms.seconds(prompt_tokens, batch, max(1, repeats // 2))
+        total_s = prefill_s + (output_tokens - 1) * step_s
+        out.update({"prefill_gemm_s": round(prefill_s, 3), "workload_gemm_s": round(total_s, 3),
+                    "workload_roofline_tok_per_s": round(batch * output_tokens / total_s, 1)})
+    return out
 
 
 def main() -> None:
