@@ -99,6 +99,10 @@ class ParallelConfig(_Strict):
     pp_balance: Literal["compute", "layers"] = Field(
         "compute", description="default split: equal work per generated token on each stage (the "
                                "last stage's LM head counted) or equal layer counts")
+    tp_all_reduce: Literal["shm", "gloo"] = Field(
+        "shm", description="how tensor-parallel ranks on a CPU host sum their partial results: "
+                           "through shared memory, or gloo's all-reduce (loopback TCP, 0.6-2 ms "
+                           "a call); NCCL on CUDA either way")
     threads_per_rank: Optional[int] = Field(
         None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
     step_timeout_seconds: float = Field(

@@ -53,6 +53,7 @@ class LayoutSwitcher:
         import torch.distributed as dist
 
         from batchinfer.engine.model.shard import TensorParallelGroup
+        from batchinfer.engine.runtime.shm_allreduce import tensor_parallel_group
 
         self.worker, self.spec, self.arch = worker, spec, arch
         rank = worker.spec.rank
@@ -63,7 +64,7 @@ class LayoutSwitcher:
                 for ranks in layout.tp_groups():
                     group = dist.new_group(ranks)
                     if rank in ranks:
-                        mine = TensorParallelGroup(group)
+                        mine = tensor_parallel_group(group, ranks, worker.spec)
             self.tp_groups[name] = mine
         wspec = worker.spec
         partitions = [lay.info(rank).partition for lay in spec.layouts.values()]

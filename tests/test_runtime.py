@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine.config import ParallelConfig
+from batchinfer.engine.kernels import load_native_kernels
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.arch import arch_from_dict
 from batchinfer.engine.request import SamplingParams
@@ -101,7 +102,7 @@ DUMMY8 = {"load_format": "dummy", "max_model_len": 512,
                            "num_hidden_layers": 4}}
 
 
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "pp": 2}])
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "tp_all_reduce": "gloo"}])
 def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine, parallel):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [o.output_token_ids for o in
@@ -109,8 +110,10 @@ def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine,
     with make_engine(model=DUMMY8, cache=SMALL["cache"], parallel=parallel) as engine:
         got = [o.output_token_ids for o in engine.generate(PROMPTS, params)]
         ranks = engine.stats()["pipeline"]["ranks"]
+        mode = engine.info["parallel"]["tp_all_reduce"]
     assert got == expected
     assert len(ranks) == 2 * parallel.get("pp", 1)
+    assert mode == parallel.get("tp_all_reduce", "shm" if load_native_kernels() else "gloo")
 
 
 # --- faults ----------------------------------------------------------------------------------------

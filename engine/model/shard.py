@@ -113,11 +113,13 @@ class TensorParallelGroup:
     """The collectives of one tensor-parallel group, over a torch.distributed process group.
 
     `TensorParallelGroup()` (no process group) is the single-rank group: both collectives return
-    their input and torch.distributed is never imported or initialised.
+    their input and torch.distributed is never imported or initialised. `shm` (a
+    runtime.shm_allreduce.ShmAllReduce of this group) takes the all-reduces of CPU float32
+    tensors off gloo.
     """
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, group=None, shm=None):
+        self.group, self.shm = group, shm
         if group is None:
             self.rank, self.size = 0, 1
         else:
@@ -127,6 +129,8 @@ class TensorParallelGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sums `t` over the ranks, in place (t must be contiguous); returns t."""
+        if self.shm is not None and self.shm.accepts(t):
+            return self.shm.all_reduce(t)
         if self.group is not None:
             import torch.distributed as dist
 

@@ -25,6 +25,7 @@ from ..tokenizer import load_tokenizer
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, threads_per_rank
 from .pool import WorkerPool
+from .shm_allreduce import group_buffers, resolve_mode
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("batchinfer")
@@ -106,6 +107,9 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
                   helpers: tuple = (), helper_names: tuple = (), **extra) -> WorkerPool:
     """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields, for every rank;
     rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
+    seesaw = extra.get("seesaw")
+    layouts = [layout, *(seesaw.layouts.values() if seesaw is not None else ())]
+    tp_buffers = group_buffers(layouts, setup.device.type, config.parallel.tp_all_reduce)
     specs = [WorkerSpec(
         rank=r, layout=layout, model_dir=str(setup.model_dir),
         arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
@@ -113,7 +117,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
         block_size=config.cache.block_size, threads=threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
-        timeout_s=config.parallel.step_timeout_seconds, **extra, **(rank_extra or {}).get(r, {}))
+        timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers, **extra,
+        **(rank_extra or {}).get(r, {}))
         for r in range(layout.world_size)]
     infos = layout.ranks()
     pool = WorkerPool([i.name for i in infos] + list(helper_names), {i.rank: {"replica": i.replica, "stage": i.stage,
@@ -136,7 +141,8 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
-                     "threads_per_rank": threads},
+                     "threads_per_rank": threads,
+                     "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce)},
     }
     capacity = num_blocks * block_size
     log.info("KV cache: %d tokens per replica x %d (%d blocks of %d, %.2f GiB in all); maximum "

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -56,6 +56,7 @@ class WorkerSpec:
     seesaw: object = None       # resharding.worker_layouts.LayoutSpec: two layouts, a CPU KV store
     sipipe: object = None       # sipipe.build.SiPipeWorkerSpec: SiPipe's switches, sampler link
     sidp: object = None         # sidp.shared_ffn.SiDPWorkerSpec: the shared FFN store, owners
+    tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
 
 
 def _die_with_parent() -> None:
@@ -170,12 +171,12 @@ class Worker:
         else:
             tp_group = None
             if layout.tp > 1:
-                from ..model.shard import TensorParallelGroup
+                from .shm_allreduce import tensor_parallel_group
 
                 for ranks in layout.tp_groups():  # every rank creates every group, same order
                     group = dist.new_group(ranks)
                     if spec.rank in ranks:
-                        tp_group = TensorParallelGroup(group)
+                        tp_group = tensor_parallel_group(group, ranks, spec)
             self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
                                      seed=spec.seed, tp_group=tp_group, pack=spec.sidp is None)
