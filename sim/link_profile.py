@@ -2,7 +2,8 @@
 
 Two spawned processes (gloo on CPU, one thread each; NCCL on two GPUs when the machine has them)
 rendezvous through a TCPStore on a port the OS picks. For each message size: a ping-pong
-(half the round trip is one p2p transfer) and an all-reduce, medians of repeated runs; then
+(half the round trip is one p2p transfer) and an all-reduce the way the engine's TP groups do it
+(on CPU through shared memory unless `parallel.tp_all_reduce: gloo`), medians of repeated runs; then
 `seconds = latency + bytes / bandwidth` is fitted over the sizes (least squares, both >= 0).
 """
 from __future__ import annotations
@@ -21,8 +22,14 @@ QUICK_SIZES = (1 << 10, 1 << 16, 1 << 20)
 TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _rank_main(rank: int, port: int, device_type: str, sizes, repeats: int, queue) -> None:
+def _rank_main(rank: int, port: int, device_type: str, sizes, repeats: int, queue,
+               shm_buffer=None) -> None:
     backend = "nccl" if device_type == "cuda" else "gloo"
+    shm = None
+    if shm_buffer is not None:
+        from batchinfer.engine.runtime.shm_allreduce import ShmAllReduce
+
+        shm = ShmAllReduce(shm_buffer, rank, 2, TIMEOUT.total_seconds())
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     else:
@@ -47,7 +54,10 @@ def _rank_main(rank: int, port: int, device_type: str, sizes, repeats: int, queu
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
-                dist.all_reduce(buf)
+                if shm is not None:
+                    shm.all_reduce(buf)
+                else:
+                    dist.all_reduce(buf)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t2 = time.perf_counter()
@@ -70,17 +80,25 @@ def fit_link(sizes: list[int], seconds: list[float]) -> dict:
     return {"latency_s": max(float(intercept), 0.0), "bytes_per_s": float(1.0 / slope)}
 
 
-def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 10) -> dict:
+def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 10,
+                  tp_all_reduce: str = "shm") -> dict:
     """-> {"p2p": {latency_s, bytes_per_s}, "allreduce": {latency_s, bytes_per_s, ranks: 2},
-    "points": [[bytes, p2p_s, allreduce_s], ...]}."""
+    "points": [[bytes, p2p_s, allreduce_s], ...], "backend", "allreduce_backend"}.
+    tp_all_reduce: the recipe's parallel.tp_all_reduce."""
+    from batchinfer.engine.runtime.layout import ParallelLayout
+    from batchinfer.engine.runtime.shm_allreduce import group_buffers, resolve_mode
+
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         device_type = "cpu"          # one GPU: nothing to link; the host path is what exists
+    pair = ParallelLayout(tp=2, pp=1, dp=1, layers_per_stage=(1,))
+    shm_buffer = group_buffers([pair], device_type, tp_all_reduce).get((0, 1))
     sizes = QUICK_SIZES if quick else SIZES
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, store.port, device_type, sizes,
-                                                  3 if quick else repeats, queue), daemon=True)
+                                                  3 if quick else repeats, queue, shm_buffer),
+                         daemon=True)
              for r in range(2)]
     for proc in procs:
         proc.start()
@@ -94,4 +112,5 @@ def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 
     nbytes = [r[0] for r in rows]
     return {"p2p": fit_link(nbytes, [r[1] for r in rows]),
             "allreduce": {**fit_link(nbytes, [r[2] for r in rows]), "ranks": 2},
-            "points": [list(r) for r in rows], "backend": "nccl" if device_type == "cuda" else "gloo"}
+            "points": [list(r) for r in rows], "backend": "nccl" if device_type == "cuda" else "gloo",
+            "allreduce_backend": resolve_mode(device_type, tp_all_reduce)}

@@ -300,7 +300,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                       "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6)}
         kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
     progress("point-to-point and all-reduce between two processes")
-    links = profile_links(device.type, quick=quick)
+    links = profile_links(device.type, quick=quick, tp_all_reduce=config.parallel.tp_all_reduce)
     hardware = {"device": device.type, "cores": cores, "machine": platform.machine(),
                 "processor": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
