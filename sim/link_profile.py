@@ -24,6 +24,14 @@ TIMEOUT = datetime.timedelta(seconds=300)
 
 def _rank_main(rank: int, port: int, device_type: str, sizes, repeats: int, queue,
                shm_buffer=None) -> None:
+    try:
+        _measure(rank, port, device_type, sizes, repeats, queue, shm_buffer)
+    except BaseException as exc:  # noqa: BLE001 - reported, so the profiler fails instead of waiting
+        queue.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _measure(rank: int, port: int, device_type: str, sizes, repeats: int, queue, shm_buffer) -> None:
     backend = "nccl" if device_type == "cuda" else "gloo"
     shm = None
     if shm_buffer is not None:
@@ -104,6 +112,8 @@ def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 
         proc.start()
     try:
         rows = queue.get(timeout=TIMEOUT.total_seconds())
+        if rows and rows[0] == "error":
+            raise RuntimeError(f"link profile: rank {rows[1]} failed: {rows[2]}")
     finally:
         for proc in procs:
             proc.join(timeout=30)

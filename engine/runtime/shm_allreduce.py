@@ -53,6 +53,10 @@ class ShmAllReduce:
     calls in the same order (as with any collective); `generation` counts them."""
 
     def __init__(self, buffer: torch.Tensor, rank: int, world: int, timeout_s: float):
+        from ..kernels import load_native_kernels
+
+        if not load_native_kernels():   # built by the controller already: this loads the cache
+            raise RuntimeError("the shared-memory all-reduce needs the native CPU kernels")
         self.buffer, self.rank, self.world, self.timeout_s = buffer, rank, world, timeout_s
         self.generation = 0
         self.calls = 0
