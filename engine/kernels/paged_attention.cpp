@@ -230,8 +230,10 @@ void attend_item_avx2(const float* q, float* out, const float* kc, const float* 
 // then the V pass. Each pass visits the (sequence, block) pairs in physical block order, not
 // sequence by sequence: sequences that grow in lockstep (a batch decoding together) get their
 // blocks interleaved by the allocator, so physical order turns scattered 12 KB reads into long
-// runs the hardware prefetcher follows (measured 1.5x faster than per-sequence order at 139
-// tokens of context on a 2-core AVX2 machine), and is no worse when the blocks are scattered.
+// runs the hardware prefetcher follows, and is no worse when the blocks are scattered (on a
+// 2-core AVX2 machine, 128 sequences at 139 tokens of context, 30 layers, KV from DRAM: 30.9 ms
+// a step against attend_item_avx2's 46.4 ms on the lockstep layout, 55 ms for both on random
+// blocks). The per-thread scratch (scores and accumulators) is kept between calls.
 // block_size and D multiples of 8.
 struct DecodeSeq {
   const float* q;    // [heads, D] at q_head_stride

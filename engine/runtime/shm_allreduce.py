@@ -59,7 +59,6 @@ class ShmAllReduce:
             raise RuntimeError("the shared-memory all-reduce needs the native CPU kernels")
         self.buffer, self.rank, self.world, self.timeout_s = buffer, rank, world, timeout_s
         self.generation = 0
-        self.calls = 0
 
     @staticmethod
     def accepts(t: torch.Tensor) -> bool:
@@ -69,7 +68,6 @@ class ShmAllReduce:
         """Sums `t` over the group in place; every rank gets the same bits."""
         self.generation = torch.ops.batchinfer.shm_all_reduce_(
             t, self.buffer, self.rank, self.world, self.generation, self.timeout_s)
-        self.calls += 1
         return t
 
 
