@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -11,6 +10,7 @@ import torch
 
 from .attention import select_backend
 from .config import EngineConfig, ModelConfig
+from .cpu_binding import allowed_cpus, bind_compute_threads
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
@@ -124,7 +124,8 @@ def model_source(model_cfg: ModelConfig) -> ModelSource:
 def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
     if device.type == "cpu":
-        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        bind_compute_threads(config.device.bind_threads,
+                             config.device.num_threads or len(allowed_cpus()))
     dtype = resolve_dtype(config.model.dtype, device)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     source = model_source(config.model)

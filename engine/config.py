@@ -82,6 +82,10 @@ class DeviceConfig(_Strict):
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads; default all cores")
     attention_backend: Literal["auto", "native", "torch"] = Field(
         "auto", description="native: compiled CPU paged-attention kernel; torch: portable path")
+    bind_threads: Literal["auto", "none"] = Field(
+        "none", description="auto: on CPU pin each compute thread to its own core (each worker "
+                            "process its own run of cores among those the job may use); none: "
+                            "leave placement to the OS")
 
 
 class ParallelConfig(_Strict):

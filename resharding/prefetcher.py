@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from batchinfer.engine.cpu_binding import release_helper_thread
+
 from .kv_store import ShardView, swap_in, swap_out
 
 
@@ -62,6 +64,7 @@ class Prefetcher:
             raise RuntimeError(f"KV prefetcher failed: {self._error!r}") from self._error
 
     def _loop(self) -> None:
+        release_helper_thread()
         with torch.inference_mode():
             while True:
                 task = self._queue.get()

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from batchinfer.engine.cpu_binding import release_helper_thread
+
 
 @dataclass
 class SlotStats:
@@ -100,6 +102,7 @@ class WeightSlots:
 
     # --- the prefetch / housekeeper thread -------------------------------------------------------
     def _prefetch(self) -> None:
+        release_helper_thread()
         layer_bytes = self.store.layer_bytes()
         position = 0
         while True:

@@ -93,6 +93,7 @@ def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 
     """-> {"p2p": {latency_s, bytes_per_s}, "allreduce": {latency_s, bytes_per_s, ranks: 2},
     "points": [[bytes, p2p_s, allreduce_s], ...], "backend", "allreduce_backend"}.
     tp_all_reduce: the recipe's parallel.tp_all_reduce."""
+    from batchinfer.engine.cpu_binding import unpinned
     from batchinfer.engine.runtime.layout import ParallelLayout
     from batchinfer.engine.runtime.shm_allreduce import group_buffers, resolve_mode
 
@@ -108,8 +109,9 @@ def profile_links(device_type: str = "cpu", quick: bool = False, repeats: int = 
                                                   3 if quick else repeats, queue, shm_buffer),
                          daemon=True)
              for r in range(2)]
-    for proc in procs:
-        proc.start()
+    with unpinned():
+        for proc in procs:
+            proc.start()
     try:
         rows = queue.get(timeout=TIMEOUT.total_seconds())
         if rows and rows[0] == "error":

@@ -11,6 +11,8 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# engines built in this process must not pin its threads (tests/test_cpu_binding.py pins in a child)
+os.environ.setdefault("BATCHINFER_BIND_THREADS", "none")
 logging.getLogger("batchinfer").setLevel(logging.WARNING)
 
 

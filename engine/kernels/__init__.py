@@ -23,7 +23,7 @@ _DIR = Path(__file__).parent
 #   and calling libmvec's vector expf for some std::exp. Their vector code uses intrinsics.
 _BUILDS = {
     "model": ([_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp", _DIR / "blocked_linear.cpp",
-               _DIR / "shm_allreduce.cpp"],
+               _DIR / "shm_allreduce.cpp", _DIR / "thread_binding.cpp"],
               ["-O3", "-ffast-math", "-fopenmp"]),
     "sampling": ([_DIR / "sampling.cpp", _DIR / "sampling_columns.cpp"],
                  ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",

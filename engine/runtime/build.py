@@ -115,7 +115,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
         seed=config.model.seed, dtype=str(setup.dtype).replace("torch.", ""),
         device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
-        block_size=config.cache.block_size, threads=threads, attention_backend=setup.backend_name,
+        block_size=config.cache.block_size, threads=threads,
+        bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers, **extra,
         **(rank_extra or {}).get(r, {}))

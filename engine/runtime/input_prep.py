@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from ..attention import METADATA_DTYPES, AttentionMetadata
+from ..cpu_binding import release_helper_thread
 from ..step_plan import INPUT_DTYPES, ModelInputs, StepPlan, input_lists
 
 
@@ -115,6 +116,7 @@ class TokenSafeInputs:
         self._thread.join(timeout=5.0)
 
     def _cpu_executor(self) -> None:
+        release_helper_thread()
         while True:
             with self._cond:
                 while not self._closed and not (self._schedules and self.ci == self.gi):

@@ -17,6 +17,7 @@ from collections import defaultdict, deque
 from multiprocessing.connection import Connection, wait
 from typing import Optional
 
+from ..cpu_binding import unpinned
 from .timeline import PipelineStats
 
 log = logging.getLogger("batchinfer")
@@ -74,7 +75,8 @@ class WorkerPool:
             spec.store_port = self.store.port
             proc = ctx.Process(target=entry_target, args=(spec, child), daemon=True,
                                name=f"batchinfer-rank{spec.rank}")
-            proc.start()
+            with unpinned():
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

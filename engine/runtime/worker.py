@@ -48,6 +48,7 @@ class WorkerSpec:
     num_blocks: int
     block_size: int
     threads: int
+    bind_threads: str           # device.bind_threads: auto | none
     attention_backend: str
     vocab_size: int
     eos_token_ids: tuple
@@ -147,12 +148,16 @@ class Worker:
 
         spec, layout = self.spec, self.layout
         ready_extra: dict = {}
-        torch.set_num_threads(spec.threads)
         if spec.device == "cuda":
+            torch.set_num_threads(spec.threads)
             local = spec.rank % max(torch.cuda.device_count(), 1)
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
         else:
+            from ..cpu_binding import bind_compute_threads
+
+            bind_compute_threads(spec.bind_threads, spec.threads, slot=spec.rank,
+                                 slots=layout.world_size)
             self.device = torch.device("cpu")
         store = dist.TCPStore("127.0.0.1", spec.store_port, None, False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
