@@ -70,7 +70,9 @@ def bind_compute_threads(mode: str, threads: int, slot: int = 0, slots: int = 1)
     if not load_native_kernels():
         log.info("compute threads not pinned: the native kernels are unavailable")
         return None
-    torch.ops.batchinfer.bind_threads(cpus)
+    if torch.ops.batchinfer.bind_threads(cpus) < len(cpus):
+        log.warning("only some compute threads could be pinned to CPUs %s (the thread pool ran "
+                    "a smaller team)", ",".join(map(str, cpus)))
     _pinned = list(cpus)
     log.info("compute threads pinned to CPUs %s", ",".join(map(str, cpus)))
     return cpus
@@ -92,7 +94,7 @@ def release_helper_thread() -> None:
 def unpinned() -> Iterator[None]:
     """Starts processes inside this: the calling thread has this process's original CPUs for the
     while (a spawned process inherits its parent thread's CPU set)."""
-    if not _pinned or _process_cpus is None or not hasattr(os, "sched_getaffinity"):
+    if not _pinned:
         yield
         return
     pinned = os.sched_getaffinity(0)
