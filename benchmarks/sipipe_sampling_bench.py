@@ -6,11 +6,13 @@ V = 49,152 (SmolLM2's vocabulary), prompts of --prompt-len tokens and outputs th
 --output-len tokens and grow by one per step. Per step, each method turns [B, V] logits into B
 tokens:
 
-- naive: vLLM's sampler: gather every sequence's prompt and output tokens into padded tensors,
-  build the [B, V] count and seen tensors from scratch, apply the penalties, then the torch
-  filters (engine/sampler.py's portable path);
-- default: this engine's row sampler on CPU (the same per-step gathering, penalties on the seen
-  tokens only and the fused row kernel: kernels/sampling.cpp);
+- naive: vLLM's sampler: nothing kept across steps, so every sequence's prompt and output tokens
+  are gathered into padded tensors from the Python lists, the [B, V] count and seen tensors built
+  from scratch, the penalties applied, then the torch filters (engine/sampler.py's portable
+  path, a fresh Sampler each step);
+- default: this engine's row sampler on CPU (the padded tokens copied from the arrays it keeps
+  per request, engine/token_history.py; penalties on the seen tokens only and the fused row
+  kernel: kernels/sampling.cpp);
 - column: SiPipe's column-wise replica (sipipe/column_sampler.py): logits arrive [V, B], the
   penalty buffers are updated with only the B new tokens, the column kernels run in place.
 The logits are fresh random numbers each step (a copy, outside the timing); the time of a step
@@ -49,13 +51,15 @@ def _sequences(batch: int, prompt_len: int, output_len: int, rng: random.Random)
     return seqs
 
 
-def _row_method(seqs, native: bool, logits_steps) -> list[float]:
+def _row_method(seqs, native: bool, logits_steps, keep_state: bool = True) -> list[float]:
     from batchinfer.engine.sampler import Sampler
 
     sampler = Sampler(VOCAB, (0,), torch.device("cpu"), native_kernels=native)
     times = []
     for logits in logits_steps:
         start = time.perf_counter()
+        if not keep_state:                    # nothing kept across steps (vLLM's)
+            sampler = Sampler(VOCAB, (0,), torch.device("cpu"), native_kernels=native)
         tokens, _ = sampler.sample(logits, sampler.prepare(seqs))
         for seq, token in zip(seqs, tokens.tolist()):
             seq.output_token_ids.append(token)
@@ -110,7 +114,7 @@ def main() -> None:
         steps = args.steps + 2
         logits = [torch.randn(batch, VOCAB, generator=gen) * 3 for _ in range(steps)]
         row = {"batch": batch, "vocab": VOCAB}
-        methods = {"naive": lambda s, lg: _row_method(s, False, lg),
+        methods = {"naive": lambda s, lg: _row_method(s, False, lg, keep_state=False),
                    "default": lambda s, lg: _row_method(s, native, lg),
                    "column": lambda s, lg: _column_method(
                        s, native, lg, args.output_len + steps + 1)}

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .request import Sequence
+from .token_history import TokenHistory
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,11 +57,6 @@ class SamplingBatch:
     max_logprobs: int                    # 0 when no row wants logprobs
 
 
-def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-
-
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
                  seed: int = 0, native_kernels: bool = False):
@@ -70,9 +66,11 @@ class Sampler:
         self.native = native_kernels
         self._rng = random.Random(seed)
         self._seeds: dict[str, int] = {}
+        self._history = TokenHistory()
 
     def release(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
+        self._history.release(request_id)
 
     def _seed_of(self, seq: Sequence) -> int:
         seed = seq.request.sampling.seed
@@ -96,14 +94,14 @@ class Sampler:
         penalty_fields: dict = dict(penalty_rows=None, repetition=None, frequency=None,
                                     presence=None, prompt_tokens=None, output_tokens=None)
         if pen:
-            vocab = self.vocab_size
+            prompt_tokens, output_tokens = self._history.padded([seqs[i] for i in pen],
+                                                                self.vocab_size, dev)
             penalty_fields = dict(
                 penalty_rows=torch.tensor(pen, dtype=torch.long, device=dev),
                 repetition=torch.tensor([params[i].repetition_penalty for i in pen], device=dev),
                 frequency=torch.tensor([params[i].frequency_penalty for i in pen], device=dev),
                 presence=torch.tensor([params[i].presence_penalty for i in pen], device=dev),
-                prompt_tokens=_padded([seqs[i].request.prompt_token_ids for i in pen], vocab, dev),
-                output_tokens=_padded([seqs[i].output_token_ids for i in pen], vocab, dev),
+                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
             )
         under_min = [i for i, (s, p) in enumerate(zip(seqs, params))
                      if len(s.output_token_ids) < p.min_tokens]

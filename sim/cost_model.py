@@ -3,7 +3,8 @@
 A micro-batch is reduced to its `BatchShape` (token and sequence counts, the context its decode
 queries read, the query x key pairs of its prefill chunks, the rows that sample). A cost model
 prices one pipeline stage running that shape over its layers (`stage_seconds`), the activations a
-stage hands the next one (`transfer_seconds`), the controller's own work per step, copies
+stage hands the next one (`transfer_seconds`), the controller's own work per step, a rank's
+input preparation before its forward, copies
 between device and host memory (Seesaw), a CPU sampler's work (SiPipe), and SiDP's pieces: one
 layer's FFN alone, a remote FFN layer's weights read into a weight slot, a point-to-point message.
 Two implementations: `MeasuredCostModel` (a profile of this machine, sim/profile_table.py) and
@@ -33,16 +34,20 @@ class BatchShape:
     decode_context: int       # sum of the context lengths that decode queries read
     prefill_pairs: float      # sum over prefill chunks of query x key pairs (causal)
     sample_rows: int
+    random_rows: int = 0      # sampled rows that are not greedy (temperature > 0)
+    penalty_tokens: int = 0   # prompt + output tokens of the sampled rows with penalties
+    context_tokens: int = 0   # sum of the sequences' lengths after the step (block-table size)
 
     @classmethod
     def of(cls, batch: MicroBatch) -> "BatchShape":
         """Valid before the engine applies the step (it reads the sequences' progress)."""
-        tokens = context = rows = decodes = 0
+        tokens = context = rows = decodes = random_rows = penalty_tokens = total = 0
         pairs = 0.0
         for item in batch.items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             tokens += n
+            total += start + n
             if item.is_decode:
                 decodes += 1
                 context += start + 1
@@ -50,7 +55,13 @@ class BatchShape:
                 pairs += n * (start + (n + 1) / 2)
             if item.samples:
                 rows += 1
-        return cls(tokens, len(batch.items), decodes, context, pairs, rows)
+                sampling = seq.request.sampling
+                if not sampling.greedy:
+                    random_rows += 1
+                if sampling.uses_penalties:
+                    penalty_tokens += seq.prompt_len + len(seq.output_token_ids)
+        return cls(tokens, len(batch.items), decodes, context, pairs, rows, random_rows,
+                   penalty_tokens, total)
 
 
 class CostModel(Protocol):
@@ -60,7 +71,8 @@ class CostModel(Protocol):
 
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
                       threads: int, sample: bool = True) -> float: ...
-    def cpu_sample_seconds(self, rows: int) -> float: ...
+    def cpu_sample_seconds(self, rows: int, threads: int = 1) -> float: ...
+    def input_prep_seconds(self, shape: BatchShape) -> float: ...
     def transfer_seconds(self, tokens: int) -> float: ...
     def controller_seconds(self, seqs: int) -> float: ...
     def host_copy_seconds(self, nbytes: float) -> float: ...
@@ -117,9 +129,15 @@ class MeasuredCostModel:
                 seconds += interpolate(comp.sampling, shape.sample_rows)
         return seconds
 
-    def cpu_sample_seconds(self, rows: int) -> float:
-        """The sampler alone, on one thread (a SiPipe sampler process)."""
+    def cpu_sample_seconds(self, rows: int, threads: int = 1) -> float:
+        """The sampler alone, on one thread (a SiPipe sampler process; the profile has the
+        sampler at one thread only, so `threads` is not priced)."""
         return interpolate(self.table.rank_compute(self._sampling_threads).sampling, rows)
+
+    def input_prep_seconds(self, shape: BatchShape) -> float:
+        """Nothing on top of the forward: the profiled forward times (the in-process executor's
+        forward_s) include building the model inputs."""
+        return 0.0
 
     def transfer_seconds(self, tokens: int) -> float:
         nbytes = ACTIVATIONS_PER_TOKEN * tokens * self.hidden_size * self.dtype_bytes

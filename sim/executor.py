@@ -56,12 +56,17 @@ class _InFlight:
 class SimulatedExecutor:
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
                  tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
-                 cpu_samplers: int = 0, structure_aware: bool = True):
+                 cpu_samplers: int = 0, structure_aware: bool = True, token_safe: bool = False,
+                 sampler_threads: int = 1):
         """register: on the clock (False for a pipeline another executor wraps, which
-        reports its events for it). SiPipe's mechanisms: `cpu_samplers` > 0 samples on that many
-        CPU sampler lanes (micro-batch n on lane n mod p) after the last stage's LM head, beside
-        the next micro-batches' forwards; `structure_aware` False sends each hand-off's metadata
-        first (two more messages) and blocks the sender until the receiver takes it."""
+        reports its events for it). Every stage prepares its inputs (cost.input_prep_seconds)
+        before its forward on the rank's thread. SiPipe's mechanisms: `cpu_samplers` > 0 samples
+        on that many CPU sampler lanes of `sampler_threads` cores each (micro-batch n on lane
+        n mod p) after the last stage's LM head, beside the next micro-batches' forwards;
+        `structure_aware` False sends each hand-off's metadata first (two more messages) and
+        blocks the sender until the receiver takes it; `token_safe` prepares each stage's inputs
+        on a thread of its own as soon as the plan exists, into the buffer of the micro-batch
+        two back (free once that forward ended), so the forward waits only for what is left."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -74,6 +79,9 @@ class SimulatedExecutor:
         self._next_mb = 0
         self.cpu_samplers, self.structure_aware = cpu_samplers, structure_aware
         self._sampler_free_at = [0.0] * cpu_samplers
+        self.token_safe, self.sampler_threads = token_safe, sampler_threads
+        self._prep_free_at = [0.0] * self.pp
+        self._forward_ends: list[deque[float]] = [deque(maxlen=2) for _ in range(self.pp)]
         self._last_done = 0.0
         self.events: list[dict] = []
         self.record_events = True
@@ -96,10 +104,11 @@ class SimulatedExecutor:
     def submit(self, batch: MicroBatch) -> None:
         shape = BatchShape.of(batch)
         self.clock.advance(self.cost.controller_seconds(shape.seqs))
-        t = self.clock.now
+        t = planned = self.clock.now
         mb_id, self._next_mb = self._next_mb, self._next_mb + 1
         forward = sample = 0.0
         on_cpu = self.cpu_samplers > 0
+        prep = self.cost.input_prep_seconds(shape)
         for stage, layers in enumerate(self.layers_per_stage):
             last = stage == self.pp - 1
             if stage > 0:
@@ -109,10 +118,12 @@ class SimulatedExecutor:
             start = max(t, self._free_at[stage])
             if stage > 0 and not self.structure_aware:      # the sender waits for the receiver
                 self._free_at[stage - 1] = max(self._free_at[stage - 1], start)
+            start = self._inputs_ready(stage, start, planned, prep)
             seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads,
                                               sample=not on_cpu)
             end = start + seconds
             self._free_at[stage] = end
+            self._forward_ends[stage].append(end)
             self._busy[stage] += seconds
             self._micro_batches[stage] += 1
             forward += seconds
@@ -127,11 +138,21 @@ class SimulatedExecutor:
             lane = mb_id % self.cpu_samplers
             start = max(t + self.cost.host_copy_seconds(shape.sample_rows * self.cost.logits_bytes),
                         self._sampler_free_at[lane])
-            sample = self.cost.cpu_sample_seconds(shape.sample_rows)
+            sample = self.cost.cpu_sample_seconds(shape.sample_rows, self.sampler_threads)
             t = self._sampler_free_at[lane] = start + sample
         t = self._last_done = max(t, self._last_done)        # results come back in order
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
+
+    def _inputs_ready(self, stage: int, start: float, planned: float, prep: float) -> float:
+        """When `stage` can start a forward it could otherwise start at `start`."""
+        if not self.token_safe:
+            return start + prep                              # on the rank's thread, first
+        ends = self._forward_ends[stage]
+        buffer_free = ends[0] if len(ends) == 2 else 0.0
+        ready = max(planned, self._prep_free_at[stage], buffer_free) + prep
+        self._prep_free_at[stage] = ready
+        return max(start, ready)
 
     @property
     def window(self) -> Optional[tuple[float, float]]:

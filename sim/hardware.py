@@ -10,9 +10,14 @@ peak and its bytes (the rank's weight shard, the KV its decode queries read) at
 MEMORY_EFFICIENCY x bandwidth, plus a fixed per-layer launch overhead; under TP, two
 all-reduces of the micro-batch's hidden states per layer at the preset's all-reduce bandwidth
 (TD-Pipe's definition: tensor bytes / all-reduce time). The last stage adds the LM head (same
-roofline) and sampling (a few passes over the logits). Host copies (Seesaw's KV tier and weight
-reloads, SiPipe's logits) go over the preset's PCIe link to the host. Efficiencies and overheads
-are stated assumptions, the same for every preset, so rankings come from the specs.
+roofline) and this engine's default sampler: its host work before the kernels, then what its
+portable kernels move through the GPU's memory plus a launch each. Every stage prepares its
+model inputs on the host before its forward (SiPipe's token-safe execution moves that off the
+critical path). Host copies (Seesaw's KV tier and weight reloads, SiPipe's logits) go over the
+preset's PCIe link to the host. Efficiencies and overheads are stated assumptions, the same for
+every preset, so rankings come from the specs; the host-side costs are this engine's, measured
+on the project's 2-core CPU host (benchmarks/host_costs.py), and the GPU hosts' cores are assumed
+to run them as fast.
 """
 from __future__ import annotations
 
@@ -66,8 +71,19 @@ COMPUTE_EFFICIENCY = 0.6       # achieved share of the tensor-core peak in large
 MEMORY_EFFICIENCY = 0.8        # achieved share of the memory bandwidth
 LAYER_OVERHEAD_S = 20e-6       # kernel launches and small ops per decoder layer
 LINK_LATENCY_S = 20e-6         # per p2p transfer / all-reduce step
-SAMPLING_PASSES = 4            # softmax, top-k/p and friends read the logits a few times
-HOST_SAMPLING_BANDWIDTH = 20 * GB   # what one CPU sampler process streams (DDR5 host, assumed)
+KERNEL_LAUNCH_S = 5e-6         # one eager PyTorch op's dispatch and launch (assumed)
+
+# Measured by `python benchmarks/host_costs.py --repeats 21` (2026-11-24, the project's 2-core
+# AVX2 host; two runs, their fits averaged).
+INPUT_PREP_PER_STEP_S = 2.2e-4      # a StepPlan into the versioned input buffers
+INPUT_PREP_PER_SEQ_S = 1.3e-6
+INPUT_PREP_PER_BLOCK_S = 1.2e-7     # per block-table entry
+INPUT_BLOCK_SIZE = 16               # the engine's default block size (block-table entries)
+SAMPLER_PREPARE_PER_ROW_S = 9.5e-6  # Sampler.prepare: per-row parameters
+SAMPLER_PREPARE_PER_PENALTY_TOKEN_S = 3e-9     # ... copying the kept tokens of penalty rows
+SAMPLER_BYTES_PER_LOGIT = {"greedy": 12.0, "full": 340.0}   # portable kernels' memory traffic
+SAMPLER_KERNELS = {"greedy": 2, "full": 61}                  # ... and their op count
+COLUMN_SAMPLER_S_PER_LOGIT = 3.4e-9  # SiPipe's column-wise sampler, one thread, every knob on
 CONTROLLER_PER_STEP_S = 1e-3   # this engine's Python controller per micro-batch
 CONTROLLER_PER_SEQ_S = 5e-6
 
@@ -115,16 +131,31 @@ class RooflineCostModel:
         v, h = self.arch.vocab_size, self.arch.hidden_size
         return self._roofline(2 * v * h * rows / tp, v * h * self.dtype_bytes / tp)
 
-    def sample_seconds(self, rows: int, bandwidth: float = 0.0) -> float:
-        """The sampler: a few passes over the fp32 logits (on the GPU, or at `bandwidth`)."""
+    def sample_seconds(self, shape: BatchShape) -> float:
+        """The default sampler on the GPU for the shape's sampled rows: its host work
+        (Sampler.prepare), then its portable kernels (memory traffic and launches); greedy-only
+        batches take the argmax path."""
+        rows = shape.sample_rows
         if rows <= 0:
             return 0.0
-        return (SAMPLING_PASSES * rows * self.logits_bytes / (bandwidth or self.bandwidth)
-                + LAYER_OVERHEAD_S)
+        kind = "full" if shape.random_rows or shape.penalty_tokens else "greedy"
+        host = (SAMPLER_PREPARE_PER_ROW_S * rows
+                + SAMPLER_PREPARE_PER_PENALTY_TOKEN_S * shape.penalty_tokens)
+        device = (SAMPLER_BYTES_PER_LOGIT[kind] * rows * self.arch.vocab_size / self.bandwidth
+                  + SAMPLER_KERNELS[kind] * KERNEL_LAUNCH_S)
+        return host + device
 
-    def cpu_sample_seconds(self, rows: int) -> float:
-        """One of SiPipe's CPU sampler processes."""
-        return self.sample_seconds(rows, HOST_SAMPLING_BANDWIDTH)
+    def cpu_sample_seconds(self, rows: int, threads: int = 1) -> float:
+        """One of SiPipe's CPU sampler processes (column-wise, incremental) on `threads` cores."""
+        if rows <= 0:
+            return 0.0
+        return COLUMN_SAMPLER_S_PER_LOGIT * rows * self.arch.vocab_size / max(threads, 1)
+
+    def input_prep_seconds(self, shape: BatchShape) -> float:
+        """A rank turning the step's plan into its model inputs, on the host."""
+        blocks = -(-shape.context_tokens // INPUT_BLOCK_SIZE)
+        return (INPUT_PREP_PER_STEP_S + INPUT_PREP_PER_SEQ_S * shape.seqs
+                + INPUT_PREP_PER_BLOCK_S * blocks)
 
     # --- the CostModel protocol -------------------------------------------------------------------
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,
@@ -136,7 +167,7 @@ class RooflineCostModel:
         if last:
             seconds += self.head_seconds(shape.sample_rows, tp)
             if sample:
-                seconds += self.sample_seconds(shape.sample_rows)
+                seconds += self.sample_seconds(shape)
         return seconds
 
     def transfer_seconds(self, tokens: int) -> float:

@@ -16,6 +16,7 @@ import yaml
 from batchinfer.engine.errors import ConfigError
 
 from .search import Candidate, candidates, run_search
+from .simulator import sampling_knobs
 from .workload import Workload, load_workload
 
 TABLE_FILE, RANKING_FILE, RECIPE_FILE = "profile_table.json", "ranking.json", "best_recipe.yaml"
@@ -130,7 +131,8 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
     ranked = run_search(recipe.engine_config(), cands, workload.requests, setup.cost, setup.arch,
                         max_len, setup.dtype_bytes, setup.cores,
                         lambda c, done, total: progress(
-                            f"simulated {c.label} tp={c.tp} pp={c.pp} dp={c.dp}", done, total))
+                            f"simulated {c.label} tp={c.tp} pp={c.pp} dp={c.dp}", done, total),
+                        sampling=sampling_knobs(recipe.sampling))
     best = ranked[0] if ranked and ranked[0].result is not None else None
     text = None
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,9 @@ core is a candidate too); TP needs head counts it divides, PP at most one stage 
 Strategies: the baselines SB and HB at any layout, TD-Pipe and gLLM under PP (they are pipeline
 schedules), SiDP (HB batching) where replicas are single ranks (tp 1, pp 1, dp >= 2), and the
 recipe's own strategy with its parameters (SiPipe, Seesaw: simulated when the
-recipe names them; SiPipe's gains come largely from per-step CPU overheads the cost models do
-not price, so it is not offered on its own). Batching knobs (max_num_seqs, the
+recipe names them; SiPipe's gains come from per-step host work that only the GPU presets price
+apart from the forward, and its sampler cores are the recipe's to give, so it is not offered on
+its own). Batching knobs (max_num_seqs, the
 token budget) come from the recipe. A layout the cost model or the engine rejects (the KV cache
 cannot hold max_model_len, ...) is listed with its reason instead of a number.
 """
@@ -105,14 +106,15 @@ def candidate_config(base: EngineConfig, cand: Candidate) -> EngineConfig:
 
 def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimRequest], cost,
                arch, max_model_len: int, dtype_bytes: int, cores: int,
-               progress: Optional[Callable[[Candidate, int, int], None]] = None
-               ) -> list[Candidate]:
-    """Simulates each candidate; -> the simulated ones best first, then the skipped ones.
+               progress: Optional[Callable[[Candidate, int, int], None]] = None,
+               sampling: Optional[dict] = None) -> list[Candidate]:
+    """Simulates each candidate, every request sampling with `sampling` (SamplingParams fields;
+    greedy when None); -> the simulated ones best first, then the skipped ones.
     progress(candidate, done, total) after each."""
     for done, cand in enumerate(cands, 1):
         try:
             cand.result = simulate(candidate_config(base, cand), requests, cost, arch,
-                                   max_model_len, dtype_bytes, cores)
+                                   max_model_len, dtype_bytes, cores, sampling)
         except (ConfigError, ValueError) as exc:
             cand.skipped = str(exc).splitlines()[0]
         if progress is not None:

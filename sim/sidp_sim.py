@@ -236,7 +236,8 @@ class SiDPGroup:
         shape = BatchShape.of(batch)
         start = max(self.clock.now, executor.free_at)
         ffn_s = self._ffn_s(shape.tokens)
-        end, busy = self._was_forward(replica, start, self._layer_s(shape) - ffn_s, ffn_s,
+        inputs_at = start + self.cost.input_prep_seconds(shape)     # on the rank's thread
+        end, busy = self._was_forward(replica, inputs_at, self._layer_s(shape) - ffn_s, ffn_s,
                                       executor.forward_passes, self.reads[replica],
                                       self.overlapped_reads)
         executor.forward_passes += 1
@@ -245,8 +246,10 @@ class SiDPGroup:
 
     def run_round(self, plans: dict[int, MicroBatch], rows: list[int]) -> None:
         start = max([self.clock.now] + [e.free_at for e in self.executors])
-        t, busy = [start] * self.dp, [0.0] * self.dp
         shapes = {r: BatchShape.of(batch) for r, batch in plans.items()}
+        t = [start + (self.cost.input_prep_seconds(shapes[r]) if r in shapes else 0.0)
+             for r in range(self.dp)]
+        busy = [0.0] * self.dp
         attn = {r: self._layer_s(s) - self._ffn_s(s.tokens) for r, s in shapes.items()}
         for layer, owner in enumerate(self.owners):
             for r, seconds in attn.items():

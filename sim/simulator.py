@@ -156,13 +156,16 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
 
 
 def _sipipe_options(strategy, layout: ParallelLayout) -> dict:
-    """SiPipe's executor switches: p CPU samplers (one per pipeline stage, as sipipe/build.py
-    starts them) and structure-aware hand-offs. Token-safe execution overlaps input preparation,
-    which the cost model does not separate from the forward: not modelled."""
+    """SiPipe's executor switches: p CPU samplers of sampler_threads cores each (one per
+    pipeline stage, as sipipe/build.py starts them), structure-aware hand-offs and token-safe
+    input preparation (priced where the cost model separates input preparation from the
+    forward: the GPU presets; a measured CPU profile has it inside the forward)."""
     if strategy is None or strategy.name != "sipipe":
         return {}
     return {"cpu_samplers": layout.pp if strategy.cpu_sampling else 0,
-            "structure_aware": strategy.structure_aware_transmission}
+            "sampler_threads": strategy.sampler_threads,
+            "structure_aware": strategy.structure_aware_transmission,
+            "token_safe": strategy.token_safe_execution}
 
 
 @contextlib.contextmanager
@@ -176,17 +179,30 @@ def _quiet(name: str):
         logger.setLevel(level)
 
 
+SAMPLER_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty")
+
+
+def sampling_knobs(params: SamplingParams) -> dict:
+    """The fields of `params` a cost model prices the sampler by (a recipe's sampling)."""
+    return {name: getattr(params, name) for name in SAMPLER_KNOBS}
+
+
 def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, arch: ModelArch,
-             max_model_len: int, dtype_bytes: int, cores: int = 1) -> SimResult:
+             max_model_len: int, dtype_bytes: int, cores: int = 1,
+             sampling: Optional[dict] = None) -> SimResult:
     """Runs every request to its output length (all submitted at time 0, as `batchinfer run` and
-    `vllm bench throughput` do) and reports the virtual throughput."""
+    `vllm bench throughput` do) and reports the virtual throughput. `sampling`: SamplingParams
+    fields every request samples with (greedy when not given); cost models that price the
+    sampler by its knobs read them."""
+    knobs = dict(sampling) if sampling is not None else {"temperature": 0.0}
     engine = simulated_engine(config, cost, arch, max_model_len, dtype_bytes, cores)
     failed = 0
     start = engine.now()
     for i, req in enumerate(requests):
         request = Request(f"sim-{i}", [FILLER_PROMPT_TOKEN] * req.prompt_len,
                           SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True,
-                                         temperature=0.0), arrival_index=i)
+                                         **knobs), arrival_index=i)
         request.predicted_output_len = req.predicted_len
         try:
             engine.add_request(request)

@@ -163,3 +163,36 @@ def test_logprobs_are_raw_log_softmax():
     seqs = [_seq("a", SamplingParams(temperature=0, logprobs=2)), _seq("b", SamplingParams(temperature=0))]
     tokens, info = sampler.sample(logits, sampler.prepare(seqs))
     assert torch.allclose(info["sampled"], ref.gather(1, tokens[:, None]).squeeze(1))
+
+
+def _padded_from_lists(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def test_kept_token_history_equals_padding_from_scratch_as_sequences_come_and_go():
+    import random
+
+    from batchinfer.engine.token_history import TokenHistory
+
+    rng = random.Random(0)
+    history, live, made = TokenHistory(), [], 0
+    for step in range(300):
+        if not live or rng.random() < 0.2:                    # a sequence joins
+            seq = Sequence(Request(f"r{made}", [rng.randrange(50) for _ in range(rng.randrange(1, 40))],
+                                   SamplingParams(presence_penalty=0.5)))
+            seq.output_token_ids.extend(rng.randrange(50) for _ in range(rng.randrange(0, 3)))
+            live.append(seq)
+            made += 1
+        if len(live) > 1 and rng.random() < 0.15:             # one finishes
+            history.release(live.pop(rng.randrange(len(live))).request_id)
+        if rng.random() < 0.05:                               # one restarts: other outputs, same id
+            seq = rng.choice(live)
+            seq.output_token_ids[:] = [50 + t for t in range(rng.randrange(0, 5))]
+        batch = rng.sample(live, rng.randrange(1, len(live) + 1))
+        prompt, output = history.padded(batch, 99, torch.device("cpu"))
+        assert torch.equal(prompt, _padded_from_lists([s.request.prompt_token_ids for s in batch], 99))
+        assert torch.equal(output, _padded_from_lists([s.output_token_ids for s in batch], 99))
+        for seq in live:
+            seq.output_token_ids.append(rng.randrange(50))
+    assert len(history) <= len(live)

@@ -38,8 +38,11 @@ class LinearCost:
         return layers * 0.5 * shape.tokens + (1.0 if last and shape.sample_rows and sample
                                               else 0.0)
 
-    def cpu_sample_seconds(self, rows):
+    def cpu_sample_seconds(self, rows, threads=1):
         return 1.0
+
+    def input_prep_seconds(self, shape):
+        return 0.0
 
     def transfer_seconds(self, tokens):
         return 0.25

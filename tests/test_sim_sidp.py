@@ -60,8 +60,11 @@ class SiDPCost:
     def host_copy_seconds(self, nbytes):
         return 0.5
 
-    def cpu_sample_seconds(self, rows):
+    def cpu_sample_seconds(self, rows, threads=1):
         return 1.0
+
+    def input_prep_seconds(self, shape):
+        return 0.0
 
 
 def _params(**overrides):

@@ -1,0 +1,131 @@
+"""The simulator's host-side work per step (SiPipe §3.1's bubbles): a rank's input preparation
+before its forward (or ahead of it, token-safe), the default sampler's host work and kernels on a
+GPU preset, SiPipe's CPU samplers on their cores, and the sampling knobs reaching the cost model."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.recipe import strategy_class
+from batchinfer.engine.request import Request, SamplingParams, Sequence
+from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
+from batchinfer.sim.cost_model import BatchShape
+from batchinfer.sim.executor import SimulatedExecutor, VirtualClock
+from batchinfer.sim.hardware import RooflineCostModel, preset
+from batchinfer.sim.model_presets import model_preset
+from batchinfer.sim.simulator import SimRequest, simulate, simulated_engine
+
+from tests.test_sim import ARCH, LinearCost, _drain, _prefill, _spans
+
+PAPER_KNOBS = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                   frequency_penalty=0.2, presence_penalty=0.1)
+
+
+class PrepCost(LinearCost):
+    """LinearCost plus `prep` seconds of input preparation per stage and micro-batch."""
+
+    def __init__(self, prep: float):
+        self.prep = prep
+
+    def input_prep_seconds(self, shape):
+        return self.prep
+
+
+def test_input_preparation_delays_every_forward_unless_token_safe():
+    """prep 0.5 s. Serial: a's stage 0 [0.6, 4.6], stage 1 [5.35, 10.35]; b's stage 0
+    [5.1, 7.1], stage 1 [10.85, 13.85]. Token-safe: each prepared from its plan on, so only a's
+    first stage waits: a [0.6, 4.6], [4.85, 9.85]; b [4.6, 6.6], [9.85, 12.85]."""
+    for token_safe, want_spans, want_done in (
+            (False, [(0, 0, 0.6, 4.6), (0, 1, 5.35, 10.35), (1, 0, 5.1, 7.1), (1, 1, 10.85, 13.85)],
+             [10.35, 13.85]),
+            (True, [(0, 0, 0.6, 4.6), (0, 1, 4.85, 9.85), (1, 0, 4.6, 6.6), (1, 1, 9.85, 12.85)],
+             [9.85, 12.85])):
+        clock = VirtualClock()
+        executor = SimulatedExecutor(clock, PrepCost(0.5), [2, 2], token_safe=token_safe)
+        executor.submit(_prefill(4, "a"))
+        executor.submit(_prefill(2, "b"))
+        assert _spans(executor) == [pytest.approx(s) for s in want_spans], token_safe
+        assert _drain(executor, clock) == pytest.approx(want_done), token_safe
+
+
+def test_token_safe_preparation_waits_for_the_buffer_two_micro_batches_back():
+    """One stage, prep 5 s. a (8 tokens, 17 s) runs [5.1, 22.1]; b (1 token, 3 s) is prepared
+    [5.1, 10.1] and runs [22.1, 25.1]; c may only be written into a's buffer once a's forward
+    ended (22.1): prepared [22.1, 27.1], it starts at 27.1, not when b ends."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock, PrepCost(5.0), [4], token_safe=True)
+    for name, tokens in (("a", 8), ("b", 1), ("c", 1)):
+        executor.submit(_prefill(tokens, name))
+    assert _spans(executor) == [pytest.approx(s) for s in [
+        (0, 0, 5.1, 22.1), (1, 0, 22.1, 25.1), (2, 0, 27.1, 30.1)]]
+
+
+def _decode_shape(rows: int, history: int, knobs: dict) -> BatchShape:
+    items = []
+    for i in range(rows):
+        seq = Sequence(Request(f"r{i}", [1] * (history - 1), SamplingParams(**knobs)))
+        seq.output_token_ids.append(2)
+        seq.num_computed_tokens = history - 1
+        items.append(ScheduledSeq(seq, 1))
+    return BatchShape.of(MicroBatch(items, phase="decode"))
+
+
+def test_batch_shape_counts_the_sampling_knobs_and_the_block_tables():
+    greedy = _decode_shape(4, 100, {"temperature": 0.0})
+    assert (greedy.random_rows, greedy.penalty_tokens, greedy.context_tokens) == (0, 0, 400)
+    full = _decode_shape(4, 100, PAPER_KNOBS)
+    assert (full.random_rows, full.penalty_tokens, full.context_tokens) == (4, 400, 400)
+
+
+def test_the_gpu_sampler_pays_its_host_work_per_penalty_token_and_cpu_samplers_split_rows():
+    cost = RooflineCostModel(preset("h100"), model_preset("qwen2.5-72b"))
+    greedy = cost.sample_seconds(_decode_shape(128, 500, {"temperature": 0.0}))
+    short = cost.sample_seconds(_decode_shape(128, 500, PAPER_KNOBS))
+    long = cost.sample_seconds(_decode_shape(128, 1500, PAPER_KNOBS))
+    longer = cost.sample_seconds(_decode_shape(128, 2500, PAPER_KNOBS))
+    assert 0 < greedy < short < long
+    assert longer - long == pytest.approx(long - short)       # linear in the history
+    assert cost.cpu_sample_seconds(128, 46) == pytest.approx(cost.cpu_sample_seconds(128) / 46)
+    few, many = (cost.input_prep_seconds(_decode_shape(n, 1000, {})) for n in (16, 128))
+    assert 0 < few < many
+
+
+def test_a_measured_profile_keeps_input_preparation_inside_the_forward():
+    from tests.test_sim import _table
+    from batchinfer.sim.cost_model import MeasuredCostModel
+
+    assert MeasuredCostModel(_table()).input_prep_seconds(_decode_shape(8, 64, {})) == 0.0
+
+
+def _sipipe_config(**switches) -> EngineConfig:
+    params = strategy_class("sipipe").model_validate({"name": "sipipe", **switches})
+    return EngineConfig(model={"max_model_len": 512}, cache={"kv_cache_memory": 1 << 20},
+                        parallel={"pp": 2}, scheduler=params.scheduler_config(), strategy=params)
+
+
+def test_sipipe_switches_reach_the_simulated_executor():
+    executor = simulated_engine(_sipipe_config(sampler_threads=3), LinearCost(), ARCH, 512,
+                                4).replicas[0].executor
+    assert (executor.cpu_samplers, executor.sampler_threads, executor.token_safe,
+            executor.structure_aware) == (2, 3, True, True)
+    executor = simulated_engine(_sipipe_config(cpu_sampling=False, token_safe_execution=False),
+                                LinearCost(), ARCH, 512, 4).replicas[0].executor
+    assert (executor.cpu_samplers, executor.token_safe) == (0, False)
+
+
+class KnobRecorder(LinearCost):
+    def __init__(self):
+        self.shapes = []
+
+    def stage_seconds(self, shape, layers, last, tp, threads, sample=True):
+        self.shapes.append(shape)
+        return super().stage_seconds(shape, layers, last, tp, threads, sample)
+
+
+def test_simulated_requests_sample_with_the_given_knobs():
+    config = EngineConfig(model={"max_model_len": 512}, cache={"kv_cache_memory": 1 << 20})
+    for sampling, random_rows in ((None, 0), (PAPER_KNOBS, 1)):
+        cost = KnobRecorder()
+        simulate(config, [SimRequest(4, 3)], cost, ARCH, 512, 4, sampling=sampling)
+        assert max(s.random_rows for s in cost.shapes) == random_rows
+        assert max(s.penalty_tokens for s in cost.shapes) == (6 if sampling else 0)
