@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
+from batchinfer.engine.timing import median_seconds
 from batchinfer.engine.model.fast_linear import PackedLinear, onednn_available
 
 
@@ -51,13 +50,7 @@ class _ModelGemms:
                     lin(x)
             self.head(x_head)
 
-        run()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(run, repeats)
 
 
 @torch.inference_mode()

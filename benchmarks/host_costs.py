@@ -25,24 +25,14 @@ import argparse
 import json
 import random
 import statistics
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchinfer.engine.timing import median_seconds
 from sipipe_sampling_bench import PARAMS, VOCAB, _column_method, _sequences
 
 BLOCK_SIZE = 16
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -65,7 +55,7 @@ def measure_input_prep(repeats: int) -> dict:
                             [[rng.randrange(100_000) for _ in range(width)] for _ in range(seqs)],
                             list(range(seqs)), [f"r{i}" for i in range(seqs)], [1] * seqs)
             inputs = VersionedInputs(BLOCK_SIZE, torch.device("cpu"))
-            s = _median_seconds(lambda: inputs.fill(0, plan), repeats)
+            s = median_seconds(lambda: inputs.fill(0, plan), repeats)
             points.append({"seqs": seqs, "context": context, "ms": round(s * 1e3, 4)})
             xs.append([1.0, seqs, seqs * width])
             ys.append(s)
@@ -87,7 +77,7 @@ def measure_sampler_prepare(repeats: int) -> dict:
                 for seq in seqs:
                     seq.output_token_ids.append(1)
                 sampler.prepare(seqs)
-            s = _median_seconds(step, repeats)
+            s = median_seconds(step, repeats)
             history = batch * (prompt_len + output_len)
             points.append({"rows": batch, "history_tokens": history, "ms": round(s * 1e3, 4)})
             xs.append([batch, history])

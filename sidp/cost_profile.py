@@ -10,12 +10,11 @@ rest of the layer are the same in both modes, so they are left out.
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from ..engine.timing import median_seconds
 from .compute_service import ServiceStats, ffn
 from .weight_slots import SlotStats
 
@@ -55,22 +54,12 @@ def profile_modes(rank_ffn, dp: int, ops, device: torch.device, repeats: int = 3
             x = torch.randn((size, store.hidden_size), dtype=store.down.dtype, device=device)
             rows = [size] + [0] * (dp - 1)
             if replica == 0:
-                was_s[size] = _median_time(lambda: was_pass(x), repeats)
+                was_s[size] = median_seconds(lambda: was_pass(x), repeats)
             dist.barrier()
             if replica == 0:
-                cas_s[size] = _median_time(lambda: cas_round(x), repeats)
+                cas_s[size] = median_seconds(lambda: cas_round(x), repeats)
             else:
                 for _ in range(repeats + 1):
                     service.serve_round(rows, ops)
     service.stats, slots.stats = ServiceStats(), SlotStats()   # the profile's are not the job's
     return {"was_s": was_s, "cas_s": cas_s} if replica == 0 else {}
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()                      # warm-up (allocator, kernel selection)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
