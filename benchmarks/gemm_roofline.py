@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.timing import median_seconds
 from batchinfer.engine.model.fast_linear import PackedLinear, onednn_available
+from batchinfer.engine.timing import median_seconds
 
 
 def _linear(out_f: int, in_f: int, packed: bool):

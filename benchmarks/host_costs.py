@@ -2,8 +2,9 @@
 constants sim/hardware.py prices GPU presets' host work with (SiPipe's bubbles, §3.1).
 
 - input_prep: a worker turning a StepPlan into model inputs in its versioned buffers
-  (engine/runtime/input_prep.py VersionedInputs.fill), decode plans of B sequences with contexts
-  of C tokens (block size 16); least-squares fit on (1, seqs, block-table entries).
+  (engine/runtime/input_prep.py VersionedInputs.fill): decode plans of B sequences with contexts
+  of C tokens and prefill chunks (block size 16); least-squares fit on (1, seqs, block-table
+  entries (rows x the widest table: the tables are padded), query tokens).
 - sampler_prepare: the default sampler's per-step host work before its kernels
   (engine/sampler.py Sampler.prepare: per-row parameters, and for rows with penalties the padded
   prompt and output tokens, copied from the arrays engine/token_history.py keeps), steady
@@ -41,27 +42,34 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     return torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
 
 
-def measure_input_prep(repeats: int) -> dict:
-    from batchinfer.engine.runtime.input_prep import VersionedInputs
+def _plan(rng: random.Random, seqs: int, query: int, context: int):
+    """`seqs` sequences of `query` new tokens each over `context` cached ones."""
     from batchinfer.engine.step_plan import StepPlan
 
+    width = -(-(context + query) // BLOCK_SIZE)
+    return StepPlan(0, [rng.randrange(VOCAB) for _ in range(seqs * query)], [query] * seqs,
+                    [context + query] * seqs,
+                    [[rng.randrange(100_000) for _ in range(width)] for _ in range(seqs)],
+                    list(range(seqs)), [f"r{i}" for i in range(seqs)], [1] * seqs), width
+
+
+def measure_input_prep(repeats: int) -> dict:
+    from batchinfer.engine.runtime.input_prep import VersionedInputs
+
     rng = random.Random(0)
+    shapes = [(seqs, 1, context) for seqs in (16, 64, 128, 256) for context in (256, 1024)]
+    shapes += [(4, 256, 0), (4, 1024, 0), (16, 128, 0), (8, 512, 512)]     # prefill chunks
     points, xs, ys = [], [], []
-    for seqs in (16, 64, 128, 256):
-        for context in (256, 1024):
-            width = -(-(context + 1) // BLOCK_SIZE)
-            plan = StepPlan(0, [rng.randrange(VOCAB) for _ in range(seqs)], [1] * seqs,
-                            [context + 1] * seqs,
-                            [[rng.randrange(100_000) for _ in range(width)] for _ in range(seqs)],
-                            list(range(seqs)), [f"r{i}" for i in range(seqs)], [1] * seqs)
-            inputs = VersionedInputs(BLOCK_SIZE, torch.device("cpu"))
-            s = median_seconds(lambda: inputs.fill(0, plan), repeats)
-            points.append({"seqs": seqs, "context": context, "ms": round(s * 1e3, 4)})
-            xs.append([1.0, seqs, seqs * width])
-            ys.append(s)
-    per_step, per_seq, per_block = _fit(xs, ys)
+    for seqs, query, context in shapes:
+        plan, width = _plan(rng, seqs, query, context)
+        inputs = VersionedInputs(BLOCK_SIZE, torch.device("cpu"))
+        s = median_seconds(lambda: inputs.fill(0, plan), repeats)
+        points.append({"seqs": seqs, "query": query, "context": context, "ms": round(s * 1e3, 4)})
+        xs.append([1.0, seqs, seqs * width, seqs * query])
+        ys.append(s)
+    per_step, per_seq, per_block, per_token = _fit(xs, ys)
     return {"points": points, "per_step_s": per_step, "per_seq_s": per_seq,
-            "per_block_s": per_block}
+            "per_block_s": per_block, "per_token_s": per_token}
 
 
 def measure_sampler_prepare(repeats: int) -> dict:

@@ -10,7 +10,6 @@ rest of the layer are the same in both modes, so they are left out.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 

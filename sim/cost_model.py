@@ -35,19 +35,20 @@ class BatchShape:
     prefill_pairs: float      # sum over prefill chunks of query x key pairs (causal)
     sample_rows: int
     random_rows: int = 0      # sampled rows that are not greedy (temperature > 0)
-    penalty_tokens: int = 0   # prompt + output tokens of the sampled rows with penalties
-    context_tokens: int = 0   # sum of the sequences' lengths after the step (block-table size)
+    penalty_tokens: int = 0   # the penalty rows' padded prompt + output tokens (rows x longest)
+    max_seq_len: int = 0      # the longest sequence after the step (the padded block tables)
 
     @classmethod
     def of(cls, batch: MicroBatch) -> "BatchShape":
         """Valid before the engine applies the step (it reads the sequences' progress)."""
-        tokens = context = rows = decodes = random_rows = penalty_tokens = total = 0
+        tokens = context = rows = decodes = random_rows = longest = 0
+        penalty_rows = longest_prompt = longest_output = 0
         pairs = 0.0
         for item in batch.items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             tokens += n
-            total += start + n
+            longest = max(longest, start + n)
             if item.is_decode:
                 decodes += 1
                 context += start + 1
@@ -59,9 +60,11 @@ class BatchShape:
                 if not sampling.greedy:
                     random_rows += 1
                 if sampling.uses_penalties:
-                    penalty_tokens += seq.prompt_len + len(seq.output_token_ids)
+                    penalty_rows += 1
+                    longest_prompt = max(longest_prompt, seq.prompt_len)
+                    longest_output = max(longest_output, len(seq.output_token_ids))
         return cls(tokens, len(batch.items), decodes, context, pairs, rows, random_rows,
-                   penalty_tokens, total)
+                   penalty_rows * (longest_prompt + longest_output), longest)
 
 
 class CostModel(Protocol):

@@ -65,8 +65,11 @@ class SimulatedExecutor:
         n mod p) after the last stage's LM head, beside the next micro-batches' forwards;
         `structure_aware` False sends each hand-off's metadata first (two more messages) and
         blocks the sender until the receiver takes it; `token_safe` prepares each stage's inputs
-        on a thread of its own as soon as the plan exists, into the buffer of the micro-batch
-        two back (free once that forward ended), so the forward waits only for what is left."""
+        on a thread of its own, as the engine's worker does (engine/runtime/worker.py,
+        input_prep.py): the plan reaches that thread when the worker next reads its pipe (at
+        once if it is between micro-batches, else when the micro-batch it is executing ends),
+        and preparation starts once the previous micro-batch's forward has taken its inputs
+        (one iteration ahead: CI == GI); the forward waits only for what is left of it."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -81,7 +84,10 @@ class SimulatedExecutor:
         self._sampler_free_at = [0.0] * cpu_samplers
         self.token_safe, self.sampler_threads = token_safe, sampler_threads
         self._prep_free_at = [0.0] * self.pp
-        self._forward_ends: list[deque[float]] = [deque(maxlen=2) for _ in range(self.pp)]
+        self._last_take = [0.0] * self.pp        # when the latest forward took its inputs
+        # (begin, end) of each stage's latest micro-batches on the worker's main thread
+        self._executing: list[deque[tuple[float, float]]] = [deque(maxlen=8)
+                                                              for _ in range(self.pp)]
         self._last_done = 0.0
         self.events: list[dict] = []
         self.record_events = True
@@ -115,15 +121,18 @@ class SimulatedExecutor:
                 t += self.cost.transfer_seconds(shape.tokens)
                 if not self.structure_aware:
                     t += 2 * self.cost.transfer_seconds(0)
+            delivered = self._delivered(stage, planned)
+            begins = max(delivered, self._free_at[stage])  # the worker starts on it
             start = max(t, self._free_at[stage])
             if stage > 0 and not self.structure_aware:      # the sender waits for the receiver
                 self._free_at[stage - 1] = max(self._free_at[stage - 1], start)
-            start = self._inputs_ready(stage, start, planned, prep)
+            start = self._inputs_ready(stage, start, delivered, prep)
             seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads,
                                               sample=not on_cpu)
             end = start + seconds
             self._free_at[stage] = end
-            self._forward_ends[stage].append(end)
+            self._executing[stage].append((begins, end))
+            self._last_take[stage] = start
             self._busy[stage] += seconds
             self._micro_batches[stage] += 1
             forward += seconds
@@ -144,13 +153,19 @@ class SimulatedExecutor:
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
 
-    def _inputs_ready(self, stage: int, start: float, planned: float, prep: float) -> float:
+    def _delivered(self, stage: int, planned: float) -> float:
+        """When the stage's worker reads a plan sent at `planned`: then, or at the end of the
+        micro-batch it is executing (it reads its pipe between micro-batches)."""
+        for begins, ends in self._executing[stage]:
+            if begins <= planned < ends:
+                return ends
+        return planned
+
+    def _inputs_ready(self, stage: int, start: float, delivered: float, prep: float) -> float:
         """When `stage` can start a forward it could otherwise start at `start`."""
         if not self.token_safe:
             return start + prep                              # on the rank's thread, first
-        ends = self._forward_ends[stage]
-        buffer_free = ends[0] if len(ends) == 2 else 0.0
-        ready = max(planned, self._prep_free_at[stage], buffer_free) + prep
+        ready = max(delivered, self._prep_free_at[stage], self._last_take[stage]) + prep
         self._prep_free_at[stage] = ready
         return max(start, ready)
 

@@ -75,15 +75,16 @@ KERNEL_LAUNCH_S = 5e-6         # one eager PyTorch op's dispatch and launch (ass
 
 # Measured by `python benchmarks/host_costs.py --repeats 21` (2026-11-24, the project's 2-core
 # AVX2 host; two runs, their fits averaged).
-INPUT_PREP_PER_STEP_S = 2.2e-4      # a StepPlan into the versioned input buffers
-INPUT_PREP_PER_SEQ_S = 1.3e-6
-INPUT_PREP_PER_BLOCK_S = 1.2e-7     # per block-table entry
+INPUT_PREP_PER_STEP_S = 2.1e-4      # a StepPlan into the versioned input buffers
+INPUT_PREP_PER_SEQ_S = 2.7e-6
+INPUT_PREP_PER_BLOCK_S = 8e-8       # per block-table entry (rows x the widest table)
+INPUT_PREP_PER_TOKEN_S = 5.4e-7     # per query token (ids, positions, slots)
 INPUT_BLOCK_SIZE = 16               # the engine's default block size (block-table entries)
-SAMPLER_PREPARE_PER_ROW_S = 9.5e-6  # Sampler.prepare: per-row parameters
-SAMPLER_PREPARE_PER_PENALTY_TOKEN_S = 3e-9     # ... copying the kept tokens of penalty rows
+SAMPLER_PREPARE_PER_ROW_S = 1.15e-5  # Sampler.prepare: per-row parameters
+SAMPLER_PREPARE_PER_PENALTY_TOKEN_S = 2.3e-9   # ... copying the kept tokens of penalty rows
 SAMPLER_BYTES_PER_LOGIT = {"greedy": 12.0, "full": 340.0}   # portable kernels' memory traffic
 SAMPLER_KERNELS = {"greedy": 2, "full": 61}                  # ... and their op count
-COLUMN_SAMPLER_S_PER_LOGIT = 3.4e-9  # SiPipe's column-wise sampler, one thread, every knob on
+COLUMN_SAMPLER_S_PER_LOGIT = 4.3e-9  # SiPipe's column-wise sampler, one thread, every knob on
 CONTROLLER_PER_STEP_S = 1e-3   # this engine's Python controller per micro-batch
 CONTROLLER_PER_SEQ_S = 5e-6
 
@@ -152,10 +153,11 @@ class RooflineCostModel:
         return COLUMN_SAMPLER_S_PER_LOGIT * rows * self.arch.vocab_size / max(threads, 1)
 
     def input_prep_seconds(self, shape: BatchShape) -> float:
-        """A rank turning the step's plan into its model inputs, on the host."""
-        blocks = -(-shape.context_tokens // INPUT_BLOCK_SIZE)
+        """A rank turning the step's plan into its model inputs, on the host (the block tables
+        padded to the longest sequence's)."""
+        blocks = shape.seqs * -(-shape.max_seq_len // INPUT_BLOCK_SIZE)
         return (INPUT_PREP_PER_STEP_S + INPUT_PREP_PER_SEQ_S * shape.seqs
-                + INPUT_PREP_PER_BLOCK_S * blocks)
+                + INPUT_PREP_PER_BLOCK_S * blocks + INPUT_PREP_PER_TOKEN_S * shape.tokens)
 
     # --- the CostModel protocol -------------------------------------------------------------------
     def stage_seconds(self, shape: BatchShape, layers: int, last: bool, tp: int,

@@ -195,7 +195,8 @@ def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, 
     `vllm bench throughput` do) and reports the virtual throughput. `sampling`: SamplingParams
     fields every request samples with (greedy when not given); cost models that price the
     sampler by its knobs read them."""
-    knobs = dict(sampling) if sampling is not None else {"temperature": 0.0}
+    knobs = ({k: v for k, v in sampling.items() if k not in ("max_tokens", "ignore_eos")}
+             if sampling is not None else {"temperature": 0.0})
     engine = simulated_engine(config, cost, arch, max_model_len, dtype_bytes, cores)
     failed = 0
     start = engine.now()

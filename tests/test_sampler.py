@@ -189,6 +189,10 @@ def test_kept_token_history_equals_padding_from_scratch_as_sequences_come_and_go
         if rng.random() < 0.05:                               # one restarts: other outputs, same id
             seq = rng.choice(live)
             seq.output_token_ids[:] = [50 + t for t in range(rng.randrange(0, 5))]
+        if rng.random() < 0.05:                               # an id reused, never released
+            k = rng.randrange(len(live))
+            live[k] = Sequence(Request(live[k].request_id, [60 + t for t in range(rng.randrange(1, 9))],
+                                       SamplingParams(presence_penalty=0.5)))
         batch = rng.sample(live, rng.randrange(1, len(live) + 1))
         prompt, output = history.padded(batch, 99, torch.device("cpu"))
         assert torch.equal(prompt, _padded_from_lists([s.request.prompt_token_ids for s in batch], 99))

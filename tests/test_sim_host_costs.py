@@ -33,13 +33,15 @@ class PrepCost(LinearCost):
 
 def test_input_preparation_delays_every_forward_unless_token_safe():
     """prep 0.5 s. Serial: a's stage 0 [0.6, 4.6], stage 1 [5.35, 10.35]; b's stage 0
-    [5.1, 7.1], stage 1 [10.85, 13.85]. Token-safe: each prepared from its plan on, so only a's
-    first stage waits: a [0.6, 4.6], [4.85, 9.85]; b [4.6, 6.6], [9.85, 12.85]."""
+    [5.1, 7.1], stage 1 [10.85, 13.85]. Token-safe: a's plan reaches stage 1's idle worker at
+    once, so its preparation is done long before its activations (stage 1 [4.85, 9.85]); b's
+    plan reaches each worker only when a's micro-batch ends there (workers read their pipe
+    between micro-batches): stage 0 [5.1, 7.1], stage 1 [10.35, 13.35]."""
     for token_safe, want_spans, want_done in (
             (False, [(0, 0, 0.6, 4.6), (0, 1, 5.35, 10.35), (1, 0, 5.1, 7.1), (1, 1, 10.85, 13.85)],
              [10.35, 13.85]),
-            (True, [(0, 0, 0.6, 4.6), (0, 1, 4.85, 9.85), (1, 0, 4.6, 6.6), (1, 1, 9.85, 12.85)],
-             [9.85, 12.85])):
+            (True, [(0, 0, 0.6, 4.6), (0, 1, 4.85, 9.85), (1, 0, 5.1, 7.1), (1, 1, 10.35, 13.35)],
+             [9.85, 13.35])):
         clock = VirtualClock()
         executor = SimulatedExecutor(clock, PrepCost(0.5), [2, 2], token_safe=token_safe)
         executor.submit(_prefill(4, "a"))
@@ -48,33 +50,43 @@ def test_input_preparation_delays_every_forward_unless_token_safe():
         assert _drain(executor, clock) == pytest.approx(want_done), token_safe
 
 
-def test_token_safe_preparation_waits_for_the_buffer_two_micro_batches_back():
-    """One stage, prep 5 s. a (8 tokens, 17 s) runs [5.1, 22.1]; b (1 token, 3 s) is prepared
-    [5.1, 10.1] and runs [22.1, 25.1]; c may only be written into a's buffer once a's forward
-    ended (22.1): prepared [22.1, 27.1], it starts at 27.1, not when b ends."""
+def test_token_safe_preparation_waits_until_the_previous_forward_took_its_inputs():
+    """Stages of 3 and 1 layers, prep 6 s; a and c 1 token, b 8. Stage 1 gets all three plans
+    at 9.35 (when a ends there) and prepares b by 15.35, but c's preparation may only start
+    when b's forward takes its inputs (25.85, CI == GI): ready at 31.85, so c runs [31.85,
+    33.35] rather than from 30.85, when the stage is free."""
     clock = VirtualClock()
-    executor = SimulatedExecutor(clock, PrepCost(5.0), [4], token_safe=True)
-    for name, tokens in (("a", 8), ("b", 1), ("c", 1)):
+    executor = SimulatedExecutor(clock, PrepCost(6.0), [3, 1], token_safe=True)
+    for name, tokens in (("a", 1), ("b", 8), ("c", 1)):
         executor.submit(_prefill(tokens, name))
     assert _spans(executor) == [pytest.approx(s) for s in [
-        (0, 0, 5.1, 22.1), (1, 0, 22.1, 25.1), (2, 0, 27.1, 30.1)]]
+        (0, 0, 6.1, 7.6), (0, 1, 7.85, 9.35), (1, 0, 13.6, 25.6), (1, 1, 25.85, 30.85),
+        (2, 0, 25.6, 27.1), (2, 1, 31.85, 33.35)]]
 
 
-def _decode_shape(rows: int, history: int, knobs: dict) -> BatchShape:
+def _decode_items(rows: int, history: int, knobs: dict) -> list[ScheduledSeq]:
+    """`rows` decode items whose sequences reach `history` tokens with this step."""
     items = []
     for i in range(rows):
         seq = Sequence(Request(f"r{i}", [1] * (history - 1), SamplingParams(**knobs)))
         seq.output_token_ids.append(2)
         seq.num_computed_tokens = history - 1
         items.append(ScheduledSeq(seq, 1))
-    return BatchShape.of(MicroBatch(items, phase="decode"))
+    return items
+
+
+def _decode_shape(rows: int, history: int, knobs: dict) -> BatchShape:
+    return BatchShape.of(MicroBatch(_decode_items(rows, history, knobs), phase="decode"))
 
 
 def test_batch_shape_counts_the_sampling_knobs_and_the_block_tables():
     greedy = _decode_shape(4, 100, {"temperature": 0.0})
-    assert (greedy.random_rows, greedy.penalty_tokens, greedy.context_tokens) == (0, 0, 400)
+    assert (greedy.random_rows, greedy.penalty_tokens, greedy.max_seq_len) == (0, 0, 100)
     full = _decode_shape(4, 100, PAPER_KNOBS)
-    assert (full.random_rows, full.penalty_tokens, full.context_tokens) == (4, 400, 400)
+    assert (full.random_rows, full.penalty_tokens, full.max_seq_len) == (4, 400, 100)
+    mixed = BatchShape.of(MicroBatch(_decode_items(1, 100, PAPER_KNOBS)
+                                     + _decode_items(1, 300, PAPER_KNOBS), phase="decode"))
+    assert (mixed.penalty_tokens, mixed.max_seq_len) == (2 * 300, 300)   # padded to the longest
 
 
 def test_the_gpu_sampler_pays_its_host_work_per_penalty_token_and_cpu_samplers_split_rows():
