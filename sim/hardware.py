@@ -12,8 +12,9 @@ all-reduces of the micro-batch's hidden states per layer at the preset's all-red
 (TD-Pipe's definition: tensor bytes / all-reduce time). The last stage adds the LM head (same
 roofline) and this engine's default sampler: its host work before the kernels, then what its
 portable kernels move through the GPU's memory plus a launch each. Every stage prepares its
-model inputs on the host before its forward (SiPipe's token-safe execution moves that off the
-critical path). Host copies (Seesaw's KV tier and weight reloads, SiPipe's logits) go over the
+model inputs on the host before its forward (with SiPipe's token-safe execution, on a thread of
+its own, ahead of the forward when the plan reaches the worker in time: sim/executor.py). Host
+copies (Seesaw's KV tier and weight reloads, SiPipe's logits) go over the
 preset's PCIe link to the host. Efficiencies and overheads are stated assumptions, the same for
 every preset, so rankings come from the specs; the host-side costs are this engine's, measured
 on the project's 2-core CPU host (benchmarks/host_costs.py), and the GPU hosts' cores are assumed
