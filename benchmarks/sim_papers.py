@@ -42,6 +42,11 @@ import time
 from sipipe_sampling_bench import PARAMS as PAPER_SAMPLING
 from strategy_bench import bench_requests
 
+# SiPipe with one mechanism off (the paper's ablation, §7.5): configuration name -> switch
+SIPIPE_ABLATIONS = {"sipipe-no-cpu-sampling": "cpu_sampling",
+                    "sipipe-no-token-safe": "token_safe_execution",
+                    "sipipe-no-sat": "structure_aware_transmission"}
+
 SCENARIOS = {
     "td-pipe/llama2-13b/4xL20": {
         "hardware": "l20", "gpus": 4, "model": "llama2-13b", "workload": "sharegpt",
@@ -66,9 +71,7 @@ SCENARIOS = {
         "sampling": PAPER_SAMPLING, "scheduler": {"max_num_seqs": 512},
         "overrides": {"sipipe": {"sampler_threads": 46}},
         "configs": {"sipipe": ("sipipe", (2, 4)), "vllm-pp4tp2-hb": ("hb", (2, 4)),
-                    "sipipe-no-cpu-sampling": ("sipipe-no-cpu-sampling", (2, 4)),
-                    "sipipe-no-token-safe": ("sipipe-no-token-safe", (2, 4)),
-                    "sipipe-no-sat": ("sipipe-no-sat", (2, 4))},
+                    **{name: (name, (2, 4)) for name in SIPIPE_ABLATIONS}},
         "expect": ["sipipe", "vllm-pp4tp2-hb"]},
     "sidp/qwen2.5-32b/8xH20": {
         "hardware": "h20", "gpus": 8, "model": "qwen2.5-32b", "workload": "sharegpt",
@@ -81,11 +84,8 @@ SCENARIOS = {
 STRATEGIES = {"tdpipe": {"name": "tdpipe"}, "gllm": {"name": "gllm"},
               "seesaw": {"name": "seesaw", "decode_tp": 4, "cpu_kv_cache_memory": "320GiB"},
               "sipipe": {"name": "sipipe", "policy": "hb"}, "sidp": {"name": "sidp"},
-              "sipipe-no-cpu-sampling": {"name": "sipipe", "policy": "hb", "cpu_sampling": False},
-              "sipipe-no-token-safe": {"name": "sipipe", "policy": "hb",
-                                       "token_safe_execution": False},
-              "sipipe-no-sat": {"name": "sipipe", "policy": "hb",
-                                "structure_aware_transmission": False},
+              **{name: {"name": "sipipe", "policy": "hb", switch: False}
+                 for name, switch in SIPIPE_ABLATIONS.items()},
               "hb": {"name": "baseline", "policy": "hb"}, "sb": {"name": "baseline", "policy": "sb"}}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .attention import select_backend
 from .config import EngineConfig, ModelConfig
-from .cpu_binding import allowed_cpus, bind_compute_threads
+from .cpu_binding import bind_compute_threads, compute_threads
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
@@ -125,7 +125,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
     if device.type == "cpu":
         bind_compute_threads(config.device.bind_threads,
-                             config.device.num_threads or len(allowed_cpus()))
+                             compute_threads(config.device.num_threads))
     dtype = resolve_dtype(config.model.dtype, device)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     source = model_source(config.model)

@@ -35,6 +35,11 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def compute_threads(num_threads: Optional[int]) -> int:
+    """The recipe's `device.num_threads`, or every CPU this process may use."""
+    return num_threads or len(allowed_cpus())
+
+
 def plan_cpus(threads: int, slot: int = 0, slots: int = 1,
               cpus: Optional[list[int]] = None) -> Optional[list[int]]:
     """The CPUs for process `slot` of `slots`, `threads` each; None when they do not fit."""

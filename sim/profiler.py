@@ -14,7 +14,6 @@ What is timed, all on the engine's own code paths:
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch
 
 from batchinfer.engine.build import available_memory
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
@@ -257,7 +257,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     """Profiles the recipe's model on this machine (minutes; `quick`: a few seconds, coarse).
     threads: per-rank thread counts to time (default: every divisor split of the cores)."""
     t_start = time.perf_counter()
-    cores = config.device.num_threads or os.cpu_count() or 1
+    cores = compute_threads(config.device.num_threads)
     if threads is None:
         threads = sorted({max(1, cores // n) for n in range(1, cores + 1)})
     probe_config = EngineConfig(model=config.model, device=config.device,

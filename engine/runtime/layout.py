@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import ParallelConfig
-from ..cpu_binding import allowed_cpus
+from ..cpu_binding import compute_threads
 from ..errors import ConfigError
 from ..model.arch import ModelArch
 from ..model.llama import ModelPartition
@@ -156,5 +156,5 @@ def threads_per_rank(config: ParallelConfig, world_size: int, num_threads: Optio
     """Cores split between ranks (at least one each) unless the recipe says otherwise."""
     if config.threads_per_rank:
         return config.threads_per_rank
-    cores = num_threads or len(allowed_cpus())
+    cores = compute_threads(num_threads)
     return max(1, cores // world_size)
