@@ -1,12 +1,14 @@
 """The model's GEMM roofline: time its own matmul shapes standalone and turn that into tok/s.
 
 One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up and down
-projections at M rows, plus the LM head once. Timing exactly those GEMMs (same packed oneDNN path
-the engine uses, same thread count, each layer its own weights) gives the decode throughput no
-engine can beat on this machine. A whole workload also has to prefill its prompts: the workload
-roofline adds those GEMMs (w_decode.py reports both).
+projections at M rows, plus the LM head once. Timing exactly those GEMMs (same thread count, each
+layer its own weights) with every fp32 kernel the engine has (engine/model/fast_linear.py: the
+blocked AVX2 kernel, oneDNN's packed GEMM) and keeping the fastest gives the decode throughput no
+engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
+prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports both).
 
     python benchmarks/gemm_roofline.py --batch 128 256 512
+    python benchmarks/gemm_roofline.py --kernel onednn    # one kernel only
 """
 from __future__ import annotations
 
@@ -17,25 +19,35 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.model.fast_linear import PackedLinear, onednn_available
+from batchinfer.engine.model.fast_linear import (BlockedLinear, PackedLinear, blocked_kernel_available,
+                                                 onednn_available)
 from batchinfer.engine.timing import median_seconds
 
 
-def _linear(out_f: int, in_f: int, packed: bool):
+KERNEL_MODULES = {"blocked": BlockedLinear, "onednn": PackedLinear}
+
+
+def available_kernels() -> list[str]:
+    kernels = ["blocked"] if blocked_kernel_available() else []
+    return kernels + (["onednn"] if onednn_available() else []) or ["torch"]
+
+
+def _linear(out_f: int, in_f: int, kernel: str):
     lin = nn.Linear(in_f, out_f, bias=False)
-    return PackedLinear(lin) if packed else lin
+    wrap = KERNEL_MODULES.get(kernel)
+    return wrap(lin) if wrap else lin
 
 
 class _ModelGemms:
     """One layer's four projections (with distinct weights per layer, as the model streams them)
-    and the LM head, packed like the engine's."""
+    and the LM head, laid out for `kernel` as the engine does."""
 
-    def __init__(self, arch: ModelArch, packed: bool):
+    def __init__(self, arch: ModelArch, kernel: str):
         h, i = arch.hidden_size, arch.intermediate_size
         self.arch = arch
-        self.layers = [[_linear(arch.q_size + 2 * arch.kv_size, h, packed), _linear(h, arch.q_size, packed),
-                        _linear(2 * i, h, packed), _linear(h, i, packed)] for _ in range(arch.num_layers)]
-        self.head = _linear(arch.vocab_size, h, packed)
+        self.layers = [[_linear(arch.q_size + 2 * arch.kv_size, h, kernel), _linear(h, arch.q_size, kernel),
+                        _linear(2 * i, h, kernel), _linear(h, i, kernel)] for _ in range(arch.num_layers)]
+        self.head = _linear(arch.vocab_size, h, kernel)
 
     def seconds(self, layer_rows: int, head_rows: int, repeats: int) -> float:
         """Median time of the layers' GEMMs at layer_rows rows plus the head at head_rows."""
@@ -54,17 +66,22 @@ class _ModelGemms:
 
 
 @torch.inference_mode()
-def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, packed: bool = True,
+def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[str] | None = None,
                   prompt_tokens: int = 0, output_tokens: int = 0) -> dict:
-    """Decode-step roofline at `batch` rows; with prompt_tokens and output_tokens (per request,
-    batch requests) also the workload's: its prefill GEMMs (every prompt token through the
-    layers, one row per request through the head) plus output_tokens - 1 decode steps."""
-    packed = packed and onednn_available()
-    gemms = _ModelGemms(arch, packed)
-    step_s = gemms.seconds(batch, batch, repeats)
+    """Decode-step roofline at `batch` rows, over the fastest of `kernels` (default: every one
+    available here); with prompt_tokens and output_tokens (per request, batch requests) also the
+    workload's: its prefill GEMMs (every prompt token through the layers, one row per request
+    through the head) plus output_tokens - 1 decode steps."""
+    step_ms = {}
+    for kernel in kernels or available_kernels():
+        gemms = _ModelGemms(arch, kernel)
+        step_ms[kernel] = (gemms.seconds(batch, batch, repeats), gemms)
+    kernel = min(step_ms, key=lambda k: step_ms[k][0])
+    step_s, gemms = step_ms[kernel]
     out = {"batch": batch, "step_ms": round(step_s * 1e3, 2),
            "gflops": round(arch.flops_per_token() * batch / step_s / 1e9, 1),
-           "roofline_tok_per_s": round(batch / step_s, 1), "packed_onednn": packed,
+           "roofline_tok_per_s": round(batch / step_s, 1), "kernel": kernel,
+           "step_ms_by_kernel": {k: round(v[0] * 1e3, 2) for k, v in step_ms.items()},
            "threads": torch.get_num_threads()}
     if prompt_tokens and output_tokens:
         prefill_s = gemms.seconds(prompt_tokens, batch, max(1, repeats // 2))
@@ -81,12 +98,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
-    ap.add_argument("--plain", action="store_true", help="torch's default linear, not packed oneDNN")
+    ap.add_argument("--kernel", nargs="+", choices=["blocked", "onednn", "torch"], default=None,
+                    help="time only these kernels (default: every one available here)")
     args = ap.parse_args()
     model_dir, model_id = resolve_model_dir(args.model)
     arch = load_arch(model_dir)
     for b in args.batch:
-        print(json.dumps({"model": model_id, **gemm_roofline(arch, b, packed=not args.plain)}))
+        print(json.dumps({"model": model_id, **gemm_roofline(arch, b, kernels=args.kernel)}))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ collide on). Only the layer's owner writes its row, at load time; the others rea
 slot when they need it (one-sided: the owner does nothing). On CUDA the paper exposes the owner's
 HBM through IPC handles instead.
 
-Layout: plain [out, in] rows, or, where the CPU kernels are built and linears are packed (the
-default), blocked for kernels/blocked_linear.cpp: panels of 16 output rows, [out / 16, in, 16].
-oneDNN's packed weights would be faster still but are opaque and cannot live in shared memory.
+Layout: plain [out, in] rows, or, where the CPU kernels are built and linears are not plain
+torch (the default), blocked for kernels/blocked_linear.cpp: panels of 16 output rows, [out / 16,
+in, 16] (engine/model/fast_linear.py). oneDNN's packed weights, faster on AVX-512 hosts, are opaque
+and cannot live in shared memory.
 """
 from __future__ import annotations
 
@@ -16,24 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.engine.model.fast_linear import PANEL, to_blocked
+
 TENSORS = ("gate_up", "down")
-PANEL = 16
 
 
 def blocked_layout_available(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
-    """The blocked layout needs the native kernels, packing on (BATCHINFER_PACK_LINEARS), fp32
-    and every output dimension a multiple of the panel width."""
-    from batchinfer.engine.kernels import load_native_kernels
-    from batchinfer.engine.model.fast_linear import onednn_available
+    """The blocked layout needs the native kernels, fast linears on (not BATCHINFER_LINEAR_KERNEL
+    = torch), fp32 and every output dimension a multiple of the panel width."""
+    from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel
 
     return (dtype == torch.float32 and hidden % PANEL == 0 and (2 * intermediate) % PANEL == 0
-            and onednn_available() and load_native_kernels())
-
-
-def to_blocked(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [out / 16, in, 16]: panel p holds output rows 16 p .. 16 p + 15, in-major."""
-    out_features, in_features = weight.shape
-    return weight.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
+            and linear_kernel() != "torch" and blocked_kernel_available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

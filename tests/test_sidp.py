@@ -172,22 +172,7 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
         assert report["engine"]["sidp"]["ffn_layout"] == "blocked"
 
 
-# --- the blocked layout and its kernel ------------------------------------------------------------
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("out_features,in_features", [(48, 40), (96, 576), (32, 3)])
-def test_blocked_linear_equals_torch_linear(rows, out_features, in_features):
-    from batchinfer.engine.kernels import load_native_kernels
-    from batchinfer.sidp.ffn_store import linear, to_blocked
-
-    if not load_native_kernels():
-        pytest.skip("native CPU kernels unavailable")
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen)
-    got = linear(x, to_blocked(w).contiguous())
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
-
-
+# --- the blocked layout (its kernel: tests/test_fast_linear.py) --------------------------------
 def test_a_blocked_store_gives_the_plain_stores_ffn():
     from batchinfer.engine.kernels import load_native_kernels
     from batchinfer.engine.model.ops import TorchOps

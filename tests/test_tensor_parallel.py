@@ -169,20 +169,15 @@ def test_rank_slices_from_safetensors_and_dummy_equal_the_whole_model(tmp_path, 
 
 
 def _dense_params(model):
-    """Parameter values by name, packed linears included (their weight is kept as `packed`)."""
+    """Parameter values by name, the engine's fast linears included (their weight is kept in the
+    kernel's layout: oneDNN's packed or the blocked panels)."""
     out = dict(model.named_parameters())
     for name, module in model.named_modules():
-        if hasattr(module, "packed"):
-            out[f"{name}.weight"] = _unpack(module)
+        if hasattr(module, "dense_weight"):
+            out[f"{name}.weight"] = module.dense_weight()
             if module.bias is not None:
                 out[f"{name}.bias"] = module.bias
     return out
-
-
-def _unpack(module):
-    """The dense weight back from oneDNN's packed layout (exact: a product with the identity)."""
-    eye = torch.eye(module.in_features)
-    return torch.ops.mkldnn._linear_pointwise(eye, module.packed, None, "none", [], "").T
 
 
 # --- TP ranks in processes -------------------------------------------------------------------------

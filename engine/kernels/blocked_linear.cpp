@@ -1,17 +1,21 @@
-// y = x @ w^T for SiDP's FFN weights, which live in shared memory and so cannot be oneDNN's
-// packed (opaque) tensors; torch's linear on a plain weight re-packs it on every call (1.4-2.3x
-// slower than packed at 4-16 rows on this machine). The store keeps them blocked instead: panels
-// of 16 output columns, each panel [K][16] contiguous (w_blocked[p][k][c] = w[16 p + c][k]), so
-// this kernel streams a panel once per 6 input rows with a 6 x 16 register tile (12 FMA
-// accumulators, one broadcast input value and two panel vectors per k): 12% slower than oneDNN's
-// packed GEMM at 16 rows, 3% at 64 (benchmarked on SmolLM2's FFN shapes, one thread).
+// y = x @ w^T over weights laid out in panels of 16 output columns, each panel [K][16]
+// contiguous (w_blocked[p][k][c] = w[16 p + c][k]): the engine's fp32 linears on AVX2-only CPUs
+// and SiDP's FFN weights in shared memory (which cannot be oneDNN's opaque packed tensors). A
+// panel is streamed once per 6 input rows with a 6 x 16 register tile (12 FMA accumulators, one
+// broadcast input value and two panel vectors per k). Each output is one FMA chain over k in
+// order, so a row's result does not depend on the batch it is in. Measured on the AVX2-only
+// EPYC, SmolLM2's shapes, two threads: 1.2-1.4x oneDNN's packed GEMM at 16-256 rows, 1.07x at
+// 2,048; on an AVX-512 host oneDNN was faster (this kernel 12% slower at 16 rows, 3% at 64).
 #include <torch/extension.h>
+
+#include <algorithm>
 
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t P = 16;  // panel width (output columns)
+constexpr int64_t P = 16;     // panel width (output columns)
+constexpr int64_t ROWS = 48;  // rows per task: 8 register tiles of 6
 
 #ifdef BATCHINFER_AVX2
 template <int MB>
@@ -54,19 +58,25 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#pragma omp parallel for schedule(static)
+  // Tasks are (panel, block of ROWS rows), panel-major: a thread's consecutive tasks reuse one
+  // panel from cache, and a layer with few panels (o_proj: 36) still spreads over many threads.
+  const int64_t row_blocks = (M + ROWS - 1) / ROWS;
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
-    const float* panel = wp + p * K * P;
-    float* yb = yp + p * P;
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) tile<6>(xp + m * K, panel, yb + m * N, K, N);
-    switch (M - m) {
-      case 5: tile<5>(xp + m * K, panel, yb + m * N, K, N); break;
-      case 4: tile<4>(xp + m * K, panel, yb + m * N, K, N); break;
-      case 3: tile<3>(xp + m * K, panel, yb + m * N, K, N); break;
-      case 2: tile<2>(xp + m * K, panel, yb + m * N, K, N); break;
-      case 1: tile<1>(xp + m * K, panel, yb + m * N, K, N); break;
-      default: break;
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const float* panel = wp + p * K * P;
+      float* yb = yp + p * P;
+      const int64_t end = std::min(M, (rb + 1) * ROWS);
+      int64_t m = rb * ROWS;
+      for (; m + 6 <= end; m += 6) tile<6>(xp + m * K, panel, yb + m * N, K, N);
+      switch (end - m) {
+        case 5: tile<5>(xp + m * K, panel, yb + m * N, K, N); break;
+        case 4: tile<4>(xp + m * K, panel, yb + m * N, K, N); break;
+        case 3: tile<3>(xp + m * K, panel, yb + m * N, K, N); break;
+        case 2: tile<2>(xp + m * K, panel, yb + m * N, K, N); break;
+        case 1: tile<1>(xp + m * K, panel, yb + m * N, K, N); break;
+        default: break;
+      }
     }
   }
   return y;

@@ -1,28 +1,75 @@
-"""Faster fp32 linears on CPU: weights pre-packed once for oneDNN.
+"""Faster fp32 linears on CPU: weights laid out once, at load time, for a GEMM kernel.
 
-torch's default CPU linear re-packs the weight matrix on every call; at decode batch sizes
-(tens to hundreds of rows) that costs as much as the multiply. Packing once at load time and
-calling oneDNN's linear directly measured 1.2-1.7x faster per GEMM on the model's shapes at
-M = 7..300 on this 2-core AVX2 machine (benchmarks/gemm_roofline.py). Elsewhere (CUDA, bf16, no
-oneDNN) the module is left as it is.
+torch's default CPU linear re-packs the weight matrix on every call; at decode batch sizes (tens
+to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
+
+- `blocked`: kernels/blocked_linear.cpp over weights in panels of 16 output rows ([out / 16, in,
+  16]). An AVX2 kernel: on the AVX2-only AMD EPYC this project runs on it measured 1.2-1.4x
+  oneDNN's packed GEMM on SmolLM2's shapes at 16-256 rows on two threads (benchmarks/
+  gemm_roofline.py --kernel), and each output row is computed the same way whatever else shares
+  the batch.
+- `onednn`: oneDNN's own packed (opaque) weights; faster where oneDNN has AVX-512 kernels (on an
+  AVX-512 host the blocked kernel was 3-12% slower at 16-64 rows).
+
+BATCHINFER_LINEAR_KERNEL picks one (auto, blocked, onednn, torch); auto takes `blocked` on a CPU
+whose best instruction set is AVX2, else `onednn`. BATCHINFER_PACK_LINEARS=0 (older name) means
+torch. Elsewhere (CUDA, bf16) the modules are left as they are.
 """
 from __future__ import annotations
 
 import logging
 import os
+from functools import lru_cache
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 128
+PANEL = 16
+LINEAR_KERNELS = ("auto", "blocked", "onednn", "torch")
 
 
 def onednn_available() -> bool:
-    """BATCHINFER_PACK_LINEARS=0 turns packing off (plain torch linears everywhere)."""
-    if os.environ.get("BATCHINFER_PACK_LINEARS", "1") == "0":
-        return False
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def blocked_kernel_available() -> bool:
+    from batchinfer.engine.kernels import load_native_kernels
+
+    return load_native_kernels() and hasattr(torch.ops.batchinfer, "blocked_linear")
+
+
+@lru_cache(maxsize=None)
+def _resolve(requested: str, pack_linears_env: str) -> str:
+    if pack_linears_env == "0":
+        return "torch"
+    if requested not in LINEAR_KERNELS:
+        raise ValueError(f"BATCHINFER_LINEAR_KERNEL={requested!r}: expected one of "
+                         f"{', '.join(LINEAR_KERNELS)}")
+    if requested == "auto":
+        if torch.backends.cpu.get_cpu_capability() == "AVX2" and blocked_kernel_available():
+            requested = "blocked"
+        else:
+            requested = "onednn"
+    if requested == "blocked" and not blocked_kernel_available():
+        log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native kernels are unavailable; using onednn")
+        requested = "onednn"
+    if requested == "onednn" and not onednn_available():
+        requested = "torch"
+    return requested
+
+
+def linear_kernel() -> str:
+    """The kernel fp32 CPU linears use here: blocked, onednn or torch (see the module doc)."""
+    return _resolve(os.environ.get("BATCHINFER_LINEAR_KERNEL", "auto").strip().lower(),
+                    os.environ.get("BATCHINFER_PACK_LINEARS", "1"))
+
+
+def to_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, in, 16] (a view): panel p holds output rows 16 p .. 16 p + 15, in-major."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
 
 
 class PackedLinear(nn.Module):
@@ -37,16 +84,48 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight back from the opaque layout (exact: a product with the identity)."""
+        eye = torch.eye(self.in_features)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").T
 
-def pack_linears(model: nn.Module) -> int:
-    """Swaps every fp32 CPU nn.Linear in `model` for a PackedLinear; returns how many."""
-    if not onednn_available():
+
+class BlockedLinear(nn.Module):
+    """A Linear whose weight lives in 16-wide panels for kernels/blocked_linear.cpp."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.blocked = to_blocked(linear.weight.detach()).contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.batchinfer.blocked_linear(x.reshape(-1, self.in_features), self.blocked)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight back from the panels."""
+        return self.blocked.transpose(1, 2).reshape(self.out_features, self.in_features)
+
+
+def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
+    """Swaps every fp32 CPU nn.Linear in `model` for the kernel's module (a BlockedLinear where the
+    output width is a multiple of 16, else a PackedLinear); returns how many were swapped."""
+    kernel = kernel or linear_kernel()
+    if kernel == "torch":
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32):
-                setattr(parent, name, PackedLinear(child))
+                if kernel == "blocked" and child.out_features % PANEL == 0:
+                    setattr(parent, name, BlockedLinear(child))
+                elif onednn_available():
+                    setattr(parent, name, PackedLinear(child))
+                else:
+                    continue
                 swapped += 1
     return swapped

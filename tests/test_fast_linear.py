@@ -1,0 +1,105 @@
+"""The engine's fp32 linear kernels (engine/model/fast_linear.py) against torch's linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from batchinfer.engine.model import fast_linear
+from batchinfer.engine.model.fast_linear import (BlockedLinear, PackedLinear, blocked_kernel_available,
+                                                 linear_kernel, pack_linears, to_blocked)
+
+needs_blocked = pytest.mark.skipif(not blocked_kernel_available(), reason="native CPU kernels unavailable")
+
+
+@needs_blocked
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 49, 64, 100, 130])
+@pytest.mark.parametrize("out_features,in_features", [(48, 40), (96, 576), (32, 3)])
+def test_blocked_kernel_equals_torch_linear(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    got = torch.ops.batchinfer.blocked_linear(x, to_blocked(w).contiguous())
+    torch.testing.assert_close(got, nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_blocked
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Every output is one FMA chain over k in order: bitwise the same alone, in any tile size,
+    in any row block and under any thread split."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(131, 576, generator=gen)
+    w = to_blocked(torch.randn(960, 576, generator=gen)).contiguous()
+    full = torch.ops.batchinfer.blocked_linear(x, w)
+    for start, stop in [(0, 1), (5, 6), (48, 53), (100, 131), (3, 97)]:
+        part = torch.ops.batchinfer.blocked_linear(x[start:stop], w)
+        assert torch.equal(part, full[start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.batchinfer.blocked_linear(x, w), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_blocked
+def test_blocked_linear_module_keeps_the_linears_maths():
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(40, 64, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 40, generator=gen))
+        lin.bias.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(2, 9, 40, generator=gen)       # leading dimensions kept
+    got = BlockedLinear(lin)(x)
+    assert got.shape == (2, 9, 64)
+    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    monkeypatch.delenv("BATCHINFER_PACK_LINEARS", raising=False)
+    monkeypatch.delenv("BATCHINFER_LINEAR_KERNEL", raising=False)
+    return monkeypatch
+
+
+def test_kernel_choice_follows_the_environment(kernel_env):
+    kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
+    assert linear_kernel() == "torch"
+    kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "ONEDNN")
+    assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
+    kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "blocked")
+    assert linear_kernel() in ("blocked" if blocked_kernel_available() else ("onednn", "torch"))
+    kernel_env.setenv("BATCHINFER_PACK_LINEARS", "0")     # the older switch: plain torch
+    assert linear_kernel() == "torch"
+    kernel_env.delenv("BATCHINFER_PACK_LINEARS")
+    kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "mkl")
+    with pytest.raises(ValueError, match="BATCHINFER_LINEAR_KERNEL='mkl'.*auto, blocked, onednn, torch"):
+        linear_kernel()
+
+
+def test_auto_takes_the_blocked_kernel_on_avx2_only_cpus(kernel_env):
+    capability = torch.backends.cpu.get_cpu_capability()
+    expected = ("blocked" if capability == "AVX2" and blocked_kernel_available()
+                else "onednn" if fast_linear.onednn_available() else "torch")
+    assert linear_kernel() == expected
+    kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    fast_linear._resolve.cache_clear()
+    try:
+        assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
+    finally:
+        fast_linear._resolve.cache_clear()
+
+
+@needs_blocked
+@pytest.mark.skipif(not fast_linear.onednn_available(), reason="oneDNN unavailable")
+def test_pack_linears_uses_onednn_where_the_width_does_not_split_in_panels():
+    model = nn.Sequential(nn.Linear(24, 32), nn.Linear(32, 13), nn.Linear(13, 48, bias=False))
+    x = torch.randn(5, 24)
+    expected = model(x)
+    weights = [m.weight.detach().clone() for m in model]
+    assert pack_linears(model, "blocked") == 3
+    assert [type(m) for m in model] == [BlockedLinear, PackedLinear, BlockedLinear]
+    assert all(torch.equal(m.dense_weight(), w) for m, w in zip(model, weights))
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-4)
+    plain = nn.Sequential(nn.Linear(8, 16))
+    assert pack_linears(plain, "torch") == 0 and type(plain[0]) is nn.Linear
