@@ -11,7 +11,8 @@ binds: the memory-bound regime of the paper.
         --only sidp-was-only sidp sidp-bth-16          # paper Fig. 13: WaS only vs WaS + CaS
 
 `sidp` switches to CaS below the B_th it profiles at startup; `sidp-bth-16` below 16 whatever
-the profile says (to see the tail in CaS here).
+the profile says (to see the tail in CaS here). `sidp` leaves `weight_slots` unset (in place on a
+single-memory host); `sidp-slots` forces the paper's slot copies, `sidp-in-place` forbids them.
 
 Prints one JSON object; the ratios are SiDP's output tok/s over each other configuration's, and
 each result's kv_capacity_tokens is the engine's (both replicas).
@@ -34,6 +35,8 @@ CONFIGS = {
         "name": "sidp", "peak_shifting": False, **BATCHING}},
     "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {
         "name": "sidp", "weight_slots": False, **BATCHING}},
+    "sidp-slots": {"parallel": {"dp": 2}, "strategy": {
+        "name": "sidp", "weight_slots": True, **BATCHING}},
 }
 
 

@@ -22,7 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratios", type=float, nargs="+", default=[1.5, 1.4])
     args = ap.parse_args()
-    configs = {"dp2": None, "sidp": SiDPParams(), "sidp-in-place": SiDPParams(weight_slots=False)}
+    configs = {"dp2": None, "sidp": SiDPParams(weight_slots=True),
+               "sidp-in-place": SiDPParams(weight_slots=False)}
     results, weights = [], None
     for ratio in args.ratios:
         row = {"budget_over_weights": ratio}

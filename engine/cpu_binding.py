@@ -17,6 +17,7 @@ CPU this process was given.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 from typing import Iterator, Optional
@@ -33,6 +34,30 @@ def allowed_cpus() -> list[int]:
     if not hasattr(os, "sched_getaffinity"):
         return list(range(os.cpu_count() or 1))
     return sorted(os.sched_getaffinity(0))
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") -> its CPUs."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def numa_nodes(cpus: Optional[list[int]] = None,
+               sysfs: str = "/sys/devices/system/node") -> int:
+    """How many NUMA nodes `cpus` (default: this process's) span; 1 where sysfs does not say."""
+    wanted = set(allowed_cpus() if cpus is None else cpus)
+    nodes = 0
+    for cpulist in sorted(glob.glob(os.path.join(sysfs, "node[0-9]*", "cpulist"))):
+        try:
+            with open(cpulist) as f:
+                nodes += bool(parse_cpu_list(f.read()) & wanted)
+        except (OSError, ValueError):
+            continue
+    return max(nodes, 1)
 
 
 def compute_threads(num_threads: Optional[int]) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
+from batchinfer.engine.cpu_binding import numa_nodes
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
                                              rank_bytes_per_block, start_workers)
@@ -36,6 +38,15 @@ def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list
                for r in range(layout.world_size))
 
 
+def resolve_weight_slots(requested: Optional[bool], device) -> bool:
+    """The recipe's weight_slots, or where unset: slots (the paper's WaS) when a remote read is
+    slower than a local one (CUDA peers, or a CPU set over several NUMA nodes); in place when the
+    replicas share one memory, where a slot copy buys nothing and costs bandwidth and a core."""
+    if requested is not None:
+        return requested
+    return device.type != "cpu" or numa_nodes() > 1
+
+
 def check_sidp_layout(par) -> None:
     if par.tp != 1 or par.pp != 1 or par.dp < 2:
         raise ConfigError(f"parallel: strategy sidp shares FFN weights between data-parallel "
@@ -55,15 +66,16 @@ def build_sidp_engine(config, params):
     if setup.device.type != "cpu":
         raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
                           "host shared memory; the CUDA IPC path is not built yet)")
+    with_slots = resolve_weight_slots(params.weight_slots, setup.device)
     blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, setup.dtype)
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
                               setup.dtype, blocked=blocked)
     block_size = config.cache.block_size
     num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
-                                 store.layer_bytes(), params.weight_slots)
+                                 store.layer_bytes(), with_slots)
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
     profile = params.compute_service and params.batch_threshold is None
-    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, params.weight_slots,
+    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, with_slots,
                           params.compute_service, params.gemm_fusion, profile_costs=profile)
     pool = start_workers(config, setup, layout, num_blocks, plan.threads, sidp=spec)
     threshold, costs = params.batch_threshold, None
@@ -79,11 +91,11 @@ def build_sidp_engine(config, params):
     timeout = par.step_timeout_seconds
     info = {"sidp": {
         "owners": owners, "peak_shifting": params.peak_shifting,
-        "weight_slots": params.weight_slots, "ffn_layout": "blocked" if blocked else "rows",
+        "weight_slots": with_slots, "ffn_layout": "blocked" if blocked else "rows",
         "compute_service": params.compute_service, "batch_threshold": threshold,
         "batch_threshold_costs": costs,
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
-        "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, params.weight_slots)
+        "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, with_slots)
                                   for r in range(layout.dp)],
         "kv_tokens_per_replica": num_blocks * block_size,
         "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,

@@ -12,8 +12,9 @@ orchestrator's rounds (sidp/orchestrator.py; only its transport is replaced). Wh
   they cannot keep up. On a CPU no core is spare (the ranks' threads fill the host), so a read
   adds its copy time to the forward that uses it. Without peak shifting the d - 1 readers of a
   cycle read one owner at once: each read takes d - 1 times as long (DP=2: no effect, as in the
-  engine). `weight_slots: false` (in place): no copies on a CPU (shared host memory); on a GPU a
-  remote FFN takes the longer of its GEMMs and streaming its weights from the peer.
+  engine). `weight_slots: false` (in place; unset, the default on a CPU, as in the engine): no
+  copies on a CPU (shared host memory); on a GPU a remote FFN takes the longer of its GEMMs and
+  streaming its weights from the peer.
 - **CaS round.** The replicas start together (when the last one is free). Per layer each replica
   with work runs its attention (its layer time less the FFN's); a non-owner sends its FFN input
   to the owner (p2p, rows x hidden); the owner, once its own attention and the inputs are there,
@@ -155,6 +156,9 @@ class SiDPGroup:
         self.layer_bytes = 3 * arch.hidden_size * arch.intermediate_size * dtype_bytes
         self.row_bytes = arch.hidden_size * dtype_bytes
         self.overlapped_reads = cost.device != "cpu"
+        # as sidp/build.py resolve_weight_slots (a simulated CPU host is one memory)
+        self.with_slots = (params.weight_slots if params.weight_slots is not None
+                           else cost.device != "cpu")
         incast = 1 if params.peak_shifting else max(dp - 1, 1)
         self.read_s = cost.weight_read_seconds(self.layer_bytes) * incast
         self.reads = [SlotReads(prefetch_order(r, self.owners, dp, params.peak_shifting),
@@ -185,7 +189,7 @@ class SiDPGroup:
     def _remote_ffn(self, layer: int, forward_pass: int, ready: float, ffn_s: float,
                     reads: Optional[SlotReads], overlapped: bool) -> tuple[float, float]:
         """A non-owned layer's FFN from time `ready` (attention done) -> (end, busy seconds)."""
-        if not self.params.weight_slots:
+        if not self.with_slots:
             if self.cost.device == "cpu":
                 return ready + ffn_s, ffn_s                  # shared host memory, in place
             return ready + max(ffn_s, self.read_s), ffn_s   # streamed from the peer
@@ -271,7 +275,7 @@ class SiDPGroup:
                             "cas" if r in plans else "cas-dummy")
 
     def summary(self) -> dict:
-        fetched = self.weight_fetches if self.params.weight_slots else 0
+        fetched = self.weight_fetches if self.with_slots else 0
         return {"weight_fetches": fetched, "weight_fetch_bytes": fetched * self.layer_bytes,
                 "weight_wait_s": round(self.weight_wait_s, 6),
                 "weight_reads_overlap_compute": self.overlapped_reads,
@@ -285,7 +289,7 @@ def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, la
     check_sidp_layout(config.parallel)
     group = SiDPGroup(params, arch, cost, clock, layout.dp, threads, dtype_bytes)
     num_blocks = sidp_num_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
-                                 group.owners, group.layer_bytes, params.weight_slots,
+                                 group.owners, group.layer_bytes, group.with_slots,
                                  cost.memory_bytes)
     check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
     replicas = []

@@ -27,9 +27,12 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                                         "weights; default: layer l -> rank l mod dp")
     peak_shifting: bool = Field(True, description="rank r starts each dp-layer cycle's "
                                 "prefetches at layer c + r (§4.2); off: every rank at c")
-    weight_slots: bool = Field(True, description="read remote FFN weights into d - 1 slots "
-                               "ahead of use (§4.2); false: compute from the owner's shared "
-                               "rows in place, no copies (replicas share host memory)")
+    weight_slots: Optional[bool] = Field(None, description="read remote FFN weights into "
+                                         "d - 1 slots ahead of use (§4.2); false: compute from "
+                                         "the owner's shared rows in place, no copies; default: "
+                                         "slots where a remote read is slower than a local one "
+                                         "(CUDA, or CPUs over several NUMA nodes), in place on "
+                                         "one memory")
     compute_service: bool = Field(True, description="CaS (§4.3): below B_th the replicas run "
                                   "in rounds and send FFN inputs to each layer's owner; false: "
                                   "WaS only")

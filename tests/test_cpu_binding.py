@@ -114,3 +114,15 @@ def test_none_leaves_placement_alone(monkeypatch):
         torch.set_num_threads(threads)
     if before is not None:
         assert sorted(os.sched_getaffinity(0)) == before
+
+
+def test_numa_nodes_counts_the_nodes_a_cpu_set_spans(tmp_path):
+    from batchinfer.engine.cpu_binding import numa_nodes, parse_cpu_list
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    for node, cpus in [(0, "0-3"), (1, "4-7"), (2, "")]:      # node 2: memory only, no CPUs
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    assert numa_nodes([0, 1], sysfs=str(tmp_path)) == 1
+    assert numa_nodes([3, 4], sysfs=str(tmp_path)) == 2
+    assert numa_nodes([0], sysfs=str(tmp_path / "absent")) == 1    # no sysfs: one memory

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchinfer.engine.request import SamplingParams
+from batchinfer.sidp.build import resolve_weight_slots
 from batchinfer.sidp.ffn_store import FFNStore
 from batchinfer.sidp.ownership import (default_owners, prefetch_order, resolve_owners,
                                        slots_needed)
@@ -120,8 +121,10 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
        "List three prime numbers:", "1, 2, 3,"]
 
 
-@pytest.mark.parametrize("strategy", [{}, {"peak_shifting": False}, {"owners": [1] * 20 + [0] * 10},
-                                      {"weight_slots": False}])
+@pytest.mark.parametrize("strategy", [{"weight_slots": True},
+                                      {"weight_slots": True, "peak_shifting": False},
+                                      {"weight_slots": True, "owners": [1] * 20 + [0] * 10},
+                                      {}])
 def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
@@ -143,10 +146,23 @@ def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     assert stats["kv_capacity_tokens"] > 2 * plain
     assert stats["sidp"]["plain_dp_kv_tokens_per_replica"] * 2 == plain
     slots = stats["strategy_stats"]
-    if strategy.get("weight_slots", True):
+    with_slots = resolve_weight_slots(strategy.get("weight_slots"), torch.device("cpu"))
+    assert stats["sidp"]["weight_slots"] == with_slots
+    if with_slots:
         assert slots["weight_fetches"] > 0 and slots["weight_slot_hit_ratio"] is not None
     else:                                    # in place: no copies, no slots
         assert slots["weight_fetches"] == 0 and stats["sidp"]["weight_slots_per_rank"] == [0, 0]
+
+
+def test_weight_slots_default_to_where_a_remote_read_is_slower(monkeypatch):
+    from batchinfer.sidp import build
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(build, "numa_nodes", lambda: 1)
+    assert not resolve_weight_slots(None, cpu) and resolve_weight_slots(None, cuda)
+    assert resolve_weight_slots(True, cpu) and not resolve_weight_slots(False, cuda)
+    monkeypatch.setattr(build, "numa_nodes", lambda: 2)
+    assert resolve_weight_slots(None, cpu)
 
 
 def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
@@ -167,7 +183,9 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
     _, report = run_shipped_recipe("sidp", tmp_path / "run", limit=4)
     assert report["strategy"]["name"] == "sidp"
     assert report["engine"]["sidp"]["kv_capacity_vs_plain_dp"] > 1.0
-    assert report["engine"]["strategy_stats"]["weight_fetches"] > 0
+    with_slots = resolve_weight_slots(None, torch.device("cpu"))   # the recipe leaves it unset
+    assert report["engine"]["sidp"]["weight_slots"] == with_slots
+    assert (report["engine"]["strategy_stats"]["weight_fetches"] > 0) == with_slots
     if load_native_kernels():         # the FFN store in the blocked layout, through its kernel
         assert report["engine"]["sidp"]["ffn_layout"] == "blocked"
 

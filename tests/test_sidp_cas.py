@@ -167,6 +167,7 @@ def plain_dp_outputs():
 def _sidp(make_engine, **knobs):
     from batchinfer.strategies.sidp import SiDPParams
 
+    knobs.setdefault("weight_slots", True)   # the paper's WaS side, slots across the switches
     params = SiDPParams(**knobs)
     return make_engine(**BASE, strategy=params, scheduler=params.scheduler_config())
 

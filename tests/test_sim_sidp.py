@@ -95,13 +95,15 @@ def _done(group: SiDPGroup, replica: int) -> float:
     # read of layer 3 starts at that release and ends 6.5 -> FFN to 7.0; + 1 head
     ("cuda", True, 8.0),
     ("cuda", False, 5.0 + 2 * 2.5),   # each remote FFN streams its weights: max(0.5, 3) each
+    ("cpu", None, 5.0),       # unset: in place on a (simulated) CPU host, as the engine decides
+    ("cuda", None, 8.0),      # unset: the paper's slots on GPUs
 ])
 def test_was_forward_equals_hand_computed(device, weight_slots, expected):
     group = _group(device, weight_slots=weight_slots)
     assert group.owners == [0, 1, 0, 1]
     group.run_was(0, _batch(1, "a"))
     assert _done(group, 0) == pytest.approx(expected)
-    if device == "cuda" and weight_slots:
+    if device == "cuda" and weight_slots is not False:
         assert group.weight_wait_s == pytest.approx((3.0 - 1.5) + (6.5 - 5.0))
         # the next pass's first read started when layer 3 freed the slot (7.0): ready at 10.0
         group.run_was(0, _batch(1, "b"))
@@ -171,7 +173,8 @@ WORKLOAD = [SimRequest(8 + (i * 37) % 120, 4 + (i * 53) % 90) for i in range(60)
 
 
 def test_simulated_sidp_sizes_kv_as_the_engine_and_switches_modes_deterministically():
-    config = _config({"name": "sidp", "batch_threshold": 16, "mode_switch_patience": 2})
+    config = _config({"name": "sidp", "batch_threshold": 16, "mode_switch_patience": 2,
+                      "weight_slots": True})
     runs = [simulate(config, WORKLOAD, SiDPCost(), ARCH, 512, 4, cores=2) for _ in range(2)]
     assert runs[0].to_json() == runs[1].to_json()
     result = runs[0]
