@@ -38,10 +38,10 @@ CONFIGS = {
 }
 DEFAULT = list(CONFIGS)          # the fidelity set
 CONFIGS.update({                 # SiDP (sidp_bench.py's batching), asked for with --only
-    "sidp": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp"}},
+    "sidp": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp", "weight_slots": True}},
     "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp",
                                                           "weight_slots": False}},
-    "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp",
+    "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {**HB, "name": "sidp", "weight_slots": True,
                                                         "batch_threshold": 16}},
 })
 
