@@ -19,12 +19,8 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.model.fast_linear import (BlockedLinear, PackedLinear, blocked_kernel_available,
-                                                 onednn_available)
+from batchinfer.engine.model.fast_linear import blocked_kernel_available, onednn_available, pack_linears
 from batchinfer.engine.timing import median_seconds
-
-
-KERNEL_MODULES = {"blocked": BlockedLinear, "onednn": PackedLinear}
 
 
 def available_kernels() -> list[str]:
@@ -33,9 +29,11 @@ def available_kernels() -> list[str]:
 
 
 def _linear(out_f: int, in_f: int, kernel: str):
-    lin = nn.Linear(in_f, out_f, bias=False)
-    wrap = KERNEL_MODULES.get(kernel)
-    return wrap(lin) if wrap else lin
+    """As the engine lays it out (pack_linears: a width that does not split into the blocked
+    kernel's panels runs on oneDNN)."""
+    holder = nn.Sequential(nn.Linear(in_f, out_f, bias=False))
+    pack_linears(holder, kernel)
+    return holder[0]
 
 
 class _ModelGemms:

@@ -12,7 +12,9 @@ binds: the memory-bound regime of the paper.
 
 `sidp` switches to CaS below the B_th it profiles at startup; `sidp-bth-16` below 16 whatever
 the profile says (to see the tail in CaS here). `sidp` leaves `weight_slots` unset (in place on a
-single-memory host); `sidp-slots` forces the paper's slot copies, `sidp-in-place` forbids them.
+single-memory host); `sidp-slots` forces the paper's slot copies, `sidp-in-place` forbids them;
+the ablations (`sidp-was-only`, `sidp-bth-16`, `sidp-no-peak-shifting`) keep the slots, as the
+paper's WaS has them.
 
 Prints one JSON object; the ratios are SiDP's output tok/s over each other configuration's, and
 each result's kv_capacity_tokens is the engine's (both replicas).
@@ -27,12 +29,12 @@ BATCHING = {"policy": "hb", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
 CONFIGS = {
     "sidp": {"parallel": {"dp": 2}, "strategy": {"name": "sidp", **BATCHING}},
     "sidp-was-only": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "compute_service": False, **BATCHING}},
+        "name": "sidp", "compute_service": False, "weight_slots": True, **BATCHING}},
     "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "batch_threshold": 16, **BATCHING}},
+        "name": "sidp", "batch_threshold": 16, "weight_slots": True, **BATCHING}},
     "dp2": {"parallel": {"dp": 2}, "strategy": {"name": "baseline", **BATCHING}},
     "sidp-no-peak-shifting": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "peak_shifting": False, **BATCHING}},
+        "name": "sidp", "peak_shifting": False, "weight_slots": True, **BATCHING}},
     "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {
         "name": "sidp", "weight_slots": False, **BATCHING}},
     "sidp-slots": {"parallel": {"dp": 2}, "strategy": {

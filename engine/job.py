@@ -45,7 +45,7 @@ EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 ENGINE_INFO_KEYS = ("device", "dtype", "attention_backend", "kv_cache_bytes", "kv_block_size",
                     "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy",
                     "strategy", "step_times", "parallel", "strategy_stats", "seesaw",
-                    "sipipe", "sidp", "prefix_cache")
+                    "sipipe", "sidp", "prefix_cache", "linear_kernel")
 
 
 def default_output_dir(recipe_path: Optional[str], input_path: Path) -> Path:

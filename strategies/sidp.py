@@ -2,7 +2,9 @@
 
 Ownership (layer l -> rank l mod d, or `owners`); Weight as a Service with d - 1 preallocated
 weight slots per rank filled ahead of use by a prefetch / housekeeper thread, and peak shifting
-(`peak_shifting: false` is the paper's ablation, Fig. 10); the freed FFN memory becomes KV cache
+(`peak_shifting: false` is the paper's ablation, Fig. 10), where a remote read is slower than a
+local one (`weight_slots` unset: CUDA, or CPUs over several NUMA nodes; on one memory the
+replicas compute from the owner's rows in place); the freed FFN memory becomes KV cache
 at plain DP's per-replica memory budget. Compute as a Service for the small-batch tail (activations
 to the owner, GEMM fusion, dummy skipping), entered and left by the job orchestrator at the batch
 threshold B_th (profiled at startup unless given) with patience and hysteresis

@@ -68,7 +68,7 @@ def test_kernel_choice_follows_the_environment(kernel_env):
     kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "ONEDNN")
     assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
     kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "blocked")
-    assert linear_kernel() in ("blocked" if blocked_kernel_available() else ("onednn", "torch"))
+    assert linear_kernel() in (("blocked",) if blocked_kernel_available() else ("onednn", "torch"))
     kernel_env.setenv("BATCHINFER_PACK_LINEARS", "0")     # the older switch: plain torch
     assert linear_kernel() == "torch"
     kernel_env.delenv("BATCHINFER_PACK_LINEARS")
@@ -82,9 +82,17 @@ def test_auto_takes_the_blocked_kernel_on_avx2_only_cpus(kernel_env):
     expected = ("blocked" if capability == "AVX2" and blocked_kernel_available()
                 else "onednn" if fast_linear.onednn_available() else "torch")
     assert linear_kernel() == expected
+    available = blocked_kernel_available()
     kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     fast_linear._resolve.cache_clear()
     try:
+        assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
+        if available:            # the kernel is built here: on an AVX2-only CPU auto takes it
+            kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+            fast_linear._resolve.cache_clear()
+            assert linear_kernel() == "blocked"
+        kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+        fast_linear._resolve.cache_clear()
         assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
     finally:
         fast_linear._resolve.cache_clear()

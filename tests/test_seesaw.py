@@ -215,6 +215,8 @@ def _params(model) -> dict:
     for name, module in model.named_modules():
         if hasattr(module, "dense_weight"):   # the engine's fast linears (oneDNN or blocked)
             out[name] = module.dense_weight()
+            if module.bias is not None:
+                out[f"{name}.bias"] = module.bias
     for name, param in model.named_parameters():
         out[name] = param.detach()
     return out

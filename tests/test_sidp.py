@@ -124,11 +124,11 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
 @pytest.mark.parametrize("strategy", [{"weight_slots": True},
                                       {"weight_slots": True, "peak_shifting": False},
                                       {"weight_slots": True, "owners": [1] * 20 + [0] * 10},
-                                      {}])
+                                      {"weight_slots": False}, {}])
 def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
-    remote layer read through the slots."""
+    remote layer read through the slots where there are slots (in place: no copies)."""
     from batchinfer.strategies.sidp import SiDPParams
 
     monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
@@ -177,7 +177,9 @@ def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
 
 
 def test_sidp_recipe_runs_out_of_the_box(tmp_path):
-    from batchinfer.engine.kernels import load_native_kernels
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.sidp.ffn_store import blocked_layout_available
     from tests.strategy_e2e import run_shipped_recipe
 
     _, report = run_shipped_recipe("sidp", tmp_path / "run", limit=4)
@@ -186,8 +188,9 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
     with_slots = resolve_weight_slots(None, torch.device("cpu"))   # the recipe leaves it unset
     assert report["engine"]["sidp"]["weight_slots"] == with_slots
     assert (report["engine"]["strategy_stats"]["weight_fetches"] > 0) == with_slots
-    if load_native_kernels():         # the FFN store in the blocked layout, through its kernel
-        assert report["engine"]["sidp"]["ffn_layout"] == "blocked"
+    arch = load_arch(resolve_model_dir(None)[0])
+    if blocked_layout_available(arch.hidden_size, arch.intermediate_size, torch.float32):
+        assert report["engine"]["sidp"]["ffn_layout"] == "blocked"   # through its kernel
 
 
 # --- the blocked layout (its kernel: tests/test_fast_linear.py) --------------------------------

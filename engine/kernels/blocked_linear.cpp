@@ -4,8 +4,9 @@
 // panel is streamed once per 6 input rows with a 6 x 16 register tile (12 FMA accumulators, one
 // broadcast input value and two panel vectors per k). Each output is one FMA chain over k in
 // order, so a row's result does not depend on the batch it is in. Measured on the AVX2-only
-// EPYC, SmolLM2's shapes, two threads: 1.2-1.4x oneDNN's packed GEMM at 16-256 rows, 1.07x at
-// 2,048; on an AVX-512 host oneDNN was faster (this kernel 12% slower at 16 rows, 3% at 64).
+// EPYC, SmolLM2's shapes, two threads: 1.2-1.4x oneDNN's packed GEMM at 16-256 rows, 1.07-1.2x
+// at 512-2,048; on an AVX-512 host oneDNN was faster (this kernel, one thread, 12% slower at 16
+// rows, 3% at 64).
 #include <torch/extension.h>
 
 #include <algorithm>

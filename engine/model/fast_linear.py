@@ -35,6 +35,9 @@ def onednn_available() -> bool:
 
 
 def blocked_kernel_available() -> bool:
+    """The kernel is built and has its AVX2 path (without it, it is a copying fallback)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
     from batchinfer.engine.kernels import load_native_kernels
 
     return load_native_kernels() and hasattr(torch.ops.batchinfer, "blocked_linear")
@@ -53,7 +56,7 @@ def _resolve(requested: str, pack_linears_env: str) -> str:
         else:
             requested = "onednn"
     if requested == "blocked" and not blocked_kernel_available():
-        log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native kernels are unavailable; using onednn")
+        log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native AVX2 kernels are unavailable here")
         requested = "onednn"
     if requested == "onednn" and not onednn_available():
         requested = "torch"
@@ -64,6 +67,11 @@ def linear_kernel() -> str:
     """The kernel fp32 CPU linears use here: blocked, onednn or torch (see the module doc)."""
     return _resolve(os.environ.get("BATCHINFER_LINEAR_KERNEL", "auto").strip().lower(),
                     os.environ.get("BATCHINFER_PACK_LINEARS", "1"))
+
+
+def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a model on `device` in `dtype` runs its linears with (engine.linear_kernel)."""
+    return linear_kernel() if device.type == "cpu" and dtype == torch.float32 else "torch"
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -113,19 +121,22 @@ class BlockedLinear(nn.Module):
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     """Swaps every fp32 CPU nn.Linear in `model` for the kernel's module (a BlockedLinear where the
     output width is a multiple of 16, else a PackedLinear); returns how many were swapped."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+                   and child.weight.dtype == torch.float32)]
+    if not targets:                  # CUDA or bf16: nothing to lay out, no kernels to build
+        return 0
     kernel = kernel or linear_kernel()
     if kernel == "torch":
         return 0
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
-                    and child.weight.dtype == torch.float32):
-                if kernel == "blocked" and child.out_features % PANEL == 0:
-                    setattr(parent, name, BlockedLinear(child))
-                elif onednn_available():
-                    setattr(parent, name, PackedLinear(child))
-                else:
-                    continue
-                swapped += 1
+    for parent, name, child in targets:
+        if kernel == "blocked" and child.out_features % PANEL == 0:
+            setattr(parent, name, BlockedLinear(child))
+        elif onednn_available():
+            setattr(parent, name, PackedLinear(child))
+        else:
+            continue
+        swapped += 1
     return swapped

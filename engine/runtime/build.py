@@ -19,6 +19,7 @@ from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
 from ..kv_cache import BlockManager
+from ..model.fast_linear import linear_kernel_for
 from ..model.loader import load_arch
 from ..model.sources import resolve_model_dir
 from ..tokenizer import load_tokenizer
@@ -137,6 +138,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "model_id": setup.model_id + (" [dummy weights]" if dummy else ""),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
+        "linear_kernel": linear_kernel_for(setup.device, setup.dtype),
         "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
