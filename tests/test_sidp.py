@@ -122,8 +122,8 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
 
 
 @pytest.mark.parametrize("strategy", [{"weight_slots": True},
-                                      {"weight_slots": True, "peak_shifting": False},
-                                      {"weight_slots": True, "owners": [1] * 20 + [0] * 10},
+                                      {"weight_slots": True, "peak_shifting": False,
+                                       "owners": [1] * 20 + [0] * 10},
                                       {"weight_slots": False}, {}])
 def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's

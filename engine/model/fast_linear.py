@@ -131,7 +131,8 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     if kernel == "torch":
         return 0
     swapped = 0
-    for parent, name, child in targets:
+    while targets:                   # popped, so each original is freed once swapped
+        parent, name, child = targets.pop()
         if kernel == "blocked" and child.out_features % PANEL == 0:
             setattr(parent, name, BlockedLinear(child))
         elif onednn_available():
