@@ -26,19 +26,20 @@ from pathlib import Path
 from strategy_bench import main
 
 BATCHING = {"policy": "hb", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def _dp2(name: str, **knobs) -> dict:
+    return {"parallel": {"dp": 2}, "strategy": {"name": name, **knobs, **BATCHING}}
+
+
 CONFIGS = {
-    "sidp": {"parallel": {"dp": 2}, "strategy": {"name": "sidp", **BATCHING}},
-    "sidp-was-only": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "compute_service": False, "weight_slots": True, **BATCHING}},
-    "sidp-bth-16": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "batch_threshold": 16, "weight_slots": True, **BATCHING}},
-    "dp2": {"parallel": {"dp": 2}, "strategy": {"name": "baseline", **BATCHING}},
-    "sidp-no-peak-shifting": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "peak_shifting": False, "weight_slots": True, **BATCHING}},
-    "sidp-in-place": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "weight_slots": False, **BATCHING}},
-    "sidp-slots": {"parallel": {"dp": 2}, "strategy": {
-        "name": "sidp", "weight_slots": True, **BATCHING}},
+    "sidp": _dp2("sidp"),
+    "sidp-was-only": _dp2("sidp", compute_service=False, weight_slots=True),
+    "sidp-bth-16": _dp2("sidp", batch_threshold=16, weight_slots=True),
+    "dp2": _dp2("baseline"),
+    "sidp-no-peak-shifting": _dp2("sidp", peak_shifting=False, weight_slots=True),
+    "sidp-in-place": _dp2("sidp", weight_slots=False),
+    "sidp-slots": _dp2("sidp", weight_slots=True),
 }
 
 

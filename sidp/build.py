@@ -38,13 +38,17 @@ def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list
                for r in range(layout.world_size))
 
 
-def resolve_weight_slots(requested: Optional[bool], device) -> bool:
+def resolve_weight_slots(requested: Optional[bool], device, nodes: Optional[int] = None) -> bool:
     """The recipe's weight_slots, or where unset: slots (the paper's WaS) when a remote read is
     slower than a local one (CUDA peers, or a CPU set over several NUMA nodes); in place when the
-    replicas share one memory, where a slot copy buys nothing and costs bandwidth and a core."""
+    replicas share one memory, where a slot copy buys nothing and costs bandwidth and a core.
+    device: a torch.device or its type; nodes: the CPU set's NUMA nodes (default: this host's;
+    the simulator passes its host's)."""
     if requested is not None:
         return requested
-    return device.type != "cpu" or numa_nodes() > 1
+    if getattr(device, "type", device) != "cpu":
+        return True
+    return (numa_nodes() if nodes is None else nodes) > 1
 
 
 def check_sidp_layout(par) -> None:

@@ -33,7 +33,7 @@ from batchinfer.engine.engine import Replica
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.scheduler import MicroBatch
-from batchinfer.sidp.build import check_sidp_layout, sidp_num_blocks
+from batchinfer.sidp.build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
 from batchinfer.sidp.cost_profile import BATCH_SIZES
 from batchinfer.sidp.mode_switch import ModeSwitch, profiled_threshold
 from batchinfer.sidp.orchestrator import Orchestrator
@@ -156,9 +156,8 @@ class SiDPGroup:
         self.layer_bytes = 3 * arch.hidden_size * arch.intermediate_size * dtype_bytes
         self.row_bytes = arch.hidden_size * dtype_bytes
         self.overlapped_reads = cost.device != "cpu"
-        # as sidp/build.py resolve_weight_slots (a simulated CPU host is one memory)
-        self.with_slots = (params.weight_slots if params.weight_slots is not None
-                           else cost.device != "cpu")
+        # a simulated CPU host is one memory
+        self.with_slots = resolve_weight_slots(params.weight_slots, cost.device, nodes=1)
         incast = 1 if params.peak_shifting else max(dp - 1, 1)
         self.read_s = cost.weight_read_seconds(self.layer_bytes) * incast
         self.reads = [SlotReads(prefetch_order(r, self.owners, dp, params.peak_shifting),

@@ -50,17 +50,16 @@ def _resolve(requested: str, pack_linears_env: str) -> str:
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"BATCHINFER_LINEAR_KERNEL={requested!r}: expected one of "
                          f"{', '.join(LINEAR_KERNELS)}")
-    if requested == "auto":
-        if torch.backends.cpu.get_cpu_capability() == "AVX2" and blocked_kernel_available():
-            requested = "blocked"
-        else:
-            requested = "onednn"
-    if requested == "blocked" and not blocked_kernel_available():
-        log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native AVX2 kernels are unavailable here")
-        requested = "onednn"
-    if requested == "onednn" and not onednn_available():
-        requested = "torch"
-    return requested
+    chosen = requested
+    if chosen == "auto":
+        chosen = "blocked" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    if chosen == "blocked" and not blocked_kernel_available():
+        if requested == "blocked":
+            log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native AVX2 kernels are unavailable here")
+        chosen = "onednn"
+    if chosen == "onednn" and not onednn_available():
+        chosen = "torch"
+    return chosen
 
 
 def linear_kernel() -> str:
