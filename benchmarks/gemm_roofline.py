@@ -9,6 +9,7 @@ prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports
 
     python benchmarks/gemm_roofline.py --batch 128 256 512
     python benchmarks/gemm_roofline.py --kernel onednn    # one kernel only
+    BATCHINFER_GEMM_PREFETCH=0 python benchmarks/gemm_roofline.py --batch 16 --threads 1
 """
 from __future__ import annotations
 
@@ -98,7 +99,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--kernel", nargs="+", choices=["blocked", "onednn", "torch"], default=None,
                     help="time only these kernels (default: every one available here)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, every core here)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir, model_id = resolve_model_dir(args.model)
     arch = load_arch(model_dir)
     for b in args.batch:

@@ -1,6 +1,8 @@
 """The engine's fp32 linear kernels (engine/model/fast_linear.py) against torch's linear."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,43 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(torch.ops.batchinfer.blocked_linear(x, w), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_blocked
+def test_prefetching_the_next_panel_leaves_every_result_bitwise_the_same(tmp_path):
+    """BATCHINFER_GEMM_PREFETCH=0 (read once per process) turns the next-panel prefetch off; the
+    products are the same bits either way, at one tile, several tiles and several row blocks."""
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(131, 576, generator=gen)
+    w = to_blocked(torch.randn(960, 576, generator=gen)).contiguous()
+    torch.save({"x": x, "w": w}, tmp_path / "inputs.pt")
+    script = ("import sys, torch\n"
+              "from batchinfer.engine.kernels import load_native_kernels\n"
+              "load_native_kernels()\n"
+              "d = torch.load(sys.argv[1])\n"
+              "torch.save([torch.ops.batchinfer.blocked_linear(d['x'][:n], d['w'])\n"
+              "            for n in (5, 16, 131)], sys.argv[2])\n")
+    env = {**os.environ, "BATCHINFER_GEMM_PREFETCH": "0"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"),
+                    str(tmp_path / "off.pt")], env=env, check=True, timeout=300)
+    off = torch.load(tmp_path / "off.pt")
+    for rows, got in zip((5, 16, 131), off):
+        assert torch.equal(torch.ops.batchinfer.blocked_linear(x[:rows], w), got), rows
+
+
+def test_pack_linears_falls_back_to_onednn_when_the_blocked_kernel_is_missing(monkeypatch):
+    monkeypatch.setattr(fast_linear, "blocked_kernel_available", lambda: False)
+    model = nn.Sequential(nn.Linear(24, 32))
+    x = torch.randn(3, 24)
+    expected = model(x)
+    if not fast_linear.onednn_available():
+        assert pack_linears(model, "blocked") == 0 and type(model[0]) is nn.Linear
+        return
+    assert pack_linears(model, "blocked") == 1 and type(model[0]) is PackedLinear
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-4)
 
 
 @needs_blocked

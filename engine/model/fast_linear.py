@@ -7,7 +7,8 @@ to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
   16]). An AVX2 kernel: on the AVX2-only AMD EPYC this project runs on it measured 1.2-1.4x
   oneDNN's packed GEMM on SmolLM2's shapes at 16-256 rows on two threads (benchmarks/
   gemm_roofline.py --kernel), and each output row is computed the same way whatever else shares
-  the batch.
+  the batch. It prefetches the next panel while it computes the current one, so at decode batch
+  sizes the weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off).
 - `onednn`: oneDNN's own packed (opaque) weights; faster where oneDNN has AVX-512 kernels (on an
   AVX-512 host the blocked kernel was 3-12% slower at 16-64 rows).
 
@@ -127,6 +128,8 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     if not targets:                  # CUDA or bf16: nothing to lay out, no kernels to build
         return 0
     kernel = kernel or linear_kernel()
+    if kernel == "blocked" and not blocked_kernel_available():    # also loads the native op
+        kernel = "onednn"
     if kernel == "torch":
         return 0
     swapped = 0
