@@ -150,3 +150,44 @@ def test_pack_linears_uses_onednn_where_the_width_does_not_split_in_panels():
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-4)
     plain = nn.Sequential(nn.Linear(8, 16))
     assert pack_linears(plain, "torch") == 0 and type(plain[0]) is nn.Linear
+
+
+@needs_blocked
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 48, 49, 131])
+def test_fused_gate_up_silu_mul_is_the_two_ops_bit_for_bit(rows):
+    """blocked_linear_silu_mul runs the same FMA chains and the same SiLU code as blocked_linear
+    then silu_and_mul: the same bits, at one tile, partial tiles and several row blocks; and
+    close to torch's silu(x @ gate^T) * (x @ up^T)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(2 * 96, 576, generator=gen) / 24     # products of order 1, as in a model
+    blocked = to_blocked(w).contiguous()
+    fused = torch.ops.batchinfer.blocked_linear_silu_mul(x, blocked)
+    two_ops = torch.ops.batchinfer.silu_and_mul(torch.ops.batchinfer.blocked_linear(x, blocked))
+    assert fused.shape == (rows, 96) and torch.equal(fused, two_ops)
+    gate, up = w.chunk(2)
+    reference = nn.functional.silu(x @ gate.T) * (x @ up.T)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+
+
+@needs_blocked
+def test_native_ops_fuse_the_gate_up_projection_only_where_it_can(monkeypatch):
+    from batchinfer.engine.model.ops import NativeOps, TorchOps
+
+    fused_calls = []
+    real = BlockedLinear.silu_mul
+    monkeypatch.setattr(BlockedLinear, "silu_mul", lambda self, x: fused_calls.append(1) or real(self, x))
+    x = torch.randn(21, 40)                          # [tokens, hidden], as in the model
+    for linear, fuses in [(nn.Linear(40, 64, bias=False), True),
+                          (nn.Linear(40, 64, bias=True), False),     # a bias: not fused
+                          (nn.Linear(40, 48, bias=False), False)]:   # halves of 24: not whole panels
+        expected = TorchOps.gate_up_silu_mul(linear, x)
+        blocked = BlockedLinear(linear)
+        assert blocked.can_fuse_silu_mul == fuses
+        for env, used in [("1", fuses), ("0", False)]:
+            monkeypatch.setenv("BATCHINFER_FUSE_SILU_MUL", env)
+            fused_calls.clear()
+            got = NativeOps.gate_up_silu_mul(blocked, x)
+            assert bool(fused_calls) == used, (linear, env)
+            assert got.shape == expected.shape
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

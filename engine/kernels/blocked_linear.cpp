@@ -10,6 +10,12 @@
 // EPYC, SmolLM2's shapes, two threads: 1.2-1.4x oneDNN's packed GEMM at 16-256 rows, 1.07-1.2x
 // at 512-2,048; on an AVX-512 host oneDNN was faster (this kernel, one thread, 12% slower at 16
 // rows, 3% at 64).
+//
+// blocked_linear_silu_mul is the MLP's gate/up projection with SiLU-and-mul as its epilogue:
+// weights of 2 I output rows (gate, then up) in panels, output silu(x @ gate^T) * (x @ up^T)
+// [M, I]. Each task computes a tile of gate panel i and of up panel i and writes the product:
+// the [M, 2 I] intermediate is never written, and the separate SiLU pass over it is gone. The
+// same FMA chains and the same SiLU code as the two unfused ops, so the same bits.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -54,13 +60,47 @@ inline void tile(const float* __restrict x, const float* __restrict panel, float
     _mm256_storeu_ps(y + j * ldy + 8, a1[j]);
   }
 }
-#endif
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked) {
-  static const bool prefetch_next = [] {
+// tile<rows> for 1 <= rows <= 6.
+inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y, int64_t K,
+                      int64_t ldy, const char* prefetch, int64_t prefetch_lines) {
+  switch (rows) {
+    case 6: tile<6>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    case 5: tile<5>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    case 4: tile<4>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    case 3: tile<3>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    case 2: tile<2>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    case 1: tile<1>(x, panel, y, K, ldy, prefetch, prefetch_lines); break;
+    default: break;
+  }
+}
+
+// How a row block spreads the prefetch of the next panel (K lines) over its tiles: the panel's
+// first row block streams the next panel in from memory while it computes. Without it a panel's
+// first pass waits on DRAM and the passes after it compute from cache: memory time plus compute
+// time instead of the larger. A block of one tile (<= 6 rows) has nothing to overlap with: the
+// hardware prefetcher streams it as well alone.
+struct PanelPrefetch {
+  const char* next;  // null: no prefetch for this row block
+  int64_t K, tiles;
+  PanelPrefetch(const float* next_panel, int64_t K, int64_t rows, bool enabled)
+      : next(nullptr), K(K), tiles((rows + 5) / 6) {
+    if (enabled && next_panel != nullptr && tiles > 1) next = reinterpret_cast<const char*>(next_panel);
+  }
+  int64_t lines(int64_t t) const { return next ? (t + 1) * K / tiles - t * K / tiles : 0; }
+  const char* from(int64_t t) const { return next ? next + LINE * (t * K / tiles) : nullptr; }
+};
+
+bool prefetch_enabled() {
+  static const bool enabled = [] {
     const char* env = std::getenv("BATCHINFER_GEMM_PREFETCH");
     return env == nullptr || std::string(env) != "0";
   }();
+  return enabled;
+}
+#endif
+
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked) {
   TORCH_CHECK(x.dim() == 2 && w_blocked.dim() == 3 && w_blocked.size(2) == P &&
                   w_blocked.size(1) == x.size(1),
               "blocked_linear: x [M, K] and w_blocked [N / 16, K, 16]");
@@ -70,6 +110,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
 #ifndef BATCHINFER_AVX2
   return torch::matmul(x, w_blocked.permute({1, 0, 2}).reshape({x.size(1), N}));
 #else
+  const bool prefetch = prefetch_enabled();
   const auto xc = x.contiguous();
   const auto wc = w_blocked.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -84,29 +125,59 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const float* panel = wp + p * K * P;
-      float* yb = yp + p * P;
-      const int64_t end = std::min(M, (rb + 1) * ROWS);
-      int64_t m = rb * ROWS;
-      // The panel's first row block streams the next panel (K lines) in from memory while it
-      // computes, spread over its tiles. Without it a panel's first pass waits on DRAM and the
-      // passes after it compute from cache: memory time plus compute time instead of the larger
-      // (1.3x at 8-32 rows on one core of the EPYC). A block of one tile (<= 6 rows) has
-      // nothing to overlap with: the hardware prefetcher streams it as well alone.
-      const int64_t tiles = (end - m + 5) / 6;
-      const bool ahead = prefetch_next && rb == 0 && tiles > 1 && p + 1 < panels;
-      const char* next = reinterpret_cast<const char*>(wp + (p + 1) * K * P);
-      int64_t t = 0;
-      auto lines = [&](int64_t i) { return ahead ? (i + 1) * K / tiles - i * K / tiles : 0; };
-      auto from = [&](int64_t i) { return next + LINE * (i * K / tiles); };
-      for (; m + 6 <= end; m += 6, ++t)
-        tile<6>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t));
-      switch (end - m) {
-        case 5: tile<5>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t)); break;
-        case 4: tile<4>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t)); break;
-        case 3: tile<3>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t)); break;
-        case 2: tile<2>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t)); break;
-        case 1: tile<1>(xp + m * K, panel, yb + m * N, K, N, from(t), lines(t)); break;
-        default: break;
+      const int64_t begin = rb * ROWS, end = std::min(M, begin + ROWS);
+      const PanelPrefetch ahead(rb == 0 && p + 1 < panels ? panel + K * P : nullptr, K,
+                                end - begin, prefetch);
+      for (int64_t m = begin, t = 0; m < end; m += 6, ++t)
+        tile_rows(std::min<int64_t>(6, end - m), xp + m * K, panel, yp + m * N + p * P, K, N,
+                  ahead.from(t), ahead.lines(t));
+    }
+  }
+  return y;
+#endif
+}
+
+// silu(x @ gate^T) * (x @ up^T) over w_blocked [2 I / 16, K, 16] (gate panels, then up panels).
+torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& w_blocked) {
+  TORCH_CHECK(x.dim() == 2 && w_blocked.dim() == 3 && w_blocked.size(2) == P &&
+                  w_blocked.size(1) == x.size(1) && w_blocked.size(0) % 2 == 0,
+              "blocked_linear_silu_mul: x [M, K] and w_blocked [2 I / 16, K, 16]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w_blocked.scalar_type() == torch::kFloat,
+              "blocked_linear_silu_mul: fp32 only");
+  const int64_t pairs = w_blocked.size(0) / 2, I = pairs * P;
+#ifndef BATCHINFER_AVX2
+  const auto gate_up = blocked_linear(x, w_blocked);
+  return torch::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I);
+#else
+  const bool prefetch = prefetch_enabled();
+  const auto xc = x.contiguous();
+  const auto wc = w_blocked.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto y = torch::empty({M, I}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_blocks = (M + ROWS - 1) / ROWS;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const float* gate = wp + p * K * P;
+      const float* up = wp + (pairs + p) * K * P;
+      const int64_t begin = rb * ROWS, end = std::min(M, begin + ROWS);
+      const bool first = rb == 0 && p + 1 < pairs;
+      const PanelPrefetch gate_ahead(first ? gate + K * P : nullptr, K, end - begin, prefetch);
+      const PanelPrefetch up_ahead(first ? up + K * P : nullptr, K, end - begin, prefetch);
+      alignas(32) float g[6 * P], u[6 * P];
+      for (int64_t m = begin, t = 0; m < end; m += 6, ++t) {
+        const int64_t rows = std::min<int64_t>(6, end - m);
+        tile_rows(rows, xp + m * K, gate, g, K, P, gate_ahead.from(t), gate_ahead.lines(t));
+        tile_rows(rows, xp + m * K, up, u, K, P, up_ahead.from(t), up_ahead.lines(t));
+        for (int64_t j = 0; j < rows; ++j) {
+          float* out = yp + (m + j) * I + p * P;
+          for (int64_t c = 0; c < P; c += 8)
+            _mm256_storeu_ps(out + c, simd::silu_mul(_mm256_load_ps(g + j * P + c),
+                                                     _mm256_load_ps(u + j * P + c)));
+        }
       }
     }
   }
@@ -118,8 +189,10 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
 
 TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
   m.def("blocked_linear(Tensor x, Tensor w_blocked) -> Tensor");
+  m.def("blocked_linear_silu_mul(Tensor x, Tensor w_blocked) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
   m.impl("blocked_linear", &blocked_linear);
+  m.impl("blocked_linear_silu_mul", &blocked_linear_silu_mul);
 }

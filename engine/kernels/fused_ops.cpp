@@ -76,13 +76,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       float* o = op + r * width;
       int64_t i = 0;
 #ifdef BATCHINFER_AVX2
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= width; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = simd::exp(_mm256_sub_ps(zero, gv));
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-      }
+      for (; i + 8 <= width; i += 8)
+        _mm256_storeu_ps(o + i, simd::silu_mul(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
       for (; i < width; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }

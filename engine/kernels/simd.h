@@ -28,6 +28,13 @@ inline __m256 exp(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// silu(g) * u for 8 floats: g / (1 + e^-g) * u. kernels/fused_ops.cpp's silu_and_mul and the
+// fused gate/up GEMM (kernels/blocked_linear.cpp) share it, so their results are the same bits.
+inline __m256 silu_mul(__m256 g, __m256 u) {
+  const __m256 e = exp(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

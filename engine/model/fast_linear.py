@@ -8,7 +8,9 @@ to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
   oneDNN's packed GEMM on SmolLM2's shapes at 16-256 rows on two threads (benchmarks/
   gemm_roofline.py --kernel), and each output row is computed the same way whatever else shares
   the batch. It prefetches the next panel while it computes the current one, so at decode batch
-  sizes the weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off).
+  sizes the weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off). The MLP's
+  gate/up projection runs SiLU-and-mul as the kernel's epilogue (`BlockedLinear.silu_mul`,
+  engine/model/ops.py; BATCHINFER_FUSE_SILU_MUL=0: off).
 - `onednn`: oneDNN's own packed (opaque) weights; faster where oneDNN has AVX-512 kernels (on an
   AVX-512 host the blocked kernel was 3-12% slower at 16-64 rows).
 
@@ -112,6 +114,16 @@ class BlockedLinear(nn.Module):
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def can_fuse_silu_mul(self) -> bool:
+        """A gate/up projection whose halves split into whole panels, with no bias."""
+        return self.bias is None and self.out_features % (2 * PANEL) == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
+        y = torch.ops.batchinfer.blocked_linear_silu_mul(x.reshape(-1, self.in_features), self.blocked)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight back from the panels."""

@@ -142,7 +142,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.gate_up_silu_mul(self.gate_up_proj, x))
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out

@@ -5,8 +5,17 @@ CPU kernels (kernels/fused_ops.cpp): one memory pass per step instead of several
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from .fast_linear import BlockedLinear
+
+
+def fuse_silu_mul() -> bool:
+    """BATCHINFER_FUSE_SILU_MUL=0 runs SiLU-and-mul as its own pass after the gate/up GEMM."""
+    return os.environ.get("BATCHINFER_FUSE_SILU_MUL", "1") != "0"
 
 
 class TorchOps:
@@ -28,6 +37,10 @@ class TorchOps:
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    @classmethod
+    def gate_up_silu_mul(cls, gate_up_proj, x: torch.Tensor) -> torch.Tensor:
+        return cls.silu_and_mul(gate_up_proj(x))
 
     @staticmethod
     def rotary(qkv: torch.Tensor, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -57,6 +70,14 @@ class NativeOps:
     @staticmethod
     def silu_and_mul(gate_up):
         return torch.ops.batchinfer.silu_and_mul(gate_up)
+
+    @classmethod
+    def gate_up_silu_mul(cls, gate_up_proj, x):
+        """One pass where the gate/up projection is a BlockedLinear that can fuse (the same bits
+        as the two ops); else the GEMM, then silu_and_mul."""
+        if isinstance(gate_up_proj, BlockedLinear) and gate_up_proj.can_fuse_silu_mul and fuse_silu_mul():
+            return gate_up_proj.silu_mul(x)
+        return cls.silu_and_mul(gate_up_proj(x))
 
     @staticmethod
     def rotary(qkv, positions, cos, sin, num_heads, head_dim):
