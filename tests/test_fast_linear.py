@@ -191,3 +191,14 @@ def test_native_ops_fuse_the_gate_up_projection_only_where_it_can(monkeypatch):
             assert bool(fused_calls) == used, (linear, env)
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_blocked
+def test_blocked_ops_name_what_they_expect():
+    x, w = torch.randn(3, 32), to_blocked(torch.randn(48, 32)).contiguous()
+    with pytest.raises(RuntimeError, match="blocked_linear: x \\[M, K\\] and w_blocked"):
+        torch.ops.batchinfer.blocked_linear(torch.randn(3, 31), w)
+    with pytest.raises(RuntimeError, match="blocked_linear_silu_mul: fp32 only"):
+        torch.ops.batchinfer.blocked_linear_silu_mul(x.double(), w)
+    with pytest.raises(RuntimeError, match="an even number of panels"):
+        torch.ops.batchinfer.blocked_linear_silu_mul(x, w)      # 3 panels

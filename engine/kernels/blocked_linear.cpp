@@ -100,12 +100,17 @@ bool prefetch_enabled() {
 }
 #endif
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked) {
+// x [M, K] and w_blocked [panels, K, 16], both fp32: what each op below checks first.
+void check_operands(const torch::Tensor& x, const torch::Tensor& w_blocked, const char* op) {
   TORCH_CHECK(x.dim() == 2 && w_blocked.dim() == 3 && w_blocked.size(2) == P &&
                   w_blocked.size(1) == x.size(1),
-              "blocked_linear: x [M, K] and w_blocked [N / 16, K, 16]");
+              op, ": x [M, K] and w_blocked [panels, K, 16]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w_blocked.scalar_type() == torch::kFloat,
-              "blocked_linear: fp32 only");
+              op, ": fp32 only");
+}
+
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked) {
+  check_operands(x, w_blocked, "blocked_linear");
   const int64_t panels = w_blocked.size(0), N = panels * P;
 #ifndef BATCHINFER_AVX2
   return torch::matmul(x, w_blocked.permute({1, 0, 2}).reshape({x.size(1), N}));
@@ -139,11 +144,9 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
 
 // silu(x @ gate^T) * (x @ up^T) over w_blocked [2 I / 16, K, 16] (gate panels, then up panels).
 torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& w_blocked) {
-  TORCH_CHECK(x.dim() == 2 && w_blocked.dim() == 3 && w_blocked.size(2) == P &&
-                  w_blocked.size(1) == x.size(1) && w_blocked.size(0) % 2 == 0,
-              "blocked_linear_silu_mul: x [M, K] and w_blocked [2 I / 16, K, 16]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w_blocked.scalar_type() == torch::kFloat,
-              "blocked_linear_silu_mul: fp32 only");
+  check_operands(x, w_blocked, "blocked_linear_silu_mul");
+  TORCH_CHECK(w_blocked.size(0) % 2 == 0,
+              "blocked_linear_silu_mul: an even number of panels (gate's, then up's)");
   const int64_t pairs = w_blocked.size(0) / 2, I = pairs * P;
 #ifndef BATCHINFER_AVX2
   const auto gate_up = blocked_linear(x, w_blocked);
