@@ -14,7 +14,8 @@ from .fast_linear import BlockedLinear
 
 
 def fuse_silu_mul() -> bool:
-    """BATCHINFER_FUSE_SILU_MUL=0 runs SiLU-and-mul as its own pass after the gate/up GEMM."""
+    """BATCHINFER_FUSE_SILU_MUL=0 runs SiLU-and-mul as its own pass after the gate/up GEMM. Read
+    on every call (~1 us, 30 per step) so benchmarks/switch_ab.py can flip it inside one engine."""
     return os.environ.get("BATCHINFER_FUSE_SILU_MUL", "1") != "0"
 
 
