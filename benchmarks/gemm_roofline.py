@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -50,6 +52,10 @@ class _ModelGemms:
 
     def seconds(self, layer_rows: int, head_rows: int, repeats: int) -> float:
         """Median time of the layers' GEMMs at layer_rows rows plus the head at head_rows."""
+        return median_seconds(self.runner(layer_rows, head_rows), repeats)
+
+    def runner(self, layer_rows: int, head_rows: int):
+        """A callable that runs those GEMMs once (inputs allocated here, not in the timing)."""
         a = self.arch
         x_h, x_q = torch.randn(layer_rows, a.hidden_size), torch.randn(layer_rows, a.q_size)
         x_i, x_head = torch.randn(layer_rows, a.intermediate_size), torch.randn(head_rows, a.hidden_size)
@@ -61,7 +67,61 @@ class _ModelGemms:
                     lin(x)
             self.head(x_head)
 
-        return median_seconds(run, repeats)
+        return run
+
+
+class RooflineSampler:
+    """The decode step's GEMMs timed now and then *during* a run, in its process: on a host
+    whose speed drifts by tens of percent within minutes, a roofline timed minutes apart from
+    the run it bounds says little. Each `sample` times one step's GEMMs on every kernel once and
+    keeps the fastest; `prefill_seconds` times the workload's prefill GEMMs the same way."""
+
+    def __init__(self, arch: ModelArch, batch: int, kernels: list[str] | None = None):
+        self.batch = batch
+        self.gemms = {k: _ModelGemms(arch, k) for k in kernels or available_kernels()}
+        self.steps = {k: g.runner(batch, batch) for k, g in self.gemms.items()}
+        for run in self.steps.values():
+            run()  # warm-up
+        self.samples: list[float] = []
+        self.prefill_samples: list[float] = []
+
+    @staticmethod
+    def _once(run) -> float:
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def sample(self) -> float:
+        self.samples.append(min(self._once(run) for run in self.steps.values()))
+        return self.samples[-1]
+
+    @torch.inference_mode()
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Every prompt token through the layers, one row per request through the head."""
+        runs = [g.runner(prompt_tokens, self.batch) for g in self.gemms.values()]
+        self.prefill_samples.append(min(median_seconds(run, 1) for run in runs))
+        return self.prefill_samples[-1]
+
+    def summary(self, output_tokens: int, generated: int, elapsed_s: float) -> dict:
+        """The run's fractions of the decode roofline (median sample) and of the workload's
+        (prefill GEMMs plus output_tokens - 1 decode steps), plus the same against the fastest
+        sample."""
+        median_step = statistics.median(self.samples)
+        best_step = min(self.samples)
+        prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
+        ours = generated / elapsed_s
+        out = {"samples": len(self.samples), "step_ms_median": round(median_step * 1e3, 2),
+               "step_ms_best": round(best_step * 1e3, 2), "step_ms_worst": round(max(self.samples) * 1e3, 2),
+               "prefill_gemm_s": round(prefill, 3)}
+        for label, step in (("", median_step), ("_vs_best", best_step)):
+            decode_tps = self.batch / step
+            workload_tps = self.batch * output_tokens / (prefill + (output_tokens - 1) * step)
+            out[f"roofline_tok_per_s{label}"] = round(decode_tps, 1)
+            out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
+            out[f"fraction_of_roofline{label}"] = round(ours / decode_tps, 3)
+            out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
+        return out
 
 
 @torch.inference_mode()

@@ -1,9 +1,14 @@
 """W-decode: batchinfer's engine vs vLLM's CPU build vs the model's GEMM roofline, in one run.
 
 Workload: ../shared/workloads/w-decode.jsonl (128 prompts), 128 output tokens each, greedy,
-ignore_eos, SmolLM2-135M fp32, all cores. Two rooflines (benchmarks/gemm_roofline.py, timed between
-the runs, the fastest kept): the decode step's GEMMs at the batch size (output tok/s if every
-step were only its GEMMs), and the workload's, which adds the prefill GEMMs of its prompts.
+ignore_eos, SmolLM2-135M fp32, all cores. Two rooflines (benchmarks/gemm_roofline.py): the decode
+step's GEMMs at the batch size (output tok/s if every step were only its GEMMs), and the
+workload's, which adds the prefill GEMMs of its prompts. This host's speed drifts by tens of
+percent within minutes, so the rooflines are timed inside each of our runs: every
+--roofline-every engine steps the run pauses (the pause is not counted in its elapsed time) and
+times one decode step's GEMMs on every kernel (RooflineSampler), the prefill GEMMs once before and
+once after. A run's fraction is its tok/s over the roofline at the median sample; the reported
+fraction is the median over runs (`*_vs_best`: against the fastest sample instead).
 Figures follow `vllm bench throughput`: elapsed is the
 wall time of generation (model load excluded); output tok/s = generated tokens / elapsed, total
 tok/s = (prompt + generated) / elapsed. Each configuration runs in a fresh process, ours and the
@@ -12,6 +17,7 @@ the prompts (256, 512 requests) to show larger batches.
 
     python benchmarks/w_decode.py                      # ours + peer (if installed), 3 repeats
     python benchmarks/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
+    python benchmarks/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
 
 Prints one JSON object.
 """
@@ -38,20 +44,43 @@ def _prompts(path: Path, n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-def run_ours(workload: Path, n: int, max_tokens: int, policy: str) -> dict:
+def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int) -> dict:
     """Runs inside a fresh process (see --worker)."""
+    from benchmarks.gemm_roofline import RooflineSampler
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
     engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)}))
     prompts = _prompts(workload, n)
     engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    arch = load_arch(resolve_model_dir(None)[0])
+    roofline = RooflineSampler(arch, n) if roofline_every else None
+    prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    paused = 0.0
+    steps = 0
+
+    def sample_roofline(_finished) -> None:
+        nonlocal paused, steps
+        steps += 1
+        if steps % roofline_every == 0:
+            t0 = time.perf_counter()
+            roofline.sample()
+            paused += time.perf_counter() - t0
+
+    if roofline:
+        roofline.prefill_seconds(prompt_tokens)
+        roofline.sample()
     engine.drain_step_events()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    outs = engine.generate(prompts, params, on_step=sample_roofline if roofline else None)
+    elapsed = time.perf_counter() - start - paused
+    if roofline:
+        roofline.prefill_seconds(prompt_tokens)
+        roofline.sample()
     n_in = sum(o.num_prompt_tokens for o in outs)
     n_out = sum(o.num_output_tokens for o in outs)
     events = engine.drain_step_events()
@@ -62,6 +91,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str) -> dict:
         "steps": len(events), "forward_s": round(sum(e["forward_s"] for e in events), 3),
         "sample_s": round(sum(e["sample_s"] for e in events), 3),
         "attention_backend": engine.info["attention_backend"], "policy": policy,
+        **({"roofline": roofline.summary(max_tokens, n_out, elapsed)} if roofline else {}),
     }
 
 
@@ -75,7 +105,8 @@ def _subprocess_json(cmd: list[str], env=None) -> dict:
 
 def _ours_cmd(args, n: int) -> list[str]:
     return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
-            "--max-tokens", str(args.max_tokens), "--policy", args.policy]
+            "--max-tokens", str(args.max_tokens), "--policy", args.policy,
+            "--roofline-every", str(args.roofline_every)]
 
 
 def _peer_cmd(args, n: int, prompts_file: Path) -> list[str]:
@@ -86,6 +117,7 @@ def _peer_cmd(args, n: int, prompts_file: Path) -> list[str]:
 def _median(runs: list[dict]) -> dict:
     keys = ["elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
     out = dict(runs[0])
+    out.pop("roofline", None)  # each run's own: see roofline_by_run
     for k in keys:
         out[k] = round(statistics.median(r[k] for r in runs), 3)
     out["repeats"] = len(runs)
@@ -101,20 +133,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", default="hb", choices=["hb", "sb"])
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--roofline-every", type=int, default=8,
+                    help="time the roofline GEMMs after every this many engine steps (0: not at all)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peer-model", type=Path, default=PEER_MODEL)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy)))
+        print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
+                                  args.roofline_every)))
         return
 
-    from benchmarks.gemm_roofline import gemm_roofline
-    from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
-
-    arch = load_arch(resolve_model_dir(None)[0])
     peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()
                and PEER_SCRIPT.is_file())
     report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,
@@ -126,7 +156,6 @@ def main() -> None:
         prompts_file.parent.mkdir(exist_ok=True)
         prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                         for p in _prompts(args.workload, n)))
-        roofs = []
         for rep in range(args.repeats):  # alternate the order to cancel drift
             order = ["ours", "peer"] if rep % 2 == 0 else ["peer", "ours"]
             for who in order:
@@ -134,14 +163,12 @@ def main() -> None:
                     ours.append(_subprocess_json(_ours_cmd(args, n)))
                 elif peer_ok:
                     peer.append(_subprocess_json(_peer_cmd(args, n, prompts_file)))
-            # the roofline between the runs too, so it sees the same machine
-            roofs.append(gemm_roofline(arch, n, prompt_tokens=ours[0]["prompt_tokens"],
-                                       output_tokens=args.max_tokens))
-        roof = min(roofs, key=lambda r: r["step_ms"])  # the best the machine did: the bound
-        entry = {"concurrency": n, "ours": _median(ours), "roofline": roof}
-        ours_tps = entry["ours"]["output_tok_per_s"]
-        entry["fraction_of_roofline"] = round(ours_tps / roof["roofline_tok_per_s"], 3)
-        entry["fraction_of_workload_roofline"] = round(ours_tps / roof["workload_roofline_tok_per_s"], 3)
+        entry = {"concurrency": n, "ours": _median(ours)}
+        if args.roofline_every:
+            entry["roofline_by_run"] = [run["roofline"] for run in ours]
+            for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
+                        "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best"):
+                entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
         if peer:
             entry["peer"] = _median(peer)
             entry["ratio_vs_peer"] = round(entry["ours"]["output_tok_per_s"]

@@ -220,8 +220,10 @@ class Engine:
 
     # --- convenience ----------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Union[str, list[int]]],
-                 sampling: Union[SamplingParams, list[SamplingParams], None] = None) -> list[RequestOutput]:
-        """Runs prompts (text or token ids) to completion; results in input order."""
+                 sampling: Union[SamplingParams, list[SamplingParams], None] = None,
+                 on_step: Optional[Callable[[list[RequestOutput]], None]] = None) -> list[RequestOutput]:
+        """Runs prompts (text or token ids) to completion; results in input order. `on_step`, if
+        given, is called after every step with the requests that step finished."""
         prompts = list(prompts)
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
         ids = []
@@ -234,8 +236,11 @@ class Engine:
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
-            for out in self.step():
+            finished = self.step()
+            for out in finished:
                 results[out.request_id] = out
+            if on_step is not None:
+                on_step(finished)
         return [results[r] for r in ids]
 
     # --- observability --------------------------------------------------------------------------

@@ -89,3 +89,16 @@ def test_per_request_errors_leave_the_engine_usable(tiny):
         tiny.add_request(Request("badtok", [10**9], greedy()))
     assert not tiny.has_unfinished()
     assert tiny.generate(["still fine"], greedy(max_tokens=2))[0].output_token_ids
+
+
+def test_generate_calls_on_step_after_every_step_with_what_it_finished(tiny):
+    calls = []
+    tiny.drain_step_events()
+    outs = tiny.generate(["a", "b c d e", "f g"],
+                         [greedy(max_tokens=n, ignore_eos=True) for n in (2, 5, 9)],
+                         on_step=lambda finished: calls.append([o.request_id for o in finished]))
+    assert len(calls) == len(tiny.drain_step_events())
+    assert sorted(r for step in calls for r in step) == sorted(o.request_id for o in outs)
+    # shorter requests finish in earlier steps
+    order = [r for step in calls for r in step]
+    assert order == [o.request_id for o in outs]
