@@ -126,7 +126,8 @@ class Engine:
             while rep.executor.num_in_flight and rep.executor.ready():
                 batch, result = rep.executor.collect()
                 t_start = self._submitted.pop(id(batch), self.now())
-                shape = (len(batch), batch.num_prefill_tokens, batch.num_decode_tokens)
+                decode = batch.num_decode_tokens
+                shape = (len(batch), batch.num_tokens - decode, decode)
                 for item in batch.items:
                     item.seq.in_flight = False
                 finished.extend(self._apply(batch, result))

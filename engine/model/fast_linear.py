@@ -110,10 +110,12 @@ class BlockedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.batchinfer.blocked_linear(x.reshape(-1, self.in_features), self.blocked)
+        flat = x.dim() == 2  # the engine's [tokens, features]: no reshapes on the hot path
+        y = torch.ops.batchinfer.blocked_linear(x if flat else x.reshape(-1, self.in_features),
+                                                self.blocked)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     @property
     def can_fuse_silu_mul(self) -> bool:
@@ -122,6 +124,8 @@ class BlockedLinear(nn.Module):
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
+        if x.dim() == 2:
+            return torch.ops.batchinfer.blocked_linear_silu_mul(x, self.blocked)
         y = torch.ops.batchinfer.blocked_linear_silu_mul(x.reshape(-1, self.in_features), self.blocked)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
