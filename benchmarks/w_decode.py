@@ -18,6 +18,7 @@ the prompts (256, 512 requests) to show larger batches.
     python benchmarks/w_decode.py                      # ours + peer (if installed), 3 repeats
     python benchmarks/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
     python benchmarks/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
+    python benchmarks/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
 
 Prints one JSON object.
 """
@@ -44,7 +45,8 @@ def _prompts(path: Path, n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int) -> dict:
+def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
+             kv_cache_dtype: str) -> dict:
     """Runs inside a fresh process (see --worker)."""
     from benchmarks.gemm_roofline import RooflineSampler
     from batchinfer.engine.config import EngineConfig
@@ -53,7 +55,8 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
-    engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)}))
+    engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
+                                             cache={"kv_cache_dtype": kv_cache_dtype}))
     prompts = _prompts(workload, n)
     engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -91,6 +94,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "steps": len(events), "forward_s": round(sum(e["forward_s"] for e in events), 3),
         "sample_s": round(sum(e["sample_s"] for e in events), 3),
         "attention_backend": engine.info["attention_backend"], "policy": policy,
+        "kv_cache_dtype": engine.info["kv_cache_dtype"],
         **({"roofline": roofline.summary(max_tokens, n_out, elapsed)} if roofline else {}),
     }
 
@@ -106,7 +110,7 @@ def _subprocess_json(cmd: list[str], env=None) -> dict:
 def _ours_cmd(args, n: int) -> list[str]:
     return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
-            "--roofline-every", str(args.roofline_every)]
+            "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype]
 
 
 def _peer_cmd(args, n: int, prompts_file: Path) -> list[str]:
@@ -133,6 +137,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", default="hb", choices=["hb", "sb"])
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                    help="our engine's cache.kv_cache_dtype (the peer keeps its default)")
     ap.add_argument("--roofline-every", type=int, default=8,
                     help="time the roofline GEMMs after every this many engine steps (0: not at all)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
@@ -142,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
-                                  args.roofline_every)))
+                                  args.roofline_every, args.kv_cache_dtype)))
         return
 
     peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()

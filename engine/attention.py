@@ -81,8 +81,9 @@ class AttentionBackend(Protocol):
 
 
 def _write_kv(key_cache, value_cache, k, v, meta: AttentionMetadata) -> None:
-    key_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    value_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    """Into the cache's own dtype (cache.kv_cache_dtype may store it narrower than the model)."""
+    key_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(key_cache.dtype)
+    value_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(value_cache.dtype)
 
 
 class TorchAttention:
@@ -101,7 +102,7 @@ class TorchAttention:
             blocks = meta.block_tables[i, :n_blocks].long()
             k = key_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
             v = value_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
-            k, v = k[:, :s_len], v[:, :s_len]
+            k, v = k[:, :s_len].to(q.dtype), v[:, :s_len].to(q.dtype)
             ctx = s_len - q_len
             allowed = (torch.arange(s_len, device=q.device)[None, :]
                        <= ctx + torch.arange(q_len, device=q.device)[:, None])
@@ -118,8 +119,10 @@ class TorchAttention:
         kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         n_blocks = -(-max(meta.seq_lens_cpu) // block_size)
         tables = meta.block_tables[:, :n_blocks].long()
-        k = key_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size, head_dim)
-        v = value_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size, head_dim)
+        k = key_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size,
+                                                      head_dim).to(q.dtype)
+        v = value_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size,
+                                                        head_dim).to(q.dtype)
         mask = (torch.arange(n_blocks * block_size, device=q.device)[None, :]
                 < meta.seq_lens[:, None]).view(batch, 1, 1, -1)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,

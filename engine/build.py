@@ -43,6 +43,22 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
 
 
+def resolve_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """cache.kv_cache_dtype: auto stores K/V in the model's dtype."""
+    if choice == "auto":
+        return model_dtype
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def kv_element_bytes(config: EngineConfig, model_dtype_bytes: int) -> int:
+    """Bytes of one cached K or V element under cache.kv_cache_dtype."""
+    return model_dtype_bytes if config.cache.kv_cache_dtype == "auto" else 2
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -128,7 +144,9 @@ def _build_single_process(config: EngineConfig) -> Engine:
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
     dtype = resolve_dtype(config.model.dtype, device)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = element_bytes(dtype)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    kv_bytes = element_bytes(kv_dtype)
     source = model_source(config.model)
     model_dir, model_id, arch = source.model_dir, source.model_id, source.arch
     max_model_len, tokenizer = source.max_model_len, source.tokenizer
@@ -138,13 +156,13 @@ def _build_single_process(config: EngineConfig) -> Engine:
                         dummy=dummy, seed=config.model.seed)
     spec = KVCacheSpec.from_budget(kv_budget(config, arch, device, dtype_bytes), arch.num_layers,
                                    config.cache.block_size, arch.num_kv_heads, arch.head_dim,
-                                   dtype_bytes)
+                                   kv_bytes)
     if spec.capacity_tokens < max_model_len:
         raise ConfigError(
             f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
             f"({max_model_len}); raise cache.kv_cache_memory (one token takes "
-            f"{arch.kv_bytes_per_token(dtype_bytes)} bytes) or lower model.max_model_len")
-    kv_caches = allocate_kv_tensors(spec, dtype, device)
+            f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
+    kv_caches = allocate_kv_tensors(spec, kv_dtype, device)
     block_manager = BlockManager(spec.num_blocks, spec.block_size,
                                  prefix_caching=config.cache.enable_prefix_caching)
     sched_cfg = config.scheduler
@@ -160,6 +178,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "attention_backend": backend.name, "vocab_size": arch.vocab_size,
         "kv_cache_bytes": spec.num_blocks * spec.bytes_per_block,
+        "kv_cache_dtype": str(kv_dtype).replace("torch.", ""),
         "kv_block_size": spec.block_size, "num_params": arch.num_params(),
         "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
         "scheduler_policy": sched_cfg.policy,

@@ -71,7 +71,7 @@ class LayoutSwitcher:
         self.host = HostWeights.load(Path(wspec.model_dir), arch, partitions, dummy=wspec.dummy,
                                      seed=wspec.seed, pin=worker.device.type == "cuda")
         numel = kv_buffer_elements(spec.layouts, rank, arch, wspec.num_blocks, wspec.block_size)
-        self.kv_buffer = torch.zeros(numel, dtype=worker.dtype, device=worker.device)
+        self.kv_buffer = torch.zeros(numel, dtype=worker.kv_dtype, device=worker.device)
         self.prefetcher = Prefetcher(spec.store, notify, threaded=spec.async_swap)
         self.current: Optional[str] = None
         self.last_stats: Optional[ReshardStats] = None

@@ -7,6 +7,7 @@ import logging
 from typing import Optional
 
 from batchinfer.engine.cpu_binding import numa_nodes
+from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
                                              rank_bytes_per_block, start_workers)
@@ -33,8 +34,9 @@ def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list
     """KV blocks per replica: plain DP's per-rank budget plus the FFN bytes each rank no longer
     holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's)."""
     budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
+    kv_bytes = kv_element_bytes(config, dtype_bytes)
     return min((budget + freed_ffn_bytes(r, owners, layout.dp, layer_bytes, with_slots))
-               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, dtype_bytes)
+               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, kv_bytes)
                for r in range(layout.world_size))
 
 

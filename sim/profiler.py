@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from batchinfer.engine.build import available_memory
+from batchinfer.engine.build import available_memory, kv_element_bytes
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
@@ -298,7 +298,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                       "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
                       "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
                       "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6)}
-        kv_per_token = arch.kv_bytes_per_token(dtype_bytes)
+        kv_per_token = arch.kv_bytes_per_token(kv_element_bytes(config, dtype_bytes))
     progress("point-to-point and all-reduce between two processes")
     links = profile_links(device.type, quick=quick, tp_all_reduce=config.parallel.tp_all_reduce)
     hardware = {"device": device.type, "cores": cores, "machine": platform.machine(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.runtime.build import per_rank_kv_budget
@@ -171,8 +172,9 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
     block_size = config.cache.block_size
     per_rank = per_rank_kv_budget(config, prefill, arch, cost_device(cost), dtype_bytes,
                                   cost.memory_bytes)
+    kv_bytes = kv_element_bytes(config, dtype_bytes)
     num_blocks, _, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
-                                              dtype_bytes, max_model_len)
+                                              kv_bytes, max_model_len)
     device = BlockManager(num_blocks, block_size)
     scheduler = SeesawScheduler(device, BlockManager(store_blocks, block_size),
                                 params.max_num_seqs, params.max_num_batched_tokens,
@@ -180,7 +182,7 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
                                 decode_depth=layouts[DECODE].pp, policy=params.schedule)
     executor = SimulatedSeesawExecutor(clock, cost, layouts, threads,
                                        arch.num_params() * dtype_bytes,
-                                       arch.kv_bytes_per_token(dtype_bytes),
+                                       arch.kv_bytes_per_token(kv_bytes),
                                        params.async_pipeline)
     return Replica(scheduler, executor)
 

@@ -101,6 +101,12 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
             "enable_prefix_caching": config.cache.enable_prefix_caching}
     if model.max_model_len:
         args["max_model_len"] = model.max_model_len
+    if config.cache.kv_cache_dtype == "bfloat16":
+        args["kv_cache_dtype"] = "bfloat16"
+    elif config.cache.kv_cache_dtype != "auto":
+        raise ConfigError(f"memory.kv_cache_dtype: vLLM has no {config.cache.kv_cache_dtype!r} KV "
+                          "cache; with strategy vllm use auto or bfloat16 (or vLLM's own names "
+                          "through engine_args: {kv_cache_dtype: ...})")
     if params.max_num_batched_tokens:
         args["max_num_batched_tokens"] = params.max_num_batched_tokens
     if model.load_format == "dummy":

@@ -86,3 +86,39 @@ def test_decode_batch_in_physical_block_order(head_dim, heads, kv_heads):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 8, 2, 16),
+                                                                 (48, 6, 2, 5)])
+def test_narrow_cache_reads_exactly_the_widened_values(cache_dtype, head_dim, heads, kv_heads, block_size):
+    """A bf16 / fp16 cache (cache.kv_cache_dtype) is widened to float32 on load and all arithmetic
+    stays float32: the AVX2 kernels (head sizes 64, 128) give the same bits as over the cache cast
+    down and back up; the generic one (48) the same values up to float32 summation order.
+    Decode rows and prefill chunks both."""
+    query_lens = [1, 1, 7, 40, 1, 33]
+    seq_lens = [1, 90, 7, 61, 17, 200]
+    q, kc, vc, meta = _case(4, head_dim, heads, kv_heads, block_size, query_lens, seq_lens)
+    narrow_k, narrow_v = kc.to(cache_dtype), vc.to(cache_dtype)
+    scale = head_dim ** -0.5
+    got = NativeCPUAttention().attend(q, narrow_k, narrow_v, meta, scale)
+    expected = NativeCPUAttention().attend(q, narrow_k.float(), narrow_v.float(), meta, scale)
+    if head_dim in (64, 128):
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(TorchAttention().attend(q, narrow_k, narrow_v, meta, scale), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_rounds_like_torch(cache_dtype):
+    """The native write into a narrow cache rounds as torch's cast does (to nearest even)."""
+    gen = torch.Generator().manual_seed(5)
+    meta = AttentionMetadata.build([3, 1], [3, 18], [[2], [0, 1]], 16, torch.device("cpu"))
+    k, v = torch.randn(4, 3, 64, generator=gen), torch.randn(4, 3, 64, generator=gen)
+    caches = [[torch.zeros(3, 3, 16, 64, dtype=cache_dtype) for _ in range(2)] for _ in range(2)]
+    NativeCPUAttention.write_kv(*caches[0], k, v, meta)
+    TorchAttention.write_kv(*caches[1], k, v, meta)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[0][0][1, :, 1], k[3].to(cache_dtype))   # position 17 of the second

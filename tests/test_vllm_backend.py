@@ -58,6 +58,16 @@ def test_data_parallel_is_refused_with_the_way_to_do_it():
         engine_args(recipe.engine_config(), recipe.strategy, Path("/m"), "cpu")
 
 
+def test_kv_cache_dtype_maps_to_vllms_where_it_has_one():
+    config = _recipe(memory={"kv_cache_dtype": "bfloat16"}).engine_config()
+    assert engine_args(config, VllmParams(name="vllm"), Path("/m"), "cpu")["kv_cache_dtype"] == "bfloat16"
+    assert "kv_cache_dtype" not in engine_args(_recipe().engine_config(), VllmParams(name="vllm"),
+                                               Path("/m"), "cpu")
+    with pytest.raises(ConfigError, match="memory.kv_cache_dtype: vLLM has no 'float16'"):
+        engine_args(_recipe(memory={"kv_cache_dtype": "float16"}).engine_config(),
+                    VllmParams(name="vllm"), Path("/m"), "cpu")
+
+
 def test_sampling_goes_over_under_vllm_names():
     request = Request("r", [1, 2], SamplingParams(temperature=0.7, top_k=5, seed=3, stop="END",
                                                   max_tokens=9, logprobs=2))

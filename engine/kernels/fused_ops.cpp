@@ -115,31 +115,55 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Te
 }
 
 // key_cache[block, :, offset, :] = k[t]  (same for v), for every new token t.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
-              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v rows must be contiguous");
+// A K or V row into the cache: copied for a float32 cache, rounded to nearest even for bf16 / fp16
+// (as torch's casts round).
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <typename T>
+void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
+                const int64_t* bp, const int64_t* op) {
   const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
   const int64_t bs = key_cache.size(2);
-  const auto blocks = slot_blocks.contiguous();
-  const auto offsets = slot_offsets.contiguous();
-  const int64_t* bp = blocks.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
+  T* kc = key_cache.data_ptr<T>();
+  T* vc = value_cache.data_ptr<T>();
   const int64_t cbs = key_cache.stride(0), chs = key_cache.stride(1);
   at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t base = bp[t] * cbs + op[t] * dim;
       TORCH_CHECK(op[t] < bs, "slot offset out of range");
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + base + h * chs, kp + t * k.stride(0) + h * k.stride(1), dim * sizeof(float));
-        std::memcpy(vc + base + h * chs, vp + t * v.stride(0) + h * v.stride(1), dim * sizeof(float));
+        store_row(kc + base + h * chs, kp + t * k.stride(0) + h * k.stride(1), dim);
+        store_row(vc + base + h * chs, vp + t * v.stride(0) + h * v.stride(1), dim);
       }
     }
   });
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "write_kv: float32 k/v only");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(),
+              "write_kv: key and value caches of different dtypes");
+  const auto blocks = slot_blocks.contiguous();
+  const auto offsets = slot_offsets.contiguous();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: write_rows<float>(k, v, key_cache, value_cache, bp, op); break;
+    case at::kBFloat16: write_rows<at::BFloat16>(k, v, key_cache, value_cache, bp, op); break;
+    case at::kHalf: write_rows<at::Half>(k, v, key_cache, value_cache, bp, op); break;
+    default: TORCH_CHECK(false, "write_kv: the KV cache must be float32, bfloat16 or float16, got ",
+                         key_cache.scalar_type());
+  }
 }
 
 // Row-wise argmax of [rows, cols] float32 (greedy sampling): one vectorized pass per row, rows in

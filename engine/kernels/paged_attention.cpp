@@ -15,379 +15,26 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include "simd.h"
+#include "attention_kernels.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int kQueryTile = 16;
-
-template <int D>
-inline float dot(const float* __restrict a, const float* __restrict b) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int d = 0; d < D; ++d) acc += a[d] * b[d];
-  return acc;
-}
-
-inline float dot_dyn(const float* __restrict a, const float* __restrict b, int n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int d = 0; d < n; ++d) acc += a[d] * b[d];
-  return acc;
-}
-
-template <int D>
-void attend_item(const float* q, float* out, const float* kc, const float* vc, const int* table,
-                 int num_q, int ctx, int group, int head_dim, int block_size, int64_t q_tok_stride,
-                 int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
-                 int64_t block_stride, float scale, int kv_head, int64_t head_stride) {
-  const int hd = D > 0 ? D : head_dim;
-  const int rows = num_q * group;  // (query, head-in-group) pairs
-  std::vector<float> acc(static_cast<size_t>(rows) * hd, 0.f);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> l(rows, 0.f);
-  std::vector<float> s(static_cast<size_t>(rows) * block_size);
-  std::vector<float> qs(static_cast<size_t>(rows) * hd);
-  for (int j = 0; j < num_q; ++j)
-    for (int g = 0; g < group; ++g) {
-      const float* src = q + j * q_tok_stride + (kv_head * group + g) * q_head_stride;
-      float* dst = qs.data() + (static_cast<size_t>(j) * group + g) * hd;
-      for (int d = 0; d < hd; ++d) dst[d] = src[d] * scale;
-    }
-  const int last_pos = ctx + num_q - 1;  // the last query's position
-  const int num_blocks = last_pos / block_size + 1;
-  for (int b = 0; b < num_blocks; ++b) {
-    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
-    const float* kb = kc + base;
-    const float* vb = vc + base;
-    const int start = b * block_size;
-    const int n = std::min(block_size, last_pos + 1 - start);
-    for (int r = 0; r < rows; ++r) {
-      const int j = r / group;
-      const int visible = std::min(n, ctx + j + 1 - start);  // causal limit for this query
-      float* sr = s.data() + static_cast<size_t>(r) * block_size;
-      if (visible <= 0) continue;
-      const float* qr = qs.data() + static_cast<size_t>(r) * hd;
-      float bmax = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < visible; ++t) {
-        const float v = D > 0 ? dot<D>(qr, kb + t * hd) : dot_dyn(qr, kb + t * hd, hd);
-        sr[t] = v;
-        bmax = std::max(bmax, v);
-      }
-      const float new_m = std::max(m[r], bmax);
-      const float correction = std::exp(m[r] - new_m);
-      float bsum = 0.f;
-#pragma omp simd reduction(+ : bsum)
-      for (int t = 0; t < visible; ++t) {
-        const float p = std::exp(sr[t] - new_m);
-        sr[t] = p;
-        bsum += p;
-      }
-      l[r] = l[r] * correction + bsum;
-      m[r] = new_m;
-      float* ar = acc.data() + static_cast<size_t>(r) * hd;
-      if (correction != 1.f) {
-#pragma omp simd
-        for (int d = 0; d < hd; ++d) ar[d] *= correction;
-      }
-      for (int t = 0; t < visible; ++t) {
-        const float p = sr[t];
-        const float* vr = vb + t * hd;
-#pragma omp simd
-        for (int d = 0; d < hd; ++d) ar[d] += p * vr[d];
-      }
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const int j = r / group, g = r % group;
-    float* dst = out + j * out_tok_stride + (kv_head * group + g) * out_head_stride;
-    const float inv = 1.f / l[r];
-    const float* ar = acc.data() + static_cast<size_t>(r) * hd;
-    for (int d = 0; d < hd; ++d) dst[d] = ar[d] * inv;
-  }
-}
-
-#ifdef BATCHINFER_AVX2
-// Same contract as attend_item, for kv heads [kv_head, kv_head + num_kv) at once: a block's heads
-// are adjacent in memory, so each block is one contiguous read per K and V. D a multiple of 8.
-// Scores for 8 tokens come out of one hsum8; softmax and V accumulation run 8 lanes at a time.
-template <int D>
-void attend_item_avx2(const float* q, float* out, const float* kc, const float* vc, const int* table,
-                      int num_q, int ctx, int group, int block_size, int64_t q_tok_stride,
-                      int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
-                      int64_t block_stride, float scale, int kv_head, int num_kv, int64_t head_stride) {
-  constexpr int C = D / 8;
-  const int per_head = num_q * group;       // rows of one kv head: (query, head-in-group)
-  const int rows = num_kv * per_head;
-  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.f);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> l(rows, 0.f);
-  std::vector<float> qs(static_cast<size_t>(rows) * D);
-  std::vector<float> s(static_cast<size_t>(block_size) + 8);
-  const __m256 vscale = _mm256_set1_ps(scale);
-  for (int r = 0; r < rows; ++r) {
-    const int h = kv_head + r / per_head, j = (r % per_head) / group, g = r % group;
-    const float* src = q + j * q_tok_stride + (h * group + g) * q_head_stride;
-    float* dst = qs.data() + static_cast<size_t>(r) * D;
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * c), vscale));
-  }
-  const int last_pos = ctx + num_q - 1;
-  const int num_blocks = last_pos / block_size + 1;
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const int64_t span = static_cast<int64_t>(num_kv) * head_stride;  // floats of this item per block
-  for (int b = 0; b < num_blocks; ++b) {
-    const int64_t block_base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
-    const int start = b * block_size;
-    const int n = std::min(block_size, last_pos + 1 - start);
-    if (b + 1 < num_blocks) {
-      // Blocks are scattered, and hardware prefetchers stop at page boundaries: fetch the next
-      // block's K and V while this one is computed.
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride + kv_head * head_stride;
-      for (int64_t off = 0; off < span; off += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, ctx + (r % per_head) / group + 1 - start);
-      if (visible <= 0) continue;
-      const int64_t base = block_base + static_cast<int64_t>(r / per_head) * head_stride;
-      const float* kb = kc + base;
-      const float* vb = vc + base;
-      const float* qr = qs.data() + static_cast<size_t>(r) * D;
-      __m256 qv[C];
-      for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-      __m256 vmax = neg_inf;
-      for (int t0 = 0; t0 < visible; t0 += 8) {
-        __m256 a[8];
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-        const float* kr = kb + static_cast<int64_t>(t0) * D;
-        if (t0 + 8 <= visible) {
-          // Eight independent FMA chains (one per token) instead of one long chain per token.
-          for (int c = 0; c < C; ++c)
-            for (int u = 0; u < 8; ++u)
-              a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
-        } else {
-          for (int u = 0; u < visible - t0; ++u)
-            for (int c = 0; c < C; ++c)
-              a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
-        }
-        __m256 sv = simd::hsum8(a);
-        const int valid = visible - t0;
-        if (valid < 8) {
-          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane));
-          sv = _mm256_blendv_ps(neg_inf, sv, keep);
-        }
-        _mm256_storeu_ps(s.data() + t0, sv);
-        vmax = _mm256_max_ps(vmax, sv);
-      }
-      const float new_m = std::max(m[r], simd::hmax(vmax));
-      const float correction = std::exp(m[r] - new_m);
-      const __m256 vm = _mm256_set1_ps(new_m);
-      __m256 vsum = _mm256_setzero_ps();
-      for (int t0 = 0; t0 < visible; t0 += 8) {
-        const __m256 p = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(s.data() + t0), vm));
-        const int valid = visible - t0;
-        __m256 pm = p;
-        if (valid < 8) {
-          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-          pm = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
-        }
-        _mm256_storeu_ps(s.data() + t0, pm);
-        vsum = _mm256_add_ps(vsum, pm);
-      }
-      l[r] = l[r] * correction + simd::hsum(vsum);
-      m[r] = new_m;
-      float* ar = acc.data() + static_cast<size_t>(r) * D;
-      __m256 o[C];
-      const __m256 corr = _mm256_set1_ps(correction);
-      for (int c = 0; c < C; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), corr);
-      for (int t = 0; t < visible; ++t) {
-        const __m256 p = _mm256_set1_ps(s[t]);
-        const float* vr = vb + static_cast<int64_t>(t) * D;
-        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
-      }
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(ar + 8 * c, o[c]);
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const int h = kv_head + r / per_head, j = (r % per_head) / group, g = r % group;
-    float* dst = out + j * out_tok_stride + (h * group + g) * out_head_stride;
-    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
-    const float* ar = acc.data() + static_cast<size_t>(r) * D;
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
-  }
-}
-
-// Decode (one query per sequence) for a set of sequences, all kv heads at once, in two passes
-// instead of an online softmax: scores for every cached token first, one softmax per query head,
-// then the V pass. Each pass visits the (sequence, block) pairs in physical block order, not
-// sequence by sequence: sequences that grow in lockstep (a batch decoding together) get their
-// blocks interleaved by the allocator, so physical order turns scattered 12 KB reads into long
-// runs the hardware prefetcher follows, and is no worse when the blocks are scattered (on a
-// 2-core AVX2 machine, 128 sequences at 139 tokens of context, 30 layers, KV from DRAM: 30.9 ms
-// a step against attend_item_avx2's 46.4 ms on the lockstep layout, 55 ms for both on random
-// blocks). The per-thread scratch (scores and accumulators) is kept between calls.
-// block_size and D multiples of 8.
-struct DecodeSeq {
-  const float* q;    // [heads, D] at q_head_stride
-  float* out;        // [heads, D] at out_head_stride
-  const int* table;  // block table
-  int tokens;        // positions to attend: cached + this one
-};
-
-template <int D>
-void attend_decode_avx2(const DecodeSeq* seqs, int count, const float* kc, const float* vc,
-                        int group, int block_size, int64_t q_head_stride, int64_t out_head_stride,
-                        int64_t block_stride, float scale, int num_kv, int64_t head_stride) {
-  constexpr int C = D / 8;
-  const int rows = num_kv * group;
-  struct Visit { int block, seq, index; };
-  thread_local std::vector<Visit> visits;
-  thread_local std::vector<size_t> offsets;  // each sequence's scores [rows, padded] then acc [rows, D]
-  thread_local std::vector<float> scratch;
-  visits.clear();
-  offsets.resize(count + 1);
-  offsets[0] = 0;
-  for (int i = 0; i < count; ++i) {
-    const int padded = (seqs[i].tokens + 7) & ~7;
-    offsets[i + 1] = offsets[i] + static_cast<size_t>(rows) * (padded + D);
-    const int num_blocks = (seqs[i].tokens + block_size - 1) / block_size;
-    for (int b = 0; b < num_blocks; ++b) visits.push_back({seqs[i].table[b], i, b});
-  }
-  std::sort(visits.begin(), visits.end(), [](const Visit& a, const Visit& b) { return a.block < b.block; });
-  scratch.resize(offsets[count]);
-  const int64_t span = static_cast<int64_t>(num_kv) * head_stride;  // floats of one block, all heads
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 vscale = _mm256_set1_ps(scale);
-  auto scores_of = [&](int i) { return scratch.data() + offsets[i]; };
-  auto padded_of = [&](int i) { return (seqs[i].tokens + 7) & ~7; };
-  auto acc_of = [&](int i) { return scores_of(i) + static_cast<size_t>(rows) * padded_of(i); };
-  auto prefetch = [&](const float* cache, size_t v) {
-    if (v >= visits.size()) return;
-    const float* block = cache + static_cast<int64_t>(visits[v].block) * block_stride;
-    for (int64_t off = 0; off < span; off += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(block + off), _MM_HINT_T0);
-  };
-  // Pass 1: scores[r, t] = scale * q_r . k_t
-  for (size_t v = 0; v < visits.size(); ++v) {
-    prefetch(kc, v + 1);
-    const DecodeSeq& sq = seqs[visits[v].seq];
-    const int start = visits[v].index * block_size;
-    const int n = std::min(block_size, sq.tokens - start);
-    const int padded = padded_of(visits[v].seq);
-    float* scores = scores_of(visits[v].seq);
-    const float* block = kc + static_cast<int64_t>(visits[v].block) * block_stride;
-    for (int h = 0; h < num_kv; ++h) {
-      const float* kb = block + h * head_stride;
-      for (int g = 0; g < group; ++g) {
-        const int r = h * group + g;
-        const float* qr = sq.q + r * q_head_stride;
-        __m256 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qr + 8 * c), vscale);
-        float* sr = scores + static_cast<size_t>(r) * padded + start;
-        for (int t0 = 0; t0 < n; t0 += 8) {
-          __m256 a[8];
-          for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-          const float* kr = kb + static_cast<int64_t>(t0) * D;
-          const int valid = std::min(8, n - t0);
-          if (valid == 8) {
-            for (int c = 0; c < C; ++c)
-              for (int u = 0; u < 8; ++u)
-                a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
-          } else {
-            for (int u = 0; u < valid; ++u)
-              for (int c = 0; c < C; ++c)
-                a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + u * D + 8 * c), a[u]);
-          }
-          __m256 sv = simd::hsum8(a);
-          if (valid < 8)
-            sv = _mm256_blendv_ps(neg_inf, sv, _mm256_castsi256_ps(
-                _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
-          _mm256_storeu_ps(sr + t0, sv);
-        }
-      }
-    }
-  }
-  // Softmax per row: p = exp(s - max); 1 / sum is applied to the output at the end.
-  thread_local std::vector<float> inv_sum;
-  inv_sum.resize(static_cast<size_t>(count) * rows);
-  for (int i = 0; i < count; ++i) {
-    const int padded = padded_of(i), tokens = seqs[i].tokens;
-    float* scores = scores_of(i);
-    for (int r = 0; r < rows; ++r) {
-      float* sr = scores + static_cast<size_t>(r) * padded;
-      __m256 vmax = neg_inf;
-      for (int t0 = 0; t0 < padded; t0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + t0));
-      const __m256 vm = _mm256_set1_ps(simd::hmax(vmax));
-      __m256 vsum = _mm256_setzero_ps();
-      for (int t0 = 0; t0 < padded; t0 += 8) {
-        __m256 p = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(sr + t0), vm));
-        const int valid = tokens - t0;
-        if (valid < 8)
-          p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
-        _mm256_storeu_ps(sr + t0, p);
-        vsum = _mm256_add_ps(vsum, p);
-      }
-      inv_sum[static_cast<size_t>(i) * rows + r] = 1.f / simd::hsum(vsum);
-    }
-    std::fill(acc_of(i), acc_of(i) + static_cast<size_t>(rows) * D, 0.f);
-  }
-  // Pass 2: acc[r] += p[r, t] * v_t
-  for (size_t v = 0; v < visits.size(); ++v) {
-    prefetch(vc, v + 1);
-    const DecodeSeq& sq = seqs[visits[v].seq];
-    const int start = visits[v].index * block_size;
-    const int n = std::min(block_size, sq.tokens - start);
-    const int padded = padded_of(visits[v].seq);
-    const float* scores = scores_of(visits[v].seq);
-    float* acc = acc_of(visits[v].seq);
-    const float* block = vc + static_cast<int64_t>(visits[v].block) * block_stride;
-    for (int h = 0; h < num_kv; ++h) {
-      const float* vb = block + h * head_stride;
-      for (int g = 0; g < group; ++g) {
-        const int r = h * group + g;
-        const float* pr = scores + static_cast<size_t>(r) * padded + start;
-        float* ar = acc + static_cast<size_t>(r) * D;
-        __m256 o[C];
-        for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(ar + 8 * c);
-        for (int t = 0; t < n; ++t) {
-          const __m256 p = _mm256_broadcast_ss(pr + t);
-          const float* vr = vb + static_cast<int64_t>(t) * D;
-          for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), o[c]);
-        }
-        for (int c = 0; c < C; ++c) _mm256_storeu_ps(ar + 8 * c, o[c]);
-      }
-    }
-  }
-  for (int i = 0; i < count; ++i) {
-    const float* acc = acc_of(i);
-    for (int r = 0; r < rows; ++r) {
-      float* dst = seqs[i].out + r * out_head_stride;
-      const __m256 inv = _mm256_set1_ps(inv_sum[static_cast<size_t>(i) * rows + r]);
-      const float* ar = acc + static_cast<size_t>(r) * D;
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), inv));
-    }
-  }
-}
-#endif
+using namespace attention_kernels;
 
 at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
-                           const at::Tensor& key_cache,    // [N, Hkv, bs, D] float32, contiguous
-                           const at::Tensor& value_cache,  // [N, Hkv, bs, D] float32, contiguous
+                           const at::Tensor& key_cache,    // [N, Hkv, bs, D] f32/bf16/f16, contiguous
+                           const at::Tensor& value_cache,  // [N, Hkv, bs, D] as key_cache
                            const at::Tensor& block_tables, // [B, max_blocks] int32
                            const at::Tensor& query_start,  // [B + 1] int32
                            const at::Tensor& seq_lens,     // [B] int32
                            double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat,
-              "paged_attention: float32 only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 queries only");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: key and value caches of different dtypes");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
   const auto tables = block_tables.contiguous();
@@ -429,71 +76,82 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   }
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
   const int64_t qts = query.stride(0), qhs = query.stride(1);
   const int64_t ots = out.stride(0), ohs = out.stride(1);
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
   const float fscale = static_cast<float>(scale);
 
+  // The cache's element type: float32, or bf16 / fp16 widened to float32 on every load.
+  auto attend_all = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const T* kp = key_cache.data_ptr<T>();
+    const T* vp = value_cache.data_ptr<T>();
 #ifdef BATCHINFER_AVX2
-  if (!decode_seqs.empty()) {
-    // Contiguous runs of sequences, one per thread, balanced by tokens attended.
-    const int parts = std::max(1, std::min<int>(at::get_num_threads(), decode_seqs.size()));
-    std::vector<DecodeSeq> dseqs;
-    int64_t total = 0;
-    for (int i : decode_seqs) {
-      dseqs.push_back({qp + sp[i] * qts, op + sp[i] * ots, tp + static_cast<int64_t>(i) * max_blocks, lp[i]});
-      total += lp[i];
+    if (!decode_seqs.empty()) {
+      // Contiguous runs of sequences, one per thread, balanced by tokens attended.
+      const int parts = std::max(1, std::min<int>(at::get_num_threads(), decode_seqs.size()));
+      std::vector<DecodeSeq> dseqs;
+      int64_t total = 0;
+      for (int i : decode_seqs) {
+        dseqs.push_back({qp + sp[i] * qts, op + sp[i] * ots, tp + static_cast<int64_t>(i) * max_blocks, lp[i]});
+        total += lp[i];
+      }
+      std::vector<int> bounds(1, 0);
+      int64_t run = 0;
+      for (int i = 0; i < static_cast<int>(dseqs.size()); ++i) {
+        run += dseqs[i].tokens;
+        if (run * parts >= total * static_cast<int64_t>(bounds.size()) && static_cast<int>(bounds.size()) < parts)
+          bounds.push_back(i + 1);
+      }
+      bounds.push_back(dseqs.size());
+      at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          const int first = bounds[p], count = bounds[p + 1] - first;
+          if (count <= 0) continue;
+          if (head_dim == 64)
+            attend_decode_avx2<64>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
+                                   block_stride, fscale, num_kv_heads, head_stride);
+          else
+            attend_decode_avx2<128>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
+                                    block_stride, fscale, num_kv_heads, head_stride);
+        }
+      });
     }
-    std::vector<int> bounds(1, 0);
-    int64_t run = 0;
-    for (int i = 0; i < static_cast<int>(dseqs.size()); ++i) {
-      run += dseqs[i].tokens;
-      if (run * parts >= total * static_cast<int64_t>(bounds.size()) && static_cast<int>(bounds.size()) < parts)
-        bounds.push_back(i + 1);
-    }
-    bounds.push_back(dseqs.size());
-    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int first = bounds[p], count = bounds[p + 1] - first;
-        if (count <= 0) continue;
-        if (head_dim == 64)
-          attend_decode_avx2<64>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
-                                 block_stride, fscale, num_kv_heads, head_stride);
-        else
-          attend_decode_avx2<128>(dseqs.data() + first, count, kp, vp, group, block_size, qhs, ohs,
-                                  block_stride, fscale, num_kv_heads, head_stride);
+#endif
+    if (items.empty()) return;
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) {
+        const Item& it = items[w];
+        const int nq = sp[it.seq + 1] - sp[it.seq];
+        const int ctx = lp[it.seq] - nq + it.q_begin;  // cached tokens before this tile's first query
+        const int tok = sp[it.seq] + it.q_begin;
+        const float* q = qp + tok * qts;
+        float* o = op + tok * ots;
+        const int* table = tp + static_cast<int64_t>(it.seq) * max_blocks;
+#ifdef BATCHINFER_AVX2
+        if (head_dim == 64) {
+          attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
+                               ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
+          continue;
+        }
+        if (head_dim == 128) {
+          attend_item_avx2<128>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
+                                ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
+          continue;
+        }
+#endif
+        attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
+                       ots, ohs, block_stride, fscale, it.kv_head, head_stride);
       }
     });
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: attend_all(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: attend_all(static_cast<at::BFloat16*>(nullptr)); break;
+    case at::kHalf: attend_all(static_cast<at::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_attention: the KV cache must be float32, bfloat16 or float16, got ",
+                         key_cache.scalar_type());
   }
-#endif
-  if (items.empty()) return out;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const Item& it = items[w];
-      const int nq = sp[it.seq + 1] - sp[it.seq];
-      const int ctx = lp[it.seq] - nq + it.q_begin;  // cached tokens before this tile's first query
-      const int tok = sp[it.seq] + it.q_begin;
-      const float* q = qp + tok * qts;
-      float* o = op + tok * ots;
-      const int* table = tp + static_cast<int64_t>(it.seq) * max_blocks;
-#ifdef BATCHINFER_AVX2
-      if (head_dim == 64) {
-        attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
-                             ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
-        continue;
-      }
-      if (head_dim == 128) {
-        attend_item_avx2<128>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
-                              ohs, block_stride, fscale, it.kv_head, it.num_kv, head_stride);
-        continue;
-      }
-#endif
-      attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts, qhs,
-                     ots, ohs, block_stride, fscale, it.kv_head, head_stride);
-    }
-  });
   return out;
 }
 

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import GiB, _max_model_len, kv_budget, resolve_device, resolve_dtype
+from ..build import (GiB, _max_model_len, element_bytes, kv_budget, kv_element_bytes, resolve_device,
+                     resolve_dtype, resolve_kv_dtype)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -58,8 +59,8 @@ def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dt
     the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
     block tables are shared. available: as kv_budget's."""
     per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
-    block_size = config.cache.block_size
-    return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, dtype_bytes)
+    block_size, kv_bytes = config.cache.block_size, kv_element_bytes(config, dtype_bytes)
+    return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, kv_bytes)
                for r in layout.replica_ranks(0))
 
 
@@ -70,6 +71,7 @@ class ModelSetup:
     device: torch.device
     dtype: torch.dtype
     dtype_bytes: int
+    kv_dtype: torch.dtype             # cache.kv_cache_dtype resolved
     model_dir: Path
     model_id: str
     arch: object
@@ -85,8 +87,8 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
     tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
     backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
-    return ModelSetup(device, dtype, torch.tensor([], dtype=dtype).element_size(), Path(model_dir),
-                      model_id, arch, _max_model_len(config.model.max_model_len, arch), tokenizer,
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    return ModelSetup(device, dtype, element_bytes(dtype), kv_dtype, Path(model_dir), model_id, arch, _max_model_len(config.model.max_model_len, arch), tokenizer,
                       backend.name)
 
 
@@ -115,7 +117,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         rank=r, layout=layout, model_dir=str(setup.model_dir),
         arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
         seed=config.model.seed, dtype=str(setup.dtype).replace("torch.", ""),
-        device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
+        kv_dtype=str(setup.kv_dtype).replace("torch.", ""), device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
         block_size=config.cache.block_size, threads=threads,
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
@@ -140,6 +142,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
         "linear_kernel": linear_kernel_for(setup.device, setup.dtype),
         "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
+        "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
@@ -188,7 +191,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
     kv_bytes = layout.dp * sum(
-        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, setup.dtype_bytes)
+        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size,
+                                               element_bytes(setup.kv_dtype))
         for r in layout.replica_ranks(0))
     info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes)
     info.update(extra_info or {})

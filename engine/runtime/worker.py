@@ -43,6 +43,7 @@ class WorkerSpec:
     dummy: bool
     seed: int
     dtype: str                  # torch dtype name
+    kv_dtype: str               # the KV cache's torch dtype name (cache.kv_cache_dtype)
     device: str                 # cpu | cuda
     max_model_len: int
     num_blocks: int
@@ -167,6 +168,7 @@ class Worker:
         dtype = getattr(torch, spec.dtype)
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
         self.dtype = dtype                   # Seesaw's layout switcher builds partitions in it
+        self.kv_dtype = getattr(torch, spec.kv_dtype)  # ... and its KV buffer in this
         self.backend = select_backend(spec.attention_backend, self.device, dtype)
         if spec.seesaw is not None:
             from batchinfer.resharding.worker_layouts import LayoutSwitcher
@@ -192,8 +194,8 @@ class Worker:
             layers = self.model.partition.layer_end - self.model.partition.layer_start
             kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
-                                  torch.tensor([], dtype=dtype).element_size())
-            self.kv_caches = allocate_kv_tensors(kv_spec, dtype, self.device)
+                                  torch.tensor([], dtype=self.kv_dtype).element_size())
+            self.kv_caches = allocate_kv_tensors(kv_spec, self.kv_dtype, self.device)
         self._open_channels()
         if spec.sipipe is not None and spec.sipipe.token_safe:
             versioned = VersionedInputs(spec.block_size, self.device)
