@@ -25,9 +25,11 @@ def fp32_tokens(make_engine):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
-def test_a_narrow_cache_holds_twice_the_tokens_in_the_same_memory(make_engine, kv_dtype):
-    auto = make_engine(**SMOL, cache={"kv_cache_memory": "64MiB"})
-    narrow = make_engine(**SMOL, cache={"kv_cache_memory": "64MiB", "kv_cache_dtype": kv_dtype})
+def test_a_narrow_cache_holds_twice_the_tokens_in_the_same_memory(make_engine, tiny_engine_config,
+                                                                  kv_dtype):
+    model = tiny_engine_config["model"]
+    auto = make_engine(model=model, cache={"kv_cache_memory": "16MiB"})
+    narrow = make_engine(model=model, cache={"kv_cache_memory": "16MiB", "kv_cache_dtype": kv_dtype})
     assert narrow.info["kv_cache_dtype"] == kv_dtype and auto.info["kv_cache_dtype"] == "float32"
     assert narrow.info["dtype"] == "float32"                     # the model stays fp32
     blocks = narrow.replicas[0].scheduler.block_manager.num_blocks

@@ -245,19 +245,23 @@ def test_resharded_weights_equal_the_direct_shards():
 
 
 # --- end to end ------------------------------------------------------------------------------------
-def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str) -> EngineConfig:
-    return EngineConfig(model=model, cache={"kv_cache_memory": kv}, parallel=parallel,
-                        scheduler=params.scheduler_config(), strategy=params)
+def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
+                   kv_dtype: str = "auto") -> EngineConfig:
+    return EngineConfig(model=model, cache={"kv_cache_memory": kv, "kv_cache_dtype": kv_dtype},
+                        parallel=parallel, scheduler=params.scheduler_config(), strategy=params)
 
 
-def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine):
+@pytest.mark.parametrize("kv_dtype,element", [("auto", 4), ("bfloat16", 2)])
+def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv_dtype, element):
     """Dummy 8-head model: PP=2 prefill, TP=2 decode, a device cache of ~230 tokens and a CPU
-    store of 256: several switches, every token equal to the single process's."""
-    with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB"}) as engine:
+    store of 256: several switches, every token equal to the single process's (with a bf16 KV
+    cache too: both tiers and the moves between them hold bf16)."""
+    with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype}) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
-    token = 30 * 2 * 4 * 64 * 4
+    token = 30 * 2 * 4 * 64 * element
     params = SeesawParams(cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
-    config = _seesaw_config(params, {"pp": 2, "pp_balance": "layers"}, DUMMY8, str(token * 240 // 2))
+    config = _seesaw_config(params, {"pp": 2, "pp_balance": "layers"}, DUMMY8, str(token * 240 // 2),
+                            kv_dtype)
     with Engine.from_config(config) as engine:
         outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
         events = engine.drain_step_events()

@@ -88,8 +88,8 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
     backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-    return ModelSetup(device, dtype, element_bytes(dtype), kv_dtype, Path(model_dir), model_id, arch, _max_model_len(config.model.max_model_len, arch), tokenizer,
-                      backend.name)
+    return ModelSetup(device, dtype, element_bytes(dtype), kv_dtype, Path(model_dir), model_id, arch,
+                      _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name)
 
 
 def check_gpus(setup: ModelSetup, world_size: int) -> None:
@@ -117,7 +117,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         rank=r, layout=layout, model_dir=str(setup.model_dir),
         arch_overrides=config.model.hf_overrides, dummy=config.model.load_format == "dummy",
         seed=config.model.seed, dtype=str(setup.dtype).replace("torch.", ""),
-        kv_dtype=str(setup.kv_dtype).replace("torch.", ""), device=setup.device.type, max_model_len=setup.max_model_len, num_blocks=num_blocks,
+        kv_dtype=str(setup.kv_dtype).replace("torch.", ""), device=setup.device.type,
+        max_model_len=setup.max_model_len, num_blocks=num_blocks,
         block_size=config.cache.block_size, threads=threads,
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
