@@ -9,7 +9,8 @@
 // once with an online softmax (per block: scores, running max, rescale, accumulate), reusing every
 // loaded K/V row for all the tile's queries and all query heads that share the kv head (GQA).
 // Decode rows (one query per sequence) take attend_decode_avx2 instead: a thread's share of the
-// batch in two passes over its blocks in physical order (see there).
+// batch in two passes over its blocks in physical order. The kernels themselves live in
+// attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype).
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
