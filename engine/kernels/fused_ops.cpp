@@ -114,7 +114,6 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Te
   });
 }
 
-// key_cache[block, :, offset, :] = k[t]  (same for v), for every new token t.
 // A K or V row into the cache: copied for a float32 cache, rounded to nearest even for bf16 / fp16
 // (as torch's casts round).
 inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -146,6 +145,7 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache,
   });
 }
 
+// key_cache[block, :, offset, :] = k[t]  (same for v), for every new token t, in the cache's dtype.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
