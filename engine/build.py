@@ -43,20 +43,19 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
 
 
+NARROW_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # cache.kv_cache_dtype
+
+
 def resolve_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
     """cache.kv_cache_dtype: auto stores K/V in the model's dtype."""
-    if choice == "auto":
-        return model_dtype
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
-
-
-def element_bytes(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
+    return model_dtype if choice == "auto" else NARROW_KV_DTYPES[choice]
 
 
 def kv_element_bytes(config: EngineConfig, model_dtype_bytes: int) -> int:
-    """Bytes of one cached K or V element under cache.kv_cache_dtype."""
-    return model_dtype_bytes if config.cache.kv_cache_dtype == "auto" else 2
+    """Bytes of one cached K or V element under cache.kv_cache_dtype (for callers that know the
+    model's element size but not its dtype: the simulator, the layouts' sizing)."""
+    choice = config.cache.kv_cache_dtype
+    return model_dtype_bytes if choice == "auto" else NARROW_KV_DTYPES[choice].itemsize
 
 
 def available_memory(device: torch.device) -> int:
@@ -144,9 +143,9 @@ def _build_single_process(config: EngineConfig) -> Engine:
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
     dtype = resolve_dtype(config.model.dtype, device)
-    dtype_bytes = element_bytes(dtype)
+    dtype_bytes = dtype.itemsize
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-    kv_bytes = element_bytes(kv_dtype)
+    kv_bytes = kv_dtype.itemsize
     source = model_source(config.model)
     model_dir, model_id, arch = source.model_dir, source.model_id, source.arch
     max_model_len, tokenizer = source.max_model_len, source.tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from batchinfer.engine.build import GiB, element_bytes
+from batchinfer.engine.build import GiB
 from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
@@ -77,7 +77,7 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     prefill = layouts[PREFILL]
     check_gpus(setup, prefill.world_size)
     per_rank = per_rank_kv_budget(config, prefill, arch, setup.device, setup.dtype_bytes)
-    kv_bytes = element_bytes(setup.kv_dtype)
+    kv_bytes = setup.kv_dtype.itemsize
     num_blocks, block_bytes, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
                                                         kv_bytes, setup.max_model_len)
     token_bytes = arch.kv_bytes_per_token(kv_bytes)

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (GiB, _max_model_len, element_bytes, kv_budget, kv_element_bytes, resolve_device,
-                     resolve_dtype, resolve_kv_dtype)
+from ..build import (GiB, _max_model_len, kv_budget, kv_element_bytes, resolve_device, resolve_dtype,
+                     resolve_kv_dtype)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -88,7 +88,7 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
     backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-    return ModelSetup(device, dtype, element_bytes(dtype), kv_dtype, Path(model_dir), model_id, arch,
+    return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name)
 
 
@@ -191,9 +191,9 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
+    kv_element = setup.kv_dtype.itemsize
     kv_bytes = layout.dp * sum(
-        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size,
-                                               element_bytes(setup.kv_dtype))
+        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, kv_element)
         for r in layout.replica_ranks(0))
     info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes)
     info.update(extra_info or {})

@@ -194,7 +194,7 @@ class Worker:
             layers = self.model.partition.layer_end - self.model.partition.layer_start
             kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
-                                  torch.tensor([], dtype=self.kv_dtype).element_size())
+                                  self.kv_dtype.itemsize)
             self.kv_caches = allocate_kv_tensors(kv_spec, self.kv_dtype, self.device)
         self._open_channels()
         if spec.sipipe is not None and spec.sipipe.token_safe:
