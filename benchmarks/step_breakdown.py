@@ -73,8 +73,9 @@ def main() -> None:
         "linear_kernel": engine.info.get("linear_kernel"),
         "seconds": {k: round(v, 3) for k, v in groups.items()},
         "share": {k: round(v / wall, 3) for k, v in groups.items()},
-        "decode_step_ms": {"first_8_median": round(statistics.median(decode[:8]) * 1e3, 1),
-                           "last_8_median": round(statistics.median(decode[-8:]) * 1e3, 1)},
+        "decode_step_ms": ({"first_8_median": round(statistics.median(decode[:8]) * 1e3, 1),
+                            "last_8_median": round(statistics.median(decode[-8:]) * 1e3, 1)}
+                           if decode else None),
         "top_ops_s": {k: round(v, 3) for k, v in sorted(op_seconds.items(), key=lambda kv: -kv[1])[:10]},
     }, indent=1))
 
