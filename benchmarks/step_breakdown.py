@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 GEMM_OPS = ("mkldnn::_linear_pointwise", "batchinfer::blocked_linear", "batchinfer::blocked_linear_silu_mul",
             "aten::addmm", "aten::mm", "aten::linear")
 ATTENTION_OPS = ("batchinfer::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
@@ -44,15 +43,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from w_decode import DEFAULT_WORKLOAD, _prompts
-    from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.engine import Engine
+    from w_decode import DEFAULT_WORKLOAD, warm_engine
     from batchinfer.engine.request import SamplingParams
 
-    engine = Engine.from_config(EngineConfig(scheduler={"policy": "hb", "max_num_seqs": max(args.n, 256)},
-                                             cache={"kv_cache_dtype": args.kv_cache_dtype}))
-    prompts = _prompts(args.workload or DEFAULT_WORKLOAD, args.n)
-    engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    engine, prompts = warm_engine(args.workload or DEFAULT_WORKLOAD, args.n,
+                                  kv_cache_dtype=args.kv_cache_dtype)
     engine.drain_step_events()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -81,6 +76,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # w_decode
     main()

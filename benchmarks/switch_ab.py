@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from w_decode import DEFAULT_WORKLOAD, _prompts
+from w_decode import DEFAULT_WORKLOAD, warm_engine
 
 
 def main() -> None:
@@ -34,15 +34,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=128)
     args = ap.parse_args()
 
-    from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.engine import Engine
     from batchinfer.engine.request import SamplingParams
 
-    engine = Engine.from_config(EngineConfig(
-        scheduler={"policy": "hb", "max_num_seqs": max(args.concurrency, 256)}))
-    prompts = _prompts(DEFAULT_WORKLOAD, args.concurrency)
+    engine, prompts = warm_engine(DEFAULT_WORKLOAD, args.concurrency)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     arms = [("off", args.off), ("control", args.off), ("on", args.on)]
     rates: dict[str, list[float]] = {name: [] for name, _ in arms}
     saved = os.environ.get(args.variable)

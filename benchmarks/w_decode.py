@@ -45,20 +45,29 @@ def _prompts(path: Path, n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
-             kv_cache_dtype: str) -> dict:
-    """Runs inside a fresh process (see --worker)."""
-    from benchmarks.gemm_roofline import RooflineSampler
+def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str = "auto"):
+    """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
+    workload's n prompts. -> (engine, prompts)"""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
-    from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
     engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
                                              cache={"kv_cache_dtype": kv_cache_dtype}))
     prompts = _prompts(workload, n)
-    engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))
+    return engine, prompts
+
+
+def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
+             kv_cache_dtype: str) -> dict:
+    """Runs inside a fresh process (see --worker)."""
+    from benchmarks.gemm_roofline import RooflineSampler
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.request import SamplingParams
+
+    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arch = load_arch(resolve_model_dir(None)[0])
     roofline = RooflineSampler(arch, n) if roofline_every else None
