@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .executor import InProcessExecutor
 from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
 from .model.arch import ModelArch
-from .model.fast_linear import linear_kernel_for
+from .model.fast_linear import linear_kernel_label
 from .model.loader import build_model, load_arch
 from .model.ops import NativeOps
 from .model.sources import resolve_model_dir
@@ -181,7 +181,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "kv_block_size": spec.block_size, "num_params": arch.num_params(),
         "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
         "scheduler_policy": sched_cfg.policy,
-        "linear_kernel": linear_kernel_for(device, dtype),
+        "linear_kernel": linear_kernel_label(device, dtype),
     }
     log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,

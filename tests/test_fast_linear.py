@@ -45,28 +45,33 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 
 
 @needs_blocked
-def test_prefetching_the_next_panel_leaves_every_result_bitwise_the_same(tmp_path):
-    """BATCHINFER_GEMM_PREFETCH=0 (read once per process) turns the next-panel prefetch off; the
-    products are the same bits either way, at one tile, several tiles and several row blocks."""
+@pytest.mark.parametrize("switch", ["BATCHINFER_GEMM_PREFETCH", "BATCHINFER_GEMM_AVX512"])
+def test_kernel_switches_leave_every_result_bitwise_the_same(tmp_path, switch):
+    """BATCHINFER_GEMM_PREFETCH=0 turns the next-panel prefetch off, BATCHINFER_GEMM_AVX512=0 the
+    AVX-512 tile (both read once per process): the products are the same bits either way, at one
+    tile, several tiles and several row blocks, with an odd panel count, fused SiLU-and-mul too."""
     import subprocess
     import sys
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(131, 576, generator=gen)
-    w = to_blocked(torch.randn(960, 576, generator=gen)).contiguous()
-    torch.save({"x": x, "w": w}, tmp_path / "inputs.pt")
+    w = to_blocked(torch.randn(976, 576, generator=gen)).contiguous()      # 61 panels
+    gate_up = to_blocked(torch.randn(192, 576, generator=gen)).contiguous()
+    torch.save({"x": x, "w": w, "gate_up": gate_up}, tmp_path / "inputs.pt")
     script = ("import sys, torch\n"
               "from batchinfer.engine.kernels import load_native_kernels\n"
               "load_native_kernels()\n"
               "d = torch.load(sys.argv[1])\n"
-              "torch.save([torch.ops.batchinfer.blocked_linear(d['x'][:n], d['w'])\n"
-              "            for n in (5, 16, 131)], sys.argv[2])\n")
-    env = {**os.environ, "BATCHINFER_GEMM_PREFETCH": "0"}
+              "ops = torch.ops.batchinfer\n"
+              "torch.save([(ops.blocked_linear(d['x'][:n], d['w']),\n"
+              "             ops.blocked_linear_silu_mul(d['x'][:n], d['gate_up'])) for n in (5, 16, 131)],\n"
+              "           sys.argv[2])\n")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"),
-                    str(tmp_path / "off.pt")], env=env, check=True, timeout=300)
+                    str(tmp_path / "off.pt")], env={**os.environ, switch: "0"}, check=True, timeout=300)
     off = torch.load(tmp_path / "off.pt")
-    for rows, got in zip((5, 16, 131), off):
-        assert torch.equal(torch.ops.batchinfer.blocked_linear(x[:rows], w), got), rows
+    for rows, (linear, silu_mul) in zip((5, 16, 131), off):
+        assert torch.equal(torch.ops.batchinfer.blocked_linear(x[:rows], w), linear), rows
+        assert torch.equal(torch.ops.batchinfer.blocked_linear_silu_mul(x[:rows], gate_up), silu_mul), rows
 
 
 def test_pack_linears_falls_back_to_onednn_when_the_blocked_kernel_is_missing(monkeypatch):
@@ -116,23 +121,23 @@ def test_kernel_choice_follows_the_environment(kernel_env):
         linear_kernel()
 
 
-def test_auto_takes_the_blocked_kernel_on_avx2_only_cpus(kernel_env):
+def test_auto_takes_the_blocked_kernel_where_it_has_its_own_tile(kernel_env):
+    """AVX2-only CPUs: the AVX2 tile; AVX-512 CPUs: the AVX-512 tile if built and on, else oneDNN."""
     capability = torch.backends.cpu.get_cpu_capability()
-    expected = ("blocked" if capability == "AVX2" and blocked_kernel_available()
-                else "onednn" if fast_linear.onednn_available() else "torch")
-    assert linear_kernel() == expected
-    available = blocked_kernel_available()
-    kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    fast_linear._resolve.cache_clear()
+    isa = fast_linear.blocked_kernel_isa()
+    onednn = "onednn" if fast_linear.onednn_available() else "torch"
+    own_tile = (capability == "AVX2" and isa != "none") or (capability == "AVX512" and isa == "avx512")
+    assert linear_kernel() == ("blocked" if own_tile else onednn)
+    cases = [("AVX512", "avx512", "blocked"), ("AVX512", "avx2", onednn), ("AVX2", "avx2", "blocked"),
+             ("DEFAULT", "avx2", onednn)]
     try:
-        assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
-        if available:            # the kernel is built here: on an AVX2-only CPU auto takes it
-            kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+        for capability, isa, expected in cases:
+            if expected == "blocked" and not blocked_kernel_available():
+                expected = onednn    # not built here: auto cannot take it
+            kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            kernel_env.setattr(fast_linear, "blocked_kernel_isa", lambda i=isa: i)
             fast_linear._resolve.cache_clear()
-            assert linear_kernel() == "blocked"
-        kernel_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-        fast_linear._resolve.cache_clear()
-        assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
+            assert linear_kernel() == expected, (capability, isa)
     finally:
         fast_linear._resolve.cache_clear()
 

@@ -4,18 +4,23 @@ torch's default CPU linear re-packs the weight matrix on every call; at decode b
 to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
 
 - `blocked`: kernels/blocked_linear.cpp over weights in panels of 16 output rows ([out / 16, in,
-  16]). An AVX2 kernel: on the AVX2-only AMD EPYC this project runs on it measured 1.2-1.4x
-  oneDNN's packed GEMM on SmolLM2's shapes at 16-256 rows on two threads (benchmarks/
-  gemm_roofline.py --kernel), and each output row is computed the same way whatever else shares
-  the batch. It prefetches the next panel while it computes the current one, so at decode batch
-  sizes the weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off). The MLP's
-  gate/up projection runs SiLU-and-mul as the kernel's epilogue (`BlockedLinear.silu_mul`,
+  16]). An AVX2 tile (6 rows x one panel) and, where the build has AVX-512, a wider one (12 rows
+  x two panels, one zmm per panel row; BATCHINFER_GEMM_AVX512=0: the AVX2 tile). Each output row
+  is one FMA chain over k in order, so its bits do not depend on the batch or on the tile. On the
+  AVX2-only AMD EPYC this project runs on, the AVX2 tile measured 1.2-1.4x oneDNN's packed GEMM
+  on SmolLM2's shapes at 16-256 rows on two threads; on an AVX-512 Xeon the AVX-512 tile measured
+  1.45x oneDNN at 16 rows, 1.14-1.16x at 128 and 0.95x at 512 (benchmarks/gemm_roofline.py). It
+  prefetches the next panel while it computes the current one, so at decode batch sizes the
+  weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off). The MLP's gate/up
+  projection runs SiLU-and-mul as the kernel's epilogue (`BlockedLinear.silu_mul`,
   engine/model/ops.py; BATCHINFER_FUSE_SILU_MUL=0: off).
-- `onednn`: oneDNN's own packed (opaque) weights; faster where oneDNN has AVX-512 kernels (on an
-  AVX-512 host the blocked kernel was 3-12% slower at 16-64 rows).
+- `onednn`: oneDNN's own packed (opaque) weights: the default where the blocked kernel has
+  neither tile's instruction set to itself (an AVX2 tile on an AVX-512 CPU: oneDNN was 1.2-1.3x
+  faster there).
 
 BATCHINFER_LINEAR_KERNEL picks one (auto, blocked, onednn, torch); auto takes `blocked` on a CPU
-whose best instruction set is AVX2, else `onednn`. BATCHINFER_PACK_LINEARS=0 (older name) means
+whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile built and on, else
+`onednn`. BATCHINFER_PACK_LINEARS=0 (older name) means
 torch. Elsewhere (CUDA, bf16) the modules are left as they are.
 """
 from __future__ import annotations
@@ -46,6 +51,13 @@ def blocked_kernel_available() -> bool:
     return load_native_kernels() and hasattr(torch.ops.batchinfer, "blocked_linear")
 
 
+def blocked_kernel_isa() -> str:
+    """The blocked kernel's tile here: avx512, avx2, or none (not built / no AVX2 path)."""
+    if not blocked_kernel_available():
+        return "none"
+    return str(torch.ops.batchinfer.blocked_linear_isa())
+
+
 @lru_cache(maxsize=None)
 def _resolve(requested: str, pack_linears_env: str) -> str:
     if pack_linears_env == "0":
@@ -55,7 +67,9 @@ def _resolve(requested: str, pack_linears_env: str) -> str:
                          f"{', '.join(LINEAR_KERNELS)}")
     chosen = requested
     if chosen == "auto":
-        chosen = "blocked" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+        capability = torch.backends.cpu.get_cpu_capability()
+        own_tile = capability == "AVX2" or (capability == "AVX512" and blocked_kernel_isa() == "avx512")
+        chosen = "blocked" if own_tile else "onednn"
     if chosen == "blocked" and not blocked_kernel_available():
         if requested == "blocked":
             log.warning("BATCHINFER_LINEAR_KERNEL=blocked: the native AVX2 kernels are unavailable here")
@@ -74,6 +88,12 @@ def linear_kernel() -> str:
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
     """The kernel a model on `device` in `dtype` runs its linears with (engine.linear_kernel)."""
     return linear_kernel() if device.type == "cpu" and dtype == torch.float32 else "torch"
+
+
+def linear_kernel_label(device: torch.device, dtype: torch.dtype) -> str:
+    """linear_kernel_for, naming the blocked kernel's tile (report.json's engine.linear_kernel)."""
+    kernel = linear_kernel_for(device, dtype)
+    return f"blocked ({blocked_kernel_isa()} tile)" if kernel == "blocked" else kernel
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:

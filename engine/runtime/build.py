@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
 from ..kv_cache import BlockManager
-from ..model.fast_linear import linear_kernel_for
+from ..model.fast_linear import linear_kernel_label
 from ..model.loader import load_arch
 from ..model.sources import resolve_model_dir
 from ..tokenizer import load_tokenizer
@@ -141,7 +141,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "model_id": setup.model_id + (" [dummy weights]" if dummy else ""),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
-        "linear_kernel": linear_kernel_for(setup.device, setup.dtype),
+        "linear_kernel": linear_kernel_label(setup.device, setup.dtype),
         "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
