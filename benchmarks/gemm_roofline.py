@@ -84,6 +84,7 @@ class RooflineSampler:
             run()  # warm-up
         self.samples: list[float] = []
         self.prefill_samples: list[float] = []
+        self.stream_samples: list[float] = []
 
     @staticmethod
     def _once(run) -> float:
@@ -103,10 +104,26 @@ class RooflineSampler:
         self.prefill_samples.append(min(median_seconds(run, 1) for run in runs))
         return self.prefill_samples[-1]
 
-    def summary(self, output_tokens: int, generated: int, elapsed_s: float) -> dict:
+    @torch.inference_mode()
+    def stream_read_gbps(self, nbytes: int = 1 << 30) -> float:
+        """What the threads read from DRAM per second, summing an fp32 buffer of nbytes (beyond
+        any cache): the fastest of three passes."""
+        buffer = torch.ones(nbytes // 4)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            buffer.sum()
+            times.append(time.perf_counter() - t0)
+        self.stream_samples.append(nbytes / min(times) / 1e9)
+        return self.stream_samples[-1]
+
+    def summary(self, output_tokens: int, generated: int, elapsed_s: float,
+                decode_kv_bytes: int = 0) -> dict:
         """The run's fractions of the decode roofline (median sample) and of the workload's
         (prefill GEMMs plus output_tokens - 1 decode steps), plus the same against the fastest
-        sample."""
+        sample. With decode_kv_bytes (the K/V the decode steps' attention reads, all layers) and
+        stream samples: the ceiling on those fractions for an engine that runs only the GEMMs at
+        the roofline and reads that K/V once at the fastest stream rate, nothing else."""
         median_step = statistics.median(self.samples)
         best_step = min(self.samples)
         prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
@@ -114,6 +131,14 @@ class RooflineSampler:
         out = {"samples": len(self.samples), "step_ms_median": round(median_step * 1e3, 2),
                "step_ms_best": round(best_step * 1e3, 2), "step_ms_worst": round(max(self.samples) * 1e3, 2),
                "prefill_gemm_s": round(prefill, 3)}
+        if decode_kv_bytes and self.stream_samples:
+            gbps = max(self.stream_samples)
+            kv_s = decode_kv_bytes / gbps / 1e9
+            decode_s = (output_tokens - 1) * median_step
+            out.update({"decode_kv_read_gb": round(decode_kv_bytes / 1e9, 2), "stream_read_gbps": round(gbps, 1),
+                        "kv_read_s_at_stream_rate": round(kv_s, 3),
+                        "ceiling_with_kv_read": round(decode_s / (decode_s + kv_s), 3),
+                        "workload_ceiling_with_kv_read": round((prefill + decode_s) / (prefill + decode_s + kv_s), 3)})
         for label, step in (("", median_step), ("_vs_best", best_step)):
             decode_tps = self.batch / step
             workload_tps = self.batch * output_tokens / (prefill + (output_tokens - 1) * step)

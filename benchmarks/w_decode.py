@@ -9,6 +9,10 @@ percent within minutes, so the rooflines are timed inside each of our runs: ever
 times one decode step's GEMMs on every kernel (RooflineSampler), the prefill GEMMs once before and
 once after. A run's fraction is its tok/s over the roofline at the median sample; the reported
 fraction is the median over runs (`*_vs_best`: against the fastest sample instead).
+A GEMM-only roofline leaves out the attention's K/V read, which no engine can skip: the
+`*ceiling_with_kv_read` figures are the most any engine could reach of it if it ran nothing but
+the roofline's GEMMs and read the run's K/V once at the fastest plain streaming rate measured
+beside the run (summing a 1 GiB buffer).
 Figures follow `vllm bench throughput`: elapsed is the
 wall time of generation (model load excluded); output tok/s = generated tokens / elapsed, total
 tok/s = (prompt + generated) / elapsed. Each configuration runs in a fresh process, ours and the
@@ -59,6 +63,14 @@ def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str 
     return engine, prompts
 
 
+def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
+    """K and V of one token over all layers, in the cache's element type."""
+    import torch
+
+    element = torch.empty(0, dtype=getattr(torch, kv_cache_dtype)).element_size()
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
+
+
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
              kv_cache_dtype: str) -> dict:
     """Runs inside a fresh process (see --worker)."""
@@ -86,6 +98,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     if roofline:
         roofline.prefill_seconds(prompt_tokens)
         roofline.sample()
+        roofline.stream_read_gbps()
     engine.drain_step_events()
     start = time.perf_counter()
     outs = engine.generate(prompts, params, on_step=sample_roofline if roofline else None)
@@ -93,8 +106,13 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     if roofline:
         roofline.prefill_seconds(prompt_tokens)
         roofline.sample()
+        roofline.stream_read_gbps()
     n_in = sum(o.num_prompt_tokens for o in outs)
     n_out = sum(o.num_output_tokens for o in outs)
+    # Decode step k (1 .. out - 1) of a request attends over its prompt and k generated tokens.
+    kv_token_reads = sum((o.num_output_tokens - 1) * o.num_prompt_tokens
+                         + (o.num_output_tokens - 1) * o.num_output_tokens // 2 for o in outs)
+    kv_bytes = kv_token_reads * kv_bytes_per_token(arch, engine.info["kv_cache_dtype"])
     events = engine.drain_step_events()
     return {
         "engine": "batchinfer", "requests": len(outs), "elapsed_s": round(elapsed, 3),
@@ -104,7 +122,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "sample_s": round(sum(e["sample_s"] for e in events), 3),
         "attention_backend": engine.info["attention_backend"], "policy": policy,
         "kv_cache_dtype": engine.info["kv_cache_dtype"],
-        **({"roofline": roofline.summary(max_tokens, n_out, elapsed)} if roofline else {}),
+        **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
     }
 
 
@@ -182,7 +200,8 @@ def main() -> None:
         if args.roofline_every:
             entry["roofline_by_run"] = [run["roofline"] for run in ours]
             for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
-                        "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best"):
+                        "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best",
+                        "ceiling_with_kv_read", "workload_ceiling_with_kv_read"):
                 entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
         if peer:
             entry["peer"] = _median(peer)
