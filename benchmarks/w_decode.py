@@ -202,7 +202,8 @@ def main() -> None:
             for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
                         "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best",
                         "ceiling_with_kv_read", "workload_ceiling_with_kv_read"):
-                entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
+                if all(key in run["roofline"] for run in ours):  # no ceiling without decode steps
+                    entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
         if peer:
             entry["peer"] = _median(peer)
             entry["ratio_vs_peer"] = round(entry["ours"]["output_tok_per_s"]
