@@ -35,29 +35,37 @@ constexpr int64_t ROWS = 48;  // rows per task: 8 register tiles of 6
 constexpr int64_t LINE = 64;  // bytes per cache line: one k step of a panel
 
 #ifdef BATCHINFER_AVX2
+// A tile's pass over k: body(k) for k = 0 .. K - 1, and issue(i) for i = 0 .. lines - 1 (the
+// i-th line of the next panel to prefetch) spread evenly over the pass.
+template <typename Issue, typename Body>
+inline void over_k_prefetching(int64_t K, int64_t lines, Issue issue, Body body) {
+  const int64_t every = lines > 0 ? (K + lines - 1) / lines : K + 1;
+  int64_t issued = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += every) {
+    if (issued < lines) issue(issued++);
+    const int64_t k1 = std::min(K, k0 + every);
+    for (int64_t k = k0; k < k1; ++k) body(k);
+  }
+  while (issued < lines) issue(issued++);
+}
+
 template <int MB>
 inline void tile(const float* __restrict x, const float* __restrict panel, float* __restrict y,
                  int64_t K, int64_t ldy, const char* prefetch, int64_t prefetch_lines) {
   __m256 a0[MB], a1[MB];
 #pragma GCC unroll 16
   for (int j = 0; j < MB; ++j) { a0[j] = _mm256_setzero_ps(); a1[j] = _mm256_setzero_ps(); }
-  // One prefetched line of the next panel every `every` steps of k, spread over the whole pass.
-  const int64_t every = prefetch_lines > 0 ? (K + prefetch_lines - 1) / prefetch_lines : K + 1;
-  int64_t issued = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += every) {
-    if (issued < prefetch_lines) _mm_prefetch(prefetch + LINE * issued++, _MM_HINT_T0);
-    const int64_t k1 = std::min(K, k0 + every);
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m256 w0 = _mm256_loadu_ps(panel + k * P), w1 = _mm256_loadu_ps(panel + k * P + 8);
+  over_k_prefetching(
+      K, prefetch_lines, [&](int64_t i) { _mm_prefetch(prefetch + LINE * i, _MM_HINT_T0); },
+      [&](int64_t k) {
+        const __m256 w0 = _mm256_loadu_ps(panel + k * P), w1 = _mm256_loadu_ps(panel + k * P + 8);
 #pragma GCC unroll 16
-      for (int j = 0; j < MB; ++j) {
-        const __m256 xb = _mm256_broadcast_ss(x + j * K + k);
-        a0[j] = _mm256_fmadd_ps(xb, w0, a0[j]);
-        a1[j] = _mm256_fmadd_ps(xb, w1, a1[j]);
-      }
-    }
-  }
-  while (issued < prefetch_lines) _mm_prefetch(prefetch + LINE * issued++, _MM_HINT_T0);
+        for (int j = 0; j < MB; ++j) {
+          const __m256 xb = _mm256_broadcast_ss(x + j * K + k);
+          a0[j] = _mm256_fmadd_ps(xb, w0, a0[j]);
+          a1[j] = _mm256_fmadd_ps(xb, w1, a1[j]);
+        }
+      });
 #pragma GCC unroll 16
   for (int j = 0; j < MB; ++j) {
     _mm256_storeu_ps(y + j * ldy, a0[j]);
@@ -82,13 +90,13 @@ inline void tile_rows(int64_t rows, const float* x, const float* panel, float* y
 // How a row block spreads the prefetch of the next panel (K lines) over its tiles: the panel's
 // first row block streams the next panel in from memory while it computes. Without it a panel's
 // first pass waits on DRAM and the passes after it compute from cache: memory time plus compute
-// time instead of the larger. A block of one tile (<= 6 rows) has nothing to overlap with: the
+// time instead of the larger. A block of one tile (<= tile_rows) has nothing to overlap with: the
 // hardware prefetcher streams it as well alone.
 struct PanelPrefetch {
   const char* next;  // null: no prefetch for this row block
   int64_t K, tiles;
-  PanelPrefetch(const float* next_panel, int64_t K, int64_t rows, bool enabled)
-      : next(nullptr), K(K), tiles((rows + 5) / 6) {
+  PanelPrefetch(const float* next_panel, int64_t K, int64_t rows, bool enabled, int64_t tile_rows = 6)
+      : next(nullptr), K(K), tiles((rows + tile_rows - 1) / tile_rows) {
     if (enabled && next_panel != nullptr && tiles > 1) next = reinterpret_cast<const char*>(next_panel);
   }
   int64_t lines(int64_t t) const { return next ? (t + 1) * K / tiles - t * K / tiles : 0; }
@@ -118,28 +126,21 @@ inline void tile2(const float* __restrict x, const float* __restrict pa, const f
   __m512 a[MB], b[MB];
 #pragma GCC unroll 16
   for (int j = 0; j < MB; ++j) { a[j] = _mm512_setzero_ps(); b[j] = _mm512_setzero_ps(); }
-  const int64_t every = prefetch_lines > 0 ? (K + prefetch_lines - 1) / prefetch_lines : K + 1;
-  int64_t issued = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += every) {
-    if (issued < prefetch_lines) {
-      _mm_prefetch(prefetch_a + LINE * issued, _MM_HINT_T0);
-      _mm_prefetch(prefetch_b + LINE * issued++, _MM_HINT_T0);
-    }
-    const int64_t k1 = std::min(K, k0 + every);
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m512 wa = _mm512_loadu_ps(pa + k * P), wb = _mm512_loadu_ps(pb + k * P);
+  over_k_prefetching(
+      K, prefetch_lines,
+      [&](int64_t i) {
+        _mm_prefetch(prefetch_a + LINE * i, _MM_HINT_T0);
+        _mm_prefetch(prefetch_b + LINE * i, _MM_HINT_T0);
+      },
+      [&](int64_t k) {
+        const __m512 wa = _mm512_loadu_ps(pa + k * P), wb = _mm512_loadu_ps(pb + k * P);
 #pragma GCC unroll 16
-      for (int j = 0; j < MB; ++j) {
-        const __m512 xb = _mm512_set1_ps(x[j * K + k]);
-        a[j] = _mm512_fmadd_ps(xb, wa, a[j]);
-        b[j] = _mm512_fmadd_ps(xb, wb, b[j]);
-      }
-    }
-  }
-  while (issued < prefetch_lines) {
-    _mm_prefetch(prefetch_a + LINE * issued, _MM_HINT_T0);
-    _mm_prefetch(prefetch_b + LINE * issued++, _MM_HINT_T0);
-  }
+        for (int j = 0; j < MB; ++j) {
+          const __m512 xb = _mm512_set1_ps(x[j * K + k]);
+          a[j] = _mm512_fmadd_ps(xb, wa, a[j]);
+          b[j] = _mm512_fmadd_ps(xb, wb, b[j]);
+        }
+      });
 #pragma GCC unroll 16
   for (int j = 0; j < MB; ++j) {
     if constexpr (SILU) {
@@ -177,14 +178,11 @@ inline void tile2_rows(int64_t rows, const float* x, const float* pa, const floa
 template <bool SILU>
 inline void rows2(const float* xp, int64_t begin, int64_t end, const float* pa, const float* pb,
                   const float* pa_next, const float* pb_next, float* y, int64_t K, int64_t ldy) {
-  const int64_t tiles = (end - begin + ROWS512 - 1) / ROWS512;
-  const bool ahead = pa_next != nullptr && tiles > 1;
-  for (int64_t m = begin, t = 0; m < end; m += ROWS512, ++t) {
-    const int64_t from = ahead ? t * K / tiles : 0, lines = ahead ? (t + 1) * K / tiles - from : 0;
+  const PanelPrefetch a_ahead(pa_next, K, end - begin, true, ROWS512);
+  const PanelPrefetch b_ahead(pb_next, K, end - begin, true, ROWS512);
+  for (int64_t m = begin, t = 0; m < end; m += ROWS512, ++t)
     tile2_rows<SILU>(std::min(ROWS512, end - m), xp + m * K, pa, pb, y + (m - begin) * ldy, K, ldy,
-                     ahead ? reinterpret_cast<const char*>(pa_next) + LINE * from : nullptr,
-                     ahead ? reinterpret_cast<const char*>(pb_next) + LINE * from : nullptr, lines);
-  }
+                     a_ahead.from(t), b_ahead.from(t), a_ahead.lines(t));
 }
 
 bool avx512_enabled() {
