@@ -23,6 +23,9 @@ the prompts (256, 512 requests) to show larger batches.
     python benchmarks/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
     python benchmarks/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
     python benchmarks/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
+    python benchmarks/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
+        # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
+        # the GEMM roofline is the CPU's and is left out there
 
 Prints one JSON object.
 """
@@ -49,15 +52,18 @@ def _prompts(path: Path, n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str = "auto"):
+def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str = "auto",
+                model: dict | None = None, device: str = "auto"):
     """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
-    workload's n prompts. -> (engine, prompts)"""
+    workload's n prompts; `model` is the recipe's model section (default: the embedded model).
+    -> (engine, prompts)"""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
     from batchinfer.engine.request import SamplingParams
 
     engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
-                                             cache={"kv_cache_dtype": kv_cache_dtype}))
+                                             cache={"kv_cache_dtype": kv_cache_dtype},
+                                             model=model or {}, device={"device": device}))
     prompts = _prompts(workload, n)
     engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))
     return engine, prompts
@@ -72,17 +78,18 @@ def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
 
 
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
-             kv_cache_dtype: str) -> dict:
+             kv_cache_dtype: str, model: dict | None = None, device: str = "auto") -> dict:
     """Runs inside a fresh process (see --worker)."""
     from benchmarks.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
-    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype)
+    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    arch = load_arch(resolve_model_dir(None)[0])
-    roofline = RooflineSampler(arch, n) if roofline_every else None
+    arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
+    on_cpu = engine.info["device"] == "cpu"
+    roofline = RooflineSampler(arch, n) if roofline_every and on_cpu else None
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0
     steps = 0
@@ -121,6 +128,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "steps": len(events), "forward_s": round(sum(e["forward_s"] for e in events), 3),
         "sample_s": round(sum(e["sample_s"] for e in events), 3),
         "attention_backend": engine.info["attention_backend"], "policy": policy,
+        "device": engine.info["device"], "dtype": engine.info["dtype"],
         "kv_cache_dtype": engine.info["kv_cache_dtype"],
         **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
     }
@@ -137,7 +145,13 @@ def _subprocess_json(cmd: list[str], env=None) -> dict:
 def _ours_cmd(args, n: int) -> list[str]:
     return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
-            "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype]
+            "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
+            "--device", args.device, "--load-format", args.load_format,
+            *(["--model", str(args.model)] if args.model else [])]
+
+
+def _model_section(args) -> dict:
+    return {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
 
 
 def _peer_cmd(args, n: int, prompts_file: Path) -> list[str]:
@@ -168,6 +182,11 @@ def main() -> None:
                     help="our engine's cache.kv_cache_dtype (the peer keeps its default)")
     ap.add_argument("--roofline-every", type=int, default=8,
                     help="time the roofline GEMMs after every this many engine steps (0: not at all)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from the model's config (same speed, any shape)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peer-model", type=Path, default=PEER_MODEL)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -175,7 +194,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
-                                  args.roofline_every, args.kv_cache_dtype)))
+                                  args.roofline_every, args.kv_cache_dtype, _model_section(args),
+                                  args.device)))
         return
 
     peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()
@@ -197,7 +217,7 @@ def main() -> None:
                 elif peer_ok:
                     peer.append(_subprocess_json(_peer_cmd(args, n, prompts_file)))
         entry = {"concurrency": n, "ours": _median(ours)}
-        if args.roofline_every:
+        if all("roofline" in run for run in ours):
             entry["roofline_by_run"] = [run["roofline"] for run in ours]
             for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
                         "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best",

@@ -3,18 +3,19 @@
 Two backends behind one interface:
 - `NativeCPUAttention`: the compiled kernel in kernels/paged_attention.cpp, reading K/V straight
   from the paged cache (no gather copy). Default on CPU.
-- `TorchAttention`: portable torch (gather the sequence's blocks, then scaled_dot_product_attention).
-  Used on CUDA and wherever the kernel cannot be built; also the tests' reference.
+- `TorchAttention` (torch_attention.py): portable torch (gather the blocks, then batched
+  scaled_dot_product_attention). Used on CUDA and wherever the kernel cannot be built.
 
 The cache layout is [num_blocks, num_kv_heads, block_size, head_dim] per layer (K and V each).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
 
 import torch
-import torch.nn.functional as F
+
+from .torch_attention import TorchAttention, reference_attention  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -28,6 +29,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor     # int64 [T]: offset inside that block
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # what a backend works out once per step and reuses in every layer (torch_attention.plan)
+    backend_plan: Optional[object] = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -78,56 +81,6 @@ class AttentionBackend(Protocol):
 
     def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
-
-
-def _write_kv(key_cache, value_cache, k, v, meta: AttentionMetadata) -> None:
-    """Into the cache's own dtype (cache.kv_cache_dtype may store it narrower than the model)."""
-    key_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(key_cache.dtype)
-    value_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(value_cache.dtype)
-
-
-class TorchAttention:
-    name = "torch"
-    write_kv = staticmethod(_write_kv)
-
-    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-        if meta.decode_only:
-            return self._decode(q, key_cache, value_cache, meta, scale)
-        out = torch.empty_like(q)
-        start = 0
-        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            n_blocks = -(-s_len // block_size)
-            blocks = meta.block_tables[i, :n_blocks].long()
-            k = key_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
-            v = value_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
-            k, v = k[:, :s_len].to(q.dtype), v[:, :s_len].to(q.dtype)
-            ctx = s_len - q_len
-            allowed = (torch.arange(s_len, device=q.device)[None, :]
-                       <= ctx + torch.arange(q_len, device=q.device)[:, None])
-            qi = q[start:start + q_len].transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale,
-                                                enable_gqa=num_heads != kv_heads)
-            out[start:start + q_len] = oi.transpose(0, 1)
-            start += q_len
-        return out
-
-    @staticmethod
-    def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
-        batch, num_heads, head_dim = q.shape
-        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-        n_blocks = -(-max(meta.seq_lens_cpu) // block_size)
-        tables = meta.block_tables[:, :n_blocks].long()
-        k = key_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size,
-                                                      head_dim).to(q.dtype)
-        v = value_cache[tables].transpose(1, 2).reshape(batch, kv_heads, n_blocks * block_size,
-                                                        head_dim).to(q.dtype)
-        mask = (torch.arange(n_blocks * block_size, device=q.device)[None, :]
-                < meta.seq_lens[:, None]).view(batch, 1, 1, -1)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=num_heads != kv_heads)
-        return out.squeeze(2)
 
 
 class NativeCPUAttention:

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The CUDA checks, for a GPU machine that has torch+CUDA but cannot reach a package index.
+#
+#   bash benchmarks/cuda_check.sh prepare    # here: fills .gpu/ (ignored by git) with what the
+#                                            # GPU machine lacks: our dependencies' wheels, the
+#                                            # SmolLM2 config + tokenizer, the W-decode workload
+#   bash benchmarks/cuda_check.sh run OUT    # there (with .gpu carried): installs into /tmp/site,
+#                                            # runs tests/test_cuda_paths.py and W-decode on the
+#                                            # GPU (SmolLM2-135M's shapes, random weights, bf16)
+#                                            # and profiles its steps at 512 sequences; logs and
+#                                            # JSON land in OUT
+#
+# The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GPU_DIR=.gpu
+
+prepare() {
+    grep -qx "/$GPU_DIR/" .git/info/exclude 2>/dev/null || echo "/$GPU_DIR/" >> .git/info/exclude
+    rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR/whl" "$GPU_DIR/smollm2"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$GPU_DIR/whl" \
+        pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
+        'typing_extensions>=4.16' jsonlines gguf
+    python3 - "$GPU_DIR/smollm2" <<'EOF'
+import shutil, sys
+from pathlib import Path
+from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
+
+src = Path(gguf_to_hf_dir(default_model_gguf()))
+for f in src.iterdir():
+    if f.suffix != ".safetensors" and f.is_file():
+        shutil.copy(f, sys.argv[1])
+EOF
+    cp ../shared/workloads/w-decode.jsonl "$GPU_DIR/"
+    du -sh "$GPU_DIR"
+}
+
+run() {
+    local out=${1:?OUT folder}
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+    nvidia-smi -L
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$GPU_DIR"/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+        --target /tmp/site .
+    export PYTHONPATH=/tmp/site
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
+        transformers.__version__, torch.cuda.get_device_name())"
+    BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
+        -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
+    python3 benchmarks/w_decode.py --device cuda --model "$GPU_DIR/smollm2" --load-format dummy \
+        --no-peer --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
+        2>&1 | tee "$out/w_decode_cuda.json"
+    python3 benchmarks/cuda_step_profile.py --model "$GPU_DIR/smollm2" --load-format dummy \
+        --workload "$GPU_DIR/w-decode.jsonl" --n 512 > "$out/step_profile_cuda.json" 2>&1 || true
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) run "${2:?OUT folder}" ;;
+    *) echo "usage: $0 prepare | run OUT" >&2; exit 2 ;;
+esac

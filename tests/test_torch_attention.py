@@ -1,0 +1,78 @@
+"""The batched portable attention (the CUDA path) against the per-sequence definition."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchinfer.engine.attention import AttentionMetadata
+from batchinfer.engine.torch_attention import (PAD_RATIO, PAD_SLACK, TorchAttention,
+                                               _group_prefills, plan, reference_attention)
+
+
+def _case(seed, heads, kv_heads, block_size, query_lens, seq_lens, head_dim=16,
+          cache_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    kc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen).to(cache_dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(order[used:used + n])
+        used += n
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
+    return q, kc, vc, meta
+
+
+MIXED = ([1, 1, 7, 40, 1, 33, 16, 1, 250, 3], [1, 90, 7, 61, 17, 33, 200, 300, 250, 9])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("lens", [MIXED, ([1] * 6, [5, 80, 1, 33, 16, 17]), ([12, 5], [12, 40])],
+                         ids=["mixed", "decode-only", "prefill-only"])
+def test_batched_equals_one_sequence_at_a_time(heads, kv_heads, block_size, lens):
+    q, kc, vc, meta = _case(0, heads, kv_heads, block_size, *lens)
+    got = TorchAttention().attend(q, kc, vc, meta, 0.25)
+    torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.25),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_narrow_cache_is_read_in_the_query_dtype():
+    q, kc, vc, meta = _case(1, 8, 2, 16, *MIXED, cache_dtype=torch.bfloat16)
+    got = TorchAttention().attend(q, kc, vc, meta, 0.25)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.25),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_plan_is_worked_out_once_per_step():
+    q, kc, vc, meta = _case(2, 4, 2, 16, *MIXED)
+    first = plan(meta, 16, q.device)
+    assert plan(meta, 16, q.device) is first
+    assert first.decode is not None and first.decode.tokens.shape == (4, 1)
+    assert sum(g.tokens.shape[0] for g in first.prefill) == 6
+
+
+def test_a_long_chunk_is_not_padded_out_by_short_ones():
+    query_lens = [2048] + [3] * 50
+    seq_lens = [4096] + [40] * 50
+    groups = _group_prefills(list(range(51)), query_lens, seq_lens)
+    assert [0] in groups and sum(len(g) for g in groups) == 51
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 300), st.integers(0, 500)), min_size=1, max_size=40))
+def test_groups_cover_every_chunk_once_within_the_padding_bound(chunks):
+    query_lens = [q for q, _ in chunks]
+    seq_lens = [q + ctx for q, ctx in chunks]
+    groups = _group_prefills(list(range(len(chunks))), query_lens, seq_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(chunks)))
+    for g in groups:
+        real = sum(query_lens[i] * seq_lens[i] for i in g)
+        padded = len(g) * max(query_lens[i] for i in g) * max(seq_lens[i] for i in g)
+        assert len(g) == 1 or padded <= PAD_RATIO * real + PAD_SLACK
