@@ -36,10 +36,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens_cpu)
-
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device) -> "AttentionMetadata":
