@@ -39,7 +39,8 @@ def write_kv(key_cache, value_cache, k, v, meta) -> None:
 class _Rows:
     """One batched call's sequences: where their queries sit in the flat batch and their K/V."""
 
-    tokens: torch.Tensor          # long [n, q_max]: flat token index of each query (pads: 0)
+    tokens: torch.Tensor          # long [n, q_max]: flat token index of each query (pads repeat
+                                  # the chunk's last query; their outputs are dropped)
     keep: Optional[torch.Tensor]  # long [real queries]: positions in the [n * q_max] padded rows
     dest: Optional[torch.Tensor]  # long [real queries]: their flat token indices
     tables: torch.Tensor          # long [n, blocks]
@@ -56,16 +57,15 @@ def _group_prefills(rows: list[int], query_lens: list[int], seq_lens: list[int])
     """Chunks sorted by size, cut into groups whose padded work stays within the bound."""
     groups: list[list[int]] = []
     current: list[int] = []
-    real = 0
-    for i in sorted(rows, key=lambda r: (query_lens[r], seq_lens[r])):
+    real = s_max = 0
+    for i in sorted(rows, key=lambda r: (query_lens[r], seq_lens[r])):  # q_len never falls
         cost = query_lens[i] * seq_lens[i]
-        trial = current + [i]
-        padded = len(trial) * max(query_lens[r] for r in trial) * max(seq_lens[r] for r in trial)
+        padded = (len(current) + 1) * query_lens[i] * max(s_max, seq_lens[i])
         if current and padded > PAD_RATIO * (real + cost) + PAD_SLACK:
             groups.append(current)
-            current, real = [i], cost
-        else:
-            current, real = trial, real + cost
+            current, real, s_max = [], 0, 0
+        current.append(i)
+        real, s_max = real + cost, max(s_max, seq_lens[i])
     if current:
         groups.append(current)
     return groups
