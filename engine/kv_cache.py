@@ -302,7 +302,8 @@ def allocate_kv_tensors(spec: KVCacheSpec, dtype, device) -> list[tuple]:
     """One (key, value) pair of [num_blocks, kv_heads, block_size, head_dim] tensors per layer.
     On CPU in transparent huge pages (BATCHINFER_KV_HUGE_PAGES=0: plain pages): decode attention
     reads every cached token each step from blocks scattered over the cache, and 4 KiB pages cost
-    it a TLB miss per page (W-decode: 1.036x output tok/s, in-process A/B, +1.3 s to zero 4 GiB)."""
+    it a TLB miss per page (W-decode: 1.02-1.08x output tok/s in-process, benchmarks/
+    kv_huge_pages_ab.py; zeroing 4 GiB at start took 0.2-1.3 s longer)."""
     import os
 
     import torch
