@@ -6,24 +6,9 @@ import torch
 
 from batchinfer.engine.attention import AttentionMetadata, NativeCPUAttention, TorchAttention
 from batchinfer.engine.kernels import load_native_kernels
+from tests.paged_cases import paged_case as _case
 
 pytestmark = pytest.mark.skipif(not load_native_kernels(), reason="native kernel did not build")
-
-
-def _case(seed, head_dim, heads, kv_heads, block_size, query_lens, seq_lens):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    kc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
-    vc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(order[used:used + n])
-        used += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
-    return q, kc, vc, meta
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 8), (16, 4, 2), (48, 6, 2)])

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from batchinfer.engine.request import SamplingParams
+from tests.greedy import greedy_tokens
+from tests.paged_cases import paged_case
 
 # BATCHINFER_TEST_DEVICE=cpu runs the same checks through the CPU's torch paths (to try a change
 # to these tests on a machine without a GPU)
@@ -87,11 +89,8 @@ def _hf_greedy(hf, prompts, dtype=torch.float32, max_new=MAX_NEW) -> list[list[i
     return out
 
 
-def _greedy(engine, prompts, batched: bool, max_new=MAX_NEW) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
-    if batched:
-        return [o.output_token_ids for o in engine.generate(prompts, params)]
-    return [engine.generate([p], params)[0].output_token_ids for p in prompts]
+def _greedy(engine, prompts, batched: bool) -> list[list[int]]:
+    return greedy_tokens(engine, prompts, batched, MAX_NEW)
 
 
 @pytest.mark.parametrize("scheduler", [
@@ -208,19 +207,10 @@ def test_batched_attention_on_cuda_equals_the_per_sequence_definition(heads, kv_
     from batchinfer.engine.attention import AttentionMetadata
     from batchinfer.engine.torch_attention import TorchAttention, reference_attention
 
-    gen = torch.Generator().manual_seed(0)
-    query_lens, seq_lens, block_size = [1, 1, 7, 40, 1, 33, 1, 250], [1, 90, 7, 61, 17, 33, 300, 250], 16
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    kc = torch.randn(num_blocks, kv_heads, block_size, 64, generator=gen)
-    vc = torch.randn(num_blocks, kv_heads, block_size, 64, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        tables.append(order[used:used + -(-s // block_size)])
-        used += len(tables[-1])
-    q = torch.randn(sum(query_lens), heads, 64, generator=gen)
-    expected = reference_attention(q, kc, vc, AttentionMetadata.build(
-        query_lens, seq_lens, tables, block_size, torch.device("cpu")), 0.125)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, torch.device(DEVICE))
+    q, kc, vc, cpu_meta = paged_case(0, 64, heads, kv_heads, 16, [1, 1, 7, 40, 1, 33, 1, 250],
+                                     [1, 90, 7, 61, 17, 33, 300, 250])
+    expected = reference_attention(q, kc, vc, cpu_meta, 0.125)
+    meta = AttentionMetadata.build(cpu_meta.query_lens_cpu, cpu_meta.seq_lens_cpu,
+                                   cpu_meta.block_tables.tolist(), 16, torch.device(DEVICE))
     got = TorchAttention().attend(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta, 0.125)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)

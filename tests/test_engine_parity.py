@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.engine.request import SamplingParams
+from tests.greedy import greedy_tokens
 
 MAX_NEW = 24
 
@@ -42,10 +42,7 @@ def hf_reference(default_model_dir):
 
 
 def _run(engine, prompts, batched: bool):
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    if batched:
-        return [o.output_token_ids for o in engine.generate(prompts, params)]
-    return [engine.generate([p], params)[0].output_token_ids for p in prompts]
+    return greedy_tokens(engine, prompts, batched, MAX_NEW)
 
 
 @pytest.mark.parametrize("scheduler", [

@@ -6,26 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.engine.attention import AttentionMetadata
 from batchinfer.engine.torch_attention import (PAD_RATIO, PAD_SLACK, TorchAttention,
                                                _group_prefills, plan, reference_attention)
-
-
-def _case(seed, heads, kv_heads, block_size, query_lens, seq_lens, head_dim=16,
-          cache_dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    kc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen).to(cache_dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(order[used:used + n])
-        used += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
-    return q, kc, vc, meta
+from tests.paged_cases import paged_case
 
 
 MIXED = ([1, 1, 7, 40, 1, 33, 16, 1, 250, 3], [1, 90, 7, 61, 17, 33, 200, 300, 250, 9])
@@ -36,14 +19,14 @@ MIXED = ([1, 1, 7, 40, 1, 33, 16, 1, 250, 3], [1, 90, 7, 61, 17, 33, 200, 300, 2
 @pytest.mark.parametrize("lens", [MIXED, ([1] * 6, [5, 80, 1, 33, 16, 17]), ([12, 5], [12, 40])],
                          ids=["mixed", "decode-only", "prefill-only"])
 def test_batched_equals_one_sequence_at_a_time(heads, kv_heads, block_size, lens):
-    q, kc, vc, meta = _case(0, heads, kv_heads, block_size, *lens)
+    q, kc, vc, meta = paged_case(0, 16, heads, kv_heads, block_size, *lens)
     got = TorchAttention().attend(q, kc, vc, meta, 0.25)
     torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.25),
                                rtol=1e-5, atol=1e-6)
 
 
 def test_a_narrow_cache_is_read_in_the_query_dtype():
-    q, kc, vc, meta = _case(1, 8, 2, 16, *MIXED, cache_dtype=torch.bfloat16)
+    q, kc, vc, meta = paged_case(1, 16, 8, 2, 16, *MIXED, cache_dtype=torch.bfloat16)
     got = TorchAttention().attend(q, kc, vc, meta, 0.25)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, reference_attention(q, kc, vc, meta, 0.25),
@@ -51,7 +34,7 @@ def test_a_narrow_cache_is_read_in_the_query_dtype():
 
 
 def test_the_plan_is_worked_out_once_per_step():
-    q, kc, vc, meta = _case(2, 4, 2, 16, *MIXED)
+    q, kc, vc, meta = paged_case(2, 16, 4, 2, 16, *MIXED)
     first = plan(meta, 16, q.device)
     assert plan(meta, 16, q.device) is first
     assert first.decode is not None and first.decode.tokens.shape == (4, 1)
