@@ -6,8 +6,9 @@
 #                                            # SmolLM2 config + tokenizer, the W-decode workload
 #   bash benchmarks/cuda_check.sh run OUT    # there (with .gpu carried): installs into /tmp/site,
 #                                            # runs tests/test_cuda_paths.py and W-decode on the
-#                                            # GPU (SmolLM2-135M's shapes, random weights, bf16)
-#                                            # and profiles its steps at 512 sequences; logs and
+#                                            # GPU (SmolLM2-135M's shapes, random weights, bf16),
+#                                            # with CUDA graphs and eagerly, and profiles its
+#                                            # steps at 512 sequences; logs and
 #                                            # JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -50,9 +51,11 @@ run() {
         transformers.__version__, torch.cuda.get_device_name())"
     BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
         -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
-    python3 benchmarks/w_decode.py --device cuda --model "$GPU_DIR/smollm2" --load-format dummy \
-        --no-peer --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
-        2>&1 | tee "$out/w_decode_cuda.json"
+    for mode in graphs eager; do
+        python3 benchmarks/w_decode.py --device cuda --model "$GPU_DIR/smollm2" --load-format dummy \
+            --no-peer --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
+            $([ $mode = eager ] && echo --enforce-eager) 2>&1 | tee "$out/w_decode_cuda_$mode.json"
+    done
     python3 benchmarks/cuda_step_profile.py --model "$GPU_DIR/smollm2" --load-format dummy \
         --workload "$GPU_DIR/w-decode.jsonl" --n 512 > "$out/step_profile_cuda.json" 2>&1 || true
 }

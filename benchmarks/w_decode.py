@@ -25,7 +25,7 @@ the prompts (256, 512 requests) to show larger batches.
     python benchmarks/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
     python benchmarks/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
-        # the GEMM roofline is the CPU's and is left out there
+        # the GEMM roofline is the CPU's and is left out there; --enforce-eager: no CUDA graphs
 
 Prints one JSON object.
 """
@@ -53,9 +53,12 @@ def _prompts(path: Path, n: int) -> list[str]:
 
 
 def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str = "auto",
-                model: dict | None = None, device: str = "auto"):
+                model: dict | None = None, device: str = "auto", enforce_eager: bool = False,
+                max_tokens: int = 128):
     """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
     workload's n prompts; `model` is the recipe's model section (default: the embedded model).
+    With CUDA graphs, warm-up runs the whole workload once, so that the graphs its decode steps
+    need are captured before the timed run (vLLM captures its graphs at start-up).
     -> (engine, prompts)"""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
@@ -63,9 +66,12 @@ def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str 
 
     engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
                                              cache={"kv_cache_dtype": kv_cache_dtype},
-                                             model=model or {}, device={"device": device}))
+                                             model=model or {},
+                                             device={"device": device, "enforce_eager": enforce_eager}))
     prompts = _prompts(workload, n)
     engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))
+    if engine.info.get("cuda_graphs"):
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return engine, prompts
 
 
@@ -78,14 +84,18 @@ def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
 
 
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
-             kv_cache_dtype: str, model: dict | None = None, device: str = "auto") -> dict:
+             kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
+             enforce_eager: bool = False) -> dict:
     """Runs inside a fresh process (see --worker)."""
     from benchmarks.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
-    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device)
+    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
+                                  enforce_eager, max_tokens)
+    graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
+    graph_steps = graphs.steps if graphs else 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
     on_cpu = engine.info["device"] == "cpu"
@@ -130,6 +140,8 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "attention_backend": engine.info["attention_backend"], "policy": policy,
         "device": engine.info["device"], "dtype": engine.info["dtype"],
         "kv_cache_dtype": engine.info["kv_cache_dtype"],
+        **({"cuda_graphs": graphs.num_graphs, "graph_steps": graphs.steps - graph_steps,
+            "graph_capture_s": round(graphs.capture_seconds, 2)} if graphs else {}),
         **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
     }
 
@@ -147,6 +159,7 @@ def _ours_cmd(args, n: int) -> list[str]:
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
             "--device", args.device, "--load-format", args.load_format,
+            *(["--enforce-eager"] if args.enforce_eager else []),
             *(["--model", str(args.model)] if args.model else [])]
 
 
@@ -187,6 +200,8 @@ def main() -> None:
                     help="a model directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights from the model's config (same speed, any shape)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: no CUDA graphs (device.enforce_eager)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peer-model", type=Path, default=PEER_MODEL)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -195,7 +210,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
                                   args.roofline_every, args.kv_cache_dtype, _model_section(args),
-                                  args.device)))
+                                  args.device, args.enforce_eager)))
         return
 
     peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()

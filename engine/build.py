@@ -11,6 +11,7 @@ import torch
 from .attention import select_backend
 from .config import EngineConfig, ModelConfig
 from .cpu_binding import bind_compute_threads, compute_threads
+from .cuda_graphs import DecodeGraphs
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
@@ -171,7 +172,11 @@ def _build_single_process(config: EngineConfig) -> Engine:
         model.use_ops(NativeOps)
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
-    executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device)
+    graphs = None
+    if device.type == "cuda" and not config.device.enforce_eager:
+        graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,
+                              min(config.device.max_seq_len_to_capture, max_model_len))
+    executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
         "model_id": model_id + (" [dummy weights]" if dummy else ""),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -182,6 +187,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
         "scheduler_policy": sched_cfg.policy,
         "linear_kernel": linear_kernel_label(device, dtype),
+        "cuda_graphs": graphs is not None,
     }
     log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,

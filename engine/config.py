@@ -91,6 +91,12 @@ class DeviceConfig(_Strict):
         "none", description="auto: on CPU pin each compute thread to its own core (each worker "
                             "process its own run of cores among those the job may use); none: "
                             "leave placement to the OS")
+    enforce_eager: bool = Field(
+        False, description="CUDA: run every step eagerly; by default pure-decode steps on one "
+                           "GPU replay captured CUDA graphs (vLLM's enforce_eager)")
+    max_seq_len_to_capture: int = Field(
+        8192, ge=1, description="CUDA graphs cover decode steps whose longest sequence is at "
+                                "most this many tokens; longer ones run eagerly (vLLM's knob)")
 
 
 class ParallelConfig(_Strict):

@@ -21,11 +21,12 @@ from typing import Optional, Protocol
 import torch
 
 from .attention import AttentionBackend
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager
 from .model.llama import CausalLM
 from .sampler import Sampler
 from .scheduler import MicroBatch
-from .step_plan import ModelInputs, model_inputs, plan_batch
+from .step_plan import model_inputs, plan_batch
 
 
 @dataclass
@@ -53,10 +54,9 @@ class Executor(Protocol):
 
 
 def sample_tokens(model: CausalLM, sampler: Sampler, hidden: torch.Tensor,
-                  residual: Optional[torch.Tensor], inputs: ModelInputs, seqs: list):
-    """Final norm + LM head on the rows that sample, then the sampler.
+                  residual: Optional[torch.Tensor], rows: torch.Tensor, seqs: list):
+    """Final norm + LM head on the rows that sample (`rows` of hidden), then the sampler.
     -> (token per row, logprob dict or None per row)."""
-    rows = inputs.logits_rows
     logits = model.compute_logits(hidden[rows], None if residual is None else residual[rows])
     sampled, info = sampler.sample(logits, sampler.prepare(seqs))
     tokens = sampled.tolist()
@@ -74,9 +74,11 @@ class InProcessExecutor:
     max_in_flight = 1
 
     def __init__(self, model: CausalLM, kv_caches: list, backend: AttentionBackend,
-                 sampler: Sampler, block_manager: BlockManager, device: torch.device):
+                 sampler: Sampler, block_manager: BlockManager, device: torch.device,
+                 graphs: Optional[DecodeGraphs] = None):
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.sampler, self.block_manager, self.device = sampler, block_manager, device
+        self.graphs = graphs      # CUDA graphs for pure-decode steps (engine/cuda_graphs.py)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
 
     @property
@@ -105,16 +107,21 @@ class InProcessExecutor:
     def execute(self, batch: MicroBatch) -> StepResult:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
-        inputs = model_inputs(plan, self.block_manager.block_size, self.device)
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                      inputs.meta, self.backend)
+        graphed = self.graphs.run(plan) if self.graphs is not None else None
+        if graphed is not None:
+            hidden, residual, rows = graphed
+        else:
+            inputs = model_inputs(plan, self.block_manager.block_size, self.device)
+            hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                          inputs.meta, self.backend)
+            rows = inputs.logits_rows
         tokens: list[Optional[int]] = [None] * len(batch.items)
         logprobs: list[Optional[dict]] = [None] * len(batch.items)
         t1 = time.perf_counter()
         if plan.sample_items:
             seqs = [batch.items[i].seq for i in plan.sample_items]
             sampled, row_logprobs = sample_tokens(self.model, self.sampler, hidden, residual,
-                                                  inputs, seqs)
+                                                  rows, seqs)
             for index, token, logprob in zip(plan.sample_items, sampled, row_logprobs):
                 tokens[index], logprobs[index] = token, logprob
         t2 = time.perf_counter()

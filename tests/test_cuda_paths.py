@@ -107,6 +107,32 @@ def test_fp32_greedy_on_cuda_matches_transformers(tiny_llama, scheduler):
     assert _greedy(engine, prompts[:3], batched=False) == expected[:3]
 
 
+def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(tiny_llama):
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    _, folder = tiny_llama
+    scheduler = {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}
+    prompts = _prompts()
+    eager = _engine(folder, model={"dtype": "float32"}, scheduler=scheduler,
+                    device={"device": DEVICE, "enforce_eager": True})
+    assert eager.info["cuda_graphs"] is False
+    expected = _greedy(eager, prompts, batched=True)
+    expected_alone = _greedy(eager, prompts[:2], batched=False)
+    del eager
+    for dtype in ("float32", "bfloat16"):
+        engine = _engine(folder, model={"dtype": dtype}, scheduler=scheduler)
+        graphs = engine.replicas[0].executor.graphs
+        assert engine.info["cuda_graphs"] is True and graphs is not None
+        ours = _greedy(engine, prompts, batched=True)
+        if dtype == "float32":
+            assert ours == expected
+            assert _greedy(engine, prompts[:2], batched=False) == expected_alone
+        else:  # bf16: graphs against bf16 eager (same kernels, so the same tokens)
+            engine.replicas[0].executor.graphs = None
+            assert _greedy(engine, prompts, batched=True) == ours
+        assert graphs.steps >= MAX_NEW - 1 and graphs.num_graphs >= 2
+
+
 def test_qwen2_qkv_bias_on_cuda_matches_transformers(tmp_path, tokenizer_files):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -1,0 +1,208 @@
+"""CUDA graphs for decode steps, as vLLM captures them (`device.enforce_eager: true` turns them off).
+
+On a GPU, a decode step of a small model is mostly kernel launches. SmolLM2's 30 layers launch
+~1,450 kernels, each with a few microseconds of host time, while the GPU work itself takes well
+under a millisecond (benchmarks/cuda_step_profile.py). A CUDA graph records the forward's launches
+once, and each later step replays them with one call.
+
+A graph fixes every shape and every address, so:
+- the batch is padded up to a captured size (BATCH_SIZES), and each sequence's block table up to
+  a captured width (a power of two); the step copies its inputs into static buffers;
+- the attention gathers the table's blocks and masks the positions past each sequence's length.
+  This is the same maths as torch_attention's decode rows, but the mask is built inside the
+  graph from the lengths, and the query heads of a kv head attend as that head's queries, so
+  K/V are gathered once per kv head (3x less copying for SmolLM2's 9 heads over 3);
+- padding rows write their K/V into one block reserved for them (held in the block manager under
+  PADDING_OWNER), never into a sequence's block.
+
+Graphs are captured lazily, the first time a (batch, width) shape is needed, all into one memory
+pool. That is safe because steps replay one at a time and each step's outputs are consumed before
+the next replay. Only pure-decode batches on one device use graphs; steps with prefill run eagerly,
+and so do contexts longer than `max_seq_len_to_capture`.
+With `capture=False` the same padded forward runs eagerly: the tests run it on CPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+
+from .kv_cache import BlockManager
+from .step_plan import StepPlan
+from .torch_attention import CUDA_SDPA, write_kv
+
+log = logging.getLogger(__name__)
+
+# the batch sizes captured: every decode batch runs padded to the next one (vLLM pads likewise)
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512,
+               640, 768, 896, 1024)
+PADDING_OWNER = "__cuda_graph_padding__"
+
+
+def batch_sizes_up_to(max_batch: int) -> list[int]:
+    """The captured sizes a scheduler allowing max_batch sequences can need (batches larger
+    than BATCH_SIZES' last run eagerly)."""
+    sizes = [s for s in BATCH_SIZES if s < max_batch]
+    return sizes + [s for s in BATCH_SIZES if s >= max_batch][:1]
+
+
+def width_bucket(blocks: int) -> int:
+    """Block-table width a graph is captured for: the next power of two."""
+    return 1 << max(0, blocks - 1).bit_length()
+
+
+class StaticDecodeMeta:
+    """What write_kv and the attention read in one graph: views of the static input buffers."""
+
+    def __init__(self, ints: torch.Tensor, tables: torch.Tensor, block_size: int):
+        self.slot_blocks, self.slot_offsets, self.seq_lens = ints[2], ints[3], ints[4]
+        self.tables = tables
+        self.key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+        self.mask: Optional[torch.Tensor] = None   # built by GraphDecodeAttention.prepare
+
+    def prepare(self) -> None:
+        """The attention mask from the lengths; runs inside the graph, once for all layers."""
+        self.mask = (self.key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+
+class GraphDecodeAttention:
+    """Decode attention over a padded block table, with no host work: capturable."""
+
+    name = "cuda_graph"
+    write_kv = staticmethod(write_kv)
+
+    @staticmethod
+    def attend(q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float) -> torch.Tensor:
+        """The query heads that share a kv head go in as that head's queries (one decode token
+        each, all with the same mask): K/V are gathered once per kv head, never repeated."""
+        rows, num_heads, head_dim = q.shape
+        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        keys = meta.tables.shape[1] * block_size
+        k = key_cache[meta.tables].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim).to(q.dtype)
+        v = value_cache[meta.tables].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim).to(q.dtype)
+        queries = q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim)
+        with sdpa_kernel(CUDA_SDPA):
+            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=meta.mask, scale=scale)
+        return out.reshape(rows, num_heads, head_dim)
+
+
+class _Graph:
+    """One captured shape: replay() runs it and returns its static (hidden, residual)."""
+
+    def __init__(self, forward: Callable, graph: Optional["torch.cuda.CUDAGraph"], outputs):
+        self.forward, self.graph, self.outputs = forward, graph, outputs
+
+    def replay(self):
+        if self.graph is None:
+            return self.forward()
+        self.graph.replay()
+        return self.outputs
+
+
+class DecodeGraphs:
+    """Runs pure-decode steps of a single-device model through captured CUDA graphs."""
+
+    def __init__(self, model, kv_caches: list, block_manager: BlockManager, device: torch.device,
+                 max_batch: int, max_seq_len_to_capture: int, capture: bool = True):
+        self.model, self.kv_caches, self.block_manager = model, kv_caches, block_manager
+        self.device, self.capture = device, capture
+        self.block_size = block_manager.block_size
+        self.sizes = batch_sizes_up_to(max_batch)
+        self.max_width = width_bucket(max(1, max_seq_len_to_capture // self.block_size))
+        biggest = self.sizes[-1]
+        # rows: token ids, positions, slot blocks, slot offsets, sequence lengths
+        self._ints = torch.zeros(5, biggest, dtype=torch.long, device=device)
+        self._tables = torch.zeros(biggest, self.max_width, dtype=torch.long, device=device)
+        self._rows = torch.arange(biggest, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self._pad_block: Optional[int] = None
+        self.attention = GraphDecodeAttention()
+        self.steps = 0              # steps run through a graph
+        self.capture_seconds = 0.0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, plan: StepPlan):
+        """-> (hidden, residual, logits rows) for a pure-decode plan that fits a graph, else None
+        (the caller runs the step eagerly)."""
+        n = len(plan.query_lens)
+        if n == 0 or n > self.sizes[-1] or len(plan.sample_items) != n:
+            return None
+        if any(q != 1 for q in plan.query_lens):
+            return None
+        width = width_bucket(max(len(t) for t in plan.block_tables))
+        if width > self.max_width or not self._reserve_padding_block():
+            return None
+        batch = self.sizes[bisect_left(self.sizes, n)]
+        graph = self._graphs.get((batch, width)) or self._capture(batch, width)
+        self._fill(plan, batch, width)
+        hidden, residual = graph.replay()
+        self.steps += 1
+        return hidden, residual, self._rows[:n]
+
+    # --- inputs ---------------------------------------------------------------------------------
+    def _reserve_padding_block(self) -> bool:
+        if self._pad_block is None:
+            if not self.block_manager.can_grow(PADDING_OWNER, 1):
+                return False
+            self._pad_block = self.block_manager.grow(PADDING_OWNER, 1)[0]
+        return True
+
+    def _fill(self, plan: StepPlan, batch: int, width: int) -> None:
+        bs, pad, n = self.block_size, self._pad_block, len(plan.seq_lens)
+        positions = [s - 1 for s in plan.seq_lens]
+        padding = batch - n
+        ints = [plan.input_ids + [0] * padding,
+                positions + [0] * padding,
+                [t[p // bs] for t, p in zip(plan.block_tables, positions)] + [pad] * padding,
+                [p % bs for p in positions] + [0] * padding,
+                list(plan.seq_lens) + [1] * padding]
+        tables = [t + [pad] * (width - len(t)) for t in plan.block_tables] + [[pad] * width] * padding
+        self._ints[:, :batch].copy_(torch.tensor(ints, dtype=torch.long), non_blocking=True)
+        self._tables[:batch, :width].copy_(torch.tensor(tables, dtype=torch.long), non_blocking=True)
+
+    def _padding_inputs(self, batch: int, width: int) -> None:
+        """Every row a padding row: warm-up and capture write only the padding block."""
+        self._ints[:, :batch] = torch.tensor([0, 0, self._pad_block, 0, 1], device=self.device)[:, None]
+        self._tables[:batch, :width] = self._pad_block
+
+    # --- capture --------------------------------------------------------------------------------
+    def _capture(self, batch: int, width: int) -> _Graph:
+        start = time.perf_counter()
+        ints = self._ints[:, :batch]
+        meta = StaticDecodeMeta(ints, self._tables[:batch, :width], self.block_size)
+
+        def forward():
+            meta.prepare()
+            return self.model(ints[0], ints[1], self.kv_caches, meta, self.attention)
+
+        self._padding_inputs(batch, width)
+        if not self.capture:
+            graph = _Graph(forward, None, None)
+        else:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):     # warm-up: lazy inits and the allocator outside the capture
+                    forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph, pool=self._pool):
+                outputs = forward()
+            self._pool = cuda_graph.pool()
+            graph = _Graph(forward, cuda_graph, outputs)
+        self._graphs[(batch, width)] = graph
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        log.info("decode graph for %d sequences, block tables of %d (%d tokens): %s in %.2f s",
+                 batch, width, width * self.block_size,
+                 "captured" if self.capture else "built (eager)", seconds)
+        return graph
