@@ -4,12 +4,15 @@
 #   bash benchmarks/cuda_check.sh prepare    # here: fills .gpu/ (ignored by git) with what the
 #                                            # GPU machine lacks: our dependencies' wheels, the
 #                                            # SmolLM2 config + tokenizer, the W-decode workload
-#   bash benchmarks/cuda_check.sh run OUT    # there (with .gpu carried): installs into /tmp/site,
-#                                            # runs tests/test_cuda_paths.py and W-decode on the
-#                                            # GPU (SmolLM2-135M's shapes, random weights, bf16),
-#                                            # with CUDA graphs and eagerly, and profiles its
-#                                            # steps at 512 sequences; logs and
-#                                            # JSON land in OUT
+#   bash benchmarks/cuda_check.sh run OUT [PART...]
+#                                            # there (with .gpu carried): installs into /tmp/site,
+#                                            # then the parts (default all): `tests`
+#                                            # (tests/test_cuda_paths.py), `wdecode` (W-decode at
+#                                            # 128/256/512 with CUDA graphs and eagerly, SmolLM2's
+#                                            # shapes, random weights, bf16), `sharegpt`
+#                                            # (cuda_graph_bench.py: 600 ShareGPT requests, graphs
+#                                            # vs eager), `profile` (W-decode's steps at 512,
+#                                            # cuda_step_profile.py); logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
 set -euo pipefail
@@ -34,12 +37,14 @@ for f in src.iterdir():
     if f.suffix != ".safetensors" and f.is_file():
         shutil.copy(f, sys.argv[1])
 EOF
-    cp ../shared/workloads/w-decode.jsonl "$GPU_DIR/"
+    cp ../shared/workloads/w-decode.jsonl ../shared/workloads/sharegpt-2k.jsonl "$GPU_DIR/"
     du -sh "$GPU_DIR"
 }
 
 run() {
     local out=${1:?OUT folder}
+    shift
+    local parts=${*:-tests wdecode sharegpt profile}
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
     nvidia-smi -L
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -49,19 +54,30 @@ run() {
     export PYTHONPATH=/tmp/site
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
         transformers.__version__, torch.cuda.get_device_name())"
-    BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
-        -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
-    for mode in graphs eager; do
-        python3 benchmarks/w_decode.py --device cuda --model "$GPU_DIR/smollm2" --load-format dummy \
-            --no-peer --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
-            $([ $mode = eager ] && echo --enforce-eager) 2>&1 | tee "$out/w_decode_cuda_$mode.json"
-    done
-    python3 benchmarks/cuda_step_profile.py --model "$GPU_DIR/smollm2" --load-format dummy \
-        --workload "$GPU_DIR/w-decode.jsonl" --n 512 > "$out/step_profile_cuda.json" 2>&1 || true
+    local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
+    if [[ " $parts " == *" tests "* ]]; then
+        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
+            -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
+    fi
+    if [[ " $parts " == *" wdecode "* ]]; then
+        for mode in graphs eager; do
+            python3 benchmarks/w_decode.py --device cuda "${model[@]}" --no-peer \
+                --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
+                $([ $mode = graphs ] && echo --cuda-graphs) 2>&1 | tee "$out/w_decode_cuda_$mode.json"
+        done
+    fi
+    if [[ " $parts " == *" sharegpt "* ]]; then
+        python3 benchmarks/cuda_graph_bench.py "${model[@]}" --workload "$GPU_DIR/sharegpt-2k.jsonl" \
+            --requests 600 2>&1 | tee "$out/cuda_graph_bench.json"
+    fi
+    if [[ " $parts " == *" profile "* ]]; then
+        python3 benchmarks/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
+            --n 512 --cuda-graphs > "$out/step_profile_cuda.json" 2>&1 || true
+    fi
 }
 
 case "${1:-}" in
     prepare) prepare ;;
-    run) run "${2:?OUT folder}" ;;
-    *) echo "usage: $0 prepare | run OUT" >&2; exit 2 ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile]" >&2; exit 2 ;;
 esac

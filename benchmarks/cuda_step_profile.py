@@ -4,7 +4,7 @@ Prints each step's forward time (the first steps mix prefill chunks with decodes
 decode-only) and the ops with the most self time on the GPU and on the host, so launch-bound
 steps (host time >> GPU time) show as such.
 
-    python benchmarks/cuda_step_profile.py --model DIR --load-format dummy --n 512 [--enforce-eager]
+    python benchmarks/cuda_step_profile.py --model DIR --load-format dummy --n 512 [--cuda-graphs]
 
 Prints one JSON object.
 """
@@ -41,11 +41,11 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--cuda-graphs", action="store_true", help="device.cuda_graphs")
     args = ap.parse_args()
     model = {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
     engine, prompts = warm_engine(args.workload, args.n, model=model, device=args.device,
-                                  enforce_eager=args.enforce_eager, max_tokens=args.max_tokens)
+                                  cuda_graphs=args.cuda_graphs, max_tokens=args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.drain_step_events()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])

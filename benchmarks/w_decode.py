@@ -25,7 +25,7 @@ the prompts (256, 512 requests) to show larger batches.
     python benchmarks/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
     python benchmarks/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
-        # the GEMM roofline is the CPU's and is left out there; --enforce-eager: no CUDA graphs
+        # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
 
 Prints one JSON object.
 """
@@ -53,7 +53,7 @@ def _prompts(path: Path, n: int) -> list[str]:
 
 
 def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str = "auto",
-                model: dict | None = None, device: str = "auto", enforce_eager: bool = False,
+                model: dict | None = None, device: str = "auto", cuda_graphs: bool = False,
                 max_tokens: int = 128):
     """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
     workload's n prompts; `model` is the recipe's model section (default: the embedded model).
@@ -67,7 +67,7 @@ def warm_engine(workload: Path, n: int, policy: str = "hb", kv_cache_dtype: str 
     engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
                                              cache={"kv_cache_dtype": kv_cache_dtype},
                                              model=model or {},
-                                             device={"device": device, "enforce_eager": enforce_eager}))
+                                             device={"device": device, "cuda_graphs": cuda_graphs}))
     prompts = _prompts(workload, n)
     engine.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0))
     if engine.info.get("cuda_graphs"):
@@ -85,7 +85,7 @@ def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
 
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
              kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
-             enforce_eager: bool = False) -> dict:
+             cuda_graphs: bool = False) -> dict:
     """Runs inside a fresh process (see --worker)."""
     from benchmarks.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
@@ -93,7 +93,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     from batchinfer.engine.request import SamplingParams
 
     engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
-                                  enforce_eager, max_tokens)
+                                  cuda_graphs, max_tokens)
     graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
     graph_steps = graphs.steps if graphs else 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -159,7 +159,7 @@ def _ours_cmd(args, n: int) -> list[str]:
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
             "--device", args.device, "--load-format", args.load_format,
-            *(["--enforce-eager"] if args.enforce_eager else []),
+            *(["--cuda-graphs"] if args.cuda_graphs else []),
             *(["--model", str(args.model)] if args.model else [])]
 
 
@@ -200,8 +200,8 @@ def main() -> None:
                     help="a model directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights from the model's config (same speed, any shape)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="CUDA: no CUDA graphs (device.enforce_eager)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="CUDA: replay decode steps from CUDA graphs (device.cuda_graphs)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peer-model", type=Path, default=PEER_MODEL)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -210,7 +210,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
                                   args.roofline_every, args.kv_cache_dtype, _model_section(args),
-                                  args.device, args.enforce_eager)))
+                                  args.device, args.cuda_graphs)))
         return
 
     peer_ok = (not args.no_peer and args.peer_python.is_file() and args.peer_model.is_dir()

@@ -173,7 +173,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
     graphs = None
-    if device.type == "cuda" and not config.device.enforce_eager:
+    if device.type == "cuda" and config.device.cuda_graphs:
         graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,
                               min(config.device.max_seq_len_to_capture, max_model_len))
     executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device, graphs)

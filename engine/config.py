@@ -91,9 +91,9 @@ class DeviceConfig(_Strict):
         "none", description="auto: on CPU pin each compute thread to its own core (each worker "
                             "process its own run of cores among those the job may use); none: "
                             "leave placement to the OS")
-    enforce_eager: bool = Field(
-        False, description="CUDA: run every step eagerly; by default pure-decode steps on one "
-                           "GPU replay captured CUDA graphs (vLLM's enforce_eager)")
+    cuda_graphs: bool = Field(
+        False, description="CUDA, one GPU: pure-decode steps replay captured CUDA graphs "
+                           "(engine/cuda_graphs.py); opt-in, the README says when they pay")
     max_seq_len_to_capture: int = Field(
         8192, ge=1, description="CUDA graphs cover decode steps whose longest sequence is at "
                                 "most this many tokens; longer ones run eagerly (vLLM's knob)")

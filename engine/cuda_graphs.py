@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps, as vLLM captures them (`device.enforce_eager: true` turns them off).
+"""CUDA graphs for decode steps, as vLLM captures them (opt-in: `device.cuda_graphs: true`).
 
 On a GPU, a decode step of a small model is mostly kernel launches. SmolLM2's 30 layers launch
 ~1,450 kernels, each with a few microseconds of host time, while the GPU work itself takes well
@@ -6,12 +6,13 @@ under a millisecond (benchmarks/cuda_step_profile.py). A CUDA graph records the 
 once, and each later step replays them with one call.
 
 A graph fixes every shape and every address, so:
-- the batch is padded up to a captured size (BATCH_SIZES), and each sequence's block table up to
-  a captured width (a power of two); the step copies its inputs into static buffers;
-- the attention gathers the table's blocks and masks the positions past each sequence's length.
-  This is the same maths as torch_attention's decode rows, but the mask is built inside the
-  graph from the lengths, and the query heads of a kv head attend as that head's queries, so
-  K/V are gathered once per kv head (3x less copying for SmolLM2's 9 heads over 3);
+- the batch is padded up to a captured size (BATCH_SIZES: 1, 2, 4, then multiples of 8, as vLLM
+  captures), and every block table up to a captured width (`width_bucket`: at most 1/8 more
+  blocks); the step copies its inputs into static buffers. Padding is work the GPU does for
+  nothing, and where the gather of long contexts already keeps the GPU busy it is all a graph
+  adds: power-of-two widths made a ShareGPT run 13% slower than eager (README);
+- the attention is torch_attention's decode rows (`decode_attention`) over the padded tables,
+  with the mask built inside the graph from the lengths;
 - padding rows write their K/V into one block reserved for them (held in the block manager under
   PADDING_OWNER), never into a sequence's block.
 
@@ -29,18 +30,15 @@ from bisect import bisect_left
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from .kv_cache import BlockManager
 from .step_plan import StepPlan
-from .torch_attention import CUDA_SDPA, write_kv
+from .torch_attention import decode_attention, write_kv
 
 log = logging.getLogger(__name__)
 
-# the batch sizes captured: every decode batch runs padded to the next one (vLLM pads likewise)
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512,
-               640, 768, 896, 1024)
+# the batch sizes captured: every decode batch runs padded to the next one (vLLM's sizes to 512)
+BATCH_SIZES = (1, 2, 4, *range(8, 513, 8), *range(576, 1025, 64))
 PADDING_OWNER = "__cuda_graph_padding__"
 
 
@@ -52,8 +50,12 @@ def batch_sizes_up_to(max_batch: int) -> list[int]:
 
 
 def width_bucket(blocks: int) -> int:
-    """Block-table width a graph is captured for: the next power of two."""
-    return 1 << max(0, blocks - 1).bit_length()
+    """Block-table width a graph is captured for: exact up to 8 blocks, then rounded up to a
+    multiple of 1/8 of the power of two below (at most 12.5% padding)."""
+    if blocks <= 8:
+        return max(1, blocks)
+    step = 1 << (blocks.bit_length() - 4)
+    return -(-blocks // step) * step
 
 
 class StaticDecodeMeta:
@@ -78,17 +80,7 @@ class GraphDecodeAttention:
 
     @staticmethod
     def attend(q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float) -> torch.Tensor:
-        """The query heads that share a kv head go in as that head's queries (one decode token
-        each, all with the same mask): K/V are gathered once per kv head, never repeated."""
-        rows, num_heads, head_dim = q.shape
-        kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-        keys = meta.tables.shape[1] * block_size
-        k = key_cache[meta.tables].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim).to(q.dtype)
-        v = value_cache[meta.tables].transpose(1, 2).reshape(rows, kv_heads, keys, head_dim).to(q.dtype)
-        queries = q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim)
-        with sdpa_kernel(CUDA_SDPA):
-            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=meta.mask, scale=scale)
-        return out.reshape(rows, num_heads, head_dim)
+        return decode_attention(q, key_cache, value_cache, meta.tables, meta.mask, scale)
 
 
 class _Graph:

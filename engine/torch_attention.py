@@ -4,18 +4,20 @@ A step's batch mixes decode rows (one new token) and prefill chunks (many new to
 a cached prefix). Looping over sequences in Python costs a dozen kernel launches per sequence per
 layer, which on a GPU is the whole step (hybrid batching mixes the two kinds in most steps). So:
 - every decode row goes through one batched call: gather the rows' blocks, one SDPA with a
-  length mask;
+  length mask, the query heads that share a kv head passed as that head's queries
+  (`decode_attention`, which CUDA graphs also capture);
 - prefill chunks are grouped by size and each group is one padded SDPA with a causal-with-offset
   mask; a chunk joins a group only while the padding stays a bounded share of the work, so one
   long chunk is never padded out to by many short ones.
 The grouping and every index tensor are worked out once per step (`plan`), not once per layer.
-On CUDA the K/V gather also repeats each kv head for its query heads and SDPA is held to the
-memory-efficient kernel: with a mask and grouped heads it would otherwise take cuDNN's, whose
+On CUDA a prefill group's K/V gather also repeats each kv head for its query heads, and SDPA is
+held to the memory-efficient kernel: with a mask and grouped heads it would otherwise take cuDNN's, whose
 host-side cost was ~0.8 ms a call on an H200 (most of a 512-sequence step), or the math one.
 `reference_attention` is the direct per-sequence definition the batched path is tested against.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -117,8 +119,30 @@ def _kv_head_of(num_heads: int, kv_heads: int, device: torch.device) -> torch.Te
     return torch.arange(num_heads, device=device) // (num_heads // kv_heads)
 
 
+def decode_attention(q, key_cache, value_cache, tables: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One new token per sequence: q [n, heads, dim] over the blocks of `tables` [n, W] (long),
+    `mask` [n, 1, 1, W * block_size] -> [n, heads, dim]. The query heads that share a kv head go
+    in as that head's queries (one token each, all under the same mask), so K/V are gathered once
+    per kv head and never repeated. No host work: CUDA graphs capture it (cuda_graphs.py)."""
+    n, num_heads, head_dim = q.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    keys = tables.shape[1] * block_size
+    k = key_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
+    v = value_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
+    queries = q.reshape(n, kv_heads, num_heads // kv_heads, head_dim)
+    with sdpa_kernel(CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
+
+
 def _attend_rows(q, key_cache, value_cache, rows: _Rows, scale: float, out: torch.Tensor) -> None:
     n, q_max = rows.tokens.shape
+    if q_max == 1:
+        tokens = rows.tokens[:, 0]
+        out.index_copy_(0, tokens, decode_attention(q[tokens], key_cache, value_cache, rows.tables,
+                                                    rows.mask, scale))
+        return
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     keys = rows.tables.shape[1] * block_size

@@ -17,10 +17,13 @@ MAX_NEW = 12
 
 def test_batch_sizes_cover_the_scheduler_limit():
     assert batch_sizes_up_to(1) == [1]
-    assert batch_sizes_up_to(100)[-1] == 128 and batch_sizes_up_to(100)[-2] == 96
+    assert batch_sizes_up_to(5) == [1, 2, 4, 8]
+    assert batch_sizes_up_to(100)[-2:] == [96, 104]
     assert batch_sizes_up_to(512)[-1] == 512
     assert batch_sizes_up_to(5000)[-1] == 1024          # larger batches run eagerly
-    assert [width_bucket(b) for b in (1, 2, 3, 4, 5, 17)] == [1, 2, 4, 4, 8, 32]
+    assert [width_bucket(b) for b in (1, 5, 8, 9, 16, 17, 33, 100, 512)] == [1, 5, 8, 9, 16, 18, 36,
+                                                                              104, 512]
+    assert all(b <= width_bucket(b) <= 1.125 * b for b in range(1, 5000))
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +59,10 @@ def test_padded_decode_steps_give_the_eager_tokens(engine):
         assert greedy_tokens(engine, prompts[:3], batched=False, max_new=MAX_NEW) == eager_alone
     finally:
         executor.graphs = None
-    # batches of 1-5 sequences ran padded to 1, 2, 4 and 8 rows, over tables of 1 to 32 blocks
+    # batches of 1-5 sequences ran padded to 1, 2, 4 and 8 rows, over tables of 1 to 20 blocks
     shapes = set(graphs._graphs)
     assert {batch for batch, _ in shapes} >= {1, 8}
-    assert {width for _, width in shapes} >= {1, 32}
+    assert {width for _, width in shapes} >= {1, 20}
     # every decode step went through a graph: 5 + 3 sequences' 11 decode steps at most
     assert graphs.steps >= MAX_NEW - 1
     manager = executor.block_manager

@@ -114,13 +114,14 @@ def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(tiny_llama):
     scheduler = {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}
     prompts = _prompts()
     eager = _engine(folder, model={"dtype": "float32"}, scheduler=scheduler,
-                    device={"device": DEVICE, "enforce_eager": True})
+                    device={"device": DEVICE})
     assert eager.info["cuda_graphs"] is False
     expected = _greedy(eager, prompts, batched=True)
     expected_alone = _greedy(eager, prompts[:2], batched=False)
     del eager
     for dtype in ("float32", "bfloat16"):
-        engine = _engine(folder, model={"dtype": dtype}, scheduler=scheduler)
+        engine = _engine(folder, model={"dtype": dtype}, scheduler=scheduler,
+                         device={"device": DEVICE, "cuda_graphs": True})
         graphs = engine.replicas[0].executor.graphs
         assert engine.info["cuda_graphs"] is True and graphs is not None
         ours = _greedy(engine, prompts, batched=True)
