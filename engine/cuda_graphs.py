@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps, as vLLM captures them (opt-in: `device.cuda_graphs: true`).
 
-On a GPU, a decode step of a small model is mostly kernel launches. SmolLM2's 30 layers launch
-~1,450 kernels, each with a few microseconds of host time, while the GPU work itself takes well
-under a millisecond (benchmarks/cuda_step_profile.py). A CUDA graph records the forward's launches
-once, and each later step replays them with one call.
+On a GPU, a decode step of a small model is mostly kernel launches: SmolLM2's 30 layers launch
+~1,450 kernels, each with a few microseconds of host time, which at short contexts is more than
+the GPU work they start (benchmarks/cuda_step_profile.py). A CUDA graph records the forward's
+launches once, and each later step replays them with one call.
 
 A graph fixes every shape and every address, so:
 - the batch is padded up to a captured size (BATCH_SIZES: 1, 2, 4, then multiples of 8, as vLLM
@@ -65,7 +65,7 @@ class StaticDecodeMeta:
         self.slot_blocks, self.slot_offsets, self.seq_lens = ints[2], ints[3], ints[4]
         self.tables = tables
         self.key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-        self.mask: Optional[torch.Tensor] = None   # built by GraphDecodeAttention.prepare
+        self.mask: Optional[torch.Tensor] = None   # built by prepare()
 
     def prepare(self) -> None:
         """The attention mask from the lengths; runs inside the graph, once for all layers."""

@@ -11,8 +11,9 @@ layer, which on a GPU is the whole step (hybrid batching mixes the two kinds in 
   long chunk is never padded out to by many short ones.
 The grouping and every index tensor are worked out once per step (`plan`), not once per layer.
 On CUDA a prefill group's K/V gather also repeats each kv head for its query heads, and SDPA is
-held to the memory-efficient kernel: with a mask and grouped heads it would otherwise take cuDNN's, whose
-host-side cost was ~0.8 ms a call on an H200 (most of a 512-sequence step), or the math one.
+held to the memory-efficient kernel: with a mask and grouped heads it would otherwise take
+cuDNN's, whose host-side cost was ~0.8 ms a call on an H200 (most of a 512-sequence step), or
+the math one.
 `reference_attention` is the direct per-sequence definition the batched path is tested against.
 """
 from __future__ import annotations
