@@ -3,12 +3,14 @@
 A step's batch mixes decode rows (one new token) and prefill chunks (many new tokens, maybe after
 a cached prefix). Looping over sequences in Python costs a dozen kernel launches per sequence per
 layer, which on a GPU is the whole step (hybrid batching mixes the two kinds in most steps). So:
-- every decode row goes through one batched call: gather the rows' blocks, one SDPA with a
-  length mask, the query heads that share a kv head passed as that head's queries
+- decode rows (one new token each) go through batched calls: gather the rows' blocks, one SDPA
+  with a length mask, the query heads that share a kv head passed as that head's queries
   (`decode_attention`, which CUDA graphs also capture);
 - prefill chunks are grouped by size and each group is one padded SDPA with a causal-with-offset
-  mask; a chunk joins a group only while the padding stays a bounded share of the work, so one
-  long chunk is never padded out to by many short ones.
+  mask.
+Both kinds are grouped the same way (`_group_rows`): a row joins a group only while the padding
+stays a bounded share of the group's work, so one long sequence never pads out many short ones
+(decode rows at ShareGPT's spread of contexts would otherwise all be gathered to the longest).
 The grouping and every index tensor are worked out once per step (`plan`), not once per layer.
 On CUDA a prefill group's K/V gather also repeats each kv head for its query heads, and SDPA is
 held to the memory-efficient kernel: with a mask and grouped heads it would otherwise take
@@ -29,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PAD_SLACK = 4096           # padded (query x key) elements a group may waste regardless of its size
 PAD_RATIO = 2.0            # ... and beyond that, at most this many times its real elements
+GROUP_DECODE_ROWS = True   # False: all decode rows in one call (the ablation, for benchmarks)
 CUDA_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -52,12 +55,12 @@ class _Rows:
 
 @dataclass
 class _Plan:
-    decode: Optional[_Rows]
+    decode: list[_Rows]
     prefill: list[_Rows]
 
 
-def _group_prefills(rows: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Chunks sorted by size, cut into groups whose padded work stays within the bound."""
+def _group_rows(rows: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Rows sorted by size, cut into groups whose padded work stays within the bound."""
     groups: list[list[int]] = []
     current: list[int] = []
     real = s_max = 0
@@ -108,10 +111,12 @@ def plan(meta, block_size: int, device) -> _Plan:
         offsets.append(offsets[-1] + q_len)
     decodes = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     prefills = [i for i, q in enumerate(meta.query_lens_cpu) if q > 1]
+    decode_groups = (_group_rows(decodes, meta.query_lens_cpu, meta.seq_lens_cpu)
+                     if GROUP_DECODE_ROWS else [decodes] if decodes else [])
     meta.backend_plan = _Plan(
-        decode=_rows(decodes, meta, offsets, block_size, device) if decodes else None,
+        decode=[_rows(g, meta, offsets, block_size, device) for g in decode_groups],
         prefill=[_rows(g, meta, offsets, block_size, device)
-                 for g in _group_prefills(prefills, meta.query_lens_cpu, meta.seq_lens_cpu)])
+                 for g in _group_rows(prefills, meta.query_lens_cpu, meta.seq_lens_cpu)])
     return meta.backend_plan
 
 
@@ -173,7 +178,7 @@ class TorchAttention:
     def attend(self, q, key_cache, value_cache, meta, scale: float):
         step = plan(meta, key_cache.shape[2], q.device)
         out = torch.empty_like(q)
-        for rows in ([step.decode] if step.decode is not None else []) + step.prefill:
+        for rows in step.decode + step.prefill:
             _attend_rows(q, key_cache, value_cache, rows, scale, out)
         return out
 
