@@ -29,10 +29,10 @@ def run(args, eager: bool) -> dict:
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
     from batchinfer.engine.request import SamplingParams
+    from benchmarks.w_decode import model_section
 
-    model = {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
     engine = Engine.from_config(EngineConfig(
-        model=model, scheduler={"max_num_seqs": args.max_num_seqs},
+        model=model_section(args), scheduler={"max_num_seqs": args.max_num_seqs},
         device={"device": args.device, "cuda_graphs": not eager}))
     lines = [json.loads(line) for line in args.workload.read_text().splitlines()[:args.requests]]
     prompts = [r["prompt"] for r in lines]

@@ -30,7 +30,7 @@ def _top(events, attr: str, k: int) -> list[dict]:
 def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.w_decode import DEFAULT_WORKLOAD, warm_engine
+    from benchmarks.w_decode import DEFAULT_WORKLOAD, model_section, warm_engine
     from batchinfer.engine.request import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,8 +43,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--cuda-graphs", action="store_true", help="device.cuda_graphs")
     args = ap.parse_args()
-    model = {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
-    engine, prompts = warm_engine(args.workload, args.n, model=model, device=args.device,
+    engine, prompts = warm_engine(args.workload, args.n, model=model_section(args), device=args.device,
                                   cuda_graphs=args.cuda_graphs, max_tokens=args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.drain_step_events()

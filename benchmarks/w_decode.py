@@ -163,7 +163,8 @@ def _ours_cmd(args, n: int) -> list[str]:
             *(["--model", str(args.model)] if args.model else [])]
 
 
-def _model_section(args) -> dict:
+def model_section(args) -> dict:
+    """The recipe's model section from --model / --load-format (shared by the GPU benchmarks)."""
     return {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
 
 
@@ -209,7 +210,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
-                                  args.roofline_every, args.kv_cache_dtype, _model_section(args),
+                                  args.roofline_every, args.kv_cache_dtype, model_section(args),
                                   args.device, args.cuda_graphs)))
         return
 
