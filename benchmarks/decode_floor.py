@@ -14,9 +14,10 @@ an engine can reach here by timing, in one process and alternating round by roun
   arithmetic exact attention does on each K and V vector);
 - the engine's own decode attention kernel on the same cache (`our_kernel`).
 
-Each best fraction is gemm / (gemm + the run's K/V at that rate): what an engine would reach if it
-did nothing else at all (no norms, rotary, KV writes, LM-head argmax, sampling, scheduling or
-Python), so it is an upper bound.
+The best fraction of the workload roofline is gemm / (gemm + the run's K/V at that rate); of the
+decode roofline (w_decode.py's first fraction, which leaves the prefill out), that tok/s over
+n / decode step. Each is what an engine would reach if it did nothing else at all (no norms,
+rotary, KV writes, LM-head argmax, sampling, scheduling or Python): an upper bound.
 
     python benchmarks/decode_floor.py
     python benchmarks/decode_floor.py --n 256 --rounds 9
@@ -138,9 +139,11 @@ def main() -> None:
     for name, ts in times.items():
         gbps = step_bytes / statistics.median(ts) / 1e9
         kv_s = kv_bytes / gbps / 1e9
+        best_tps = args.n * args.max_tokens / (gemm_s + kv_s)
         out["readers"][name] = {"attention_step_ms": round(statistics.median(ts) * 1e3, 2),
                                 "gb_per_s": round(gbps, 1), "run_kv_s": round(kv_s, 3),
-                                "best_fraction_of_workload_roofline": round(gemm_s / (gemm_s + kv_s), 3)}
+                                "best_fraction_of_workload_roofline": round(gemm_s / (gemm_s + kv_s), 3),
+                                "best_fraction_of_decode_roofline": round(best_tps * step_s / args.n, 3)}
     print(json.dumps(out, indent=1))
 
 
