@@ -58,12 +58,13 @@ def run(args, eager: bool) -> dict:
 
 
 def main() -> None:
+    from benchmarks.w_decode import add_model_arguments
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    add_model_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--worker", choices=["graphs", "eager"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

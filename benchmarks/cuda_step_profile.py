@@ -30,15 +30,14 @@ def _top(events, attr: str, k: int) -> list[dict]:
 def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.w_decode import DEFAULT_WORKLOAD, model_section, warm_engine
+    from benchmarks.w_decode import DEFAULT_WORKLOAD, add_model_arguments, model_section, warm_engine
     from batchinfer.engine.request import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    add_model_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--cuda-graphs", action="store_true", help="device.cuda_graphs")

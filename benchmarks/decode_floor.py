@@ -57,16 +57,6 @@ def load_probe():
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def lockstep_caches(arch, seqs: int, context: int, layers: int, block_size: int = 16):
-    """Per-layer (K, V) caches holding `seqs` sequences of `context` tokens, blocks interleaved as
-    a batch decoding in lockstep gets them from the allocator, and the block tables."""
-    per_seq = -(-context // block_size)
-    tables = torch.tensor([[b * seqs + i for b in range(per_seq)] for i in range(seqs)], dtype=torch.int32)
-    shape = (per_seq * seqs, arch.num_kv_heads, block_size, arch.head_dim)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
-    return caches, tables
-
-
 def workload_kv_bytes(prompt_lens: list[int], max_tokens: int, bytes_per_token: int) -> int:
     """K/V the decode steps read, all layers: decode step k (1 .. max_tokens - 1) of a request
     attends over its prompt and k generated tokens (w_decode.run_ours counts it the same way)."""
@@ -76,8 +66,9 @@ def workload_kv_bytes(prompt_lens: list[int], max_tokens: int, bytes_per_token: 
 
 def main() -> None:
     from benchmarks.gemm_roofline import RooflineSampler
+    from benchmarks.kv_dtype_attention import step_inputs
     from benchmarks.w_decode import DEFAULT_WORKLOAD, _prompts, kv_bytes_per_token
-    from batchinfer.engine.attention import AttentionMetadata, NativeCPUAttention
+    from batchinfer.engine.attention import NativeCPUAttention
     from batchinfer.engine.build import model_source
     from batchinfer.engine.config import ModelConfig
     from batchinfer.engine.kernels import load_native_kernels
@@ -102,12 +93,12 @@ def main() -> None:
     kv_bytes = workload_kv_bytes(prompt_lens, args.max_tokens, kv_bytes_per_token(arch, "float32"))
     # the mean context of a decode step over the run
     context = round(statistics.mean(prompt_lens) + args.max_tokens / 2)
-    caches, tables = lockstep_caches(arch, args.n, context, arch.num_layers)
+    # kv_dtype_attention's step: lockstep blocks, SmolLM2-135M's heads (9 query / 3 kv of 64)
+    q, caches, meta = step_inputs(context, args.n, arch.num_layers, dtypes={"float32": torch.float32})
+    caches, tables = caches["float32"], meta.block_tables
     keys, values = [k for k, _ in caches], [v for _, v in caches]
     group = arch.num_heads // arch.num_kv_heads
     step_bytes = 2 * arch.num_layers * args.n * context * arch.num_kv_heads * arch.head_dim * 4
-    meta = AttentionMetadata.build([1] * args.n, [context] * args.n, tables.tolist(), 16, torch.device("cpu"))
-    q = torch.randn(args.n, arch.num_heads, arch.head_dim)
     attention = NativeCPUAttention()
     roofline = RooflineSampler(arch, args.n)
     roofline.prefill_seconds(sum(prompt_lens))

@@ -23,14 +23,14 @@ from batchinfer.engine.kernels import load_native_kernels
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def step_inputs(context: int, seqs: int, layers: int, block_size: int = 16):
-    """Queries, per-layer caches of every dtype and the metadata of one decode step."""
+def step_inputs(context: int, seqs: int, layers: int, block_size: int = 16, dtypes: dict = DTYPES):
+    """Queries, per-layer caches of each of `dtypes` and the metadata of one decode step."""
     per_seq = -(-context // block_size)
     tables = [[b * seqs + i for b in range(per_seq)] for i in range(seqs)]  # lockstep layout
     meta = AttentionMetadata.build([1] * seqs, [context] * seqs, tables, block_size, torch.device("cpu"))
     shape = (per_seq * seqs, 3, block_size, 64)
     caches = {name: [(torch.randn(shape).to(dt), torch.randn(shape).to(dt)) for _ in range(layers)]
-              for name, dt in DTYPES.items()}
+              for name, dt in dtypes.items()}
     return torch.randn(seqs, 9, 64), caches, meta
 
 

@@ -163,6 +163,15 @@ def _ours_cmd(args, n: int) -> list[str]:
             *(["--model", str(args.model)] if args.model else [])]
 
 
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """--model and --load-format, the two options model_section reads (shared by the GPU
+    benchmarks)."""
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights from the model's config (same speed, any shape)")
+
+
 def model_section(args) -> dict:
     """The recipe's model section from --model / --load-format (shared by the GPU benchmarks)."""
     return {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
@@ -197,10 +206,7 @@ def main() -> None:
     ap.add_argument("--roofline-every", type=int, default=8,
                     help="time the roofline GEMMs after every this many engine steps (0: not at all)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--model", type=Path, default=None,
-                    help="a model directory (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                    help="dummy: random weights from the model's config (same speed, any shape)")
+    add_model_arguments(ap)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="CUDA: replay decode steps from CUDA graphs (device.cuda_graphs)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
