@@ -1,8 +1,11 @@
 """`batchinfer run RECIPE --input FILE`: the job."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -44,31 +47,56 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    setup_logging(verbose, quiet)
-    if progress not in ("auto", "bar", "lines", "off"):
-        raise fail(f"--progress {progress!r}: use auto, bar, lines or off")
-    from batchinfer.engine.job import JobSpec, default_output_dir, run_job
-    from batchinfer.engine.recipe import load_recipe
-    from batchinfer.engine.slurm import detect_shard, parse_shard
+    with _stop_on_signals():
+        setup_logging(verbose, quiet)
+        if progress not in ("auto", "bar", "lines", "off"):
+            raise fail(f"--progress {progress!r}: use auto, bar, lines or off")
+        from batchinfer.engine.job import JobSpec, default_output_dir, run_job
+        from batchinfer.engine.recipe import load_recipe
+        from batchinfer.engine.slurm import detect_shard, parse_shard
 
-    with user_errors():
-        parsed = load_recipe(recipe)
-        if not input.is_file():
-            raise fail(f"--input {input}: no such file")
-        the_shard = parse_shard(shard) if shard else detect_shard()
-        out_dir = output or (Path(parsed.io.output_dir) if parsed.io.output_dir
-                             else default_output_dir(str(recipe), input))
-        spec = JobSpec(recipe=parsed, input_path=input, output_dir=out_dir, recipe_path=str(recipe),
-                       resume=resume, limit=limit, shard=the_shard, progress=progress)
-        if dry_run:
-            _dry_run(spec)
-            return
-        outcome = run_job(spec)
-    _summary(outcome)
-    code = outcome.exit_code
-    if code == 0 and fail_on_errors and outcome.errors:
-        code = 1
-    raise typer.Exit(code)
+        with user_errors():
+            parsed = load_recipe(recipe)
+            if not input.is_file():
+                raise fail(f"--input {input}: no such file")
+            the_shard = parse_shard(shard) if shard else detect_shard()
+            out_dir = output or (Path(parsed.io.output_dir) if parsed.io.output_dir
+                                 else default_output_dir(str(recipe), input))
+            spec = JobSpec(recipe=parsed, input_path=input, output_dir=out_dir,
+                           recipe_path=str(recipe), resume=resume, limit=limit, shard=the_shard,
+                           progress=progress)
+            if dry_run:
+                _dry_run(spec)
+                return
+            outcome = run_job(spec)
+        _summary(outcome)
+        code = outcome.exit_code
+        if code == 0 and fail_on_errors and outcome.errors:
+            code = 1
+        raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Until the job installs its own handlers (and after it restores these): a signal ends the
+    command at once with 130 / 143; nothing has been written yet (or everything has)."""
+    from batchinfer.engine.stop_signals import exit_code_for, signal_name
+
+    def stop(signum, _frame):
+        typer.echo(f"stopped by {signal_name(signum)}", err=True)
+        raise SystemExit(exit_code_for(signum))   # not typer.Exit: no `except Exception` stops it
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in handled}
+    if threading.current_thread() is threading.main_thread():
+        for sig in handled:
+            signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
 
 def _dry_run(spec) -> None:

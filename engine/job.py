@@ -5,9 +5,11 @@
 
 At most `max_in_flight` requests are read but not yet written, so input of any length streams
 through bounded memory. Every few seconds a timeline sample goes to metrics.jsonl and report.json
-(+ report.md and the plots) is rewritten. SIGTERM / SIGINT stop the reading, drop the requests in
+(+ report.md and the plots) is rewritten. SIGTERM / SIGINT during setup (run directory, kernels,
+model, workers) stop it at once; during the loop they stop the reading, drop the requests in
 flight (they were never written, so a resume runs them), write a partial report and exit 143 / 130;
-a second signal exits at once (still safe: every written line is flushed).
+a second signal exits at once (still safe: every written line is flushed). A full disk or a
+file-size limit stops the job with exit 3 and leaves every file as it was before the failed write.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +36,13 @@ from .progress import Progress
 from .recipe import Recipe
 from .records import RequestPayload, error_record, input_error_record, output_record
 from .report import build_report, now_iso, render_markdown, session_brief
-from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir
+from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
+from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
 
 log = logging.getLogger("batchinfer")
 
 EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 ENGINE_INFO_KEYS = ("device", "dtype", "attention_backend", "kv_cache_bytes", "kv_block_size",
                     "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy",
                     "strategy", "step_times", "parallel", "strategy_stats", "seesaw",
@@ -90,7 +91,7 @@ class Job:
         self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
-        self.stop_signal: Optional[int] = None
+        self.signals = StopSignals()
         self.session_number = 1
         self.started_at = now_iso()
         self._t0 = time.perf_counter()
@@ -108,42 +109,54 @@ class Job:
     # --- entry point ------------------------------------------------------------------------------
     def run(self) -> JobOutcome:
         spec = self.spec
-        self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
-        restore = self._install_signal_handlers()
+        restore = self.signals.install()
         status, exit_code, message = "failed", EXIT_FAILED, ""
         try:
+            self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
             self._start_session()
             self._build_engine()
             self._sink = OrderedSink(self.recipe.io.output_order, self._write)
             self._progress = Progress(self._total, already_done=self.prior.num_outputs
                                       + self.prior.num_errors, mode=spec.progress,
                                       interval_s=self.recipe.report.progress_interval_seconds)
-            self._loop()
-            if self.stop_signal is not None:
-                status = "interrupted"
-                exit_code = EXIT_SIGINT if self.stop_signal == signal.SIGINT else EXIT_SIGTERM
-                message = f"stopped by {signal.Signals(self.stop_signal).name}; rerun to resume"
-            else:
+            self.signals.setting_up = False   # from here a signal stops the loop after its step
+            if self._loop():
                 status, exit_code = "completed", EXIT_OK
+            else:
+                status, message = "interrupted", f"stopped by {signal_name(self.signals.received)}"
+        except StopRequested as stop:
+            status, message = "interrupted", f"stopped by {signal_name(stop.signum)} during setup"
         except KeyboardInterrupt:
-            status, exit_code, message = "interrupted", EXIT_SIGINT, "interrupted; rerun to resume"
+            status, message = "interrupted", "interrupted"
+            self.signals.received = self.signals.received or signal.SIGINT
         except (Exception, SystemExit) as exc:
             if self.engine is None and _is_user_error(exc):
                 self._close(restore)
                 raise
-            log.exception("the run failed")
-            message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk, rerun " \
-                      "to resume"
+            if isinstance(exc, RunDirWriteError):
+                log.error("%s", exc)
+            else:
+                log.exception("the run failed")
+            message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk"
+        self.signals.setting_up = False
+        if self.signals.received is not None and status == "failed":
+            status = "interrupted"         # a failure the signal caused (e.g. a child it killed)
+        if status != "completed":
+            message += "; rerun to resume"
         if status == "completed" and self._progress is not None:
             self._progress.total = self._progress.done  # blank lines are not requests
-        self._finish(status, message)
+        if self.run_dir is not None:
+            self._finish(status, message)
         self._close(restore)
+        if self.signals.received is not None:
+            # a signal always answers 130 / 143, also one that came during the final report
+            exit_code = exit_code_for(self.signals.received)
         totals = self._totals()
-        return JobOutcome(status, exit_code, self.run_dir.path, totals["outputs"], totals["errors"],
+        path = self.run_dir.path if self.run_dir is not None else Path(spec.output_dir)
+        return JobOutcome(status, exit_code, path, totals["outputs"], totals["errors"],
                           self._session_summary(), message)
 
     def _close(self, restore: Callable[[], None]) -> None:
-        restore()
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
             try:
@@ -155,6 +168,7 @@ class Job:
             self._progress = None
         if self.run_dir is not None:
             self.run_dir.close()
+        restore()     # last: a signal while the workers stop is still this job's to answer
 
     # --- setup ------------------------------------------------------------------------------------
     def _start_session(self) -> None:
@@ -191,7 +205,7 @@ class Job:
 
     def _build_engine(self) -> None:
         t = time.perf_counter()
-        if self.stop_signal is None:
+        if self.signals.received is None:
             factory = self.spec.engine_factory
             if factory is None:
                 from .engine import Engine
@@ -215,11 +229,13 @@ class Job:
         return make_predictor(cfg, device=None if device == "auto" else device)
 
     # --- the loop ---------------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self) -> bool:
+        """Runs until the input is done (True) or a signal stops it (False)."""
         engine = self.engine
+        finished = False
         records = self.reader.records(self.prior.done_ids, self.prior.done_lines)
         exhausted = False
-        while self.stop_signal is None:
+        while self.signals.received is None:
             if not exhausted:
                 exhausted = self._fill(records)
             self.read_ahead.feed()
@@ -230,13 +246,15 @@ class Job:
                         self._sink.submit(copy.payload.order, ("output", copy))
                 self.metrics.on_steps(engine.drain_step_events())
             elif exhausted and not self.read_ahead.waiting:
+                finished = True
                 break
             self._tick()
         self.metrics.finished_t = self.clock()
-        if self.stop_signal is not None and engine is not None and engine.has_unfinished():
+        if self.signals.received is not None and engine is not None and engine.has_unfinished():
             dropped = engine.abort_all()
             log.warning("dropped %d requests in flight; they were not written and run again on "
                         "resume", len(dropped) + self.read_ahead.drop())
+        return finished
 
     def _fill(self, records) -> bool:
         """Reads records until max_in_flight (plus io.group_window when grouping) are pending;
@@ -250,7 +268,7 @@ class Job:
         batch: list = []
         exhausted = False
         try:
-            while self._sink.pending < limit and self.stop_signal is None:
+            while self._sink.pending < limit and self.signals.received is None:
                 item = next(records, None)
                 if item is None:
                     exhausted = True
@@ -345,14 +363,14 @@ class Job:
                               payload.max_tokens, payload.predicted_tokens,
                               prompts=self.recipe.predictor.history_prompts)
 
-    def _tick(self, force: bool = False) -> None:
+    def _tick(self, force: bool = False, report: bool = True) -> None:
         now = self.clock()
         stats = self.engine.stats() if self.engine is not None else None
         sample = self.metrics.sample(now, stats, force=force)
         if sample is not None:
             self.run_dir.write_metrics({"session": self.session_number, **sample})
         cfg = self.recipe.report
-        if force or now - self._last_report >= cfg.refresh_seconds:
+        if report and (force or now - self._last_report >= cfg.refresh_seconds):
             self._write_report("running")
 
     # --- reporting --------------------------------------------------------------------------------
@@ -387,7 +405,8 @@ class Job:
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 
-    def _write_report(self, status: str, detail: Optional[str] = None, final: bool = False) -> None:
+    def _write_report(self, status: str, detail: Optional[str] = None, final: bool = False,
+                      draw: bool = True) -> None:
         t = time.perf_counter()
         self._last_report = self.clock()
         session = self._session_summary()
@@ -399,7 +418,8 @@ class Job:
                               status_detail=detail)
         plots = None
         cfg = self.recipe.report
-        if cfg.plots and (final or self._last_report - self._last_plots >= cfg.plot_refresh_seconds):
+        if draw and cfg.plots and (final or self._last_report - self._last_plots
+                                   >= cfg.plot_refresh_seconds):
             self._last_plots = self._last_report
             try:
                 plots = render_plots(self.metrics.timeline, session["batch_size"]["histogram"])
@@ -438,35 +458,15 @@ class Job:
 
     def _finish(self, status: str, message: str) -> None:
         try:
-            self._tick(force=True)
-            self._write_report(status, message or None, final=True)
+            self._tick(force=True, report=False)
+            # after a signal the plots keep their last refresh: drawing takes seconds, and a
+            # signalled job must exit within a few
+            self._write_report(status, message or None, final=True,
+                               draw=self.signals.received is None)
+        except RunDirWriteError as exc:
+            log.error("could not write the final report: %s", exc)
         except Exception:
             log.exception("could not write the final report")
-
-    # --- signals ----------------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def handler(signum, _frame):
-            if self.stop_signal is not None:  # second signal: leave now
-                signal.signal(signum, signal.SIG_DFL)
-                if signum == signal.SIGINT:
-                    raise KeyboardInterrupt
-                os.kill(os.getpid(), signum)
-                return
-            self.stop_signal = signum
-            log.warning("%s received: stopping after the current step (send it again to exit "
-                        "at once)", signal.Signals(signum).name)
-
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore():
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-        return restore
 
 
 def _failed(out) -> bool:

@@ -12,12 +12,15 @@
 Crash safety: results are appended and flushed one by one, so after kill -9 the files hold every
 result written so far plus at most one torn last line, which `open_run_dir` cuts off. Resume then
 skips the ids in outputs.jsonl and the lines in errors.jsonl. Reports and plots are replaced
-atomically (write a temporary file in the directory, then rename), never half-written.
+atomically (write a temporary file in the directory, then rename), never half-written. A write
+that fails (disk full, file-size limit) is undone and raised as RunDirWriteError (exit 3): the
+files stay as they were, and the rerun completes once there is room.
 A lock file (flock, released by the kernel when the process dies) keeps two runs out of one directory.
 Under Slurm each task owns part-IIIII-of-NNNNN/ inside the run directory.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -31,7 +34,7 @@ from typing import Any, Iterator, Optional
 
 import jsonlines
 
-from .errors import ConfigError
+from .errors import BatchInferError, ConfigError
 from .id_set import IdSet
 from .inputs import Shard
 from .records import record_id
@@ -48,7 +51,27 @@ os.umask(_UMASK)
 
 
 class RunDirError(ConfigError):
-    """The run directory cannot be used as asked (locked, other layout, exists with --no-resume)."""
+    """The run directory cannot be used as asked (locked, other layout, exists with --no-resume,
+    not writable)."""
+
+
+class RunDirWriteError(BatchInferError):
+    """A write into the run directory failed (disk full, file-size limit, quota, I/O error).
+    The file it was writing is left as it was before that write."""
+
+    def __init__(self, path: Path, exc: OSError):
+        cause = _WRITE_FAILURES.get(exc.errno, exc.strerror or str(exc))
+        super().__init__(f"could not write {path}: {cause} (errno {exc.errno}); everything "
+                         "written before is intact; make room and rerun to resume")
+        self.errno = exc.errno
+
+
+_WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EFBIG: "the file-size limit was reached (ulimit -f)",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+}
 
 
 def part_name(shard: Shard) -> str:
@@ -164,8 +187,16 @@ class RunDir:
                               "with --resume to continue it, or pick another --output")
         lock_fd = None
         if not read_only:
-            path.mkdir(parents=True, exist_ok=True)
-            lock_fd = _lock(path)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                lock_fd = _lock(path)
+                _check_writable(path)
+            except OSError as exc:
+                if lock_fd is not None:
+                    os.close(lock_fd)
+                raise RunDirError(f"the run directory {path} cannot be written "
+                                  f"({exc.strerror or exc}); pick another --output (or "
+                                  "io.output_dir) or fix its permissions") from None
         run_dir = cls(root, path, shard, lock_fd)
         try:
             prior = run_dir._load_prior(repair=not read_only)
@@ -211,16 +242,40 @@ class RunDir:
         return writer
 
     def write_output(self, record: dict) -> None:
-        self._writer(OUTPUTS).write(record)
+        self._append(OUTPUTS, record)
 
     def write_error(self, record: dict) -> None:
-        self._writer(ERRORS).write(record)
+        self._append(ERRORS, record)
 
     def write_metrics(self, sample: dict) -> None:
-        self._writer(METRICS).write(sample)
+        self._append(METRICS, sample)
 
     def write_history(self, record: dict) -> None:
-        self._writer(HISTORY).write(record)
+        self._append(HISTORY, record)
+
+    def _append(self, name: str, record: dict) -> None:
+        """One line, flushed; a failed write is undone (the file cut back to its size before) and
+        raised as RunDirWriteError, so no torn or half-counted line stays behind."""
+        try:
+            writer = self._writer(name)
+        except OSError as exc:
+            raise RunDirWriteError(self.path / name, exc) from None
+        fh = self._files[name]
+        size = os.fstat(fh.fileno()).st_size   # flushed after every line: this is the boundary
+        try:
+            writer.write(record)
+        except OSError as exc:
+            self._writers.pop(name, None)
+            self._files.pop(name, None)
+            try:
+                fh.close()          # its flush may write part of the line: cut below
+            except (OSError, ValueError):
+                pass
+            try:
+                os.truncate(self.path / name, size)
+            except OSError:
+                pass
+            raise RunDirWriteError(self.path / name, exc) from None
 
     def sync(self) -> None:
         """fsync the result files: flushed lines survive a process crash, synced ones a power cut."""
@@ -238,18 +293,22 @@ class RunDir:
     def write_bytes(self, name: str, data: bytes) -> None:
         """Atomically replaces `name` (relative to this run dir)."""
         target = self.path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        tmp = None
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
             os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; reports are ordinary files
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except BaseException as exc:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            if isinstance(exc, OSError):
+                raise RunDirWriteError(target, exc) from None
             raise
 
     def write_json(self, name: str, obj: Any) -> None:
@@ -306,6 +365,13 @@ def _lock(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _check_writable(path: Path) -> None:
+    """Root passes permission checks, so try: a file that can be created and removed."""
+    fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _check_layout(root: Path, shard: Shard) -> None:

@@ -66,9 +66,14 @@ class VllmEngine:
         proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=engine_env(config), text=True,
                                 bufsize=1, start_new_session=True)
-        proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
-        proc.stdin.flush()
-        first = _read(proc, timeout=params.startup_timeout_seconds)
+        try:
+            proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
+            proc.stdin.flush()
+            first = _read(proc, timeout=params.startup_timeout_seconds)
+        except BaseException:   # a signal or the start-up bound: never leave vLLM running
+            proc.kill()
+            proc.wait()
+            raise
         if "ready" not in first:
             try:
                 proc.wait(timeout=30)

@@ -164,3 +164,53 @@ def test_error_records():
     assert openai["custom_id"] == "c1" and openai["response"] is None
     assert openai["error"] == {"code": "unsupported_url", "message": "no"}
     assert openai["line"] == 6
+
+
+# --- failed writes ----------------------------------------------------------------------------------
+FILL_UNDER_LIMIT = """
+import json, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # as the job does: EFBIG, not a kill
+from batchinfer.engine.run_dir import RunDir, RunDirWriteError
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+run_dir, _ = RunDir.open(sys.argv[1])
+written = 0
+try:
+    for i in range(10_000):
+        run_dir.write_output({"id": f"r{i}", "text": "x" * (37 + i % 50)})
+        written += 1
+except RunDirWriteError as exc:
+    print(json.dumps({"written": written, "error": str(exc), "errno": exc.errno}))
+try:
+    run_dir.write_report({"big": "y" * 2 * limit}, "md")
+except RunDirWriteError as exc:
+    print(json.dumps({"report_error": str(exc)}))
+run_dir.close()
+"""
+
+
+@pytest.mark.parametrize("limit", [3000, 4096, 7777])
+def test_a_write_past_the_file_size_limit_is_undone_and_named(tmp_path, limit):
+    import errno
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FILL_UNDER_LIMIT, str(tmp_path), str(limit)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = (json.loads(line) for line in out.stdout.splitlines())
+    assert first["errno"] == errno.EFBIG
+    assert "outputs.jsonl" in first["error"] and "file-size limit" in first["error"]
+    data = (tmp_path / OUTPUTS).read_bytes()
+    assert data.endswith(b"\n") and len(data) <= limit      # cut back to the last whole line
+    ids = [json.loads(line)["id"] for line in data.splitlines()]
+    assert ids == [f"r{i}" for i in range(first["written"])]
+    assert "report.json" in second["report_error"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report")]
+
+
+def test_a_run_directory_that_cannot_be_written_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match=r"a-file/run cannot be written.*--output"):
+        RunDir.open(blocker / "run")

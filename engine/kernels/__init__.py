@@ -1,19 +1,32 @@
 """Compiled CPU kernels, built on first use with torch's extension builder and cached.
 
-The build cache is keyed by the source, the compiler flags and this CPU's instruction-set flags,
-so a home directory shared between different machines (NFS on a cluster) never loads a binary
-built for another CPU. Any build failure falls back to the portable torch path with a warning.
+The cache key covers everything that changes the binary: the sources and headers, the compiler
+flags, this CPU's instruction-set flags, the torch build (version and install path), the Python
+build and the compiler. So a home directory shared between machines (NFS on a cluster) never
+loads a binary built for another CPU, and two Python environments never rebuild each other's
+entry. The build is crash-safe and shared (engine/setup_cache.py): a killed build never blocks a
+later run, concurrent first runs build once. It runs in a child process with a bound; a build
+failure falls back to the portable torch path with a warning, a build past its bound is an error.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
 from pathlib import Path
 from typing import Optional
 
-log = logging.getLogger(__name__)
+from ..setup_cache import SetupTimeout, build_once, cache_root, discard, timeout_scale
+
+log = logging.getLogger("batchinfer")
 _DIR = Path(__file__).parent
 # Two builds with different floating-point contracts:
 # - the model kernels may reassociate (-ffast-math vectorizes their reductions and exps);
@@ -29,25 +42,47 @@ _BUILDS = {
                  ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
                   "-fopenmp"]),
 }
+_LDFLAGS = ["-lm", "-fopenmp"]
+# One build takes about a minute on 2 cores; past this it is stuck (scaled by
+# BATCHINFER_SETUP_TIMEOUT_SCALE for slow shared file systems).
+BUILD_TIMEOUT_S = 900.0
+STOP_GRACE_S = 2.0
 _loaded: Optional[bool] = None
 
 
-def _cpu_fingerprint() -> str:
-    flags = ""
+def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+    return ""
 
 
-def cache_root() -> Path:
-    base = os.environ.get("BATCHINFER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchinfer")
-    return Path(base)
+def _compiler_identity() -> str:
+    """The C++ compiler torch's builder will run: its resolved path, size and mtime."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or os.environ.get("CXX", "c++")
+    try:
+        real = os.path.realpath(compiler)
+        stat = os.stat(real)
+        return f"{real}:{stat.st_size}:{int(stat.st_mtime)}"
+    except OSError:
+        return compiler
+
+
+def build_name(build: str, sources: list[Path], cflags: list[str]) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, os.path.dirname(torch.__file__), sys.version,
+                 sysconfig.get_paths()["include"], _compiler_identity(), platform.machine(),
+                 _cpu_flags(), " ".join(cflags), " ".join(_LDFLAGS)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    for path in sorted(sources) + sorted(_DIR.glob("*.h")):
+        digest.update(path.read_bytes())
+    return f"batchinfer_{build}_{digest.hexdigest()[:16]}"
 
 
 def load_native_kernels() -> bool:
@@ -59,25 +94,82 @@ def load_native_kernels() -> bool:
         _loaded = False
         return False
     import torch
-    from torch.utils.cpp_extension import load
 
     arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
-    root = cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}"
     try:
+        root = cache_root() / "kernels"
         for build, (sources, flags) in _BUILDS.items():
             cflags = [*flags, *arch_flags]
-            digest = hashlib.sha256(" ".join(cflags).encode())
-            for path in sorted(sources) + sorted(_DIR.glob("*.h")):
-                digest.update(path.read_bytes())
-            name = f"batchinfer_{build}_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
-            build_dir = root / name
-            build_dir.mkdir(parents=True, exist_ok=True)
-            load(name=name, sources=[str(p) for p in sources], extra_include_paths=[str(_DIR)],
-                 build_directory=str(build_dir), extra_cflags=cflags,
-                 extra_ldflags=["-lm", "-fopenmp"], is_python_module=False, verbose=False)
+            _load_library(root / build_name(build, sources, cflags), sources, cflags)
         _loaded = (hasattr(torch.ops.batchinfer, "paged_attention")
                    and hasattr(torch.ops.batchinfer, "sample_columns"))
+    except SetupTimeout:
+        raise
     except Exception as exc:  # compiler missing, headers missing, ...: portable path instead
         log.warning("native CPU kernels unavailable (%s); using the torch path", exc)
         _loaded = False
     return _loaded
+
+
+def _load_library(entry: Path, sources: list[Path], cflags: list[str]) -> None:
+    import torch
+
+    what = "building the CPU kernels"
+    wait_s = (BUILD_TIMEOUT_S + 60) * timeout_scale()
+    for attempt in (1, 2):
+        build_once(entry, lambda staging: _compile(entry.name, sources, cflags, staging),
+                   what=what, wait_timeout_s=wait_s,
+                   is_complete=lambda path: (path / f"{path.name}.so").is_file())
+        try:
+            torch.ops.load_library(str(entry / f"{entry.name}.so"))
+            return
+        except OSError as exc:  # a damaged entry: build it again, once
+            if attempt == 2:
+                raise
+            log.warning("the cached kernel library in %s does not load (%s); rebuilding it",
+                        entry, exc)
+            discard(entry, what, wait_s)
+
+
+def _compile(name: str, sources: list[Path], cflags: list[str], staging: Path) -> None:
+    """Runs compile.py in a session of its own, bounded; stops the whole build on any exit."""
+    bound = BUILD_TIMEOUT_S * timeout_scale()
+    log.warning("building the CPU kernels (%s): once per machine and Python environment, about a "
+                "minute on 2 cores", name.split("_")[1])
+    args = {"name": name, "sources": [str(p) for p in sources], "include": str(_DIR),
+            "cflags": cflags, "ldflags": _LDFLAGS, "build_dir": str(staging),
+            "parent_pid": os.getpid()}
+    log_path = staging / "build.log"
+    t0 = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(_DIR / "compile.py"), json.dumps(args)],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            raise SetupTimeout(f"building the CPU kernels took over {bound:.0f} s and was "
+                               f"stopped (log: {log_path}); rerun, or set "
+                               "BATCHINFER_NATIVE_KERNELS=0 to use the portable torch path") \
+                from None
+        finally:
+            if proc.poll() is None:
+                _stop_session(proc)
+    if code != 0:
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the kernel build failed (exit {code}):\n{tail}")
+    log.info("built the CPU kernels (%s) in %.0f s", name.split("_")[1], time.monotonic() - t0)
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """SIGTERM to the build's session (ninja stops its compilers), then SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue

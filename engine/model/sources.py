@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
 from ..errors import ModelLoadError
-from ..kernels import cache_root
+from ..setup_cache import SetupTimeout, build_once, cache_root, timeout_scale
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +57,28 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         raise ModelLoadError(f"{gguf_path}: not a GGUF file (it does not start with the GGUF magic "
                              "bytes); give a .gguf file or a Hugging Face model directory")
     target = cache_root() / "gguf" / _sha256(gguf_path)[:20]
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
-    log.info("de-quantizing %s into %s (once; later runs load the cache)", gguf_path, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    size_gib = gguf_path.stat().st_size / 2**30
     try:
-        _convert(gguf_path, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process finished first: use its result
-            shutil.rmtree(staging, ignore_errors=True)
-    except ModelLoadError:
-        shutil.rmtree(staging, ignore_errors=True)
+        return build_once(target, lambda staging: _convert_logged(gguf_path, staging, target),
+                          what=f"de-quantizing {gguf_path.name}",
+                          wait_timeout_s=(300 + 300 * size_gib) * timeout_scale(),
+                          is_complete=_is_converted)
+    except (ModelLoadError, SetupTimeout):
         raise
+    except OSError as exc:
+        raise ModelLoadError(f"{gguf_path}: could not write the de-quantized copy under "
+                             f"{target.parent}: {exc}") from exc
     except Exception as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         raise ModelLoadError(f"{gguf_path}: transformers could not de-quantize it: {exc}") from exc
-    return target
+
+
+def _is_converted(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+
+
+def _convert_logged(gguf_path: Path, staging: Path, target: Path) -> None:
+    log.warning("de-quantizing %s into %s (once; later runs load the cache)", gguf_path, target)
+    _convert(gguf_path, staging)
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

@@ -68,6 +68,13 @@ class WorkerPool:
         self.store = dist.TCPStore("127.0.0.1", 0, None, True,
                                    timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
+        try:
+            return self._start(target, specs, timeout_s, helpers)
+        except BaseException:   # a signal, a timeout, a failed rank: no process left behind
+            self.close(timeout_s=1.0)
+            raise
+
+    def _start(self, target, specs: list, timeout_s: float, helpers: tuple) -> list[dict]:
         ctx = mp.get_context("spawn")
         entries = [(target, spec) for spec in specs] + list(helpers)
         for entry_target, spec in entries:
@@ -168,7 +175,7 @@ class WorkerPool:
 
     # --- stop -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
-        """Asks every worker to stop, then terminates (and finally kills) the stragglers."""
+        """Asks every worker to stop, then kills the stragglers."""
         if self.closed:
             return
         self.closed = True
@@ -180,10 +187,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2.0)
+        for proc in self.procs:   # workers ignore SIGTERM (the controller's to answer)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2.0)

@@ -74,10 +74,13 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 
 
 def run_child(rank: int, conn, body) -> None:
-    """A spawned process's frame: dies with the controller, leaves SIGINT to it, and reports any
+    """A spawned process's frame: dies with the controller, leaves SIGINT / SIGTERM to it, and reports any
     exception (with its traceback) on the control pipe before exiting."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when to stop
+    # the controller decides when to stop: Ctrl-C and Slurm's SIGTERM reach the whole process
+    # group, and a worker that died of them would turn a clean stop into a failed run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         body()
     except (EOFError, BrokenPipeError):

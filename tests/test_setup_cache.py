@@ -1,0 +1,152 @@
+"""The build-once cache: staging + rename, a lock that dies with its holder, bounded waits."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine import setup_cache
+from batchinfer.engine.setup_cache import SetupTimeout, build_once, discard, lock_path
+
+HOLD_LOCK = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, f"pid {os.getpid()} on testhost\\n".encode(), 0)
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def _hold(lock: Path) -> subprocess.Popen:
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _writer(calls: list):
+    def build(staging: Path) -> None:
+        calls.append(staging)
+        (staging / "lib.so").write_text("built")
+    return build
+
+
+def test_builds_once_into_place_and_leaves_no_staging(tmp_path):
+    calls: list = []
+    target = tmp_path / "kernels" / "entry"
+    assert build_once(target, _writer(calls), what="building", wait_timeout_s=5) == target
+    assert build_once(target, _writer(calls), what="building", wait_timeout_s=5) == target
+    assert len(calls) == 1 and calls[0] != target
+    assert (target / "lib.so").read_text() == "built"
+    assert not list(target.parent.glob("entry.tmp-*"))
+
+
+def test_a_failed_build_leaves_nothing_and_the_next_one_runs(tmp_path):
+    target = tmp_path / "entry"
+
+    def broken(staging: Path) -> None:
+        (staging / "half.o").write_text("x")
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        build_once(target, broken, what="building", wait_timeout_s=5)
+    assert not target.exists() and not list(tmp_path.glob("entry.tmp-*"))
+    calls: list = []
+    build_once(target, _writer(calls), what="building", wait_timeout_s=5)
+    assert len(calls) == 1
+
+
+def test_leftovers_of_a_killed_builder_are_removed_and_redone(tmp_path):
+    target = tmp_path / "entry"
+    stale = tmp_path / "entry.tmp-killed"
+    stale.mkdir()
+    (stale / "half.o").write_text("x")
+    target.mkdir()                      # an entry without its library: not complete
+    calls: list = []
+    build_once(target, _writer(calls), what="building", wait_timeout_s=5,
+               is_complete=lambda p: (p / "lib.so").is_file())
+    assert len(calls) == 1 and not stale.exists() and (target / "lib.so").is_file()
+
+
+def test_a_waiter_gives_up_past_its_bound_naming_the_holder(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(setup_cache, "FIRST_NOTICE_S", 0.1)
+    target = tmp_path / "entry"
+    holder = _hold(lock_path(target))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SetupTimeout, match=rf"pid {holder.pid} on testhost.*building the "
+                                               r"CPU kernels.*BATCHINFER_CACHE"):
+            build_once(target, _writer([]), what="building the CPU kernels", wait_timeout_s=0.6)
+        assert 0.6 <= time.monotonic() - t0 < 5
+        assert f"waiting for another process (pid {holder.pid}" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_dies_with_its_holder(tmp_path):
+    target = tmp_path / "entry"
+    holder = _hold(lock_path(target))
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    calls: list = []
+    build_once(target, _writer(calls), what="building", wait_timeout_s=5)
+    assert len(calls) == 1
+
+
+def test_a_waiter_uses_what_the_holder_built(tmp_path):
+    target = tmp_path / "entry"
+    holder = _hold(lock_path(target))
+    try:
+        target.mkdir()                  # the holder's rename, as a waiter would see it
+        (target / "lib.so").write_text("theirs")
+        holder.kill()
+        calls: list = []
+        build_once(target, _writer(calls), what="building", wait_timeout_s=5,
+                   is_complete=lambda p: (p / "lib.so").is_file())
+        assert calls == [] and (target / "lib.so").read_text() == "theirs"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_discard_removes_a_broken_entry(tmp_path):
+    target = tmp_path / "entry"
+    build_once(target, _writer([]), what="building", wait_timeout_s=5)
+    discard(target, "building", 5)
+    assert not target.exists()
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_one(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("BATCHINFER_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(setup_cache, "_fallback_root", None)
+    root = setup_cache.cache_root()
+    try:
+        assert root.is_dir() and root != blocker / "cache"
+        assert os.environ["BATCHINFER_CACHE"] == str(root)   # spawned workers share it
+        assert "cannot be written" in caplog.text and "BATCHINFER_CACHE" in caplog.text
+        assert setup_cache.cache_root() == root
+    finally:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+        monkeypatch.setattr(setup_cache, "_fallback_root", None)
+
+
+def test_kernel_cache_key_separates_python_environments(monkeypatch):
+    from batchinfer.engine import kernels
+
+    sources, flags = kernels._BUILDS["sampling"]
+    here = kernels.build_name("sampling", sources, flags)
+    assert here == kernels.build_name("sampling", sources, flags)
+    monkeypatch.setattr(kernels.sysconfig, "get_paths", lambda: {"include": "/other/env/include"})
+    assert kernels.build_name("sampling", sources, flags) != here
