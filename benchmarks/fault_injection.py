@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,6 +84,9 @@ def main() -> None:
                     help="of the trials, how many start on an empty cache (a ~75 s kernel build "
                          "each on 2 cores)")
     ap.add_argument("--pipeline-every", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=40, help="requests per trial")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="trials at once (2 on 2 cores: also tests runs sharing a host)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--cache", type=Path, default=None,
                     help="the warm cache the trials share (default: a new one, built first)")
@@ -97,7 +101,7 @@ def main() -> None:
     if args.pipeline_every:
         durations["pipeline"] = calibrate(root / "calibrate-pipeline", warm, "pipeline")
     empty_at = set(rng.sample(range(args.trials), min(args.empty_cache_trials, args.trials)))
-    results = []
+    plans = []
     for index in range(args.trials):
         layout = ("pipeline" if args.pipeline_every and index % args.pipeline_every
                   == args.pipeline_every - 1 else "single")
@@ -110,21 +114,32 @@ def main() -> None:
             span = 100.0       # conversion + kernel build + the run
         trial = Trial(kind, delay_s=rng.uniform(0.0, span), layout=layout,
                       fsize=rng.randint(4096, 65536))
-        res = run_trial(trial, root / f"trial-{index:03d}", cache, rng)
+        plans.append((index, trial, cache, random.Random(args.seed * 100_003 + index)))
+
+    def run_one(plan) -> dict:
+        index, trial, cache, trial_rng = plan
+        res = run_trial(trial, root / f"trial-{index:03d}", cache, trial_rng,
+                        num_requests=args.requests)
         res.update(index=index, empty_cache=index in empty_at)
-        results.append(res)
-        print(json.dumps({"trial": index, "kind": kind, "layout": layout, "ok": res["ok"],
-                          "exit": res.get("exit"), "answer_s": res.get("answer_s"),
-                          "delay_s": res["delay_s"]}), file=sys.stderr, flush=True)
+        print(json.dumps({"trial": index, "kind": trial.kind, "layout": trial.layout,
+                          "ok": res["ok"], "exit": res.get("exit"),
+                          "answer_s": res.get("answer_s"), "delay_s": res["delay_s"]}),
+              file=sys.stderr, flush=True)
         if cache != warm:
             shutil.rmtree(cache, ignore_errors=True)
         if not args.keep and res["ok"]:
             shutil.rmtree(root / f"trial-{index:03d}", ignore_errors=True)
+        return res
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = list(pool.map(run_one, plans))
     answers = [r["answer_s"] for r in results if r.get("answer_s") is not None]
     summary = {
         "host": host_cpu(),
         "trials": len(results),
         "seed": args.seed,
+        "parallel": args.parallel,
+        "requests_per_trial": args.requests,
         "calibration_wall_s": {k: round(v, 2) for k, v in durations.items()},
         "by_kind": {kind: sum(1 for r in results if r["kind"] == kind) for kind, _ in KINDS},
         "pipeline_trials": sum(1 for r in results if r["layout"] == "pipeline"),

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def write_prompts(path: Path, n: int, rng: random.Random, bad_every: int = 0) ->
             lines.append('{"id": "broken-%d", ' % i)
             bad_lines.add(len(lines))
             continue
-        record = {"id": f"req-{i}", "prompt": f"Request {i}: " + "tell me more " * rng.randint(1, 30),
+        prompt = f"Request {i}: " + "tell me more " * rng.randint(1, 30)
+        record = {"id": f"req-{i}", "prompt": prompt,
                   "max_tokens": rng.randint(2, 40), "ignore_eos": True}
         lines.append(json.dumps(record))
         good.add(record["id"])
@@ -76,13 +78,21 @@ class Run:
 
 
 def start_run(recipe: Path, prompts: Path, out: Path, env: dict, *args: str,
-              preexec: Optional[Callable[[], None]] = None) -> Run:
+              fsize: Optional[int] = None) -> Run:
+    """Starts a run in a session of its own; `fsize`: its RLIMIT_FSIZE in bytes (through
+    prlimit where it exists: a preexec_fn is not safe while other threads run trials)."""
     folder = out.parent
     while not folder.is_dir():          # the output may sit under a file (a test of that)
         folder = folder.parent
     log_path = folder / f"{out.name}.log.{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", str(recipe), "--input", str(prompts),
            "--output", str(out), "--progress", "lines", *args]
+    preexec = None
+    if fsize is not None:
+        if shutil.which("prlimit"):
+            cmd = ["prlimit", f"--fsize={fsize}", *cmd]     # execs in place: the same pid
+        else:
+            preexec = file_size_limit(fsize)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -193,8 +203,8 @@ def run_trial(trial: Trial, work: Path, cache: Path, rng: random.Random,
     env = run_env(cache)
     res: dict = {"kind": trial.kind, "delay_s": round(trial.delay_s, 3), "layout": trial.layout,
                  "problems": []}
-    preexec = file_size_limit(trial.fsize) if trial.kind == "fsize" else None
-    run = start_run(recipe, prompts, out, env, preexec=preexec)
+    run = start_run(recipe, prompts, out, env,
+                    fsize=trial.fsize if trial.kind == "fsize" else None)
     if trial.kind == "fsize":
         code = wait(run, RUN_BOUND_S)
         res["exit"] = code

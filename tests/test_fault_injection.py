@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fault_harness import (SIGNAL_BOUND_S, SINGLE, Trial, exactly_once_problems,
-                                 file_size_limit, kill_group, run_env, run_trial, start_run, wait,
+                                 kill_group, run_env, run_trial, start_run, wait,
                                  wait_for_leftovers, write_prompts)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -109,8 +109,7 @@ def test_two_runs_racing_for_one_run_directory(tmp_path, job, warm_cache):
 def test_disk_full_stops_with_exit_3_and_the_rerun_completes(tmp_path, job, warm_cache):
     recipe, prompts, good, bad = job
     out = tmp_path / "run"
-    limited = start_run(recipe, prompts, out, run_env(warm_cache),
-                        preexec=file_size_limit(6000))
+    limited = start_run(recipe, prompts, out, run_env(warm_cache), fsize=6000)
     assert wait(limited, 120) == 3, limited.log()
     log = limited.log()
     assert "could not write" in log and "file-size limit was reached" in log, log
