@@ -154,6 +154,9 @@ def main() -> None:
         "signal_answer_s": {"median": round(statistics.median(answers), 3) if answers else None,
                             "max": max(answers) if answers else None},
         "signals_over_5s": sum(1 for a in answers if a > 5.0),
+        # SIGINT inside CPython's own start-up (before any batchinfer code runs) exits 1
+        "sigint_during_interpreter_start": sum(1 for r in results
+                                               if r.get("during_interpreter_start")),
         "fsize_exit_3": sum(1 for r in results if r["kind"] == "fsize" and r.get("exit") == 3),
         "failed_trials": [r for r in results if not r["ok"]],
         "wall_s": round(time.monotonic() - t_start, 1),

@@ -133,7 +133,7 @@ def leftovers(pgid: int, cache: Path) -> list[str]:
         state, group = fields[0], int(fields[2])
         if state == "Z":
             continue
-        if group == pgid or (str(cache) in cmd and group != os.getpgrp()):
+        if group == pgid or (f"{cache}{os.sep}" in cmd and group != os.getpgrp()):
             found.append(f"{entry.name}: {cmd[:120]}")
     return found
 
@@ -256,6 +256,11 @@ def _inject(trial: Trial, run: Run, res: dict) -> Optional[int]:
     if sig == signal.SIGKILL:
         return code
     res["answer_s"] = round(time.monotonic() - sent, 3)
+    if sig == signal.SIGINT and code == 1 and "init_import_site" in run.log():
+        # Ctrl-C while CPython itself starts (its `site` import, before any batchinfer code):
+        # CPython reports a fatal error and exits 1; nothing was written, the rerun is checked
+        res["during_interpreter_start"] = True
+        return code
     if code is None:
         res["problems"].append(f"no exit after {trial.kind}")
     elif code not in SIGNAL_CODES[sig] and code != 0:
