@@ -30,10 +30,11 @@ model:
 sampling: {max_tokens: 24, temperature: 0.8}
 memory: {kv_cache_memory: 16MiB}
 io: {max_in_flight: 24}
-report: {refresh_seconds: 0.5, plots: true, plot_refresh_seconds: 1, progress_interval_seconds: 1}
 """
-SINGLE = TINY_MODEL + "strategy: {name: baseline, max_num_seqs: 16}\n"
-PIPELINE = TINY_MODEL + "strategy: {name: baseline, max_num_seqs: 8}\nparallel: {pp: 2}\n"
+REPORT = ("report: {refresh_seconds: 0.5, plots: true, plot_refresh_seconds: 1, "
+          "progress_interval_seconds: 1}\n")
+SINGLE = TINY_MODEL + REPORT + "strategy: {name: baseline, max_num_seqs: 16}\n"
+PIPELINE = TINY_MODEL + REPORT + "strategy: {name: baseline, max_num_seqs: 8}\nparallel: {pp: 2}\n"
 RUN_BOUND_S = 300.0          # a run (first-run kernel build included) past this is a hang
 SIGNAL_BOUND_S = 5.0         # the issue's bound on answering SIGTERM / SIGINT
 SIGNAL_CODES = {signal.SIGTERM: (143, -signal.SIGTERM), signal.SIGINT: (130, -signal.SIGINT)}
@@ -46,8 +47,10 @@ def run_env(cache: Path, **extra) -> dict:
     return env
 
 
-def write_prompts(path: Path, n: int, rng: random.Random, bad_every: int = 0) -> tuple[set, set]:
-    """n requests of random lengths plus a malformed line every `bad_every`; -> (ids, bad lines)."""
+def write_prompts(path: Path, n: int, rng: random.Random, bad_every: int = 0,
+                  logprobs_every: int = 0) -> tuple[set, set]:
+    """n requests of random lengths (every `logprobs_every`-th asks for logprobs: long lines)
+    plus a malformed line every `bad_every`; -> (ids, bad line numbers)."""
     good, bad_lines, lines = set(), set(), []
     for i in range(n):
         if bad_every and i % bad_every == bad_every - 1:
@@ -57,6 +60,8 @@ def write_prompts(path: Path, n: int, rng: random.Random, bad_every: int = 0) ->
         prompt = f"Request {i}: " + "tell me more " * rng.randint(1, 30)
         record = {"id": f"req-{i}", "prompt": prompt,
                   "max_tokens": rng.randint(2, 40), "ignore_eos": True}
+        if logprobs_every and i % logprobs_every == 0:
+            record["logprobs"] = 5
         lines.append(json.dumps(record))
         good.add(record["id"])
     path.write_text("\n".join(lines) + "\n")

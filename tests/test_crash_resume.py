@@ -15,18 +15,10 @@ from pathlib import Path
 
 import pytest
 
-TINY_RECIPE = """
-model:
-  load_format: dummy
-  max_model_len: 256
-  hf_overrides: {num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128,
-                 num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}
-sampling: {max_tokens: 24, temperature: 0.8}
-strategy: {name: baseline, max_num_seqs: 16}
-memory: {kv_cache_memory: 16MiB}
-io: {max_in_flight: 24}
-report: {refresh_seconds: 0.5, plots: false, progress_interval_seconds: 1}
-"""
+from tests.fault_harness import TINY_MODEL, exactly_once_problems, read_records, write_prompts
+
+TINY_RECIPE = (TINY_MODEL + "strategy: {name: baseline, max_num_seqs: 16}\n"
+               "report: {refresh_seconds: 0.5, plots: false, progress_interval_seconds: 1}\n")
 
 
 def _env(**extra) -> dict:
@@ -58,12 +50,6 @@ def _wait_for_outputs(proc: subprocess.Popen, path: Path, at_least: int, timeout
         time.sleep(0.02)
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 @pytest.fixture()
 def recipe(tmp_path) -> Path:
     path = tmp_path / "tiny.yaml"
@@ -72,31 +58,11 @@ def recipe(tmp_path) -> Path:
 
 
 def _prompts(path: Path, n: int, rng: random.Random, bad_every: int = 0) -> tuple[set, set]:
-    """n requests of random lengths (some with logprobs: long lines), plus bad lines."""
-    good, bad_lines, lines = set(), set(), []
-    for i in range(n):
-        if bad_every and i % bad_every == bad_every - 1:
-            lines.append('{"id": "broken-%d", ' % i)
-            bad_lines.add(len(lines))
-            continue
-        record = {"id": f"req-{i}", "prompt": f"Request {i}: " + "tell me more " * rng.randint(1, 30),
-                  "max_tokens": rng.randint(2, 40), "ignore_eos": True}
-        if i % 5 == 0:
-            record["logprobs"] = 5
-        lines.append(json.dumps(record))
-        good.add(record["id"])
-    path.write_text("\n".join(lines) + "\n")
-    return good, bad_lines
+    return write_prompts(path, n, rng, bad_every=bad_every, logprobs_every=5)
 
 
 def _check_exactly_once(out: Path, good: set, bad_lines: set) -> None:
-    outputs = _records(out / "outputs.jsonl")          # every line parses: no torn line left
-    errors = _records(out / "errors.jsonl")
-    ids = [o["id"] for o in outputs]
-    assert len(ids) == len(set(ids)), "an id was written twice"
-    assert set(ids) == good, f"missing: {sorted(good - set(ids))[:5]}"
-    lines = [e["line"] for e in errors]
-    assert len(lines) == len(set(lines)) and set(lines) == bad_lines
+    assert exactly_once_problems(out, good, bad_lines) == []
 
 
 def test_kill_9_at_random_points_then_resume_exactly_once(tmp_path, recipe):
@@ -167,7 +133,7 @@ def test_signal_stops_cleanly_and_resumes(tmp_path, recipe, sig, code):
     assert "rerun to resume" in log
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "interrupted"
-    done = len(_records(out / "outputs.jsonl"))
+    done = len(read_records(out / "outputs.jsonl"))
     assert 10 <= done < len(good)
     assert report["totals"]["outputs"] == done
     proc = _start(recipe, prompts, out)
@@ -190,11 +156,11 @@ def test_slurm_tasks_shard_the_input_and_report_merges(tmp_path, recipe):
     assert parts == ["part-00000-of-00002", "part-00001-of-00002"]
     ids, lines = [], []
     for part in parts:
-        ids += [o["id"] for o in _records(out / part / "outputs.jsonl")]
-        lines += [e["line"] for e in _records(out / part / "errors.jsonl")]
+        ids += [o["id"] for o in read_records(out / part / "outputs.jsonl")]
+        lines += [e["line"] for e in read_records(out / part / "errors.jsonl")]
     assert sorted(ids) == sorted(good) and sorted(lines) == sorted(bad_lines)
     # each task took every other line of the input
-    first = {int(o["id"].split("-")[1]) % 2 for o in _records(out / parts[0] / "outputs.jsonl")}
+    first = {int(o["id"].split("-")[1]) % 2 for o in read_records(out / parts[0] / "outputs.jsonl")}
     assert first == {0}
     merged = subprocess.run([sys.executable, "-m", "batchinfer.cli", "report", str(out)],
                             env=_env(), capture_output=True, text=True, timeout=120)
