@@ -150,3 +150,25 @@ def test_kernel_cache_key_separates_python_environments(monkeypatch):
     assert here == kernels.build_name("sampling", sources, flags)
     monkeypatch.setattr(kernels.sysconfig, "get_paths", lambda: {"include": "/other/env/include"})
     assert kernels.build_name("sampling", sources, flags) != here
+
+
+def test_a_kernel_build_past_its_bound_is_stopped_and_named(tmp_path, monkeypatch):
+    from batchinfer.engine import kernels
+
+    monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1.0)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    sources, flags = kernels._BUILDS["sampling"]
+    with pytest.raises(SetupTimeout, match=r"took over 1 s and was stopped.*NATIVE_KERNELS=0"):
+        kernels._compile("batchinfer_sampling_bound", sources, flags, staging)
+    time.sleep(0.5)
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+             and str(staging).encode() in _cmdline(p)]
+    assert alive == []             # the child and anything it started are gone
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -148,10 +148,11 @@ def _compile(name: str, sources: list[Path], cflags: list[str], staging: Path) -
         try:
             code = proc.wait(timeout=bound)
         except subprocess.TimeoutExpired:
+            _stop_session(proc)
+            tail = log_path.read_text(errors="replace")[-1500:]   # the staging dir goes away
             raise SetupTimeout(f"building the CPU kernels took over {bound:.0f} s and was "
-                               f"stopped (log: {log_path}); rerun, or set "
-                               "BATCHINFER_NATIVE_KERNELS=0 to use the portable torch path") \
-                from None
+                               "stopped; rerun, or set BATCHINFER_NATIVE_KERNELS=0 to use the "
+                               f"portable torch path. The build's last output:\n{tail}") from None
         finally:
             if proc.poll() is None:
                 _stop_session(proc)
