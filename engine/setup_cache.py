@@ -37,6 +37,7 @@ FIRST_NOTICE_S = 1.0      # a wait longer than this is announced on stderr
 REPEAT_NOTICE_S = 30.0
 POLL_S = 0.1
 _fallback_root: Optional[Path] = None
+_writable_roots: set = set()
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -66,10 +67,11 @@ def cache_root() -> Path:
     written. The fallback goes into the environment so spawned workers share it."""
     global _fallback_root
     root = default_cache_root()
-    if _fallback_root is not None and root == _fallback_root:
+    if root in _writable_roots or (_fallback_root is not None and root == _fallback_root):
         return root
     problem = _unwritable(root)
     if problem is None:
+        _writable_roots.add(root)     # probed once per process, not on every call
         return root
     if _fallback_root is None:
         _fallback_root = Path(tempfile.mkdtemp(prefix="batchinfer-cache-"))
