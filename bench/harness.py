@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import yaml
 
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.recipe import load_recipe
+from batchinfer.runner.recipe import load_recipe
 
 METRICS = ("output_tok_per_s", "total_tok_per_s", "requests_per_s")
 

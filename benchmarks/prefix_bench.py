@@ -94,8 +94,8 @@ def make_workload(name: str, path: Path, seed: int = 0) -> Path:
 
 def run_ours(workload: Path, overrides: dict, out_dir: Path) -> dict:
     """One job, inside a fresh process (see --worker)."""
-    from batchinfer.engine.job import JobSpec, run_job
-    from batchinfer.engine.recipe import Recipe
+    from batchinfer.runner.job import JobSpec, run_job
+    from batchinfer.runner.recipe import Recipe
 
     recipe = Recipe(model={"max_model_len": 2048},
                     sampling={"temperature": 0.0, "ignore_eos": True},

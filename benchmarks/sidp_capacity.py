@@ -17,7 +17,7 @@ import json
 def main() -> None:
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
-    from batchinfer.strategies.sidp import SiDPParams
+    from batchinfer.strategies.sidp.params import SiDPParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratios", type=float, nargs="+", default=[1.5, 1.4])

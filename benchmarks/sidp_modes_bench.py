@@ -33,7 +33,7 @@ SITUATIONS = ("tail", "even")
 def _engine(strategy: dict):
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
-    from batchinfer.engine.recipe import strategy_class
+    from batchinfer.runner.recipe import strategy_class
 
     params = strategy_class(strategy["name"]).model_validate(strategy)
     return Engine.from_config(EngineConfig(

@@ -66,14 +66,14 @@ SCENARIOS = {
                     "pp4-sb": ("sb", 4), "pp4-hb": ("hb", 4), "tp2pp2-sb": ("sb", (2, 2)),
                     "tp2pp2-hb": ("hb", (2, 2))},
         "expect_best": "seesaw"},
-    "sipipe/qwen2.5-72b/8xH100": {
+    "strategies/sipipe/qwen2.5-72b/8xH100": {
         "hardware": "h100", "gpus": 8, "model": "qwen2.5-72b", "workload": "sharegpt",
         "sampling": PAPER_SAMPLING, "scheduler": {"max_num_seqs": 512},
         "overrides": {"sipipe": {"sampler_threads": 46}},
         "configs": {"sipipe": ("sipipe", (2, 4)), "vllm-pp4tp2-hb": ("hb", (2, 4)),
                     **{name: (name, (2, 4)) for name in SIPIPE_ABLATIONS}},
         "expect": ["sipipe", "vllm-pp4tp2-hb"]},
-    "sidp/qwen2.5-32b/8xH20": {
+    "strategies/sidp/qwen2.5-32b/8xH20": {
         "hardware": "h20", "gpus": 8, "model": "qwen2.5-32b", "workload": "sharegpt",
         "memory_utilization": 0.6, "output_scale": 4.0,
         "configs": {"sidp-dp8": ("sidp", (1, 1, 8)), "dp8-hb": ("hb", (1, 1, 8)),
@@ -92,7 +92,7 @@ STRATEGIES = {"tdpipe": {"name": "tdpipe"}, "gllm": {"name": "gllm"},
 def simulate_scenario(scenario: dict, rows: list[dict], tokenizer) -> dict:
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.errors import ConfigError
-    from batchinfer.engine.recipe import strategy_class
+    from batchinfer.runner.recipe import strategy_class
     from batchinfer.sim.hardware import RooflineCostModel, preset
     from batchinfer.sim.model_presets import model_preset
     from batchinfer.sim.simulator import SimRequest, simulate

@@ -13,7 +13,7 @@ tokens:
 - default: this engine's row sampler on CPU (the padded tokens copied from the arrays it keeps
   per request, engine/token_history.py; penalties on the seen tokens only and the fused row
   kernel: kernels/sampling.cpp);
-- column: SiPipe's column-wise replica (sipipe/column_sampler.py): logits arrive [V, B], the
+- column: SiPipe's column-wise replica (strategies/sipipe/column_sampler.py): logits arrive [V, B], the
   penalty buffers are updated with only the B new tokens, the column kernels run in place.
 The logits are fresh random numbers each step (a copy, outside the timing); the time of a step
 is everything from logits to tokens, including the bookkeeping each method needs for the next
@@ -68,8 +68,8 @@ def _row_method(seqs, native: bool, logits_steps, keep_state: bool = True) -> li
 
 
 def _column_method(seqs, native: bool, logits_steps, max_len: int) -> list[float]:
-    from batchinfer.sipipe.column_sampler import ColumnSampler
-    from batchinfer.sipipe.columns import ColumnAssigner, ColumnJoin
+    from batchinfer.strategies.sipipe.column_sampler import ColumnSampler
+    from batchinfer.strategies.sipipe.columns import ColumnAssigner, ColumnJoin
 
     batch = len(seqs)
     sampler = ColumnSampler(VOCAB, batch, max_len, (0,), native_kernels=native)

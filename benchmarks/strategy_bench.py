@@ -75,7 +75,7 @@ def engine_config(spec: dict, kv_tokens: int, workload: str = "sharegpt"):
     """The EngineConfig of a configuration: every one gets the same KV memory (a rank's budget is
     its share of the single process's bytes; each data-parallel replica gets the whole)."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.recipe import strategy_class
+    from batchinfer.runner.recipe import strategy_class
 
     strategy = strategy_class(spec["strategy"]["name"]).model_validate(spec["strategy"])
     model = spec.get("model", {})
@@ -93,7 +93,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
                workload: str = "sharegpt") -> dict:
     """One configuration, inside a fresh process."""
     from batchinfer.engine.engine import Engine
-    from batchinfer.engine.micro_batch_tokens import MicroBatchTokens
+    from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
 
     config = engine_config(spec, kv_tokens, workload)

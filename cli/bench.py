@@ -82,7 +82,7 @@ def _synthetic(recipe_path: Path, kind: str, output: Path, n: int, seed: int,
                input_len: Optional[int], output_len: Optional[int]) -> Path:
     from batchinfer.bench.workloads import make_workload
     from batchinfer.engine.build import model_source
-    from batchinfer.engine.recipe import load_recipe
+    from batchinfer.runner.recipe import load_recipe
 
     source = model_source(load_recipe(recipe_path).model)
     return make_workload(kind, output / f"{kind}-{n}-seed{seed}.jsonl", source.tokenizer, n, seed,

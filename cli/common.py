@@ -24,7 +24,7 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
-        from batchinfer.engine.progress import stderr_console
+        from batchinfer.runner.progress import stderr_console
 
         handler: logging.Handler = RichHandler(console=stderr_console(), show_path=False,
                                                rich_tracebacks=False)
@@ -49,7 +49,7 @@ def fail(message: str, code: int = 2) -> "typer.Exit":
 def user_errors() -> Iterator[None]:
     """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2."""
     from batchinfer.engine.errors import ConfigError, ModelLoadError
-    from batchinfer.engine.inputs import InputFileError
+    from batchinfer.runner.io.inputs import InputFileError
 
     try:
         yield

@@ -45,7 +45,7 @@ def profile(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
     setup_logging(quiet=True if as_json else quiet)
-    from batchinfer.engine.recipe import load_recipe
+    from batchinfer.runner.recipe import load_recipe
     from batchinfer.predictors import PredictorError
     from batchinfer.sim.planner import plan
 
@@ -83,7 +83,7 @@ class _progress:
         if not self.silent:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            from batchinfer.engine.progress import stderr_console
+            from batchinfer.runner.progress import stderr_console
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
                                 MofNCompleteColumn(), console=stderr_console(), transient=True)

@@ -23,7 +23,7 @@ def report(
     print_report: bool = typer.Option(True, "--print/--no-print", help="Print report.md."),
 ) -> None:
     setup_logging(quiet=True)
-    from batchinfer.engine.report_files import rerender
+    from batchinfer.runner.report.report_files import rerender
 
     if not run_dir.is_dir():
         raise fail(f"{run_dir}: no such directory")

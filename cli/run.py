@@ -51,9 +51,9 @@ def run(
         setup_logging(verbose, quiet)
         if progress not in ("auto", "bar", "lines", "off"):
             raise fail(f"--progress {progress!r}: use auto, bar, lines or off")
-        from batchinfer.engine.job import JobSpec, default_output_dir, run_job
-        from batchinfer.engine.recipe import load_recipe
-        from batchinfer.engine.slurm import detect_shard, parse_shard
+        from batchinfer.runner.job import JobSpec, default_output_dir, run_job
+        from batchinfer.runner.recipe import load_recipe
+        from batchinfer.runner.slurm import detect_shard, parse_shard
 
         with user_errors():
             parsed = load_recipe(recipe)
@@ -80,7 +80,7 @@ def run(
 def _stop_on_signals() -> Iterator[None]:
     """Until the job installs its own handlers (and after it restores these): a signal ends the
     command at once with 130 / 143; nothing has been written yet (or everything has)."""
-    from batchinfer.engine.stop_signals import exit_code_for, signal_name
+    from batchinfer.runner.stop_signals import exit_code_for, signal_name
 
     def stop(signum, _frame):
         typer.echo(f"stopped by {signal_name(signum)}", err=True)
@@ -102,9 +102,9 @@ def _stop_on_signals() -> Iterator[None]:
 def _dry_run(spec) -> None:
     from collections import Counter
 
-    from batchinfer.engine.input_records import InputError
-    from batchinfer.engine.inputs import InputReader
-    from batchinfer.engine.run_dir import RunDir
+    from batchinfer.runner.io.input_records import InputError
+    from batchinfer.runner.io.inputs import InputReader
+    from batchinfer.runner.run_dir import RunDir
 
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     run_dir.close()

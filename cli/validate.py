@@ -33,9 +33,9 @@ def validate(
 ) -> None:
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.engine.errors import RequestError
-    from batchinfer.engine.input_records import InputError
-    from batchinfer.engine.inputs import InputReader
-    from batchinfer.engine.recipe import load_recipe
+    from batchinfer.runner.io.input_records import InputError
+    from batchinfer.runner.io.inputs import InputReader
+    from batchinfer.runner.recipe import load_recipe
 
     with user_errors():
         parsed = load_recipe(recipe)
@@ -52,7 +52,8 @@ def validate(
             problem = {"line": item.line, "id": item.request_id, "code": item.code,
                        "message": item.message}
         elif tokenizer is not None:
-            from batchinfer.engine.admission import check_length, prompt_token_ids
+            from batchinfer.engine.admission import check_length
+            from batchinfer.runner.io.admission import prompt_token_ids
 
             try:
                 check_length(len(prompt_token_ids(item, tokenizer, parsed.io.chat_template)), max_len)

@@ -1,42 +1,13 @@
-"""A checked request spec -> prompt token ids (chat template applied) -> an engine Request.
+"""The engine's admission rule: a prompt must fit the model (length, token ids).
 
-Used by the job loop and by `batchinfer validate` (which has a tokenizer but no model). Problems
-are RequestErrors, so the caller turns them into error records and goes on.
+`batchinfer validate` applies check_length with a tokenizer but no model; the engine applies
+check_prompt when it admits a request. Problems are RequestErrors: the caller turns them into
+error records and goes on.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from .errors import RequestError
-from .input_records import RequestSpec
-from .records import RequestPayload
 from .request import Request
-
-
-def render_plain(messages: list[dict]) -> str:
-    """A conversation as plain text, for chat_template: never."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
-
-
-def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") -> list[int]:
-    """Tokens for `spec`: OpenAI token-id prompts as given, messages through the chat template
-    (unless chat_template is never), text prompts encoded (wrapped as a user turn when always)."""
-    try:
-        if isinstance(spec.prompt, list):
-            return list(spec.prompt)
-        if spec.messages is not None:
-            if chat_template == "never":
-                return tokenizer.encode(render_plain(spec.messages))
-            return tokenizer.apply_chat_template(spec.messages)
-        if chat_template == "always" and not spec.is_openai:
-            return tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}])
-        return tokenizer.encode(spec.prompt)
-    except RequestError:
-        raise
-    except Exception as exc:  # the tokenizer rejects the text (e.g. lone surrogates)
-        raise RequestError("tokenization_failed", f"the tokenizer could not encode the prompt: "
-                           f"{type(exc).__name__}: {exc}") from None
 
 
 def check_length(num_tokens: int, max_model_len: int) -> None:
@@ -56,12 +27,3 @@ def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
         raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
-
-
-def build_request(spec: RequestSpec, tokenizer, order: int, chat_template: str = "auto",
-                  tokens: Optional[list[int]] = None) -> Request:
-    ids = tokens if tokens is not None else prompt_token_ids(spec, tokenizer, chat_template)
-    prompt = spec.prompt if isinstance(spec.prompt, str) else None
-    return Request(request_id=spec.request_id, prompt_token_ids=ids, sampling=spec.sampling,
-                   prompt=prompt, arrival_index=order,
-                   payload=RequestPayload.from_spec(spec, order))

@@ -256,23 +256,13 @@ class Engine:
             "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode,
             "forward_s": round(result.forward_s, 6), "sample_s": round(result.sample_s, 6),
             "kv_usage": round(scheduler.block_manager.usage(), 4),
-            "num_waiting": getattr(scheduler, "num_waiting", 0),
-            "num_running": getattr(scheduler, "num_running", 0),
+            "num_waiting": scheduler.num_waiting,
+            "num_running": scheduler.num_running,
+            **scheduler.step_stats(), **rep.executor.step_stats(),
         }
         if len(self.replicas) > 1:
             event["replica"] = replica_index
-        predicted = getattr(scheduler, "predicted_kv_usage", None)
-        if predicted is not None:
-            event["kv_predicted"] = round(predicted, 4)
-        mode = getattr(rep.executor, "last_mode", None)
-        if mode is not None:     # how the step ran (SiDP: WaS or CaS, paper Fig. 15)
-            event["mode"] = mode
-        store = getattr(scheduler, "store_kv_usage", None)
-        if store is not None:
-            event["kv_store_usage"] = round(store, 4)
-            event["layout"] = scheduler.layout
-        drain = getattr(scheduler, "drain_decisions", None)
-        decisions = drain() if drain is not None else None
+        decisions = scheduler.drain_decisions()
         if decisions:
             event["decisions"] = decisions
         self._events.append(event)
@@ -284,20 +274,15 @@ class Engine:
     def timeline(self, last: Optional[int] = None) -> list[dict]:
         """Per-rank forward / send / receive intervals, oldest first (multi-process executors;
         else empty). `last`: only the most recent events."""
-        source = getattr(self.replicas[0].executor, "timeline", None)
-        return source(last) if source is not None else []
+        return self.replicas[0].executor.timeline(last)
 
     def stats(self) -> dict:
         managers = [rep.scheduler.block_manager for rep in self.replicas]
         capacity = sum(bm.capacity_tokens for bm in managers)
         used = sum(bm.usage() * bm.capacity_tokens for bm in managers)
-        summary = getattr(self.replicas[0].executor, "pipeline_summary", None)
-        pipeline = summary() if summary is not None else None
-        strategy_stats: dict = {}
-        for part in (self.replicas[0].scheduler, self.replicas[0].executor):
-            summary_of = getattr(part, "strategy_summary", None)
-            if summary_of is not None:
-                strategy_stats.update(summary_of())
+        pipeline = self.replicas[0].executor.pipeline_summary()
+        strategy_stats = {**self.replicas[0].scheduler.strategy_summary(),
+                          **self.replicas[0].executor.strategy_summary()}
         return {
             **self._counters,
             **({"pipeline": pipeline} if pipeline else {}),
@@ -322,29 +307,21 @@ def _prefix_cache_stats(managers: list) -> dict:
                              "hit_rate": round(hit / queried, 4) if queried else None}}
 
 
-# --- optional capabilities: a scheduler that moves KV between tiers or switches layouts (Seesaw)
-# hands the executor actions and hears back which copies finished; executors that send the
-# replicas' micro-batches together (SiDP) hear when a step's scheduling is done -----------------
 def _run_actions(rep: Replica) -> None:
-    take = getattr(rep.scheduler, "take_actions", None)
-    actions = take() if take is not None else None
+    """KV copies between tiers and layout switches the scheduler decided go to the executor."""
+    actions = rep.scheduler.take_actions()
     if actions:
         rep.executor.run_actions(actions)
 
 
 def _flush_submissions(replicas: list[Replica]) -> None:
-    """An executor that sends the replicas' micro-batches together (SiDP's CaS rounds) hears
-    when every replica has been offered work this step."""
     for rep in replicas:
-        flush = getattr(rep.executor, "flush_submissions", None)
-        if flush is not None:
-            flush()
+        rep.executor.flush_submissions()
 
 
 def _pending_transfers(rep: Replica) -> int:
-    return getattr(rep.executor, "num_pending_transfers", 0)
+    return rep.executor.num_pending_transfers
 
 
 def _transfers_ready(rep: Replica) -> bool:
-    ready = getattr(rep.executor, "transfers_ready", None)
-    return ready is not None and ready()
+    return rep.executor.transfers_ready()

@@ -6,17 +6,15 @@ and hands back those tokens. `submit` starts a micro-batch, `collect` returns th
 one: the in-process executor runs it inside `submit` (one in flight); the multi-process one
 (engine/runtime/) keeps up to `max_in_flight` micro-batches in its pipeline.
 
-Optional, for a scheduler that moves KV between tiers or switches layouts (Seesaw's
-resharding/executor.py): `run_actions(actions)` carries out what the scheduler's `take_actions()`
-decided, `num_pending_transfers` / `transfers_ready()` / `take_done_transfers()` report the copies,
-which the engine hands to the scheduler's `on_transfers_done()`.
+The Executor base class declares every capability the engine calls; its defaults mean "none"
+(no timeline, no KV copies, nothing to flush), so the engine never asks which executor it holds.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
@@ -40,17 +38,69 @@ class StepResult:
     events: list[dict] = field(default_factory=list)
 
 
-class Executor(Protocol):
-    max_in_flight: int
+class Executor:
+    """The Executor seam: where micro-batches run. Subclasses implement the first block."""
+
+    max_in_flight: int = 1
 
     @property
-    def num_in_flight(self) -> int: ...
-    def submit(self, batch: MicroBatch) -> None: ...
-    def collect(self) -> tuple[MicroBatch, StepResult]: ...
-    def ready(self) -> bool: ...
-    def wait(self) -> None: ...
-    def release(self, request_id: str) -> None: ...
-    def close(self) -> None: ...
+    def num_in_flight(self) -> int:
+        raise NotImplementedError
+
+    def submit(self, batch: MicroBatch) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> tuple[MicroBatch, StepResult]:
+        """The next finished micro-batch and its sampled tokens (only when ready())."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Block until something may have finished (a result, a copy)."""
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """The request finished: drop what the executor keeps for it."""
+
+    def close(self) -> None:
+        pass
+
+    # --- what the report shows -------------------------------------------------------------------
+    def step_stats(self) -> dict:
+        """Values of the last collected micro-batch for its step event (e.g. the mode it ran in)."""
+        return {}
+
+    def strategy_summary(self) -> dict:
+        return {}
+
+    def pipeline_summary(self) -> Optional[dict]:
+        """Per-rank busy time and bubbles (multi-process executors); None: not measured."""
+        return None
+
+    def timeline(self, last: Optional[int] = None) -> list[dict]:
+        """Per-rank forward / send / receive intervals, oldest first; `last`: the most recent."""
+        return []
+
+    # --- scheduler actions (KV copies between tiers, layout switches) --------------------------
+    def run_actions(self, actions: list) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot carry out scheduler actions "
+                                  f"({type(actions[0]).__name__})")
+
+    @property
+    def num_pending_transfers(self) -> int:
+        return 0
+
+    def transfers_ready(self) -> bool:
+        return False
+
+    def take_done_transfers(self) -> list:
+        return []
+
+    def flush_submissions(self) -> None:
+        """Every replica has been offered work this step (an executor that sends the replicas'
+        micro-batches together hears it here)."""
 
 
 def sample_tokens(model: CausalLM, sampler: Sampler, hidden: torch.Tensor,
@@ -68,7 +118,7 @@ def sample_tokens(model: CausalLM, sampler: Sampler, hidden: torch.Tensor,
     return tokens, logprobs
 
 
-class InProcessExecutor:
+class InProcessExecutor(Executor):
     """Runs the whole model in this process (single device)."""
 
     max_in_flight = 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional
 
 from .kv_cache import BlockManager
 from .request import Sequence, SequenceStatus
@@ -65,18 +65,74 @@ class MicroBatch:
         return len(self.items)
 
 
-class Scheduler(Protocol):
+class Scheduler:
+    """The Scheduler seam: what runs next, as pure Python over engine state (no torch, no I/O), so
+    the same object runs in the real engine, in the simulator and in unit tests.
+
+    A scheduler implements the first five methods. The rest are capabilities the engine always
+    calls, whose defaults mean "none": a strategy overrides what it has (its step statistics, its
+    decisions, KV moves between tiers) and the engine never asks which scheduler it holds."""
+
     block_manager: BlockManager
-    num_preemptions: int
+    num_preemptions: int = 0
 
-    def add(self, seq: Sequence) -> None: ...
-    def schedule(self) -> list[MicroBatch]: ...
-    def on_result(self, batch: MicroBatch) -> None: ...
-    def has_unfinished(self) -> bool: ...
-    def abort_all(self) -> list[Sequence]: ...
+    def add(self, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def schedule(self) -> list[MicroBatch]:
+        raise NotImplementedError
+
+    def on_result(self, batch: MicroBatch) -> None:
+        raise NotImplementedError
+
+    def has_unfinished(self) -> bool:
+        raise NotImplementedError
+
+    def abort_all(self) -> list[Sequence]:
+        raise NotImplementedError
+
+    # --- load, by which the engine feeds data-parallel replicas from its shared queue ----------
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return 0
+
+    @property
+    def feed_tokens(self) -> int:
+        """Waiting prompt tokens below which this replica takes more from the shared queue."""
+        return 0
+
+    # --- what the report shows -------------------------------------------------------------------
+    def step_stats(self) -> dict:
+        """Values of this step for the step event (the report's timeline and plots render any
+        key they know: kv_predicted, kv_store_usage, layout, ...)."""
+        return {}
+
+    def drain_decisions(self) -> list[dict]:
+        """Decisions taken since the last call (phase switches, budgets), for the step event."""
+        return []
+
+    def strategy_summary(self) -> dict:
+        """Totals of the strategy's own for the report's strategy_stats."""
+        return {}
+
+    # --- KV moves between tiers and layout switches (carried out by the executor) -------------
+    def take_actions(self) -> list:
+        """Actions for the executor's run_actions() before the next micro-batches."""
+        return []
+
+    def on_transfers_done(self, done: list) -> None:
+        """The executor's finished copies (its take_done_transfers())."""
 
 
-class BatchingScheduler:
+class BatchingScheduler(Scheduler):
     """Queues, admission and preemption shared by the baseline policies."""
 
     # prefix caching: the head of the queue waits for a shared prefix another sequence is
@@ -303,7 +359,7 @@ def phase_of(items: list[ScheduledSeq]) -> str:
     return "mixed"
 
 
-class VirtualEngines:
+class VirtualEngines(Scheduler):
     """Pipeline-parallel baseline as vLLM runs it: `pp` independent schedulers ("virtual engines")
     over one block manager. A new request joins the one with the fewest unfinished sequences;
     micro-batches come from them in turn, each only when its previous micro-batch is back, so

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from batchinfer.engine.executor import StepResult
+from batchinfer.engine.executor import Executor, StepResult
 from batchinfer.engine.scheduler import MicroBatch
 
 from .cost_model import BatchShape, CostModel
@@ -53,7 +53,7 @@ class _InFlight:
     sample_s: float
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
                  tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
                  cpu_samplers: int = 0, structure_aware: bool = True, token_safe: bool = False,

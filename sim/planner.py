@@ -90,7 +90,7 @@ class PlanResult:
 
 def winning_recipe(recipe, best: Candidate, note: str) -> str:
     """The recipe with the winner's strategy and layout, as YAML (checked by the recipe parser)."""
-    from batchinfer.engine.recipe import parse_recipe
+    from batchinfer.runner.recipe import parse_recipe
 
     data = yaml.safe_load(recipe.to_yaml())
     data["strategy"] = dict(best.strategy)

@@ -19,11 +19,10 @@ from typing import Callable, Optional
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.shard import check_tensor_parallel
-from batchinfer.engine.recipe import StrategyParams, strategy_class
+from batchinfer.runner.recipe import strategy_class
+from batchinfer.strategies import STRATEGIES, StrategyParams
 
 from .simulator import SimRequest, SimResult, simulate
-
-PIPELINE_ONLY = ("tdpipe", "gllm", "sipipe")
 
 
 @dataclass
@@ -67,13 +66,7 @@ def layouts(devices: int, arch, include_single: bool = False) -> list[tuple[int,
 def strategy_candidates(recipe_strategy: StrategyParams) -> list[tuple[str, dict]]:
     """(label, strategy parameters) with the recipe's batching knobs."""
     knobs = recipe_strategy.scheduler_config()
-    batching = {"max_num_seqs": knobs.max_num_seqs,
-                "max_num_batched_tokens": knobs.max_num_batched_tokens}
-    out = [("baseline-sb", {"name": "baseline", "policy": "sb", **batching}),
-           ("baseline-hb", {"name": "baseline", "policy": "hb", **batching}),
-           ("tdpipe", {"name": "tdpipe", **batching}),
-           ("gllm", {"name": "gllm", "max_num_seqs": knobs.max_num_seqs}),
-           ("sidp", {"name": "sidp", "policy": "hb", **batching})]
+    out = [pair for cls in STRATEGIES.values() for pair in cls.search_params(knobs)]
     own = recipe_strategy.model_dump(mode="json")
     known = [strategy_class(s["name"]).model_validate(s).model_dump(mode="json") for _, s in out]
     if own not in known and recipe_strategy.simulated:
@@ -86,9 +79,7 @@ def candidates(recipe_strategy: StrategyParams, arch, devices: int,
     out = []
     for label, strategy in strategy_candidates(recipe_strategy):
         for tp, pp, dp in layouts(devices, arch, include_single):
-            if strategy["name"] in PIPELINE_ONLY and pp < 2:
-                continue
-            if strategy["name"] == "sidp" and not (tp == 1 and pp == 1 and dp >= 2):
+            if not strategy_class(strategy["name"]).applies_to(tp, pp, dp):
                 continue
             out.append(Candidate(label, strategy, tp, pp, dp))
     return out

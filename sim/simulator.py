@@ -7,7 +7,7 @@ executors that advance a virtual clock by a cost model.
 are (prompt tokens, output tokens, predicted output tokens) triples. The engine is the one
 `batchinfer run` drives: the same data-parallel feeding, the same pipeline filling, the strategy's
 own Scheduler objects over real block managers sized as the engine sizes them, and the strategy's
-`prepare` (TD-Pipe profiles its step-time table on the simulated executor, in virtual time).
+`prepare` (e.g. a step-time table profiled on the simulated executor, in virtual time).
 Nothing reads the wall clock, so a simulation is deterministic.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.recipe import StrategyParams
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.runtime.build import num_kv_blocks
 from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
@@ -98,49 +97,71 @@ def check_kv_capacity(tokens: int, layout: ParallelLayout, max_model_len: int) -
                           f"max_model_len ({max_model_len})")
 
 
-OWN_EXECUTORS = ("seesaw", "sipipe", "sidp")   # strategies whose executor the simulator models
+@dataclass
+class SimSetup:
+    """What a strategy's simulator model gets (StrategyParams.simulated_replicas): the engine
+    config, the model, the cost model, the shared virtual clock, the layout, and `info` for what
+    the simulated engine should report."""
+
+    config: EngineConfig
+    arch: ModelArch
+    cost: CostModel
+    clock: VirtualClock
+    layout: ParallelLayout
+    dtype_bytes: int
+    max_model_len: int
+    threads: int
+    info: dict
+
+    def plain_kv_blocks(self) -> int:
+        """Blocks per replica the standard engine would have (no capacity check)."""
+        return num_kv_blocks(self.config, self.layout, self.arch, cost_device(self.cost),
+                             self.dtype_bytes, self.cost.memory_bytes)
 
 
 def check_simulated(config: EngineConfig) -> None:
-    """A strategy that builds its own engine (its own executor: Seesaw, SiPipe, SiDP) needs a
-    simulated executor of its own; the others run on SimulatedExecutor."""
+    """A strategy that builds its own engine needs a simulator model of its own (its replicas,
+    or the options of the standard simulated executor); an external engine has none."""
     strategy = config.strategy
-    if strategy is not None and strategy.name not in OWN_EXECUTORS and \
-            type(strategy).build_engine is not StrategyParams.build_engine:
-        raise ConfigError(f"strategy {strategy.name!r} is not simulated yet; simulated: baseline, "
-                          "tdpipe, gllm, seesaw, sipipe, sidp")
+    if strategy is not None and not is_simulated(type(strategy)):
+        from batchinfer.strategies import STRATEGIES
+
+        known = ", ".join(name for name, cls in STRATEGIES.items() if is_simulated(cls))
+        raise ConfigError(f"strategy {strategy.name!r} is not simulated; simulated: {known}")
+
+
+def is_simulated(cls) -> bool:
+    from batchinfer.strategies.base import StrategyParams
+
+    def overrides(name: str) -> bool:
+        return getattr(cls, name) is not getattr(StrategyParams, name)
+
+    own_engine = overrides("build_engine")
+    return cls.simulated and (not own_engine or overrides("simulated_replicas")
+                              or overrides("simulated_executor_options"))
 
 
 def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max_model_len: int,
                      dtype_bytes: int, cores: int = 1, model_id: str = "simulated") -> Engine:
-    """An Engine whose replicas run on simulated executors (one virtual clock for all)."""
+    """An Engine whose replicas run on simulated executors (one virtual clock for all): the
+    strategy's own simulator model where it has one, else the standard simulated pipeline."""
     check_simulated(config)
     layout = ParallelLayout.resolve(config.parallel, arch)
     threads = threads_per_rank(config.parallel, layout.world_size, cores)
     clock = VirtualClock()
-    replicas = []
-    info = {}
-    name = config.strategy.name if config.strategy is not None else None
-    if name == "seesaw":
-        from .seesaw_sim import seesaw_replica
-
-        replicas.append(seesaw_replica(config, config.strategy, arch, cost, clock, dtype_bytes,
-                                       max_model_len, threads))
-    elif name == "sidp":
-        from .sidp_sim import sidp_replicas
-
-        plain = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
-                              cost.memory_bytes)
-        replicas, info["sidp"] = sidp_replicas(config, config.strategy, arch, cost, clock, layout,
-                                               dtype_bytes, max_model_len, threads, plain)
-    else:
+    info: dict = {}
+    setup = SimSetup(config, arch, cost, clock, layout, dtype_bytes, max_model_len, threads, info)
+    strategy = config.strategy
+    replicas = strategy.simulated_replicas(setup) if strategy is not None else None
+    if replicas is None:
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
-        sipipe = _sipipe_options(config.strategy, layout)
+        options = strategy.simulated_executor_options(layout) if strategy is not None else {}
+        replicas = []
         for index in range(layout.dp):
             block_manager = BlockManager(num_blocks, config.cache.block_size)
             scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
-                                         threads, index, **sipipe)
+                                         threads, index, **options)
             replicas.append(Replica(scheduler, executor))
     info.update({"vocab_size": arch.vocab_size, "simulated": True,
             "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
@@ -153,19 +174,6 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         with _quiet("batchinfer"):      # its startup log speaks of wall time; this is virtual
             config.strategy.prepare(engine)
     return engine
-
-
-def _sipipe_options(strategy, layout: ParallelLayout) -> dict:
-    """SiPipe's executor switches: p CPU samplers of sampler_threads cores each (one per
-    pipeline stage, as sipipe/build.py starts them), structure-aware hand-offs and token-safe
-    input preparation (priced where the cost model separates input preparation from the
-    forward: the GPU presets; a measured CPU profile has it inside the forward)."""
-    if strategy is None or strategy.name != "sipipe":
-        return {}
-    return {"cpu_samplers": layout.pp if strategy.cpu_sampling else 0,
-            "sampler_threads": strategy.sampler_threads,
-            "structure_aware": strategy.structure_aware_transmission,
-            "token_safe": strategy.token_safe_execution}
 
 
 @contextlib.contextmanager

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchinfer.engine.admission import build_request, prompt_token_ids
+from batchinfer.runner.io.admission import build_request, prompt_token_ids
 from batchinfer.engine.errors import RequestError
-from batchinfer.engine.input_records import InputError
-from batchinfer.engine.inputs import InputReader
+from batchinfer.runner.io.input_records import InputError
+from batchinfer.runner.io.inputs import InputReader
 from batchinfer.predictors.history import spec_text
 
 from .simulator import SimRequest
@@ -71,7 +71,7 @@ def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
             skipped[exc.code] = skipped.get(exc.code, 0) + 1
             continue
         request = build_request(item, tokenizer, len(requests), tokens=tokens)
-        # the text a predictor reads, as the job gives it (engine/job.py)
+        # the text a predictor reads, as the job gives it (runner/job.py)
         request.payload.prompt_text = spec_text(item.prompt, item.messages, tokens, tokenizer)
         requests.append(request)
     if history:

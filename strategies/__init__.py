@@ -1,5 +1,6 @@
-"""Strategies: each module registers its recipe parameters (engine/recipe.py's registry), which
-build each replica's Scheduler and prepare the engine.
+"""Strategies: each folder registers its recipe parameters (strategies/base.py's registry), which
+build each replica's Scheduler and, where the strategy needs them, its own engine, executor,
+worker extension and simulator model.
 
     baseline   engine/scheduler.py (SB / HB, vLLM-style virtual engines under PP)
     tdpipe     temporally-disaggregated pipeline parallelism (TD-Pipe)
@@ -8,7 +9,15 @@ build each replica's Scheduler and prepare the engine.
     sipipe     CPU sampling, token-safe execution, structure-aware transmission (SiPipe)
     sidp       data-parallel replicas sharing FFN weights: Weight as a Service (SiDP)
     vllm       the same job computed by an installed vLLM (a peer to compare against)
-"""
-from . import gllm, seesaw, sidp, sipipe, tdpipe, vllm_backend  # noqa: F401
 
-__all__ = ["gllm", "seesaw", "sidp", "sipipe", "tdpipe", "vllm_backend"]
+A new strategy: its folder, and one line below.
+"""
+from .base import STRATEGIES, BaselineStrategy, StrategyParams, register_strategy  # noqa: F401
+from . import tdpipe  # noqa: F401,E402
+from . import gllm  # noqa: F401,E402
+from . import seesaw  # noqa: F401,E402
+from . import sipipe  # noqa: F401,E402
+from . import sidp  # noqa: F401,E402
+from . import vllm  # noqa: F401,E402
+
+__all__ = ["STRATEGIES", "BaselineStrategy", "StrategyParams", "register_strategy"]

@@ -1,4 +1,4 @@
-"""gLLM Token Throttling (strategies/gllm.py): the formulas on hand-made states, the paper's case
+"""gLLM Token Throttling (strategies/gllm/scheduler.py): the formulas on hand-made states, the paper's case
 studies (Figs. 7 and 8) as scheduling traces against Sarathi-Serve's fixed budget, and PP=2 runs
 on the real model whose greedy outputs equal the baseline's."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.engine.kv_cache import BlockManager
-from batchinfer.engine.recipe import parse_recipe
-from batchinfer.engine.recipe_errors import RecipeError
+from batchinfer.runner.recipe import parse_recipe
+from batchinfer.runner.recipe_errors import RecipeError
 from batchinfer.engine.scheduler import HybridBatching
-from batchinfer.strategies.gllm import (GLLMParams, TokenThrottlingScheduler, decode_budget,
+from batchinfer.strategies.gllm.scheduler import (GLLMParams, TokenThrottlingScheduler, decode_budget,
                                         is_decoding, prefill_budget)
 from tests.scheduler_driver import complete, launch, make_seq, run_pipeline
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.engine.id_set import IdSet
-from batchinfer.engine.input_records import (InputError, RequestSpec, parse_openai,
+from batchinfer.runner.id_set import IdSet
+from batchinfer.runner.io.input_records import (InputError, RequestSpec, parse_openai,
                                              parse_plain_or_chat)
-from batchinfer.engine.inputs import InputFileError, InputReader, Shard, detect_format
-from batchinfer.engine.recipe import IOConfig, Recipe
+from batchinfer.runner.io.inputs import InputFileError, InputReader, Shard, detect_format
+from batchinfer.runner.recipe import IOConfig, Recipe
 from batchinfer.engine.request import SamplingParams
 
 DEFAULTS = SamplingParams(max_tokens=8)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
-from batchinfer.engine.recipe import Recipe
+from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
+from batchinfer.runner.recipe import Recipe
 from batchinfer.engine.request import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,7 +241,7 @@ def test_logprobs_are_written(tmp_path, tiny_recipe, shared_engine):
 
 
 def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
-    from batchinfer.engine.inputs import Shard
+    from batchinfer.runner.io.inputs import Shard
 
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(9)])
     for index in range(3):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchinfer.engine.kernels import load_native_kernels
-from batchinfer.engine.recipe import RecipeError, load_recipe
+from batchinfer.runner.recipe import RecipeError, load_recipe
 from batchinfer.engine.request import SamplingParams
 
 PROMPTS = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,

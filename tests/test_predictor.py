@@ -12,9 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from batchinfer.cli.main import app
-from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
-from batchinfer.engine.recipe import Recipe, RecipeError, parse_recipe
-from batchinfer.engine.records import RequestPayload
+from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
+from batchinfer.runner.recipe import Recipe, RecipeError, parse_recipe
+from batchinfer.runner.io.records import RequestPayload
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.predictors import LengthQuery, PredictorError, make_predictor
 from batchinfer.predictors.classes import (accumulated_error, accumulated_errors, assign_classes,

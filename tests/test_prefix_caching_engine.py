@@ -111,7 +111,7 @@ def test_a_fully_cached_prompt_computes_only_its_last_token():
     {"parallel": {"dp": 2}, "strategy": {"name": "sidp"}},
 ], ids=["pp2-hb", "pp2-gllm", "pp2-tdpipe", "dp2-sidp"])
 def test_pipeline_parallel_outputs_equal_caching_off(sections):
-    from batchinfer.engine.recipe import strategy_class
+    from batchinfer.runner.recipe import strategy_class
 
     sections = dict(sections)
     if "strategy" in sections:
@@ -128,7 +128,7 @@ def test_pipeline_parallel_outputs_equal_caching_off(sections):
 
 
 def test_seesaw_refuses_prefix_caching_with_a_clear_error():
-    from batchinfer.engine.recipe import strategy_class
+    from batchinfer.runner.recipe import strategy_class
 
     params = strategy_class("seesaw").model_validate({"name": "seesaw"})
     config = EngineConfig(cache={"enable_prefix_caching": True}, parallel={"pp": 2},

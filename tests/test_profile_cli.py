@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchinfer.cli.main import app
-from batchinfer.engine.recipe import load_recipe
+from batchinfer.runner.recipe import load_recipe
 from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Prefix grouping, deduplication and prefix caching in the job runner (engine/read_ahead.py):
+"""Prefix grouping, deduplication and prefix caching in the job runner (runner/read_ahead.py):
 outputs with all three on equal outputs with all three off; unseeded sampling is never
 deduplicated; a leader the engine refuses takes its followers with it."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
-from batchinfer.engine.read_ahead import Deduplicator, GroupingStats, PrefixWindow, dedup_key
-from batchinfer.engine.recipe import Recipe
+from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
+from batchinfer.runner.read_ahead import Deduplicator, GroupingStats, PrefixWindow, dedup_key
+from batchinfer.runner.recipe import Recipe
 from batchinfer.engine.request import Request, RequestOutput, FinishReason, SamplingParams
 
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {

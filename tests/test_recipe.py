@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine.config import EngineConfig, SchedulerConfig
-from batchinfer.engine.recipe import (BaselineStrategy, Recipe, RecipeError, STRATEGIES,
-                                      load_recipe, parse_recipe)
+from batchinfer.runner.recipe import Recipe, RecipeError, load_recipe, parse_recipe
+from batchinfer.strategies import STRATEGIES, BaselineStrategy
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,13 +5,13 @@ import io
 
 import pytest
 
-from batchinfer.engine.metrics import Reservoir, SessionMetrics
-from batchinfer.engine.plots import PLOT_NAMES, render_plots
-from batchinfer.engine.progress import Progress
-from batchinfer.engine.report import build_report, merge_reports, render_markdown
+from batchinfer.runner.report.metrics import Reservoir, SessionMetrics
+from batchinfer.runner.report.plots import PLOT_NAMES, render_plots
+from batchinfer.runner.progress import Progress
+from batchinfer.runner.report.report import build_report, merge_reports, render_markdown
 from batchinfer.engine.request import FinishReason, RequestOutput
-from batchinfer.engine.sink import OrderedSink
-from batchinfer.engine.slurm import detect_shard, parse_shard
+from batchinfer.runner.sink import OrderedSink
+from batchinfer.runner.slurm import detect_shard, parse_shard
 
 
 def _out(n_prompt=4, n_out=5, arrival=0.0, first=0.1, finish=0.5, preempt=0):
@@ -67,7 +67,7 @@ def test_session_metrics_summary():
 
 
 def test_micro_batch_tokens_measure_the_balance():
-    from batchinfer.engine.micro_batch_tokens import MicroBatchTokens
+    from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
 
     even, uneven = MicroBatchTokens(), MicroBatchTokens()
     for i in range(100):

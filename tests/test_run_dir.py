@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from batchinfer.engine.input_records import InputError
-from batchinfer.engine.inputs import Shard
-from batchinfer.engine.records import (RequestPayload, error_record, input_error_record,
+from batchinfer.runner.io.input_records import InputError
+from batchinfer.runner.io.inputs import Shard
+from batchinfer.runner.io.records import (RequestPayload, error_record, input_error_record,
                                        output_record, record_id)
 from batchinfer.engine.request import FinishReason, RequestOutput
-from batchinfer.engine.run_dir import (ERRORS, OUTPUTS, RunDir, RunDirError, in_use,
+from batchinfer.runner.run_dir import (ERRORS, OUTPUTS, RunDir, RunDirError, in_use,
                                        repair_torn_tail)
 
 
@@ -170,7 +170,7 @@ def test_error_records():
 FILL_UNDER_LIMIT = """
 import json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # as the job does: EFBIG, not a kill
-from batchinfer.engine.run_dir import RunDir, RunDirWriteError
+from batchinfer.runner.run_dir import RunDir, RunDirWriteError
 limit = int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 run_dir, _ = RunDir.open(sys.argv[1])

@@ -17,11 +17,11 @@ from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.model.llama import ModelPartition
 from batchinfer.engine.model.loader import build_model, load_arch
 from batchinfer.engine.model.sources import resolve_model_dir
-from batchinfer.resharding.executor import Reshard
+from batchinfer.strategies.seesaw.executor import Reshard
 from batchinfer.resharding.kv_tiers import KVTiers, Transfer
 from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup, shared_norms
-from batchinfer.strategies.seesaw import SeesawParams
-from batchinfer.strategies.seesaw_scheduler import SeesawScheduler
+from batchinfer.strategies.seesaw.params import SeesawParams
+from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
 from tests.scheduler_driver import complete, launch, make_seq
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, run_shipped_recipe
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from batchinfer.engine.request import SamplingParams
-from batchinfer.sidp.build import resolve_weight_slots
-from batchinfer.sidp.ffn_store import FFNStore
-from batchinfer.sidp.ownership import (default_owners, prefetch_order, resolve_owners,
+from batchinfer.strategies.sidp.build import resolve_weight_slots
+from batchinfer.strategies.sidp.ffn_store import FFNStore
+from batchinfer.strategies.sidp.ownership import (default_owners, prefetch_order, resolve_owners,
                                        slots_needed)
-from batchinfer.sidp.weight_slots import WeightSlots
+from batchinfer.strategies.sidp.weight_slots import WeightSlots
 
 
 @pytest.mark.parametrize("num_layers,dp", [(30, 2), (30, 4), (7, 3), (8, 8), (5, 1)])
@@ -129,7 +129,7 @@ def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
     remote layer read through the slots where there are slots (in place: no copies)."""
-    from batchinfer.strategies.sidp import SiDPParams
+    from batchinfer.strategies.sidp.params import SiDPParams
 
     monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
 
 
 def test_weight_slots_default_to_where_a_remote_read_is_slower(monkeypatch):
-    from batchinfer.sidp import build
+    from batchinfer.strategies.sidp import build
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(build, "numa_nodes", lambda: 1)
@@ -167,7 +167,7 @@ def test_weight_slots_default_to_where_a_remote_read_is_slower(monkeypatch):
 
 def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
     from batchinfer.engine.errors import ConfigError
-    from batchinfer.strategies.sidp import SiDPParams
+    from batchinfer.strategies.sidp.params import SiDPParams
 
     base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
     with pytest.raises(ConfigError, match=r"needs tp: 1, pp: 1, dp >= 2 \(got tp: 1, pp: 2"):
@@ -179,7 +179,7 @@ def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
 def test_sidp_recipe_runs_out_of_the_box(tmp_path):
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
-    from batchinfer.sidp.ffn_store import blocked_layout_available
+    from batchinfer.strategies.sidp.ffn_store import blocked_layout_available
     from tests.strategy_e2e import run_shipped_recipe
 
     _, report = run_shipped_recipe("sidp", tmp_path / "run", limit=4)
@@ -197,7 +197,7 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
 def test_a_blocked_store_gives_the_plain_stores_ffn():
     from batchinfer.engine.kernels import load_native_kernels
     from batchinfer.engine.model.ops import TorchOps
-    from batchinfer.sidp.compute_service import ffn
+    from batchinfer.strategies.sidp.compute_service import ffn
 
     if not load_native_kernels():
         pytest.skip("native CPU kernels unavailable")

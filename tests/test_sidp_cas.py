@@ -7,8 +7,8 @@ import pytest
 
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.step_plan import StepPlan
-from batchinfer.sidp.mode_switch import CAS, WAS, ModeSwitch, profiled_threshold
-from batchinfer.sidp.orchestrator import DUMMY_MB, Orchestrator, RoundPlan
+from batchinfer.strategies.sidp.mode_switch import CAS, WAS, ModeSwitch, profiled_threshold
+from batchinfer.strategies.sidp.orchestrator import DUMMY_MB, Orchestrator, RoundPlan
 
 
 # --- the mode switch ------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def plain_dp_outputs():
 
 
 def _sidp(make_engine, **knobs):
-    from batchinfer.strategies.sidp import SiDPParams
+    from batchinfer.strategies.sidp.params import SiDPParams
 
     knobs.setdefault("weight_slots", True)   # the paper's WaS side, slots across the switches
     params = SiDPParams(**knobs)

@@ -7,7 +7,7 @@ import pytest
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.arch import arch_from_dict
-from batchinfer.engine.recipe import strategy_class
+from batchinfer.runner.recipe import strategy_class
 from batchinfer.engine.request import Request, SamplingParams, Sequence
 from batchinfer.engine.runtime.build import num_kv_blocks
 from batchinfer.engine.runtime.layout import ParallelLayout

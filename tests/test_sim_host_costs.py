@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.recipe import strategy_class
+from batchinfer.runner.recipe import strategy_class
 from batchinfer.engine.request import Request, SamplingParams, Sequence
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
 from batchinfer.sim.cost_model import BatchShape

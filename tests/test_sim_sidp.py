@@ -1,4 +1,4 @@
-"""SiDP in the simulator (sim/sidp_sim.py): hand-computed WaS and CaS timelines, the KV sizing the
+"""SiDP in the simulator (strategies/sidp/sim.py): hand-computed WaS and CaS timelines, the KV sizing the
 engine uses, the real mode switch driving rounds, and the search offering SiDP where it applies."""
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.model.arch import arch_from_dict
-from batchinfer.engine.recipe import StrategyParams, strategy_class
+from batchinfer.runner.recipe import StrategyParams, strategy_class
 from batchinfer.engine.request import Request, SamplingParams, Sequence
 from batchinfer.engine.runtime.layout import ParallelLayout
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
 from batchinfer.engine.errors import ConfigError
-from batchinfer.sidp.build import sidp_num_blocks
-from batchinfer.sidp.mode_switch import CAS
+from batchinfer.strategies.sidp.build import sidp_num_blocks
+from batchinfer.strategies.sidp.mode_switch import CAS
 from batchinfer.sim.executor import VirtualClock
 from batchinfer.sim.search import candidates
-from batchinfer.sim.sidp_sim import SiDPGroup
+from batchinfer.strategies.sidp.sim import SiDPGroup
 from batchinfer.sim.simulator import SimRequest, simulate
 
 ARCH = arch_from_dict({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,

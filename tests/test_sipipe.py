@@ -14,8 +14,8 @@ from batchinfer.engine.request import Request, SamplingParams, Sequence
 from batchinfer.engine.runtime.input_prep import TokenSafeInputs, VersionedInputs
 from batchinfer.engine.sampler import Sampler
 from batchinfer.engine.step_plan import StepPlan, model_inputs
-from batchinfer.sipipe.column_sampler import ColumnSampler
-from batchinfer.sipipe.columns import ColumnAssigner, ColumnJoin
+from batchinfer.strategies.sipipe.column_sampler import ColumnSampler
+from batchinfer.strategies.sipipe.columns import ColumnAssigner, ColumnJoin
 
 
 def _join_stub(rid, col):
@@ -231,7 +231,7 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     """Every switch setting samples the single process's tokens (the logits are the same bits and
     the column kernels are the row kernels' arithmetic); under TP each rank writes its vocabulary
     rows of the logits into the sampler's slot."""
-    from batchinfer.strategies.sipipe import SiPipeParams
+    from batchinfer.strategies.sipipe.params import SiPipeParams
 
     params = _e2e_params()
     reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(E2E, params)

@@ -1,4 +1,4 @@
-"""TD-Pipe (strategies/tdpipe.py): the three decisions on hand-made states, the scheduler driven
+"""TD-Pipe (strategies/tdpipe/scheduler.py): the three decisions on hand-made states, the scheduler driven
 by hand, and an end-to-end PP=2 run whose greedy outputs equal the baseline's."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
-from batchinfer.engine.recipe import parse_recipe
-from batchinfer.engine.recipe_errors import RecipeError
+from batchinfer.runner.recipe import parse_recipe
+from batchinfer.runner.recipe_errors import RecipeError
 from batchinfer.engine.request import SequenceStatus
 from batchinfer.engine.step_times import StepTimes
-from batchinfer.strategies.tdpipe import TDPipeParams, TDPipeScheduler
-from batchinfer.strategies.tdpipe_policy import (KVForecast, WorkStealing, future_points,
+from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
+from batchinfer.strategies.tdpipe.policy import (KVForecast, WorkStealing, future_points,
                                                  pack_prefill, spatial_intensity,
                                                  temporal_intensity)
 from tests.scheduler_driver import complete as _complete

@@ -1,4 +1,4 @@
-"""Strategy `vllm` (strategies/vllm_backend.py): the recipe -> vLLM argument mapping, the errors
+"""Strategy `vllm` (strategies/vllm/params.py): the recipe -> vLLM argument mapping, the errors
 without vLLM, and, where a vLLM is installed (BATCHINFER_VLLM_PYTHON, or the peer build at
 /tmp/peer-vllm from ../shared/tools/peer-vllm.sh), a real job through it."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.job import EXIT_OK, JobSpec, run_job
-from batchinfer.engine.recipe import Recipe
+from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
+from batchinfer.runner.recipe import Recipe
 from batchinfer.engine.request import Request, SamplingParams
-from batchinfer.strategies.vllm_backend import VllmParams, engine_args, engine_env, vllm_python
-from batchinfer.strategies.vllm_engine import VllmEngine, sampling_args
+from batchinfer.strategies.vllm.params import VllmParams, engine_args, engine_env, vllm_python
+from batchinfer.strategies.vllm.engine import VllmEngine, sampling_args
 
 PEER_PYTHON = os.environ.get("BATCHINFER_VLLM_PYTHON", "/tmp/peer-vllm/bin/python")
 

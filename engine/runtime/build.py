@@ -110,8 +110,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
                   helpers: tuple = (), helper_names: tuple = (), **extra) -> WorkerPool:
     """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields, for every rank;
     rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
-    seesaw = extra.get("seesaw")
-    layouts = [layout, *(seesaw.layouts.values() if seesaw is not None else ())]
+    extension = extra.get("extension")
+    layouts = [layout, *(extension.extra_layouts() if extension is not None else ())]
     tp_buffers = group_buffers(layouts, setup.device.type, config.parallel.tp_all_reduce)
     specs = [WorkerSpec(
         rank=r, layout=layout, model_dir=str(setup.model_dir),

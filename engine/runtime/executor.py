@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from typing import Optional
 
-from ..executor import StepResult
+from ..executor import Executor, StepResult
 from ..kv_cache import BlockManager
 from ..request import Request
 from ..scheduler import MicroBatch
@@ -21,7 +21,7 @@ from .layout import ParallelLayout
 from .pool import WorkerError, WorkerPool
 
 
-class PipelineExecutor:
+class PipelineExecutor(Executor):
     def __init__(self, pool: WorkerPool, layout: ParallelLayout, replica: int,
                  block_manager: BlockManager, step_timeout_s: float):
         self.pool, self.layout, self.replica = pool, layout, replica

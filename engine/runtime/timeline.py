@@ -1,4 +1,4 @@
-"""Pipeline timeline: per-rank busy time, bubble ratio, and a PNG of the micro-batches in flight.
+"""Pipeline timeline: per-rank busy time and bubble ratio (the report draws it: runner/report/plots.py).
 
 Workers record wall-clock intervals ("forward", "recv" wait, "send") per micro-batch. A rank's
 bubble ratio is the share of its replica's active window (first forward start to last forward
@@ -61,35 +61,3 @@ class PipelineStats:
         return {"ranks": ranks,
                 "bubble_ratio_by_stage": {str(s): round(sum(v) / len(v), 4)
                                           for s, v in sorted(stages.items())}}
-
-
-def plot_pipeline(events: list[dict], last_micro_batches: int = 48) -> Optional[bytes]:
-    """Gantt chart of the most recent micro-batches: one row per rank, forward bars coloured by
-    micro-batch, receive waits hatched."""
-    forwards = [e for e in events if e["kind"] == "forward"]
-    if not forwards:
-        return None
-    from ..plots import _figure, _png
-
-    recent = sorted({e["mb"] for e in forwards})[-last_micro_batches:]
-    keep = set(recent)
-    shown = [e for e in events if e["mb"] in keep and e["kind"] in ("forward", "recv")]
-    t0 = min(e["start"] for e in shown)
-    ranks = sorted({e["rank"] for e in shown})
-    row = {rank: i for i, rank in enumerate(ranks)}
-    plt, fig, ax = _figure(width=10.0, height=1.2 + 0.5 * len(ranks))
-    colours = plt.get_cmap("tab10")
-    for e in shown:
-        x, w = e["start"] - t0, e["end"] - e["start"]
-        y = row[e["rank"]]
-        if e["kind"] == "forward":
-            ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=colours(e["mb"] % 10))
-        else:
-            ax.broken_barh([(x, w)], (y - 0.15, 0.3), facecolors="none", edgecolors="grey",
-                           hatch="///")
-    ax.set_yticks(range(len(ranks)))
-    ax.set_yticklabels([f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds (forward: coloured by micro-batch; hatched: waiting to receive)")
-    ax.set_title(f"Pipeline timeline, last {len(recent)} micro-batches")
-    return _png(plt, fig)

@@ -4,12 +4,14 @@ The loop, per plan (plans arrive in pipeline order on the control pipe):
 - stages after the first post their receives for (hidden, residual) as soon as the plan arrives
   (stage_transport.py: after the first transfer the shape is the plan's token count x the hidden
   size the first transfer carried, so no metadata travels with the tensors);
-- prepare the model inputs (inline, or with SiPipe's token-safe execution one plan ahead on a
+- prepare the model inputs (inline, or with token-safe execution one plan ahead on a
   thread: input_prep.py);
 - run the partition's layers; the tensor-parallel all-reduces happen inside the model;
 - send (hidden, residual) on to the next stage, or, on the last stage, compute the logits of the
-  rows that sample and (TP rank 0) sample them and send the tokens to the controller (SiPipe:
-  write them transposed for a CPU sampler process instead, sipipe/logits_channel.py).
+  rows that sample and (TP rank 0) sample them and send the tokens to the controller, or hand
+  the rows to the consumer a strategy's extension installed (`logits_out`).
+A strategy that works below the scheduler plugs in through a WorkerExtension
+(worker_extension.py): the worker calls its hooks and names no strategy.
 Every forward, input preparation, receive and send is recorded (wall clock) for the timeline.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from .input_prep import TokenSafeInputs, VersionedInputs
 from .stage_transport import StageReceiver, StageSender
+from .worker_extension import WorkerExtension
 
 EVENT_FLUSH_S = 0.5
 MAX_PENDING_SENDS = 8
@@ -55,9 +58,7 @@ class WorkerSpec:
     eos_token_ids: tuple
     timeout_s: float
     store_port: int = 0
-    seesaw: object = None       # resharding.worker_layouts.LayoutSpec: two layouts, a CPU KV store
-    sipipe: object = None       # sipipe.build.SiPipeWorkerSpec: SiPipe's switches, sampler link
-    sidp: object = None         # sidp.shared_ffn.SiDPWorkerSpec: the shared FFN store, owners
+    extension: Optional[WorkerExtension] = None  # a strategy's worker-level mechanism
     tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
 
 
@@ -97,40 +98,32 @@ def run_child(rank: int, conn, body) -> None:
 class Worker:
     def __init__(self, spec: WorkerSpec, conn):
         self.spec, self.conn = spec, conn
-        self._set_roles(spec.layout)
+        self.ext = spec.extension if spec.extension is not None else WorkerExtension()
+        self.set_roles(spec.layout)
         self.events: list[dict] = []
-        self.switcher = None
-        self.inputs = None                   # SiPipe's token-safe input preparation
-        self.shared_ffn = None               # SiDP: weight slots and compute service
+        self.inputs = None                   # token-safe input preparation, one plan ahead
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
         self._last_flush = time.monotonic()
         self._sends: deque = deque()
 
-    def _set_roles(self, layout) -> None:
+    def set_roles(self, layout) -> None:
         """Who this rank is in `layout`: its stage and shard, its neighbours, whether it samples
-        (Seesaw fixes the sampling rank across its layouts: the sampler keeps per-request state)."""
+        (TP rank 0 of the last stage, unless the extension says otherwise)."""
         rank = self.spec.rank
         self.layout = layout
         self.info = layout.info(rank)
         self.prev = layout.prev_rank(rank)
         self.next = layout.next_rank(rank)
         self.is_last = self.next is None
-        seesaw, sipipe = self.spec.seesaw, self.spec.sipipe
-        link = sipipe.link if sipipe is not None and self.is_last else None
-        self.logits_out = None
-        if link is not None:
-            from batchinfer.sipipe.logits_channel import LogitsProducer
+        self.logits_out = None               # an extension's consumer of the last stage's rows
+        self.samples = self.is_last and self.info.tp_rank == 0
+        self.ext.roles(self)
 
-            self.logits_out = LogitsProducer(link, self.spec.vocab_size, self.info.tp_rank)
-        self.samples = self.is_last and link is None and (
-            rank == seesaw.sampling_rank if seesaw is not None else self.info.tp_rank == 0)
-
-    def _open_channels(self) -> None:
+    def open_channels(self) -> None:
         """The transports to the neighbour stages of the current layout (new ones per layout)."""
-        sipipe = self.spec.sipipe
-        aware = sipipe.structure_aware if sipipe is not None else True
+        aware = self.ext.structure_aware
         self.receiver = (StageReceiver(self.prev, self.device, aware)
                          if self.prev is not None else None)
         self.sender = StageSender(self.next, self.device, aware) if self.next is not None else None
@@ -146,7 +139,6 @@ class Worker:
         from ..attention import select_backend
         from ..kv_cache import KVCacheSpec, allocate_kv_tensors
         from ..model.loader import build_model, load_arch
-        from ..model.ops import NativeOps
         from ..sampler import Sampler
         from pathlib import Path
 
@@ -170,14 +162,11 @@ class Worker:
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         dtype = getattr(torch, spec.dtype)
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
-        self.dtype = dtype                   # Seesaw's layout switcher builds partitions in it
+        self.dtype = dtype                   # an extension that builds its own partitions uses it
         self.kv_dtype = getattr(torch, spec.kv_dtype)  # ... and its KV buffer in this
         self.backend = select_backend(spec.attention_backend, self.device, dtype)
-        if spec.seesaw is not None:
-            from batchinfer.resharding.worker_layouts import LayoutSwitcher
-
-            self.switcher = LayoutSwitcher(self, spec.seesaw, arch, self._report_swaps)
-            self._enter_layout(spec.seesaw.initial)
+        if self.ext.build_partition(self, arch):
+            ready_extra.update(self.ext.setup(self))
         else:
             tp_group = None
             if layout.tp > 1:
@@ -189,27 +178,33 @@ class Worker:
                         tp_group = tensor_parallel_group(group, ranks, spec)
             self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
-                                     seed=spec.seed, tp_group=tp_group, pack=spec.sidp is None)
-            if self.backend.name == "native":
-                self.model.use_ops(NativeOps)
-            if spec.sidp is not None:
-                ready_extra["sidp_costs"] = self._share_ffn()
+                                     seed=spec.seed, tp_group=tp_group,
+                                     pack=self.ext.pack_linears)
+            self.use_native_ops()
+            ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
             layers = self.model.partition.layer_end - self.model.partition.layer_start
             kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
                                   self.kv_dtype.itemsize)
             self.kv_caches = allocate_kv_tensors(kv_spec, self.kv_dtype, self.device)
-        self._open_channels()
-        if spec.sipipe is not None and spec.sipipe.token_safe:
+        self.open_channels()
+        if self.ext.token_safe_inputs:
             versioned = VersionedInputs(spec.block_size, self.device)
             self.inputs = TokenSafeInputs(versioned.fill, self._prepared)
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
-                        if self.samples else None)   # Seesaw: the same rank in every layout
+                        if self.samples else None)   # one rank keeps sampling across layouts
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
                                         "attention_backend": self.backend.name, **ready_extra}))
+
+    def use_native_ops(self) -> None:
+        """The native backend's fused ops for the current model (after every model build)."""
+        if self.backend.name == "native":
+            from ..model.ops import NativeOps
+
+            self.model.use_ops(NativeOps)
 
     # --- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -221,65 +216,19 @@ class Worker:
                     message = self.conn.recv()
                     if message[0] == "stop":
                         break
-                    if message[0] == "swap":
-                        self.switcher.prefetcher.submit(*message[1:])
-                        continue
-                    if message[0] == "reshard":
-                        while pending:       # plans sent before the switch run in the old layout
-                            self._execute(*pending.popleft())
-                        self._finish_sends()
-                        t0 = time.time()
-                        self._enter_layout(message[1])
-                        self._open_channels()
-                        stats = self.switcher.last_stats
-                        self._event("reshard", -1, t0, layout=message[1],
-                                    bytes_from_host=stats.bytes_from_host)
-                        self._flush_events(force=True)
-                        continue
-                    pending.append(self._post_receives(message[1]))
+                    if message[0] == "plan":
+                        pending.append(self._post_receives(message[1]))
+                    elif not self.ext.message(self, message, pending):
+                        raise RuntimeError(f"rank {self.spec.rank}: unknown control message "
+                                           f"{message[0]!r}")
                     continue
-                self._execute(*pending.popleft())
-                self._flush_events()
+                self.execute(*pending.popleft())
+                self.flush_events()
         if self.inputs is not None:
             self.inputs.close()
-        if self.shared_ffn is not None:
-            self.shared_ffn.close()
-        self._finish_sends()
-        self._flush_events(force=True)
-        if self.switcher is not None:
-            self.switcher.prefetcher.close()
-
-    def _share_ffn(self) -> Optional[dict]:
-        """SiDP: owners publish their FFN weights, everyone drops theirs; the slots start reading
-        only once every owner has written (a barrier over all ranks); then, when asked, every
-        rank measures the costs B_th is derived from (its WaS pass reads through the slots).
-        -> those costs (replica 0's; None when not asked)."""
-        import torch.distributed as dist
-
-        from batchinfer.sidp.cost_profile import profile_modes
-        from batchinfer.sidp.shared_ffn import install_shared_ffn
-
-        from ..model.fast_linear import pack_linears
-
-        sidp = self.spec.sidp
-        self.shared_ffn = install_shared_ffn(self.model, sidp, self.info.replica, self.device,
-                                             self.spec.timeout_s, start=False)
-        pack_linears(self.model)          # the attention's linears; the FFN's live in the store
-        dist.barrier()
-        self.shared_ffn.start()
-        return (profile_modes(self.shared_ffn, sidp.dp, self.model.ops, self.device)
-                if sidp.profile_costs else None)
-
-    def _enter_layout(self, name: str) -> None:
-        from ..model.ops import NativeOps
-
-        layout, self.model, self.kv_caches = self.switcher.enter(name)
-        if self.backend.name == "native":
-            self.model.use_ops(NativeOps)
-        self._set_roles(layout)
-
-    def _report_swaps(self, transfer_ids: list[int], seconds: float) -> None:
-        self.send(("swapped", self.spec.rank, transfer_ids, seconds))
+        self.ext.close(self)
+        self.finish_sends()
+        self.flush_events(force=True)
 
     def _post_receives(self, plan):
         if self.inputs is not None:
@@ -289,7 +238,7 @@ class Worker:
         return plan, received
 
     def _prepared(self, plan, start: float, end: float) -> None:
-        self._event("prepare", plan.mb_id, start, end=end)
+        self.event("prepare", plan.mb_id, start, end=end)
 
     def _model_inputs(self, plan):
         from ..step_plan import model_inputs
@@ -297,7 +246,7 @@ class Worker:
         if self.inputs is None:
             t0 = time.time()
             inputs = model_inputs(plan, self.spec.block_size, self.device)
-            self._event("prepare", plan.mb_id, t0)
+            self.event("prepare", plan.mb_id, t0)
             return inputs
         taken, inputs = self.inputs.take(self.spec.timeout_s)
         if taken.mb_id != plan.mb_id:
@@ -305,25 +254,23 @@ class Worker:
                                f"of {plan.mb_id}")
         return inputs
 
-    def _execute(self, plan, received) -> None:
-        if self.shared_ffn is not None:
-            self._execute_shared(plan, received)
-            return
-        self._execute_plain(plan, received)
+    def execute(self, plan, received) -> None:
+        if not self.ext.execute(self, plan, received):
+            self.execute_plain(plan, received)
 
-    def _execute_plain(self, plan, received) -> None:
+    def execute_plain(self, plan, received) -> None:
         hidden = residual = None
         if received is not None:
             t0 = time.time()
             tensors = received.wait()
-            self._event("recv", plan.mb_id, t0)
+            self.event("recv", plan.mb_id, t0)
             hidden, residual = tensors["hidden"], tensors["residual"]
         inputs = self._model_inputs(plan)
         t0 = time.time()
         hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                       inputs.meta, self.backend, hidden, residual)
         if not self.is_last:
-            self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
             t1 = time.time()
             works = self.sender.send(plan.mb_id, {"hidden": hidden, "residual": residual})
             self._sends.append((plan.mb_id, t1, works))
@@ -333,7 +280,7 @@ class Worker:
             forward_s = time.time() - t0
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
                                     forward_s)
-            self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
             return
         self._forget(plan.released)
         tokens, logprobs = [], []
@@ -345,28 +292,15 @@ class Worker:
                                                else None)
             if self.samples:
                 tokens, logprobs = self._sample(plan, logits)
-        self._event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+        self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
         if self.samples:
             result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                       "forward_s": forward_s, "sample_s": time.time() - t1,
                       "events": self._take_events()}
-            if self.shared_ffn is not None:         # SiDP's counters ride on the result
-                result["stats"] = self.shared_ffn.stats()
+            stats = self.ext.result_stats(self)     # e.g. shared-weight counters ride along
+            if stats is not None:
+                result["stats"] = stats
             self.send(("result", self.info.replica, result))
-
-    def _execute_shared(self, plan, received) -> None:
-        """SiDP: a dummy plan (no tokens: this replica's part of a CaS round it has no work for)
-        only serves the layers it owns and has no result, so it sends its counters alone; a
-        real one runs inside its round when it has one."""
-        if plan.num_tokens == 0:
-            t0 = time.time()
-            self.shared_ffn.serve(plan, self.model.ops)
-            self._event("serve", plan.mb_id, t0)
-            self.send(("stats", self.spec.rank, self.shared_ffn.stats()))
-            return
-        self.shared_ffn.begin(plan)
-        self._execute_plain(plan, received)
-        self.shared_ffn.end()
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs
@@ -403,9 +337,9 @@ class Worker:
             mb_id, t0, works = self._sends.popleft()
             for work in works:
                 work.wait()
-            self._event("send", mb_id, t0)
+            self.event("send", mb_id, t0)
 
-    def _finish_sends(self) -> None:
+    def finish_sends(self) -> None:
         while self._sends:
             mb_id, t0, works = self._sends.popleft()
             for work in works:
@@ -414,7 +348,7 @@ class Worker:
                 except RuntimeError:
                     pass
 
-    def _event(self, kind: str, mb_id: int, start: float, end: Optional[float] = None,
+    def event(self, kind: str, mb_id: int, start: float, end: Optional[float] = None,
                **extra) -> None:
         event = {"rank": self.spec.rank, "replica": self.info.replica, "stage": self.info.stage,
                  "tp_rank": self.info.tp_rank, "kind": kind, "mb": mb_id, "start": start,
@@ -428,6 +362,6 @@ class Worker:
         self._last_flush = time.monotonic()
         return events
 
-    def _flush_events(self, force: bool = False) -> None:
+    def flush_events(self, force: bool = False) -> None:
         if self.events and (force or time.monotonic() - self._last_flush >= EVENT_FLUSH_S):
             self.send(("events", self.spec.rank, self._take_events()))

@@ -1,0 +1,1 @@
+"""The job: reads inputs, drives the engine, writes the run directory and its report."""

@@ -1,0 +1,1 @@
+"""Input formats and the records the run directory holds."""

@@ -1,0 +1,316 @@
+"""One input record (a parsed JSON line or a dataset row) -> a request spec, or an input error.
+
+Three shapes:
+- plain  {"prompt": "...", "id"?, "metadata"?, <sampling keys>}
+- chat   {"messages": [{"role", "content"}, ...], "id"?, "metadata"?, <sampling keys>}
+- OpenAI Batch API {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+  "body": {...}}; body keys map onto vLLM sampling parameters.
+Nothing here tokenizes or touches the engine: specs are checked for shape, types and sampling
+ranges, so `batchinfer validate` runs it without a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from ..recipe_errors import suggest
+from batchinfer.engine.request import SAMPLING_KEYS, SamplingParams
+
+OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# OpenAI body keys accepted without effect on generation
+OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
+                  "parallel_tool_calls"}
+OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_format",
+                      "logit_bias", "best_of", "echo", "suffix", "audio", "modalities",
+                      "prediction", "reasoning_effort", "web_search_options"}
+RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
+_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS)
+
+
+@dataclass
+class InputError:
+    """A record that cannot become a request; written to errors.jsonl with its line number."""
+
+    line: int
+    code: str
+    message: str
+    request_id: Optional[str] = None
+    custom_id: Optional[str] = None
+    metadata: Optional[dict] = None
+    openai_url: Optional[str] = None
+
+
+@dataclass
+class RequestSpec:
+    """A checked request before tokenization."""
+
+    line: int
+    request_id: str
+    prompt: Union[str, list[int], None] = None          # text, or token ids (OpenAI completions)
+    messages: Optional[list[dict]] = None
+    sampling: Optional[SamplingParams] = None            # defaults + this record's overrides
+    metadata: Optional[dict] = None
+    custom_id: Optional[str] = None                      # OpenAI input only
+    openai_url: Optional[str] = None                     # OpenAI input only
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_openai(self) -> bool:
+        return self.openai_url is not None
+
+
+Parsed = Union[RequestSpec, InputError]
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides: dict,
+              where: str) -> Union[SamplingParams, InputError]:
+    if not overrides:
+        return defaults
+    try:
+        return defaults.with_overrides(**overrides)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "sampling"
+            msg = err["msg"].removeprefix("Value error, ")
+            value = err.get("input")
+            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            parts.append(f"{where}{key}: {msg}{shown}")
+        return InputError(line, "invalid_sampling", "; ".join(parts), request_id=rid)
+
+
+def _unknown_keys(keys: set, allowed: set, where: str) -> Optional[str]:
+    unknown = sorted(keys - allowed)
+    if not unknown:
+        return None
+    parts = []
+    for key in unknown:
+        hint = suggest(key, allowed)
+        parts.append(f"'{where}{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+    return (f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; allowed: "
+            f"{', '.join(sorted(allowed))}")
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
+    """None if `messages` is a usable conversation, else what is wrong with it."""
+    if not isinstance(messages, list):
+        return f"'{key}' must be an array of {{role, content}} objects, not {_type_name(messages)}"
+    if not messages:
+        return f"'{key}' is empty"
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            return f"{key}[{i}] must be an object with role and content, not {_type_name(msg)}"
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not role:
+            return f"{key}[{i}].role must be a non-empty string"
+        if isinstance(content, list):  # OpenAI content parts: only text is supported
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    return f"{key}[{i}].content[{j}]: only {{type: text, text}} parts are supported"
+        elif not isinstance(content, str):
+            return f"{key}[{i}].content must be a string or text parts, not {_type_name(content)}"
+    return None
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Text content parts joined into one string, as chat templates expect."""
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        out.append({**msg, "content": content})
+    return out
+
+
+def _request_id(value: Any, line: int, fallback_prefix: str) -> Union[str, InputError]:
+    if value is None:
+        return f"{fallback_prefix}{line}"
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return InputError(line, "invalid_type", f"'id' must be a string or an integer, not "
+                          f"{_type_name(value)}")
+    text = str(value)
+    if not text:
+        return InputError(line, "invalid_type", "'id' must not be empty")
+    return text
+
+
+def _metadata(value: Any, line: int, rid: Optional[str]) -> Union[dict, None, InputError]:
+    if value is None or isinstance(value, dict):
+        return value
+    return InputError(line, "invalid_type", f"'metadata' must be an object, not {_type_name(value)}",
+                      request_id=rid)
+
+
+def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
+                        id_prefix: str = "line-") -> Parsed:
+    """A plain ({"prompt"}) or chat ({"messages"}) JSONL record."""
+    if not isinstance(record, dict):
+        return InputError(line, "not_an_object", f"a request must be a JSON object, not "
+                          f"{_type_name(record)}")
+    rid = _request_id(record.get("id"), line, id_prefix)
+    if isinstance(rid, InputError):
+        return rid
+    metadata = _metadata(record.get("metadata"), line, rid)
+    if isinstance(metadata, InputError):
+        return metadata
+    err = lambda code, msg: InputError(line, code, msg, request_id=rid, metadata=metadata)  # noqa: E731
+    unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(set(record), _PLAIN_KEYS, "")
+    if unknown:
+        return err("unknown_key", unknown)
+    has_prompt, has_messages = "prompt" in record, "messages" in record
+    if has_prompt == has_messages:
+        return err("missing_prompt" if not has_prompt else "ambiguous_request",
+                   "a request needs exactly one of 'prompt' (text) or 'messages' (chat)")
+    spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
+    if has_prompt:
+        prompt = record["prompt"]
+        if _is_token_ids(prompt):
+            spec.prompt = list(prompt)
+        elif not isinstance(prompt, str):
+            return err("invalid_type", "'prompt' must be a string or an array of token ids, "
+                       f"not {_type_name(prompt)}")
+        elif not prompt:
+            return err("empty_prompt", "'prompt' is empty")
+        else:
+            spec.prompt = prompt
+    else:
+        problem = check_messages(record["messages"])
+        if problem:
+            return err("invalid_messages", problem)
+        spec.messages = normalize_messages(record["messages"])
+    overrides = {k: v for k, v in record.items() if k in SAMPLING_KEYS}
+    sampling = _sampling(line, rid, defaults, overrides, "")
+    if isinstance(sampling, InputError):
+        sampling.metadata = metadata
+        return sampling
+    spec.sampling = sampling
+    return spec
+
+
+OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body", "metadata"}
+_OPENAI_SAMPLING = SAMPLING_KEYS - {"logprobs", "n"}
+
+
+def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
+    """An OpenAI Batch API input line."""
+    if not isinstance(record, dict):
+        return InputError(line, "not_an_object", f"a request must be a JSON object, not "
+                          f"{_type_name(record)}")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return InputError(line, "invalid_custom_id", "an OpenAI batch line needs 'custom_id', a "
+                          "non-empty string")
+    url = record.get("url")
+    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else None
+    err = lambda code, msg: InputError(line, code, msg, request_id=custom_id,  # noqa: E731
+                                       custom_id=custom_id, metadata=metadata,
+                                       openai_url=url if url in OPENAI_URLS else None)
+    unknown = _unknown_keys(set(record), OPENAI_LINE_KEYS, "")
+    if unknown:
+        return err("unknown_key", unknown)
+    if record.get("metadata") is not None and metadata is None:
+        return err("invalid_type", "'metadata' must be an object")
+    if record.get("method") != "POST":
+        return err("unsupported_method", f"method {record.get('method')!r} is not supported; "
+                   "OpenAI batch lines use POST")
+    if url not in OPENAI_URLS:
+        return err("unsupported_url", f"url {url!r} is not supported; supported: "
+                   f"{', '.join(OPENAI_URLS)}")
+    body = record.get("body")
+    if not isinstance(body, dict):
+        return err("invalid_body", f"'body' must be an object, not {_type_name(body)}")
+    chat = OPENAI_URLS[url] == "chat"
+    input_key = "messages" if chat else "prompt"
+    spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,
+                       metadata=metadata, extra={"model": body.get("model")})
+    bad = sorted(set(body) & OPENAI_UNSUPPORTED)
+    if bad:
+        return err("unsupported_parameter", f"body.{bad[0]} is not supported by batchinfer")
+    if body.get("stream"):
+        return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
+    allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
+               "top_logprobs", "n"} | OPENAI_IGNORED | _OPENAI_SAMPLING
+    unknown = _unknown_keys(set(body), allowed, "body.")
+    if unknown:
+        return err("unknown_key", unknown)
+    if input_key not in body:
+        return err("missing_prompt", f"body.{input_key} is required for {url}")
+    if chat:
+        problem = check_messages(body["messages"], "body.messages")
+        if problem:
+            return err("invalid_messages", problem)
+        spec.messages = normalize_messages(body["messages"])
+    else:
+        prompt = body["prompt"]
+        if _is_token_ids(prompt):
+            spec.prompt = list(prompt)
+        elif isinstance(prompt, str):
+            if not prompt:
+                return err("empty_prompt", "body.prompt is empty")
+            spec.prompt = prompt
+        else:
+            return err("invalid_type", "body.prompt must be a string or an array of token ids "
+                       "(one prompt per line)")
+    overrides, problem = _openai_overrides(body, chat)
+    if problem:
+        return err("invalid_sampling", problem)
+    sampling = _sampling(line, custom_id, defaults, overrides, "body.")
+    if isinstance(sampling, InputError):
+        return err(sampling.code, sampling.message)
+    spec.sampling = sampling
+    return spec
+
+
+def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str]]:
+    overrides = {k: body[k] for k in _OPENAI_SAMPLING if k in body}
+    if "n" in body:
+        overrides["n"] = body["n"]
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            overrides["max_tokens"] = body[key]
+            break
+    if chat:
+        if body.get("logprobs"):
+            top = body.get("top_logprobs", 0)
+            overrides["logprobs"] = top
+        elif "top_logprobs" in body and body["top_logprobs"]:
+            return {}, "body.top_logprobs needs body.logprobs: true"
+    elif body.get("logprobs") is not None:
+        if isinstance(body["logprobs"], bool) or not isinstance(body["logprobs"], int):
+            return {}, "body.logprobs must be an integer for /v1/completions"
+        overrides["logprobs"] = body["logprobs"]
+    return overrides, None
+
+
+def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_field: str,
+                      messages_field: str, id_field: str, metadata_fields: list[str]) -> Parsed:
+    """A dataset row: prompt or messages from the configured columns, other columns ignored."""
+    record: dict[str, Any] = {}
+    if row.get(id_field) is not None:
+        record["id"] = row[id_field]
+    if row.get(messages_field) is not None:
+        record["messages"] = row[messages_field]
+    elif prompt_field in row:
+        record["prompt"] = row[prompt_field]
+    if metadata_fields:
+        record["metadata"] = {k: row.get(k) for k in metadata_fields}
+    parsed = parse_plain_or_chat(record, line, defaults, id_prefix="row-")
+    if isinstance(parsed, InputError) and parsed.code == "missing_prompt":
+        parsed.message = (f"the row has neither a '{prompt_field}' nor a '{messages_field}' value "
+                          f"(columns: {', '.join(map(str, row))}); set io.prompt_field or "
+                          "io.messages_field")
+    return parsed

@@ -1,0 +1,234 @@
+"""Input files read as a stream: JSONL (plain / chat / OpenAI batch) and local dataset files.
+
+Nothing here holds the file in memory: JSONL is read line by line with a byte limit per line (a
+longer line is skipped to its newline and reported, never loaded), dataset files are iterated
+through `datasets` in streaming mode. Every record keeps its 1-based line (or row) number, and a
+shard (Slurm task) takes the records whose number falls on it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..id_set import IdSet
+from .input_records import (InputError, Parsed, RequestSpec, parse_dataset_row, parse_openai,
+                            parse_plain_or_chat)
+from ..recipe import IOConfig
+from batchinfer.engine.request import SamplingParams
+
+DATASET_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson", ".jsonlines"}
+SNIFF_LINES = 200
+
+
+class InputFileError(Exception):
+    """The input file as a whole cannot be read (missing, unknown format): exit 2."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which records this process takes: those with (number - 1) % count == index."""
+
+    index: int = 0
+    count: int = 1
+
+    def takes(self, number: int) -> bool:
+        return self.count == 1 or (number - 1) % self.count == self.index
+
+
+@dataclass
+class RawLine:
+    number: int
+    value: Any = None            # the parsed JSON value, when the line parsed
+    error: Optional[InputError] = None
+
+
+# --- JSONL ------------------------------------------------------------------------------------------
+def iter_jsonl(path: Path, max_line_bytes: int, shard: Shard = Shard()) -> Iterator[RawLine]:
+    """Non-blank lines of a JSONL file, parsed; undecodable lines come back with an error."""
+    with open(path, "rb") as fh:
+        number = 0
+        while True:
+            raw = fh.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            number += 1
+            too_long = len(raw) > max_line_bytes and not raw.endswith(b"\n")
+            if too_long:
+                size = len(raw) + _skip_to_newline(fh)
+            if not shard.takes(number):
+                continue
+            if too_long:
+                yield RawLine(number, error=InputError(
+                    number, "line_too_long", f"the line has {size} bytes; io.max_line_bytes is "
+                    f"{max_line_bytes}"))
+                continue
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if not raw.strip():
+                continue
+            yield _decode_line(raw, number)
+
+
+def _skip_to_newline(fh) -> int:
+    skipped = 0
+    while True:
+        chunk = fh.readline(1 << 20)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
+
+
+def _decode_line(raw: bytes, number: int) -> RawLine:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawLine(number, error=InputError(
+            number, "invalid_utf8", f"the line is not valid UTF-8 (byte {exc.start}: "
+            f"{raw[exc.start:exc.start + 4]!r})"))
+    try:
+        return RawLine(number, value=json.loads(text.rstrip("\r\n")))
+    except json.JSONDecodeError as exc:
+        return RawLine(number, error=InputError(
+            number, "invalid_json", f"not valid JSON: {exc.msg} at column {exc.colno}"))
+    except RecursionError:
+        return RawLine(number, error=InputError(number, "invalid_json", "JSON nested too deeply"))
+
+
+def sniff_jsonl(path: Path, max_line_bytes: int) -> str:
+    """'openai' if the first parseable object looks like an OpenAI batch line, else 'jsonl'."""
+    for i, line in enumerate(iter_jsonl(path, max_line_bytes)):
+        if i >= SNIFF_LINES:
+            break
+        if isinstance(line.value, dict):
+            return "openai" if ("custom_id" in line.value or "body" in line.value) else "jsonl"
+    return "jsonl"
+
+
+def detect_format(path: Path, io: IOConfig) -> str:
+    """The concrete format of `path`: jsonl, openai, parquet, arrow, csv or json (datasets)."""
+    if io.input_format != "auto":
+        return io.input_format
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return sniff_jsonl(path, io.max_line_bytes)
+    if suffix == ".json":
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        # a JSON array goes to datasets; one object per line is JSONL with per-line errors
+        return "json" if head.startswith(b"[") else sniff_jsonl(path, io.max_line_bytes)
+    if suffix in DATASET_FORMATS:
+        return DATASET_FORMATS[suffix]
+    raise InputFileError(
+        f"{path}: cannot tell the input format from the extension {suffix or '(none)'}; use "
+        f".jsonl, .parquet, .arrow, .csv or .json, or set io.input_format (allowed: jsonl, "
+        "openai, parquet, arrow, csv, json)")
+
+
+# --- datasets ----------------------------------------------------------------------------------------
+def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[tuple[int, dict]]:
+    """(1-based row number, row) from a local dataset file, streamed by `datasets`."""
+    try:
+        from datasets import load_dataset
+
+        dataset = load_dataset(fmt, data_files=str(path), split="train", streaming=True)
+        for number, row in enumerate(dataset, start=1):
+            if shard.takes(number):
+                yield number, row
+    except (ValueError, OSError, ImportError) as exc:
+        raise InputFileError(f"{path}: cannot read it as {fmt} ({exc})") from None
+    except Exception as exc:  # pyarrow and datasets raise their own error types
+        if type(exc).__module__.split(".")[0] in ("pyarrow", "datasets"):
+            raise InputFileError(f"{path}: cannot read it as {fmt} ({exc})") from None
+        raise
+
+
+def count_records(path: Path, fmt: str, shard: Shard = Shard()) -> Optional[int]:
+    """How many records the shard will see (lines, or rows), or None if that is costly to know."""
+    if fmt in ("jsonl", "openai"):
+        lines = 0
+        last = b"\n"
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+        if last != b"\n":
+            lines += 1
+    elif fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            lines = pq.ParquetFile(str(path)).metadata.num_rows
+        except Exception:
+            return None
+    else:
+        return None
+    return len(range(shard.index, lines, shard.count))
+
+
+# --- records -> specs -----------------------------------------------------------------------------
+class InputReader:
+    """Streams an input file as RequestSpec / InputError, in input order, duplicates flagged.
+
+    `done_ids` are the ids a previous run wrote to outputs; `done_lines` the line numbers (as
+    strings) it wrote to errors. Those records are skipped, but a done id still counts as seen, so a
+    later line repeating it is still reported as a duplicate.
+    """
+
+    def __init__(self, path: Path, io: IOConfig, defaults: SamplingParams, shard: Shard = Shard(),
+                 fmt: Optional[str] = None, limit: Optional[int] = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InputFileError(f"{self.path}: no such file")
+        self.io = io
+        self.defaults = defaults
+        self.shard = shard
+        self.format = fmt or detect_format(self.path, io)
+        self.limit = limit
+        self.seen = IdSet()
+        self.records_read = 0
+        self.skipped_done = 0
+
+    def total(self) -> Optional[int]:
+        total = count_records(self.path, self.format, self.shard)
+        if total is not None and self.limit is not None:
+            total = min(total, self.limit)
+        return total
+
+    def _parsed(self) -> Iterator[Parsed]:
+        if self.format in ("jsonl", "openai"):
+            parse = parse_openai if self.format == "openai" else parse_plain_or_chat
+            for line in iter_jsonl(self.path, self.io.max_line_bytes, self.shard):
+                yield line.error if line.error else parse(line.value, line.number, self.defaults)
+        else:
+            io = self.io
+            for number, row in iter_dataset_rows(self.path, self.format, self.shard):
+                yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
+                                        io.messages_field, io.id_field, io.metadata_fields)
+
+    def __iter__(self) -> Iterator[Parsed]:
+        return self.records()
+
+    def records(self, done_ids: Optional[IdSet] = None,
+                done_lines: Optional[IdSet] = None) -> Iterator[Parsed]:
+        for item in self._parsed():
+            if self.limit is not None and self.records_read >= self.limit:
+                return
+            self.records_read += 1
+            already_reported = bool(done_lines) and str(item.line) in done_lines
+            if isinstance(item, RequestSpec):
+                if not self.seen.add(item.request_id):
+                    item = InputError(item.line, "duplicate_id",
+                                      f"id {item.request_id!r} appears on an earlier line; ids "
+                                      "must be unique", request_id=item.request_id,
+                                      custom_id=item.custom_id, metadata=item.metadata,
+                                      openai_url=item.openai_url)
+                elif done_ids is not None and item.request_id in done_ids:
+                    self.skipped_done += 1
+                    continue
+            if already_reported:
+                self.skipped_done += 1
+                continue
+            yield item

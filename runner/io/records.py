@@ -1,0 +1,137 @@
+"""What one finished or failed request looks like on disk.
+
+Plain and chat inputs get a flat record; OpenAI batch inputs get the OpenAI batch *output* envelope
+(id, custom_id, response {status_code, request_id, body}, error), so existing tooling reads it.
+Ids in the envelope are derived from custom_id, so a resumed run writes the same ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .input_records import InputError, RequestSpec
+from batchinfer.engine.request import RequestOutput
+
+
+@dataclass
+class RequestPayload:
+    """Rides through the engine on Request.payload: what the writer needs besides the result."""
+
+    line: int
+    metadata: Optional[dict] = None
+    custom_id: Optional[str] = None
+    openai_url: Optional[str] = None
+    openai_model: Optional[str] = None
+    order: int = 0               # admission order in this session (for output_order: input)
+    # for history.jsonl (the length predictors' training data)
+    prompt_text: Optional[str] = None    # the prompt as predictors see it (chat rendered)
+    max_tokens: Optional[int] = None
+    predicted_tokens: Optional[int] = None
+
+    @classmethod
+    def from_spec(cls, spec: RequestSpec, order: int) -> "RequestPayload":
+        return cls(line=spec.line, metadata=spec.metadata, custom_id=spec.custom_id,
+                   openai_url=spec.openai_url, openai_model=spec.extra.get("model"), order=order,
+                   max_tokens=spec.sampling.max_tokens if spec.sampling is not None else None)
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def output_record(out: RequestOutput, payload: RequestPayload, model_id: str) -> dict:
+    if payload.openai_url:
+        return openai_output(out, payload, model_id)
+    record: dict[str, Any] = {
+        "id": out.request_id,
+        "text": out.text,
+        "finish_reason": _reason(out.finish_reason),
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+    }
+    if out.stop_reason is not None:
+        record["stop_reason"] = out.stop_reason
+    if out.logprobs is not None:
+        record["logprobs"] = out.logprobs
+    if payload.metadata is not None:
+        record["metadata"] = payload.metadata
+    return record
+
+
+def _reason(reason: Any) -> str:
+    return getattr(reason, "value", reason)
+
+
+def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) -> dict:
+    key = _short_hash(payload.custom_id or out.request_id)
+    chat = payload.openai_url == "/v1/chat/completions"
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text}
+        choice["logprobs"] = _chat_logprobs(out.logprobs) if out.logprobs is not None else None
+    else:
+        choice["text"] = out.text
+        choice["logprobs"] = _completion_logprobs(out.logprobs) if out.logprobs is not None else None
+    choice["finish_reason"] = _reason(out.finish_reason)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": payload.openai_model or model_id,
+        "choices": [choice],
+        "usage": {"prompt_tokens": out.num_prompt_tokens,
+                  "completion_tokens": out.num_output_tokens,
+                  "total_tokens": out.num_prompt_tokens + out.num_output_tokens},
+    }
+    record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
+              "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
+              "error": None}
+    if payload.metadata is not None:
+        record["metadata"] = payload.metadata
+    return record
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def _chat_logprobs(entries: list[dict]) -> dict:
+    return {"content": [{
+        "token": e["token"], "logprob": e["logprob"], "bytes": _token_bytes(e["token"]),
+        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
+                          "bytes": _token_bytes(t["token"])} for t in e.get("top_logprobs", [])],
+    } for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict]) -> dict:
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+                             for e in entries]}
+
+
+def error_record(line: int, code: str, message: str, request_id: Optional[str] = None,
+                 metadata: Optional[dict] = None, custom_id: Optional[str] = None,
+                 openai: bool = False) -> dict:
+    record: dict[str, Any] = {"id": request_id, "line": line, "code": code, "message": message}
+    if openai or custom_id is not None:
+        key = _short_hash(custom_id or f"line-{line}")
+        record.update({"id": f"batch_req_{key}", "custom_id": custom_id, "response": None,
+                       "error": {"code": code, "message": message}})
+    if metadata is not None:
+        record["metadata"] = metadata
+    return record
+
+
+def input_error_record(err: InputError, openai_input: bool) -> dict:
+    return error_record(err.line, err.code, err.message, err.request_id, err.metadata,
+                        err.custom_id, openai=openai_input)
+
+
+def record_id(record: dict) -> Optional[str]:
+    """The request id a record in outputs.jsonl answers (custom_id for the OpenAI envelope)."""
+    if "custom_id" in record and "response" in record:
+        return record.get("custom_id")
+    return record.get("id")

@@ -1,0 +1,490 @@
+"""The job loop: input stream -> engine -> run directory, with resume, reports and signals.
+
+    reader (InputReader) --specs--> admission (tokenize) --Request--> engine.step()
+        --RequestOutput--> OrderedSink --records--> RunDir (outputs / errors)
+
+At most `max_in_flight` requests are read but not yet written, so input of any length streams
+through bounded memory. Every few seconds a timeline sample goes to metrics.jsonl and report.json
+(+ report.md and the plots) is rewritten. SIGTERM / SIGINT during setup (run directory, kernels,
+model, workers) stop it at once; during the loop they stop the reading, drop the requests in
+flight (they were never written, so a resume runs them), write a partial report and exit 143 / 130;
+a second signal exits at once (still safe: every written line is flushed). A full disk or a
+file-size limit stops the job with exit 3 and leaves every file as it was before the failed write.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from batchinfer.predictors.history import history_record, spec_text
+from .io.admission import build_request, prompt_token_ids
+from batchinfer.engine.errors import RequestError
+from .read_ahead import ReadAhead
+from batchinfer.engine.request import FinishReason
+from .io.input_records import InputError, RequestSpec
+from .io.inputs import InputReader, Shard
+from .report.metrics import SessionMetrics
+from .report.plots import render_plots
+from .progress import Progress
+from .recipe import Recipe
+from .io.records import RequestPayload, error_record, input_error_record, output_record
+from .report.report import build_report, now_iso, render_markdown, session_brief
+from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
+from .sink import OrderedSink
+from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
+
+log = logging.getLogger("batchinfer")
+
+EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+ENGINE_INFO_KEYS = ("device", "dtype", "attention_backend", "kv_cache_bytes", "kv_block_size",
+                    "kv_capacity_tokens", "num_params", "max_model_len", "scheduler_policy",
+                    "strategy", "step_times", "parallel", "strategy_stats", "prefix_cache",
+                    "linear_kernel")
+# ... and the key the strategy's own engine build reports under: the strategy's name
+
+
+def default_output_dir(recipe_path: Optional[str], input_path: Path) -> Path:
+    """Deterministic (no timestamp), so rerunning the same command resumes the same run."""
+    recipe_stem = Path(recipe_path).stem if recipe_path else "recipe"
+    return Path("runs") / f"{recipe_stem}__{Path(input_path).stem}"
+
+
+@dataclass
+class JobSpec:
+    recipe: Recipe
+    input_path: Path
+    output_dir: Path
+    recipe_path: Optional[str] = None
+    resume: bool = True
+    limit: Optional[int] = None
+    shard: Shard = field(default_factory=Shard)
+    progress: str = "auto"                 # auto | bar | lines | off
+    engine_factory: Optional[Callable] = None   # EngineConfig -> Engine; default Engine.from_config
+
+
+@dataclass
+class JobOutcome:
+    status: str                            # completed | interrupted | failed
+    exit_code: int
+    run_dir: Path
+    outputs: int
+    errors: int
+    session: dict
+    message: str = ""
+
+
+class Job:
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.recipe = spec.recipe
+        self.reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling,
+                                  spec.shard, limit=spec.limit)
+        self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
+        self.engine = None
+        self.predictor = None                  # the recipe's output-length predictor
+        self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
+        self.run_dir: Optional[RunDir] = None
+        self.prior = PriorState()
+        self.signals = StopSignals()
+        self.session_number = 1
+        self.started_at = now_iso()
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+        self._previous_sessions: list[dict] = []
+        self._total: Optional[int] = None
+        self._progress: Optional[Progress] = None
+        self._sink: Optional[OrderedSink] = None
+        self._last_report = 0.0
+        self._last_plots = 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # --- entry point ------------------------------------------------------------------------------
+    def run(self) -> JobOutcome:
+        spec = self.spec
+        restore = self.signals.install()
+        status, exit_code, message = "failed", EXIT_FAILED, ""
+        try:
+            self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
+            self._start_session()
+            self._build_engine()
+            self._sink = OrderedSink(self.recipe.io.output_order, self._write)
+            self._progress = Progress(self._total, already_done=self.prior.num_outputs
+                                      + self.prior.num_errors, mode=spec.progress,
+                                      interval_s=self.recipe.report.progress_interval_seconds)
+            self.signals.setting_up = False   # from here a signal stops the loop after its step
+            if self._loop():
+                status, exit_code = "completed", EXIT_OK
+            else:
+                status, message = "interrupted", f"stopped by {signal_name(self.signals.received)}"
+        except StopRequested as stop:
+            status, message = "interrupted", f"stopped by {signal_name(stop.signum)} during setup"
+        except KeyboardInterrupt:
+            status, message = "interrupted", "interrupted"
+            self.signals.received = self.signals.received or signal.SIGINT
+        except (Exception, SystemExit) as exc:
+            if self.engine is None and _is_user_error(exc):
+                self._close(restore)
+                raise
+            if isinstance(exc, RunDirWriteError):
+                log.error("%s", exc)
+            else:
+                log.exception("the run failed")
+            message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk"
+        self.signals.setting_up = False
+        if self.signals.received is not None and status == "failed":
+            status = "interrupted"         # a failure the signal caused (e.g. a child it killed)
+        if status != "completed":
+            message += "; rerun to resume"
+        if status == "completed" and self._progress is not None:
+            self._progress.total = self._progress.done  # blank lines are not requests
+        if self.run_dir is not None:
+            self._finish(status, message)
+        self._close(restore)
+        if self.signals.received is not None:
+            # a signal always answers 130 / 143, also one that came during the final report
+            exit_code = exit_code_for(self.signals.received)
+        totals = self._totals()
+        path = self.run_dir.path if self.run_dir is not None else Path(spec.output_dir)
+        return JobOutcome(status, exit_code, path, totals["outputs"], totals["errors"],
+                          self._session_summary(), message)
+
+    def _close(self, restore: Callable[[], None]) -> None:
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            try:
+                close_engine()  # stops worker processes, if any
+            except Exception:  # noqa: BLE001 - the run's outcome is already decided
+                log.exception("stopping the engine failed")
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self.run_dir is not None:
+            self.run_dir.close()
+        restore()     # last: a signal while the workers stop is still this job's to answer
+
+    # --- setup ------------------------------------------------------------------------------------
+    def _start_session(self) -> None:
+        run_dir = self.run_dir
+        recipe_yaml = self.recipe.to_yaml()
+        old_recipe = run_dir.read_text(RECIPE)
+        if old_recipe is not None and old_recipe != recipe_yaml:
+            log.warning("%s: the recipe differs from the one this run started with; results "
+                        "already written keep the old settings", run_dir.path)
+        run_dir.write_text(RECIPE, recipe_yaml)
+        manifest = run_dir.read_json(MANIFEST) or {}
+        input_path = str(Path(self.spec.input_path).resolve())
+        if manifest.get("input") and manifest["input"] != input_path:
+            log.warning("%s was started with input %s; now resuming with %s (ids decide what is "
+                        "skipped)", run_dir.path, manifest["input"], input_path)
+        sessions = list(manifest.get("sessions") or [])
+        self.session_number = len(sessions) + 1
+        sessions.append({"started_at": self.started_at, "pid": os.getpid(),
+                         "host": socket.gethostname(), "argv": sys.argv})
+        run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
+                                      "recipe": self.spec.recipe_path,
+                                      "shard": _shard_dict(self.spec.shard), "sessions": sessions})
+        old_report = run_dir.read_json(REPORT_JSON) or {}
+        self._previous_sessions = list(old_report.get("previous_sessions") or [])
+        if old_report.get("session"):
+            brief = session_brief(old_report["session"])
+            brief["status"] = "interrupted" if old_report.get("status") == "running" \
+                else old_report.get("status")
+            self._previous_sessions.append(brief)
+        self._total = self.reader.total()
+        if self.prior.num_outputs or self.prior.num_errors:
+            log.info("resuming %s: %d outputs and %d errors already written; skipping them",
+                     run_dir.path, self.prior.num_outputs, self.prior.num_errors)
+
+    def _build_engine(self) -> None:
+        t = time.perf_counter()
+        if self.signals.received is None:
+            factory = self.spec.engine_factory
+            if factory is None:
+                from batchinfer.engine.engine import Engine
+
+                factory = Engine.from_config
+            # the predictor first: a bad predictor directory is a usage error (exit 2)
+            self.predictor = self._build_predictor()
+            self.engine = factory(self.recipe.engine_config())
+            self.engine.drain_step_events()
+            self.metrics.start(self.engine.stats(), self.clock())
+        self.metrics.phases_s["load"] += time.perf_counter() - t
+
+    def _build_predictor(self):
+        """The recipe's length predictor; none needs no prediction pass at all."""
+        cfg = self.recipe.predictor
+        if cfg.name == "none":
+            return None
+        from batchinfer.predictors import make_predictor
+
+        device = self.recipe.device.device
+        return make_predictor(cfg, device=None if device == "auto" else device)
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def _loop(self) -> bool:
+        """Runs until the input is done (True) or a signal stops it (False)."""
+        engine = self.engine
+        finished = False
+        records = self.reader.records(self.prior.done_ids, self.prior.done_lines)
+        exhausted = False
+        while self.signals.received is None:
+            if not exhausted:
+                exhausted = self._fill(records)
+            self.read_ahead.feed()
+            if engine.has_unfinished():
+                for out in engine.step():
+                    self._sink.submit(out.payload.order, ("output", out))
+                    for copy in self.read_ahead.finished(out):
+                        self._sink.submit(copy.payload.order, ("output", copy))
+                self.metrics.on_steps(engine.drain_step_events())
+            elif exhausted and not self.read_ahead.waiting:
+                finished = True
+                break
+            self._tick()
+        self.metrics.finished_t = self.clock()
+        if self.signals.received is not None and engine is not None and engine.has_unfinished():
+            dropped = engine.abort_all()
+            log.warning("dropped %d requests in flight; they were not written and run again on "
+                        "resume", len(dropped) + self.read_ahead.drop())
+        return finished
+
+    def _fill(self, records) -> bool:
+        """Reads records until max_in_flight (plus io.group_window when grouping) are pending;
+        True when input is exhausted.
+
+        The records read in one call are tokenized one by one, then predicted in one batch (the
+        length predictor runs before scheduling); a duplicate waits for its leader, the others
+        go to the engine, through the prefix window when grouping."""
+        t = time.perf_counter()
+        limit = self.read_ahead.read_limit
+        batch: list = []
+        exhausted = False
+        try:
+            while self._sink.pending < limit and self.signals.received is None:
+                item = next(records, None)
+                if item is None:
+                    exhausted = True
+                    break
+                order = self._sink.admit()
+                if isinstance(item, InputError):
+                    self._sink.submit(order, ("error", item))
+                    continue
+                request = self._prepare(item, order)
+                if request is not None:
+                    batch.append((item, request))
+        finally:
+            self.metrics.phases_s["input"] += time.perf_counter() - t
+        leaders = self.read_ahead.leaders(batch)
+        self._predict([request for _, request in leaders])
+        self.read_ahead.place(leaders)
+        return exhausted
+
+    def _prepare(self, spec: RequestSpec, order: int):
+        """Tokenizes `spec` into an engine Request; a RequestError becomes its error record."""
+        try:
+            tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
+            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens)
+        except RequestError as exc:
+            self._request_error(spec, order, exc)
+            return None
+        if self.recipe.predictor.history or self.predictor is not None:
+            request.payload.prompt_text = spec_text(spec.prompt, spec.messages, tokens,
+                                                    self.engine.tokenizer)
+        return request
+
+    def _predict(self, requests: list) -> None:
+        if self.predictor is None or not requests:
+            return
+        t = time.perf_counter()
+        for request, length in zip(requests, self.predictor.predict(requests)):
+            request.predicted_output_len = length
+            request.payload.predicted_tokens = length
+        self.metrics.phases_s["predict"] += time.perf_counter() - t
+
+    def _add(self, spec: RequestSpec, request) -> bool:
+        try:
+            self.engine.add_request(request)
+        except RequestError as exc:
+            self._request_error(spec, request.payload.order, exc)
+            for follower in self.read_ahead.dedup.abandon(request):   # the same error
+                self._sink.submit(follower.payload.order,
+                                  ("request_error", (follower.payload, follower.request_id, exc)))
+            return False
+        self.metrics.on_admit(self.clock())
+        return True
+
+    def _request_error(self, spec: RequestSpec, order: int, exc: RequestError) -> None:
+        payload = RequestPayload.from_spec(spec, order)
+        self._sink.submit(order, ("request_error", (payload, spec.request_id, exc)))
+
+    def _write(self, kind: str, item) -> None:
+        """Called by the sink, in output order."""
+        t = time.perf_counter()
+        now = self.clock()
+        openai_input = self.reader.format == "openai"
+        if kind == "output" and _failed(item):
+            code = "aborted" if item.finish_reason == FinishReason.ABORT else "engine_error"
+            payload = item.payload
+            self.run_dir.write_error(error_record(payload.line, code, item.error or code,
+                                                  item.request_id, payload.metadata,
+                                                  payload.custom_id, openai=openai_input))
+            self.metrics.on_error(code, now)
+        elif kind == "output":
+            self.run_dir.write_output(output_record(item, item.payload, self.engine.model_id))
+            if self.recipe.predictor.history:
+                self.run_dir.write_history(self._history_record(item))
+            self.metrics.on_result(item, now)
+        elif kind == "error":
+            self.run_dir.write_error(input_error_record(item, openai_input))
+            self.metrics.on_error(item.code, now)
+        else:
+            payload, request_id, exc = item
+            self.run_dir.write_error(error_record(payload.line, exc.code, exc.message, request_id,
+                                                  payload.metadata, payload.custom_id,
+                                                  openai=openai_input))
+            self.metrics.on_error(exc.code, now)
+        if self._progress is not None:
+            m = self.metrics
+            self._progress.update(m.completed, m.failed, m.completion_tokens)
+        self.metrics.phases_s["write"] += time.perf_counter() - t
+
+    def _history_record(self, out) -> dict:
+        payload = out.payload
+        return history_record(out.request_id, payload.prompt_text, out.num_prompt_tokens,
+                              out.num_output_tokens, out.finish_reason, self.engine.model_id,
+                              payload.max_tokens, payload.predicted_tokens,
+                              prompts=self.recipe.predictor.history_prompts)
+
+    def _tick(self, force: bool = False, report: bool = True) -> None:
+        now = self.clock()
+        stats = self.engine.stats() if self.engine is not None else None
+        sample = self.metrics.sample(now, stats, force=force)
+        if sample is not None:
+            self.run_dir.write_metrics({"session": self.session_number, **sample})
+        cfg = self.recipe.report
+        if report and (force or now - self._last_report >= cfg.refresh_seconds):
+            self._write_report("running")
+
+    # --- reporting --------------------------------------------------------------------------------
+    def _totals(self) -> dict:
+        m, p = self.metrics, self.prior
+        outputs, errors = p.num_outputs + m.completed, p.num_errors + m.failed
+        codes = dict(p.error_codes)
+        for code, n in m.error_codes.items():
+            codes[code] = codes.get(code, 0) + n
+        remaining = None
+        if self._total is not None:
+            remaining = max(self._total - outputs - errors, 0)
+        return {"input_records": self._total, "outputs": outputs, "errors": errors,
+                "remaining": remaining, "errors_by_code": codes,
+                "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
+                "completion_tokens": p.completion_tokens + m.completion_tokens}
+
+    def _session_summary(self) -> dict:
+        now = self.clock()
+        stats = self.engine.stats() if self.engine is not None else None
+        summary = self.metrics.summary(now, stats)
+        m = self.metrics
+        window = None
+        if m.first_admit_t is not None:
+            window = [round(self._wall0 + m.first_admit_t, 3),
+                      round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
+        if self.predictor is not None:
+            pred = self.predictor.stats()
+            pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
+            summary["predictor"] = pred
+        summary.update(self.read_ahead.summary())
+        return {"started_at": self.started_at, "session": self.session_number,
+                "elapsed_s": round(now, 3), "generation_window": window, **summary}
+
+    def _write_report(self, status: str, detail: Optional[str] = None, final: bool = False,
+                      draw: bool = True) -> None:
+        t = time.perf_counter()
+        self._last_report = self.clock()
+        session = self._session_summary()
+        if final:
+            session["ended_at"] = now_iso()
+            session["status"] = status
+        report = build_report(status=status, meta=self._meta(), totals=self._totals(),
+                              session=session, previous_sessions=self._previous_sessions,
+                              status_detail=detail)
+        plots = None
+        cfg = self.recipe.report
+        if draw and cfg.plots and (final or self._last_report - self._last_plots
+                                   >= cfg.plot_refresh_seconds):
+            self._last_plots = self._last_report
+            try:
+                plots = render_plots(self.metrics.timeline, session["batch_size"]["histogram"])
+                timeline = getattr(self.engine, "timeline", None)
+                events = timeline(last=4000) if timeline is not None else []
+                if events:
+                    from .report.plots import plot_pipeline
+
+                    png = plot_pipeline(events)
+                    if png:
+                        plots["pipeline_timeline.png"] = png
+            except Exception as exc:  # a plot must never fail a job
+                log.warning("could not draw the plots: %s", exc)
+        names = tuple(sorted(plots)) if plots else tuple(
+            sorted(p.name for p in (self.run_dir.path / "plots").glob("*.png")))
+        self.run_dir.write_report(report, render_markdown(report, names), plots)
+        if final:
+            self.run_dir.sync()
+        self.metrics.phases_s["report"] += time.perf_counter() - t
+
+    def _meta(self) -> dict:
+        from batchinfer import __version__
+
+        stats = self.engine.stats() if self.engine is not None else {}
+        return {
+            "batchinfer_version": __version__,
+            "run_dir": str(self.run_dir.path),
+            "input": str(self.spec.input_path),
+            "input_format": self.reader.format,
+            "recipe": self.spec.recipe_path,
+            "model": self.engine.model_id if self.engine is not None else None,
+            "engine": {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
+                       if k in stats},
+            "strategy": self.recipe.strategy.model_dump(mode="json"),
+            "shard": _shard_dict(self.spec.shard),
+        }
+
+    def _finish(self, status: str, message: str) -> None:
+        try:
+            self._tick(force=True, report=False)
+            # after a signal the plots keep their last refresh: drawing takes seconds, and a
+            # signalled job must exit within a few
+            self._write_report(status, message or None, final=True,
+                               draw=self.signals.received is None)
+        except RunDirWriteError as exc:
+            log.error("could not write the final report: %s", exc)
+        except Exception:
+            log.exception("could not write the final report")
+
+
+def _failed(out) -> bool:
+    """A result the engine finished without an answer: an error record, not an output."""
+    return out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) or bool(out.error)
+
+
+def _shard_dict(shard: Shard) -> Optional[dict]:
+    return {"index": shard.index, "count": shard.count} if shard.count > 1 else None
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from batchinfer.engine.errors import ConfigError, ModelLoadError
+
+    return isinstance(exc, (ConfigError, ModelLoadError))
+
+
+def run_job(spec: JobSpec) -> JobOutcome:
+    return Job(spec).run()

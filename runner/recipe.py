@@ -1,0 +1,256 @@
+"""The recipe: one YAML file that says what model, how to sample, which strategy, where outputs go.
+
+    model:    {path, dtype, max_model_len, ...}       -> engine ModelConfig
+    sampling: {temperature, max_tokens, ...}           -> default SamplingParams (vLLM names)
+    strategy: {name: baseline, policy: hb, ...}        -> a registered strategy and its parameters
+    parallel: {tp, pp, dp}
+    memory:   {kv_cache_memory, block_size, ...}       -> engine CacheConfig
+    device:   {device, num_threads, ...}               -> engine DeviceConfig
+    io:       {input_format, output_dir, output_order, prompt_field, ...}
+    predictor: {name: none|mean|oracle|bert, path, history_prompts, ...}
+    report:   {refresh_seconds, plots, ...}
+
+The sections compose the engine's own pydantic models, so a key means the same thing in a recipe
+and in Python. Loading is yaml.safe_load plus pydantic: a recipe is data and never executes code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional, Union
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
+                      ValidationInfo, field_validator)
+
+from batchinfer.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                     SchedulerConfig, parse_size)
+from batchinfer.strategies.base import BaselineStrategy, StrategyParams
+from .recipe_errors import RecipeError, YamlLines, suggest, validation_problems
+from batchinfer.engine.request import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def strategy_class(name: Any) -> type[StrategyParams]:
+    """The parameter model registered for `name`; ValueError listing the known ones otherwise."""
+    from batchinfer.strategies import STRATEGIES
+
+    if isinstance(name, str) and name in STRATEGIES:
+        return STRATEGIES[name]
+    hint = suggest(str(name), STRATEGIES)
+    known = ", ".join(sorted(STRATEGIES))
+    raise ValueError(f"unknown strategy {name!r}" + (f"; did you mean '{hint}'?" if hint else ".")
+                     + f" Known strategies: {known}")
+
+
+# --- the other sections ---------------------------------------------------------------------------
+class PredictorConfig(_Strict):
+    """Output-length predictor (TD-Pipe §3.3) and the history every run writes to train it."""
+
+    name: Literal["none", "mean", "oracle", "bert"] = Field(
+        "none", description="none: each request's max_tokens; mean: a history's mean; oracle: "
+        "the true length from the input line; bert: a trained BERT length classifier")
+    path: Optional[str] = Field(None, validate_default=True, description="bert: a directory made "
+                                "by `batchinfer predictor train`; mean: that, or a run directory "
+                                "holding history.jsonl")
+    oracle_field: str = Field("max_tokens", description="oracle: where the input line holds the "
+                              "true output length: max_tokens (a replayed trace sets it to the "
+                              "recorded length, with ignore_eos) or metadata.<key>")
+    batch_size: int = Field(64, ge=1, description="requests per predictor forward pass")
+    history: bool = Field(True, description="append one history.jsonl line per finished request "
+                          "(the training data of `batchinfer predictor train`)")
+    history_prompts: Literal["text", "hash"] = Field(
+        "text", description="text: keep each prompt in history.jsonl; hash: only its sha256")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v, info: ValidationInfo):
+        if "name" not in info.data:   # the name itself is wrong: that is the error to show
+            return v
+        name = info.data["name"]
+        if name not in ("bert", "mean"):
+            if v is not None:
+                raise ValueError(f"only the bert and mean predictors read a path (name is {name})")
+            return v
+        if not v:
+            need = ("a directory made by `batchinfer predictor train`" if name == "bert" else
+                    "a trained predictor directory or a run directory holding history.jsonl")
+            raise ValueError(f"the {name} predictor needs a path: {need}")
+        path = Path(v)
+        if not path.is_dir():
+            raise ValueError(f"{v}: no such directory")
+        if (path / "predictor.json").is_file():
+            return v
+        if name == "mean" and ((path / "history.jsonl").is_file()
+                               or any(path.glob("part-*-of-*/history.jsonl"))):
+            return v
+        what = "predictor.json" if name == "bert" else "predictor.json or history.jsonl"
+        raise ValueError(f"{v}: no {what} there (train a predictor with `batchinfer predictor "
+                         "train --history RUN_DIR --out DIR`)")
+
+    @field_validator("oracle_field")
+    @classmethod
+    def _oracle_field(cls, v: str):
+        if v == "max_tokens" or (v.startswith("metadata.") and len(v) > len("metadata.")):
+            return v
+        raise ValueError("use max_tokens or metadata.<key>")
+
+
+InputFormat = Literal["auto", "jsonl", "openai", "parquet", "arrow", "csv", "json"]
+
+
+class IOConfig(_Strict):
+    input_format: InputFormat = Field(
+        "auto", description="auto: from the extension, and for JSONL from the first record")
+    prompt_field: str = Field("prompt", description="dataset column holding the prompt text")
+    messages_field: str = Field("messages", description="dataset column holding chat messages")
+    id_field: str = Field("id", description="dataset column holding the request id")
+    metadata_fields: list[str] = Field(default_factory=list,
+                                       description="dataset columns copied into metadata")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: apply to messages; always: also wrap plain prompts as a user "
+        "turn; never: render messages as plain 'role: content' text")
+    output_dir: Optional[str] = Field(None, description="run directory; default "
+                                      "runs/<recipe>__<input>")
+    output_order: Literal["completion", "input"] = "completion"
+    max_in_flight: Optional[int] = Field(None, ge=1, description="requests read but not yet "
+                                         "written; default 2 x max_num_seqs")
+    group_prefixes: bool = Field(True, description="hold requests read ahead in a window "
+                                 "sorted by prompt tokens and hand them to the engine in that "
+                                 "order, so requests sharing a prefix run together "
+                                 "(runner/read_ahead.py)")
+    group_window: int = Field(1024, ge=0, description="with group_prefixes: requests read ahead "
+                              "beyond max_in_flight to group (bounds memory with it)")
+    dedup: bool = Field(True, description="compute a request once when its prompt and "
+                        "deterministic sampling (greedy or seeded) equal an earlier one's in "
+                        "flight; each gets its own result record")
+    max_line_bytes: Union[int, str] = Field("4MiB", validate_default=True,
+                                            description="longer input lines are errors")
+
+    @field_validator("max_line_bytes")
+    @classmethod
+    def _size(cls, v):
+        return parse_size(v)
+
+
+class ReportConfig(_Strict):
+    refresh_seconds: float = Field(5.0, gt=0, description="report.json/report.md refresh period")
+    plots: bool = True
+    plot_refresh_seconds: float = Field(30.0, gt=0,
+                                        description="plot refresh period (a render costs ~0.5 s CPU)")
+    metrics_interval_seconds: float = Field(1.0, gt=0, description="metrics.jsonl sample period")
+    progress_interval_seconds: float = Field(10.0, gt=0,
+                                             description="plain progress lines (not a TTY)")
+
+
+class Recipe(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    strategy: SerializeAsAny[StrategyParams] = Field(default_factory=BaselineStrategy)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    memory: CacheConfig = Field(default_factory=CacheConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    io: IOConfig = Field(default_factory=IOConfig)
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _registered_strategy(cls, value):
+        if isinstance(value, dict):
+            return strategy_class(value.get("name", "baseline")).model_validate(value)
+        return value
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, cache=self.memory,
+                            scheduler=self.strategy.scheduler_config(), device=self.device,
+                            parallel=self.parallel, strategy=self.strategy)
+
+    @property
+    def max_in_flight(self) -> int:
+        if self.io.max_in_flight:
+            return self.io.max_in_flight
+        return 2 * self.strategy.scheduler_config().max_num_seqs
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+SECTIONS = tuple(Recipe.model_fields)
+
+
+def parse_recipe(data: Any, source: str = "<recipe>", text: Optional[str] = None) -> Recipe:
+    """Validates recipe data (already parsed YAML); RecipeError lists every problem found."""
+    lines = YamlLines(text) if text else None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(source, [f"the recipe must be a mapping of sections "
+                                   f"({', '.join(SECTIONS)}), not {type(data).__name__}"])
+    problems: list[str] = []
+    data = dict(data)
+    strategy = data.get("strategy")
+    if strategy is not None:
+        data["strategy"] = _validate_strategy(strategy, problems, lines)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(validation_problems(exc, Recipe, lines=lines))
+        raise RecipeError(source, problems) from None
+    if problems:
+        raise RecipeError(source, problems)
+    return recipe
+
+
+def _validate_strategy(raw: Any, problems: list[str], lines: Optional[YamlLines]):
+    """The strategy section against its registered parameter model (errors keyed strategy.*)."""
+    at = lambda path: f"line {lines.line(path)}, " if lines and lines.line(path) else ""  # noqa: E731
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, dict):
+        problems.append(f"{at(('strategy',))}strategy: must be a mapping like "
+                        "{name: baseline, ...parameters}")
+        return BaselineStrategy()
+    try:
+        cls = strategy_class(raw.get("name", "baseline"))
+    except ValueError as exc:
+        problems.append(f"{at(('strategy', 'name'))}strategy.name: {exc}")
+        return BaselineStrategy()
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        problems.extend(validation_problems(exc, cls, prefix=("strategy",), lines=lines))
+        return BaselineStrategy()
+
+
+def load_recipe(path: Union[str, Path]) -> Recipe:
+    """Reads and validates a recipe file; every error names the file, line and key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(str(path), ["no such file"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(str(path), [f"cannot read it: {exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError(str(path), [f"{where}not valid YAML ({problem})"]) from None
+    recipe = parse_recipe(data, str(path), text)
+    check_supported(recipe, str(path), YamlLines(text))
+    return recipe
+
+
+def check_supported(recipe: Recipe, source: str = "<recipe>", lines: Optional[YamlLines] = None) -> None:
+    """Checks that need no model: the ones needing its shape (heads, layers) run at engine start."""
+    par = recipe.parallel
+    if par.pp_layers is not None and len(par.pp_layers) != par.pp:
+        line = lines.line(("parallel", "pp_layers")) if lines else None
+        where = f"line {line}, parallel.pp_layers" if line else "parallel.pp_layers"
+        raise RecipeError(source, [f"{where}: lists {len(par.pp_layers)} stages but pp is "
+                                   f"{par.pp}; give one layer count per pipeline stage"])

@@ -1,0 +1,127 @@
+"""Turns YAML and pydantic problems into messages a user can act on.
+
+Every message names the file, the line (when the key is in the file), the dotted key path and what
+is allowed; an unknown key gets the closest valid one suggested (difflib).
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from batchinfer.engine.errors import ConfigError
+
+KeyPath = tuple[Union[str, int], ...]
+
+
+class RecipeError(ConfigError):
+    """A recipe that cannot run. `problems` are one-line messages, each naming a key path."""
+
+    def __init__(self, source: str, problems: Sequence[str]):
+        self.source = source
+        self.problems = list(problems)
+        head = f"{source}: {len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        super().__init__(head + "".join(f"\n  - {p}" for p in self.problems))
+
+
+def suggest(word: str, choices: Iterable[str]) -> Optional[str]:
+    """The closest valid spelling of `word`, if one is close enough."""
+    matches = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def dotted(path: KeyPath) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+class YamlLines:
+    """Key path -> line number in the YAML text, from the composed node tree."""
+
+    def __init__(self, text: str):
+        self._lines: dict[KeyPath, int] = {}
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError:
+            root = None
+        if root is not None:
+            self._walk(root, ())
+
+    def _walk(self, node: yaml.Node, path: KeyPath) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = (key_node.value,)
+                self._lines[path + key] = key_node.start_mark.line + 1
+                self._walk(value_node, path + key)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._lines[path + (index,)] = item.start_mark.line + 1
+                self._walk(item, path + (index,))
+
+    def line(self, path: KeyPath) -> Optional[int]:
+        """Line of the deepest prefix of `path` that appears in the file."""
+        for end in range(len(path), 0, -1):
+            found = self._lines.get(tuple(path[:end]))
+            if found is not None:
+                return found
+        return None
+
+
+def _model_at(model: type[BaseModel], path: KeyPath) -> Optional[type[BaseModel]]:
+    """The pydantic model class that holds the last key of `path` (for listing valid keys)."""
+    current: Any = model
+    for part in path[:-1]:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        current = field.annotation
+        # Optional[X] / SerializeAsAny[X]: look through to the model inside
+        for arg in getattr(current, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                current = arg
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return current
+    return None
+
+
+def _describe(error: dict) -> str:
+    """pydantic's message plus the offending value, minus its internal wording."""
+    message = error["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    value = error.get("input")
+    if error["type"] not in ("missing", "extra_forbidden") and not isinstance(value, (dict, list)):
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        message += f" (got {shown})"
+    return message
+
+
+def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: KeyPath = (),
+                        lines: Optional[YamlLines] = None) -> list[str]:
+    """One message per pydantic error: 'line N, key.path: what is wrong; what is allowed'."""
+    problems = []
+    for error in exc.errors():
+        loc = tuple(part for part in error["loc"] if part != "__root__")
+        path = prefix + loc
+        where = dotted(path)
+        line = lines.line(path) if lines else None
+        at = f"line {line}, {where}" if line else where
+        if error["type"] == "extra_forbidden" and loc:
+            owner = _model_at(model, loc)
+            allowed = sorted(owner.model_fields) if owner else []
+            hint = suggest(str(loc[-1]), allowed)
+            text = f"{at}: unknown key" + (f"; did you mean '{hint}'?" if hint else ".")
+            if allowed:
+                text += f" Allowed keys: {', '.join(allowed)}"
+            problems.append(text)
+        else:
+            problems.append(f"{at}: {_describe(error)}")
+    return problems

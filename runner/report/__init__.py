@@ -1,0 +1,1 @@
+"""Session metrics, report.json / report.md and the plots."""

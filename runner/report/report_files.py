@@ -1,0 +1,78 @@
+"""Re-rendering a finished (or killed) run's report from its files, and merging Slurm parts."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from ..io.inputs import Shard
+from .plots import render_plots
+from .report import merge_reports, now_iso, render_markdown
+from ..run_dir import (PLOTS, REPORT_JSON, RunDir, in_use, latest_session_metrics, list_parts,
+                      read_json, report_writer)
+
+log = logging.getLogger(__name__)
+
+
+def refreshed_report(path: Path) -> Optional[dict]:
+    """report.json with its totals recounted from outputs/errors, and a stale 'running' status
+    (the process died without its final report) turned into 'interrupted'."""
+    report = read_json(Path(path) / REPORT_JSON)
+    if not isinstance(report, dict):
+        return None
+    run_dir, prior = RunDir.open(path, Shard(), resume=True, read_only=True)
+    run_dir.close()
+    totals = dict(report.get("totals") or {})
+    totals.update(outputs=prior.num_outputs, errors=prior.num_errors,
+                  errors_by_code=dict(prior.error_codes), prompt_tokens=prior.prompt_tokens,
+                  completion_tokens=prior.completion_tokens)
+    if totals.get("input_records") is not None:
+        totals["remaining"] = max(totals["input_records"] - prior.num_outputs - prior.num_errors, 0)
+    report["totals"] = totals
+    if report.get("status") == "running" and not in_use(path):
+        report["status"] = "interrupted"
+        report["status_detail"] = ("the run stopped without writing its final report (killed?); "
+                                   "rerun the same command to resume")
+    return report
+
+
+def rerender(root: Path) -> Optional[str]:
+    """Rewrites report.json / report.md / plots (unless a live run owns the directory) and
+    returns the markdown; None when `root` holds no report."""
+    root = Path(root)
+    parts = list_parts(root)
+    if parts:
+        reports = {p.name: refreshed_report(p) for p in parts}
+        expected = _expected_parts(parts)
+        for name in expected:
+            reports.setdefault(name, None)
+        merged = merge_reports(reports, str(root))
+        merged["updated_at"] = now_iso()
+        markdown = render_markdown(merged)
+        report_writer(root).write_report(merged, markdown)
+        return markdown
+    report = refreshed_report(root)
+    if report is None:
+        return None
+    live = in_use(root)
+    plots = None
+    if not live:
+        samples = latest_session_metrics(root)
+        histogram = ((report.get("session") or {}).get("batch_size") or {}).get("histogram")
+        try:
+            plots = render_plots(samples, histogram) or None
+        except Exception as exc:  # plots are a nicety; the report itself must still render
+            log.warning("could not draw the plots: %s", exc)
+    names = tuple(sorted(plots)) if plots else tuple(sorted(p.name for p in (root / PLOTS).glob("*.png")))
+    markdown = render_markdown(report, names)
+    if not live:
+        report_writer(root).write_report(report, markdown, plots)
+    return markdown
+
+
+def _expected_parts(parts: list[Path]) -> list[str]:
+    """Every part name the run should have (a task that never started has no directory)."""
+    from ..run_dir import PART_RE, part_name
+
+    count = max(int(PART_RE.match(p.name).group(2)) for p in parts)
+    return [part_name(Shard(i, count)) for i in range(count)]

@@ -1,0 +1,104 @@
+"""What a strategy is: its recipe parameters (a StrategyParams) and the hooks the rest of the
+product calls, so that nothing outside `strategies/<name>/` (and `resharding/`, Seesaw's
+machinery) names a strategy.
+
+A strategy provides, on its parameter model:
+- its scheduler: `scheduler_config()` (the batching knobs the job reads) and `make_scheduler()`;
+- optionally an engine of its own making: `build_engine(config)` (its executor, and a
+  `engine.runtime.worker_extension.WorkerExtension` its workers run: setup, execute, message,
+  close), and `prepare(engine)` once the engine is built;
+- its simulator model: `simulated_replicas(sim)` (None: the simulator's standard pipeline,
+  with `simulated_executor_options(layout)`);
+- the layouts it applies to: `applies_to(tp, pp, dp)`, and the parameters `batchinfer profile`
+  tries for it: `search_params(knobs)`;
+- its report statistics: the generic `strategy_summary()` / `step_stats()` of its scheduler and
+  executor (engine/scheduler.py, engine/executor.py), which metrics and plots render without
+  knowing the strategy.
+A new strategy is a folder here and one line in strategies/__init__.py.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from batchinfer.engine.config import SchedulerConfig
+
+
+class StrategyParams(BaseModel):
+    """Base of every strategy's parameter model; `name` selects the strategy."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    name: str = "baseline"
+    # False: `batchinfer profile` has no model of it (an external engine) and leaves it out
+    simulated: ClassVar[bool] = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""
+        raise NotImplementedError
+
+    def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
+        """One replica's Scheduler; the default is the baseline policy of scheduler_config()."""
+        from batchinfer.engine.scheduler import scheduler_from_config
+
+        return scheduler_from_config(self.scheduler_config(), block_manager, max_model_len,
+                                     pipeline_depth)
+
+    def prepare(self, engine) -> None:
+        """Runs once the engine is built, before any request (e.g. profiling step times)."""
+
+    def build_engine(self, config):
+        """An engine of the strategy's own making (Seesaw: two layouts over the same workers);
+        None: the standard single- or multi-process engine."""
+        return None
+
+    # --- the simulator and `batchinfer profile` ------------------------------------------------
+    def simulated_replicas(self, sim) -> Optional[list]:
+        """The simulator's replicas when the strategy models its own executor (sim: a
+        sim.simulator.SimSetup; write what the simulated engine should report to sim.info).
+        None: the standard simulated pipeline, with simulated_executor_options()."""
+        return None
+
+    def simulated_executor_options(self, layout) -> dict:
+        """Keyword options of the standard SimulatedExecutor for this strategy."""
+        return {}
+
+    @classmethod
+    def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
+        """Whether the strategy means anything on this layout (profile skips it otherwise)."""
+        return True
+
+    @classmethod
+    def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
+        """(label, strategy section) pairs `batchinfer profile` simulates for the strategy, with
+        the user's batching knobs; [] leaves it out of the search."""
+        return []
+
+
+class BaselineStrategy(StrategyParams, SchedulerConfig):
+    """vLLM-style continuous batching: policy sb (separate) or hb (hybrid chunked prefill)."""
+
+    name: Literal["baseline"] = "baseline"
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(**self.model_dump(exclude={"name"}))
+
+    @classmethod
+    def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
+        return [(f"baseline-{policy}", {"name": "baseline", "policy": policy, **batching(knobs)})
+                for policy in ("sb", "hb")]
+
+
+def batching(knobs: SchedulerConfig) -> dict:
+    """The batching knobs every searched strategy gets from the user's recipe."""
+    return {"max_num_seqs": knobs.max_num_seqs,
+            "max_num_batched_tokens": knobs.max_num_batched_tokens}
+
+
+# name -> parameter model; each strategy's package registers its own (strategies/__init__.py)
+STRATEGIES: dict[str, type[StrategyParams]] = {"baseline": BaselineStrategy}
+
+
+def register_strategy(name: str, params: type[StrategyParams]) -> None:
+    STRATEGIES[name] = params

@@ -1,0 +1,73 @@
+"""Strategy `seesaw`: dynamic re-sharding between a prefill layout and a decode layout, with a CPU
+KV tier (../shared/papers/seesaw.txt).
+
+The recipe's `parallel` section is the prefill layout c_p (e.g. pp: 2); `decode_tp` x
+`decode_pp` is the decode layout c_d over the same ranks (e.g. TP=2). Prefill runs in c_p and
+writes each prompt's KV into a CPU store in shared memory; decode runs in c_d and pulls the
+sequences back in through a per-worker prefetcher; the layouts switch only when the store is full
+or empty (strategies/seesaw/scheduler.py). The machinery is in resharding/.
+
+Ablations: `schedule` prefill_prioritizing / decode_prioritizing (the paper's Fig. 2 policies),
+`cpu_kv_tier: false` (the store only stages the re-sharding: it holds what the device cache holds,
+so prefill stops when the device would be full), `async_pipeline: false` (copies run on the
+workers' main thread, between micro-batches, instead of the prefetcher thread).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from batchinfer.engine.config import SchedulerConfig, parse_size
+from batchinfer.strategies.base import StrategyParams, register_strategy
+
+
+class SeesawParams(StrategyParams):
+    """Seesaw's knobs: the decode layout, the CPU store, the schedule and the ablation switches."""
+
+    name: Literal["seesaw"] = "seesaw"
+    decode_tp: int = Field(2, ge=1, description="tensor-parallel degree of the decode layout c_d "
+                           "(the prefill layout c_p is the recipe's parallel section)")
+    decode_pp: int = Field(1, ge=1, description="pipeline depth of the decode layout c_d")
+    decode_pp_layers: Optional[list[int]] = Field(
+        None, description="layers per decode pipeline stage; default: parallel.pp_balance's split")
+    cpu_kv_cache_memory: Union[int, str] = Field(
+        "4GiB", validate_default=True, description="size of the CPU KV store (shared memory), "
+        "whole-model KV for all heads and layers")
+    schedule: Literal["transition_minimizing", "prefill_prioritizing", "decode_prioritizing"] = \
+        Field("transition_minimizing", description="when to switch layouts (paper §4.2 / Fig. 2)")
+    cpu_kv_tier: bool = Field(True, description="off: the store holds only what the device cache "
+                              "holds (it stages the re-sharding), so prefill runs to device capacity")
+    async_pipeline: bool = Field(True, description="off: KV copies run on the workers' main "
+                                 "thread between micro-batches, not in the prefetcher thread")
+    max_num_seqs: int = Field(1024, ge=1, description="most sequences decoding at once")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="prompt tokens per prefill "
+                                        "micro-batch (a longer prompt goes alone)")
+
+    @field_validator("cpu_kv_cache_memory")
+    @classmethod
+    def _size(cls, v):
+        return parse_size(v)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(policy="sb", max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
+        raise NotImplementedError("seesaw builds its scheduler with its CPU store "
+                                  "(strategies/seesaw/build.py)")
+
+    def build_engine(self, config):
+        from batchinfer.strategies.seesaw.build import build_seesaw_engine
+
+        return build_seesaw_engine(config, self)
+
+
+    def simulated_replicas(self, sim) -> list:
+        from .sim import seesaw_replica
+
+        return [seesaw_replica(sim.config, self, sim.arch, sim.cost, sim.clock, sim.dtype_bytes,
+                               sim.max_model_len, sim.threads)]
+
+
+register_strategy("seesaw", SeesawParams)

@@ -1,0 +1,117 @@
+"""Assembles a SiDP engine: d data-parallel workers sharing one FFN store, each with the KV cache
+its freed FFN memory buys (the per-replica memory budget stays plain DP's)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from batchinfer.engine.cpu_binding import numa_nodes
+from batchinfer.engine.build import kv_element_bytes
+from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
+                                             rank_bytes_per_block, start_workers)
+
+from .executor import SiDPExecutor
+from .ffn_store import FFNStore, blocked_layout_available
+from .mode_switch import ModeSwitch, profiled_threshold
+from .orchestrator import Orchestrator
+from .ownership import prefetch_order, resolve_owners, weight_slots
+from .shared_ffn import SiDPWorkerSpec
+from .worker import SiDPWorker
+
+log = logging.getLogger("batchinfer")
+
+
+def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int,
+                    with_slots: bool = True) -> int:
+    """FFN bytes a rank no longer holds: the layers it does not own, less its weight slots."""
+    remote = len(prefetch_order(rank, owners, dp))
+    return (remote - weight_slots(rank, owners, dp, with_slots)) * layer_bytes
+
+
+def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list[int],
+                    layer_bytes: int, with_slots: bool, available=None) -> int:
+    """KV blocks per replica: plain DP's per-rank budget plus the FFN bytes each rank no longer
+    holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's)."""
+    budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
+    kv_bytes = kv_element_bytes(config, dtype_bytes)
+    return min((budget + freed_ffn_bytes(r, owners, layout.dp, layer_bytes, with_slots))
+               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, kv_bytes)
+               for r in range(layout.world_size))
+
+
+def resolve_weight_slots(requested: Optional[bool], device, nodes: Optional[int] = None) -> bool:
+    """The recipe's weight_slots, or where unset: slots (the paper's WaS) when a remote read is
+    slower than a local one (CUDA peers, or a CPU set over several NUMA nodes); in place when the
+    replicas share one memory, where a slot copy buys nothing and costs bandwidth and a core.
+    device: a torch.device or its type; nodes: the CPU set's NUMA nodes (default: this host's;
+    the simulator passes its host's)."""
+    if requested is not None:
+        return requested
+    if getattr(device, "type", device) != "cpu":
+        return True
+    return (numa_nodes() if nodes is None else nodes) > 1
+
+
+def check_sidp_layout(par) -> None:
+    if par.tp != 1 or par.pp != 1 or par.dp < 2:
+        raise ConfigError(f"parallel: strategy sidp shares FFN weights between data-parallel "
+                          f"replicas of one rank each; needs tp: 1, pp: 1, dp >= 2 (got tp: "
+                          f"{par.tp}, pp: {par.pp}, dp: {par.dp})")
+
+
+def build_sidp_engine(config, params):
+    par = config.parallel
+    check_sidp_layout(par)
+    plan = plan_parallel(config)
+    setup, layout, arch = plan.setup, plan.layout, plan.setup.arch
+    try:
+        owners = resolve_owners(params.owners, arch.num_layers, layout.dp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if setup.device.type != "cpu":
+        raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
+                          "host shared memory; the CUDA IPC path is not built yet)")
+    with_slots = resolve_weight_slots(params.weight_slots, setup.device)
+    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, setup.dtype)
+    store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
+                              setup.dtype, blocked=blocked)
+    block_size = config.cache.block_size
+    num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
+                                 store.layer_bytes(), with_slots)
+    plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
+    profile = params.compute_service and params.batch_threshold is None
+    spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, with_slots,
+                          params.compute_service, params.gemm_fusion, profile_costs=profile)
+    pool = start_workers(config, setup, layout, num_blocks, plan.threads,
+                         extension=SiDPWorker(spec))
+    threshold, costs = params.batch_threshold, None
+    if profile:
+        costs = pool.infos[0]["sidp_costs"]
+        threshold = profiled_threshold(costs["was_s"], costs["cas_s"])
+        log.info("SiDP: B_th = %d (profiled FFN path of a forward, WaS / CaS ms by rows: %s)",
+                 threshold, ", ".join(f"{b}: {costs['was_s'][b] * 1e3:.1f} / "
+                                      f"{costs['cas_s'][b] * 1e3:.1f}" for b in costs["was_s"]))
+    switch = ModeSwitch(threshold or 1, params.mode_switch_patience,
+                        params.mode_switch_hysteresis, enabled=params.compute_service)
+    orchestrator = Orchestrator(pool, layout.dp, switch, params.dummy_skipping)
+    timeout = par.step_timeout_seconds
+    info = {"sidp": {
+        "owners": owners, "peak_shifting": params.peak_shifting,
+        "weight_slots": with_slots, "ffn_layout": "blocked" if blocked else "rows",
+        "compute_service": params.compute_service, "batch_threshold": threshold,
+        "batch_threshold_costs": costs,
+        "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
+        "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, with_slots)
+                                  for r in range(layout.dp)],
+        "kv_tokens_per_replica": num_blocks * block_size,
+        "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,
+        "kv_capacity_vs_plain_dp": round(num_blocks / plain_blocks, 3) if plain_blocks else None}}
+    log.info("SiDP: %d replicas share one FFN store (%.0f MiB); KV per replica %d tokens "
+             "(plain DP: %d)", layout.dp, info["sidp"]["ffn_store_bytes"] / 2**20,
+             num_blocks * block_size, plain_blocks * block_size)
+    return assemble_engine(config, plan, lambda replica, block_manager: SiDPExecutor(
+        pool, layout, replica, block_manager, timeout, orchestrator), extra_info=info,
+        scheduler_of=lambda block_manager: params.make_scheduler(
+            block_manager, setup.max_model_len, layout.pp))

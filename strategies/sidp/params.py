@@ -1,0 +1,81 @@
+"""Strategy `sidp`: data-parallel replicas that share FFN weights (../shared/papers/sidp.txt §4).
+
+Ownership (layer l -> rank l mod d, or `owners`); Weight as a Service with d - 1 preallocated
+weight slots per rank filled ahead of use by a prefetch / housekeeper thread, and peak shifting
+(`peak_shifting: false` is the paper's ablation, Fig. 10), where a remote read is slower than a
+local one (`weight_slots` unset: CUDA, or CPUs over several NUMA nodes; on one memory the
+replicas compute from the owner's rows in place); the freed FFN memory becomes KV cache
+at plain DP's per-replica memory budget. Compute as a Service for the small-batch tail (activations
+to the owner, GEMM fusion, dummy skipping), entered and left by the job orchestrator at the batch
+threshold B_th (profiled at startup unless given) with patience and hysteresis
+(`compute_service: false` is the paper's WaS-only, Fig. 13). Device cpu: the store is host shared
+memory; the CUDA IPC path is not built.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from batchinfer.engine.config import SchedulerConfig
+from batchinfer.strategies.base import StrategyParams, batching, register_strategy
+
+
+class SiDPParams(StrategyParams, SchedulerConfig):
+    """SiDP's knobs, plus the baseline's batching knobs (per replica)."""
+
+    name: Literal["sidp"] = "sidp"
+    owners: Optional[list[int]] = Field(None, description="owner rank of each layer's FFN "
+                                        "weights; default: layer l -> rank l mod dp")
+    peak_shifting: bool = Field(True, description="rank r starts each dp-layer cycle's "
+                                "prefetches at layer c + r (§4.2); off: every rank at c")
+    weight_slots: Optional[bool] = Field(None, description="read remote FFN weights into "
+                                         "d - 1 slots ahead of use (§4.2); false: compute from "
+                                         "the owner's shared rows in place, no copies; default: "
+                                         "slots where a remote read is slower than a local one "
+                                         "(CUDA, or CPUs over several NUMA nodes), in place on "
+                                         "one memory")
+    compute_service: bool = Field(True, description="CaS (§4.3): below B_th the replicas run "
+                                  "in rounds and send FFN inputs to each layer's owner; false: "
+                                  "WaS only")
+    batch_threshold: Optional[int] = Field(None, ge=1, description="B_th: CaS once the "
+                                           "effective batch (most tokens a replica runs in an "
+                                           "iteration) stays below it; default: profiled at "
+                                           "startup (strategies/sidp/cost_profile.py)")
+    mode_switch_patience: int = Field(16, ge=1, description="iterations the batch must stay "
+                                      "past a bound before the group switches mode")
+    mode_switch_hysteresis: float = Field(1.5, ge=1.0, description="back to WaS only once the "
+                                          "batch stays at or above this x B_th")
+    gemm_fusion: bool = Field(True, description="the owner runs one GEMM over every "
+                              "replica's rows (§4.3); false: one per replica")
+    dummy_skipping: bool = Field(True, description="a replica with no work brings nothing to a "
+                                 "CaS round (§4.3); false: it pushes one zero row through "
+                                 "every layer, as a dummy run would")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))
+
+    def build_engine(self, config):
+        from batchinfer.strategies.sidp.build import build_sidp_engine
+
+        return build_sidp_engine(config, self)
+
+
+    @classmethod
+    def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
+        return tp == 1 and pp == 1 and dp >= 2      # replicas that share one FFN store
+
+    @classmethod
+    def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
+        return [("sidp", {"name": "sidp", "policy": "hb", **batching(knobs)})]
+
+    def simulated_replicas(self, sim) -> list:
+        from .sim import sidp_replicas
+
+        replicas, sim.info["sidp"] = sidp_replicas(
+            sim.config, self, sim.arch, sim.cost, sim.clock, sim.layout, sim.dtype_bytes,
+            sim.max_model_len, sim.threads, sim.plain_kv_blocks())
+        return replicas
+
+
+register_strategy("sidp", SiDPParams)

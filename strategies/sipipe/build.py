@@ -1,0 +1,87 @@
+"""Assembles a SiPipe engine: the baseline's workers with SiPipe's worker switches, and (with CPU
+sampling) p sampler processes per replica wired to the last stage by shared-memory logits slots
+and pipes."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+from batchinfer.engine.engine import Engine
+from batchinfer.engine.runtime.build import assemble_engine, plan_parallel, start_workers
+from batchinfer.engine.runtime.executor import PipelineExecutor
+from batchinfer.engine.runtime.layout import ParallelLayout
+
+from .executor import SiPipeExecutor
+from .logits_channel import SamplerLink, allocate_slots
+from .sampler_process import SamplerSpec, sampler_main
+from .worker import SiPipeWorker
+
+log = logging.getLogger("batchinfer")
+
+
+def _samplers(setup, layout: ParallelLayout, params, rank_extra: dict):
+    """Sampler specs for every replica, and each last-stage rank's link to its replica's."""
+    ctx = mp.get_context("spawn")
+    vocab, capacity, p = setup.arch.vocab_size, params.max_num_seqs, layout.pp
+    helpers, names, ranks, ends = [], [], {}, []
+    for replica in range(layout.dp):
+        slots, consumed = allocate_slots(p, vocab, capacity)
+        last = [r for r in layout.replica_ranks(replica) if layout.info(r).stage == layout.pp - 1]
+        writers: dict[int, list] = {r: [] for r in last}
+        ranks[replica] = []
+        for index in range(p):
+            rank = layout.world_size + replica * p + index
+            readers = []
+            for r in last:
+                read_end, write_end = ctx.Pipe(duplex=False)
+                readers.append(read_end)
+                writers[r].append(write_end)
+                ends += [read_end, write_end]
+            helpers.append((sampler_main, SamplerSpec(
+                rank=rank, replica=replica, index=index, vocab_size=vocab, capacity=capacity,
+                max_model_len=setup.max_model_len,
+                eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
+                threads=params.sampler_threads, slot=slots[index], consumed=consumed,
+                logits_conns=readers)))
+            names.append(f"sampler {index} of replica {replica}")
+            ranks[replica].append(rank)
+        for r in last:
+            rank_extra[r]["extension"].link = SamplerLink(slots, consumed, writers[r])
+    return helpers, tuple(names), ranks, ends
+
+
+def build_sipipe_engine(config, params) -> Engine:
+    plan = plan_parallel(config)
+    setup, layout = plan.setup, plan.layout
+    rank_extra = {r: {"extension": SiPipeWorker(params.token_safe_execution,
+                                                params.structure_aware_transmission)}
+                  for r in range(layout.world_size)}
+    helpers, names, sampler_ranks, ends = (), (), {}, []
+    if params.cpu_sampling:
+        helpers, names, sampler_ranks, ends = _samplers(setup, layout, params, rank_extra)
+    try:
+        pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
+                             rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names)
+    finally:
+        for end in ends:          # the children hold their own copies now
+            end.close()
+    timeout = config.parallel.step_timeout_seconds
+
+    def make_executor(replica: int, block_manager):
+        if params.cpu_sampling:
+            return SiPipeExecutor(pool, layout, replica, block_manager, timeout,
+                                  sampler_ranks[replica], params.max_num_seqs, config.model.seed)
+        return PipelineExecutor(pool, layout, replica, block_manager, timeout)
+
+    samplers = layout.pp if params.cpu_sampling else 0
+    info = {"sipipe": {"cpu_sampling": params.cpu_sampling, "samplers_per_replica": samplers,
+                       "sampler_columns": params.max_num_seqs,
+                       "token_safe_execution": params.token_safe_execution,
+                       "structure_aware_transmission": params.structure_aware_transmission}}
+    log.info("SiPipe: CPU sampling %s (%d samplers per replica), token-safe execution %s, "
+             "structure-aware transmission %s", "on" if params.cpu_sampling else "off", samplers,
+             "on" if params.token_safe_execution else "off",
+             "on" if params.structure_aware_transmission else "off")
+    return assemble_engine(config, plan, make_executor, extra_info=info,
+                           scheduler_of=lambda block_manager: params.make_scheduler(
+                               block_manager, setup.max_model_len, layout.pp))

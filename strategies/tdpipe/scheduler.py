@@ -1,0 +1,378 @@
+"""Strategy `tdpipe`: temporally-disaggregated pipeline parallelism (../shared/papers/td-pipe.txt).
+
+The pipeline alternates long prefill-only phases and long decode-only phases:
+
+- prefill phase: whole prompts packed into micro-batches of up to `max_num_batched_tokens`
+  tokens, launched back to back (they do not depend on each other). After each launch the
+  predicted KV usage at future decode points is updated (Algorithm 1); when its peak exceeds
+  the capacity (x `kv_safety_ratio`) the phase ends (`greedy_prefill`; ablation: a fixed
+  `kv_occupancy_ratio` of the blocks in use). It also ends when the next prompt does not fit.
+- decode phase: the running requests split into PP batches that cycle through the pipeline,
+  exactly PP in flight; inter-batch work stealing keeps them even (`work_stealing`). At each
+  returning batch, the spatial intensity of decoding on is compared with the temporal intensity
+  of the next prefill cycle (`intensity_switch`; ablation: a fixed `finished_ratio` of the
+  phase's requests done). A request that runs out of KV is preempted and recomputed later.
+
+Decisions go into the report (`strategy_decisions`): every phase switch with the inputs that
+decided it, and the predicted vs actual KV usage of each decode step (paper Fig. 12).
+The policy arithmetic lives in policy.py; this module applies it to engine state.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Literal, Optional
+
+from pydantic import Field, PositiveInt, model_validator
+
+from batchinfer.engine.config import SchedulerConfig
+from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.strategies.base import StrategyParams, batching, register_strategy
+from batchinfer.engine.request import Sequence, SequenceStatus
+from batchinfer.engine.scheduler import BatchingScheduler, MicroBatch, ScheduledSeq
+from batchinfer.engine.step_times import StepTimes, profile_step_times
+
+from .policy import KVForecast, WorkStealing, future_points, intensities, pack_prefill
+
+log = logging.getLogger("batchinfer")
+
+
+class TDPipeParams(StrategyParams):
+    """TD-Pipe's parameters; each approach has a switch for the paper's ablations."""
+
+    name: Literal["tdpipe"] = "tdpipe"
+    max_num_seqs: int = Field(1024, ge=1, description="most requests holding KV at once")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="prompt tokens per prefill "
+                                        "micro-batch (a longer prompt goes alone)")
+    # Approach 1: AI-based greedy prefill (prefill -> decode)
+    greedy_prefill: bool = Field(True, description="switch to decode when the predicted KV peak "
+                                 "exceeds the capacity; off: at kv_occupancy_ratio")
+    future_point_interval: int = Field(32, ge=1, description="decode steps between future points")
+    future_point_horizon: int = Field(1024, ge=1, description="last future point")
+    kv_safety_ratio: float = Field(1.0, gt=0, le=2, description="share of the KV capacity the "
+                                   "predicted peak may reach")
+    kv_occupancy_ratio: float = Field(0.5, gt=0, le=1, description="ablation of greedy_prefill: "
+                                      "switch once this share of the KV blocks is in use")
+    # Approach 2: inter-batch work stealing (decode)
+    work_stealing: bool = True
+    # Approach 3: spatial-temporal intensity comparison (decode -> prefill)
+    intensity_switch: bool = Field(True, description="switch to prefill when spatial < temporal "
+                                   "intensity; off: at finished_ratio")
+    finished_ratio: float = Field(0.5, gt=0, le=1, description="ablation of intensity_switch: "
+                                  "switch once this share of the decode phase's requests is done")
+    # the step-time table the intensities read
+    step_times: Optional[str] = Field(None, description="JSON step-time table to load instead of "
+                                      "profiling at startup (report.json's engine.step_times)")
+    profile_decode_batch_sizes: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 8, 32, 64, 128, 256], min_length=1)
+    profile_prefill_tokens: list[PositiveInt] = Field(default_factory=lambda: [256, 1024],
+                                                      min_length=1)
+    profile_context_len: int = Field(128, ge=1, description="KV tokens per profiled decode")
+
+    @model_validator(mode="after")
+    def _points(self):
+        if self.future_point_horizon < self.future_point_interval:
+            raise ValueError("future_point_horizon must be at least future_point_interval")
+        return self
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(policy="sb", max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def make_scheduler(self, block_manager: BlockManager, max_model_len: int,
+                       pipeline_depth: int) -> "TDPipeScheduler":
+        return TDPipeScheduler(block_manager, self, max_model_len, pipeline_depth)
+
+    def prepare(self, engine) -> None:
+        """Gives every replica's scheduler the step-time table (loaded, or measured now); only
+        the intensity comparison reads it."""
+        if not self.intensity_switch and not self.step_times:
+            return
+        if self.step_times:
+            table = StepTimes.load(self.step_times)
+        else:
+            table = profile_step_times(engine, self.profile_decode_batch_sizes,
+                                       self.profile_prefill_tokens, self.profile_context_len)
+        engine.info["step_times"] = table.to_json()
+        for rep in engine.replicas:
+            rep.scheduler.step_times = table
+
+
+    @classmethod
+    def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
+        return pp >= 2          # a pipeline mechanism: nothing to do without stages
+
+    @classmethod
+    def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
+        return [("tdpipe", {"name": "tdpipe", **batching(knobs)})]
+
+
+register_strategy("tdpipe", TDPipeParams)
+
+
+class TDPipeScheduler(BatchingScheduler):
+    # an empty prefill batch would end the prefill phase (Algorithm 1): no waiting for a prefix
+    wait_for_shared_prefix = False
+
+    def __init__(self, block_manager: BlockManager, params: TDPipeParams, max_model_len: int,
+                 depth: int):
+        super().__init__(block_manager, params.max_num_seqs, params.max_num_batched_tokens,
+                         max_model_len)
+        self.params = params
+        self.depth = max(depth, 1)
+        self.points = future_points(params.future_point_interval, params.future_point_horizon)
+        self.capacity = block_manager.capacity_tokens * params.kv_safety_ratio
+        self.step_times: Optional[StepTimes] = None
+        self.phase = "prefill"
+        self.stealing: WorkStealing[Sequence] = WorkStealing(self.depth, params.work_stealing)
+        self._forecast: Optional[KVForecast] = None      # this prefill phase's Algorithm 1 map
+        self._decode_forecast: Optional[KVForecast] = None
+        self._returned: deque[tuple[list[Sequence], int]] = deque()
+        self._decode_launched = 0
+        self._phase_entered = 0
+        self._phase_finished = 0
+        self._decisions: list[dict] = []
+        self.num_switches = 0
+        self.predicted_kv_usage: Optional[float] = None  # of the current decode step, 0..1
+
+    # --- predictions ----------------------------------------------------------------------------
+    def predicted_remaining(self, seq: Sequence) -> int:
+        """Output tokens `seq` is predicted to generate from now on: the predictor's length (else
+        max_tokens) minus what it generated, capped by max_tokens and max_model_len. A request
+        already past its prediction still holds its KV: it is expected to run one more
+        future-point interval (it would otherwise vanish from the forecast)."""
+        request = seq.request
+        generated = len(seq.output_token_ids)
+        limit = self.max_model_len - seq.prompt_len
+        if request.sampling.max_tokens is not None:
+            limit = min(limit, request.sampling.max_tokens)
+        predicted = request.predicted_output_len
+        predicted = limit if predicted is None else min(predicted, limit)
+        left = predicted - generated
+        if left <= 0:
+            left = min(self.params.future_point_interval, limit - generated)
+        return max(left, 0)
+
+    def _running_forecast(self) -> KVForecast:
+        forecast = KVForecast(self.points, self.capacity)
+        for seq in self.running:
+            forecast.update(seq.num_tokens, self.predicted_remaining(seq))
+        return forecast
+
+    def _prefill_done(self) -> bool:
+        """Algorithm 1's CheckSwitch (or the occupancy-ratio ablation)."""
+        if self.params.greedy_prefill:
+            return self._forecast.should_switch()
+        return self.block_manager.usage() >= self.params.kv_occupancy_ratio
+
+    # --- the Scheduler protocol -------------------------------------------------------------------
+    def schedule(self) -> list[MicroBatch]:
+        if self.phase == "prefill":
+            batch = self._prefill_batch()
+            if batch is not None:
+                return [batch]
+        if self.phase == "decode":
+            batch = self._decode_batch()
+            if batch is not None:
+                return [batch]
+        return []
+
+    def on_result(self, batch: MicroBatch) -> None:
+        finished = sum(1 for item in batch.items if item.seq.is_finished)
+        alive = [item.seq for item in batch.items
+                 if item.seq.status is SequenceStatus.RUNNING and not item.seq.is_prefill]
+        super().on_result(batch)
+        if self.phase != "decode":
+            return
+        self._phase_finished += finished
+        if batch.phase == "decode":
+            self._returned.append((alive, finished))
+        else:   # a prefill launched before the switch: its requests join the decode phase
+            self.stealing.pool.extend(alive)
+
+    def abort_all(self) -> list[Sequence]:
+        self._returned.clear()
+        self.stealing.reset()
+        self.phase, self._forecast, self._decode_forecast = "prefill", None, None
+        self.predicted_kv_usage = None
+        return super().abort_all()
+
+    def drain_decisions(self) -> list[dict]:
+        out, self._decisions = self._decisions, []
+        return out
+
+    def step_stats(self) -> dict:
+        """The KV usage the length predictor forecast for this decode step (paper §3.3)."""
+        if self.predicted_kv_usage is None:
+            return {}
+        return {"kv_predicted": round(self.predicted_kv_usage, 4)}
+
+    # --- prefill phase ----------------------------------------------------------------------------
+    def _prefill_batch(self) -> Optional[MicroBatch]:
+        if not self.waiting:
+            if self.running:
+                self._switch("decode", "nothing waiting")
+            return None
+        if self._forecast is None:
+            self._forecast = self._running_forecast()
+        batch = self._whole_prompts()
+        if not batch.items:
+            if self.running:
+                full = len(self.running) >= self.max_num_seqs
+                self._switch("decode", "max_num_seqs reached" if full else "KV cache full")
+            return None
+        for item in batch.items:
+            self._forecast.update(item.seq.num_tokens, self.predicted_remaining(item.seq))
+        if self._prefill_done():
+            reason = ("predicted KV peak exceeds capacity" if self.params.greedy_prefill
+                      else "KV occupancy ratio reached")
+            self._switch("decode", reason)
+        return batch
+
+    # --- decode phase -----------------------------------------------------------------------------
+    def _decode_batch(self) -> Optional[MicroBatch]:
+        tried_prefill = False
+        while True:
+            returned = bool(self._returned)
+            members, finished = self._returned.popleft() if returned else ([], 0)
+            members = [s for s in members if s.status is SequenceStatus.RUNNING]
+            self.stealing.pool = [s for s in self.stealing.pool
+                                  if s.status is SequenceStatus.RUNNING and not s.in_flight]
+            if not returned and not self.stealing.pool:
+                if self.waiting and not self.running:
+                    self._switch("prefill", "every request of the decode phase finished")
+                    return self._prefill_batch()
+                return None
+            # a returned batch always passes through the window, even emptied by finishes
+            chosen = self.stealing.next_batch(members, finished)
+            if not chosen:
+                continue
+            if not tried_prefill and self.waiting and self._decode_done(len(chosen)):
+                batch = self._prefill_batch()
+                if batch is not None:
+                    return batch
+                # nothing could be admitted after all (the phase is decode again): go on decoding
+                tried_prefill = True
+                continue
+            batch = self._reserve_decode(chosen)
+            if batch.items:
+                self._decode_launched += 1
+                self._track_prediction()
+                return batch
+
+    def _reserve_decode(self, chosen: list[Sequence]) -> MicroBatch:
+        """One more KV slot for each chosen request. When the cache is full, the newest idle
+        request outside the batch is preempted (recomputed in a later prefill phase), then the
+        batch's own last unreserved member, then the request itself: nothing already reserved
+        is ever evicted."""
+        batch = MicroBatch(phase="decode")
+        order = [s for s in chosen if s.status is SequenceStatus.RUNNING]
+        inside = {id(s) for s in order}
+        others = [s for s in self.running if not s.in_flight and id(s) not in inside]
+        tail = len(order) - 1
+        for index, seq in enumerate(order):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            target = seq.num_computed_tokens + 1
+            while not self.block_manager.can_grow(seq.request_id, target):
+                while tail > index and order[tail].status is not SequenceStatus.RUNNING:
+                    tail -= 1
+                if others:
+                    self._preempt(others.pop())
+                elif tail > index:
+                    self._preempt(order[tail])
+                    tail -= 1
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.grow(seq.request_id, target)
+                batch.items.append(ScheduledSeq(seq, 1))
+        return batch
+
+    def _decode_done(self, batch_size: int) -> bool:
+        """Approach 3 (or the finished-ratio ablation): switch to prefill now? Records why."""
+        if not self.params.intensity_switch:
+            ratio = self._phase_finished / max(self._phase_entered, 1)
+            if ratio >= self.params.finished_ratio and self._next_prefill_cycle():
+                self._switch("prefill", "finished ratio reached", finished_ratio=round(ratio, 4))
+                return True
+            return False
+        if self.step_times is None:
+            raise RuntimeError("tdpipe: the step-time table was not set (TDPipeParams.prepare)")
+        pending = self._next_prefill_cycle()
+        if not pending:
+            return False
+        batches = pack_prefill(pending, self.max_num_batched_tokens)
+        x = intensities(self.step_times, batch_size, batches, self.depth)
+        if x.switch:
+            self._switch("prefill", "spatial < temporal intensity",
+                         spatial=round(x.spatial, 4), temporal=round(x.temporal, 4),
+                         bubble_s=round(x.bubble_s, 4), total_s=round(x.total_s, 4),
+                         decode_batch_size=batch_size, pending_prefills=len(pending),
+                         prefill_batches=len(batches))
+            return True
+        return False
+
+    def _next_prefill_cycle(self) -> list[int]:
+        """Prompt lengths the next prefill phase would take if it started now: the waiting
+        requests that fit in the free KV, up to the point Algorithm 1 would switch back."""
+        forecast = self._running_forecast() if self.params.greedy_prefill else None
+        if forecast is not None and forecast.should_switch():
+            return []      # the running requests alone are predicted to fill the cache
+        # as _admit: while requests run, the watermark stays free for their decodes
+        free = self.block_manager.num_free_blocks - (
+            self.block_manager.watermark_blocks if self.running else 0)
+        block = self.block_manager.block_size
+        room = self.max_num_seqs - len(self.running)
+        used = self.block_manager.num_blocks - free
+        lengths: list[int] = []
+        for seq in self.waiting:
+            need = -(-seq.num_uncomputed_tokens // block)
+            if need > free or len(lengths) >= room:
+                break
+            free -= need
+            used += need
+            lengths.append(seq.num_uncomputed_tokens)
+            if forecast is not None:
+                forecast.update(seq.num_tokens, self.predicted_remaining(seq))
+                if forecast.should_switch():
+                    break
+            elif used / self.block_manager.num_blocks >= self.params.kv_occupancy_ratio:
+                break
+        return lengths
+
+    def _track_prediction(self) -> None:
+        if self._decode_forecast is None:
+            self.predicted_kv_usage = None
+            return
+        step = self._decode_launched // self.depth
+        total = self.block_manager.capacity_tokens
+        self.predicted_kv_usage = min(self._decode_forecast.at_step(step) / total, 2.0)
+
+    # --- phase switches ---------------------------------------------------------------------------
+    def _switch(self, to: str, reason: str, **inputs) -> None:
+        record = {"switch": f"{self.phase}->{to}", "reason": reason,
+                  "kv_usage": round(self.block_manager.usage(), 4),
+                  "running": len(self.running), "waiting": len(self.waiting), **inputs}
+        if to == "decode":
+            forecast = self._forecast or self._running_forecast()
+            record["predicted_kv_peak"] = round(forecast.peak() / self.block_manager.capacity_tokens, 4)
+            self._decode_forecast = forecast
+            self._forecast = None
+            self.stealing.reset()
+            self.stealing.pool = [s for s in self.running if not s.in_flight
+                                  and s.num_computed_tokens > 0 and not s.is_prefill]
+            self._returned.clear()
+            self._decode_launched = 0
+            self._phase_entered = len(self.running)     # in-flight ones too: they finish here
+            self._phase_finished = 0
+        else:
+            self._forecast = None
+            self._returned.clear()
+            self.predicted_kv_usage = None
+        self.phase = to
+        self.num_switches += 1
+        if len(self._decisions) < 10_000:      # drained by the engine after every micro-batch
+            self._decisions.append(record)
+        log.debug("tdpipe: %s", record)

@@ -1,0 +1,210 @@
+"""The job runner's engine interface over a vLLM worker process (strategies/vllm/worker.py).
+
+Requests go over as token ids with vLLM-named sampling parameters; one `step` is one vLLM engine
+step and answers with the requests it finished, the step statistics vLLM's stat logger saw, and
+per-request refusals (which become error records: the job goes on).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import select
+import subprocess
+import time
+from typing import Optional
+
+from batchinfer.engine.admission import check_prompt
+from batchinfer.engine.build import model_source, resolve_device
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.request import FinishReason, Request, RequestOutput
+
+from .params import WORKER, VllmParams, engine_args, engine_env, vllm_python
+
+log = logging.getLogger(__name__)
+
+# our SamplingParams fields, all named and meant as vLLM's
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                   "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
+                   "logprobs", "skip_special_tokens")
+
+
+class VllmWorkerError(RuntimeError):
+    """The vLLM process stopped answering (it crashed or was killed)."""
+
+
+def sampling_args(request: Request) -> dict:
+    params = request.sampling.model_dump()
+    return {k: params[k] for k in SAMPLING_FIELDS if params.get(k) is not None}
+
+
+class VllmEngine:
+    def __init__(self, proc: subprocess.Popen, tokenizer, model_id: str, facts: dict,
+                 info: dict, vocab_size: int):
+        self._proc = proc
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_model_len = facts["max_model_len"]
+        self.info = info
+        self._facts = facts
+        self._vocab_size = vocab_size
+        self._running: dict[str, tuple[Request, float]] = {}
+        self._events: list[dict] = []
+        self._preemptions = 0
+        self._prefix = (0, 0)
+        self._kv_usage = 0.0
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def start(cls, config: EngineConfig, params: VllmParams) -> "VllmEngine":
+        python = vllm_python(params)
+        device = resolve_device(config.device.device).type
+        source = model_source(config.model)
+        args = engine_args(config, params, source.model_dir, device)
+        log.info("starting vLLM under %s: %s", python, args)
+        proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=engine_env(config), text=True,
+                                bufsize=1, start_new_session=True)
+        try:
+            proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
+            proc.stdin.flush()
+            first = _read(proc, timeout=params.startup_timeout_seconds)
+        except BaseException:   # a signal or the start-up bound: never leave vLLM running
+            proc.kill()
+            proc.wait()
+            raise
+        if "ready" not in first:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise ConfigError(f"strategy vllm: {first.get('error')}")
+        facts = first["ready"]
+        log.info("vLLM %s ready: KV cache %d tokens", facts.get("vllm_version"),
+                 facts.get("kv_capacity_tokens", 0))
+        info = {"device": device, "dtype": args["dtype"], "strategy": "vllm",
+                "model_id": source.model_id, "kv_block_size": facts.get("kv_block_size"),
+                "max_model_len": facts["max_model_len"],
+                "parallel": {"tp": config.parallel.tp, "pp": config.parallel.pp, "dp": 1},
+                "strategy_stats": {"vllm_version": facts.get("vllm_version"), "python": python,
+                                   "engine_args": args}}
+        return cls(proc, source.tokenizer, source.model_id, facts, info, source.arch.vocab_size)
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._running:
+            raise RequestError("duplicate_id",
+                               f"request id {request.request_id!r} is already running")
+        check_prompt(request, self.max_model_len, self._vocab_size)
+        self._send({"op": "add", "id": request.request_id,
+                    "prompt_token_ids": request.prompt_token_ids,
+                    "sampling": sampling_args(request)})
+        self._running[request.request_id] = (request, self.now())
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> list[RequestOutput]:
+        self._send({"op": "step"})
+        reply = _read(self._proc)
+        now = self.now()
+        self._events.extend(reply["events"])
+        if reply["events"]:
+            self._kv_usage = float(reply["events"][-1].get("kv_usage", 0.0))
+        self._preemptions = reply.get("preemptions", 0)
+        self._prefix = tuple(reply.get("prefix_cache") or (0, 0))
+        outs = []
+        for done in reply["finished"]:
+            request, arrival = self._running.pop(done["id"])
+            outs.append(RequestOutput(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=done["token_ids"], text=done["text"],
+                finish_reason=FinishReason(done["finish_reason"]),
+                stop_reason=done.get("stop_reason"),
+                logprobs=self._logprobs(done["logprobs"]), payload=request.payload,
+                arrival_time=arrival, finish_time=now))
+        for refused in reply["errors"]:
+            request, arrival = self._running.pop(refused["id"])
+            outs.append(RequestOutput(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=[], text="", finish_reason=FinishReason.ERROR,
+                payload=request.payload, error=f"vLLM refused the request: {refused['error']}",
+                arrival_time=arrival, finish_time=now))
+        return outs
+
+    def _logprobs(self, entries: Optional[list]) -> Optional[list[dict]]:
+        """The worker's [id, logprob, [[id, logprob], ...]] in our engine's record format."""
+        if entries is None:
+            return None
+        text = self.tokenizer.token_text
+        return [{"token_id": token, "token": text(token), "logprob": logprob,
+                 "top_logprobs": [{"token_id": t, "token": text(t), "logprob": lp}
+                                  for t, lp in top]}
+                for token, logprob, top in entries]
+
+    def abort_all(self) -> list[RequestOutput]:
+        self._send({"op": "abort_all"})
+        _read(self._proc)
+        now = self.now()
+        outs = [RequestOutput(request_id=rid, prompt_token_ids=request.prompt_token_ids,
+                              output_token_ids=[], text="", finish_reason=FinishReason.ABORT,
+                              payload=request.payload, arrival_time=arrival, finish_time=now)
+                for rid, (request, arrival) in self._running.items()]
+        self._running.clear()
+        return outs
+
+    def close(self) -> None:
+        proc = self._proc
+        if proc.poll() is None:
+            try:
+                self._send({"op": "close"})
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired, VllmWorkerError):
+                proc.kill()
+                proc.wait()
+
+    # --- reporting ------------------------------------------------------------------------------
+    def drain_step_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict:
+        capacity = self._facts.get("kv_capacity_tokens") or 0
+        queried, hit = self._prefix
+        return {**self.info,
+                "kv_capacity_tokens": capacity,
+                "kv_usage": self._kv_usage,
+                "max_concurrency": capacity / self.max_model_len if capacity else None,
+                "num_preemptions": self._preemptions,
+                **({"prefix_cache": {"queried_tokens": queried, "hit_tokens": hit,
+                                     "hit_rate": round(hit / queried, 4) if queried else None}}
+                   if self.info["strategy_stats"]["engine_args"].get("enable_prefix_caching")
+                   else {})}
+
+    def _send(self, message: dict) -> None:
+        try:
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            if message["op"] != "add":
+                self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise VllmWorkerError(f"the vLLM process has stopped (exit code "
+                                  f"{self._proc.poll()}); its log is above") from exc
+
+
+def _read(proc: subprocess.Popen, timeout: Optional[float] = None) -> dict:
+    """The worker's next reply; VllmWorkerError when it exits or stays silent past `timeout`."""
+    if timeout is not None:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            proc.kill()
+            raise VllmWorkerError(f"vLLM did not start within {timeout:.0f} s")
+    line = proc.stdout.readline()
+    if not line:
+        code = proc.wait()
+        raise VllmWorkerError(f"the vLLM process exited (code {code}) without answering; its "
+                              "log is above")
+    return json.loads(line)

