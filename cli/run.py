@@ -55,6 +55,7 @@ def run(
         from batchinfer.runner.recipe import load_recipe
         from batchinfer.runner.slurm import detect_shard, parse_shard
 
+        _warn_unknown_environment()
         with user_errors():
             parsed = load_recipe(recipe)
             if not input.is_file():
@@ -143,3 +144,14 @@ def _summary(outcome) -> None:
 
 def _rate(value) -> str:
     return "–" if value is None else f"{value:.2f}"
+
+
+def _warn_unknown_environment() -> None:
+    """A mistyped BATCHINFER_* variable would silently do nothing: say so (engine/envs.py)."""
+    import logging
+
+    from batchinfer.engine.envs import unknown_in_environment
+
+    for name in unknown_in_environment():
+        logging.getLogger("batchinfer").warning("environment variable %s is not one batchinfer "
+                                                "reads (docs/engine.md lists them)", name)

@@ -22,6 +22,8 @@ import logging
 import os
 from typing import Iterator, Optional
 
+from . import envs
+
 log = logging.getLogger(__name__)
 _process_cpus: Optional[list[int]] = None    # this process's CPUs before any pinning
 _pinned: list[int] = []                       # the compute threads' CPUs, once pinned
@@ -84,8 +86,9 @@ def bind_compute_threads(mode: str, threads: int, slot: int = 0, slots: int = 1)
     import torch
 
     torch.set_num_threads(threads)
-    if os.environ.get("BATCHINFER_BIND_THREADS") in ("auto", "none"):
-        mode = os.environ["BATCHINFER_BIND_THREADS"]
+    override = envs.get("BATCHINFER_BIND_THREADS")
+    if override in ("auto", "none"):
+        mode = override
     if mode == "none" or not hasattr(os, "sched_setaffinity"):
         return None
     if _process_cpus is None:

@@ -2,7 +2,7 @@
 
 On a GPU, a decode step of a small model is mostly kernel launches: SmolLM2's 30 layers launch
 ~1,450 kernels, each with a few microseconds of host time, which at short contexts is more than
-the GPU work they start (benchmarks/cuda_step_profile.py). A CUDA graph records the forward's
+the GPU work they start (benchmarks/engine/cuda_step_profile.py). A CUDA graph records the forward's
 launches once, and each later step replays them with one call.
 
 A graph fixes every shape and every address, so:

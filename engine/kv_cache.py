@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
+from . import envs
 from .prefix_cache import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -302,15 +303,13 @@ def allocate_kv_tensors(spec: KVCacheSpec, dtype, device) -> list[tuple]:
     """One (key, value) pair of [num_blocks, kv_heads, block_size, head_dim] tensors per layer.
     On CPU in transparent huge pages (BATCHINFER_KV_HUGE_PAGES=0: plain pages): decode attention
     reads every cached token each step from blocks scattered over the cache, and 4 KiB pages cost
-    it a TLB miss per page (W-decode: 1.02-1.08x output tok/s in-process, benchmarks/
-    kv_huge_pages_ab.py; zeroing 4 GiB at start took 0.2-1.3 s longer)."""
-    import os
-
+    it a TLB miss per page (W-decode: 1.02-1.08x output tok/s in-process,
+    benchmarks/probes/kv_huge_pages_ab.py; zeroing 4 GiB at start took 0.2-1.3 s longer)."""
     import torch
 
     shape = (spec.num_layers, 2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
     storage = None
-    if torch.device(device).type == "cpu" and os.environ.get("BATCHINFER_KV_HUGE_PAGES", "1") != "0":
+    if torch.device(device).type == "cpu" and not envs.is_off("BATCHINFER_KV_HUGE_PAGES"):
         before = _anon_huge_page_bytes()
         storage = _huge_page_storage(shape, dtype)
         if storage is not None:

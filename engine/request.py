@@ -103,7 +103,7 @@ class Request:
     arrival_index: int = 0
     payload: Any = None
     # output tokens the recipe's length predictor expects (set before scheduling; None: no
-    # prediction was made). Strategies that simulate future KV use (TD-Pipe) read it.
+    # prediction was made). Strategies that forecast future KV use read it.
     predicted_output_len: Optional[int] = None
 
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import envs
 from .errors import BatchInferError
 
 log = logging.getLogger("batchinfer")
@@ -48,7 +49,7 @@ class SetupTimeout(BatchInferError):
 
 def timeout_scale() -> float:
     try:
-        scale = float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
+        scale = float(envs.get(TIMEOUT_SCALE_ENV))
     except ValueError:
         log.warning("%s=%r is not a number; using 1", TIMEOUT_SCALE_ENV,
                     os.environ.get(TIMEOUT_SCALE_ENV))
@@ -57,7 +58,7 @@ def timeout_scale() -> float:
 
 
 def default_cache_root() -> Path:
-    base = os.environ.get(CACHE_ENV) or os.path.join(
+    base = envs.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchinfer")
     return Path(base)
 

@@ -1,6 +1,6 @@
 """Profiled micro-batch times: decode step time vs batch size, prefill time vs token count.
 
-Strategies that weigh one schedule against another (TD-Pipe's spatial-temporal intensity, a
+Strategies that weigh one schedule against another (a spatial-temporal intensity, a
 simulator) read these tables instead of guessing. `profile_step_times` measures them on the
 engine's own executor at startup: synthetic sequences get real KV blocks, the executor is kept
 full (`max_in_flight` micro-batches, so a pipeline is measured in its steady state) and the
@@ -63,7 +63,7 @@ class StepTimes:
         return interpolate(self.prefill, max(num_tokens, 1))
 
     def peak_decode_rate(self) -> float:
-        """Requests advanced per second at the best measured batch size (TD-Pipe's Peak)."""
+        """Requests advanced per second at the best measured batch size (arXiv:2506.10470's Peak)."""
         return max(b / t for b, t in self.decode)
 
     def to_json(self) -> dict:

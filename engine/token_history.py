@@ -2,7 +2,7 @@
 
 The penalties need every row's prompt and output tokens as padded [rows, longest] tensors each
 step. Converting the Python lists anew with torch.tensor costs ~79 ns a token (13.3 ms of host
-work at 128 rows of 1,300 tokens on the project's CPU, benchmarks/host_costs.py); here the prompt
+work at 128 rows of 1,300 tokens on the project's CPU, benchmarks/sim/host_costs.py); here the prompt
 is converted once and the output extended by the tokens new since the last step, so a step
 copies arrays (1.5-1.8 ms there). A row belongs to one Request object: a request id seen again
 with another request (an id reused without release) starts a new row.

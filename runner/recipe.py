@@ -47,7 +47,7 @@ def strategy_class(name: Any) -> type[StrategyParams]:
 
 # --- the other sections ---------------------------------------------------------------------------
 class PredictorConfig(_Strict):
-    """Output-length predictor (TD-Pipe §3.3) and the history every run writes to train it."""
+    """Output-length predictor (arXiv:2506.10470 §3.3) and the history every run writes to train it."""
 
     name: Literal["none", "mean", "oracle", "bert"] = Field(
         "none", description="none: each request's max_tokens; mean: a history's mean; oracle: "

@@ -60,7 +60,7 @@ class SimulatedExecutor(Executor):
                  sampler_threads: int = 1):
         """register: on the clock (False for a pipeline another executor wraps, which
         reports its events for it). Every stage prepares its inputs (cost.input_prep_seconds)
-        before its forward on the rank's thread. SiPipe's mechanisms: `cpu_samplers` > 0 samples
+        before its forward on the rank's thread. CPU sampling (arXiv:2506.22033): `cpu_samplers` > 0 samples
         on that many CPU sampler lanes of `sampler_threads` cores each (micro-batch n on lane
         n mod p) after the last stage's LM head, beside the next micro-batches' forwards;
         `structure_aware` False sends each hand-off's metadata first (two more messages) and

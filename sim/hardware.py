@@ -17,7 +17,7 @@ its own, ahead of the forward when the plan reaches the worker in time: sim/exec
 copies (Seesaw's KV tier and weight reloads, SiPipe's logits) go over the
 preset's PCIe link to the host. Efficiencies and overheads are stated assumptions, the same for
 every preset, so rankings come from the specs; the host-side costs are this engine's, measured
-on the project's 2-core CPU host (benchmarks/host_costs.py), and the GPU hosts' cores are assumed
+on the project's 2-core CPU host (benchmarks/sim/host_costs.py), and the GPU hosts' cores are assumed
 to run them as fast.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ LAYER_OVERHEAD_S = 20e-6       # kernel launches and small ops per decoder layer
 LINK_LATENCY_S = 20e-6         # per p2p transfer / all-reduce step
 KERNEL_LAUNCH_S = 5e-6         # one eager PyTorch op's dispatch and launch (assumed)
 
-# Measured by `python benchmarks/host_costs.py --repeats 21` (2026-11-24, the project's 2-core
+# Measured by `python benchmarks/sim/host_costs.py --repeats 21` (2026-11-24, the project's 2-core
 # AVX2 host; two runs, their fits averaged).
 INPUT_PREP_PER_STEP_S = 2.1e-4      # a StepPlan into the versioned input buffers
 INPUT_PREP_PER_SEQ_S = 2.7e-6

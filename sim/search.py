@@ -2,12 +2,11 @@
 
 Layouts use all `devices` (tp * pp * dp = devices; on a CPU host the single process with every
 core is a candidate too); TP needs head counts it divides, PP at most one stage per layer.
-Strategies: the baselines SB and HB at any layout, TD-Pipe and gLLM under PP (they are pipeline
-schedules), SiDP (HB batching) where replicas are single ranks (tp 1, pp 1, dp >= 2), and the
-recipe's own strategy with its parameters (SiPipe, Seesaw: simulated when the
-recipe names them; SiPipe's gains come from per-step host work that only the GPU presets price
-apart from the forward, and its sampler cores are the recipe's to give, so it is not offered on
-its own). Batching knobs (max_num_seqs, the
+Strategies: each registered strategy's `search_params` (the baselines SB and HB, and the pipeline
+schedules and shared-weight replicas that offer themselves), at the layouts its `applies_to`
+accepts, and the recipe's own strategy with its parameters (a strategy that only the recipe names
+is simulated when it does: e.g. one whose gains come from host work only the GPU presets price,
+or whose helper cores are the recipe's to give). Batching knobs (max_num_seqs, the
 token budget) come from the recipe. A layout the cost model or the engine rejects (the KV cache
 cannot hold max_model_len, ...) is listed with its reason instead of a number.
 """

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .. import envs
 from ..setup_cache import SetupTimeout, build_once, cache_root, discard, timeout_scale
 
 log = logging.getLogger("batchinfer")
@@ -31,7 +32,7 @@ _DIR = Path(__file__).parent
 # Two builds with different floating-point contracts:
 # - the model kernels may reassociate (-ffast-math vectorizes their reductions and exps);
 # - the sampling kernels compute IEEE arithmetic as written (no fast-math, no FMA contraction):
-#   the column-wise kernels (SiPipe) must give bitwise the row kernels' results, which fast-math
+#   the column-wise kernels (CPU samplers) must give bitwise the row kernels' results, which fast-math
 #   breaks by reassociating double sums into vector partial sums, rewriting x / r as x * (1 / r)
 #   and calling libmvec's vector expf for some std::exp. Their vector code uses intrinsics.
 _BUILDS = {
@@ -90,7 +91,7 @@ def load_native_kernels() -> bool:
     global _loaded
     if _loaded is not None:
         return _loaded
-    if os.environ.get("BATCHINFER_NATIVE_KERNELS", "1") == "0":
+    if envs.is_off("BATCHINFER_NATIVE_KERNELS"):
         _loaded = False
         return False
     import torch

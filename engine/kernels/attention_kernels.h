@@ -26,7 +26,7 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 template <typename T>
 constexpr int64_t kLineElems = 64 / sizeof(T);
 // How far ahead the decode kernel prefetches, in visits (blocks), into L2. At W-decode's shape
-// (benchmarks/kv_dtype_attention.py, builds alternating) 8 blocks ahead into L2, a few lines at a
+// (benchmarks/engine/kv_dtype_attention.py, builds alternating) 8 blocks ahead into L2, a few lines at a
 // time, ran fp32 decode attention 1.10-1.26x faster than the next block whole into L1.
 constexpr size_t kPrefetchVisits = 8;
 

@@ -1,12 +1,12 @@
 // y = x @ w^T over weights laid out in panels of 16 output columns, each panel [K][16]
 // contiguous (w_blocked[p][k][c] = w[16 p + c][k]): the engine's fp32 linears on AVX2-only CPUs
-// and SiDP's FFN weights in shared memory (which cannot be oneDNN's opaque packed tensors). A
+// and FFN weights shared between replicas in shared memory (which cannot be oneDNN's opaque packed tensors). A
 // panel is streamed once per 6 input rows with a 6 x 16 register tile (12 FMA accumulators, one
 // broadcast input value and two panel vectors per k). Each output is one FMA chain over k in
 // order, so a row's result does not depend on the batch it is in. While a panel's first row
-// block computes, the next panel is prefetched (BATCHINFER_GEMM_PREFETCH=0 turns it off): on one
+// block computes, the next panel is prefetched (the op's prefetch=false turns it off): on one
 // core of the EPYC the model's GEMMs ran 1.2-1.3x faster with it at 8-32 rows, on two threads 1.1x
-// at 16-32 rows and 1.03x at 128 (benchmarks/gemm_roofline.py --threads). Measured on the AVX2-only
+// at 16-32 rows and 1.03x at 128 (benchmarks/engine/gemm_roofline.py --threads). Measured on the AVX2-only
 // EPYC, SmolLM2's shapes, two threads: 1.2-1.4x oneDNN's packed GEMM at 16-256 rows, 1.07-1.2x
 // at 512-2,048; on an AVX-512 host oneDNN was faster (this kernel, one thread, 12% slower at 16
 // rows, 3% at 64).
@@ -17,13 +17,12 @@
 // the [M, 2 I] intermediate is never written, and the separate SiLU pass over it is gone. The
 // same FMA chains and the same SiLU code as the two unfused ops, so the same bits.
 //
-// Where the build has AVX-512 (and BATCHINFER_GEMM_AVX512 is not 0) both ops run a wider tile,
+// Where the build has AVX-512 (and the op's wide is not false) both ops run a wider tile,
 // 12 rows x two panels (tile2 below): on an AVX-512 Xeon, two threads, SmolLM2's decode step took
 // 117-120 ms at 128 rows against oneDNN's 136-137 and the AVX2 tile's 175-180. Same bits.
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "simd.h"
@@ -103,14 +102,6 @@ struct PanelPrefetch {
   const char* from(int64_t t) const { return next ? next + LINE * (t * K / tiles) : nullptr; }
 };
 
-bool prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("BATCHINFER_GEMM_PREFETCH");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return enabled;
-}
-
 #ifdef __AVX512F__
 #define BATCHINFER_AVX512 1
 // The AVX-512 tile: two panels (a and b) x MB rows, one zmm accumulator per row and panel (up to
@@ -185,13 +176,6 @@ inline void rows2(const float* xp, int64_t begin, int64_t end, const float* pa, 
                      a_ahead.from(t), b_ahead.from(t), a_ahead.lines(t));
 }
 
-bool avx512_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("BATCHINFER_GEMM_AVX512");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return enabled;
-}
 #endif
 #endif
 
@@ -204,13 +188,13 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& w_blocked, cons
               op, ": fp32 only");
 }
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked) {
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked, bool prefetch,
+                             bool wide) {
   check_operands(x, w_blocked, "blocked_linear");
   const int64_t panels = w_blocked.size(0), N = panels * P;
 #ifndef BATCHINFER_AVX2
   return torch::matmul(x, w_blocked.permute({1, 0, 2}).reshape({x.size(1), N}));
 #else
-  const bool prefetch = prefetch_enabled();
   const auto xc = x.contiguous();
   const auto wc = w_blocked.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -223,7 +207,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
   const int64_t row_blocks = (M + ROWS - 1) / ROWS;
   int64_t first_panel = 0;  // panels before it went through the AVX-512 path
 #ifdef BATCHINFER_AVX512
-  if (avx512_enabled()) {
+  if (wide) {
     const int64_t pairs = panels / 2;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t q = 0; q < pairs; ++q) {
@@ -256,16 +240,16 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
 }
 
 // silu(x @ gate^T) * (x @ up^T) over w_blocked [2 I / 16, K, 16] (gate panels, then up panels).
-torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& w_blocked) {
+torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& w_blocked,
+                                      bool prefetch, bool wide) {
   check_operands(x, w_blocked, "blocked_linear_silu_mul");
   TORCH_CHECK(w_blocked.size(0) % 2 == 0,
               "blocked_linear_silu_mul: an even number of panels (gate's, then up's)");
   const int64_t pairs = w_blocked.size(0) / 2, I = pairs * P;
 #ifndef BATCHINFER_AVX2
-  const auto gate_up = blocked_linear(x, w_blocked);
+  const auto gate_up = blocked_linear(x, w_blocked, prefetch, wide);
   return torch::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I);
 #else
-  const bool prefetch = prefetch_enabled();
   const auto xc = x.contiguous();
   const auto wc = w_blocked.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -275,7 +259,7 @@ torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tenso
   float* yp = y.data_ptr<float>();
   const int64_t row_blocks = (M + ROWS - 1) / ROWS;
 #ifdef BATCHINFER_AVX512
-  if (avx512_enabled()) {
+  if (wide) {
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t p = 0; p < pairs; ++p) {
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
@@ -320,7 +304,7 @@ torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tenso
 // Which tile the ops above run here: "avx512", "avx2" or "portable" (torch's matmul).
 std::string blocked_linear_isa() {
 #ifdef BATCHINFER_AVX512
-  if (avx512_enabled()) return "avx512";
+  return "avx512";
 #endif
 #ifdef BATCHINFER_AVX2
   return "avx2";
@@ -333,8 +317,11 @@ std::string blocked_linear_isa() {
 
 TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
   m.def("blocked_linear_isa() -> str", &blocked_linear_isa);  // no tensors: no dispatch key
-  m.def("blocked_linear(Tensor x, Tensor w_blocked) -> Tensor");
-  m.def("blocked_linear_silu_mul(Tensor x, Tensor w_blocked) -> Tensor");
+  // prefetch: the next panel's lines during this one's FMAs; wide: the AVX-512 tile where built
+  // (false: the AVX2 tile). Both leave every result bitwise the same; they are there to measure.
+  m.def("blocked_linear(Tensor x, Tensor w_blocked, bool prefetch=True, bool wide=True) -> Tensor");
+  m.def("blocked_linear_silu_mul(Tensor x, Tensor w_blocked, bool prefetch=True, bool wide=True) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {

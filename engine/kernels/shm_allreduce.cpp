@@ -2,7 +2,7 @@
 // through a buffer the ranks share (allocated by the controller, engine/runtime/shm_allreduce.py).
 //
 // Why not gloo: on a CPU host gloo's all-reduce goes through loopback TCP and costs 0.6-2 ms per
-// call for the [rows, hidden] tensors of a decode step (benchmarks/allreduce_cost.py), and a TP
+// call for the [rows, hidden] tensors of a decode step (benchmarks/engine/allreduce_cost.py), and a TP
 // layer calls it twice. Through shared memory it is a copy, a flag and a sum.
 //
 // Buffer layout (float32 elements): a header of `world` counters (int64, one per 64-byte line),

@@ -5,32 +5,32 @@ to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
 
 - `blocked`: kernels/blocked_linear.cpp over weights in panels of 16 output rows ([out / 16, in,
   16]). An AVX2 tile (6 rows x one panel) and, where the build has AVX-512, a wider one (12 rows
-  x two panels, one zmm per panel row; BATCHINFER_GEMM_AVX512=0: the AVX2 tile). Each output row
+  x two panels, one zmm per panel row; the op's wide=False: the AVX2 tile). Each output row
   is one FMA chain over k in order, so its bits do not depend on the batch or on the tile. On the
   AVX2-only AMD EPYC this project runs on, the AVX2 tile measured 1.2-1.4x oneDNN's packed GEMM
   on SmolLM2's shapes at 16-256 rows on two threads; on an AVX-512 Xeon the AVX-512 tile measured
-  1.45x oneDNN at 16 rows, 1.14-1.16x at 128 and 0.95x at 512 (benchmarks/gemm_roofline.py). It
+  1.45x oneDNN at 16 rows, 1.14-1.16x at 128 and 0.95x at 512 (benchmarks/engine/gemm_roofline.py). It
   prefetches the next panel while it computes the current one, so at decode batch sizes the
-  weights' DRAM stream overlaps the FMAs (BATCHINFER_GEMM_PREFETCH=0: off). The MLP's gate/up
+  weights' DRAM stream overlaps the FMAs (the op's prefetch=False: off). The MLP's gate/up
   projection runs SiLU-and-mul as the kernel's epilogue (`BlockedLinear.silu_mul`,
-  engine/model/ops.py; BATCHINFER_FUSE_SILU_MUL=0: off).
+  engine/model/ops.py; NativeOps.fuse_silu_mul = False: off).
 - `onednn`: oneDNN's own packed (opaque) weights: the default where the blocked kernel has
   neither tile's instruction set to itself (an AVX2 tile on an AVX-512 CPU: oneDNN was 1.2-1.3x
   faster there).
 
 BATCHINFER_LINEAR_KERNEL picks one (auto, blocked, onednn, torch); auto takes `blocked` on a CPU
-whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile built and on, else
-`onednn`. BATCHINFER_PACK_LINEARS=0 (older name) means
-torch. Elsewhere (CUDA, bf16) the modules are left as they are.
+whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile built, else
+`onednn` (engine/envs.py). Elsewhere (CUDA, bf16) the modules are left as they are.
 """
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 
 import torch
 from torch import nn
+
+from .. import envs
 
 log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 128
@@ -59,9 +59,7 @@ def blocked_kernel_isa() -> str:
 
 
 @lru_cache(maxsize=None)
-def _resolve(requested: str, pack_linears_env: str) -> str:
-    if pack_linears_env == "0":
-        return "torch"
+def _resolve(requested: str) -> str:
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"BATCHINFER_LINEAR_KERNEL={requested!r}: expected one of "
                          f"{', '.join(LINEAR_KERNELS)}")
@@ -81,8 +79,7 @@ def _resolve(requested: str, pack_linears_env: str) -> str:
 
 def linear_kernel() -> str:
     """The kernel fp32 CPU linears use here: blocked, onednn or torch (see the module doc)."""
-    return _resolve(os.environ.get("BATCHINFER_LINEAR_KERNEL", "auto").strip().lower(),
-                    os.environ.get("BATCHINFER_PACK_LINEARS", "1"))
+    return _resolve(envs.get("BATCHINFER_LINEAR_KERNEL").strip().lower())
 
 
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
@@ -123,6 +120,11 @@ class PackedLinear(nn.Module):
 class BlockedLinear(nn.Module):
     """A Linear whose weight lives in 16-wide panels for kernels/blocked_linear.cpp."""
 
+    # the kernel's switches, for measuring them (the same bits either way): prefetch the next
+    # panel during this one's FMAs; the AVX-512 tile where built (False: the AVX2 tile)
+    prefetch = True
+    wide = True
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -132,7 +134,7 @@ class BlockedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the engine's [tokens, features]: no reshapes on the hot path
         y = torch.ops.batchinfer.blocked_linear(x if flat else x.reshape(-1, self.in_features),
-                                                self.blocked)
+                                                self.blocked, self.prefetch, self.wide)
         if self.bias is not None:
             y.add_(self.bias)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
@@ -145,8 +147,10 @@ class BlockedLinear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
         if x.dim() == 2:
-            return torch.ops.batchinfer.blocked_linear_silu_mul(x, self.blocked)
-        y = torch.ops.batchinfer.blocked_linear_silu_mul(x.reshape(-1, self.in_features), self.blocked)
+            return torch.ops.batchinfer.blocked_linear_silu_mul(x, self.blocked, self.prefetch,
+                                                                self.wide)
+        y = torch.ops.batchinfer.blocked_linear_silu_mul(x.reshape(-1, self.in_features),
+                                                         self.blocked, self.prefetch, self.wide)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def dense_weight(self) -> torch.Tensor:

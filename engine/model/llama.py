@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
     def compute_logits_columns(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                                out: torch.Tensor) -> None:
         """This rank's real vocabulary rows of the logits, transposed into out [vocab_rows, rows]
-        (SiPipe's column-wise layout: a TP rank's shard is a row range of the full [V, rows], so
+        (the column-wise samplers' layout: a TP rank's shard is a row range of the full [V, rows], so
         no all-gather). The same LM head as compute_logits, so the same values, bit for bit;
         `out` may live in host memory."""
         logits = self.lm_head(self._final_norm(hidden, residual))

@@ -5,18 +5,10 @@ CPU kernels (kernels/fused_ops.cpp): one memory pass per step instead of several
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from .fast_linear import BlockedLinear
-
-
-def fuse_silu_mul() -> bool:
-    """BATCHINFER_FUSE_SILU_MUL=0 runs SiLU-and-mul as its own pass after the gate/up GEMM. Read
-    on every call (~1 us, 30 per step) so benchmarks/switch_ab.py can flip it inside one engine."""
-    return os.environ.get("BATCHINFER_FUSE_SILU_MUL", "1") != "0"
 
 
 class TorchOps:
@@ -58,6 +50,9 @@ class TorchOps:
 
 class NativeOps:
     name = "native"
+    # SiLU-and-mul as the gate/up GEMM's epilogue where it can (False: its own pass after the
+    # GEMM; the same bits either way, a switch for measuring the fusion)
+    fuse_silu_mul = True
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -76,7 +71,7 @@ class NativeOps:
     def gate_up_silu_mul(cls, gate_up_proj, x):
         """One pass where the gate/up projection is a BlockedLinear that can fuse (the same bits
         as the two ops); else the GEMM, then silu_and_mul."""
-        if isinstance(gate_up_proj, BlockedLinear) and gate_up_proj.can_fuse_silu_mul and fuse_silu_mul():
+        if isinstance(gate_up_proj, BlockedLinear) and gate_up_proj.can_fuse_silu_mul and cls.fuse_silu_mul:
             return gate_up_proj.silu_mul(x)
         return cls.silu_and_mul(gate_up_proj(x))
 

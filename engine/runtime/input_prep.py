@@ -1,4 +1,4 @@
-"""SiPipe's token-safe execution model (§5.2, Fig. 6): a worker's input preparation runs on its own
+"""Token-safe execution (arXiv:2506.22033 §5.2, Fig. 6): a worker's input preparation runs on its own
 thread, one iteration ahead of the forward, writing into one of two versioned input buffers while
 the forward reads the other.
 

@@ -53,7 +53,7 @@ def compute_balanced_split(arch: ModelArch, pp: int,
     runs on the prompt tokens (1 + prompt/output tokens per generated token) and reads the KV
     cache at the mean context (memory-bound: its bytes are charged at the machine's FLOP/byte
     balance). On SmolLM2 with ShareGPT-like lengths the head then weighs about 4 layers and pp=2
-    splits 17 + 13 (benchmarks/parallel_layouts.py: stage bubbles 10% / 12%, against 4% / 24% for
+    splits 17 + 13 (benchmarks/strategies/parallel_layouts.py: stage bubbles 10% / 12%, against 4% / 24% for
     19 + 11, which counts GEMM FLOPs alone)."""
     layers = arch.num_layers
     if pp == 1:

@@ -61,8 +61,8 @@ class WorkerPool:
 
     # --- start ----------------------------------------------------------------------------------
     def start(self, target, specs: list, timeout_s: float, helpers: tuple = ()) -> list[dict]:
-        """Spawns one process per spec (and per (target, spec) in `helpers`, e.g. SiPipe's CPU
-        samplers, ranked after the workers), waits until each reports ready; -> their infos."""
+        """Spawns one process per spec (and per (target, spec) in `helpers`, e.g. CPU sampler
+        processes, ranked after the workers), waits until each reports ready; -> their infos."""
         import torch.distributed as dist
 
         self.store = dist.TCPStore("127.0.0.1", 0, None, True,

@@ -1,7 +1,7 @@
 """Tensor-parallel all-reduce through shared memory, for the ranks of one CPU host.
 
 gloo's all-reduce goes through loopback TCP: 0.6-2 ms per call for a decode step's [rows, hidden]
-tensor on a 2-core host (benchmarks/allreduce_cost.py), twice per layer, so TP decode lost to
+tensor on a 2-core host (benchmarks/engine/allreduce_cost.py), twice per layer, so TP decode lost to
 every other layout. vLLM's CPU backend all-reduces through shared memory for the same reason.
 Here the controller allocates one buffer per TP group (torch shares it with the workers by file
 descriptor: no name to collide on) and the ranks sum through it (kernels/shm_allreduce.cpp);
@@ -29,8 +29,8 @@ def resolve_mode(device: str, requested: str) -> str:
 
 
 def group_buffers(layouts: Iterable, device: str, requested: str) -> dict[tuple[int, ...], torch.Tensor]:
-    """One shared buffer per tensor-parallel group of `layouts` (ParallelLayouts: a run's, or
-    Seesaw's prefill and decode layouts); empty where the shared-memory path does not apply."""
+    """One shared buffer per tensor-parallel group of `layouts` (ParallelLayouts: a run's, and
+    any a strategy's extension switches to); empty where the shared-memory path does not apply."""
     if resolve_mode(device, requested) != "shm":
         return {}
     import torch.multiprocessing  # noqa: F401  (registers the pickling of shared tensors)

@@ -1,4 +1,4 @@
-"""Hidden-state transport between adjacent pipeline stages (SiPipe §5.3, Fig. 7).
+"""Hidden-state transport between adjacent pipeline stages (arXiv:2506.22033 §5.3, Fig. 7).
 
 A stage hands the next one a dict {key: [T, ...] tensor} per micro-batch; T varies, nothing else
 does. Two protocols, each counting its messages:

@@ -19,7 +19,7 @@ class PipelineStats:
         self.recv_wait = defaultdict(float)
         self.send = defaultdict(float)
         self.micro_batches = defaultdict(int)
-        self.reshard = defaultdict(float)           # Seesaw: time spent switching layouts
+        self.reshard = defaultdict(float)           # time spent switching layouts (re-sharding)
         self.window: dict[int, list[float]] = {}   # replica -> [first start, last end]
 
     def add(self, events: Iterable[dict]) -> None:

@@ -1,8 +1,8 @@
 """The hooks a strategy's worker-level mechanism plugs into a worker process (runtime/worker.py).
 
 The worker names no strategy: it calls these hooks, whose defaults are the plain worker. A
-strategy that works below the scheduler (Seesaw's re-sharding, SiPipe's CPU sampling and
-token-safe inputs, SiDP's shared FFN weights) subclasses WorkerExtension in its own folder and
+strategy that works below the scheduler (re-sharding between layouts, CPU sampling and
+token-safe inputs, FFN weights shared between replicas) subclasses WorkerExtension in its own folder and
 hands one instance per rank to the engine's start_workers(); it is pickled into the worker
 process, so the fields a subclass declares are its per-rank setup data and the state it builds
 in `setup` lives only in that process.

@@ -80,9 +80,9 @@ class _Bucket:
     mb_tokens_max: int = 0
     kv_usage_max: float = 0.0
     kv_usage_last: float = 0.0
-    kv_predicted: Optional[float] = None   # the strategy's forecast for the last step (TD-Pipe)
-    kv_store: Optional[float] = None       # the CPU KV store's occupancy (Seesaw)
-    mode_steps: Counter = field(default_factory=Counter)  # steps per execution mode (SiDP)
+    kv_predicted: Optional[float] = None   # the strategy's forecast for the last step
+    kv_store: Optional[float] = None       # a second KV tier's occupancy (a CPU store)
+    mode_steps: Counter = field(default_factory=Counter)  # steps per execution mode
     num_waiting: int = 0
     num_running: int = 0
     requests_done: int = 0

@@ -1,4 +1,4 @@
-"""How even the micro-batches are: tokens per micro-batch over a session (gLLM's Figs. 1 and 4b).
+"""How even the micro-batches are: tokens per micro-batch over a session (arXiv:2504.14775 Figs. 1 and 4b).
 
 Under pipeline parallelism every stage waits for the slowest micro-batch in flight, so uneven
 token counts are pipeline bubbles. This keeps bounded statistics of the token count of each
@@ -62,5 +62,5 @@ class MicroBatchTokens:
 
 
 DEFINITION = ("tokens (prefill + decode) per micro-batch: cv = std / mean; mean_change = mean "
-              "|difference| between a replica's consecutive micro-batches (gLLM Fig. 4b: even "
+              "|difference| between a replica's consecutive micro-batches (arXiv:2504.14775 Fig. 4b: even "
               "micro-batches leave no pipeline bubbles)")

@@ -52,10 +52,10 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     ax.plot(t, [100 * s.get("kv_usage_max", 0) for s in timeline], label="KV usage (max)",
             alpha=0.6)
     predicted = [(s["t"], 100 * s["kv_predicted"]) for s in timeline if "kv_predicted" in s]
-    if predicted:   # the strategy's forecast for the same moment (TD-Pipe, paper Fig. 12)
+    if predicted:   # the strategy's forecast for the same moment (e.g. arXiv:2506.10470 Fig. 12)
         ax.plot(*zip(*predicted), ".", color="tab:red", markersize=3, label="KV usage predicted")
     store = [(s["t"], 100 * s["kv_store_usage"]) for s in timeline if "kv_store_usage" in s]
-    if store:       # the second tier (Seesaw's CPU store)
+    if store:       # a second tier (a CPU KV store)
         ax.plot(*zip(*store), color="tab:purple", label="CPU KV store usage")
     ax.set_ylim(0, 105)
     ax.set_xlabel("seconds since session start")
@@ -100,8 +100,8 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
 
 
 def _execution_modes(timeline: list[dict], title: str) -> Optional[bytes]:
-    """The largest micro-batch and the share of steps in each execution mode over time (SiDP's
-    WaS / CaS, paper Fig. 15)."""
+    """The largest micro-batch and the share of steps in each execution mode over time (e.g.
+    weights vs compute as a service, arXiv:2605.28095 Fig. 15)."""
     rows = [s for s in timeline if s.get("mode_steps") and "mb_tokens_max" in s]
     if not rows:
         return None
@@ -127,7 +127,7 @@ def _execution_modes(timeline: list[dict], title: str) -> Optional[bytes]:
 
 
 def _micro_batch_tokens(timeline: list[dict], title: str) -> Optional[bytes]:
-    """Tokens per micro-batch over time (gLLM Fig. 4b): the mean split into prefill and decode,
+    """Tokens per micro-batch over time (arXiv:2504.14775 Fig. 4b): the mean split into prefill and decode,
     with the smallest and largest micro-batch of each interval."""
     rows = [s for s in timeline if "mb_prefill_mean" in s]
     if not rows:

@@ -1,5 +1,5 @@
 """Strategy `gllm`: Token Throttling for balanced pipeline micro-batches
-(../shared/papers/gllm-token-throttling.txt §3).
+(arXiv:2504.14775 §3).
 
 Every micro-batch is scheduled in two independent halves, then merged into one hybrid batch
 (prefill chunks and decode tokens together), up to PP micro-batches in flight:

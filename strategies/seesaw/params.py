@@ -1,5 +1,5 @@
 """Strategy `seesaw`: dynamic re-sharding between a prefill layout and a decode layout, with a CPU
-KV tier (../shared/papers/seesaw.txt).
+KV tier (arXiv:2503.06433).
 
 The recipe's `parallel` section is the prefill layout c_p (e.g. pp: 2); `decode_tp` x
 `decode_pp` is the decode layout c_d over the same ranks (e.g. TP=2). Prefill runs in c_p and

@@ -1,4 +1,4 @@
-"""Seesaw's scheduler (../shared/papers/seesaw.txt §4.2, Fig. 6): pure Python over engine state.
+"""Seesaw's scheduler (arXiv:2503.06433 §4.2, Fig. 6): pure Python over engine state.
 
 Two phases, each in its own layout: prefill runs in c_p (e.g. PP=2), decode in c_d (e.g. TP=2).
 

@@ -1,4 +1,4 @@
-"""Strategy `sidp`: data-parallel replicas that share FFN weights (../shared/papers/sidp.txt §4).
+"""Strategy `sidp`: data-parallel replicas that share FFN weights (arXiv:2605.28095 §4).
 
 Ownership (layer l -> rank l mod d, or `owners`); Weight as a Service with d - 1 preallocated
 weight slots per rank filled ahead of use by a prefetch / housekeeper thread, and peak shifting

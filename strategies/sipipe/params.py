@@ -1,5 +1,5 @@
 """Strategy `sipipe`: SiPipe's three mechanisms on the multi-process pipeline
-(../shared/papers/sipipe.txt §5), each switchable off as in the paper's ablation (§7.5):
+(arXiv:2506.22033 §5), each switchable off as in the paper's ablation (§7.5):
 
 - `cpu_sampling`: sampling leaves the last stage for p CPU sampler processes with column-wise,
   incrementally updated state (strategies/sipipe/column_sampler.py); off: the last stage samples, as in the

@@ -1,4 +1,4 @@
-"""TD-Pipe's three decisions as pure functions over plain numbers (../shared/papers/td-pipe.txt).
+"""TD-Pipe's three decisions as pure functions over plain numbers (arXiv:2506.10470).
 
 - `KVForecast` (§3.3, Algorithm 1, AI-based greedy prefill): predicted KV usage at future decode
   points; prefill -> decode when its peak exceeds the capacity.

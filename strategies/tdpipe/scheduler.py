@@ -1,4 +1,4 @@
-"""Strategy `tdpipe`: temporally-disaggregated pipeline parallelism (../shared/papers/td-pipe.txt).
+"""Strategy `tdpipe`: temporally-disaggregated pipeline parallelism (arXiv:2506.10470).
 
 The pipeline alternates long prefill-only phases and long decode-only phases:
 

