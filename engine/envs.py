@@ -61,6 +61,7 @@ def unknown_in_environment(environ: Optional[dict] = None) -> list[str]:
     out = []
     for name in sorted(environ if environ is not None else os.environ):
         if name.startswith("BATCHINFER_") and name not in ENV_VARS:
-            close = difflib.get_close_matches(name, ENV_VARS, n=1)
-            out.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+            prefix = len("BATCHINFER_")        # compare what follows the shared prefix
+            close = difflib.get_close_matches(name[prefix:], [k[prefix:] for k in ENV_VARS], n=1)
+            out.append(name + (f" (did you mean BATCHINFER_{close[0]}?)" if close else ""))
     return out

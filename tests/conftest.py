@@ -11,10 +11,11 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# engines built in this process must not pin its threads (tests/test_cpu_binding.py pins in a child)
+# engines built in this process must not pin its threads (tests/engine/test_cpu_binding.py pins
+# in a child)
 os.environ.setdefault("BATCHINFER_BIND_THREADS", "none")
 # the many small engines here skip huge-page KV (it costs start time, pays back in long runs);
-# tests/test_kv_huge_pages.py turns it on
+# tests/engine/test_kv_huge_pages.py turns it on
 os.environ.setdefault("BATCHINFER_KV_HUGE_PAGES", "0")
 logging.getLogger("batchinfer").setLevel(logging.WARNING)
 

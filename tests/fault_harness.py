@@ -1,7 +1,7 @@
 """Fault injection on real `batchinfer run` processes: kill -9, SIGTERM / SIGINT at random
 moments, a file-size limit, then a clean rerun that must complete with every id exactly once.
 
-Used by tests/test_fault_injection.py (a short seeded run in CI) and by
+Used by tests/runner/test_fault_injection.py (a short seeded run in CI) and by
 benchmarks/fault_injection.py (the long run, JSON out). Each run starts in a session of its own,
 so a fault reaches its whole process group as Slurm's and a terminal's signals do, and leftovers
 (workers, compilers) are found by process group and by the run's cache directory.

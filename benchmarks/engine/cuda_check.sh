@@ -10,7 +10,7 @@
 #   bash benchmarks/engine/cuda_check.sh run OUT [PART...]
 #                                            # there (with .gpu carried): installs into /tmp/site,
 #                                            # then the parts (default all): `tests`
-#                                            # (tests/test_cuda_paths.py), `wdecode` (W-decode at
+#                                            # (tests/engine/test_cuda_paths.py), `wdecode` (W-decode at
 #                                            # 128/256/512 with CUDA graphs and eagerly, SmolLM2's
 #                                            # shapes, random weights, bf16), `sharegpt`
 #                                            # (cuda_graph_bench.py: 600 ShareGPT requests, graphs
@@ -61,7 +61,7 @@ run() {
         transformers.__version__, torch.cuda.get_device_name())"
     local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
     if [[ " $parts " == *" tests "* ]]; then
-        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/test_cuda_paths.py \
+        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
     fi
     if [[ " $parts " == *" wdecode "* ]]; then

@@ -19,6 +19,11 @@ import sys
 import time
 import traceback
 
+# run as a script, this folder is first on sys.path; its module names (engine, params, worker) are
+# generic enough to shadow another package's top-level modules inside vLLM's Python
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 

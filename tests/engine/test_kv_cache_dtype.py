@@ -40,6 +40,7 @@ def test_a_narrow_cache_holds_twice_the_tokens_in_the_same_memory(make_engine, t
 
 @pytest.mark.skipif(not load_native_kernels(), reason="native kernels did not build")
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+@pytest.mark.slow
 def test_native_and_torch_attention_agree_on_a_narrow_cache(make_engine, fp32_tokens, kv_dtype):
     """Both paths round K/V the same way on write and widen them on read: the same greedy tokens,
     through chunked prefill and decode. Against the fp32 cache the rounding shows, but only as
@@ -52,6 +53,7 @@ def test_native_and_torch_attention_agree_on_a_narrow_cache(make_engine, fp32_to
     assert same_start >= len(PROMPTS) - 1, (native, fp32_tokens)
 
 
+@pytest.mark.slow
 def test_pipeline_ranks_store_the_narrow_dtype(make_engine):
     """Worker processes allocate their caches in kv_cache_dtype: two pipeline stages give the
     single process's tokens."""

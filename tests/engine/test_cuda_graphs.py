@@ -1,8 +1,8 @@
 """Decode steps through engine/cuda_graphs.py: padded batches, padded block tables, the padding
-block, and the eager fallback. Capture itself needs a GPU (tests/test_cuda_paths.py checks graphs
-against eager runs there); here the same padded forward runs eagerly (`capture=False`) on CPU with
-the torch attention path, so that every step of its logic is checked against the engine's own
-eager steps on the embedded SmolLM2."""
+block, and the eager fallback. Capture itself needs a GPU (tests/engine/test_cuda_paths.py checks
+graphs against eager runs there); here the same padded forward runs eagerly (`capture=False`) on
+CPU with the torch attention path, so that every step of its logic is checked against the
+engine's own eager steps on the embedded SmolLM2."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +47,7 @@ def _with_graphs(engine, max_seq_len_to_capture: int) -> DecodeGraphs:
     return graphs
 
 
+@pytest.mark.slow
 def test_padded_decode_steps_give_the_eager_tokens(engine):
     executor = engine.replicas[0].executor
     prompts = _prompts()
@@ -72,6 +73,7 @@ def test_padded_decode_steps_give_the_eager_tokens(engine):
     manager.free(PADDING_OWNER)
 
 
+@pytest.mark.slow
 def test_contexts_past_max_seq_len_to_capture_run_eagerly(engine):
     executor = engine.replicas[0].executor
     prompts = _prompts()[2:]                      # 40, 130 and 300 tokens

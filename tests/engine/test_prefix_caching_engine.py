@@ -46,6 +46,7 @@ def _engine(cache_tokens: int, caching: bool, max_model_len: int = 512, **sectio
     {"scheduler": {"policy": "sb"}},
     {"scheduler": {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}},
 ], ids=["sb", "hb-small-chunks"])
+@pytest.mark.slow
 def test_outputs_equal_caching_off_and_prefixes_are_reused(sections):
     with _engine(4096, False, **sections) as plain:
         prompts = _prompts(plain.tokenizer)
@@ -75,6 +76,7 @@ def test_a_shared_prefix_is_computed_once_within_one_batch():
     assert stats["computed_prefill_tokens"] <= sum(map(len, prompts)) - 5 * shared
 
 
+@pytest.mark.slow
 def test_a_small_cache_evicts_and_preempts_with_the_same_outputs():
     """Room for 2-3 sequences: cached blocks are evicted for new ones, and decodes preempt."""
     sections = {"scheduler": {"policy": "hb", "max_num_batched_tokens": 96}}
@@ -110,6 +112,7 @@ def test_a_fully_cached_prompt_computes_only_its_last_token():
     {"parallel": {"pp": 2}, "strategy": {"name": "tdpipe"}},
     {"parallel": {"dp": 2}, "strategy": {"name": "sidp"}},
 ], ids=["pp2-hb", "pp2-gllm", "pp2-tdpipe", "dp2-sidp"])
+@pytest.mark.slow
 def test_pipeline_parallel_outputs_equal_caching_off(sections):
     from batchinfer.runner.recipe import strategy_class
 

@@ -11,7 +11,7 @@ from batchinfer.cli.main import app
 from batchinfer.runner.recipe import load_recipe
 from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "quickstart.yaml"
 INPUT = REPO / "examples" / "quickstart.jsonl"
 

@@ -86,6 +86,7 @@ def reference(make_engine):
     ({"pp": 2, "pp_layers": [20, 10]}, {"policy": "sb"}),
     ({"dp": 2}, {"policy": "hb"}),
 ])
+@pytest.mark.slow
 def test_multiprocess_tokens_equal_single_process(make_engine, reference, parallel, scheduler):
     prompts, params, expected = reference
     with make_engine(**SMALL, parallel=parallel, scheduler=scheduler) as engine:
@@ -103,6 +104,7 @@ DUMMY8 = {"load_format": "dummy", "max_model_len": 512,
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "tp_all_reduce": "gloo"}])
+@pytest.mark.slow
 def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine, parallel):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [o.output_token_ids for o in
@@ -117,6 +119,7 @@ def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine,
 
 
 # --- faults ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_killed_worker_is_named_within_seconds(make_engine):
     engine = make_engine(**SMALL, parallel={"pp": 2})
     victim = engine.replicas[0].executor.pool.procs[1]
@@ -145,6 +148,7 @@ class _Spec:
         self.rank = rank
 
 
+@pytest.mark.slow
 def test_worker_exception_is_reported_with_its_rank():
     pool = WorkerPool(["rank 0 (stage 0)", "rank 1 (stage 1)"])
     t0 = time.monotonic()
@@ -196,6 +200,7 @@ def _workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.slow
 def test_kill_a_worker_then_resume_exactly_once(tmp_path):
     recipe = tmp_path / "pp.yaml"
     recipe.write_text(TINY_PP_RECIPE)

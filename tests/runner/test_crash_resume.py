@@ -17,6 +17,9 @@ import pytest
 
 from tests.fault_harness import TINY_MODEL, exactly_once_problems, read_records, write_prompts
 
+# every test here runs real `batchinfer run` subprocesses, several seconds each
+pytestmark = pytest.mark.slow
+
 TINY_RECIPE = (TINY_MODEL + "strategy: {name: baseline, max_num_seqs: 16}\n"
                "report: {refresh_seconds: 0.5, plots: false, progress_interval_seconds: 1}\n")
 

@@ -15,7 +15,7 @@ from batchinfer.sim.hardware import RooflineCostModel, preset
 from batchinfer.sim.model_presets import model_preset
 from batchinfer.sim.simulator import SimRequest, simulate, simulated_engine
 
-from tests.test_sim import ARCH, LinearCost, _drain, _prefill, _spans
+from tests.sim.test_sim import ARCH, LinearCost, _drain, _prefill, _spans
 
 PAPER_KNOBS = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                    frequency_penalty=0.2, presence_penalty=0.1)
@@ -103,7 +103,7 @@ def test_the_gpu_sampler_pays_its_host_work_per_penalty_token_and_cpu_samplers_s
 
 
 def test_a_measured_profile_keeps_input_preparation_inside_the_forward():
-    from tests.test_sim import _table
+    from tests.sim.test_sim import _table
     from batchinfer.sim.cost_model import MeasuredCostModel
 
     assert MeasuredCostModel(_table()).input_prep_seconds(_decode_shape(8, 64, {})) == 0.0

@@ -252,6 +252,7 @@ def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
 
 
 @pytest.mark.parametrize("kv_dtype,element", [("auto", 4), ("bfloat16", 2)])
+@pytest.mark.slow
 def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv_dtype, element):
     """Dummy 8-head model: PP=2 prefill, TP=2 decode, a device cache of ~230 tokens and a CPU
     store of 256: several switches, every token equal to the single process's (with a bf16 KV
@@ -280,6 +281,7 @@ def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv
     assert sched.tiers.store.num_free_blocks == sched.tiers.store.num_blocks
 
 
+@pytest.mark.slow
 def test_smollm2_pp_only_layouts_equal_the_baseline(make_engine):
     """SmolLM2 with two pipeline layouts (15 + 15 for prefill, 20 + 10 for decode), copies on the
     main thread (the async ablation): the same greedy tokens as the single process."""
@@ -308,6 +310,7 @@ def test_a_layout_the_model_cannot_take_is_a_clear_error():
         Engine.from_config(_seesaw_config(small, {"pp": 2}, {"max_model_len": 128}, "5MiB"))
 
 
+@pytest.mark.slow
 def test_seesaw_recipe_runs_out_of_the_box(tmp_path):
     """recipes/seesaw.yaml as shipped: SmolLM2 (the embedded default), PP=3 prefill, TP=3 decode."""
     out = tmp_path / "run"

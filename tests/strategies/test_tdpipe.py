@@ -252,6 +252,7 @@ def test_step_times_round_trip_and_bad_file(tmp_path):
 # --- on the real engine --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
     """16 requests that need ~3x the KV cache: TD-Pipe alternates phases several times on two
     pipeline stages and still produces the single-process baseline's greedy tokens."""
@@ -280,6 +281,7 @@ def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_startup_profile_times_real_micro_batches_and_leaves_no_trace(make_engine):
     from batchinfer.engine.step_times import profile_step_times
 
@@ -295,6 +297,7 @@ def test_startup_profile_times_real_micro_batches_and_leaves_no_trace(make_engin
         assert [len(o.output_token_ids) for o in out] == [12, 25]
 
 
+@pytest.mark.slow
 def test_tdpipe_recipe_runs_out_of_the_box(tmp_path):
     """recipes/tdpipe.yaml as shipped, on the embedded default, through `batchinfer run`."""
     out = tmp_path / "run"

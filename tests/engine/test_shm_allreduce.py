@@ -51,6 +51,7 @@ def _run(world: int, slot: int, calls: int):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_sums_match_and_every_rank_gets_the_same_bits(world):
     calls = 60
     out = _run(world, slot=1024, calls=calls)

@@ -49,6 +49,7 @@ def _run(engine, prompts, batched: bool):
     {"policy": "sb"},
     {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24},
 ])
+@pytest.mark.slow
 def test_greedy_matches_transformers(make_engine, hf_reference, scheduler):
     engine = make_engine(scheduler=scheduler, model={"max_model_len": 1024})
     prompts = _prompts(engine.tokenizer)
@@ -57,6 +58,7 @@ def test_greedy_matches_transformers(make_engine, hf_reference, scheduler):
     assert _run(engine, prompts[:3], batched=False) == expected[:3]
 
 
+@pytest.mark.slow
 def test_torch_attention_backend_matches_native(make_engine):
     native = make_engine(model={"max_model_len": 1024})
     portable = make_engine(model={"max_model_len": 1024}, device={"attention_backend": "torch"})

@@ -284,6 +284,7 @@ def test_unprofiled_thread_counts_scale_from_the_nearest_below():
     assert four.layer_dense[0][1] == pytest.approx(table.compute[2].layer_dense[0][1] / 2)
 
 
+@pytest.mark.slow
 def test_a_quick_real_profile_round_trips(tmp_path):
     """The profiler on the embedded model (coarse settings): every section filled, the fit's
     prediction beside each measured point, and the saved table loads back equal."""

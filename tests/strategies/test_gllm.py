@@ -221,6 +221,7 @@ def test_recipe_names_and_checks_the_papers_parameters():
         parse_recipe({"strategy": {"name": "gllm", "MinP": 4096}})
 
 
+@pytest.mark.slow
 def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
     """Requests that need ~3x the KV cache, small #MaxP so prompts are chunked: two pipeline
     stages with throttled hybrid micro-batches give the single process's greedy tokens."""
@@ -243,6 +244,7 @@ def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_gllm_recipe_runs_out_of_the_box(tmp_path):
     """recipes/gllm.yaml as shipped, on the embedded default, through `batchinfer run`; the report
     shows the tokens per micro-batch."""

@@ -153,7 +153,7 @@ def plain_dp_outputs():
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
 
-    os.environ["BATCHINFER_PACK_LINEARS"] = "0"    # SiDP's FFN GEMMs are plain torch linears
+    os.environ["BATCHINFER_LINEAR_KERNEL"] = "torch"   # SiDP's FFN GEMMs are plain torch linears
     try:
         with Engine.from_config(EngineConfig(**BASE)) as engine:
             tok = engine.tokenizer
@@ -161,7 +161,7 @@ def plain_dp_outputs():
                      _requests("b", PROMPTS[:4], tok, [10, 6, 14, 9])]
             return _run(engine, waves)
     finally:
-        del os.environ["BATCHINFER_PACK_LINEARS"]
+        del os.environ["BATCHINFER_LINEAR_KERNEL"]
 
 
 def _sidp(make_engine, **knobs):
@@ -172,11 +172,12 @@ def _sidp(make_engine, **knobs):
     return make_engine(**BASE, strategy=params, scheduler=params.scheduler_config())
 
 
+@pytest.mark.slow
 def test_cas_greedy_outputs_equal_plain_dp_in_cas_and_across_switches(
         make_engine, monkeypatch, plain_dp_outputs):
     """B_th 4, patience 2: decode batches of 3 or less go to CaS; the second wave's prefill (many
     tokens) brings the group back to WaS, its tail to CaS again."""
-    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
     with _sidp(make_engine, batch_threshold=4, mode_switch_patience=2,
                mode_switch_hysteresis=1.0) as engine:
         orchestrator = engine.replicas[0].executor.orchestrator
@@ -198,12 +199,13 @@ def test_cas_greedy_outputs_equal_plain_dp_in_cas_and_across_switches(
 
 
 @pytest.mark.parametrize("dummy_skipping", [True, False])
+@pytest.mark.slow
 def test_a_replica_with_no_work_triggers_no_transfer_in_cas(make_engine, monkeypatch,
                                                            dummy_skipping):
     """One request: one replica runs it, the other is a dummy in every round. With dummy
     skipping the dummy sends no activation and the owner computes none of its rows; without,
     it pushes a zero row through every layer."""
-    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
     with make_engine(**BASE) as engine:
         expected = engine.generate(["The capital of France is"], SamplingParams(
             max_tokens=8, temperature=0.0, ignore_eos=True))[0].output_token_ids
@@ -225,9 +227,10 @@ def test_a_replica_with_no_work_triggers_no_transfer_in_cas(make_engine, monkeyp
         assert worker["rows_served"] == dummy["activations_sent"]
 
 
+@pytest.mark.slow
 def test_cas_without_gemm_fusion_gives_the_same_tokens(make_engine, monkeypatch, plain_dp_outputs):
     """The owner runs one GEMM chain per replica instead of one over all rows."""
-    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
     with _sidp(make_engine, batch_threshold=10_000, mode_switch_patience=1,
                gemm_fusion=False) as engine:
         tok = engine.tokenizer

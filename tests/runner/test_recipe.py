@@ -9,7 +9,7 @@ from batchinfer.engine.config import EngineConfig, SchedulerConfig
 from batchinfer.runner.recipe import Recipe, RecipeError, load_recipe, parse_recipe
 from batchinfer.strategies import STRATEGIES, BaselineStrategy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _load(tmp_path, text: str) -> Recipe:

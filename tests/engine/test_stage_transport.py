@@ -130,6 +130,7 @@ def outcome():
     return got
 
 
+@pytest.mark.slow
 def test_structure_aware_sends_metadata_once(outcome):
     sender, receiver = outcome[0]["aware"], outcome[1]["aware"]
     assert receiver["mismatched"] == []
@@ -142,6 +143,7 @@ def test_structure_aware_sends_metadata_once(outcome):
     assert receiver["counters"]["bytes"] == sender["counters"]["bytes"] > payload
 
 
+@pytest.mark.slow
 def test_structure_unaware_sends_metadata_every_transfer(outcome):
     sender, receiver = outcome[0]["unaware"], outcome[1]["unaware"]
     assert receiver["mismatched"] == []
@@ -152,6 +154,7 @@ def test_structure_unaware_sends_metadata_every_transfer(outcome):
     assert receiver["counters"]["bytes"] == sender["counters"]["bytes"]
 
 
+@pytest.mark.slow
 def test_structure_aware_rejects_a_changed_dtype(outcome):
     error = outcome[0]["changed_dtype"]["error"]
     assert error is not None and "'residual'" in error and "torch.float64" in error

@@ -231,6 +231,7 @@ def _check_same(ranks, reference, atol):
             assert torch.equal(tokens, ref_tokens), name
 
 
+@pytest.mark.slow
 def test_tp2_dummy_weights_match_single_process(tmp_path, default_model_dir):
     both = ("torch", "native")
     ranks = _run_tp(tmp_path, 2, default_model_dir, TP2_MODEL, True, PROMPTS, DECODE_STEPS, both)
@@ -239,6 +240,7 @@ def test_tp2_dummy_weights_match_single_process(tmp_path, default_model_dir):
     _check_same(ranks, reference, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_tp3_real_weights_match_single_process(tmp_path, default_model_dir):
     """SmolLM2's 9 heads / 3 kv heads / 1536 intermediate split by 3, its real weights read with
     get_slice. To stay fast (three processes share two cores): its first 8 layers, one backend."""

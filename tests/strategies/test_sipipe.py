@@ -227,6 +227,7 @@ def _e2e_params():
                                          "structure_aware_transmission": False}),
     (DUMMY8, {"tp": 2}, {}),
 ])
+@pytest.mark.slow
 def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, switches):
     """Every switch setting samples the single process's tokens (the logits are the same bits and
     the column kernels are the row kernels' arithmetic); under TP each rank writes its vocabulary
@@ -251,6 +252,7 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     assert ("sample" in kinds) == info["cpu_sampling"] == switches.get("cpu_sampling", True)
 
 
+@pytest.mark.slow
 def test_sipipe_recipe_runs_out_of_the_box(tmp_path):
     from tests.strategy_e2e import run_shipped_recipe
 
