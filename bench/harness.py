@@ -67,11 +67,13 @@ def _layout(recipe) -> str:
     return f"tp{p.tp} pp{p.pp} dp{p.dp}"
 
 
-def run_once(config: BenchConfig, workload: Path, run_dir: Path) -> dict:
-    """One `batchinfer run` in a fresh process -> its report's figures."""
+def run_once(config: BenchConfig, workload: Path, run_dir: Path,
+             env: Optional[dict] = None) -> dict:
+    """One `batchinfer run` in a fresh process (env: its environment, default this one's) ->
+    its report's figures."""
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", str(config.recipe_path), "--input",
            str(workload), "--output", str(run_dir), "--no-resume", "--progress", "off", "-q"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     report_path = run_dir / "report.json"
     if proc.returncode not in (0, 1) or not report_path.is_file():
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}

@@ -105,9 +105,10 @@ class Engine:
         self._feed()
         for rep in self.replicas:
             self._fill(rep)
-        _flush_submissions(self.replicas)
+        for rep in self.replicas:      # every replica has been offered work this step
+            rep.executor.flush_submissions()
         busy = [rep for rep in self.replicas
-                 if rep.executor.num_in_flight or _pending_transfers(rep)]
+                 if rep.executor.num_in_flight or rep.executor.num_pending_transfers]
         if not busy:
             stalled = [rep.scheduler for rep in self.replicas if rep.scheduler.has_unfinished()]
             if stalled:
@@ -117,11 +118,11 @@ class Engine:
                     f"scheduler {type(stalled[0]).__name__} has {stalled[0].num_waiting} waiting "
                     f"and {stalled[0].num_running} running requests but schedules nothing")
             return []
-        while not any(rep.executor.ready() or _transfers_ready(rep) for rep in busy):
+        while not any(rep.executor.ready() or rep.executor.transfers_ready() for rep in busy):
             busy[0].executor.wait()
         finished: list[RequestOutput] = []
         for index, rep in enumerate(self.replicas):
-            if _pending_transfers(rep) or _transfers_ready(rep):
+            if rep.executor.num_pending_transfers or rep.executor.transfers_ready():
                 rep.scheduler.on_transfers_done(rep.executor.take_done_transfers())
             while rep.executor.num_in_flight and rep.executor.ready():
                 batch, result = rep.executor.collect()
@@ -313,15 +314,3 @@ def _run_actions(rep: Replica) -> None:
     if actions:
         rep.executor.run_actions(actions)
 
-
-def _flush_submissions(replicas: list[Replica]) -> None:
-    for rep in replicas:
-        rep.executor.flush_submissions()
-
-
-def _pending_transfers(rep: Replica) -> int:
-    return rep.executor.num_pending_transfers
-
-
-def _transfers_ready(rep: Replica) -> bool:
-    return rep.executor.transfers_ready()

@@ -48,11 +48,11 @@ class SetupTimeout(BatchInferError):
 
 
 def timeout_scale() -> float:
+    raw = envs.get(TIMEOUT_SCALE_ENV)
     try:
-        scale = float(envs.get(TIMEOUT_SCALE_ENV))
+        scale = float(raw)
     except ValueError:
-        log.warning("%s=%r is not a number; using 1", TIMEOUT_SCALE_ENV,
-                    os.environ.get(TIMEOUT_SCALE_ENV))
+        log.warning("%s=%r is not a number; using 1", TIMEOUT_SCALE_ENV, raw)
         return 1.0
     return scale if scale > 0 else 1.0
 

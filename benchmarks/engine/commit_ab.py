@@ -63,17 +63,10 @@ def main() -> None:
                  "new": overlay(REPO, work / "site-new")}
         recipe, workload = (REPO / args.recipe).resolve(), (REPO / args.input).resolve()
         configs = [BenchConfig(name, recipe, "", "") for name in ("base", "new")]
-        saved = os.environ.get("PYTHONPATH")
 
         def runner(config: BenchConfig, data: Path, run_dir: Path) -> dict:
-            os.environ["PYTHONPATH"] = str(paths[config.name])
-            try:
-                return run_once(config, data, run_dir)
-            finally:
-                if saved is None:
-                    os.environ.pop("PYTHONPATH", None)
-                else:
-                    os.environ["PYTHONPATH"] = saved
+            return run_once(config, data, run_dir,
+                            env={**os.environ, "PYTHONPATH": str(paths[config.name])})
 
         for config in configs:          # kernel builds and page cache: not counted
             warm = runner(config, workload, out / "warm" / config.name)

@@ -13,7 +13,7 @@ from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_
                                              per_rank_kv_budget, rank_bytes_per_block,
                                              start_workers)
 from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
-from batchinfer.strategies.seesaw.scheduler import DECODE, PREFILL, SeesawScheduler
+from .scheduler import DECODE, PREFILL, SeesawScheduler
 
 from .executor import SeesawExecutor
 from batchinfer.resharding.kv_store import allocate_store

@@ -58,7 +58,7 @@ class SeesawParams(StrategyParams):
                                   "(strategies/seesaw/build.py)")
 
     def build_engine(self, config):
-        from batchinfer.strategies.seesaw.build import build_seesaw_engine
+        from .build import build_seesaw_engine
 
         return build_seesaw_engine(config, self)
 

@@ -32,7 +32,7 @@ from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.request import Sequence, SequenceStatus
 from batchinfer.engine.scheduler import (BatchingScheduler, MicroBatch, ScheduledSeq,
                                          requeue_for_recompute)
-from batchinfer.strategies.seesaw.executor import Reshard
+from .executor import Reshard
 from batchinfer.resharding.kv_tiers import SWAP_OUT, KVTiers, Transfer
 
 PREFILL, DECODE = "prefill", "decode"

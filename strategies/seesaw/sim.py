@@ -21,9 +21,9 @@ from batchinfer.engine.executor import Executor
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
-from batchinfer.strategies.seesaw.executor import Reshard
+from .executor import Reshard
 from batchinfer.resharding.kv_tiers import Transfer
-from batchinfer.strategies.seesaw.scheduler import DECODE, PREFILL, SeesawScheduler
+from .scheduler import DECODE, PREFILL, SeesawScheduler
 
 from batchinfer.sim.cost_model import cost_device
 from batchinfer.sim.executor import SimulatedExecutor, VirtualClock
@@ -166,7 +166,7 @@ class SimulatedSeesawExecutor(Executor):
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
                    max_model_len: int, threads: int) -> Replica:
     """The replica, sized and checked as strategies/seesaw/build.py does."""
-    from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
+    from .build import resolve_layouts, tier_blocks
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]

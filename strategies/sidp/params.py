@@ -56,7 +56,7 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))
 
     def build_engine(self, config):
-        from batchinfer.strategies.sidp.build import build_sidp_engine
+        from .build import build_sidp_engine
 
         return build_sidp_engine(config, self)
 

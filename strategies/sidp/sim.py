@@ -33,11 +33,11 @@ from batchinfer.engine.engine import Replica
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.scheduler import MicroBatch
-from batchinfer.strategies.sidp.build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
-from batchinfer.strategies.sidp.cost_profile import BATCH_SIZES
-from batchinfer.strategies.sidp.mode_switch import ModeSwitch, profiled_threshold
-from batchinfer.strategies.sidp.orchestrator import Orchestrator
-from batchinfer.strategies.sidp.ownership import prefetch_order, resolve_owners, weight_slots
+from .build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
+from .cost_profile import BATCH_SIZES
+from .mode_switch import ModeSwitch, profiled_threshold
+from .orchestrator import Orchestrator
+from .ownership import prefetch_order, resolve_owners, weight_slots
 
 from batchinfer.sim.cost_model import BatchShape, CostModel, cost_device
 from batchinfer.sim.executor import _EPS, SimulatedExecutor, VirtualClock, _InFlight

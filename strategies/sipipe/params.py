@@ -39,7 +39,7 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
         return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))
 
     def build_engine(self, config):
-        from batchinfer.strategies.sipipe.build import build_sipipe_engine
+        from .build import build_sipipe_engine
 
         return build_sipipe_engine(config, self)
 
