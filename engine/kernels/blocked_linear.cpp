@@ -20,7 +20,8 @@
 // Where the build has AVX-512 (and the op's wide is not false) both ops run a wider tile,
 // 12 rows x two panels (tile2 below): on an AVX-512 Xeon, two threads, SmolLM2's decode step took
 // 117-120 ms at 128 rows against oneDNN's 136-137 and the AVX2 tile's 175-180. Same bits.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <string>
@@ -180,25 +181,25 @@ inline void rows2(const float* xp, int64_t begin, int64_t end, const float* pa, 
 #endif
 
 // x [M, K] and w_blocked [panels, K, 16], both fp32: what each op below checks first.
-void check_operands(const torch::Tensor& x, const torch::Tensor& w_blocked, const char* op) {
+void check_operands(const at::Tensor& x, const at::Tensor& w_blocked, const char* op) {
   TORCH_CHECK(x.dim() == 2 && w_blocked.dim() == 3 && w_blocked.size(2) == P &&
                   w_blocked.size(1) == x.size(1),
               op, ": x [M, K] and w_blocked [panels, K, 16]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w_blocked.scalar_type() == torch::kFloat,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w_blocked.scalar_type() == at::kFloat,
               op, ": fp32 only");
 }
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_blocked, bool prefetch,
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w_blocked, bool prefetch,
                              bool wide) {
   check_operands(x, w_blocked, "blocked_linear");
   const int64_t panels = w_blocked.size(0), N = panels * P;
 #ifndef BATCHINFER_AVX2
-  return torch::matmul(x, w_blocked.permute({1, 0, 2}).reshape({x.size(1), N}));
+  return at::matmul(x, w_blocked.permute({1, 0, 2}).reshape({x.size(1), N}));
 #else
   const auto xc = x.contiguous();
   const auto wc = w_blocked.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, N}, xc.options());
+  auto y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -240,7 +241,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& w_bloc
 }
 
 // silu(x @ gate^T) * (x @ up^T) over w_blocked [2 I / 16, K, 16] (gate panels, then up panels).
-torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tensor& w_blocked,
+at::Tensor blocked_linear_silu_mul(const at::Tensor& x, const at::Tensor& w_blocked,
                                       bool prefetch, bool wide) {
   check_operands(x, w_blocked, "blocked_linear_silu_mul");
   TORCH_CHECK(w_blocked.size(0) % 2 == 0,
@@ -248,12 +249,12 @@ torch::Tensor blocked_linear_silu_mul(const torch::Tensor& x, const torch::Tenso
   const int64_t pairs = w_blocked.size(0) / 2, I = pairs * P;
 #ifndef BATCHINFER_AVX2
   const auto gate_up = blocked_linear(x, w_blocked, prefetch, wide);
-  return torch::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I);
+  return at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I);
 #else
   const auto xc = x.contiguous();
   const auto wc = w_blocked.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = torch::empty({M, I}, xc.options());
+  auto y = at::empty({M, I}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();

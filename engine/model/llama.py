@@ -193,7 +193,11 @@ class CausalLM(nn.Module):
         self.tp = tp_group if size > 1 else None
         self.is_first = self.partition.is_first()
         self.is_last = self.partition.is_last(arch.num_layers)
-        self.embed_tokens = (nn.Embedding(self.shard.vocab_shard, arch.hidden_size)
+        # the weight is given, so no init runs: every caller fills it, and normal_ on the meta
+        # device would import torch._dynamo (about 2 s of every process's startup)
+        self.embed_tokens = (nn.Embedding(self.shard.vocab_shard, arch.hidden_size,
+                                          _weight=torch.empty(self.shard.vocab_shard,
+                                                              arch.hidden_size))
                              if self.is_first or (self.is_last and arch.tie_word_embeddings) else None)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, self.shard, self.tp) for i in
                                     range(self.partition.layer_start, self.partition.layer_end))

@@ -237,7 +237,7 @@ def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartiti
     Face tensors (or slices of them) onto its fused parameters."""
     with torch.device("meta"):
         model = CausalLM(arch, max_positions, partition, tp_group)
-    model = model.to_empty(device="cpu").to(torch.float32)
+    _materialize(model, torch.device("cpu"), torch.float32)
     model.tie_weights()
     model.rotary.reset()
     with torch.no_grad():
@@ -245,6 +245,23 @@ def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartiti
             if vocab_param is not None:  # the padding rows of the last vocab shard
                 vocab_param.weight[model.shard.vocab_rows:].zero_()
     return model, _Filler(model)
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Meta tensors -> uninitialized ones on `device`. Not Module.to_empty: its empty_like on
+    meta tensors runs torch's Python reference ops, whose first use imports sympy and
+    torch.fx (about a second of every process's startup)."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                           device=device)
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(empty(param),
+                                                     requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, empty(buffer),
+                                   persistent=name not in module._non_persistent_buffers_set)
 
 
 def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,

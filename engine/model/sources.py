@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -36,10 +37,29 @@ def default_model_gguf() -> Path:
 
 
 def _sha256(path: Path) -> str:
+    """The file's SHA-256, read once per file version: the digest is kept under the cache, keyed
+    by the file's path, inode, size and modification time (hashing a 4 GiB GGUF takes seconds,
+    on every run and in every worker otherwise)."""
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except OSError:
+        pass
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             digest.update(chunk)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        partial.write_text(digest.hexdigest())
+        os.replace(partial, memo)
+    except OSError:
+        pass  # a read-only cache: hash again next time
     return digest.hexdigest()
 
 

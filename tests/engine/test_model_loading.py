@@ -96,3 +96,33 @@ def test_gguf_cache_is_reused(default_model_dir):
 
     again = gguf_to_hf_dir(default_model_gguf())
     assert again == default_model_dir and (again / "model.safetensors").is_file()
+
+
+def test_a_file_is_hashed_once_per_version(tmp_path, monkeypatch):
+    """The GGUF's digest is kept under the cache by path, inode, size and mtime: a second run
+    reads it; a changed file (or a damaged memo) is hashed again."""
+    import hashlib
+    import os
+
+    from batchinfer.engine.model import sources
+
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(1000))
+    expected = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sources._sha256(path) == expected
+    memos = list((tmp_path / "cache" / "gguf" / "digests").iterdir())
+    assert [m.read_text() for m in memos] == [expected]
+
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: reads.append(p) or real_open(p, *a, **k))
+    assert sources._sha256(path) == expected and path not in reads     # the memo, not the file
+    monkeypatch.undo()
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+
+    memos[0].write_text("not a digest")
+    assert sources._sha256(path) == expected and memos[0].read_text() == expected
+    path.write_bytes(b"GGUF" + bytes(1001))
+    os.utime(path, ns=(1, 1))
+    assert sources._sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
