@@ -21,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +45,7 @@ _BUILDS = {
                   "-fopenmp"]),
 }
 _LDFLAGS = ["-lm", "-fopenmp"]
-# The two builds take about 50 s on 2 cores; past this one is stuck (scaled by
+# The two builds take about half a minute on 2 cores; past this they are stuck (scaled by
 # BATCHINFER_SETUP_TIMEOUT_SCALE for slow shared file systems).
 BUILD_TIMEOUT_S = 900.0
 STOP_GRACE_S = 2.0
@@ -99,9 +100,11 @@ def load_native_kernels() -> bool:
     arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     try:
         root = cache_root() / "kernels"
-        for build, (sources, flags) in _BUILDS.items():
-            cflags = [*flags, *arch_flags]
-            _load_library(root / build_name(build, sources, cflags), sources, cflags)
+        builds = [Build(root / build_name(name, sources, [*flags, *arch_flags]), sources,
+                        [*flags, *arch_flags]) for name, (sources, flags) in _BUILDS.items()]
+        _build_missing(builds)
+        for build in builds:
+            _load_library(build)
         _loaded = (hasattr(torch.ops.batchinfer, "paged_attention")
                    and hasattr(torch.ops.batchinfer, "sample_columns"))
     except SetupTimeout:
@@ -112,59 +115,109 @@ def load_native_kernels() -> bool:
     return _loaded
 
 
-def _load_library(entry: Path, sources: list[Path], cflags: list[str]) -> None:
+@dataclass(frozen=True)
+class Build:
+    """One kernel library: its cache entry (named by build_name), sources and flags."""
+    entry: Path
+    sources: list[Path]
+    cflags: list[str]
+
+    def is_built(self) -> bool:
+        return (self.entry / f"{self.entry.name}.so").is_file()
+
+
+def _wait_s() -> float:
+    return (BUILD_TIMEOUT_S + 60) * timeout_scale()
+
+
+def _build_missing(builds: list[Build]) -> None:
+    """Builds every missing library at once (one compiler each: the two run side by side on 2
+    cores), each under its entry's lock. The locks are taken in `builds` order, so two processes
+    never wait on each other crosswise; an entry another process completed meanwhile is skipped."""
+    staged: list[tuple[Build, Path]] = []
+
+    def lock_from(i: int) -> None:
+        if i == len(builds):
+            _compile_all(staged)
+            return
+        entered = []
+
+        def stage(staging: Path) -> None:
+            entered.append(True)
+            staged.append((builds[i], staging))
+            lock_from(i + 1)    # the compilers run inside every staged entry's lock
+
+        build_once(builds[i].entry, stage, what="building the CPU kernels",
+                   wait_timeout_s=_wait_s(), is_complete=lambda _: builds[i].is_built())
+        if not entered:
+            lock_from(i + 1)
+
+    lock_from(0)
+
+
+def _load_library(build: Build) -> None:
     import torch
 
-    what = "building the CPU kernels"
-    wait_s = (BUILD_TIMEOUT_S + 60) * timeout_scale()
     for attempt in (1, 2):
-        build_once(entry, lambda staging: _compile(entry.name, sources, cflags, staging),
-                   what=what, wait_timeout_s=wait_s,
-                   is_complete=lambda path: (path / f"{path.name}.so").is_file())
         try:
-            torch.ops.load_library(str(entry / f"{entry.name}.so"))
+            torch.ops.load_library(str(build.entry / f"{build.entry.name}.so"))
             return
         except OSError as exc:  # a damaged entry: build it again, once
             if attempt == 2:
                 raise
             log.warning("the cached kernel library in %s does not load (%s); rebuilding it",
-                        entry, exc)
-            discard(entry, what, wait_s)
+                        build.entry, exc)
+            discard(build.entry, "building the CPU kernels", _wait_s())
+            _build_missing([build])
 
 
-def _compile(name: str, sources: list[Path], cflags: list[str], staging: Path) -> None:
-    """Runs compile.py in a session of its own, bounded; stops the whole build on any exit."""
+def _compile_all(staged: list[tuple[Build, Path]]) -> None:
+    """Runs compile.py once per library, all at once, each in a session of its own, bounded;
+    stops every build on any exit."""
+    if not staged:
+        return
     bound = BUILD_TIMEOUT_S * timeout_scale()
-    log.warning("building the CPU kernels (%s): once per machine and Python environment, about half a "
-                "minute on 2 cores", name.split("_")[1])
-    # One translation unit per build: torch's headers take 9-15 s to parse per file on 2 cores,
-    # which was most of the build when each source was compiled on its own.
-    unit = staging / f"{name}.cpp"
-    unit.write_text("".join(f'#include "{path}"\n' for path in sources))
-    args = {"name": name, "sources": [str(unit)], "include": str(_DIR),
-            "cflags": cflags, "ldflags": _LDFLAGS, "build_dir": str(staging),
+    names = ", ".join(build.entry.name.split("_")[1] for build, _ in staged)
+    log.warning("building the CPU kernels (%s): once per machine and Python environment, about "
+                "half a minute on 2 cores", names)
+    t0 = time.monotonic()
+    running: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for build, staging in staged:
+            running.append(_start_compile(build, staging))
+        for proc, log_path in running:
+            try:
+                code = proc.wait(timeout=max(bound - (time.monotonic() - t0), 0.0))
+            except subprocess.TimeoutExpired:
+                tail = log_path.read_text(errors="replace")[-1500:]   # staging goes away
+                raise SetupTimeout(f"building the CPU kernels took over {bound:.0f} s and was "
+                                   "stopped; rerun, or set BATCHINFER_NATIVE_KERNELS=0 to use "
+                                   f"the portable torch path. The build's last output:\n{tail}"
+                                   ) from None
+            if code != 0:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the kernel build failed (exit {code}):\n{tail}")
+    finally:
+        for proc, _ in running:
+            if proc.poll() is None:
+                _stop_session(proc)
+    log.info("built the CPU kernels (%s) in %.0f s", names, time.monotonic() - t0)
+
+
+def _start_compile(build: Build, staging: Path) -> tuple[subprocess.Popen, Path]:
+    # One translation unit per library: torch's headers take 5-10 s to parse per file on 2
+    # cores, which was most of the build when each source was compiled on its own.
+    unit = staging / f"{build.entry.name}.cpp"
+    unit.write_text("".join(f'#include "{path}"\n' for path in build.sources))
+    args = {"name": build.entry.name, "sources": [str(unit)], "include": str(_DIR),
+            "cflags": build.cflags, "ldflags": _LDFLAGS, "build_dir": str(staging),
             "parent_pid": os.getpid()}
     log_path = staging / "build.log"
-    t0 = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(_DIR / "compile.py"), json.dumps(args)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            code = proc.wait(timeout=bound)
-        except subprocess.TimeoutExpired:
-            _stop_session(proc)
-            tail = log_path.read_text(errors="replace")[-1500:]   # the staging dir goes away
-            raise SetupTimeout(f"building the CPU kernels took over {bound:.0f} s and was "
-                               "stopped; rerun, or set BATCHINFER_NATIVE_KERNELS=0 to use the "
-                               f"portable torch path. The build's last output:\n{tail}") from None
-        finally:
-            if proc.poll() is None:
-                _stop_session(proc)
-    if code != 0:
-        tail = log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the kernel build failed (exit {code}):\n{tail}")
-    log.info("built the CPU kernels (%s) in %.0f s", name.split("_")[1], time.monotonic() - t0)
+    return proc, log_path
 
 
 def _stop_session(proc: subprocess.Popen) -> None:

@@ -2,7 +2,7 @@
 // on the K/V cache's element type T: float, or at::BFloat16 / at::Half when cache.kv_cache_dtype
 // stores the cache narrower; every load widens to float32 and all arithmetic is float32.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "simd.h"
 

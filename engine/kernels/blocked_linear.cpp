@@ -20,7 +20,10 @@
 // Where the build has AVX-512 (and the op's wide is not false) both ops run a wider tile,
 // 12 rows x two panels (tile2 below): on an AVX-512 Xeon, two threads, SmolLM2's decode step took
 // 117-120 ms at 128 rows against oneDNN's 136-137 and the AVX2 tile's 175-180. Same bits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -1,6 +1,8 @@
 // Fused element-wise CPU kernels for the decoder layer: each replaces a chain of 3-8 torch ops
 // (each a full pass over memory plus dispatch overhead) by one pass. Float32, contiguous rows.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -14,7 +14,8 @@
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "attention_kernels.h"
 

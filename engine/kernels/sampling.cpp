@@ -8,7 +8,8 @@
 // filters. Ties with the last kept value are kept. The token is the first, in vocabulary order,
 // whose running sum of kept w reaches u * (kept mass), u in (0,1) given per row. A row with
 // T == 0 takes the argmax.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -17,7 +17,8 @@
 // This needs the arithmetic as written in both files: kernels/__init__.py builds without
 // -ffast-math (which reassociates sample_row's double sums into vector partial sums, turns x / r
 // into x * (1 / r) and calls libmvec's expf) and with -ffp-contract=off (no FMA fusion).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

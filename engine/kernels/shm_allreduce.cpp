@@ -11,7 +11,7 @@
 // waits until every counter reaches g, and sums the slots in rank order, so every rank gets the
 // same bits. Two sets make one counter per rank enough: a rank writing set g % 2 at call g has
 // seen every peer publish g - 1, which a peer does only after it finished reading call g - 2.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

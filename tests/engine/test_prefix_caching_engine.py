@@ -109,7 +109,9 @@ def test_a_fully_cached_prompt_computes_only_its_last_token():
 @pytest.mark.parametrize("sections", [
     {"parallel": {"pp": 2}, "scheduler": {"policy": "hb", "max_num_batched_tokens": 64}},
     {"parallel": {"pp": 2}, "strategy": {"name": "gllm", "MaxP": 48, "MinP": 8}},
-    {"parallel": {"pp": 2}, "strategy": {"name": "tdpipe"}},
+    {"parallel": {"pp": 2}, "strategy": {"name": "tdpipe", "profile_decode_batch_sizes": [1, 8],
+                                         "profile_prefill_tokens": [64],
+                                         "profile_context_len": 16}},   # a short profile
     {"parallel": {"dp": 2}, "strategy": {"name": "sidp"}},
 ], ids=["pp2-hb", "pp2-gllm", "pp2-tdpipe", "dp2-sidp"])
 @pytest.mark.slow

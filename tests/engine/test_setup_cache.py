@@ -159,8 +159,9 @@ def test_a_kernel_build_past_its_bound_is_stopped_and_named(tmp_path, monkeypatc
     staging = tmp_path / "staging"
     staging.mkdir()
     sources, flags = kernels._BUILDS["sampling"]
+    build = kernels.Build(tmp_path / "batchinfer_sampling_bound", sources, flags)
     with pytest.raises(SetupTimeout, match=r"took over 1 s and was stopped.*NATIVE_KERNELS=0"):
-        kernels._compile("batchinfer_sampling_bound", sources, flags, staging)
+        kernels._compile_all([(build, staging)])
     time.sleep(0.5)
     alive = [p for p in Path("/proc").iterdir() if p.name.isdigit()
              and str(staging).encode() in _cmdline(p)]

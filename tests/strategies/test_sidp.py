@@ -121,27 +121,40 @@ E2E = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
        "List three prime numbers:", "1, 2, 3,"]
 
 
+E2E_PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+E2E_BASE = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
+
+
+@pytest.fixture(scope="module")
+def plain_dp():
+    """Plain DP=2's greedy tokens and KV capacity, once for every SiDP variant below."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
+        with Engine.from_config(EngineConfig(**E2E_BASE, parallel={"dp": 2})) as engine:
+            tokens = [o.output_token_ids for o in engine.generate(E2E, E2E_PARAMS)]
+            return tokens, engine.stats()["kv_capacity_tokens"]
+
+
 @pytest.mark.parametrize("strategy", [{"weight_slots": True},
                                       {"weight_slots": True, "peak_shifting": False,
                                        "owners": [1] * 20 + [0] * 10},
                                       {"weight_slots": False}, {}])
 @pytest.mark.slow
-def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, strategy):
+def test_sidp_greedy_outputs_equal_plain_dp(make_engine, monkeypatch, plain_dp, strategy):
     """SmolLM2, DP=2: the same greedy tokens as plain DP (both with plain torch linears: oneDNN's
     packed GEMM rounds differently), a larger KV cache at the same per-replica budget, and every
     remote layer read through the slots where there are slots (in place: no copies)."""
     from batchinfer.strategies.sidp.params import SiDPParams
 
     monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
-    with make_engine(**base, parallel={"dp": 2}) as engine:
-        expected = [o.output_token_ids for o in engine.generate(E2E, params)]
-        plain = engine.stats()["kv_capacity_tokens"]
+    expected, plain = plain_dp
     sidp = SiDPParams(**strategy)
-    with make_engine(**base, parallel={"dp": 2}, strategy=sidp,
+    with make_engine(**E2E_BASE, parallel={"dp": 2}, strategy=sidp,
                      scheduler=sidp.scheduler_config()) as engine:
-        got = [o.output_token_ids for o in engine.generate(E2E, params)]
+        got = [o.output_token_ids for o in engine.generate(E2E, E2E_PARAMS)]
         stats = engine.stats()
     assert got == expected
     assert stats["kv_capacity_tokens"] > 2 * plain
@@ -170,11 +183,10 @@ def test_sidp_layouts_and_owner_maps_are_checked(make_engine):
     from batchinfer.engine.errors import ConfigError
     from batchinfer.strategies.sidp.params import SiDPParams
 
-    base = {"cache": {"kv_cache_memory": "32MiB"}, "model": {"max_model_len": 512}}
     with pytest.raises(ConfigError, match=r"needs tp: 1, pp: 1, dp >= 2 \(got tp: 1, pp: 2"):
-        make_engine(**base, parallel={"pp": 2, "dp": 2}, strategy=SiDPParams())
+        make_engine(**E2E_BASE, parallel={"pp": 2, "dp": 2}, strategy=SiDPParams())
     with pytest.raises(ConfigError, match="strategy.owners lists 2 layers; the model has 30"):
-        make_engine(**base, parallel={"dp": 2}, strategy=SiDPParams(owners=[0, 1]))
+        make_engine(**E2E_BASE, parallel={"dp": 2}, strategy=SiDPParams(owners=[0, 1]))
 
 
 @pytest.mark.slow
