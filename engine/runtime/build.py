@@ -26,7 +26,7 @@ from ..model.sources import resolve_model_dir
 from ..tokenizer import load_tokenizer
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, threads_per_rank
-from .pool import WorkerPool
+from .pool import WorkerPool, start_fork_server
 from .shm_allreduce import group_buffers, resolve_mode
 from .worker import WorkerSpec, worker_main
 
@@ -170,6 +170,7 @@ class ParallelPlan:
 
 
 def plan_parallel(config: EngineConfig) -> ParallelPlan:
+    start_fork_server()
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
     check_gpus(setup, layout.world_size)

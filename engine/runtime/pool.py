@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import defaultdict, deque
@@ -37,6 +38,35 @@ def _describe_exit(code: Optional[int]) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _context():
+    """Workers fork from a fork server that imported torch and the worker code once
+    (fork_server.py); spawn where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["batchinfer.engine.runtime.fork_server"])
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Starts the fork server now, so that its imports overlap the controller's own setup
+    (tokenizer, plan); a no-op once it runs, or where there is none."""
+    if _context().get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with unpinned():                 # the server's CPU set is every worker's
+        forkserver.ensure_running()
+
+
+def _child_main(target, spec, conn, environ: dict) -> None:
+    """A worker's first step: the controller's environment as it is now (the fork server holds
+    the one it started with), then the worker's own entry point."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(spec, conn)
 
 
 class WorkerPool:
@@ -75,13 +105,14 @@ class WorkerPool:
             raise
 
     def _start(self, target, specs: list, timeout_s: float, helpers: tuple) -> list[dict]:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         entries = [(target, spec) for spec in specs] + list(helpers)
+        environ = dict(os.environ)
         for entry_target, spec in entries:
             parent, child = ctx.Pipe(duplex=True)
             spec.store_port = self.store.port
-            proc = ctx.Process(target=entry_target, args=(spec, child), daemon=True,
-                               name=f"batchinfer-rank{spec.rank}")
+            proc = ctx.Process(target=_child_main, args=(entry_target, spec, child, environ),
+                               daemon=True, name=f"batchinfer-rank{spec.rank}")
             with unpinned():
                 proc.start()
             child.close()

@@ -62,10 +62,17 @@ class WorkerSpec:
     tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker if the controller dies (even by kill -9)."""
+PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
+
+
+def _die_with_parent_and_name(rank: int) -> None:
+    """Linux: the kernel kills this worker if its parent dies (the fork server, which exits
+    with the controller: so even a kill -9 of the controller ends it), and the process gets a
+    name that tells the ranks apart in ps and top."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                                         # PR_SET_PDEATHSIG
+        libc.prctl(15, ctypes.c_char_p(f"{PROCESS_NAME_PREFIX}{rank}".encode()[:15]))  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 
@@ -77,7 +84,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 def run_child(rank: int, conn, body) -> None:
     """A spawned process's frame: dies with the controller, leaves SIGINT / SIGTERM to it, and reports any
     exception (with its traceback) on the control pipe before exiting."""
-    _die_with_parent()
+    _die_with_parent_and_name(rank)
     # the controller decides when to stop: Ctrl-C and Slurm's SIGTERM reach the whole process
     # group, and a worker that died of them would turn a clean stop into a failed run
     signal.signal(signal.SIGINT, signal.SIG_IGN)

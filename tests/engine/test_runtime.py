@@ -187,16 +187,21 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers_of(pid: int) -> list[int]:
-    """The run's worker processes (spawned children running the worker entry point)."""
-    found = []
-    for child in _children(pid):
+    """The run's worker processes in rank order: its descendants (they fork from its fork
+    server) named as workers."""
+    from batchinfer.engine.runtime.worker import PROCESS_NAME_PREFIX
+
+    found, todo = [], _children(pid)
+    while todo:
+        child = todo.pop(0)
+        todo.extend(_children(child))
         try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            name = Path(f"/proc/{child}/comm").read_text().strip()
         except OSError:
             continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            found.append(child)
-    return found
+        if name.startswith(PROCESS_NAME_PREFIX):
+            found.append((int(name[len(PROCESS_NAME_PREFIX):]), child))
+    return [child for _, child in sorted(found)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
