@@ -32,11 +32,16 @@ def hf_reference(default_model_dir):
     model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
     model.eval()
 
+    answers = {}   # each prompt generated once for the whole module
+
     def generate(prompt_ids):
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+        key = tuple(prompt_ids)
+        if key not in answers:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+            answers[key] = out[0, len(prompt_ids):].tolist()
+        return answers[key]
 
     return generate
 
