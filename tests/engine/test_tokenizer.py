@@ -1,0 +1,54 @@
+"""Loading tokenizers: the class AutoTokenizer would pick, once per source and version."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from batchinfer.engine.config import ModelConfig
+from batchinfer.engine.tokenizer import _class_deciding_config, load_tokenizer
+
+TEXT = "Hello <|im_start|> wörld,\tnumbers 12345 and   spaces<|im_end|>"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+def _copy(src, dst, edit_config=None, edit_tokenizer_config=None):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name, edit in (("config.json", edit_config), ("tokenizer_config.json",
+                                                      edit_tokenizer_config)):
+        if edit is not None:
+            data = json.loads((dst / name).read_text())
+            edit(data)
+            (dst / name).write_text(json.dumps(data))
+    return dst
+
+
+@pytest.mark.parametrize("variant", ["as-shipped", "qwen2-type", "class-unnamed"])
+def test_the_tokenizer_is_the_one_auto_tokenizer_picks(tmp_path, default_model_dir, variant):
+    from transformers import AutoTokenizer
+
+    edits = {"as-shipped": {},
+             "qwen2-type": {"edit_config": lambda c: c.update(model_type="qwen2")},
+             "class-unnamed": {"edit_tokenizer_config": lambda t: t.pop("tokenizer_class")}}
+    source = _copy(default_model_dir, tmp_path / variant, **edits[variant])
+    light = _class_deciding_config(source)
+    assert (light is None) == (variant == "class-unnamed")   # then AutoTokenizer reads the config
+    ours = load_tokenizer(ModelConfig(), model_dir=source, model_id="m").hf
+    theirs = AutoTokenizer.from_pretrained(str(source))
+    assert type(ours) is type(theirs)
+    assert ours.encode(TEXT) == theirs.encode(TEXT)
+    assert ours.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(
+        CHAT, tokenize=False)
+    assert ours.eos_token_id == theirs.eos_token_id and len(ours) == len(theirs)
+
+
+def test_a_tokenizer_is_loaded_once_per_version(tmp_path, default_model_dir):
+    source = _copy(default_model_dir, tmp_path / "m")
+    first = load_tokenizer(ModelConfig(), model_dir=source, model_id="m").hf
+    assert load_tokenizer(ModelConfig(), model_dir=source, model_id="m").hf is first
+    path = source / "tokenizer_config.json"
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))   # a new version
+    assert load_tokenizer(ModelConfig(), model_dir=source, model_id="m").hf is not first
