@@ -49,6 +49,7 @@ _LDFLAGS = ["-lm", "-fopenmp"]
 # BATCHINFER_SETUP_TIMEOUT_SCALE for slow shared file systems).
 BUILD_TIMEOUT_S = 900.0
 STOP_GRACE_S = 2.0
+_WHAT = "building the CPU kernels"   # how lock waits and messages name this work
 _loaded: Optional[bool] = None
 
 
@@ -100,8 +101,10 @@ def load_native_kernels() -> bool:
     arch_flags = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     try:
         root = cache_root() / "kernels"
-        builds = [Build(root / build_name(name, sources, [*flags, *arch_flags]), sources,
-                        [*flags, *arch_flags]) for name, (sources, flags) in _BUILDS.items()]
+        builds = []
+        for name, (sources, flags) in _BUILDS.items():
+            cflags = [*flags, *arch_flags]
+            builds.append(Build(root / build_name(name, sources, cflags), sources, cflags))
         _build_missing(builds)
         for build in builds:
             _load_library(build)
@@ -122,8 +125,12 @@ class Build:
     sources: list[Path]
     cflags: list[str]
 
+    @property
+    def library(self) -> Path:
+        return self.entry / f"{self.entry.name}.so"
+
     def is_built(self) -> bool:
-        return (self.entry / f"{self.entry.name}.so").is_file()
+        return self.library.is_file()
 
 
 def _wait_s() -> float:
@@ -147,7 +154,7 @@ def _build_missing(builds: list[Build]) -> None:
             staged.append((builds[i], staging))
             lock_from(i + 1)    # the compilers run inside every staged entry's lock
 
-        build_once(builds[i].entry, stage, what="building the CPU kernels",
+        build_once(builds[i].entry, stage, what=_WHAT,
                    wait_timeout_s=_wait_s(), is_complete=lambda _: builds[i].is_built())
         if not entered:
             lock_from(i + 1)
@@ -160,14 +167,14 @@ def _load_library(build: Build) -> None:
 
     for attempt in (1, 2):
         try:
-            torch.ops.load_library(str(build.entry / f"{build.entry.name}.so"))
+            torch.ops.load_library(str(build.library))
             return
         except OSError as exc:  # a damaged entry: build it again, once
             if attempt == 2:
                 raise
             log.warning("the cached kernel library in %s does not load (%s); rebuilding it",
                         build.entry, exc)
-            discard(build.entry, "building the CPU kernels", _wait_s())
+            discard(build.entry, _WHAT, _wait_s())
             _build_missing([build])
 
 
