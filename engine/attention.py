@@ -92,12 +92,13 @@ class NativeCPUAttention:
 
 
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """auto: the native kernel on CPU with fp32 when it builds, else torch."""
+    """auto: the native kernel on CPU with fp32 activations (dtype float32, or bfloat16: bf16
+    weights, fp32 activations) when it builds, else torch."""
     from .kernels import load_native_kernels
 
-    native_ok = device.type == "cpu" and dtype == torch.float32
+    native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if choice == "native" and not native_ok:
-        raise ValueError("attention_backend 'native' needs device cpu and dtype float32")
+        raise ValueError("attention_backend 'native' needs device cpu and dtype float32 or bfloat16")
     if choice in ("native", "auto") and native_ok and load_native_kernels():
         return NativeCPUAttention()
     if choice == "native":

@@ -11,6 +11,7 @@ import torch
 from .attention import select_backend
 from .config import EngineConfig, ModelConfig
 from .cpu_binding import bind_compute_threads, compute_threads
+from .cpu_dtype import DtypeChoice, resolve_cpu_dtype
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine, Replica
 from .errors import ConfigError
@@ -37,13 +38,17 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(choice: str, device: torch.device, arch: ModelArch) -> DtypeChoice:
+    """model.dtype -> the dtype and why: on CUDA auto is bf16; on CPU the host decides
+    (engine/cpu_dtype.py: bf16 where the CPU has native bf16 and it measures faster)."""
+    if device.type == "cpu":
+        return resolve_cpu_dtype(choice, arch.hidden_size, arch.intermediate_size)
     if choice == "auto":
-        # fp32 on CPU: bf16 GEMM is ~300x slower than fp32 on AVX2 CPUs without AMX/AVX512-BF16.
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
+        return DtypeChoice(torch.bfloat16, "bfloat16: the default on CUDA")
+    return DtypeChoice(DTYPES[choice], f"{choice}: asked for")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NARROW_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # cache.kv_cache_dtype
 
 
@@ -143,13 +148,15 @@ def _build_single_process(config: EngineConfig) -> Engine:
     if device.type == "cpu":
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
-    dtype = resolve_dtype(config.model.dtype, device)
-    dtype_bytes = dtype.itemsize
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-    kv_bytes = kv_dtype.itemsize
     source = model_source(config.model)
     model_dir, model_id, arch = source.model_dir, source.model_id, source.arch
     max_model_len, tokenizer = source.max_model_len, source.tokenizer
+    dtype_choice = resolve_dtype(config.model.dtype, device, arch)
+    dtype = dtype_choice.dtype
+    log.info("dtype %s", dtype_choice.reason)
+    dtype_bytes = dtype.itemsize
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    kv_bytes = kv_dtype.itemsize
 
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
@@ -180,6 +187,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     info = {
         "model_id": model_id + (" [dummy weights]" if dummy else ""),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "dtype_reason": dtype_choice.reason,
         "attention_backend": backend.name, "vocab_size": arch.vocab_size,
         "kv_cache_bytes": spec.num_blocks * spec.bytes_per_block,
         "kv_cache_dtype": str(kv_dtype).replace("torch.", ""),

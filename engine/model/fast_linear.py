@@ -20,7 +20,14 @@ to hundreds of rows) that costs as much as the multiply. Two kernels avoid it:
 
 BATCHINFER_LINEAR_KERNEL picks one (auto, blocked, onednn, torch); auto takes `blocked` on a CPU
 whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile built, else
-`onednn` (engine/envs.py). Elsewhere (CUDA, bf16) the modules are left as they are.
+`onednn` (engine/envs.py). On CUDA the modules are left as they are.
+
+bf16 on CPU (engine/cpu_dtype.py) keeps the activations in fp32 and only the linears' weights in
+bf16, laid out by `bf16_linear_kernel()`: where the CPU has native bf16 arithmetic (AMX or
+AVX512-BF16), oneDNN's packed bf16 GEMM (the input rounded to bf16, fp32 accumulation, the
+output rounded to bf16 and widened back); elsewhere the blocked kernel over bf16 panels, widened
+to fp32 as they are loaded (exact: the fp32 FMA chains over the rounded weights), because
+oneDNN emulates bf16 there (5x slower than fp32 on an AVX-512 Xeon, ~300x on AVX2-only CPUs).
 """
 from __future__ import annotations
 
@@ -82,15 +89,33 @@ def linear_kernel() -> str:
     return _resolve(envs.get("BATCHINFER_LINEAR_KERNEL").strip().lower())
 
 
+def bf16_linear_kernel() -> str:
+    """The kernel bf16 CPU linears use here: onednn where the CPU has native bf16 arithmetic,
+    else blocked (bf16 panels widened to fp32), else onednn (emulated: slow, but correct)."""
+    from ..cpu_dtype import native_bf16_flags
+
+    if native_bf16_flags() or not blocked_kernel_available():
+        return "onednn" if onednn_available() else "torch"
+    return "blocked"
+
+
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
     """The kernel a model on `device` in `dtype` runs its linears with (engine.linear_kernel)."""
-    return linear_kernel() if device.type == "cpu" and dtype == torch.float32 else "torch"
+    if device.type != "cpu":
+        return "torch"
+    if dtype == torch.bfloat16:
+        return bf16_linear_kernel()
+    return linear_kernel() if dtype == torch.float32 else "torch"
 
 
 def linear_kernel_label(device: torch.device, dtype: torch.dtype) -> str:
-    """linear_kernel_for, naming the blocked kernel's tile (report.json's engine.linear_kernel)."""
+    """linear_kernel_for, naming the blocked kernel's tile and bf16 weights (report.json's
+    engine.linear_kernel)."""
     kernel = linear_kernel_for(device, dtype)
-    return f"blocked ({blocked_kernel_isa()} tile)" if kernel == "blocked" else kernel
+    label = f"blocked ({blocked_kernel_isa()} tile)" if kernel == "blocked" else kernel
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        label += ", bf16 weights, fp32 activations"
+    return label
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -100,36 +125,45 @@ def to_blocked(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A Linear whose weight lives in oneDNN's blocked layout (same maths, same parameters)."""
+    """A Linear whose weight lives in oneDNN's blocked layout (same maths, same parameters).
+    With weight_dtype bf16 the input is rounded to bf16 for the GEMM and the output widened back:
+    fp32 in, fp32 out."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.weight_dtype = weight_dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(weight_dtype),
+                                                              PACK_BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight_dtype == x.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.weight_dtype), self.packed, self.bias,
+                                               "none", [], "")
+        return y.to(x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] weight back from the opaque layout (exact: a product with the identity)."""
-        eye = torch.eye(self.in_features)
+        eye = torch.eye(self.in_features, dtype=self.weight_dtype)
         return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").T
 
 
 class BlockedLinear(nn.Module):
-    """A Linear whose weight lives in 16-wide panels for kernels/blocked_linear.cpp."""
+    """A Linear whose weight lives in 16-wide panels for kernels/blocked_linear.cpp, in fp32 or
+    bf16 (widened exactly as the kernel loads them); the input and output are fp32 either way."""
 
     # the kernel's switches, for measuring them (the same bits either way): prefetch the next
     # panel during this one's FMAs; the AVX-512 tile where built (False: the AVX2 tile)
     prefetch = True
     wide = True
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.blocked = to_blocked(linear.weight.detach()).contiguous()
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.blocked = to_blocked(linear.weight.detach().to(weight_dtype)).contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the engine's [tokens, features]: no reshapes on the hot path
@@ -158,28 +192,48 @@ class BlockedLinear(nn.Module):
         return self.blocked.transpose(1, 2).reshape(self.out_features, self.in_features)
 
 
-def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
+def pack_linears(model: nn.Module, kernel: str | None = None,
+                 weight_dtype: torch.dtype = torch.float32) -> int:
     """Swaps every fp32 CPU nn.Linear in `model` for the kernel's module (a BlockedLinear where the
-    output width is a multiple of 16, else a PackedLinear); returns how many were swapped."""
+    output width is a multiple of 16, else a PackedLinear) with its weight in `weight_dtype` (fp32,
+    or bf16 for a bf16 model on CPU: fp32 activations, bf16 weights); returns how many were
+    swapped."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if (type(child) is nn.Linear and child.weight.device.type == "cpu"
                    and child.weight.dtype == torch.float32)]
-    if not targets:                  # CUDA or bf16: nothing to lay out, no kernels to build
+    if not targets:                  # CUDA or fp16: nothing to lay out, no kernels to build
         return 0
-    kernel = kernel or linear_kernel()
+    bf16 = weight_dtype == torch.bfloat16
+    kernel = kernel or (bf16_linear_kernel() if bf16 else linear_kernel())
     if kernel == "blocked" and not blocked_kernel_available():    # also loads the native op
         kernel = "onednn"
-    if kernel == "torch":
+    if kernel == "torch" and not bf16:
         return 0
     swapped = 0
     while targets:                   # popped, so each original is freed once swapped
         parent, name, child = targets.pop()
         if kernel == "blocked" and child.out_features % PANEL == 0:
-            setattr(parent, name, BlockedLinear(child))
+            setattr(parent, name, BlockedLinear(child, weight_dtype))
         elif onednn_available():
-            setattr(parent, name, PackedLinear(child))
+            setattr(parent, name, PackedLinear(child, weight_dtype))
+        elif bf16:
+            setattr(parent, name, RoundedWeightLinear(child))
         else:
             continue
         swapped += 1
     return swapped
+
+
+class RoundedWeightLinear(nn.Module):
+    """bf16 weights without oneDNN or the native kernels: torch's fp32 linear over the weight
+    rounded to bf16 (the blocked kernel's maths; the memory of fp32)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight.detach().to(torch.bfloat16).float()
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)

@@ -178,6 +178,10 @@ class CausalLM(nn.Module):
     `tp_group` is required when partition.tp_size > 1 and must be that rank of that size.
     """
 
+    # the dtype its linears' weights are packed in (loader.finish_partition: bf16 for a bf16
+    # model on CPU, whose activations stay fp32)
+    linear_weight_dtype = torch.float32
+
     def __init__(self, arch: ModelArch, max_positions: int,
                  partition: ModelPartition = ModelPartition(),
                  tp_group: Optional[TensorParallelGroup] = None):

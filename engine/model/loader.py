@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .arch import ModelArch, arch_from_dict, read_arch
+from ..cpu_dtype import activation_dtype
 from .fast_linear import pack_linears
 from .llama import CausalLM, ModelPartition
 from .shard import TensorParallelGroup
@@ -267,11 +268,13 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
 def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
                      pack: bool = True) -> CausalLM:
     """Filled partition -> on its device, in its dtype, linears packed (unless `pack` is false:
-    the caller still needs the plain weights), ready for inference."""
-    model = model.to(device=device, dtype=dtype).eval()
+    the caller still needs the plain weights; it packs them later with `linear_weight_dtype`),
+    ready for inference. bf16 on CPU: fp32 everywhere but the packed linears' bf16 weights."""
+    model = model.to(device=device, dtype=activation_dtype(device, dtype)).eval()
     model.requires_grad_(False)
+    model.linear_weight_dtype = dtype if device.type == "cpu" and dtype == torch.bfloat16 else torch.float32
     if pack:
-        pack_linears(model)
+        pack_linears(model, weight_dtype=model.linear_weight_dtype)
     return model
 
 

@@ -78,18 +78,22 @@ class ModelSetup:
     max_model_len: int
     tokenizer: object
     backend_name: str
+    dtype_reason: str = ""            # why this dtype (engine/cpu_dtype.py)
 
 
 def model_setup(config: EngineConfig) -> ModelSetup:
     device = resolve_device(config.device.device)
-    dtype = resolve_dtype(config.model.dtype, device)
     model_dir, model_id = resolve_model_dir(config.model.path)
     arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
     tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
+    dtype_choice = resolve_dtype(config.model.dtype, device, arch)
+    dtype = dtype_choice.dtype
+    log.info("dtype %s", dtype_choice.reason)
     backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
-                      _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name)
+                      _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
+                      dtype_choice.reason)
 
 
 def check_gpus(setup: ModelSetup, world_size: int) -> None:
@@ -140,7 +144,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
     info = {
         "model_id": setup.model_id + (" [dummy weights]" if dummy else ""),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
-        "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
+        "dtype_reason": setup.dtype_reason, "attention_backend": setup.backend_name, "vocab_size": arch.vocab_size,
         "linear_kernel": linear_kernel_label(setup.device, setup.dtype),
         "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),

@@ -65,6 +65,7 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     detail = f" ({report['status_detail']})" if report.get("status_detail") else ""
     out += [f"**Status:** {report.get('status')}{detail}  ", f"**Updated:** {report.get('updated_at')}  ",
             f"**Model:** {report.get('model', '–')}  ",
+            *_compute_line(report.get("engine") or {}),
             f"**Input:** {report.get('input', '–')} ({report.get('input_format', '?')})  ",
             f"**Strategy:** {_strategy_line(report.get('strategy'))}", ""]
     if report.get("shard"):
@@ -198,6 +199,18 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
 
 def _pct(value: Optional[float]) -> Optional[str]:
     return None if value is None else f"{100 * value:.1f}%"
+
+
+def _compute_line(engine: dict) -> list[str]:
+    """The number format and why (engine/cpu_dtype.py), the linears' kernel and the KV dtype."""
+    if not engine.get("dtype"):
+        return []
+    parts = [engine.get("dtype_reason") or engine["dtype"]]
+    if engine.get("linear_kernel"):
+        parts.append(f"linears: {engine['linear_kernel']}")
+    if engine.get("kv_cache_dtype"):
+        parts.append(f"KV cache: {engine['kv_cache_dtype']}")
+    return [f"**Compute:** {'; '.join(parts)}  "]
 
 
 def _strategy_line(strategy: Optional[dict]) -> str:

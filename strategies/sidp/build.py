@@ -6,8 +6,9 @@ import dataclasses
 import logging
 from typing import Optional
 
-from batchinfer.engine.cpu_binding import numa_nodes
 from batchinfer.engine.build import kv_element_bytes
+from batchinfer.engine.cpu_binding import numa_nodes
+from batchinfer.engine.cpu_dtype import activation_dtype
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
                                              rank_bytes_per_block, start_workers)
@@ -74,9 +75,12 @@ def build_sidp_engine(config, params):
         raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
                           "host shared memory; the CUDA IPC path is not built yet)")
     with_slots = resolve_weight_slots(params.weight_slots, setup.device)
-    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, setup.dtype)
+    # the shared FFN computes in the activations' dtype: fp32 for a bf16 model on CPU, whose
+    # shared FFN weights stay fp32 (only the attention's linears get bf16 weights there)
+    store_dtype = activation_dtype(setup.device, setup.dtype)
+    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, store_dtype)
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
-                              setup.dtype, blocked=blocked)
+                              store_dtype, blocked=blocked)
     block_size = config.cache.block_size
     num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
                                  store.layer_bytes(), with_slots)

@@ -33,7 +33,7 @@ class SiDPWorker(WorkerExtension):
 
         self.shared_ffn = install_shared_ffn(worker.model, self.spec, worker.info.replica,
                                              worker.device, worker.spec.timeout_s, start=False)
-        pack_linears(worker.model)
+        pack_linears(worker.model, weight_dtype=worker.model.linear_weight_dtype)
         dist.barrier()
         self.shared_ffn.start()
         costs = (profile_modes(self.shared_ffn, self.spec.dp, worker.model.ops, worker.device)

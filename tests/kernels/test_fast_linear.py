@@ -1,4 +1,5 @@
-"""The engine's fp32 linear kernels (engine/model/fast_linear.py) against torch's linear."""
+"""The engine's CPU linear kernels (engine/model/fast_linear.py) against torch's linear: fp32,
+and bf16 weights under fp32 activations."""
 from __future__ import annotations
 
 import pytest
@@ -191,7 +192,61 @@ def test_blocked_ops_name_what_they_expect():
     x, w = torch.randn(3, 32), to_blocked(torch.randn(48, 32)).contiguous()
     with pytest.raises(RuntimeError, match="blocked_linear: x \\[M, K\\] and w_blocked"):
         torch.ops.batchinfer.blocked_linear(torch.randn(3, 31), w)
-    with pytest.raises(RuntimeError, match="blocked_linear_silu_mul: fp32 only"):
+    with pytest.raises(RuntimeError, match="blocked_linear_silu_mul: x must be fp32"):
         torch.ops.batchinfer.blocked_linear_silu_mul(x.double(), w)
+    with pytest.raises(RuntimeError, match="blocked_linear: w_blocked must be fp32 or bf16"):
+        torch.ops.batchinfer.blocked_linear(x, w.half())
     with pytest.raises(RuntimeError, match="an even number of panels"):
         torch.ops.batchinfer.blocked_linear_silu_mul(x, w)      # 3 panels
+
+
+@needs_blocked
+@pytest.mark.parametrize("switch", [{}, {"prefetch": False}, {"wide": False}])
+def test_bf16_panels_are_the_fp32_kernel_over_the_rounded_weights(switch):
+    """bf16 panels are widened exactly as they are loaded, so both ops give the fp32 kernel's
+    bits over the weights rounded to bf16, in every tile, alone or batched, odd panel counts too."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(131, 576, generator=gen)
+    ops = torch.ops.batchinfer
+    args = (switch.get("prefetch", True), switch.get("wide", True))
+    for out_features in (976, 192, 48):       # 61 panels, 12 (fusable), 3
+        rounded = torch.randn(out_features, 576, generator=gen).to(torch.bfloat16)
+        w16, w32 = to_blocked(rounded).contiguous(), to_blocked(rounded.float()).contiguous()
+        assert w16.dtype == torch.bfloat16
+        full = ops.blocked_linear(x, w16, *args)
+        assert torch.equal(full, ops.blocked_linear(x, w32, *args)), out_features
+        for start, stop in [(0, 1), (5, 6), (3, 97)]:
+            assert torch.equal(ops.blocked_linear(x[start:stop], w16, *args), full[start:stop])
+        if out_features % 32 == 0:
+            assert torch.equal(ops.blocked_linear_silu_mul(x, w16, *args),
+                               ops.blocked_linear_silu_mul(x, w32, *args)), out_features
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "onednn", "torch"])
+def test_pack_linears_in_bf16_keeps_fp32_in_and_out(kernel, monkeypatch):
+    """weight_dtype bf16: every linear swapped (also where the fp32 kernel would be torch's), its
+    weight stored in bf16, fp32 in and out, the maths of the rounded weights within bf16's
+    rounding of the input (oneDNN rounds the input and output to bf16 too)."""
+    if kernel == "blocked" and not blocked_kernel_available():
+        pytest.skip("native CPU kernels unavailable")
+    if kernel == "torch":       # neither oneDNN nor the kernels: torch over the rounded weights
+        monkeypatch.setattr(fast_linear, "onednn_available", lambda: False)
+    gen = torch.Generator().manual_seed(9)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 40, bias=False))
+    x = torch.randn(7, 64, generator=gen)
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.normal_(0, 0.1, generator=gen)
+        rounded = [nn.functional.linear(x, model[0].weight.bfloat16().float(), model[0].bias)]
+        rounded.append(nn.functional.linear(rounded[0], model[1].weight.bfloat16().float()))
+        assert pack_linears(model, kernel, weight_dtype=torch.bfloat16) == 2
+        got = model(x)
+    assert got.dtype == torch.float32
+    stored = [m.blocked if isinstance(m, BlockedLinear) else
+              m.packed if isinstance(m, PackedLinear) else m.weight for m in model]
+    if kernel != "torch":
+        assert all(t.dtype == torch.bfloat16 for t in stored)
+    if kernel == "blocked":
+        assert isinstance(model[0], BlockedLinear) and isinstance(model[1], PackedLinear)  # 40: no panels
+    tolerance = 0 if kernel == "torch" else 2e-2
+    torch.testing.assert_close(got, rounded[1], rtol=tolerance, atol=tolerance)

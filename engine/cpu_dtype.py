@@ -1,0 +1,189 @@
+"""Which number format a CPU model computes in: `model.dtype: auto` decides by the host.
+
+On CPU, bf16 here means bf16 *weights* for the linear layers (half the bytes to store and to
+stream) with every activation, norm, rotary, attention and sampling step in fp32; the KV cache
+follows the model's dtype (bf16) unless `cache.kv_cache_dtype` says otherwise. How the linears
+run is engine/model/fast_linear.py's `bf16_linear_kernel`: oneDNN's bf16 GEMM on CPUs with
+native bf16 arithmetic (AMX, AVX512-BF16), the blocked kernel widening bf16 panels elsewhere.
+
+`auto` takes bf16 only where the CPU has native bf16 *and* a short check, the model's own decode
+GEMMs timed both ways, measures it faster; the check's result is kept in the kernel cache (per
+CPU, torch version, thread count and shapes), so it runs once per machine. Everywhere else
+`auto` is fp32: on AVX2-only CPUs bf16 arithmetic is emulated (~300x slower). An explicit
+`bfloat16` always runs (weights rounded to bf16, correct); on a CPU without native bf16 the log
+warns once with the measured speed against fp32.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("batchinfer")
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+AUTO_MIN_SPEEDUP = 1.1      # auto takes bf16 when its GEMMs measured at least this much faster
+CHECK_ROWS = 128            # a decode step's rows: the shape an offline batch job spends its time in
+CHECK_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str             # for the log and report.json's engine.dtype_reason
+
+
+def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What a model in `dtype` on `device` computes its activations in: fp32 for bf16 on CPU
+    (only the linears' weights are bf16), the model's dtype everywhere else."""
+    return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+
+
+@lru_cache(maxsize=None)
+def cpu_identity() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; ("", {}) where it cannot be read."""
+    model, flags = "", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+@lru_cache(maxsize=None)
+def native_bf16_flags() -> tuple[str, ...]:
+    """The flags of native bf16 arithmetic this CPU has (amx_bf16, avx512_bf16), in that order."""
+    _, flags = cpu_identity()
+    if not flags:       # no /proc/cpuinfo: torch's own cpuinfo
+        found = []
+        if torch.cpu._is_amx_tile_supported():
+            found.append("amx_bf16")
+        if torch.cpu._is_avx512_bf16_supported():
+            found.append("avx512_bf16")
+        return tuple(found)
+    return tuple(f for f in NATIVE_BF16_FLAGS if f in flags)
+
+
+def resolve_cpu_dtype(choice: str, hidden: int, intermediate: int) -> DtypeChoice:
+    """model.dtype on CPU -> the dtype and why. float16 keeps torch's plain path (no fp16 kernels)."""
+    native = native_bf16_flags()
+    if choice == "float32":
+        return DtypeChoice(torch.float32, "float32: asked for")
+    if choice == "float16":
+        return DtypeChoice(torch.float16, "float16: asked for (torch's portable path)")
+    if choice == "bfloat16":
+        if native:
+            return DtypeChoice(torch.bfloat16, f"bfloat16: asked for; native bf16 ({', '.join(native)})")
+        speedup = bf16_gemm_speedup(hidden, intermediate)
+        _warn_emulated(speedup)
+        return DtypeChoice(torch.bfloat16, f"bfloat16: asked for; this CPU has no native bf16 "
+                                           f"arithmetic, the model's GEMMs measured {speedup:.2f}x "
+                                           "float32's speed")
+    if not native:
+        return DtypeChoice(torch.float32, "float32: this CPU has no native bf16 arithmetic "
+                                          f"(neither {' nor '.join(NATIVE_BF16_FLAGS)})")
+    speedup = bf16_gemm_speedup(hidden, intermediate)
+    if speedup >= AUTO_MIN_SPEEDUP:
+        return DtypeChoice(torch.bfloat16, f"bfloat16: native bf16 ({', '.join(native)}); the "
+                                           f"model's GEMMs measured {speedup:.2f}x float32's speed")
+    return DtypeChoice(torch.float32, f"float32: native bf16 ({', '.join(native)}), but the "
+                                      f"model's GEMMs measured only {speedup:.2f}x float32's speed "
+                                      f"in bf16 (auto needs {AUTO_MIN_SPEEDUP}x)")
+
+
+@lru_cache(maxsize=None)
+def _warn_emulated(speedup: float) -> None:
+    log.warning("model.dtype bfloat16 on a CPU without native bf16 arithmetic (no %s): the weights "
+                "are stored in bf16 and widened to fp32 for each multiply; the model's GEMMs "
+                "measured %.2fx float32's speed here. dtype: auto picks float32 on this CPU",
+                " or ".join(NATIVE_BF16_FLAGS), speedup)
+
+
+def bf16_gemm_speedup(hidden: int, intermediate: int) -> float:
+    """fp32 time / bf16 time of the model's MLP GEMMs at a decode step's rows, with the kernels
+    the engine would run; measured once per machine and kept in the kernel cache."""
+    key = _check_key(hidden, intermediate)
+    cached = _cache_file(key)
+    if cached is not None and cached.is_file():
+        try:
+            return float(json.loads(cached.read_text())["speedup"])
+        except (OSError, ValueError, KeyError):
+            pass
+    speedup = _measure(hidden, intermediate)
+    if cached is not None:
+        _store(cached, {"speedup": speedup, "key": key})
+    return speedup
+
+
+def _check_key(hidden: int, intermediate: int) -> str:
+    model, flags = cpu_identity()
+    return json.dumps({"cpu": model, "flags": sorted(flags), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "shape": [CHECK_ROWS, hidden, intermediate]},
+                      sort_keys=True)
+
+
+def _cache_file(key: str) -> Optional[Path]:
+    from .setup_cache import cache_root
+
+    try:
+        root = cache_root() / "kernels"
+    except Exception:               # no writable cache: measure every time
+        return None
+    return root / f"dtype-check-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _store(path: Path, record: dict) -> None:
+    """Written whole or not at all (two runs may check at once: the last rename wins, same value)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+    except OSError as exc:
+        log.debug("could not keep the dtype check in %s: %s", path, exc)
+
+
+def _measure(hidden: int, intermediate: int) -> float:
+    from .model.fast_linear import pack_linears
+
+    torch.manual_seed(0)
+    x = torch.randn(CHECK_ROWS, hidden)
+
+    def mlp(weight_dtype: torch.dtype) -> torch.nn.Module:
+        holder = torch.nn.ModuleDict({"gate_up": torch.nn.Linear(hidden, 2 * intermediate, bias=False),
+                                      "down": torch.nn.Linear(intermediate, hidden, bias=False)})
+        pack_linears(holder, weight_dtype=weight_dtype)
+        return holder
+
+    def timed(module: torch.nn.Module) -> float:
+        t0 = time.perf_counter()
+        module["down"](module["gate_up"](x)[:, :intermediate])
+        return time.perf_counter() - t0
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        modules = {dtype: mlp(dtype) for dtype in (torch.float32, torch.bfloat16)}
+        for module in modules.values():
+            timed(module)                       # first calls: page faults, oneDNN's JIT
+        times = {dtype: [] for dtype in modules}
+        for _ in range(CHECK_ROUNDS):
+            for dtype, module in modules.items():
+                times[dtype].append(timed(module))
+    speedup = statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
+    log.info("dtype check: the model's MLP GEMMs at %d rows ran %.2fx float32's speed in bf16 "
+             "(%.2f s, kept in the kernel cache)", CHECK_ROWS, speedup, time.perf_counter() - started)
+    return speedup

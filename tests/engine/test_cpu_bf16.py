@@ -1,0 +1,192 @@
+"""bf16 on CPU (engine/cpu_dtype.py): how `model.dtype` is decided by the host, and the numerics
+of bf16 weights under fp32 activations against transformers running the same model in bf16."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batchinfer.engine import cpu_dtype
+from batchinfer.engine.model.fast_linear import BlockedLinear, PackedLinear, blocked_kernel_available
+from tests.greedy import greedy_tokens
+
+# teacher-forced against transformers in bf16 on the same CPU (measured on an AVX-512 Xeon without
+# native bf16: top-1 agreed at every position, the largest log-prob difference of the text's next
+# token was 0.33-0.36, as large as transformers' own bf16 against its fp32, 0.35)
+MIN_TOP1_AGREEMENT = 0.97
+MAX_LOGPROB_DIFF = 0.6
+# the same against transformers in fp32: measured 0.04 (blocked) and 0.10 (oneDNN)
+MAX_LOGPROB_DIFF_FP32 = 0.25
+HELD_TEXTS = [
+    "The history of the Roman Empire spans more than a thousand years, from the founding of the "
+    "city to the fall of Constantinople.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
+    "dioxide and water.",
+    "Q: How many legs does a spider have?\nA: A spider has eight legs.\nQ: And an insect?\nA:",
+]
+# which bf16 linear kernel a host gets: the blocked kernel widening bf16 panels (no native bf16),
+# or oneDNN's bf16 GEMM (native bf16; emulated, slower, but the same code path on this CPU)
+KERNEL_PATHS = {"blocked": (), "onednn": ("avx512_bf16",)}
+
+
+@pytest.fixture
+def host_flags(monkeypatch):
+    """host_flags(flags): this process behaves as a CPU with these native bf16 flags."""
+    def pretend(flags: tuple[str, ...]) -> None:
+        monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: flags)
+    return pretend
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """The dtype checks are kept here (the kernels stay in the user's cache: no rebuild)."""
+    def in_tmp(key: str):
+        real = original(key)
+        return None if real is None else tmp_path / real.name
+
+    original = cpu_dtype._cache_file
+    monkeypatch.setattr(cpu_dtype, "_cache_file", in_tmp)
+    cpu_dtype._warn_emulated.cache_clear()
+    return tmp_path
+
+
+def test_auto_is_float32_without_native_bf16(host_flags):
+    host_flags(())
+    choice = cpu_dtype.resolve_cpu_dtype("auto", 576, 1536)
+    assert choice.dtype == torch.float32
+    assert "no native bf16" in choice.reason and "avx512_bf16" in choice.reason
+
+
+def test_auto_takes_bf16_where_native_and_measured_faster_once_per_machine(host_flags, cache,
+                                                                            monkeypatch):
+    host_flags(("amx_bf16",))
+    measured = []
+
+    def measure(speedup):
+        def fake(hidden, intermediate):
+            measured.append((hidden, intermediate))
+            return speedup
+        monkeypatch.setattr(cpu_dtype, "_measure", fake)
+
+    measure(3.2)
+    choice = cpu_dtype.resolve_cpu_dtype("auto", 576, 1536)
+    assert choice.dtype == torch.bfloat16 and "3.20x" in choice.reason and "amx_bf16" in choice.reason
+    assert cpu_dtype.resolve_cpu_dtype("auto", 576, 1536).dtype == torch.bfloat16
+    assert measured == [(576, 1536)]                      # the second run read the kept check
+    assert list(cache.glob("dtype-check-*.json"))
+    measure(1.02)                                         # another shape: measured, too slow
+    slow = cpu_dtype.resolve_cpu_dtype("auto", 640, 1536)
+    assert slow.dtype == torch.float32 and "only 1.02x" in slow.reason
+    assert cpu_dtype.resolve_cpu_dtype("float32", 576, 1536).dtype == torch.float32
+
+
+def test_bfloat16_without_native_bf16_runs_and_warns_with_the_measured_speed(host_flags, cache,
+                                                                              caplog):
+    host_flags(())
+    with caplog.at_level(logging.WARNING, logger="batchinfer"):
+        choice = cpu_dtype.resolve_cpu_dtype("bfloat16", 64, 128)     # measured for real
+    assert choice.dtype == torch.bfloat16
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "bf16" in r.getMessage()]
+    assert len(warnings) == 1 and "without native bf16" in warnings[0]
+    assert "x float32's speed" in warnings[0] and "auto picks float32" in warnings[0]
+
+
+def _model_of(engine):
+    return engine.replicas[0].executor.model
+
+
+@pytest.mark.parametrize("path", list(KERNEL_PATHS))
+def test_a_bf16_engine_keeps_fp32_activations_and_batches_like_it_runs_alone(path, host_flags,
+                                                                             make_engine, cache):
+    if path == "blocked" and not blocked_kernel_available():
+        pytest.skip("native CPU kernels unavailable")
+    host_flags(KERNEL_PATHS[path])
+    engine = make_engine(model={"dtype": "bfloat16", "max_model_len": 512})
+    info = engine.info
+    assert (info["dtype"], info["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert "bf16 weights, fp32 activations" in info["linear_kernel"] and path in info["linear_kernel"]
+    model = _model_of(engine)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, BlockedLinear if path == "blocked" else PackedLinear)
+    assert (gate_up.blocked if path == "blocked" else gate_up.packed).dtype == torch.bfloat16
+    assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert model.embed_tokens.weight.dtype == torch.float32
+    prompts = [engine.tokenizer.encode(t) for t in HELD_TEXTS]
+    batched = greedy_tokens(engine, prompts, True, 12)
+    assert greedy_tokens(engine, prompts, False, 12) == batched
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(default_model_dir):
+    """transformers' next-token log-probs over the held texts, in bf16 and fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    ids = [tokenizer.encode(t) for t in HELD_TEXTS]
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=dtype).eval()
+        with torch.inference_mode():
+            out[dtype] = [torch.log_softmax(model(torch.tensor([i])).logits[0].float(), -1)
+                          for i in ids]
+    return ids, out
+
+
+def _teacher_forced(model, backend, arch, ids) -> list[torch.Tensor]:
+    """Our model's next-token log-probs at every position of each text (one prefill each, over a
+    bf16 paged cache)."""
+    from batchinfer.engine.attention import AttentionMetadata
+
+    block = 16
+    out = []
+    for seq in ids:
+        blocks = (len(seq) + block - 1) // block
+        cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim,
+                                   dtype=torch.bfloat16) for _ in range(2))
+                 for _ in range(arch.num_layers)]
+        meta = AttentionMetadata.build([len(seq)], [len(seq)], [list(range(blocks))], block,
+                                       torch.device("cpu"))
+        with torch.inference_mode():
+            hidden, residual = model(torch.tensor(seq), torch.arange(len(seq)), cache, meta, backend)
+            out.append(torch.log_softmax(model.compute_logits(hidden, residual), -1))
+    return out
+
+
+def _agreement(ours, theirs, ids) -> tuple[float, float]:
+    """(share of positions whose top-1 token agrees, largest |log-prob difference| of the text's
+    actual next token)."""
+    agree = total = 0
+    worst = 0.0
+    for a, b, seq in zip(ours, theirs, ids):
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(seq)
+        nxt = torch.tensor(seq[1:])[:, None]
+        worst = max(worst, float((a[:-1].gather(1, nxt) - b[:-1].gather(1, nxt)).abs().max()))
+    return agree / total, worst
+
+
+@pytest.mark.parametrize("path", list(KERNEL_PATHS))
+def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logprobs,
+                                                       default_model_dir):
+    from batchinfer.engine.attention import select_backend
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from batchinfer.engine.model.ops import NativeOps
+
+    if path == "blocked" and not blocked_kernel_available():
+        pytest.skip("native CPU kernels unavailable")
+    host_flags(KERNEL_PATHS[path])
+    arch = load_arch(default_model_dir)
+    cpu = torch.device("cpu")
+    model = build_model(default_model_dir, arch, torch.bfloat16, cpu, 512)
+    backend = select_backend("auto", cpu, torch.bfloat16)
+    if backend.name == "native":
+        model.use_ops(NativeOps)
+    ids, reference = hf_logprobs
+    ours = _teacher_forced(model, backend, arch, ids)
+    top1, worst = _agreement(ours, reference[torch.bfloat16], ids)
+    assert top1 >= MIN_TOP1_AGREEMENT and worst <= MAX_LOGPROB_DIFF, (top1, worst)
+    top1_fp32, worst_fp32 = _agreement(ours, reference[torch.float32], ids)
+    assert top1_fp32 >= MIN_TOP1_AGREEMENT and worst_fp32 <= MAX_LOGPROB_DIFF_FP32, (top1_fp32, worst_fp32)
