@@ -287,9 +287,15 @@ def vllm_peer(args) -> Optional[tuple[str, Path]]:
     return python, Path(args.vllm_model or embedded_source().model_dir)
 
 
-def vllm_offline_cmd(peer: tuple[str, Path], prompts: Path,
-                     max_tokens: Optional[int] = None) -> list[str]:
-    """The command that runs `prompts` (JSONL) through vLLM's LLM.generate under the peer."""
+# how the peer is configured: its own CPU defaults (what its users get), and fp32 eager (the
+# engine's own fp32 figure's like for like)
+PEER_CONFIGS = {"defaults": ["--dtype", "auto", "--compiled"], "fp32": ["--dtype", "float32"]}
+
+
+def vllm_offline_cmd(peer: tuple[str, Path], prompts: Path, max_tokens: Optional[int] = None,
+                     config: str = "fp32") -> list[str]:
+    """The command that runs `prompts` (JSONL) through vLLM's LLM.generate under the peer, in
+    one of PEER_CONFIGS."""
     python, model = peer
     return [python, str(VLLM_OFFLINE), "--model", str(model), "--prompts", str(prompts),
-            *(["--max-tokens", str(max_tokens)] if max_tokens else [])]
+            *(["--max-tokens", str(max_tokens)] if max_tokens else []), *PEER_CONFIGS[config]]

@@ -10,6 +10,7 @@ prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports
     python benchmarks/engine/gemm_roofline.py --batch 128 256 512
     python benchmarks/engine/gemm_roofline.py --kernel onednn    # one kernel only
     python benchmarks/engine/gemm_roofline.py --batch 16 --threads 1 --no-prefetch
+    python benchmarks/engine/gemm_roofline.py --dtype bfloat16   # bf16 weights (a bf16 model on CPU)
 
 Prints one JSON object per batch size. RooflineSampler is also what w_decode.py and decode_floor.py
 time the roofline with (imported as benchmarks.engine.gemm_roofline).
@@ -38,11 +39,11 @@ def available_kernels() -> list[str]:
     return kernels + (["onednn"] if onednn_available() else []) or ["torch"]
 
 
-def _linear(out_f: int, in_f: int, kernel: str):
+def _linear(out_f: int, in_f: int, kernel: str, weight_dtype: torch.dtype = torch.float32):
     """As the engine lays it out (pack_linears: a width that does not split into the blocked
-    kernel's panels runs on oneDNN)."""
+    kernel's panels runs on oneDNN), its weights in `weight_dtype` (bf16: fp32 in and out)."""
     holder = nn.Sequential(nn.Linear(in_f, out_f, bias=False))
-    pack_linears(holder, kernel)
+    pack_linears(holder, kernel, weight_dtype)
     return holder[0]
 
 
@@ -50,12 +51,16 @@ class _ModelGemms:
     """One layer's four projections (with distinct weights per layer, as the model streams them)
     and the LM head, laid out for `kernel` as the engine does."""
 
-    def __init__(self, arch: ModelArch, kernel: str):
+    def __init__(self, arch: ModelArch, kernel: str, weight_dtype: torch.dtype = torch.float32):
         h, i = arch.hidden_size, arch.intermediate_size
         self.arch = arch
-        self.layers = [[_linear(arch.q_size + 2 * arch.kv_size, h, kernel), _linear(h, arch.q_size, kernel),
-                        _linear(2 * i, h, kernel), _linear(h, i, kernel)] for _ in range(arch.num_layers)]
-        self.head = _linear(arch.vocab_size, h, kernel)
+
+        def linear(out_f: int, in_f: int):
+            return _linear(out_f, in_f, kernel, weight_dtype)
+
+        self.layers = [[linear(arch.q_size + 2 * arch.kv_size, h), linear(h, arch.q_size),
+                        linear(2 * i, h), linear(h, i)] for _ in range(arch.num_layers)]
+        self.head = linear(arch.vocab_size, h)
 
     def seconds(self, layer_rows: int, head_rows: int, repeats: int) -> float:
         """Median time of the layers' GEMMs at layer_rows rows plus the head at head_rows."""
@@ -83,9 +88,10 @@ class RooflineSampler:
     the run it bounds says little. Each `sample` times one step's GEMMs on every kernel once and
     keeps the fastest; `prefill_seconds` times the workload's prefill GEMMs the same way."""
 
-    def __init__(self, arch: ModelArch, batch: int, kernels: list[str] | None = None):
+    def __init__(self, arch: ModelArch, batch: int, kernels: list[str] | None = None,
+                 weight_dtype: torch.dtype = torch.float32):
         self.batch = batch
-        self.gemms = {k: _ModelGemms(arch, k) for k in kernels or available_kernels()}
+        self.gemms = {k: _ModelGemms(arch, k, weight_dtype) for k in kernels or available_kernels()}
         self.steps = {k: g.runner(batch, batch) for k, g in self.gemms.items()}
         for run in self.steps.values():
             run()  # warm-up
@@ -152,20 +158,22 @@ class RooflineSampler:
 
 @torch.inference_mode()
 def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[str] | None = None,
-                  prompt_tokens: int = 0, output_tokens: int = 0) -> dict:
+                  prompt_tokens: int = 0, output_tokens: int = 0,
+                  weight_dtype: torch.dtype = torch.float32) -> dict:
     """Decode-step roofline at `batch` rows, over the fastest of `kernels` (default: every one
     available here); with prompt_tokens and output_tokens (per request, batch requests) also the
     workload's: its prefill GEMMs (every prompt token through the layers, one row per request
     through the head) plus output_tokens - 1 decode steps."""
     step_ms = {}
     for kernel in kernels or available_kernels():
-        gemms = _ModelGemms(arch, kernel)
+        gemms = _ModelGemms(arch, kernel, weight_dtype)
         step_ms[kernel] = (gemms.seconds(batch, batch, repeats), gemms)
     kernel = min(step_ms, key=lambda k: step_ms[k][0])
     step_s, gemms = step_ms[kernel]
     out = {"batch": batch, "step_ms": round(step_s * 1e3, 2),
            "gflops": round(arch.flops_per_token() * batch / step_s / 1e9, 1),
            "roofline_tok_per_s": round(batch / step_s, 1), "kernel": kernel,
+           "weight_dtype": str(weight_dtype).replace("torch.", ""),
            "step_ms_by_kernel": {k: round(v[0] * 1e3, 2) for k, v in step_ms.items()},
            "threads": torch.get_num_threads()}
     if prompt_tokens and output_tokens:
@@ -185,6 +193,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--kernel", nargs="+", choices=["blocked", "onednn", "torch"], default=None,
                     help="time only these kernels (default: every one available here)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights' dtype (bfloat16: as a bf16 model on CPU runs its linears)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's, every core here)")
     ap.add_argument("--no-prefetch", action="store_true",
@@ -200,7 +210,9 @@ def main() -> None:
     model_dir, model_id = resolve_model_dir(args.model)
     arch = load_arch(model_dir)
     for b in args.batch:
-        emit({"model": model_id, **gemm_roofline(arch, b, kernels=args.kernel)}, indent=None)
+        emit({"model": model_id, **gemm_roofline(arch, b, kernels=args.kernel,
+                                                 weight_dtype=getattr(torch, args.dtype))},
+             indent=None)
 
 
 if __name__ == "__main__":

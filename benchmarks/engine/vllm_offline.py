@@ -58,8 +58,13 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    try:        # what auto resolved to
+        resolved = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
+    except AttributeError:
+        resolved = args.dtype
     print(json.dumps({
-        "engine": "vllm-cpu", "dtype": args.dtype, "compiled": args.compiled,
+        "engine": "vllm-cpu", "dtype": args.dtype, "resolved_dtype": resolved,
+        "compiled": args.compiled,
         "requests": len(outs), "elapsed_s": round(elapsed, 3),
         "requests_per_s": len(outs) / elapsed, "output_tok_per_s": n_out / elapsed,
         "total_tok_per_s": (n_in + n_out) / elapsed, "prompt_tokens": n_in, "output_tokens": n_out,

