@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from contextlib import contextmanager
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -101,14 +103,40 @@ def _convert_logged(gguf_path: Path, staging: Path, target: Path) -> None:
     _convert(gguf_path, staging)
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """transformers opens the GGUF three times (config, tokenizer, weights), and each GGUFReader
+    parses every metadata field again (~6 s for SmolLM2's 49k-token vocabulary on 2 cores); it
+    also rebuilds gguf's tensor-name map for every module it walks (~400 times, ~8 s). Within
+    the conversion, both come from one parse: the reader is read-only (a memory map) and the name
+    map a pure function of (architecture, layer count)."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _convert(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

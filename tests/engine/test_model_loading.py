@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from batchinfer.engine.config import EngineConfig
@@ -126,3 +127,29 @@ def test_a_file_is_hashed_once_per_version(tmp_path, monkeypatch):
     path.write_bytes(b"GGUF" + bytes(1001))
     os.utime(path, ns=(1, 1))
     assert sources._sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_conversion_parses_its_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
+    """Inside the conversion transformers' three opens of the file get one reader and the tensor
+    name map is built once per (architecture, layers); outside it, gguf is untouched."""
+    import gguf
+
+    from batchinfer.engine.model.sources import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(path) is not first
