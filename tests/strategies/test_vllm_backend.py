@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from batchinfer.engine import cpu_dtype
 from batchinfer.engine.errors import ConfigError
 from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
 from batchinfer.runner.recipe import Recipe
@@ -28,7 +29,8 @@ def _recipe(**sections) -> Recipe:
     return Recipe(strategy={"name": "vllm", **sections.pop("strategy", {})}, **sections)
 
 
-def test_recipe_sections_map_to_vllm_engine_args():
+def test_recipe_sections_map_to_vllm_engine_args(monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: ())   # auto: fp32 on this CPU
     recipe = _recipe(model={"load_format": "dummy", "max_model_len": 1024, "seed": 7,
                             "hf_overrides": {"num_attention_heads": 8}},
                      parallel={"tp": 2, "pp": 2},
@@ -44,6 +46,8 @@ def test_recipe_sections_map_to_vllm_engine_args():
                    "max_num_batched_tokens": 4096, "load_format": "dummy",
                    "hf_overrides": {"num_attention_heads": 8},
                    "enforce_eager": False, "block_size": 128}      # engine_args win
+    monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: ("amx_bf16",))
+    assert engine_args(config, recipe.strategy, Path("/models/m"), "cpu")["dtype"] == "bfloat16"
     gpu = engine_args(config, recipe.strategy, Path("/models/m"), "cuda")
     assert gpu["dtype"] == "auto" and gpu["gpu_memory_utilization"] == 0.8
     assert gpu["kv_cache_memory_bytes"] == 3 * 2**30
