@@ -160,8 +160,7 @@ def _store(path: Path, record: dict) -> None:
 def _measure(hidden: int, intermediate: int) -> float:
     from .model.fast_linear import pack_linears
 
-    torch.manual_seed(0)
-    x = torch.randn(CHECK_ROWS, hidden)
+    x = torch.randn(CHECK_ROWS, hidden, generator=torch.Generator().manual_seed(0))
 
     def mlp(weight_dtype: torch.dtype) -> torch.nn.Module:
         holder = torch.nn.ModuleDict({"gate_up": torch.nn.Linear(hidden, 2 * intermediate, bias=False),
@@ -175,7 +174,8 @@ def _measure(hidden: int, intermediate: int) -> float:
         return time.perf_counter() - t0
 
     started = time.perf_counter()
-    with torch.no_grad():
+    # the layers' random init would draw from the process's generator: leave it as it was
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         modules = {dtype: mlp(dtype) for dtype in (torch.float32, torch.bfloat16)}
         for module in modules.values():
             timed(module)                       # first calls: page faults, oneDNN's JIT

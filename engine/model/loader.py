@@ -17,9 +17,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..cpu_dtype import activation_dtype
 from ..errors import ModelLoadError
 from .arch import ModelArch, arch_from_dict, read_arch
-from ..cpu_dtype import activation_dtype
 from .fast_linear import pack_linears
 from .llama import CausalLM, ModelPartition
 from .shard import TensorParallelGroup
@@ -272,7 +272,8 @@ def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
     ready for inference. bf16 on CPU: fp32 everywhere but the packed linears' bf16 weights."""
     model = model.to(device=device, dtype=activation_dtype(device, dtype)).eval()
     model.requires_grad_(False)
-    model.linear_weight_dtype = dtype if device.type == "cpu" and dtype == torch.bfloat16 else torch.float32
+    model.linear_weight_dtype = (torch.bfloat16 if activation_dtype(device, dtype) != dtype
+                                 else torch.float32)
     if pack:
         pack_linears(model, weight_dtype=model.linear_weight_dtype)
     return model
