@@ -55,17 +55,9 @@ def host_info() -> dict:
     """The machine a figure came from: the CPU model and which of ISA_FLAGS it reports, its
     logical CPUs and those this process may use, memory, and (when the script has loaded torch)
     torch's version, threads and the GPU it sees."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    from batchinfer.engine.host_cpu import cpu_identity
+
+    model, flags = cpu_identity()
     info: dict = {"cpu": model or platform.processor() or platform.machine(),
                   "isa": [f for f in ISA_FLAGS if f in flags],
                   "cpus": os.cpu_count()}

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .host_cpu import cpu_identity
+
 log = logging.getLogger("batchinfer")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 AUTO_MIN_SPEEDUP = 1.1      # auto takes bf16 when its GEMMs measured at least this much faster
@@ -45,23 +47,6 @@ def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """What a model in `dtype` on `device` computes its activations in: fp32 for bf16 on CPU
     (only the linears' weights are bf16), the model's dtype everywhere else."""
     return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
-
-
-@lru_cache(maxsize=None)
-def cpu_identity() -> tuple[str, frozenset[str]]:
-    """(model name, flags) from /proc/cpuinfo; ("", {}) where it cannot be read."""
-    model, flags = "", frozenset()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key == "flags" and not flags:
-                flags = frozenset(value.split())
-    except OSError:
-        pass
-    return model, flags
 
 
 @lru_cache(maxsize=None)
