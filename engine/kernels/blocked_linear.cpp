@@ -42,7 +42,7 @@ namespace {
 
 constexpr int64_t P = 16;     // panel width (output columns)
 constexpr int64_t ROWS = 48;  // rows per task: 8 register tiles of 6
-constexpr int64_t LINE = 64;  // bytes per cache line: one k step of a panel
+constexpr int64_t LINE = 64;  // bytes per cache line: one k step of an fp32 panel
 
 #ifdef BATCHINFER_AVX2
 // 8 panel weights at p as fp32 (bf16 widened exactly: shifted into the fp32's upper half).
@@ -52,9 +52,9 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// Cache lines of one panel (K steps of 16 weights of type W).
+// Cache lines of one panel (K steps of 16 weights of type W; a bf16 step is half a line), rounded up.
 template <typename W>
-constexpr int64_t panel_lines(int64_t K) { return K * P * int64_t(sizeof(W)) / LINE; }
+constexpr int64_t panel_lines(int64_t K) { return (K * P * int64_t(sizeof(W)) + LINE - 1) / LINE; }
 
 // A tile's pass over k: body(k) for k = 0 .. K - 1, and issue(i) for i = 0 .. lines - 1 (the
 // i-th line of the next panel to prefetch) spread evenly over the pass.
@@ -109,7 +109,7 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
   }
 }
 
-// How a row block spreads the prefetch of the next panel (K lines) over its tiles: the panel's
+// How a row block spreads the prefetch of the next panel (its panel_lines) over its tiles: the panel's
 // first row block streams the next panel in from memory while it computes. Without it a panel's
 // first pass waits on DRAM and the passes after it compute from cache: memory time plus compute
 // time instead of the larger. A block of one tile (<= tile_rows) has nothing to overlap with: the

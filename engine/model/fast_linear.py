@@ -91,12 +91,13 @@ def linear_kernel() -> str:
 
 def bf16_linear_kernel() -> str:
     """The kernel bf16 CPU linears use here: onednn where the CPU has native bf16 arithmetic,
-    else blocked (bf16 panels widened to fp32), else onednn (emulated: slow, but correct)."""
+    else blocked (bf16 panels widened to fp32), else torch (fp32 over the rounded weights):
+    never oneDNN's emulated bf16 GEMM."""
     from ..cpu_dtype import native_bf16_flags
 
-    if native_bf16_flags() or not blocked_kernel_available():
-        return "onednn" if onednn_available() else "torch"
-    return "blocked"
+    if native_bf16_flags() and onednn_available():
+        return "onednn"
+    return "blocked" if blocked_kernel_available() else "torch"
 
 
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
@@ -215,7 +216,10 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
         parent, name, child = targets.pop()
         if kernel == "blocked" and child.out_features % PANEL == 0:
             setattr(parent, name, BlockedLinear(child, weight_dtype))
-        elif onednn_available():
+        elif bf16 and kernel != "onednn":
+            # no native bf16 (or torch asked for): oneDNN's bf16 would be emulated, 5-300x slower
+            setattr(parent, name, RoundedWeightLinear(child))
+        elif onednn_available() and kernel != "torch":
             setattr(parent, name, PackedLinear(child, weight_dtype))
         elif bf16:
             setattr(parent, name, RoundedWeightLinear(child))
@@ -226,8 +230,9 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
 
 
 class RoundedWeightLinear(nn.Module):
-    """bf16 weights without oneDNN or the native kernels: torch's fp32 linear over the weight
-    rounded to bf16 (the blocked kernel's maths; the memory of fp32)."""
+    """bf16 weights where neither the blocked kernel (a width that does not split into panels, or
+    no native kernels) nor a native bf16 GEMM runs: torch's fp32 linear over the weight rounded to
+    bf16 (the blocked kernel's maths at fp32's speed; the memory of fp32)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

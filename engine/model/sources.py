@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import metadata
@@ -103,6 +104,9 @@ def _convert_logged(gguf_path: Path, staging: Path, target: Path) -> None:
     _convert(gguf_path, staging)
 
 
+_GGUF_PATCH = threading.Lock()
+
+
 @contextmanager
 def _gguf_parsed_once():
     """transformers opens the GGUF three times (config, tokenizer, weights), and each GGUFReader
@@ -112,20 +116,21 @@ def _gguf_parsed_once():
     map a pure function of (architecture, layer count)."""
     import gguf
 
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
+    with _GGUF_PATCH:      # the patch is process-wide: one conversion at a time holds it
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
 
-    def shared_reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = reader_class(path, mode)
-        return readers[key]
+        def shared_reader(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader_class(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

@@ -26,7 +26,6 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field
 
-from batchinfer.engine import cpu_dtype
 from batchinfer.engine.config import EngineConfig, SchedulerConfig, parse_size
 from batchinfer.engine.errors import ConfigError
 from batchinfer.strategies.base import StrategyParams, register_strategy
@@ -92,7 +91,9 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
                           "(batchinfer run --shard I/N, one per engine)")
     model = config.model
     dtype = model.dtype
-    if dtype == "auto" and device == "cpu":   # as our engine decides: bf16 where it is native
+    if dtype == "auto" and device == "cpu":   # bf16 where the CPU has native bf16 arithmetic
+        from batchinfer.engine import cpu_dtype            # (torch: not at recipe validation)
+
         dtype = "bfloat16" if cpu_dtype.native_bf16_flags() else "float32"
     args = {"model": str(model_dir), "tokenizer": model.tokenizer or str(model_dir),
             "dtype": dtype, "seed": model.seed,
