@@ -18,13 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -35,6 +33,7 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 AUTO_MIN_SPEEDUP = 1.1      # auto takes bf16 when its GEMMs measured at least this much faster
 CHECK_ROWS = 128            # a decode step's rows: the shape an offline batch job spends its time in
 CHECK_ROUNDS = 5
+CHECK_FILE = "check.json"
 
 
 @dataclass(frozen=True)
@@ -100,18 +99,20 @@ def _warn_emulated(speedup: float) -> None:
 
 def bf16_gemm_speedup(hidden: int, intermediate: int) -> float:
     """fp32 time / bf16 time of the model's MLP GEMMs at a decode step's rows, with the kernels
-    the engine would run; measured once per machine and kept in the kernel cache."""
+    the engine would run; measured once per machine and kept in the kernel cache (setup_cache's
+    build_once: one run measures, a concurrent one waits for its result)."""
+    from .setup_cache import build_once, timeout_scale
+
     key = _check_key(hidden, intermediate)
-    cached = _cache_file(key)
-    if cached is not None and cached.is_file():
-        try:
-            return float(json.loads(cached.read_text())["speedup"])
-        except (OSError, ValueError, KeyError):
-            pass
-    speedup = _measure(hidden, intermediate)
-    if cached is not None:
-        _store(cached, {"speedup": speedup, "key": key})
-    return speedup
+
+    def measure_into(staging: Path) -> None:
+        record = {"speedup": _measure(hidden, intermediate), "key": key}
+        (staging / CHECK_FILE).write_text(json.dumps(record))
+
+    entry = build_once(_check_dir(key), measure_into, what="timing bf16 against fp32 GEMMs",
+                       wait_timeout_s=120 * timeout_scale(),
+                       is_complete=lambda path: (path / CHECK_FILE).is_file())
+    return float(json.loads((entry / CHECK_FILE).read_text())["speedup"])
 
 
 def _check_key(hidden: int, intermediate: int) -> str:
@@ -121,25 +122,10 @@ def _check_key(hidden: int, intermediate: int) -> str:
                       sort_keys=True)
 
 
-def _cache_file(key: str) -> Optional[Path]:
+def _check_dir(key: str) -> Path:
     from .setup_cache import cache_root
 
-    try:
-        root = cache_root() / "kernels"
-    except Exception:               # no writable cache: measure every time
-        return None
-    return root / f"dtype-check-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-
-
-def _store(path: Path, record: dict) -> None:
-    """Written whole or not at all (two runs may check at once: the last rename wins, same value)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)
-    except OSError as exc:
-        log.debug("could not keep the dtype check in %s: %s", path, exc)
+    return cache_root() / "kernels" / f"dtype-check-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
 def _measure(hidden: int, intermediate: int) -> float:

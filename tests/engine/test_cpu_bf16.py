@@ -51,11 +51,10 @@ def host_flags(monkeypatch):
 def cache(monkeypatch, tmp_path):
     """The dtype checks are kept here (the kernels stay in the user's cache: no rebuild)."""
     def in_tmp(key: str):
-        real = original(key)
-        return None if real is None else tmp_path / real.name
+        return tmp_path / original(key).name
 
-    original = cpu_dtype._cache_file
-    monkeypatch.setattr(cpu_dtype, "_cache_file", in_tmp)
+    original = cpu_dtype._check_dir
+    monkeypatch.setattr(cpu_dtype, "_check_dir", in_tmp)
     cpu_dtype._warn_emulated.cache_clear()
     return tmp_path
 
@@ -83,7 +82,7 @@ def test_auto_takes_bf16_where_native_and_measured_faster_once_per_machine(host_
     assert choice.dtype == torch.bfloat16 and "3.20x" in choice.reason and "amx_bf16" in choice.reason
     assert cpu_dtype.resolve_cpu_dtype("auto", 576, 1536).dtype == torch.bfloat16
     assert measured == [(576, 1536)]                      # the second run read the kept check
-    assert list(cache.glob("dtype-check-*.json"))
+    assert list(cache.glob("dtype-check-*/check.json"))
     measure(1.02)                                         # another shape: measured, too slow
     slow = cpu_dtype.resolve_cpu_dtype("auto", 640, 1536)
     assert slow.dtype == torch.float32 and "only 1.02x" in slow.reason
