@@ -1,21 +1,26 @@
 """Paged attention over a flat token batch, and the metadata that describes the batch.
 
-Two backends behind one interface:
+Three backends behind one interface:
 - `NativeCPUAttention`: the compiled kernel in kernels/paged_attention.cpp, reading K/V straight
   from the paged cache (no gather copy). Default on CPU.
+- `TritonAttention` (triton_attention.py): a Triton kernel reading K/V through the block table
+  in place. Default on CUDA.
 - `TorchAttention` (torch_attention.py): portable torch (gather the blocks, then batched
-  scaled_dot_product_attention). Used on CUDA and wherever the kernel cannot be built.
+  scaled_dot_product_attention). Used where neither kernel can run.
 
 The cache layout is [num_blocks, num_kv_heads, block_size, head_dim] per layer (K and V each).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
 
 from .torch_attention import TorchAttention, reference_attention  # noqa: F401 (re-exported)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,11 +96,32 @@ class NativeCPUAttention:
                                                     meta.query_start, meta.seq_lens, scale)
 
 
+def triton_available() -> str:
+    """'' when the Triton kernel can run here, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    return ""
+
+
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """auto: the native kernel on CPU with fp32 activations (dtype float32, or bfloat16: bf16
-    weights, fp32 activations) when it builds, else torch."""
+    """auto: on CPU the native kernel with fp32 activations (dtype float32, or bfloat16: bf16
+    weights, fp32 activations) when it builds, else torch; on CUDA the Triton paged kernel when
+    triton imports, else torch (one warning)."""
     from .kernels import load_native_kernels
 
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend 'triton' needs device cuda (on CPU: native or torch)")
+    if choice in ("triton", "auto") and device.type == "cuda":
+        missing = triton_available()
+        if not missing:
+            from .triton_attention import TritonAttention
+
+            return TritonAttention()
+        if choice == "triton":
+            raise RuntimeError(f"attention_backend 'triton': {missing}")
+        log.warning("CUDA attention falls back to the portable torch path: %s", missing)
     native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if choice == "native" and not native_ok:
         raise ValueError("attention_backend 'native' needs device cpu and dtype float32 or bfloat16")

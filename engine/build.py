@@ -180,9 +180,10 @@ def _build_single_process(config: EngineConfig) -> Engine:
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
     graphs = None
-    if device.type == "cuda" and config.device.cuda_graphs:
+    if device.type == "cuda" and use_cuda_graphs(config.device.cuda_graphs, backend.name):
         graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,
-                              min(config.device.max_seq_len_to_capture, max_model_len))
+                              min(config.device.max_seq_len_to_capture, max_model_len),
+                              triton_attention=backend.name == "triton")
     executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
         "model_id": model_id + (" [dummy weights]" if dummy else ""),
@@ -201,6 +202,12 @@ def _build_single_process(config: EngineConfig) -> Engine:
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
              info["kv_cache_bytes"] / GiB, max_model_len, spec.capacity_tokens / max_model_len)
     return Engine([Replica(scheduler, executor)], tokenizer, max_model_len, info["model_id"], info)
+
+
+def use_cuda_graphs(choice: Optional[bool], backend_name: str) -> bool:
+    """device.cuda_graphs: empty means on with the Triton attention (its kernel reads no padding,
+    so a graph's padded block tables cost nothing); with the torch path they are opt-in."""
+    return choice if choice is not None else backend_name == "triton"
 
 
 def _max_model_len(requested: Optional[int], arch: ModelArch) -> int:

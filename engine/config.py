@@ -85,15 +85,16 @@ class SchedulerConfig(_Strict):
 class DeviceConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads; default all cores")
-    attention_backend: Literal["auto", "native", "torch"] = Field(
-        "auto", description="native: compiled CPU paged-attention kernel; torch: portable path")
+    attention_backend: Literal["auto", "native", "triton", "torch"] = Field(
+        "auto", description="native: compiled CPU paged-attention kernel; triton: the CUDA paged "
+                            "kernel; torch: portable path; auto: native on CPU, triton on CUDA")
     bind_threads: Literal["auto", "none"] = Field(
         "none", description="auto: on CPU pin each compute thread to its own core (each worker "
                             "process its own run of cores among those the job may use); none: "
                             "leave placement to the OS")
-    cuda_graphs: bool = Field(
-        False, description="CUDA, one GPU: pure-decode steps replay captured CUDA graphs "
-                           "(engine/cuda_graphs.py); opt-in, the README says when they pay")
+    cuda_graphs: Optional[bool] = Field(
+        None, description="CUDA, one GPU: pure-decode steps replay captured CUDA graphs "
+                          "(engine/cuda_graphs.py); empty: on with the triton attention backend")
     max_seq_len_to_capture: int = Field(
         8192, ge=1, description="CUDA graphs cover decode steps whose longest sequence is at "
                                 "most this many tokens; longer ones run eagerly (vLLM's knob)")

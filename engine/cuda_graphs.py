@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps, as vLLM captures them (opt-in: `device.cuda_graphs: true`).
+"""CUDA graphs for decode steps, as vLLM captures them (on by default with the Triton attention).
 
 On a GPU, a decode step of a small model is mostly kernel launches: SmolLM2's 30 layers launch
 ~1,450 kernels, each with a few microseconds of host time, which at short contexts is more than
@@ -9,14 +9,17 @@ A graph fixes every shape and every address, so:
 - the batch is padded up to a captured size (BATCH_SIZES: 1, 2, 4, then multiples of 8, as vLLM
   captures), and every block table up to a captured width (`width_bucket`: at most 1/8 more
   blocks); the step copies its inputs into static buffers. Padding is work the GPU does for
-  nothing, and where the gather of long contexts already keeps the GPU busy it is all a graph
-  adds: power-of-two widths made a ShareGPT run 13% slower than eager (README);
-- the attention is torch_attention's decode rows (`decode_attention`) over the padded tables,
-  with the mask built inside the graph from the lengths;
+  nothing where attention gathers the padded tables (the torch path): power-of-two widths made
+  a ShareGPT run 13% slower than eager. The Triton kernel reads each row only up to its length,
+  so there the padded width costs nothing, which is why graphs are on by default with it;
+- the attention is the Triton paged kernel (triton_attention.py), or with the torch backend
+  torch_attention's decode rows (`decode_attention`) over the padded tables, with the mask built
+  inside the graph from the lengths;
 - padding rows write their K/V into one block reserved for them (held in the block manager under
   PADDING_OWNER), never into a sequence's block.
 
-Graphs are captured lazily, the first time a (batch, width) shape is needed, all into one memory
+Graphs are captured lazily, the first time a (batch, width) shape is needed (with the Triton
+kernel, the width is always the largest, so a graph per batch size), all into one memory
 pool. That is safe because steps replay one at a time and each step's outputs are consumed before
 the next replay. Only pure-decode batches on one device use graphs; steps with prefill run eagerly,
 and so do contexts longer than `max_seq_len_to_capture`.
@@ -61,26 +64,41 @@ def width_bucket(blocks: int) -> int:
 class StaticDecodeMeta:
     """What write_kv and the attention read in one graph: views of the static input buffers."""
 
-    def __init__(self, ints: torch.Tensor, tables: torch.Tensor, block_size: int):
+    def __init__(self, ints: torch.Tensor, tables: torch.Tensor, block_size: int,
+                 work: torch.Tensor, query_start: torch.Tensor):
         self.slot_blocks, self.slot_offsets, self.seq_lens = ints[2], ints[3], ints[4]
         self.tables = tables
+        self.work, self.query_start = work, query_start   # the Triton kernel's: row i, one query
         self.key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-        self.mask: Optional[torch.Tensor] = None   # built by prepare()
+        self.mask: Optional[torch.Tensor] = None   # built by prepare() (the torch path's)
 
-    def prepare(self) -> None:
-        """The attention mask from the lengths; runs inside the graph, once for all layers."""
-        self.mask = (self.key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
+    def prepare(self, masked: bool) -> None:
+        """The torch path's attention mask from the lengths; runs inside the graph, once for all
+        layers (the Triton kernel reads the lengths itself)."""
+        if masked:
+            self.mask = (self.key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
 
 class GraphDecodeAttention:
-    """Decode attention over a padded block table, with no host work: capturable."""
+    """Decode attention over a padded block table, with no host work: capturable. `triton`:
+    the paged kernel (triton_attention.py), which reads each row's keys up to its length only,
+    so the padded width costs nothing; else torch_attention's gather + SDPA under a mask."""
 
     name = "cuda_graph"
     write_kv = staticmethod(write_kv)
 
-    @staticmethod
-    def attend(q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float) -> torch.Tensor:
-        return decode_attention(q, key_cache, value_cache, meta.tables, meta.mask, scale)
+    def __init__(self, triton: bool = False):
+        self.triton = triton
+
+    def attend(self, q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float) -> torch.Tensor:
+        if not self.triton:
+            return decode_attention(q, key_cache, value_cache, meta.tables, meta.mask, scale)
+        from .triton_attention import launch
+
+        out = torch.empty_like(q)
+        launch(out, q, key_cache, value_cache, meta.tables, meta.seq_lens, meta.query_start,
+               meta.work, q.shape[0], True, scale)
+        return out
 
 
 class _Graph:
@@ -100,7 +118,8 @@ class DecodeGraphs:
     """Runs pure-decode steps of a single-device model through captured CUDA graphs."""
 
     def __init__(self, model, kv_caches: list, block_manager: BlockManager, device: torch.device,
-                 max_batch: int, max_seq_len_to_capture: int, capture: bool = True):
+                 max_batch: int, max_seq_len_to_capture: int, capture: bool = True,
+                 triton_attention: bool = False):
         self.model, self.kv_caches, self.block_manager = model, kv_caches, block_manager
         self.device, self.capture = device, capture
         self.block_size = block_manager.block_size
@@ -111,10 +130,13 @@ class DecodeGraphs:
         self._ints = torch.zeros(5, biggest, dtype=torch.long, device=device)
         self._tables = torch.zeros(biggest, self.max_width, dtype=torch.long, device=device)
         self._rows = torch.arange(biggest, dtype=torch.long, device=device)
+        # the Triton kernel's static work list (row i: sequence i, its one query) and query starts
+        self._work = torch.stack([self._rows, torch.zeros_like(self._rows)], 1).to(torch.int32)
+        self._query_start = torch.arange(biggest + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._pad_block: Optional[int] = None
-        self.attention = GraphDecodeAttention()
+        self.attention = GraphDecodeAttention(triton_attention)
         self.steps = 0              # steps run through a graph
         self.capture_seconds = 0.0
 
@@ -130,12 +152,15 @@ class DecodeGraphs:
             return None
         if any(q != 1 for q in plan.query_lens):
             return None
-        width = width_bucket(max(len(t) for t in plan.block_tables))
-        if width > self.max_width or not self._reserve_padding_block():
+        blocks = max(len(t) for t in plan.block_tables)
+        # the Triton kernel reads a row's table only up to its length: one width serves every
+        # step (a graph per batch size), and only the step's own columns need filling
+        width = self.max_width if self.attention.triton else width_bucket(blocks)
+        if blocks > self.max_width or not self._reserve_padding_block():
             return None
         batch = self.sizes[bisect_left(self.sizes, n)]
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
-        self._fill(plan, batch, width)
+        self._fill(plan, batch, blocks if self.attention.triton else width)
         hidden, residual = graph.replay()
         self.steps += 1
         return hidden, residual, self._rows[:n]
@@ -170,10 +195,11 @@ class DecodeGraphs:
     def _capture(self, batch: int, width: int) -> _Graph:
         start = time.perf_counter()
         ints = self._ints[:, :batch]
-        meta = StaticDecodeMeta(ints, self._tables[:batch, :width], self.block_size)
+        meta = StaticDecodeMeta(ints, self._tables[:batch, :width], self.block_size,
+                                self._work[:batch], self._query_start[:batch + 1])
 
         def forward():
-            meta.prepare()
+            meta.prepare(masked=not self.attention.triton)
             return self.model(ints[0], ints[1], self.kv_caches, meta, self.attention)
 
         self._padding_inputs(batch, width)

@@ -89,12 +89,27 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
     if model_dir is None:
         model_dir, model_id = resolve_model_dir(model_cfg.path)
     source = Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else Path(model_dir)
+    if not model_cfg.tokenizer and model_cfg.load_format == "dummy" and not _has_tokenizer(source):
+        source = _embedded_tokenizer_dir()
+        log.warning("%s has no tokenizer files: the dummy model tokenizes with the embedded "
+                    "SmolLM2 tokenizer (set model.tokenizer to use another)", model_dir)
     try:
         hf = _hf_tokenizer(str(source.resolve()), _version(source))
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot load a tokenizer ({exc}); a model directory needs "
                              "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
     return Tokenizer(hf, model_id or str(source), eos_token_ids)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / name).is_file() for name in
+                                   ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def _embedded_tokenizer_dir() -> Path:
+    from .model.sources import default_model_gguf, gguf_to_hf_dir
+
+    return Path(gguf_to_hf_dir(default_model_gguf()))
 
 
 def _version(source: Path) -> tuple:

@@ -15,7 +15,13 @@
 #                                            # shapes, random weights, bf16), `sharegpt`
 #                                            # (cuda_graph_bench.py: 600 ShareGPT requests, graphs
 #                                            # vs eager), `profile` (W-decode's steps at 512,
-#                                            # cuda_step_profile.py); logs and JSON land in OUT
+#                                            # cuda_step_profile.py); issue 39's figures
+#                                            # (gpu_engine_bench.py): `kernel` (decode attention
+#                                            # bandwidth), `smollm` (600 ShareGPT requests, the
+#                                            # default against the torch path eagerly), `w8b` and
+#                                            # `qwen7b` (1,000 ShareGPT requests at Llama-3.1-8B /
+#                                            # Qwen2.5-7B shapes), `roofline` (Llama-3.1-8B, 256
+#                                            # decoding sequences); logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
 set -euo pipefail
@@ -62,6 +68,7 @@ run() {
     local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
     if [[ " $parts " == *" tests "* ]]; then
         BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py \
+            tests/kernels/test_triton_attention.py -k "not engine_gives" \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
     fi
     if [[ " $parts " == *" wdecode "* ]]; then
@@ -75,6 +82,27 @@ run() {
         python3 benchmarks/engine/cuda_graph_bench.py "${model[@]}" --workload "$GPU_DIR/sharegpt-2k.jsonl" \
             --requests 600 2>&1 | tee "$out/cuda_graph_bench.json"
     fi
+    local bench=(python3 benchmarks/engine/gpu_engine_bench.py)
+    local sharegpt=(--workload "$GPU_DIR/sharegpt-2k.jsonl")
+    local llama=examples/model-configs/llama-3.1-8b qwen=examples/model-configs/qwen2.5-7b
+    if [[ " $parts " == *" kernel "* ]]; then
+        "${bench[@]}" kernel 2>&1 | tee "$out/kernel.json"
+    fi
+    if [[ " $parts " == *" smollm "* ]]; then
+        for mode in default eager; do
+            "${bench[@]}" sharegpt --model "$GPU_DIR/smollm2" "${sharegpt[@]}" --requests 600 \
+                $([ $mode = eager ] && echo --eager) 2>&1 | tee "$out/smollm_sharegpt_$mode.json"
+        done
+    fi
+    if [[ " $parts " == *" w8b "* ]]; then
+        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/w8b.json"
+    fi
+    if [[ " $parts " == *" roofline "* ]]; then
+        "${bench[@]}" roofline --model $llama 2>&1 | tee "$out/roofline_llama.json"
+    fi
+    if [[ " $parts " == *" qwen7b "* ]]; then
+        "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json"
+    fi
     if [[ " $parts " == *" profile "* ]]; then
         python3 benchmarks/engine/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
             --n 512 --cuda-graphs > "$out/step_profile_cuda.json" 2>&1 || true
@@ -84,5 +112,6 @@ run() {
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile]" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
+            "[w8b] [roofline] [qwen7b]" >&2; exit 2 ;;
 esac

@@ -198,21 +198,23 @@ def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (v, h)
 
 
-def dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int,
+                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """The full dummy tensor `name`: norms are ones, the rest N(0, 0.02) from a generator seeded
-    by (seed, name), so every partition of every layout sees the same full weights."""
+    by (seed, name), so every partition of every layout sees the same full weights. Drawn on
+    `device`: a GPU draws its own (other values than the CPU's, the same for every layout)."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-    return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+    gen = torch.Generator(device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
 
 
-def _fill_dummy(filler: _Filler, seed: int) -> None:
+def _fill_dummy(filler: _Filler, seed: int, device: torch.device) -> None:
     for name, shape in hf_tensor_shapes(filler.arch):
         where = filler.target(name)
         if where is not None:
-            filler.put(name, where.take(dummy_tensor(name, shape, seed)), where)
+            filler.put(name, where.take(dummy_tensor(name, shape, seed, device)), where)
 
 
 def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
@@ -220,11 +222,15 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
                 dummy: bool = False, seed: int = 0,
                 tp_group: Optional[TensorParallelGroup] = None, pack: bool = True) -> CausalLM:
     """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
-    `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way."""
-    model, filler = empty_partition(arch, max_positions, partition, tp_group)
+    `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way.
+    Dummy weights on a GPU are built there in the model's dtype: an 8B model's fp32 draw on the
+    host took longer than the benchmark it was for."""
+    on_device = dummy and device.type == "cuda"
+    model, filler = empty_partition(arch, max_positions, partition, tp_group,
+                                    *((device, dtype) if on_device else ()))
     with torch.no_grad():
         if dummy:
-            _fill_dummy(filler, seed)
+            _fill_dummy(filler, seed, device if on_device else torch.device("cpu"))
             filler.check_complete("dummy weights")
         else:
             _read_weights(safetensor_files(model_dir), filler)
@@ -233,12 +239,14 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
 
 
 def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartition,
-                    tp_group: Optional[TensorParallelGroup] = None) -> tuple[CausalLM, "_Filler"]:
-    """The partition's modules in fp32 host memory, unfilled, and the filler that maps Hugging
+                    tp_group: Optional[TensorParallelGroup] = None,
+                    device: torch.device = torch.device("cpu"),
+                    dtype: torch.dtype = torch.float32) -> tuple[CausalLM, "_Filler"]:
+    """The partition's modules on `device` in `dtype` (default fp32 host memory), unfilled, and the filler that maps Hugging
     Face tensors (or slices of them) onto its fused parameters."""
     with torch.device("meta"):
         model = CausalLM(arch, max_positions, partition, tp_group)
-    _materialize(model, torch.device("cpu"), torch.float32)
+    _materialize(model, device, dtype)
     model.tie_weights()
     model.rotary.reset()
     with torch.no_grad():

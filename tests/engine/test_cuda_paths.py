@@ -107,6 +107,25 @@ def test_fp32_greedy_on_cuda_matches_transformers(tiny_llama, scheduler):
     assert _greedy(engine, prompts[:3], batched=False) == expected[:3]
 
 
+@pytest.mark.parametrize("scheduler", [
+    {"policy": "sb"},
+    {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24},
+])
+def test_the_triton_kernel_with_default_graphs_matches_transformers_fp32(tiny_llama, scheduler):
+    if DEVICE != "cuda":
+        pytest.skip("the Triton backend needs a GPU (tests/kernels/test_triton_attention.py "
+                    "runs the kernel in Triton's interpreter)")
+    hf, folder = tiny_llama
+    engine = _engine(folder, model={"dtype": "float32"}, scheduler=scheduler,
+                     device={"device": DEVICE})
+    assert engine.info["attention_backend"] == "triton" and engine.info["cuda_graphs"] is True
+    prompts = _prompts()
+    expected = _hf_greedy(hf, prompts)
+    assert _greedy(engine, prompts, batched=True) == expected
+    assert _greedy(engine, prompts[:3], batched=False) == expected[:3]
+    assert engine.replicas[0].executor.graphs.steps >= MAX_NEW - 1
+
+
 def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(tiny_llama):
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
@@ -114,7 +133,7 @@ def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(tiny_llama):
     scheduler = {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}
     prompts = _prompts()
     eager = _engine(folder, model={"dtype": "float32"}, scheduler=scheduler,
-                    device={"device": DEVICE})
+                    device={"device": DEVICE, "cuda_graphs": False})
     assert eager.info["cuda_graphs"] is False
     expected = _greedy(eager, prompts, batched=True)
     expected_alone = _greedy(eager, prompts[:2], batched=False)

@@ -1,0 +1,201 @@
+"""The engine on one GPU (issue 39's figures): the paged-attention kernel's bandwidth, the decode
+step against its roofline, and ShareGPT throughput at real model sizes. Needs a CUDA device.
+
+    python benchmarks/engine/gpu_engine_bench.py kernel
+        decode attention, 256 sequences x 1,024-token contexts (Llama-3.1-8B's heads, and
+        Qwen2.5-7B's), bf16, block 16: the Triton kernel and the portable torch path, each as
+        bytes of K/V read per second against a device-to-device copy measured in the same run
+    python benchmarks/engine/gpu_engine_bench.py roofline --model DIR
+        256 sequences decoding together (dummy weights, bf16, 512-token prompts, 128 new tokens):
+        each pure-decode step's time against its bound, (weights + the step's K/V) bytes over
+        the copy bandwidth
+    python benchmarks/engine/gpu_engine_bench.py sharegpt --model DIR --requests 1000 [--eager]
+        the first N requests of a ShareGPT V3 workload (each request's max_tokens its reference
+        reply length, ignore_eos, greedy), as `vllm bench throughput` counts: output tokens and
+        all tokens over the elapsed time; --eager: the torch attention path without CUDA graphs
+        (the engine before the Triton kernel)
+
+Each prints one JSON object with the card's name.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import emit, read_jsonl, sharegpt_path  # noqa: E402
+
+HEADS = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
+
+
+def _cuda_time(fn, repeats: int = 20) -> float:
+    """Median seconds of fn() over `repeats` timed runs (CUDA events), after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = _cuda_time(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def kernel(args) -> dict:
+    import torch
+
+    from batchinfer.engine.attention import AttentionMetadata
+    from batchinfer.engine.torch_attention import TorchAttention
+    from batchinfer.engine.triton_attention import TritonAttention
+
+    bandwidth = copy_bandwidth()
+    out = {"card": _card(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "sequences": args.seqs,
+           "context": args.context, "block_size": 16, "dtype": "bfloat16"}
+    bs, n, ctx = 16, args.seqs, args.context
+    blocks = n * -(-ctx // bs)
+    for name, (heads, kv_heads, head_dim) in HEADS.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        kc = torch.randn(blocks + 1, kv_heads, bs, head_dim, device="cuda", generator=gen,
+                         dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        order = torch.randperm(blocks, device="cuda", generator=gen) + 1
+        tables = order.view(n, -1).tolist()
+        q = torch.randn(n, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * n * ctx * kv_heads * head_dim * 2
+        row = {}
+        for label, backend in (("triton", TritonAttention()), ("torch", TorchAttention())):
+            meta = AttentionMetadata.build([1] * n, [ctx] * n, tables, bs, torch.device("cuda"))
+            seconds = _cuda_time(lambda: backend.attend(q, kc, vc, meta, head_dim ** -0.5))
+            row[label] = {"ms": round(seconds * 1e3, 4),
+                          "kv_GBps": round(kv_bytes / seconds / 1e9, 1),
+                          "share_of_copy_bandwidth": round(kv_bytes / seconds / bandwidth, 3)}
+        out[name] = row
+        del kc, vc
+    return out
+
+
+def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
+    """max_num_batched_tokens 8192 by default: a GPU's prefill wants large chunks (vLLM's offline
+    default on an H100 is larger still)."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    device = {"device": "cuda"}
+    if eager:
+        device.update(attention_backend="torch", cuda_graphs=False)
+    model = {"path": str(args.model), "load_format": "dummy",
+             **({"max_model_len": max_model_len} if max_model_len else {})}
+    return Engine.from_config(EngineConfig(model=model, device=device,
+                                           scheduler={"max_num_seqs": max_num_seqs,
+                                                      "max_num_batched_tokens":
+                                                          args.max_num_batched_tokens}))
+
+
+def _card() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def roofline(args) -> dict:
+    import torch
+
+    from batchinfer.engine.request import SamplingParams
+
+    bandwidth = copy_bandwidth()
+    engine = _engine(args, args.eager, args.seqs, max_model_len=4096)
+    arch = engine.replicas[0].executor.model.arch
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 30000, (args.prompt,), generator=gen).tolist()
+               for _ in range(args.seqs)]
+    params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params)            # warm-up: kernels compiled, graphs captured
+    engine.drain_step_events()
+    engine.generate(prompts, params)
+    events = engine.drain_step_events()
+    decode = [e for e in events if e["num_prefill_tokens"] == 0 and e["num_decode_tokens"] == args.seqs]
+    dtype_bytes = 2
+    embed = arch.vocab_size * arch.hidden_size
+    weight_bytes = (arch.num_params() - embed) * dtype_bytes
+    kv_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
+    ratios, steps = [], []
+    for j, e in enumerate(decode):
+        context = args.prompt + j + 1
+        bound = (weight_bytes + args.seqs * context * kv_token) / bandwidth
+        ratios.append(bound / e["dur"])
+        steps.append(e["dur"])
+    return {"card": _card(), "model": str(args.model), "sequences": args.seqs,
+            "prompt": args.prompt, "new_tokens": args.new, "eager": args.eager,
+            "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+            "attention_backend": engine.info["attention_backend"],
+            "cuda_graphs": engine.info["cuda_graphs"], "decode_steps": len(decode),
+            "median_step_ms": round(statistics.median(steps) * 1e3, 3) if steps else None,
+            "median_share_of_bound": round(statistics.median(ratios), 3) if ratios else None,
+            "weight_GB": round(weight_bytes / 1e9, 2)}
+
+
+def sharegpt(args) -> dict:
+    from batchinfer.engine.request import SamplingParams
+
+    rows = read_jsonl(sharegpt_path(args.workload))[:args.requests]
+    engine = _engine(args, args.eager, args.max_num_seqs)
+    engine.generate([r["prompt"] for r in rows[:8]], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.drain_step_events()
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+              for r in rows]
+    start = time.perf_counter()
+    outs = engine.generate([r["prompt"] for r in rows], params)
+    elapsed = time.perf_counter() - start
+    events = engine.drain_step_events()
+    n_out = sum(o.num_output_tokens for o in outs)
+    n_in = sum(o.num_prompt_tokens for o in outs)
+    graphs = engine.replicas[0].executor.graphs
+    return {"card": _card(), "model": str(args.model), "requests": len(outs), "eager": args.eager,
+            "attention_backend": engine.info["attention_backend"],
+            "cuda_graphs": engine.info["cuda_graphs"],
+            "kv_cache_GiB": round(engine.info["kv_cache_bytes"] / 2**30, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": n_out, "prompt_tokens": n_in,
+            "output_tok_per_s": round(n_out / elapsed, 1),
+            "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
+            "requests_per_s": round(len(outs) / elapsed, 2), "steps": len(events),
+            **({"graph_steps": graphs.steps, "graph_capture_s": round(graphs.capture_seconds, 2)}
+               if graphs else {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["kernel", "roofline", "sharegpt"])
+    ap.add_argument("--model", type=Path, help="a model directory (config.json is enough: dummy weights)")
+    ap.add_argument("--workload", type=Path, default=None, help="ShareGPT JSONL with max_tokens")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--eager", action="store_true",
+                    help="the torch attention path without CUDA graphs")
+    args = ap.parse_args()
+    emit({"kernel": kernel, "roofline": roofline, "sharegpt": sharegpt}[args.what](args))
+
+
+if __name__ == "__main__":
+    main()
