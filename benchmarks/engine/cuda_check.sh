@@ -86,22 +86,22 @@ run() {
     local sharegpt=(--workload "$GPU_DIR/sharegpt-2k.jsonl")
     local llama=examples/model-configs/llama-3.1-8b qwen=examples/model-configs/qwen2.5-7b
     if [[ " $parts " == *" kernel "* ]]; then
-        "${bench[@]}" kernel 2>&1 | tee "$out/kernel.json"
+        "${bench[@]}" kernel 2>&1 | tee "$out/kernel.json" || true
     fi
     if [[ " $parts " == *" smollm "* ]]; then
         for mode in default eager; do
             "${bench[@]}" sharegpt --model "$GPU_DIR/smollm2" "${sharegpt[@]}" --requests 600 \
-                $([ $mode = eager ] && echo --eager) 2>&1 | tee "$out/smollm_sharegpt_$mode.json"
+                $([ $mode = eager ] && echo --eager) 2>&1 | tee "$out/smollm_sharegpt_$mode.json" || true
         done
     fi
     if [[ " $parts " == *" w8b "* ]]; then
-        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/w8b.json"
+        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/w8b.json" || true
     fi
     if [[ " $parts " == *" roofline "* ]]; then
-        "${bench[@]}" roofline --model $llama 2>&1 | tee "$out/roofline_llama.json"
+        "${bench[@]}" roofline --model $llama 2>&1 | tee "$out/roofline_llama.json" || true
     fi
     if [[ " $parts " == *" qwen7b "* ]]; then
-        "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json"
+        "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json" || true
     fi
     if [[ " $parts " == *" profile "* ]]; then
         python3 benchmarks/engine/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
