@@ -83,7 +83,7 @@ run() {
             --requests 600 2>&1 | tee "$out/cuda_graph_bench.json"
     fi
     local bench=(python3 benchmarks/engine/gpu_engine_bench.py)
-    local sharegpt=(--workload "$GPU_DIR/sharegpt-2k.jsonl")
+    local sharegpt=(--workload "$GPU_DIR/sharegpt-2k.jsonl" --tokenizer "$GPU_DIR/smollm2")
     local llama=examples/model-configs/llama-3.1-8b qwen=examples/model-configs/qwen2.5-7b
     if [[ " $parts " == *" kernel "* ]]; then
         "${bench[@]}" kernel 2>&1 | tee "$out/kernel.json" || true
@@ -98,7 +98,7 @@ run() {
         "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/w8b.json" || true
     fi
     if [[ " $parts " == *" roofline "* ]]; then
-        "${bench[@]}" roofline --model $llama 2>&1 | tee "$out/roofline_llama.json" || true
+        "${bench[@]}" roofline --model $llama --tokenizer "$GPU_DIR/smollm2" 2>&1 | tee "$out/roofline_llama.json" || true
     fi
     if [[ " $parts " == *" qwen7b "* ]]; then
         "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json" || true

@@ -101,6 +101,7 @@ def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
     if eager:
         device.update(attention_backend="torch", cuda_graphs=False)
     model = {"path": str(args.model), "load_format": "dummy",
+             **({"tokenizer": str(args.tokenizer)} if args.tokenizer else {}),
              **({"max_model_len": max_model_len} if max_model_len else {})}
     return Engine.from_config(EngineConfig(model=model, device=device,
                                            scheduler={"max_num_seqs": max_num_seqs,
@@ -183,6 +184,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["kernel", "roofline", "sharegpt"])
     ap.add_argument("--model", type=Path, help="a model directory (config.json is enough: dummy weights)")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="model.tokenizer (a config-only folder: default the embedded one's)")
     ap.add_argument("--workload", type=Path, default=None, help="ShareGPT JSONL with max_tokens")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=512)
