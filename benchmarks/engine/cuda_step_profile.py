@@ -55,6 +55,7 @@ def main() -> None:
     ops = prof.key_averages()
     emit({
         "n": args.n, "elapsed_s_profiled": round(elapsed, 3),
+        "step_ms": [round(e["dur"] * 1e3, 1) for e in events],
         "step_forward_ms": [round(e["forward_s"] * 1e3, 1) for e in events],
         "step_sample_ms": [round(e["sample_s"] * 1e3, 1) for e in events],
         "top_device_ops": _top(ops, "self_device_time_total", args.top) if args.device == "cuda" else [],
