@@ -96,6 +96,20 @@ class NativeCPUAttention:
                                                     meta.query_start, meta.seq_lens, scale)
 
 
+def fused_ops_for(backend_name: str):
+    """The model's element-wise ops that go with an attention backend: the CPU's fused kernels
+    with native, the Triton ones with triton; None keeps TorchOps."""
+    if backend_name == "native":
+        from .model.ops import NativeOps
+
+        return NativeOps
+    if backend_name == "triton":
+        from .triton_ops import TritonOps
+
+        return TritonOps
+    return None
+
+
 def triton_available() -> str:
     """'' when the Triton kernel can run here, else why not."""
     try:

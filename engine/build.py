@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .attention import select_backend
+from .attention import fused_ops_for, select_backend
 from .config import EngineConfig, ModelConfig
 from .cpu_binding import bind_compute_threads, compute_threads
 from .cpu_dtype import DtypeChoice, resolve_cpu_dtype
@@ -20,7 +20,6 @@ from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
 from .model.loader import build_model, load_arch
-from .model.ops import NativeOps
 from .model.sources import resolve_model_dir
 from .sampler import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
@@ -175,8 +174,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
     backend = select_backend(config.device.attention_backend, device, dtype)
-    if backend.name == "native":
-        model.use_ops(NativeOps)
+    if fused_ops_for(backend.name) is not None:
+        model.use_ops(fused_ops_for(backend.name))
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
     graphs = None

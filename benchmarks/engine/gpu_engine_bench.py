@@ -87,7 +87,6 @@ def kernel(args) -> dict:
                           "kv_GBps": round(kv_bytes / seconds / 1e9, 1),
                           "share_of_copy_bandwidth": round(kv_bytes / seconds / bandwidth, 3)}
         out[name] = row
-        del kc, vc
     return out
 
 

@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
         return self.shard.num_kv_heads
 
     def use_ops(self, ops) -> None:
-        """TorchOps (portable) or NativeOps (fused CPU kernels)."""
+        """TorchOps (portable), NativeOps (fused CPU kernels) or TritonOps (fused CUDA kernels)."""
         self.ops = ops
 
     def tie_weights(self) -> None:

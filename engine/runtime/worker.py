@@ -207,11 +207,13 @@ class Worker:
                                         "attention_backend": self.backend.name, **ready_extra}))
 
     def use_native_ops(self) -> None:
-        """The native backend's fused ops for the current model (after every model build)."""
-        if self.backend.name == "native":
-            from ..model.ops import NativeOps
+        """The backend's fused ops (native or Triton) for the current model (after every model
+        build)."""
+        from ..attention import fused_ops_for
 
-            self.model.use_ops(NativeOps)
+        ops = fused_ops_for(self.backend.name)
+        if ops is not None:
+            self.model.use_ops(ops)
 
     # --- loop -----------------------------------------------------------------------------------
     def run(self) -> None:
