@@ -160,9 +160,15 @@ def _build_single_process(config: EngineConfig) -> Engine:
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed)
-    spec = KVCacheSpec.from_budget(kv_budget(config, arch, device, dtype_bytes), arch.num_layers,
-                                   config.cache.block_size, arch.num_kv_heads, arch.head_dim,
-                                   kv_bytes)
+    backend = select_backend(config.device.attention_backend, device, dtype)
+    if fused_ops_for(backend.name) is not None:
+        model.use_ops(fused_ops_for(backend.name))
+    if device.type == "cuda":
+        budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device)
+    else:
+        budget = kv_budget(config, arch, device, dtype_bytes)
+    spec = KVCacheSpec.from_budget(budget, arch.num_layers, config.cache.block_size,
+                                   arch.num_kv_heads, arch.head_dim, kv_bytes)
     if spec.capacity_tokens < max_model_len:
         raise ConfigError(
             f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
@@ -173,9 +179,6 @@ def _build_single_process(config: EngineConfig) -> Engine:
                                  prefix_caching=config.cache.enable_prefix_caching)
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
-    backend = select_backend(config.device.attention_backend, device, dtype)
-    if fused_ops_for(backend.name) is not None:
-        model.use_ops(fused_ops_for(backend.name))
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
     graphs = None
@@ -201,6 +204,25 @@ def _build_single_process(config: EngineConfig) -> Engine:
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
              info["kv_cache_bytes"] / GiB, max_model_len, spec.capacity_tokens / max_model_len)
     return Engine([Replica(scheduler, executor)], tokenizer, max_model_len, info["model_id"], info)
+
+
+def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_model_len: int,
+                   kv_dtype: torch.dtype, device: torch.device) -> int:
+    """As vLLM sizes it (gpu_memory.py): the card's memory x memory_utilization, less the weights,
+    a profiled step's peak and memory held elsewhere; refused with the numbers when max_model_len
+    tokens of KV don't fit."""
+    from .gpu_memory import kv_budget_on_gpu, measure
+
+    block = config.cache.block_size
+    memory = measure(model, backend, arch, config.scheduler.max_num_batched_tokens,
+                     config.scheduler.max_num_seqs, max_model_len, block, kv_dtype, device)
+    per_block = KVCacheSpec.from_budget(0, arch.num_layers, block, arch.num_kv_heads,
+                                        arch.head_dim, kv_dtype.itemsize).bytes_per_block
+    asked = config.cache.kv_cache_memory
+    return kv_budget_on_gpu(memory, config.cache.memory_utilization,
+                            None if asked is None else int(asked),
+                            -(-max_model_len // block) * per_block,
+                            f"max_model_len {max_model_len} tokens")
 
 
 def use_cuda_graphs(choice: Optional[bool], backend_name: str) -> bool:
