@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .host_to_device import copy_into
 from .kv_cache import BlockManager
 from .step_plan import StepPlan
 from .torch_attention import decode_attention, write_kv
@@ -183,8 +184,8 @@ class DecodeGraphs:
                 [p % bs for p in positions] + [0] * padding,
                 list(plan.seq_lens) + [1] * padding]
         tables = [t + [pad] * (width - len(t)) for t in plan.block_tables] + [[pad] * width] * padding
-        self._ints[:, :batch].copy_(torch.tensor(ints, dtype=torch.long), non_blocking=True)
-        self._tables[:batch, :width].copy_(torch.tensor(tables, dtype=torch.long), non_blocking=True)
+        copy_into(self._ints[:, :batch], torch.tensor(ints, dtype=torch.long))
+        copy_into(self._tables[:batch, :width], torch.tensor(tables, dtype=torch.long))
 
     def _padding_inputs(self, batch: int, width: int) -> None:
         """Every row a padding row: warm-up and capture write only the padding block."""

@@ -18,10 +18,16 @@ from typing import Optional
 
 import torch
 
+from .host_to_device import packed_to_device
 from .request import Sequence
 from .token_history import TokenHistory
 
 _MASK64 = (1 << 64) - 1
+# the dtype of each per-row column SamplingBatch holds
+ROW_DTYPES = {"temperature": torch.float32, "top_k": torch.long, "top_p": torch.float32,
+              "min_p": torch.float32, "uniform": torch.float64, "penalty_rows": torch.long,
+              "repetition": torch.float32, "frequency": torch.float32, "presence": torch.float32,
+              "rows": torch.long, "ids": torch.long}
 
 
 def uniform_draw(seed: int, position: int) -> float:
@@ -37,12 +43,14 @@ def uniform_draw(seed: int, position: int) -> float:
 class SamplingBatch:
     """Per-row tensors for one step, built from the sequences being sampled."""
 
-    temperature: torch.Tensor            # [B] float (0 for greedy rows)
+    # the five per-row tensors are None in an all-greedy batch from Sampler.prepare (argmax needs
+    # none of them: not building them saves the step five host-to-device copies)
+    temperature: Optional[torch.Tensor]  # [B] float (0 for greedy rows)
     all_greedy: bool
-    top_k: torch.Tensor                  # [B] long, 0 where disabled
-    top_p: torch.Tensor                  # [B] float
-    min_p: torch.Tensor                  # [B] float
-    uniform: torch.Tensor                # [B] float64 in (0, 1)
+    top_k: Optional[torch.Tensor]        # [B] long, 0 where disabled
+    top_p: Optional[torch.Tensor]        # [B] float
+    min_p: Optional[torch.Tensor]        # [B] float
+    uniform: Optional[torch.Tensor]      # [B] float64 in (0, 1)
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
@@ -55,6 +63,8 @@ class SamplingBatch:
     min_tokens_rows: Optional[list[int]]  # rows still under min_tokens
     min_tokens_stop_ids: Optional[list[list[int]]]
     max_logprobs: int                    # 0 when no row wants logprobs
+    top_k_max: Optional[int] = None      # the largest k over rows (vocab where off), from the host
+    min_tokens_index: Optional[tuple] = None  # (rows, token ids) tensors to mask, one index_put
 
 
 class Sampler:
@@ -83,13 +93,23 @@ class Sampler:
 
     # --- building the per-step batch ----------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The step's per-row tensors. On CUDA they travel in at most three copies (the rows'
+        numbers, the penalties' numbers, the token histories), pinned and non-blocking
+        (host_to_device.py), so preparing never waits for the GPU."""
         params = [s.request.sampling for s in seqs]
         dev = self.device
         greedy = [p.greedy for p in params]
         sampled = [i for i, g in enumerate(greedy) if not g]
-        uniform = [0.5] * len(seqs)
-        for i in sampled:
-            uniform[i] = uniform_draw(self._seed_of(seqs[i]), len(seqs[i].output_token_ids))
+        rows: dict = dict(temperature=None, top_k=None, top_p=None, min_p=None, uniform=None)
+        if sampled:
+            uniform = [0.5] * len(seqs)
+            for i in sampled:
+                uniform[i] = uniform_draw(self._seed_of(seqs[i]), len(seqs[i].output_token_ids))
+            rows = self._tensors({
+                "temperature": [0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                "top_k": [p.top_k if p.top_k_active else 0 for p in params],
+                "top_p": [p.top_p for p in params], "min_p": [p.min_p for p in params],
+                "uniform": uniform})
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         penalty_fields: dict = dict(penalty_rows=None, repetition=None, frequency=None,
                                     presence=None, prompt_tokens=None, output_tokens=None)
@@ -97,32 +117,43 @@ class Sampler:
             prompt_tokens, output_tokens = self._history.padded([seqs[i] for i in pen],
                                                                 self.vocab_size, dev)
             penalty_fields = dict(
-                penalty_rows=torch.tensor(pen, dtype=torch.long, device=dev),
-                repetition=torch.tensor([params[i].repetition_penalty for i in pen], device=dev),
-                frequency=torch.tensor([params[i].frequency_penalty for i in pen], device=dev),
-                presence=torch.tensor([params[i].presence_penalty for i in pen], device=dev),
+                **self._tensors({"penalty_rows": pen,
+                                 "repetition": [params[i].repetition_penalty for i in pen],
+                                 "frequency": [params[i].frequency_penalty for i in pen],
+                                 "presence": [params[i].presence_penalty for i in pen]}),
                 prompt_tokens=prompt_tokens, output_tokens=output_tokens,
             )
         under_min = [i for i, (s, p) in enumerate(zip(seqs, params))
                      if len(s.output_token_ids) < p.min_tokens]
+        stop_ids = [list(self.eos_token_ids) + list(params[i].stop_token_ids or [])
+                    for i in under_min]
+        min_index = None
+        if under_min:
+            masked = self._tensors({"rows": [r for r, ids in zip(under_min, stop_ids) for _ in ids],
+                                    "ids": [t for ids in stop_ids for t in ids]})
+            min_index = (masked["rows"], masked["ids"])
+        vocab = self.vocab_size
         return SamplingBatch(
-            temperature=torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                     dtype=torch.float32, device=dev),
+            **rows,
             all_greedy=not sampled,
-            top_k=torch.tensor([p.top_k if p.top_k_active else 0 for p in params], dtype=torch.long,
-                               device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-            uniform=torch.tensor(uniform, dtype=torch.float64, device=dev),
             use_top_k=any(params[i].top_k_active for i in sampled),
             use_top_p=any(params[i].top_p < 1.0 for i in sampled),
             use_min_p=any(params[i].min_p > 0.0 for i in sampled),
             **penalty_fields,
             min_tokens_rows=under_min or None,
-            min_tokens_stop_ids=[list(self.eos_token_ids) + list(params[i].stop_token_ids or [])
-                                 for i in under_min] if under_min else None,
+            min_tokens_stop_ids=stop_ids or None,
             max_logprobs=max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params) + 1,
+            top_k_max=max((min(max(p.top_k, 1), vocab) if p.top_k_active else vocab
+                           for p in params), default=vocab),
+            min_tokens_index=min_index,
         )
+
+    def _tensors(self, columns: dict[str, list]) -> dict[str, torch.Tensor]:
+        """Named per-row columns as tensors on the device, in ROW_DTYPES (one copy on CUDA)."""
+        dtypes = {name: ROW_DTYPES[name] for name in columns}
+        if self.device.type == "cuda":
+            return packed_to_device(columns, dtypes, self.device, carrier=torch.float64)
+        return {name: torch.tensor(values, dtype=dtypes[name]) for name, values in columns.items()}
 
     # --- the step -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch):
@@ -130,7 +161,9 @@ class Sampler:
         logprob_info = raw_logprobs(logits, batch.max_logprobs - 1) if batch.max_logprobs > 0 else None
         if batch.min_tokens_rows is not None or batch.penalty_rows is not None:
             logits = logits.clone()
-        if batch.min_tokens_rows is not None:
+        if batch.min_tokens_index is not None:
+            logits[batch.min_tokens_index] = float("-inf")
+        elif batch.min_tokens_rows is not None:
             for row, ids in zip(batch.min_tokens_rows, batch.min_tokens_stop_ids):
                 logits[row, ids] = float("-inf")
         if batch.penalty_rows is not None and self.native:
@@ -166,7 +199,7 @@ def sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         vocab = logits.shape[-1]
         top_k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
         scaled = apply_top_k_top_p(scaled, top_k if batch.use_top_k else None,
-                                   batch.top_p if batch.use_top_p else None)
+                                   batch.top_p if batch.use_top_p else None, batch.top_k_max)
     cdf = torch.softmax(scaled, dim=-1, dtype=torch.float64).cumsum(dim=-1)
     target = (batch.uniform * cdf[:, -1]).unsqueeze(1)
     drawn = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
@@ -199,12 +232,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+                      top_p: Optional[torch.Tensor], k_max: Optional[int] = None) -> torch.Tensor:
     """Keeps each row's top_k tokens, then its largest tokens while the kept mass before them is
-    below top_p. Tokens tied with the last kept value are kept."""
+    below top_p. Tokens tied with the last kept value are kept. k_max: the largest k, when the
+    caller knows it on the host (reading it from top_k would wait for the device)."""
     vocab = logits.shape[-1]
     if top_k is not None:
-        kth = logits.topk(int(top_k.clamp(1, vocab).max()), dim=-1).values
+        if k_max is None:
+            k_max = int(top_k.clamp(1, vocab).max())
+        kth = logits.topk(k_max, dim=-1).values
         threshold = kth.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     if top_p is not None:

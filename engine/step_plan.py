@@ -8,10 +8,12 @@ from the plan (`num_tokens` x hidden size), so no per-step metadata travels with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from .attention import METADATA_DTYPES, AttentionMetadata, metadata_lists
+from .host_to_device import packed_to_device
 from .kv_cache import BlockManager
 from .request import Request
 from .scheduler import MicroBatch
@@ -84,10 +86,20 @@ def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:
             "input_ids": plan.input_ids, "positions": positions, "logits_rows": rows}
 
 
-def model_inputs(plan: StepPlan, block_size: int, device: torch.device) -> ModelInputs:
+def model_inputs(plan: StepPlan, block_size: int, device: torch.device,
+                 packed: Optional[bool] = None) -> ModelInputs:
+    """The plan's tensors on `device`. packed (default: on CUDA): every field in one pinned,
+    non-blocking copy (host_to_device.py) instead of one host-stalling copy per field."""
     lists = input_lists(plan, block_size)
-    tensors = {name: torch.tensor(lists[name], dtype=dtype, device=device)
-               for name, dtype in INPUT_DTYPES.items()}
+    if packed if packed is not None else device.type == "cuda":
+        tables = lists["block_tables"]
+        width = len(tables[0]) if tables else 1
+        lists["block_tables"] = [block for row in tables for block in row]
+        tensors = packed_to_device({name: lists[name] for name in INPUT_DTYPES}, INPUT_DTYPES, device)
+        tensors["block_tables"] = tensors["block_tables"].view(len(tables), width)
+    else:
+        tensors = {name: torch.tensor(lists[name], dtype=dtype, device=device)
+                   for name, dtype in INPUT_DTYPES.items()}
     meta = AttentionMetadata(**{name: tensors[name] for name in METADATA_DTYPES},
                              query_lens_cpu=list(plan.query_lens),
                              seq_lens_cpu=list(plan.seq_lens))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .host_to_device import to_device
 from .request import Sequence
 
 
@@ -69,4 +70,5 @@ class TokenHistory:
         for i, row in enumerate(rows):
             prompt[i, :len(row.prompt)] = row.prompt
             output[i, :row.length] = row.output[:row.length]
-        return torch.from_numpy(prompt).to(device), torch.from_numpy(output).to(device)
+        return (to_device(torch.from_numpy(prompt), device),
+                to_device(torch.from_numpy(output), device))

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_to_device import to_device
 from .torch_attention import TorchAttention, write_kv
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def step_work(meta, group: int, device) -> StepWork:
     prefill = [(i, first) for i, q in enumerate(meta.query_lens_cpu) if q > 1
                for first in range(0, q, queries)]
     pairs = decode + prefill or [(0, 0)]
-    work = torch.tensor(pairs, dtype=torch.int32).to(device, non_blocking=True)
+    work = to_device(torch.tensor(pairs, dtype=torch.int32), device)
     meta.backend_plan = StepWork(work, len(decode), len(prefill))
     return meta.backend_plan
 

@@ -92,8 +92,21 @@ def test_greedy_rows_take_argmax_after_penalties_and_min_tokens_masks_eos():
     seqs = [_seq("a", SamplingParams(temperature=0)),
             _seq("b", SamplingParams(temperature=0, min_tokens=2)),
             _seq("c", SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(0,))]
-    tokens, _ = sampler.sample(logits, sampler.prepare(seqs))
+    batch = sampler.prepare(seqs)
+    # an all-greedy batch builds no per-row sampling tensors (on CUDA: no copies for them)
+    assert batch.all_greedy and batch.temperature is None and batch.uniform is None
+    assert [t.tolist() for t in batch.min_tokens_index] == [[1], [0]]
+    tokens, _ = sampler.sample(logits, batch)
     assert tokens.tolist() == [0, 4, 4]
+
+
+def test_the_largest_top_k_is_known_on_the_host():
+    sampler = Sampler(V, eos_token_ids=(0,), device=torch.device("cpu"))
+    seqs = [_seq("a", SamplingParams(temperature=1.0, top_k=3)),
+            _seq("b", SamplingParams(temperature=1.0, top_k=7))]
+    assert sampler.prepare(seqs).top_k_max == 7
+    seqs.append(_seq("c", SamplingParams(temperature=1.0)))      # top_k off: the whole vocabulary
+    assert sampler.prepare(seqs).top_k_max == V
 
 
 @pytest.mark.parametrize("native", [False, True])
