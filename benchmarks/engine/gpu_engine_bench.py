@@ -91,8 +91,8 @@ def kernel(args) -> dict:
 
 
 def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
-    """max_num_batched_tokens 8192 by default: a GPU's prefill wants large chunks (vLLM's offline
-    default on an H100 is larger still)."""
+    """Batching as vLLM's offline defaults on an H100 (1,024 sequences, 16,384 tokens a step),
+    unless --max-num-seqs / --max-num-batched-tokens say otherwise."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
 
@@ -187,8 +187,9 @@ def main() -> None:
                     help="model.tokenizer (a config-only folder: default the embedded one's)")
     ap.add_argument("--workload", type=Path, default=None, help="ShareGPT JSONL with max_tokens")
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # vLLM's V1 defaults for its offline LLM class on an H100 / H200 (engine arg_utils)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=512)
