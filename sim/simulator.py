@@ -155,7 +155,14 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     replicas = strategy.simulated_replicas(setup) if strategy is not None else None
     if replicas is None:
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
-        options = strategy.simulated_executor_options(layout) if strategy is not None else {}
+        # what the real engine's plain workers do (runtime/build.worker_extension); a strategy's
+        # own options (SiPipe's) come on top
+        options = {"structure_aware": config.parallel.stage_transport == "structured",
+                   "token_safe": strategy is not None and strategy.prepares_inputs_ahead()}
+        if strategy is not None:
+            options.update(strategy.simulated_executor_options(layout))
+        if config.parallel.stage_transport == "metadata":
+            options["structure_aware"] = False
         replicas = []
         for index in range(layout.dp):
             block_manager = BlockManager(num_blocks, config.cache.block_size)

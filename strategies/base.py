@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from batchinfer.engine.config import SchedulerConfig
 
@@ -53,6 +53,12 @@ class StrategyParams(BaseModel):
         None: the standard single- or multi-process engine."""
         return None
 
+    def prepares_inputs_ahead(self) -> bool:
+        """On the standard multi-process engine: each worker prepares a plan's inputs on its own
+        thread as soon as the plan arrives, one plan ahead of its forward
+        (engine/runtime/input_prep.py), instead of inline after the activations' receive."""
+        return False
+
     # --- the simulator and `batchinfer profile` ------------------------------------------------
     def simulated_replicas(self, sim) -> Optional[list]:
         """The simulator's replicas when the strategy models its own executor (sim: a
@@ -80,9 +86,15 @@ class BaselineStrategy(StrategyParams, SchedulerConfig):
     """vLLM-style continuous batching: policy sb (separate) or hb (hybrid chunked prefill)."""
 
     name: Literal["baseline"] = "baseline"
+    prepare_ahead: bool = Field(False, description="pipeline workers prepare each plan's inputs "
+                                "one plan ahead on a thread (the overlap SiPipe's token-safe "
+                                "execution and gLLM's runtime have; off: inline, as vLLM)")
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(**self.model_dump(exclude={"name"}))
+        return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))
+
+    def prepares_inputs_ahead(self) -> bool:
+        return self.prepare_ahead
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:

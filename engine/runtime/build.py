@@ -28,6 +28,7 @@ from .executor import PipelineExecutor
 from .layout import ParallelLayout, threads_per_rank
 from .pool import WorkerPool, start_fork_server
 from .shm_allreduce import group_buffers, resolve_mode
+from .worker_extension import WorkerExtension
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("batchinfer")
@@ -109,6 +110,31 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
                           "lower model.max_model_len")
 
 
+def worker_extension(config: EngineConfig) -> WorkerExtension:
+    """The plain workers' hooks for a strategy without its own: the stage transport of
+    parallel.stage_transport, inputs prepared ahead where the strategy asks for it."""
+    ext = WorkerExtension()
+    ext.structure_aware = config.parallel.stage_transport == "structured"
+    ext.token_safe_inputs = (config.strategy is not None
+                             and config.strategy.prepares_inputs_ahead())
+    return ext
+
+
+def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[dict],
+                    shared: Optional[WorkerExtension]) -> dict:
+    """rank -> WorkerSpec fields, each rank with its extension: the strategy's (one per rank in
+    rank_extra, or `shared` for all), else worker_extension(config). parallel.stage_transport
+    metadata holds for a strategy's own extension too."""
+    out = {r: dict((rank_extra or {}).get(r, {})) for r in range(world_size)}
+    for fields in out.values():
+        ext = fields.get("extension", shared)
+        if ext is None:
+            fields["extension"] = worker_extension(config)
+        elif config.parallel.stage_transport == "metadata":
+            ext.structure_aware = False
+    return out
+
+
 def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                   num_blocks: int, threads: int, rank_extra: Optional[dict] = None,
                   helpers: tuple = (), helper_names: tuple = (), **extra) -> WorkerPool:
@@ -116,6 +142,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
     rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
     extension = extra.get("extension")
     layouts = [layout, *(extension.extra_layouts() if extension is not None else ())]
+    rank_extra = rank_extensions(config, layout.world_size, rank_extra, extension)
     tp_buffers = group_buffers(layouts, setup.device.type, config.parallel.tp_all_reduce)
     specs = [WorkerSpec(
         rank=r, layout=layout, model_dir=str(setup.model_dir),
@@ -127,7 +154,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers, **extra,
-        **(rank_extra or {}).get(r, {}))
+        **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
     pool = WorkerPool([i.name for i in infos] + list(helper_names), {i.rank: {"replica": i.replica, "stage": i.stage,

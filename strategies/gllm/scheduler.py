@@ -52,12 +52,20 @@ class GLLMParams(StrategyParams):
     decode_throttling: bool = Field(True, description="#D = #RD / PP depth decodes per "
                                     "micro-batch (eq. 4); off: every idle decode")
     max_num_seqs: int = Field(1024, ge=1, description="most requests holding KV at once")
+    preemptive_metadata: bool = Field(True, description="the runtime's preemptive metadata "
+                                      "scheduling (§3.3 (3)): each worker prepares a micro-batch's "
+                                      "inputs as soon as its metadata arrives, overlapped with the "
+                                      "computation before it; off: inline after the activations' "
+                                      "receive")
 
     @model_validator(mode="after")
     def _min_below_max(self):
         if self.MinP > self.MaxP:
             raise ValueError(f"MinP ({self.MinP}) must not exceed MaxP ({self.MaxP})")
         return self
+
+    def prepares_inputs_ahead(self) -> bool:
+        return self.preemptive_metadata
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(policy="hb", max_num_seqs=self.max_num_seqs,
