@@ -218,7 +218,8 @@ def model_section(args) -> dict:
 
 
 def warm_engine(workload: Optional[Path], n: int, policy: str = "hb", kv_cache_dtype: str = "auto",
-                model: Optional[dict] = None, device: str = "auto", cuda_graphs: bool = False,
+                model: Optional[dict] = None, device: str = "auto",
+                cuda_graphs: Optional[bool] = None,
                 max_tokens: int = 128):
     """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
     workload's n prompts (default workload: W_DECODE); `model` is the recipe's model section

@@ -119,23 +119,29 @@ def triton_available() -> str:
     return ""
 
 
-def select_backend(choice: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch=None,
+                   kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
     """auto: on CPU the native kernel with fp32 activations (dtype float32, or bfloat16: bf16
     weights, fp32 activations) when it builds, else torch; on CUDA the Triton paged kernel when
-    triton imports, else torch (one warning)."""
+    triton imports and takes the model (`arch`'s heads, the dtypes), else torch with one warning
+    that says why (for `triton` asked explicitly too)."""
     from .kernels import load_native_kernels
 
     if choice == "triton" and device.type != "cuda":
         raise ValueError("attention_backend 'triton' needs device cuda (on CPU: native or torch)")
     if choice in ("triton", "auto") and device.type == "cuda":
         missing = triton_available()
+        if not missing and arch is not None:
+            from .triton_attention import unsupported_reason
+
+            missing = unsupported_reason(arch.head_dim, arch.num_heads,
+                                         arch.num_kv_heads, dtype, kv_dtype or dtype)
         if not missing:
             from .triton_attention import TritonAttention
 
             return TritonAttention()
-        if choice == "triton":
-            raise RuntimeError(f"attention_backend 'triton': {missing}")
-        log.warning("CUDA attention falls back to the portable torch path: %s", missing)
+        log.warning("the Triton attention can't run (%s): CUDA attention takes the portable "
+                    "torch path", missing)
     native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if choice == "native" and not native_ok:
         raise ValueError("attention_backend 'native' needs device cpu and dtype float32 or bfloat16")

@@ -160,7 +160,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed)
-    backend = select_backend(config.device.attention_backend, device, dtype)
+    backend = select_backend(config.device.attention_backend, device, dtype, arch, kv_dtype)
     if fused_ops_for(backend.name) is not None:
         model.use_ops(fused_ops_for(backend.name))
     if device.type == "cuda":

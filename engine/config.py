@@ -56,8 +56,8 @@ class CacheConfig(_Strict):
         None, description="KV budget (bytes or e.g. '2GiB'); empty: auto from free memory")
     memory_utilization: float = Field(0.9, gt=0.0, le=1.0,
                                       description="CPU: share of free memory auto may take; "
-                                      "GPU: share of the card's whole memory this engine may use "
-                                      "(vLLM's gpu_memory_utilization)")
+                                      "GPU, one process: share of the card's whole memory this "
+                                      "engine may use (vLLM's gpu_memory_utilization)")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16"] = Field(
         "auto", description="how K and V are stored: auto = the model's dtype; bfloat16 / float16 "
         "halve the cache's bytes on an fp32 model (twice the tokens in the same memory, half the "

@@ -4,8 +4,10 @@ peak of a profiled forward over the largest step the scheduler can plan, and wha
 memory on the card (the CUDA context, other processes).
 
 The profiled step is `max_num_batched_tokens` prompt tokens (in sequences no longer than
-max_model_len) through the model over a small temporary KV cache, then the LM head and an fp32
-softmax over `max_num_seqs` rows (the sampler's working set). A model that leaves too little for
+max_model_len) through the model over a small temporary KV cache, then the LM head over
+`max_num_seqs` rows and the sampler's largest working set on them (a sort and a float64 softmax
+with its cumulative sum). The CUDA graphs' memory pool, captured later, is not counted: it comes
+out of the share memory_utilization leaves free. A model that leaves too little for
 max_model_len tokens of KV is refused before any request runs, with every number that went in.
 """
 from __future__ import annotations
@@ -47,6 +49,8 @@ def kv_budget_on_gpu(memory: GpuMemory, utilization: float, asked: Optional[int]
     utilization leaves. Raises ConfigError with the numbers when the KV can't hold `min_bytes`
     (max_model_len tokens, `what_min` says so) or `asked` does not fit."""
     room = memory.kv_budget(utilization)
+    log.info("GPU memory: %s leaves %.2f GiB for the KV cache", memory.describe(utilization),
+             max(room, 0) / GiB)
     if asked is not None:
         fits = memory.total - memory.weights - memory.activation_peak - memory.other
         if asked > fits:
@@ -93,7 +97,12 @@ def profile_step(model, backend, arch, max_tokens: int, max_seqs: int, max_model
         hidden, residual = model(ids, positions, kv, meta, backend)
         rows = torch.arange(max_seqs, device=device) % tokens
         logits = model.compute_logits(hidden[rows], None if residual is None else residual[rows])
-        torch.softmax(logits.float(), dim=-1)
+        # the sampler's largest working set (sampler.sample_torch with top-p: a penalised copy,
+        # the sorted values and their indices, a float64 softmax and its cumulative sum)
+        scaled = logits.float().clone()
+        ordered = scaled.sort(dim=-1, descending=True)
+        torch.softmax(scaled, dim=-1, dtype=torch.float64).cumsum(dim=-1)
+        del ordered
     del kv
     return spec.num_blocks * spec.bytes_per_block
 
@@ -112,6 +121,4 @@ def measure(model, backend, arch, max_tokens: int, max_seqs: int, max_model_len:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, total - free - torch.cuda.memory_reserved(device))
-    memory = GpuMemory(total=total, weights=weights, activation_peak=max(0, peak), other=other)
-    log.info("GPU memory: %s", memory.describe(1.0))
-    return memory
+    return GpuMemory(total=total, weights=weights, activation_peak=max(0, peak), other=other)

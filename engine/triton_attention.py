@@ -31,7 +31,8 @@ from .torch_attention import TorchAttention, write_kv
 log = logging.getLogger(__name__)
 
 QUERY_ROWS = 64          # rows (queries x heads of a kv group) a prefill program works on
-KEY_TILE = 64            # keys per iteration
+KEY_TILE = 64            # keys per iteration (half for rows over 256 bytes: fp32 heads of 128+,
+                         # whose K and V tiles would outgrow shared memory)
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -136,7 +137,8 @@ def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, 
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
         GROUP=group, QUERIES=queries, ROWS=rows, HEAD_DIM=head_dim,
-        DIM_P2=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE=KEY_TILE,
+        DIM_P2=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size,
+        TILE=KEY_TILE if head_dim * q.element_size() <= 256 else KEY_TILE // 2,
         FP32_DOT=q.dtype == torch.float32 or interpreting(),
         num_warps=4, num_stages=2)
 
@@ -164,21 +166,22 @@ def step_work(meta, group: int, device) -> StepWork:
     return meta.backend_plan
 
 
-def unsupported_reason(q: torch.Tensor, key_cache: torch.Tensor) -> str:
-    """Why the kernel can't take these tensors ('' when it can)."""
-    head_dim = q.shape[-1]
-    if q.dtype not in DTYPES or key_cache.dtype not in DTYPES:
-        return f"dtype {q.dtype} / K/V cache {key_cache.dtype} (the kernel takes fp32, bf16, fp16)"
+def unsupported_reason(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+                       kv_dtype: torch.dtype) -> str:
+    """Why the kernel can't take this model ('' when it can)."""
+    if dtype not in DTYPES or kv_dtype not in DTYPES:
+        return f"dtype {dtype} / K/V cache {kv_dtype} (the kernel takes fp32, bf16, fp16)"
     if head_dim > MAX_HEAD_DIM:
         return f"head size {head_dim} (the kernel takes up to {MAX_HEAD_DIM})"
-    if q.shape[1] % key_cache.shape[1]:
-        return f"{q.shape[1]} query heads over {key_cache.shape[1]} kv heads"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads over {num_kv_heads} kv heads"
     return ""
 
 
 class TritonAttention:
-    """The CUDA default: this module's kernel; shapes or dtypes it can't take go through the
-    portable torch path, with one warning that says why."""
+    """The CUDA default: this module's kernel. select_backend refuses it up front for a model it
+    can't take (attention.py); shapes or dtypes that still reach it go through the portable
+    torch path, with one warning that says why."""
 
     name = "triton"
     write_kv = staticmethod(write_kv)
@@ -188,7 +191,8 @@ class TritonAttention:
 
     def attend(self, q, key_cache, value_cache, meta, scale: float):
         if self._fallback is None:
-            reason = unsupported_reason(q, key_cache)
+            reason = unsupported_reason(q.shape[-1], q.shape[1], key_cache.shape[1], q.dtype,
+                                        key_cache.dtype)
             if reason:
                 log.warning("Triton paged attention can't take %s: using the portable torch path",
                             reason)

@@ -75,7 +75,8 @@ run() {
         for mode in graphs eager; do
             python3 benchmarks/engine/w_decode.py --device cuda "${model[@]}" --no-peer \
                 --workload "$GPU_DIR/w-decode.jsonl" --concurrency 128 256 512 --repeats 1 \
-                $([ $mode = graphs ] && echo --cuda-graphs) 2>&1 | tee "$out/w_decode_cuda_$mode.json"
+                --cuda-graphs $([ $mode = graphs ] && echo on || echo off) 2>&1 \
+                | tee "$out/w_decode_cuda_$mode.json"
         done
     fi
     if [[ " $parts " == *" sharegpt "* ]]; then
@@ -105,7 +106,7 @@ run() {
     fi
     if [[ " $parts " == *" profile "* ]]; then
         python3 benchmarks/engine/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
-            --n 512 --cuda-graphs > "$out/step_profile_cuda.json" 2>&1 || true
+            --n 512 --cuda-graphs on > "$out/step_profile_cuda.json" 2>&1 || true
     fi
 }
 

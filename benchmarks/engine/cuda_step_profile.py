@@ -4,7 +4,7 @@ Prints each step's forward time (the first steps mix prefill chunks with decodes
 decode-only) and the ops with the most self time on the GPU and on the host, so launch-bound
 steps (host time >> GPU time) show as such.
 
-    python benchmarks/engine/cuda_step_profile.py --model DIR --load-format dummy --n 512 [--cuda-graphs]
+    python benchmarks/engine/cuda_step_profile.py --model DIR --load-format dummy --n 512 [--cuda-graphs auto|on|off]
 
 Prints one JSON object.
 """
@@ -40,10 +40,12 @@ def main() -> None:
     add_model_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--cuda-graphs", action="store_true", help="device.cuda_graphs")
+    ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                    help="device.cuda_graphs (auto: the engine's default, on with Triton)")
     args = ap.parse_args()
     engine, prompts = warm_engine(args.workload, args.n, model=model_section(args), device=args.device,
-                                  cuda_graphs=args.cuda_graphs, max_tokens=args.max_tokens)
+                                  cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+                                  max_tokens=args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.drain_step_events()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])

@@ -50,9 +50,12 @@ from benchmarks.common import (  # noqa: E402
     model_section, run_json, vllm_offline_cmd, vllm_peer, w_decode_prompts, warm_engine)
 
 
+GRAPH_CHOICES = {"auto": None, "on": True, "off": False}   # --cuda-graphs -> device.cuda_graphs
+
+
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
              kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
-             cuda_graphs: bool = False) -> dict:
+             cuda_graphs: str = "auto") -> dict:
     """Runs inside a fresh process (see --worker)."""
     from benchmarks.engine.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
@@ -62,7 +65,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     import torch
 
     engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
-                                  cuda_graphs, max_tokens)
+                                  GRAPH_CHOICES[cuda_graphs], max_tokens)
     graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
     graph_steps = graphs.steps if graphs else 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -124,7 +127,7 @@ def _ours_cmd(args, n: int) -> list[str]:
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
             "--device", args.device, "--load-format", args.load_format, "--dtype", args.dtype,
-            *(["--cuda-graphs"] if args.cuda_graphs else []),
+            "--cuda-graphs", args.cuda_graphs,
             *(["--model", str(args.model)] if args.model else [])]
 
 
@@ -157,8 +160,9 @@ def main() -> None:
                     choices=sorted(PEER_CONFIGS), help="how the peer runs: its own CPU defaults "
                     "(dtype auto, compiled; ratio_vs_peer) and/or fp32 eager (ratio_vs_peer_fp32)")
     add_model_arguments(ap)
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="CUDA: replay decode steps from CUDA graphs (device.cuda_graphs)")
+    ap.add_argument("--cuda-graphs", choices=sorted(GRAPH_CHOICES), default="auto",
+                    help="CUDA: device.cuda_graphs (auto: the engine's default, on with the "
+                         "Triton attention)")
     add_vllm_arguments(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)

@@ -90,8 +90,9 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     dtype_choice = resolve_dtype(config.model.dtype, device, arch)
     dtype = dtype_choice.dtype
     log.info("dtype %s", dtype_choice.reason)
-    backend = select_backend(config.device.attention_backend, device, dtype)  # builds kernels once
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    backend = select_backend(config.device.attention_backend, device, dtype, arch,
+                             kv_dtype)  # builds kernels once
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
                       dtype_choice.reason)

@@ -171,7 +171,8 @@ class Worker:
         arch = load_arch(Path(spec.model_dir), spec.arch_overrides or None)
         self.dtype = dtype                   # an extension that builds its own partitions uses it
         self.kv_dtype = getattr(torch, spec.kv_dtype)  # ... and its KV buffer in this
-        self.backend = select_backend(spec.attention_backend, self.device, dtype)
+        self.backend = select_backend(spec.attention_backend, self.device, dtype, arch,
+                                      self.kv_dtype)
         if self.ext.build_partition(self, arch):
             ready_extra.update(self.ext.setup(self))
         else:

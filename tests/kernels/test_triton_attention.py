@@ -9,23 +9,17 @@ calling convention (static work list, padding rows on a reserved block).
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
+from tests.triton_interpreter import DEVICE  # first: the interpreter's setup
 from batchinfer.engine.attention import AttentionMetadata  # noqa: E402
 from batchinfer.engine.torch_attention import reference_attention  # noqa: E402
 from batchinfer.engine.triton_attention import (TritonAttention, launch,  # noqa: E402
                                                 queries_per_program, step_work)
 from tests.paged_cases import paged_case  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # (kept short: the interpreter's time grows with every program and key tile)
 MIXED = ([1, 1, 7, 40, 1, 33, 1, 90, 3], [1, 90, 7, 61, 17, 33, 130, 90, 9])
 # prefix-cached prompts: a short chunk over a long cached context, a chunk ending on a block edge
@@ -153,3 +147,22 @@ def test_the_engine_gives_the_torch_paths_tokens_through_the_kernel_and_its_grap
     executor.graphs = graphs
     assert greedy_tokens(engine, prompts, batched=True, max_new=4) == expected
     assert graphs.steps >= 2
+
+
+def test_cuda_takes_the_kernel_unless_the_model_is_one_it_cannot_take(caplog):
+    """Decided when the engine is built, so eager steps and CUDA graphs agree (no GPU needed:
+    choosing touches no device)."""
+    from types import SimpleNamespace
+
+    from batchinfer.engine.attention import select_backend
+
+    cuda = torch.device("cuda")
+    llama = SimpleNamespace(head_dim=128, num_heads=32, num_kv_heads=8)
+    assert select_backend("auto", cuda, torch.bfloat16, llama).name == "triton"
+    wide = SimpleNamespace(head_dim=320, num_heads=8, num_kv_heads=8)
+    with caplog.at_level(logging.WARNING, logger="batchinfer.engine.attention"):
+        assert select_backend("auto", cuda, torch.bfloat16, wide).name == "torch"
+        assert select_backend("triton", cuda, torch.bfloat16, wide).name == "torch"
+    assert [r.getMessage() for r in caplog.records][0].count("head size 320") == 1
+    with pytest.raises(ValueError, match="needs device cuda"):
+        select_backend("triton", torch.device("cpu"), torch.float32)

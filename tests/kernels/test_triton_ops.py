@@ -5,20 +5,13 @@ imported) on CPU tensors. fp32 within float rounding; bf16 within one bf16 round
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
+from tests.triton_interpreter import DEVICE  # first: the interpreter's setup
 from batchinfer.engine.model.ops import TorchOps  # noqa: E402
 from batchinfer.engine.triton_ops import TritonOps  # noqa: E402
 
-DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
