@@ -122,9 +122,9 @@ class ParallelConfig(_Strict):
                            "through shared memory, or gloo's all-reduce (loopback TCP, 0.6-2 ms "
                            "a call); NCCL on CUDA either way")
     stage_transport: Literal["structured", "metadata"] = Field(
-        "structured", description="activations between pipeline stages: structured (SiPipe's "
-                                  "structure-aware transmission: receives posted from the plan, "
-                                  "no per-transfer metadata) or metadata (a metadata message "
+        "structured", description="activations between pipeline stages: structured (structure-"
+                                  "aware transmission: receives posted from the plan, no "
+                                  "per-transfer metadata) or metadata (a metadata message "
                                   "before each transfer and a blocking receive, as vLLM's "
                                   "send_tensor_dict)")
     threads_per_rank: Optional[int] = Field(
