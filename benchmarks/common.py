@@ -241,6 +241,21 @@ def warm_engine(workload: Optional[Path], n: int, policy: str = "hb", kv_cache_d
     return engine, prompts
 
 
+def timed_generate(engine, rows: list[dict]) -> tuple[list, float, int, int]:
+    """Every row's prompt with its own max_tokens (greedy, ignore_eos), all submitted at once and
+    timed as `vllm bench throughput` times them. -> (outputs, seconds, prompt tokens, output
+    tokens)"""
+    from batchinfer.engine.request import SamplingParams
+
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+              for r in rows]
+    start = time.perf_counter()
+    outs = engine.generate([r["prompt"] for r in rows], params)
+    elapsed = time.perf_counter() - start
+    return (outs, elapsed, sum(o.num_prompt_tokens for o in outs),
+            sum(o.num_output_tokens for o in outs))
+
+
 def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
     """K and V of one token over all layers, in the cache's element type."""
     import torch

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
-from benchmarks.common import emit, read_jsonl, sharegpt_path  # noqa: E402
+from benchmarks.common import emit, read_jsonl, sharegpt_path, timed_generate  # noqa: E402
 
 HEADS = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 
@@ -158,14 +157,8 @@ def sharegpt(args) -> dict:
     engine = _engine(args, args.eager, args.max_num_seqs)
     engine.generate([r["prompt"] for r in rows[:8]], SamplingParams(max_tokens=4, temperature=0.0))
     engine.drain_step_events()
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
-              for r in rows]
-    start = time.perf_counter()
-    outs = engine.generate([r["prompt"] for r in rows], params)
-    elapsed = time.perf_counter() - start
+    outs, elapsed, n_in, n_out = timed_generate(engine, rows)
     events = engine.drain_step_events()
-    n_out = sum(o.num_output_tokens for o in outs)
-    n_in = sum(o.num_prompt_tokens for o in outs)
     graphs = engine.replicas[0].executor.graphs
     return {"card": _card(), "model": str(args.model), "requests": len(outs), "eager": args.eager,
             "attention_backend": engine.info["attention_backend"],

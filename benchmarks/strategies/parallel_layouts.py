@@ -19,11 +19,10 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
-from benchmarks.common import emit, sharegpt_path, sharegpt_rows  # noqa: E402
+from benchmarks.common import emit, sharegpt_path, sharegpt_rows, timed_generate  # noqa: E402
 
 DUMMY_TP = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
 
@@ -52,14 +51,8 @@ def run_config(name: str, n: int, pp_layers: list[int] | None = None) -> dict:
     rows = sharegpt_rows()[:n]
     with Engine.from_config(EngineConfig(**sections)) as engine:
         engine.generate(["warm-up"], SamplingParams(max_tokens=2, temperature=0))
-        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
-                  for r in rows]
-        start = time.perf_counter()
-        outs = engine.generate([r["prompt"] for r in rows], params)
-        elapsed = time.perf_counter() - start
+        outs, elapsed, n_in, n_out = timed_generate(engine, rows)
         stats = engine.stats()
-    n_in = sum(o.num_prompt_tokens for o in outs)
-    n_out = sum(o.num_output_tokens for o in outs)
     pipeline = stats.get("pipeline") or {}
     return {"config": name, "layers_per_stage": engine.info.get("layers_per_stage"),
             "requests": len(outs), "elapsed_s": round(elapsed, 2),
