@@ -161,8 +161,9 @@ def _build_single_process(config: EngineConfig) -> Engine:
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed)
     backend = select_backend(config.device.attention_backend, device, dtype, arch, kv_dtype)
-    if fused_ops_for(backend.name) is not None:
-        model.use_ops(fused_ops_for(backend.name))
+    fused_ops = fused_ops_for(backend.name)
+    if fused_ops is not None:
+        model.use_ops(fused_ops)
     if device.type == "cuda":
         budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device)
     else:
@@ -216,12 +217,11 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
     block = config.cache.block_size
     memory = measure(model, backend, arch, config.scheduler.max_num_batched_tokens,
                      config.scheduler.max_num_seqs, max_model_len, block, kv_dtype, device)
-    per_block = KVCacheSpec.from_budget(0, arch.num_layers, block, arch.num_kv_heads,
-                                        arch.head_dim, kv_dtype.itemsize).bytes_per_block
     asked = config.cache.kv_cache_memory
     return kv_budget_on_gpu(memory, config.cache.memory_utilization,
                             None if asked is None else int(asked),
-                            -(-max_model_len // block) * per_block,
+                            -(-max_model_len // block) * block * arch.kv_bytes_per_token(
+                                kv_dtype.itemsize),
                             f"max_model_len {max_model_len} tokens")
 
 

@@ -14,6 +14,7 @@ On CPU these are plain tensors.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -65,9 +66,14 @@ def copy_into(dest: torch.Tensor, cpu: torch.Tensor) -> None:
 
 
 def packed_to_device(parts: dict[str, list], dtypes: dict[str, torch.dtype],
-                     device: torch.device, carrier: torch.dtype = torch.int64) -> dict[str, torch.Tensor]:
-    """Several host lists in one copy: concatenated into one `carrier` tensor, moved with
-    to_device, split into views and cast to each part's dtype on the device."""
+                     device: torch.device, carrier: torch.dtype = torch.int64,
+                     one_copy: Optional[bool] = None) -> dict[str, torch.Tensor]:
+    """Several host lists as tensors on `device`. one_copy (default: on CUDA): concatenated into
+    one `carrier` tensor, moved with to_device, split into views and cast to each part's dtype
+    on the device; else one plain tensor per part (on CPU there is no copy to save)."""
+    if not (one_copy if one_copy is not None else torch.device(device).type == "cuda"):
+        return {name: torch.tensor(values, dtype=dtypes[name], device=device)
+                for name, values in parts.items()}
     flat: list = []
     bounds = []
     for name in parts:

@@ -93,9 +93,10 @@ class Sampler:
 
     # --- building the per-step batch ----------------------------------------------------------
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The step's per-row tensors. On CUDA they travel in at most three copies (the rows'
-        numbers, the penalties' numbers, the token histories), pinned and non-blocking
-        (host_to_device.py), so preparing never waits for the GPU."""
+        """The step's per-row tensors. On CUDA each group travels in one pinned, non-blocking copy
+        (host_to_device.py): the rows' numbers (none for an all-greedy batch), the penalties'
+        numbers and their two token histories, the min_tokens masks; preparing never waits for
+        the GPU."""
         params = [s.request.sampling for s in seqs]
         dev = self.device
         greedy = [p.greedy for p in params]
@@ -150,10 +151,7 @@ class Sampler:
 
     def _tensors(self, columns: dict[str, list]) -> dict[str, torch.Tensor]:
         """Named per-row columns as tensors on the device, in ROW_DTYPES (one copy on CUDA)."""
-        dtypes = {name: ROW_DTYPES[name] for name in columns}
-        if self.device.type == "cuda":
-            return packed_to_device(columns, dtypes, self.device, carrier=torch.float64)
-        return {name: torch.tensor(values, dtype=dtypes[name]) for name, values in columns.items()}
+        return packed_to_device(columns, ROW_DTYPES, self.device, carrier=torch.float64)
 
     # --- the step -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch):

@@ -91,15 +91,12 @@ def model_inputs(plan: StepPlan, block_size: int, device: torch.device,
     """The plan's tensors on `device`. packed (default: on CUDA): every field in one pinned,
     non-blocking copy (host_to_device.py) instead of one host-stalling copy per field."""
     lists = input_lists(plan, block_size)
-    if packed if packed is not None else device.type == "cuda":
-        tables = lists["block_tables"]
-        width = len(tables[0]) if tables else 1
-        lists["block_tables"] = [block for row in tables for block in row]
-        tensors = packed_to_device({name: lists[name] for name in INPUT_DTYPES}, INPUT_DTYPES, device)
-        tensors["block_tables"] = tensors["block_tables"].view(len(tables), width)
-    else:
-        tensors = {name: torch.tensor(lists[name], dtype=dtype, device=device)
-                   for name, dtype in INPUT_DTYPES.items()}
+    tables = lists["block_tables"]
+    width = len(tables[0]) if tables else 1
+    lists["block_tables"] = [block for row in tables for block in row]
+    tensors = packed_to_device({name: lists[name] for name in INPUT_DTYPES}, INPUT_DTYPES, device,
+                               one_copy=packed)
+    tensors["block_tables"] = tensors["block_tables"].view(len(tables), width)
     meta = AttentionMetadata(**{name: tensors[name] for name in METADATA_DTYPES},
                              query_lens_cpu=list(plan.query_lens),
                              seq_lens_cpu=list(plan.seq_lens))

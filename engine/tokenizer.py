@@ -90,7 +90,7 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
         model_dir, model_id = resolve_model_dir(model_cfg.path)
     source = Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else Path(model_dir)
     if not model_cfg.tokenizer and model_cfg.load_format == "dummy" and not _has_tokenizer(source):
-        source = _embedded_tokenizer_dir()
+        source = resolve_model_dir(None)[0]
         log.warning("%s has no tokenizer files: the dummy model tokenizes with the embedded "
                     "SmolLM2 tokenizer (set model.tokenizer to use another)", model_dir)
     try:
@@ -104,12 +104,6 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
 def _has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in
                                    ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-
-
-def _embedded_tokenizer_dir() -> Path:
-    from .model.sources import default_model_gguf, gguf_to_hf_dir
-
-    return Path(gguf_to_hf_dir(default_model_gguf()))
 
 
 def _version(source: Path) -> tuple:

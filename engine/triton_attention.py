@@ -104,10 +104,10 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def interpreting() -> bool:
-    """Triton's CPU interpreter (the tests): its tl.dot misreads bf16 operands, so products are
-    taken in fp32 there; on a GPU a bf16 / fp16 model multiplies in its own dtype."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's CPU interpreter (the tests; read once: it must be set before triton is imported): its
+# tl.dot misreads bf16 operands, so products are taken in fp32 there; on a GPU a bf16 / fp16
+# model multiplies in its own dtype
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -139,7 +139,7 @@ def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, 
         GROUP=group, QUERIES=queries, ROWS=rows, HEAD_DIM=head_dim,
         DIM_P2=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size,
         TILE=KEY_TILE if head_dim * q.element_size() <= 256 else KEY_TILE // 2,
-        FP32_DOT=q.dtype == torch.float32 or interpreting(),
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
         num_warps=4, num_stages=2)
 
 

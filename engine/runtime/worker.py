@@ -188,7 +188,7 @@ class Worker:
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
                                      seed=spec.seed, tp_group=tp_group,
                                      pack=self.ext.pack_linears)
-            self.use_native_ops()
+            self.use_fused_ops()
             ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
             layers = self.model.partition.layer_end - self.model.partition.layer_start
             kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
@@ -207,7 +207,7 @@ class Worker:
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
                                         "attention_backend": self.backend.name, **ready_extra}))
 
-    def use_native_ops(self) -> None:
+    def use_fused_ops(self) -> None:
         """The backend's fused ops (native or Triton) for the current model (after every model
         build)."""
         from ..attention import fused_ops_for

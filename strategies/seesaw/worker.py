@@ -33,7 +33,7 @@ class SeesawWorker(WorkerExtension):
 
     def _enter(self, worker, name: str) -> None:
         layout, worker.model, worker.kv_caches = self.switcher.enter(name)
-        worker.use_native_ops()
+        worker.use_fused_ops()
         worker.set_roles(layout)
 
     def message(self, worker, message: tuple, pending) -> bool:

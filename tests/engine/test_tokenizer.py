@@ -52,3 +52,16 @@ def test_a_tokenizer_is_loaded_once_per_version(tmp_path, default_model_dir):
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))   # a new version
     assert load_tokenizer(ModelConfig(), model_dir=source, model_id="m").hf is not first
+
+
+def test_a_config_only_folder_with_dummy_weights_takes_the_embedded_tokenizer(caplog):
+    """examples/model-configs/ hold a config.json alone: real shapes, random weights."""
+    import logging
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "examples/model-configs/llama-3.1-8b"
+    with caplog.at_level(logging.WARNING, logger="batchinfer.engine.tokenizer"):
+        tok = load_tokenizer(ModelConfig(path=str(folder), load_format="dummy"))
+    assert tok.encode("hello world") and "embedded" in caplog.text
+    with pytest.raises(Exception, match="cannot load a tokenizer"):
+        load_tokenizer(ModelConfig(path=str(folder)))       # real weights need their tokenizer
