@@ -20,7 +20,7 @@ from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
 from .model.loader import build_model, load_arch
-from .model.sources import resolve_model_dir
+from .model.sources import model_id_for, resolve_model_dir
 from .sampler import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -148,7 +148,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
     source = model_source(config.model)
-    model_dir, model_id, arch = source.model_dir, source.model_id, source.arch
+    model_dir, arch = source.model_dir, source.arch
     max_model_len, tokenizer = source.max_model_len, source.tokenizer
     dtype_choice = resolve_dtype(config.model.dtype, device, arch)
     dtype = dtype_choice.dtype
@@ -189,7 +189,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
                               triton_attention=backend.name == "triton")
     executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
-        "model_id": model_id + (" [dummy weights]" if dummy else ""),
+        "model_id": model_id_for(config.model.path, dummy),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "dtype_reason": dtype_choice.reason,
         "attention_backend": backend.name, "vocab_size": arch.vocab_size,

@@ -194,9 +194,13 @@ PREDICTORS: dict[str, Callable[[Any, Optional[str]], LengthPredictor]] = {
 
 
 def _bert(cfg: Any, device: Optional[str]) -> LengthPredictor:
+    return bert_from_dir(cfg, Path(cfg.path), device)
+
+
+def bert_from_dir(cfg: Any, path: Path, device: Optional[str]) -> LengthPredictor:
     from .bert import BertLengthPredictor
 
-    return BertLengthPredictor.load(Path(cfg.path), device=device, batch_size=cfg.batch_size,
+    return BertLengthPredictor.load(path, device=device, batch_size=cfg.batch_size,
                                     oracle_field=cfg.oracle_field)
 
 

@@ -89,6 +89,7 @@ class Job:
         self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
+        self.predictor_choice: Optional[dict] = None   # what predictor: auto picked, and why
         self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
@@ -222,12 +223,24 @@ class Job:
     def _build_predictor(self):
         """The recipe's length predictor; none needs no prediction pass at all."""
         cfg = self.recipe.predictor
+        device = self.recipe.device.device
+        device = None if device == "auto" else device
+        if cfg.name == "auto":
+            from batchinfer.engine.model.sources import model_id_for
+            from batchinfer.predictors.auto import choose_predictor
+
+            model = self.recipe.model
+            predictor, choice = choose_predictor(
+                cfg, model_id_for(model.path, model.load_format == "dummy"),
+                Path(self.spec.output_dir).parent, device,
+                self.recipe.strategy.reads_length_forecasts())
+            self.predictor_choice = choice.to_json()
+            return predictor
         if cfg.name == "none":
             return None
         from batchinfer.predictors import make_predictor
 
-        device = self.recipe.device.device
-        return make_predictor(cfg, device=None if device == "auto" else device)
+        return make_predictor(cfg, device=device)
 
     # --- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> bool:
@@ -455,6 +468,7 @@ class Job:
             "engine": {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
                        if k in stats},
             "strategy": self.recipe.strategy.model_dump(mode="json"),
+            "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "shard": _shard_dict(self.spec.shard),
         }
 

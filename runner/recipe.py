@@ -49,12 +49,16 @@ def strategy_class(name: Any) -> type[StrategyParams]:
 class PredictorConfig(_Strict):
     """Output-length predictor (arXiv:2506.10470 §3.3) and the history every run writes to train it."""
 
-    name: Literal["none", "mean", "oracle", "bert"] = Field(
-        "none", description="none: each request's max_tokens; mean: a history's mean; oracle: "
-        "the true length from the input line; bert: a trained BERT length classifier")
+    name: Literal["auto", "none", "mean", "oracle", "bert"] = Field(
+        "auto", description="auto: for a strategy that reads forecasts, a BERT predictor trained "
+        "on this model's own run history, else the one shipped for it, else the history's mean, "
+        "else max_tokens (predictors/auto.py; the report says which); none: each request's "
+        "max_tokens; mean: a history's mean; oracle: the true length from the input line; bert: "
+        "a trained BERT length classifier")
     path: Optional[str] = Field(None, validate_default=True, description="bert: a directory made "
                                 "by `batchinfer predictor train`; mean: that, or a run directory "
-                                "holding history.jsonl")
+                                "holding history.jsonl; auto: where earlier runs are (default: "
+                                "the directory holding this run's directory)")
     oracle_field: str = Field("max_tokens", description="oracle: where the input line holds the "
                               "true output length: max_tokens (a replayed trace sets it to the "
                               "recorded length, with ignore_eos) or metadata.<key>")
@@ -70,6 +74,11 @@ class PredictorConfig(_Strict):
         if "name" not in info.data:   # the name itself is wrong: that is the error to show
             return v
         name = info.data["name"]
+        if name == "auto":
+            if v is not None and not Path(v).is_dir():
+                raise ValueError(f"{v}: no such directory (auto learns from the run directories "
+                                 "there)")
+            return v
         if name not in ("bert", "mean"):
             if v is not None:
                 raise ValueError(f"only the bert and mean predictors read a path (name is {name})")

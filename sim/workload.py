@@ -4,8 +4,9 @@ from the recipe's predictor or from a history of earlier runs.
 Input lengths are the prompts' token counts as a run would see them (the reader, the chat
 template, the tokenizer). Output lengths, in order of preference: `--history` (earlier runs'
 history.jsonl: each request gets a length drawn from their output lengths, seeded, so the mix
-matches what the model really generated), else the recipe's predictor (none: each request's
-max_tokens, exact under ignore_eos and an upper bound otherwise; mean; oracle; bert). Every
+matches what the model really generated), else the recipe's predictor (auto: as a TD-Pipe run
+would pick it; none: each request's max_tokens, exact under ignore_eos and an upper bound
+otherwise; mean; oracle; bert). Every
 length is capped by max_tokens and by what max_model_len leaves after the prompt. Lines that would
 fail in a run (malformed, too long) are counted and left out.
 """
@@ -50,6 +51,26 @@ def _history_lengths(sources: list[Path]) -> list[int]:
     return lengths
 
 
+def _predictor(recipe):
+    """The recipe's predictor and how the profile names it; `auto` resolves as a run of a
+    strategy that reads forecasts would (every simulated strategy needs output lengths), over
+    the runs beside the recipe's run directory (default: runs/)."""
+    from batchinfer.predictors import make_predictor
+
+    cfg = recipe.predictor
+    if cfg.name != "auto":
+        return make_predictor(cfg, device="cpu"), f"predictor {cfg.name}"
+    from batchinfer.engine.model.sources import model_id_for
+    from batchinfer.predictors.auto import choose_predictor
+    from batchinfer.predictors.base import NonePredictor
+
+    runs_root = Path(recipe.io.output_dir).parent if recipe.io.output_dir else Path("runs")
+    predictor, choice = choose_predictor(
+        cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy"), runs_root,
+        "cpu", reads_forecasts=True)
+    return predictor or NonePredictor(cfg.oracle_field), f"predictor auto: {choice.reason}"
+
+
 def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
                   max_requests: Optional[int] = None, history: Optional[list[Path]] = None,
                   seed: int = 0) -> Workload:
@@ -80,11 +101,8 @@ def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
         lengths = [rng.choice(pool) for _ in requests]
         source = f"history ({len(pool)} records)"
     else:
-        from batchinfer.predictors import make_predictor
-
-        predictor = make_predictor(recipe.predictor, device="cpu")
+        predictor, source = _predictor(recipe)
         lengths = predictor.predict(requests) if requests else []
-        source = f"predictor {recipe.predictor.name}"
     out = []
     for request, length in zip(requests, lengths):
         room = max_model_len - len(request.prompt_token_ids)

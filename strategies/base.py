@@ -53,6 +53,11 @@ class StrategyParams(BaseModel):
         None: the standard single- or multi-process engine."""
         return None
 
+    def reads_length_forecasts(self) -> bool:
+        """Whether the scheduler uses each request's predicted output length; `predictor: auto`
+        builds a predictor only for strategies that do."""
+        return False
+
     def prepares_inputs_ahead(self) -> bool:
         """On the standard multi-process engine: each worker prepares a plan's inputs on its own
         thread as soon as the plan arrives, one plan ahead of its forward

@@ -154,6 +154,12 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "SOURCE").write_text(f"{gguf_path}\n")
 
 
+def model_id_for(path: Optional[str], dummy: bool = False) -> str:
+    """The id a model's outputs and history records carry, known before anything loads."""
+    base = DEFAULT_MODEL_ID if not path else str(Path(path).expanduser())
+    return base + (" [dummy weights]" if dummy else "")
+
+
 def resolve_model_dir(path: Optional[str]) -> tuple[Path, str]:
     """Model path from a recipe (None for the default) -> (HF-style directory, model id)."""
     if not path:

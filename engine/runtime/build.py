@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..kv_cache import BlockManager
 from ..model.fast_linear import linear_kernel_label
 from ..model.loader import load_arch
-from ..model.sources import resolve_model_dir
+from ..model.sources import model_id_for, resolve_model_dir
 from ..tokenizer import load_tokenizer
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, threads_per_rank
@@ -170,7 +170,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
-        "model_id": setup.model_id + (" [dummy weights]" if dummy else ""),
+        "model_id": model_id_for(config.model.path, dummy),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "dtype_reason": setup.dtype_reason, "attention_backend": setup.backend_name,
         "vocab_size": arch.vocab_size,

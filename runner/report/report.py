@@ -58,6 +58,14 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + [""]
 
 
+def _predictor_line(choice: Optional[dict]) -> list[str]:
+    """The length predictor the job used (for `auto`, which one and why)."""
+    if not choice:
+        return []
+    reason = f" ({choice['reason']})" if choice.get("reason") else ""
+    return [f"**Length predictor:** {choice.get('name')}{reason}  "]
+
+
 def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     s = report.get("session") or {}
     totals = report.get("totals") or {}
@@ -67,7 +75,8 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
             f"**Model:** {report.get('model', '–')}  ",
             *_compute_line(report.get("engine") or {}),
             f"**Input:** {report.get('input', '–')} ({report.get('input_format', '?')})  ",
-            f"**Strategy:** {_strategy_line(report.get('strategy'))}", ""]
+            f"**Strategy:** {_strategy_line(report.get('strategy'))}  ",
+            *_predictor_line(report.get("predictor")), ""]
     if report.get("shard"):
         out += [f"**Shard:** task {report['shard']['index']} of {report['shard']['count']}", ""]
 
@@ -265,7 +274,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         status = "interrupted"
     first = next(iter(present.values()), {})
     meta = {k: first.get(k) for k in ("batchinfer_version", "model", "input", "input_format",
-                                      "recipe", "strategy", "engine")}
+                                      "recipe", "strategy", "predictor", "engine")}
     session = {
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
         "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],

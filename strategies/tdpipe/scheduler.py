@@ -79,6 +79,9 @@ class TDPipeParams(StrategyParams):
         return SchedulerConfig(policy="sb", max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens)
 
+    def reads_length_forecasts(self) -> bool:
+        return self.greedy_prefill     # Approach 1 is the one that reads the predictor
+
     def make_scheduler(self, block_manager: BlockManager, max_model_len: int,
                        pipeline_depth: int) -> "TDPipeScheduler":
         return TDPipeScheduler(block_manager, self, max_model_len, pipeline_depth)

@@ -353,14 +353,14 @@ def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):
 
 
 def test_shipped_predictor_tells_short_answers_from_long_ones():
-    """examples/length_predictor, trained on examples/predictor_history (SmolLM2's own replies to
+    """predictors/shipped/smollm2-135m-instruct, trained on examples/predictor_history (SmolLM2's own replies to
     examples/predictor_prompts.jsonl), loads offline and ranks unseen prompts sensibly."""
     repo = Path(__file__).resolve().parents[2]
-    card = json.loads((repo / "examples" / "length_predictor" / "predictor.json").read_text())
+    card = json.loads((repo / "predictors" / "shipped" / "smollm2-135m-instruct" / "predictor.json").read_text())
     assert card["data"]["records"] == 3000
     assert card["data"]["sources"] == ["examples/predictor_history"]
     predictor = make_predictor(Recipe(predictor={
-        "name": "bert", "path": str(repo / "examples" / "length_predictor")}).predictor)
+        "name": "bert", "path": str(repo / "predictors" / "shipped" / "smollm2-135m-instruct")}).predictor)
     short, long_ = predictor.predict([
         LengthQuery("What color is grass? Answer with one word.", max_tokens=512),
         LengthQuery("Write a detailed essay of at least five paragraphs about the history of "

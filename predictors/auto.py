@@ -1,0 +1,178 @@
+"""`predictor.name: auto` (the default): the best length predictor that exists for this job's model.
+
+TD-Pipe's prefill decisions run on forecasts, so a job whose strategy reads them gets, in order:
+1. a predictor trained from this model's own run history: the history.jsonl of the runs beside
+   this one (or under `predictor.path`) holding at least MIN_RECORDS records of the same model id
+   with prompt text. It is trained once (the frozen encoder plus the head, seconds for a few
+   thousand prompts) into the setup cache and reused until the history has grown by a quarter;
+2. a predictor shipped in the package for this model (predictors/shipped/*/predictor.json whose
+   card lists the model id): the embedded default model has one;
+3. with neither: the mean output length of whatever history there is, or else each request's
+   max_tokens (what `none` does).
+The choice and why are logged and recorded in the report (AutoChoice). A strategy that reads no
+forecast gets no predictor at all (nothing to pay for).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .base import PREDICTOR_CARD, LengthPredictor, MeanPredictor, PredictorError, bert_from_dir
+from .history import HISTORY, HistoryRecord, read_history
+
+log = logging.getLogger(__name__)
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+MAX_TRAIN_RECORDS = 4000     # the newest records a history-trained predictor learns from
+RETRAIN_GROWTH = 1.25        # a cached predictor is reused until the history is this much larger
+TRAIN_WAIT_S = 1800.0        # another job training the same predictor: wait this long at most
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `auto` picked for the job, as the report shows it."""
+
+    name: str                 # bert | mean | none
+    source: str               # shipped | history | max_tokens
+    reason: str
+    path: Optional[str] = None
+    history_records: int = 0
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[str],
+                     reads_forecasts: bool) -> tuple[Optional[LengthPredictor], AutoChoice]:
+    """The predictor `auto` resolves to (None: each request's max_tokens) and why."""
+    if not reads_forecasts:
+        return None, AutoChoice("none", "max_tokens", "the strategy reads no length forecast")
+    root = Path(cfg.path) if cfg.path else Path(runs_root)
+    records = model_history(root, model_id)
+    if len(records) >= min_records():
+        try:
+            path = trained_from_history(records, model_id, device)
+            predictor = bert_from_dir(cfg, path, device)
+        except (PredictorError, OSError, RuntimeError) as exc:
+            # a predictor is an optimisation: never fail the job over one
+            log.warning("length predictor (auto): could not train one from the history under "
+                        "%s (%s: %s); falling back", root, type(exc).__name__, exc)
+        else:
+            reason = (f"trained on this model's own history: "
+                      f"{min(len(records), MAX_TRAIN_RECORDS)} of {len(records)} records under "
+                      f"{root}")
+            log.info("length predictor (auto): bert %s (%s)", path, reason)
+            return predictor, AutoChoice("bert", "history", reason, str(path), len(records))
+    shipped = shipped_predictor(model_id)
+    if shipped is not None:
+        reason = (f"shipped for {model_id}" + (f" (this model's history has {len(records)} "
+                  f"records, fewer than the {min_records()} needed to train)" if records else ""))
+        log.info("length predictor (auto): bert %s (%s)", shipped, reason)
+        return (bert_from_dir(cfg, shipped, device),
+                AutoChoice("bert", "shipped", reason, str(shipped), len(records)))
+    if records:
+        mean = sum(r.output_tokens for r in records) / len(records)
+        reason = (f"no predictor for {model_id}: the mean output length ({mean:.1f} tokens) of "
+                  f"its {len(records)} history records under {root}; {min_records()} records "
+                  "train a BERT predictor")
+        log.warning("length predictor (auto): %s", reason)
+        return (MeanPredictor(mean, cfg.oracle_field, source=str(root)),
+                AutoChoice("mean", "history", reason, str(root), len(records)))
+    reason = (f"no predictor and no history for {model_id} under {root}: forecasting each "
+              "request's max_tokens; runs write history.jsonl, from which the next run of this "
+              "model learns")
+    log.warning("length predictor (auto): %s", reason)
+    return None, AutoChoice("none", "max_tokens", reason)
+
+
+def min_records() -> int:
+    from .train import MIN_RECORDS
+
+    return MIN_RECORDS
+
+
+def model_history(root: Path, model_id: str) -> list[HistoryRecord]:
+    """Records of `model_id` with prompt text in `root` itself (a run directory) or in the run
+    directories directly under it. Unreadable runs are skipped, never fatal."""
+    if not root.is_dir():
+        return []
+    runs = [root] if _has_history(root) else []
+    runs += sorted(p for p in root.iterdir() if p.is_dir() and _has_history(p))
+    if not runs:
+        return []
+    try:
+        data = read_history(runs, model=model_id, need_text=True)
+    except OSError as exc:
+        log.warning("length predictor (auto): cannot read the history under %s (%s)", root, exc)
+        return []
+    return data.records
+
+
+def _has_history(path: Path) -> bool:
+    return (path / HISTORY).is_file() or any(path.glob(f"part-*-of-*/{HISTORY}"))
+
+
+def shipped_predictor(model_id: str) -> Optional[Path]:
+    """The predictor shipped in the package whose card was trained on `model_id`'s outputs."""
+    import json
+
+    for card_path in sorted(SHIPPED_DIR.glob(f"*/{PREDICTOR_CARD}")):
+        try:
+            models = json.loads(card_path.read_text(encoding="utf-8"))["data"]["models"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if model_id in models:
+            return card_path.parent
+    return None
+
+
+def trained_from_history(records: list[HistoryRecord], model_id: str,
+                         device: Optional[str]) -> Path:
+    """A BERT predictor trained on the newest MAX_TRAIN_RECORDS `records`, from the setup cache
+    when one trained on at least 1 / RETRAIN_GROWTH as many records is there."""
+    from batchinfer.engine.setup_cache import build_once, cache_root
+
+    model_dir = cache_root() / "predictors" / _slug(model_id)
+    used = records[-MAX_TRAIN_RECORDS:]
+    cached = _cached(model_dir, len(records))
+    if cached is not None:
+        return cached
+    target = model_dir / f"n{len(records)}"
+
+    def build(staging: Path) -> None:
+        from .train import TrainConfig, train_predictor
+
+        log.info("length predictor (auto): training on %d history records of %s (once; cached "
+                 "in %s)", len(used), model_id, target)
+        train_predictor(used, staging, TrainConfig(device=device), sources=["auto"])
+        (staging / "history_records").write_text(f"{len(records)}\n", encoding="utf-8")
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    return build_once(target, build, what=f"training the length predictor of {model_id}",
+                      wait_timeout_s=TRAIN_WAIT_S,
+                      is_complete=lambda p: (p / PREDICTOR_CARD).is_file())
+
+
+def _cached(model_dir: Path, num_records: int) -> Optional[Path]:
+    """The newest cached predictor whose history is within RETRAIN_GROWTH of `num_records`."""
+    best = None
+    for path in model_dir.glob("n*"):
+        match = re.fullmatch(r"n(\d+)", path.name)
+        if match is None or not (path / PREDICTOR_CARD).is_file():
+            continue
+        trained = int(match.group(1))
+        if trained * RETRAIN_GROWTH >= num_records and trained <= num_records:
+            if best is None or trained > best[0]:
+                best = (trained, path)
+    return None if best is None else best[1]
+
+
+def _slug(model_id: str) -> str:
+    """A directory name per model id: readable, and unique by its hash."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_id.split(" [")[0]).name)[:48]
+    return f"{readable or 'model'}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
+
