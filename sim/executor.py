@@ -57,12 +57,13 @@ class SimulatedExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
                  tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
                  cpu_samplers: int = 0, structure_aware: bool = True, token_safe: bool = False,
-                 sampler_threads: int = 1):
+                 sampler_threads: int = 1, split_samples: bool = False):
         """register: on the clock (False for a pipeline another executor wraps, which
         reports its events for it). Every stage prepares its inputs (cost.input_prep_seconds)
         before its forward on the rank's thread. CPU sampling (arXiv:2506.22033): `cpu_samplers` > 0 samples
-        on that many CPU sampler lanes of `sampler_threads` cores each (micro-batch n on lane
-        n mod p) after the last stage's LM head, beside the next micro-batches' forwards;
+        on that many CPU sampler lanes of `sampler_threads` cores each after the last stage's LM
+        head, beside the next micro-batches' forwards: micro-batch n on lane n mod p, or with
+        `split_samples` its rows split as evenly as they go over every lane (the pool's);
         `structure_aware` False sends each hand-off's metadata first (two more messages) and
         blocks the sender until the receiver takes it; `token_safe` prepares each stage's inputs
         on a thread of its own, as the engine's worker does (engine/runtime/worker.py,
@@ -83,6 +84,7 @@ class SimulatedExecutor(Executor):
         self.cpu_samplers, self.structure_aware = cpu_samplers, structure_aware
         self._sampler_free_at = [0.0] * cpu_samplers
         self.token_safe, self.sampler_threads = token_safe, sampler_threads
+        self.split_samples = split_samples
         self._prep_free_at = [0.0] * self.pp
         self._last_take = [0.0] * self.pp        # when the latest forward took its inputs
         # (begin, end) of each stage's latest micro-batches on the worker's main thread
@@ -144,14 +146,27 @@ class SimulatedExecutor(Executor):
                 self._window = [start, end]
             t = end
         if on_cpu and shape.sample_rows:
-            lane = mb_id % self.cpu_samplers
-            start = max(t + self.cost.host_copy_seconds(shape.sample_rows * self.cost.logits_bytes),
-                        self._sampler_free_at[lane])
-            sample = self.cost.cpu_sample_seconds(shape.sample_rows, self.sampler_threads)
-            t = self._sampler_free_at[lane] = start + sample
+            t, sample = self._cpu_sample(mb_id, shape.sample_rows, t)
         t = self._last_done = max(t, self._last_done)        # results come back in order
         self._window[1] = max(self._window[1], t)
         self._in_flight.append(_InFlight(batch, mb_id, t, forward, sample))
+
+    def _cpu_sample(self, mb_id: int, rows: int, logits_at: float) -> tuple[float, float]:
+        """-> (when the micro-batch's tokens are sampled, the longest lane's sampling seconds)."""
+        ready = logits_at + self.cost.host_copy_seconds(rows * self.cost.logits_bytes)
+        lanes = self.cpu_samplers
+        if self.split_samples:
+            shares = [(lane, rows // lanes + (lane < rows % lanes)) for lane in range(lanes)]
+        else:
+            shares = [(mb_id % lanes, rows)]
+        done, longest = ready, 0.0
+        for lane, share in shares:
+            if share:
+                seconds = self.cost.cpu_sample_seconds(share, self.sampler_threads)
+                end = max(ready, self._sampler_free_at[lane]) + seconds
+                self._sampler_free_at[lane] = end
+                done, longest = max(done, end), max(longest, seconds)
+        return done, longest
 
     def _delivered(self, stage: int, planned: float) -> float:
         """When the stage's worker reads a plan sent at `planned`: then, or at the end of the

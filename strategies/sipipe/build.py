@@ -1,6 +1,6 @@
 """Assembles a SiPipe engine: the baseline's workers with SiPipe's worker switches, and (with CPU
-sampling) p sampler processes per replica wired to the last stage by shared-memory logits slots
-and pipes."""
+sampling) a pool of sampler processes per replica (sampler_pool.py) wired to the last stage by
+shared-memory logits slots and pipes."""
 from __future__ import annotations
 
 import logging
@@ -13,24 +13,25 @@ from batchinfer.engine.runtime.layout import ParallelLayout
 
 from .executor import SiPipeExecutor
 from .logits_channel import SamplerLink, allocate_slots
+from .sampler_pool import PoolLayout
 from .sampler_process import SamplerSpec, sampler_main
 from .worker import SiPipeWorker
 
 log = logging.getLogger("batchinfer")
 
 
-def _samplers(setup, layout: ParallelLayout, params, rank_extra: dict):
-    """Sampler specs for every replica, and each last-stage rank's link to its replica's."""
+def _samplers(setup, layout: ParallelLayout, pool: PoolLayout, threads: int, rank_extra: dict):
+    """Sampler specs for every replica, and each last-stage rank's link to its replica's pool."""
     ctx = mp.get_context("spawn")
-    vocab, capacity, p = setup.arch.vocab_size, params.max_num_seqs, layout.pp
+    vocab = setup.arch.vocab_size
     helpers, names, ranks, ends = [], [], {}, []
     for replica in range(layout.dp):
-        slots, consumed = allocate_slots(p, vocab, capacity)
+        slots, consumed = allocate_slots(pool, vocab, pool.slot_columns)
         last = [r for r in layout.replica_ranks(replica) if layout.info(r).stage == layout.pp - 1]
         writers: dict[int, list] = {r: [] for r in last}
         ranks[replica] = []
-        for index in range(p):
-            rank = layout.world_size + replica * p + index
+        for index in range(pool.samplers):
+            rank = layout.world_size + replica * pool.samplers + index
             readers = []
             for r in last:
                 read_end, write_end = ctx.Pipe(duplex=False)
@@ -38,15 +39,14 @@ def _samplers(setup, layout: ParallelLayout, params, rank_extra: dict):
                 writers[r].append(write_end)
                 ends += [read_end, write_end]
             helpers.append((sampler_main, SamplerSpec(
-                rank=rank, replica=replica, index=index, vocab_size=vocab, capacity=capacity,
+                rank=rank, replica=replica, index=index, pool=pool, vocab_size=vocab,
                 max_model_len=setup.max_model_len,
                 eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
-                threads=params.sampler_threads, slot=slots[index], consumed=consumed,
-                logits_conns=readers)))
+                threads=threads, slots=slots, consumed=consumed, logits_conns=readers)))
             names.append(f"sampler {index} of replica {replica}")
             ranks[replica].append(rank)
         for r in last:
-            rank_extra[r]["extension"].link = SamplerLink(slots, consumed, writers[r])
+            rank_extra[r]["extension"].link = SamplerLink(pool, slots, consumed, writers[r])
     return helpers, tuple(names), ranks, ends
 
 
@@ -56,9 +56,11 @@ def build_sipipe_engine(config, params) -> Engine:
     rank_extra = {r: {"extension": SiPipeWorker(params.token_safe_execution,
                                                 params.structure_aware_transmission)}
                   for r in range(layout.world_size)}
+    pool_layout = params.sampler_pool(layout.pp)
     helpers, names, sampler_ranks, ends = (), (), {}, []
     if params.cpu_sampling:
-        helpers, names, sampler_ranks, ends = _samplers(setup, layout, params, rank_extra)
+        helpers, names, sampler_ranks, ends = _samplers(setup, layout, pool_layout,
+                                                        params.sampler_threads, rank_extra)
     try:
         pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
                              rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names)
@@ -70,16 +72,22 @@ def build_sipipe_engine(config, params) -> Engine:
     def make_executor(replica: int, block_manager):
         if params.cpu_sampling:
             return SiPipeExecutor(pool, layout, replica, block_manager, timeout,
-                                  sampler_ranks[replica], params.max_num_seqs, config.model.seed)
+                                  sampler_ranks[replica], pool_layout, config.model.seed)
         return PipelineExecutor(pool, layout, replica, block_manager, timeout)
 
-    samplers = layout.pp if params.cpu_sampling else 0
+    samplers = pool_layout.samplers if params.cpu_sampling else 0
     info = {"sipipe": {"cpu_sampling": params.cpu_sampling, "samplers_per_replica": samplers,
-                       "sampler_columns": params.max_num_seqs,
+                       "split_columns": params.split_columns,
+                       "sampler_threads": params.sampler_threads,
+                       "sampler_columns": pool_layout.capacity,
+                       "sampler_state_replicas": pool_layout.replicas,
                        "token_safe_execution": params.token_safe_execution,
                        "structure_aware_transmission": params.structure_aware_transmission}}
-    log.info("SiPipe: CPU sampling %s (%d samplers per replica), token-safe execution %s, "
-             "structure-aware transmission %s", "on" if params.cpu_sampling else "off", samplers,
+    log.info("SiPipe: CPU sampling %s (%d samplers per replica, %s, %d threads each), "
+             "token-safe execution %s, structure-aware transmission %s",
+             "on" if params.cpu_sampling else "off", samplers,
+             "each micro-batch's columns split across them" if params.split_columns
+             else "one per micro-batch", params.sampler_threads,
              "on" if params.token_safe_execution else "off",
              "on" if params.structure_aware_transmission else "off")
     return assemble_engine(config, plan, make_executor, extra_info=info,

@@ -1,13 +1,16 @@
 """The logits path from the last pipeline stage to the CPU samplers (the paper's BIC-L).
 
-Each sampler replica has one logits slot: a float32 tensor in shared memory, made by the
-controller and mapped by the last stage's ranks and the sampler (torch shares it by file
-descriptor: no shared-memory name that two runs could collide on). The last stage computes the
-logits transposed straight into the slot, each tensor-parallel rank its own vocabulary rows, in
-the sampler's column order, then sends a few-byte descriptor down a pipe. One slot per replica is
-enough: micro-batch n + p (the slot's next user) is only scheduled once the controller has
-micro-batch n's tokens, which the sampler sends after it is done with the slot; `consumed` records
-that hand-over and the producer checks it before writing.
+There are p logits slots per engine replica, float32 tensors in shared memory made by the
+controller and mapped by the last stage's ranks and every sampler (torch shares them by file
+descriptor: no shared-memory name that two runs could collide on). Micro-batch n's logits go to
+slot n mod p: the last stage computes them transposed straight into the slot ([V, B], each
+tensor-parallel rank its own vocabulary rows, columns in the order the controller chose: the
+pool's shares side by side), then sends a few-byte descriptor to each sampler of the
+micro-batch, which reads its own columns in place (sampler_pool.py). p slots are enough:
+micro-batch n + p (the slot's next user) is only scheduled once the controller has all of
+micro-batch n's tokens, which each sampler sends after it is done with the slot; `consumed`
+(one entry per sampler state replica) records that hand-over and the producer checks it before
+writing.
 """
 from __future__ import annotations
 
@@ -15,22 +18,26 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampler_pool import PoolLayout
+
 
 @dataclass
 class SamplerLink:
-    """What a last-stage rank holds of its replica's samplers."""
+    """What a last-stage rank holds of its replica's sampler pool."""
 
-    slots: list            # per sampler: float32 [vocab_size * capacity], shared memory
-    consumed: torch.Tensor  # int64 [num_samplers], shared: the last micro-batch each sampled
+    pool: PoolLayout
+    slots: list            # per residue mod p: float32 [vocab_size * columns], shared memory
+    consumed: torch.Tensor  # int64 [pool.num_targets], shared: the last micro-batch each sampled
     conns: list            # per sampler: the write end of its logits pipe
 
 
-def allocate_slots(num_samplers: int, vocab_size: int, capacity: int):
+def allocate_slots(pool: PoolLayout, vocab_size: int, columns: int):
+    """pool.depth logits slots of vocab_size x columns, and the pool's `consumed` record."""
     import torch.multiprocessing  # noqa: F401  (registers the pickling of shared tensors)
 
-    slots = [torch.zeros(vocab_size * capacity, dtype=torch.float32).share_memory_()
-             for _ in range(num_samplers)]
-    consumed = torch.full((num_samplers,), -1, dtype=torch.long).share_memory_()
+    slots = [torch.zeros(vocab_size * columns, dtype=torch.float32).share_memory_()
+             for _ in range(pool.depth)]
+    consumed = torch.full((pool.num_targets,), -1, dtype=torch.long).share_memory_()
     return slots, consumed
 
 
@@ -40,27 +47,30 @@ def slot_view(slot: torch.Tensor, vocab_size: int, width: int) -> torch.Tensor:
 
 
 class LogitsProducer:
-    """Last-stage side: writes a micro-batch's logits into its sampler's slot and tells it."""
+    """Last-stage side: writes a micro-batch's logits into its slot and tells its samplers."""
 
     def __init__(self, link: SamplerLink, vocab_size: int, tp_rank: int):
         self.link, self.vocab_size, self.tp_rank = link, vocab_size, tp_rank
 
     def publish(self, model, plan, hidden, residual, logits_rows: torch.Tensor,
                 forward_s: float) -> None:
-        sampler, columns = plan.sampler, plan.sample_columns
-        num = len(self.link.slots)
-        if int(self.link.consumed[sampler]) < plan.mb_id - num:
-            raise RuntimeError(f"sampler {sampler} has not released its logits slot for "
-                               f"micro-batch {plan.mb_id - num}; micro-batch {plan.mb_id} "
-                               "would overwrite logits still being read")
+        link, columns = self.link, plan.sample_columns
+        shares = link.pool.shares_of(plan.mb_id)
+        previous = plan.mb_id - link.pool.depth            # the slot's last user
+        for sampler, replica in shares:
+            if int(link.consumed[link.pool.target(sampler, replica)]) < previous:
+                raise RuntimeError(f"sampler {sampler} has not released logits slot "
+                                   f"{plan.mb_id % link.pool.depth} for micro-batch {previous}; "
+                                   f"micro-batch {plan.mb_id} would overwrite logits still read")
         width = len(columns)
         if width:
             by_column = torch.empty(width, dtype=torch.long, device=logits_rows.device)
             by_column[torch.tensor(columns, device=logits_rows.device)] = logits_rows
             start = model.shard.vocab_start
-            out = slot_view(self.link.slots[sampler], self.vocab_size, width)
+            out = slot_view(link.slots[plan.mb_id % link.pool.depth], self.vocab_size, width)
             out = out[start:start + model.shard.vocab_rows]
             model.compute_logits_columns(hidden[by_column],
                                          residual[by_column] if residual is not None else None,
                                          out)
-        self.link.conns[sampler].send(("logits", plan.mb_id, self.tp_rank, forward_s))
+        for sampler, _ in shares:
+            link.conns[sampler].send(("logits", plan.mb_id, self.tp_rank, forward_s))

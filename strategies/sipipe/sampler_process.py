@@ -1,9 +1,11 @@
-"""A CPU sampler process: one replica of the column-wise sampling state (§5.1, §6).
+"""A CPU sampler process of SiPipe's pool: its state replicas of the column-wise sampling state
+(§5.1, §6).
 
-It takes two inputs and joins them by micro-batch id: the controller's step (which columns moved
-or joined; the paper's BIC-I) and, from every tensor-parallel rank of the last stage, a
-descriptor saying its rows of the logits are in the slot (BIC-L). It samples, marks the slot
-consumed and sends the tokens (in column order) to the controller (BIC-O). A separate process,
+It takes two inputs and joins them by micro-batch id: the controller's SamplerStep (which state
+replica, which columns moved or joined, where its share lies in the logits slot; the paper's
+BIC-I) and, from every tensor-parallel rank of the last stage, a descriptor saying its rows of
+the logits are in the slot (BIC-L). It samples its share, marks its replica's slot use consumed and
+sends the tokens (in column order) to the controller (its subslot of BIC-O). A separate process,
 not a thread: sampling is CPU work that must not share the workers' interpreter lock.
 """
 from __future__ import annotations
@@ -17,20 +19,21 @@ from multiprocessing.connection import wait
 import torch
 
 from .logits_channel import slot_view
+from .sampler_pool import PoolLayout, SamplerStep
 
 
 @dataclass
 class SamplerSpec:
     rank: int                   # index in the controller's process pool (after the workers)
     replica: int                # engine replica whose micro-batches it samples
-    index: int                  # which of the replica's samplers (micro-batch id mod count)
+    index: int                  # which sampler of the replica's pool
+    pool: PoolLayout
     vocab_size: int
-    capacity: int               # columns: most sequences sampled in one micro-batch
     max_model_len: int
     eos_token_ids: tuple
     threads: int
-    slot: torch.Tensor          # shared float32 [vocab_size * capacity]
-    consumed: torch.Tensor      # shared int64 [samplers of the replica]
+    slots: list                 # shared float32 [vocab_size * columns], one per residue mod p
+    consumed: torch.Tensor      # shared int64 [pool.num_targets]
     logits_conns: list          # read ends, one per tensor-parallel rank of the last stage
     store_port: int = 0         # unused (samplers join no process group); set by the pool
 
@@ -44,7 +47,7 @@ def sampler_main(spec: SamplerSpec, conn) -> None:
 class SamplerProcess:
     def __init__(self, spec: SamplerSpec, conn):
         self.spec, self.conn = spec, conn
-        self.steps: deque = deque()                  # (mb_id, ColumnUpdate) in order
+        self.steps: deque[SamplerStep] = deque()     # in micro-batch order
         self.arrived: dict[int, int] = defaultdict(int)
         self.forward_s: dict[int, float] = defaultdict(float)
 
@@ -55,8 +58,10 @@ class SamplerProcess:
 
         spec = self.spec
         torch.set_num_threads(spec.threads)
-        self.sampler = ColumnSampler(spec.vocab_size, spec.capacity, spec.max_model_len,
-                                     spec.eos_token_ids, native_kernels=load_native_kernels())
+        native = load_native_kernels()
+        self.replicas = [ColumnSampler(spec.vocab_size, spec.pool.capacity, spec.max_model_len,
+                                       spec.eos_token_ids, native_kernels=native)
+                         for _ in range(spec.pool.replicas)]
         self.conn.send(("ready", spec.rank, {"pid": os.getpid(), "sampler": spec.index}))
         producers = len(spec.logits_conns)
         with torch.inference_mode():
@@ -67,28 +72,30 @@ class SamplerProcess:
                         if message[0] == "stop":
                             return
                         if message[0] == "step":
-                            self.steps.append((message[1], message[2]))
+                            self.steps.append(message[1])
                         elif message[0] == "logits":
                             self.arrived[message[1]] += 1
                             self.forward_s[message[1]] = max(self.forward_s[message[1]],
                                                              message[3])
-                while self.steps and self.arrived.get(self.steps[0][0], 0) >= producers:
-                    self._sample(*self.steps.popleft())
+                while self.steps and self.arrived.get(self.steps[0].mb_id, 0) >= producers:
+                    self._sample(self.steps.popleft())
 
-    def _sample(self, mb_id: int, update) -> None:
-        spec = self.spec
+    def _sample(self, step: SamplerStep) -> None:
+        spec, update = self.spec, step.update
         start = time.time()
-        self.sampler.apply(update)
+        sampler = self.replicas[step.replica]
+        sampler.apply(update)
         tokens, logprobs = [], []
         if update.width:
-            logits_t = slot_view(spec.slot, spec.vocab_size, update.width)
-            tokens, logprobs = self.sampler.sample(logits_t)
-        spec.consumed[spec.index] = mb_id
+            slot = slot_view(spec.slots[step.mb_id % spec.pool.depth], spec.vocab_size,
+                             step.row_length)
+            tokens, logprobs = sampler.sample(slot[:, step.offset:step.offset + update.width])
+        spec.consumed[spec.pool.target(spec.index, step.replica)] = step.mb_id
         end = time.time()
-        del self.arrived[mb_id]
+        del self.arrived[step.mb_id]
         self.conn.send(("result", spec.replica, {
-            "mb_id": mb_id, "tokens": tokens, "logprobs": logprobs,
-            "forward_s": self.forward_s.pop(mb_id, 0.0), "sample_s": end - start,
+            "mb_id": step.mb_id, "offset": step.offset, "tokens": tokens, "logprobs": logprobs,
+            "forward_s": self.forward_s.pop(step.mb_id, 0.0), "sample_s": end - start,
             "events": [{"rank": spec.rank, "replica": spec.replica, "stage": -1,
-                        "tp_rank": 0, "kind": "sample", "mb": mb_id, "start": start,
+                        "tp_rank": 0, "kind": "sample", "mb": step.mb_id, "start": start,
                         "end": end, "columns": update.width}]}))

@@ -111,6 +111,31 @@ def test_sipipe_cpu_samplers_take_sampling_off_the_last_stage():
     assert _drain(executor, clock) == pytest.approx([9.85, 11.85])
 
 
+class RowCost(LinearCost):
+    def cpu_sample_seconds(self, rows, threads=1):
+        return rows / threads
+
+
+def _one_token_prompts(rows: int) -> MicroBatch:
+    items = []
+    for i in range(rows):
+        seq = Sequence(Request(f"d{i}", [1], SamplingParams(max_tokens=4)))
+        items.append(ScheduledSeq(seq, 1))
+    return MicroBatch(items, phase="prefill")
+
+
+@pytest.mark.parametrize("split,lanes,threads,sampled", [
+    (False, 2, 1, 5.0), (True, 2, 1, 3.0), (True, 3, 1, 2.0), (True, 2, 2, 1.5)])
+def test_a_split_pool_samples_a_micro_batch_on_every_lane(split, lanes, threads, sampled):
+    """5 rows (stage 1 ends at 0.1 + 5 x 0.5 x 2 + 0.25 + 5 = 10.35, the logits copy 0.5): on one
+    lane 5 rows; split, the largest share (3 of 5 on two lanes, 2 on three) over its threads."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock, RowCost(), [2, 2], cpu_samplers=lanes,
+                                 sampler_threads=threads, split_samples=split)
+    executor.submit(_one_token_prompts(5))
+    assert _drain(executor, clock) == [pytest.approx(10.85 + sampled)]
+
+
 def test_structure_unaware_hand_offs_send_metadata_and_block_the_sender():
     """Two more messages per hand-off (0.25 s each) and stage 0 waits until stage 1 takes
     its activations: b's stage 0 is free only at 9.85, when stage 1 starts it."""

@@ -118,8 +118,14 @@ def _sipipe_config(**switches) -> EngineConfig:
 def test_sipipe_switches_reach_the_simulated_executor():
     executor = simulated_engine(_sipipe_config(sampler_threads=3), LinearCost(), ARCH, 512,
                                 4).replicas[0].executor
-    assert (executor.cpu_samplers, executor.sampler_threads, executor.token_safe,
-            executor.structure_aware) == (2, 3, True, True)
+    assert (executor.cpu_samplers, executor.sampler_threads, executor.split_samples,
+            executor.token_safe, executor.structure_aware) == (2, 3, True, True, True)
+    executor = simulated_engine(_sipipe_config(samplers=5), LinearCost(), ARCH, 512,
+                                4).replicas[0].executor
+    assert (executor.cpu_samplers, executor.split_samples) == (5, True)
+    executor = simulated_engine(_sipipe_config(split_columns=False), LinearCost(), ARCH, 512,
+                                4).replicas[0].executor
+    assert (executor.cpu_samplers, executor.split_samples) == (2, False)
     executor = simulated_engine(_sipipe_config(cpu_sampling=False, token_safe_execution=False),
                                 LinearCost(), ARCH, 512, 4).replicas[0].executor
     assert (executor.cpu_samplers, executor.token_safe) == (0, False)

@@ -223,6 +223,8 @@ def _e2e_params():
 
 @pytest.mark.parametrize("model,parallel,switches", [
     ({"max_model_len": 512}, {"pp": 2}, {}),
+    ({"max_model_len": 512}, {"pp": 2}, {"samplers": 3}),
+    ({"max_model_len": 512}, {"pp": 2}, {"split_columns": False}),
     ({"max_model_len": 512}, {"pp": 2}, {"cpu_sampling": False, "token_safe_execution": False,
                                          "structure_aware_transmission": False}),
     (DUMMY8, {"tp": 2}, {}),
@@ -230,8 +232,8 @@ def _e2e_params():
 @pytest.mark.slow
 def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, switches):
     """Every switch setting samples the single process's tokens (the logits are the same bits and
-    the column kernels are the row kernels' arithmetic); under TP each rank writes its vocabulary
-    rows of the logits into the sampler's slot."""
+    the column kernels are the row kernels' arithmetic), whichever sampler pool and column split;
+    under TP each rank writes its vocabulary rows of the logits into the sampler's slot."""
     from batchinfer.strategies.sipipe.params import SiPipeParams
 
     params = _e2e_params()
@@ -250,6 +252,30 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     kinds = {e["kind"] for e in events}
     assert "prepare" in kinds and "forward" in kinds
     assert ("sample" in kinds) == info["cpu_sampling"] == switches.get("cpu_sampling", True)
+    if info["cpu_sampling"]:
+        _check_the_pool(events, info, parallel.get("pp", 1))
+
+
+def _check_the_pool(events, info, pp: int) -> None:
+    """Split: every micro-batch sampled by the whole pool, shares within one column of each
+    other, some micro-batch on all of them; else each micro-batch on sampler n mod p alone."""
+    from collections import defaultdict
+
+    samples = [e for e in events if e["kind"] == "sample"]
+    ranks = sorted({e["rank"] for e in samples})
+    pool = info["samplers_per_replica"]
+    assert len(ranks) == pool and (info["split_columns"] or pool == pp)
+    by_mb = defaultdict(list)
+    for e in samples:
+        by_mb[e["mb"]].append(e)
+    for mb, shares in by_mb.items():
+        widths = [e["columns"] for e in shares]
+        if info["split_columns"]:
+            assert len(shares) == pool and max(widths) - min(widths) <= 1, mb
+        else:
+            assert len(shares) == 1 and ranks.index(shares[0]["rank"]) == mb % pp, mb
+    if info["split_columns"] and pool > 1:
+        assert any(min(e["columns"] for e in shares) > 0 for shares in by_mb.values())
 
 
 @pytest.mark.slow
