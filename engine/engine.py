@@ -138,7 +138,7 @@ class Engine:
 
     def _fill(self, rep: Replica) -> None:
         _run_actions(rep)
-        while rep.executor.num_in_flight < rep.executor.max_in_flight:
+        while rep.executor.num_in_flight < rep.scheduler.in_flight_limit(rep.executor.max_in_flight):
             batches = rep.scheduler.schedule()
             _run_actions(rep)    # copies and layout switches go before the micro-batches
             if not batches:

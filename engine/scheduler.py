@@ -109,6 +109,12 @@ class Scheduler:
         """Waiting prompt tokens below which this replica takes more from the shared queue."""
         return 0
 
+    def in_flight_limit(self, depth: int) -> int:
+        """Micro-batches to keep in flight on a pipeline of `depth` stages (the executor's
+        max_in_flight): one per stage, unless what the scheduler launches does not depend on
+        what is in flight and it launches further ahead."""
+        return depth
+
     # --- what the report shows -------------------------------------------------------------------
     def step_stats(self) -> dict:
         """Values of this step for the step event (the report's timeline and plots render any

@@ -11,7 +11,9 @@ total KV memory (--kv-tokens of the single process's token size; each PP rank ho
 share), small enough that memory binds. The predictor (TD-Pipe reads it) is the oracle
 (max_tokens under ignore_eos is the true length) unless --predictor mean (the workload's mean
 length for all). Figures follow `vllm bench throughput` (model load and any startup profile
-excluded).
+excluded). `--offset K` takes the requests after the first K (held-out prompts); `--stop-at-eos`
+lets replies end at EOS (eos_workload.py: real reply lengths, unknown in advance; a configuration
+may name its own `predictor`: oracle, mean, bert, none).
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import bench_requests, emit, sharegpt_path  # noqa: E402
+from benchmarks.strategies import eos_workload  # noqa: E402
 
 
 def kv_bytes_per_token(model: dict) -> int:
@@ -51,29 +55,45 @@ def engine_config(spec: dict, kv_tokens: int, workload: str = "sharegpt"):
                         scheduler=strategy.scheduler_config(), strategy=strategy)
 
 
+def workload_rows(n: int, scale: float, workload: str, offset: int = 0,
+                  max_tokens: Optional[int] = None) -> list[dict]:
+    """Requests offset .. offset + n of the workload; with `max_tokens` (the stop-at-EOS
+    workload) that cap replaces the reference reply lengths."""
+    rows = bench_requests(offset + n, scale, workload)[offset:]
+    if max_tokens is not None:
+        rows = [{**r, "max_tokens": max_tokens} for r in rows]
+    return rows
+
+
 def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
-               workload: str = "sharegpt") -> dict:
+               workload: str = "sharegpt", offset: int = 0, stop_at_eos: bool = False,
+               max_tokens: int = 256, lengths_path: Optional[str] = None) -> dict:
     """One configuration, inside a fresh process."""
     from batchinfer.engine.engine import Engine
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
 
     config = engine_config(spec, kv_tokens, workload)
-    rows = bench_requests(n, scale, workload)
-    mean_len = round(statistics.mean(r["max_tokens"] for r in rows))
+    rows = workload_rows(n, scale, workload, offset, max_tokens if stop_at_eos else None)
+    predictor = spec.get("predictor", predictor)
+    lengths = json.loads(Path(lengths_path).read_text()) if lengths_path else None
+    predicted, predict_s = eos_workload.forecasts(predictor, rows, lengths)
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:
         build_s = time.perf_counter() - t_build
-        tokens = [engine.tokenizer.encode(r["prompt"]) for r in rows]
+        tokens = [eos_workload.prompt_ids(engine.tokenizer, r["prompt"], stop_at_eos)
+                  for r in rows]
         start = time.perf_counter()
         for i, (row, ids) in enumerate(zip(rows, tokens)):
-            sampling = {"temperature": 0.0, **spec.get("sampling", {})}
+            base = eos_workload.EOS_SAMPLING if stop_at_eos else {"temperature": 0.0}
+            sampling = {**base, **spec.get("sampling", {})}
             if sampling["temperature"] > 0:
                 sampling.setdefault("seed", i)
             request = Request(row["id"], ids, SamplingParams(max_tokens=row["max_tokens"],
-                                                             ignore_eos=True, **sampling),
+                                                             ignore_eos=not stop_at_eos,
+                                                             **sampling),
                               arrival_index=i)
-            request.predicted_output_len = mean_len if predictor == "mean" else row["max_tokens"]
+            request.predicted_output_len = predicted[i]
             engine.add_request(request)
         outs, events = [], []
         while engine.has_unfinished():
@@ -95,8 +115,17 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     balance = MicroBatchTokens()
     for ev in events:
         balance.add(ev["num_prefill_tokens"], ev["num_decode_tokens"], ev.get("replica", 0))
+    actual = {o.request_id: o.num_output_tokens for o in outs}
+    if stop_at_eos:
+        eos = {"predictor": predictor, "predict_s": round(predict_s, 2),
+               "forecast_error": eos_workload.forecast_error(predicted, actual, rows),
+               "stopped_at_eos": sum(o.num_output_tokens < max_tokens for o in outs)}
+        if lengths:
+            eos["same_length_as_reference"] = round(statistics.mean(
+                actual[k] == v for k, v in lengths.items() if k in actual), 3)
     return {"config": name, "requests": len(outs), "elapsed_s": round(elapsed, 2),
-            "build_s": round(build_s, 1),
+            "build_s": round(build_s, 1), **({"eos": eos} if stop_at_eos else {}),
+            **({"lengths": actual} if name == "__reference__" else {}),
             "output_tok_per_s": round(n_out / elapsed, 1),
             "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
             "requests_per_s": round(len(outs) / elapsed, 3),
@@ -160,7 +189,15 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
                     help="multiply each reference reply length (1.0: ShareGPT's own lengths)")
     ap.add_argument("--kv-tokens", type=int, default=16384,
                     help="KV capacity of the single process in tokens; PP ranks split its bytes")
-    ap.add_argument("--predictor", choices=["oracle", "mean"], default="oracle")
+    ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "none"], default="oracle",
+                    help="the forecasts TD-Pipe reads, unless a configuration names its own")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the first K requests of the sample (held-out prompts)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="replies end at EOS (chat template, repetition_penalty 1.1) with a cap "
+                    "of --max-tokens; oracle / mean forecasts come from a reference pass")
+    ap.add_argument("--max-tokens", type=int, default=256, help="--stop-at-eos: the cap")
+    ap.add_argument("--lengths", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", choices=["sharegpt", "prefill-heavy"], default="sharegpt",
                     help="prefill-heavy: ~1,500-token documents of joined ShareGPT prompts, "
                     "summaries of 1/16 of their tokens")
@@ -170,18 +207,25 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(run_config(configs[args.worker], args.worker, args.requests,
-                                    args.output_scale, args.kv_tokens, args.predictor,
-                                    args.workload)))
+        spec = (eos_workload.REFERENCE if args.worker == "__reference__"
+                else configs[args.worker])
+        print(json.dumps(run_config(spec, args.worker, args.requests, args.output_scale,
+                                    args.kv_tokens, args.predictor, args.workload, args.offset,
+                                    args.stop_at_eos, args.max_tokens, args.lengths)))
         return
     workload = sharegpt_path()   # generated here once, before the workers read it
+    common = ["--requests", str(args.requests), "--output-scale", str(args.output_scale),
+              "--kv-tokens", str(args.kv_tokens), "--predictor", args.predictor, "--workload",
+              args.workload, "--offset", str(args.offset)]
+    lengths_path = None
+    if args.stop_at_eos:
+        lengths_path = eos_workload.reference_lengths(script, args)
+        common += ["--stop-at-eos", "--max-tokens", str(args.max_tokens),
+                   "--lengths", str(lengths_path)]
     runs: dict[str, list[dict]] = {name: [] for name in args.only}
     for _ in range(args.repeat):
         for name in args.only:
-            proc = subprocess.run([sys.executable, script, "--worker", name, "--requests",
-                                   str(args.requests), "--output-scale", str(args.output_scale),
-                                   "--kv-tokens", str(args.kv_tokens), "--predictor",
-                                   args.predictor, "--workload", args.workload],
+            proc = subprocess.run([sys.executable, script, "--worker", name, *common],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 result = {"error": proc.stderr.strip().splitlines()[-3:]}
@@ -206,5 +250,8 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
             ratios[f"{reference}_vs_{name}"] = round(ref / r["output_tok_per_s_median"], 3)
     emit({"workload": str(workload), "kind": args.workload, "requests": args.requests,
           "output_scale": args.output_scale, "kv_tokens": args.kv_tokens,
-          "predictor": args.predictor, "repeat": args.repeat, "ratios": ratios,
+          "predictor": args.predictor, "offset": args.offset,
+          **({"stop_at_eos": {"max_tokens": args.max_tokens, "reference_lengths":
+                              str(lengths_path)}} if args.stop_at_eos else {}),
+          "repeat": args.repeat, "ratios": ratios,
           "results": results})

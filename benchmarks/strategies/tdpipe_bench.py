@@ -2,7 +2,8 @@
 
 Workload and method: strategy_bench.py (1,000 ShareGPT prompts at time 0, the same KV memory for
 every configuration, one fresh process each). TD-Pipe's predictor is the oracle (max_tokens under
-ignore_eos is the true length) unless --predictor mean (the workload's mean length for all).
+ignore_eos is the true length) unless --predictor says otherwise; tdpipe-<source> names its own
+(with --stop-at-eos replies end at EOS and the forecasts are eos_workload.py's).
 TP=2 runs a dummy-weight model of the same shape with 8 / 4 heads (SmolLM2's 9 / 3 do not split);
 `tdpipe-dummy8` is TD-Pipe on that model, for the comparison.
 Each configuration runs in a fresh process; figures follow `vllm bench throughput` (model load
@@ -10,6 +11,8 @@ and TD-Pipe's startup profile excluded).
 
     python benchmarks/strategies/tdpipe_bench.py --requests 1000 --output-scale 0.25
     python benchmarks/strategies/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
+    python benchmarks/strategies/tdpipe_bench.py --requests 120 --stop-at-eos --max-tokens 256 \
+        --only tdpipe-bert tdpipe-oracle tdpipe-none pp2-hb --repeat 3
     python benchmarks/strategies/tdpipe_bench.py --requests 500 --output-scale 0.25 --only tdpipe \
         tdpipe-occupancy-30 tdpipe-occupancy-50 tdpipe-occupancy-70 tdpipe-occupancy-90
 
@@ -42,6 +45,10 @@ CONFIGS = {
     "tp2-hb-dummy8": {"tp": 2, "model": DUMMY8, "strategy": {
         "name": "baseline", "policy": "hb", "max_num_seqs": 512, "max_num_batched_tokens": 2048}},
 }
+# TD-Pipe's forecasts from each source (Figs. 14-15: prediction error costs little); meant for
+# --stop-at-eos, where lengths are unknown (eos_workload.py)
+for _source in ("bert", "oracle", "mean", "none"):
+    CONFIGS[f"tdpipe-{_source}"] = {"pp": 2, "strategy": TDPIPE, "predictor": _source}
 # the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
 # the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the
 # intensity comparison)

@@ -36,26 +36,35 @@ class KVForecast:
     """Algorithm 1's kvUsage map: predicted KV tokens held at each future decode point.
 
     Stored as, per number of points a request stays for, the count of such requests and the sum
-    of their input lengths, so an update costs O(log points) and a read O(points)."""
+    of their input lengths, so an update costs O(log points) and a read O(points).
 
-    def __init__(self, points: Sequence[int], capacity_tokens: float):
+    A paged cache holds whole blocks: a request of L tokens takes ceil(L / block_size) of them.
+    Each input is rounded up to a block, so where the block size divides the point interval (16
+    and 32 by default) the usage is exactly what the cache will hold, not up to a block per
+    request less (which, summed over a phase's requests, let the prefill overshoot into
+    preemptions)."""
+
+    def __init__(self, points: Sequence[int], capacity_tokens: float, block_size: int = 1):
         self.points = list(points)
         self.capacity = float(capacity_tokens)
+        self.block_size = max(int(block_size), 1)
         self._count = [0] * len(self.points)
         self._input = [0] * len(self.points)
 
     def copy(self) -> "KVForecast":
-        other = KVForecast(self.points, self.capacity)
+        other = KVForecast(self.points, self.capacity, self.block_size)
         other._count, other._input = list(self._count), list(self._input)
         return other
 
     def update(self, input_len: int, predict_len: int) -> None:
         """UpdateUsage: a request holding `input_len` tokens that will generate `predict_len` more
-        adds input_len + point at every future point up to its predicted length."""
+        adds input_len (in whole blocks) + point at every future point up to its predicted
+        length."""
         reach = bisect_right(self.points, predict_len)
         if reach:
+            block = self.block_size
             self._count[reach - 1] += 1
-            self._input[reach - 1] += input_len
+            self._input[reach - 1] += -(-input_len // block) * block
 
     @property
     def usage(self) -> list[int]:

@@ -3,7 +3,8 @@
 The pipeline alternates long prefill-only phases and long decode-only phases:
 
 - prefill phase: whole prompts packed into micro-batches of up to `max_num_batched_tokens`
-  tokens, launched back to back (they do not depend on each other). After each launch the
+  tokens, launched back to back (they do not depend on each other; up to 2 x PP in flight,
+  `launch_prefills_ahead`). After each launch the
   predicted KV usage at future decode points is updated (Algorithm 1); when its peak exceeds
   the capacity (x `kv_safety_ratio`) the phase ends (`greedy_prefill`; ablation: a fixed
   `kv_occupancy_ratio` of the blocks in use). It also ends when the next prompt does not fit.
@@ -36,6 +37,8 @@ from .policy import KVForecast, WorkStealing, future_points, intensities, pack_p
 
 log = logging.getLogger("batchinfer")
 
+PREFILL_AHEAD = 2      # prefill micro-batches in flight per pipeline stage (launch_prefills_ahead)
+
 
 class TDPipeParams(StrategyParams):
     """TD-Pipe's parameters; each approach has a switch for the paper's ablations."""
@@ -60,6 +63,11 @@ class TDPipeParams(StrategyParams):
                                    "intensity; off: at finished_ratio")
     finished_ratio: float = Field(0.5, gt=0, le=1, description="ablation of intensity_switch: "
                                   "switch once this share of the decode phase's requests is done")
+    # the centralized engine (§3.2.1): prefills are sent on without waiting for results
+    launch_prefills_ahead: bool = Field(True, description="in a prefill phase keep up to 2 x PP "
+                                        "micro-batches in flight (the prefills do not depend on "
+                                        "each other, so a stage never waits on the controller for "
+                                        "its next one); off: PP, as in decode")
     # the step-time table the intensities read
     step_times: Optional[str] = Field(None, description="JSON step-time table to load instead of "
                                       "profiling at startup (report.json's engine.step_times)")
@@ -157,7 +165,7 @@ class TDPipeScheduler(BatchingScheduler):
         return max(left, 0)
 
     def _running_forecast(self) -> KVForecast:
-        forecast = KVForecast(self.points, self.capacity)
+        forecast = KVForecast(self.points, self.capacity, self.block_manager.block_size)
         for seq in self.running:
             forecast.update(seq.num_tokens, self.predicted_remaining(seq))
         return forecast
@@ -169,6 +177,15 @@ class TDPipeScheduler(BatchingScheduler):
         return self.block_manager.usage() >= self.params.kv_occupancy_ratio
 
     # --- the Scheduler protocol -------------------------------------------------------------------
+    def in_flight_limit(self, depth: int) -> int:
+        """§3.2.1: "for the prefill phase, the engine packs prompts and directly sends them to
+        workers until the switching condition is triggered". Here up to PREFILL_AHEAD x PP: each
+        worker has its next plan queued behind the one it runs, and the plans waiting on a
+        worker's pipe stay bounded."""
+        if self.phase == "prefill" and self.params.launch_prefills_ahead and depth > 1:
+            return PREFILL_AHEAD * depth
+        return depth
+
     def schedule(self) -> list[MicroBatch]:
         if self.phase == "prefill":
             batch = self._prefill_batch()

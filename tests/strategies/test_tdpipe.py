@@ -44,6 +44,18 @@ def test_forecast_adds_input_plus_point_up_to_the_predicted_length():
     assert forecast.at_step(97) == 0
 
 
+def test_forecast_counts_whole_blocks_as_the_paged_cache_holds_them():
+    forecast = KVForecast([32, 64], capacity_tokens=1000, block_size=16)
+    forecast.update(input_len=17, predict_len=64)     # 17 tokens take 2 blocks: 32, then + point
+    forecast.update(input_len=32, predict_len=40)
+    assert forecast.usage == [64 + 64, 96]
+    # what a block manager really holds at each point (blocks x 16)
+    for point, usage in zip((32, 64), forecast.usage):
+        held = sum(-(-(n + point) // 16) * 16 for n, left in ((17, 64), (32, 40)) if left >= point)
+        assert usage == held
+    assert forecast.copy().usage == forecast.usage
+
+
 # --- Approach 2: inter-batch work stealing, the paper's Fig. 9 ----------------------------------------
 def test_work_stealing_reproduces_figure_9():
     stealing = WorkStealing(depth=4)
@@ -119,6 +131,33 @@ def test_greedy_prefill_switches_when_the_predicted_peak_exceeds_the_capacity():
     assert decision["switch"] == "prefill->decode"
     assert decision["reason"] == "predicted KV peak exceeds capacity"
     assert decision["predicted_kv_peak"] == pytest.approx(288 / 256, abs=1e-3)
+
+
+def _fill_like_the_engine(sched, depth: int) -> list:
+    """The engine's _fill: launch while fewer than the scheduler's limit are in flight."""
+    in_flight = []
+    while len(in_flight) < sched.in_flight_limit(depth):
+        nxt = _launch(sched)
+        if not nxt:
+            break
+        in_flight.extend(nxt)
+    return in_flight
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_prefills_are_sent_on_without_waiting_for_results(ahead):
+    """§3.2.1: the engine sends prefills to the workers until the switch, not one per stage."""
+    sched = _scheduler(num_blocks=64, depth=2, launch_prefills_ahead=ahead)
+    for i in range(12):
+        sched.add(_seq(i, 32, 100, predicted=8))               # 2 per 64-token micro-batch
+    in_flight = _fill_like_the_engine(sched, depth=2)
+    assert [b.phase for b in in_flight] == ["prefill"] * (4 if ahead else 2)
+    assert sched.phase == "prefill"
+    for batch in in_flight:                                    # the results come back
+        _complete(sched, batch)
+    sched.phase = "decode"
+    assert sched.in_flight_limit(2) == 2                      # decode: exactly PP in flight
+    assert _scheduler(depth=1).in_flight_limit(1) == 1        # no pipeline: nothing to overlap
 
 
 def test_occupancy_ratio_ablation_switches_on_blocks_in_use():
