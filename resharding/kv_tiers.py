@@ -40,6 +40,7 @@ class KVTiers:
         self._next_id = 0
         self.swapped_out_tokens = 0
         self.swapped_in_tokens = 0
+        self.peak_store_blocks = 0     # the most store blocks held at once
 
     def store_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.store.block_size)
@@ -55,6 +56,8 @@ class KVTiers:
         device_blocks = _move(self.device, "device", self.store, "CPU store", request_id,
                               num_tokens)
         store_blocks = self.store.grow(request_id, num_tokens)
+        self.peak_store_blocks = max(self.peak_store_blocks,
+                                     self.store.num_blocks - self.store.num_free_blocks)
         need = self.store_blocks_for(num_tokens)
         return self._start(SWAP_OUT, request_id, num_tokens, device_blocks[:need], store_blocks)
 
@@ -82,6 +85,11 @@ class KVTiers:
             self.store.free(transfer.request_id)
             self.swapped_in_tokens += transfer.num_tokens
         return transfer
+
+    @property
+    def num_transfers(self) -> int:
+        """Moves started so far, either way."""
+        return self._next_id
 
     def is_moving(self, request_id: str) -> bool:
         return any(t.request_id == request_id for t in self.pending.values())

@@ -4,7 +4,8 @@ copy to the controller, which then lets the sequence decode (swap-in) or frees i
 (swap-out).
 
 `threaded=False` is the ablation without the asynchronous pipeline: the copy runs on the main
-thread when the request arrives, between micro-batches.
+thread when the request arrives, between micro-batches. Each report names the thread that did the
+copies, so the report (and the tests) can see which one it was.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from .kv_store import ShardView, swap_in, swap_out
 
 
 class Prefetcher:
-    def __init__(self, store: torch.Tensor, notify: Callable[[list[int], float], None],
+    THREAD_NAME = "kv-prefetcher"
+
+    def __init__(self, store: torch.Tensor, notify: Callable[[list[int], float, str], None],
                  threaded: bool = True):
         self.store = store
         self.notify = notify
@@ -32,7 +35,8 @@ class Prefetcher:
         self._error: Optional[BaseException] = None
         self._thread = None
         if threaded:
-            self._thread = threading.Thread(target=self._loop, name="kv-prefetcher", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME,
+                                            daemon=True)
             self._thread.start()
 
     def attach(self, paged: torch.Tensor, view: ShardView) -> None:
@@ -100,4 +104,4 @@ class Prefetcher:
                 torch.cuda.current_stream(self.paged.device).synchronize()
         spent = time.perf_counter() - t0
         self.busy_s += spent
-        self.notify([t[0] for t in tasks], spent)
+        self.notify([t[0] for t in tasks], spent, threading.current_thread().name)

@@ -90,6 +90,7 @@ class Job:
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
         self.predictor_choice: Optional[dict] = None   # what predictor: auto picked, and why
+        self.auto_settings: Optional[dict] = None      # what the strategy's auto settings became
         self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
@@ -215,10 +216,21 @@ class Job:
                 factory = Engine.from_config
             # the predictor first: a bad predictor directory is a usage error (exit 2)
             self.predictor = self._build_predictor()
+            self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
             self.engine.drain_step_events()
             self.metrics.start(self.engine.stats(), self.clock())
         self.metrics.phases_s["load"] += time.perf_counter() - t
+
+    def _resolve_auto_settings(self) -> None:
+        """Strategy settings the recipe leaves to `auto`, decided by simulating this job's own
+        prompts (sim/auto_settings.py); the job then runs the resolved recipe."""
+        if not self.recipe.strategy.auto_keys():
+            return
+        from batchinfer.sim.auto_settings import resolve_auto_settings
+
+        resolution = resolve_auto_settings(self.recipe, self.spec.input_path, self.spec.limit)
+        self.recipe, self.auto_settings = resolution.recipe, resolution.record
 
     def _build_predictor(self):
         """The recipe's length predictor; none needs no prediction pass at all."""
@@ -469,6 +481,7 @@ class Job:
                        if k in stats},
             "strategy": self.recipe.strategy.model_dump(mode="json"),
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
+            "auto_settings": self.auto_settings,
             "shard": _shard_dict(self.spec.shard),
         }
 

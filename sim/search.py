@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.model.shard import check_tensor_parallel
 from batchinfer.runner.recipe import strategy_class
@@ -77,11 +77,27 @@ def candidates(recipe_strategy: StrategyParams, arch, devices: int,
                include_single: bool = False) -> list[Candidate]:
     out = []
     for label, strategy in strategy_candidates(recipe_strategy):
+        cls = strategy_class(strategy["name"])
         for tp, pp, dp in layouts(devices, arch, include_single):
-            if not strategy_class(strategy["name"]).applies_to(tp, pp, dp):
-                continue
-            out.append(Candidate(label, strategy, tp, pp, dp))
+            if cls.applies_to(tp, pp, dp):
+                out += _spelled_out(Candidate(label, strategy, tp, pp, dp), cls, arch)
     return out
+
+
+def _spelled_out(cand: Candidate, cls, arch) -> list[Candidate]:
+    """A strategy whose parameters leave settings to `auto` (resolved per job when it runs): one
+    candidate per alternative at this layout, so the ranking shows each."""
+    params = cls.model_validate(cand.strategy)
+    if not params.auto_keys():
+        return [cand]
+    try:
+        search = params.auto_search(ParallelConfig(tp=cand.tp, pp=cand.pp, dp=cand.dp), arch)
+    except ConfigError as exc:
+        cand.skipped = str(exc).splitlines()[0]
+        return [cand]
+    return [Candidate(f"{cand.label} {alt.label}", alt.strategy.model_dump(mode="json"), cand.tp,
+                      cand.pp, cand.dp) for alt in search.alternatives
+            if (alt.tp, alt.pp) == (cand.tp, cand.pp)]
 
 
 def candidate_config(base: EngineConfig, cand: Candidate) -> EngineConfig:
@@ -102,11 +118,12 @@ def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimReq
     greedy when None); -> the simulated ones best first, then the skipped ones.
     progress(candidate, done, total) after each."""
     for done, cand in enumerate(cands, 1):
-        try:
-            cand.result = simulate(candidate_config(base, cand), requests, cost, arch,
-                                   max_model_len, dtype_bytes, cores, sampling)
-        except (ConfigError, ValueError) as exc:
-            cand.skipped = str(exc).splitlines()[0]
+        if not cand.skipped:
+            try:
+                cand.result = simulate(candidate_config(base, cand), requests, cost, arch,
+                                       max_model_len, dtype_bytes, cores, sampling)
+            except (ConfigError, ValueError) as exc:
+                cand.skipped = str(exc).splitlines()[0]
         if progress is not None:
             progress(cand, done, len(cands))
     ran = sorted((c for c in cands if c.result is not None),

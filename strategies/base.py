@@ -11,6 +11,8 @@ A strategy provides, on its parameter model:
   with `simulated_executor_options(layout)`);
 - the layouts it applies to: `applies_to(tp, pp, dp)`, and the parameters `batchinfer profile`
   tries for it: `search_params(knobs)`;
+- settings a recipe may leave to `auto` that a simulation of the job decides before the engine is
+  built: `auto_keys()` and `auto_search(parallel, arch)` (sim/auto_settings.py runs it);
 - its report statistics: the generic `strategy_summary()` / `step_stats()` of its scheduler and
   executor (engine/scheduler.py, engine/executor.py), which metrics and plots render without
   knowing the strategy.
@@ -18,6 +20,7 @@ A new strategy is a folder here and one line in strategies/__init__.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,6 +89,17 @@ class StrategyParams(BaseModel):
         the user's batching knobs; [] leaves it out of the search."""
         return []
 
+    # --- settings left to `auto`, resolved by simulating the job before the engine is built ----
+    def auto_keys(self) -> list[str]:
+        """The parameters the recipe leaves to a simulation of the job; [] when none."""
+        return []
+
+    def auto_search(self, parallel, arch) -> "AutoSearch":
+        """What resolving auto_keys() simulates over the ranks of `parallel` (the recipe's
+        ParallelConfig): every alternative with nothing left to auto, what prices them and how
+        many of the job's requests to run. ConfigError naming the key when none can run."""
+        raise NotImplementedError
+
 
 class BaselineStrategy(StrategyParams, SchedulerConfig):
     """vLLM-style continuous batching: policy sb (separate) or hb (hybrid chunked prefill)."""
@@ -105,6 +119,24 @@ class BaselineStrategy(StrategyParams, SchedulerConfig):
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         return [(f"baseline-{policy}", {"name": "baseline", "policy": policy, **batching(knobs)})
                 for policy in ("sb", "hb")]
+
+
+@dataclass(frozen=True)
+class AutoAlternative:
+    """One way to resolve a strategy's `auto` settings."""
+
+    label: str                    # how the printout names it, e.g. "prefill pp=2 -> decode tp=2"
+    strategy: StrategyParams      # nothing left to auto
+    tp: int                       # the parallel section it runs with
+    pp: int
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    alternatives: list[AutoAlternative]
+    costs: str                    # measured | a profile table's path | a hardware preset
+    costs_key: str                # the recipe key `costs` came from, for errors
+    sample_requests: int          # the first N usable requests of the job's input
 
 
 def batching(knobs: SchedulerConfig) -> dict:

@@ -76,7 +76,8 @@ class WorkerPool:
         self.procs: list = []
         self.conns: list[Connection] = []
         self.results: dict[int, deque] = defaultdict(deque)   # replica -> result messages
-        self.swapped: list[tuple[int, list[int], float]] = []  # (rank, transfer ids, seconds)
+        # (rank, transfer ids, seconds, the thread that copied)
+        self.swapped: list[tuple[int, list[int], float, str]] = []
         self.worker_stats: dict[int, dict] = {}   # rank -> its latest (cumulative) counters
         self.infos: list[dict] = []               # what each process reported when ready
         self.events: deque = deque(maxlen=EVENTS_KEEP)
@@ -164,7 +165,7 @@ class WorkerPool:
             elif kind == "events":
                 self._add_events(msg[2])
             elif kind == "swapped":
-                self.swapped.append((rank, msg[2], msg[3]))
+                self.swapped.append((rank, msg[2], msg[3], msg[4]))
             elif kind == "stats":
                 self.worker_stats[rank] = msg[2]
 

@@ -66,6 +66,22 @@ def _predictor_line(choice: Optional[dict]) -> list[str]:
     return [f"**Length predictor:** {choice.get('name')}{reason}  "]
 
 
+def _auto_settings_line(auto: Optional[dict]) -> list[str]:
+    """What the strategy's `auto` settings became, by simulating the job, and the runner-up."""
+    if not auto:
+        return []
+    ran = [a for a in auto.get("alternatives", ()) if "simulated_output_tok_per_s" in a]
+    line = f"**Auto ({', '.join(auto.get('keys', ()))}):** {auto.get('label')}"
+    if ran:
+        line += (f" (simulated {ran[0]['simulated_output_tok_per_s']:,.1f} output tok/s, best of "
+                 f"{len(auto['alternatives'])}")
+        if len(ran) > 1:
+            ratio = ran[1]["simulated_output_tok_per_s"] / ran[0]["simulated_output_tok_per_s"]
+            line += f"; next: {ran[1]['label']} at {ratio:.2f}x"
+        line += ")"
+    return [line + "  "]
+
+
 def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     s = report.get("session") or {}
     totals = report.get("totals") or {}
@@ -76,7 +92,8 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
             *_compute_line(report.get("engine") or {}),
             f"**Input:** {report.get('input', '–')} ({report.get('input_format', '?')})  ",
             f"**Strategy:** {_strategy_line(report.get('strategy'))}  ",
-            *_predictor_line(report.get("predictor")), ""]
+            *_predictor_line(report.get("predictor")),
+            *_auto_settings_line(report.get("auto_settings")), ""]
     if report.get("shard"):
         out += [f"**Shard:** task {report['shard']['index']} of {report['shard']['count']}", ""]
 
@@ -274,7 +291,8 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         status = "interrupted"
     first = next(iter(present.values()), {})
     meta = {k: first.get(k) for k in ("batchinfer_version", "model", "input", "input_format",
-                                      "recipe", "strategy", "predictor", "engine")}
+                                      "recipe", "strategy", "predictor", "auto_settings",
+                                      "engine")}
     session = {
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
         "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],

@@ -13,6 +13,7 @@ from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_
                                              per_rank_kv_budget, rank_bytes_per_block,
                                              start_workers)
 from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
+from .auto_layout import AUTO, allowed_decode, check_one_replica, decode_split
 from .scheduler import DECODE, PREFILL, SeesawScheduler
 
 from .executor import SeesawExecutor
@@ -25,22 +26,26 @@ log = logging.getLogger("batchinfer")
 
 
 def resolve_layouts(config: EngineConfig, params, arch) -> dict[str, ParallelLayout]:
+    """c_p (the parallel section) and c_d (decode_tp x decode_pp, one of them may be left to the
+    ranks) over the same ranks; a layout the model cannot take names its key and what is
+    allowed."""
     par = config.parallel
-    if par.dp != 1:
-        raise ConfigError(f"parallel.dp: strategy seesaw runs one replica over its ranks; dp must "
-                          f"be 1 (got {par.dp})")
+    check_one_replica(par)
     ranks = par.tp * par.pp
-    if params.decode_tp * params.decode_pp != ranks:
-        raise ConfigError(f"strategy.decode_tp x decode_pp = {params.decode_tp} x "
-                          f"{params.decode_pp} must use the same {ranks} ranks as the prefill "
-                          f"layout (parallel.tp x pp = {par.tp} x {par.pp})")
+    if params.prefill_layout == AUTO:
+        raise ConfigError("strategy.prefill_layout: auto is resolved by `batchinfer run` from the "
+                          "job's prompts before the engine is built; an engine built directly "
+                          "takes the parallel section as c_p (prefill_layout: parallel)")
+    decode_tp, decode_pp = decode_split(params, ranks, arch)
     prefill = ParallelLayout.resolve(par, arch)
     try:
         decode = ParallelLayout.resolve(ParallelConfig(
-            tp=params.decode_tp, pp=params.decode_pp, pp_layers=params.decode_pp_layers,
+            tp=decode_tp, pp=decode_pp, pp_layers=params.decode_pp_layers,
             pp_balance=par.pp_balance), arch)
     except ConfigError as exc:
-        raise ConfigError(f"strategy.decode_tp / decode_pp: {exc}") from None
+        reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("parallel.") else str(exc)
+        raise ConfigError(f"strategy.decode_tp / decode_pp: {reason}; "
+                          f"{allowed_decode(ranks, arch)}") from None
     return {PREFILL: prefill, DECODE: decode}
 
 

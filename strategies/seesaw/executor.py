@@ -33,6 +33,9 @@ class SeesawExecutor(PipelineExecutor):
         self._reports: dict[int, int] = {}     # transfer id -> ranks that reported it
         self._done: list[int] = []
         self.swap_seconds_by_rank: dict[int, float] = {}
+        # worker thread name -> copies it ran (the prefetcher's, or MainThread without the
+        # asynchronous pipeline): where the copies ran, as the report shows it
+        self.copies_by_thread: dict[str, int] = {}
         self.num_reshards = 0
         self.seconds_by_layout: dict[str, float] = {name: 0.0 for name in layouts}
         self._since: Optional[float] = None      # the current layout's start (first submit)
@@ -43,7 +46,8 @@ class SeesawExecutor(PipelineExecutor):
         super().submit(batch)
 
     def strategy_summary(self) -> dict:
-        """Wall time in each layout (first micro-batch on), copy time per rank, re-shards."""
+        """Wall time in each layout (first micro-batch on), copy time per rank, re-shards, and
+        which worker thread ran the KV copies (counted once per rank)."""
         seconds = dict(self.seconds_by_layout)
         if self._since is not None:
             seconds[self.current] += time.perf_counter() - self._since
@@ -52,7 +56,8 @@ class SeesawExecutor(PipelineExecutor):
                 "num_reshards": self.num_reshards,
                 "reshard_seconds_by_rank": {str(r): round(v, 3) for r, v in reshard.items()},
                 "swap_seconds_by_rank": {str(r): round(v, 3)
-                                         for r, v in sorted(self.swap_seconds_by_rank.items())}}
+                                         for r, v in sorted(self.swap_seconds_by_rank.items())},
+                "kv_copies_by_thread": dict(sorted(self.copies_by_thread.items()))}
 
     @property
     def num_pending_transfers(self) -> int:
@@ -93,8 +98,9 @@ class SeesawExecutor(PipelineExecutor):
 
     def _absorb(self) -> None:
         reports, self.pool.swapped = self.pool.swapped, []
-        for rank, ids, seconds in reports:
+        for rank, ids, seconds, thread in reports:
             self.swap_seconds_by_rank[rank] = self.swap_seconds_by_rank.get(rank, 0.0) + seconds
+            self.copies_by_thread[thread] = self.copies_by_thread.get(thread, 0) + len(ids)
             for tid in ids:
                 self._reports[tid] += 1
                 if self._reports[tid] == len(self.ranks):

@@ -2,7 +2,10 @@
 KV tier (arXiv:2503.06433).
 
 The recipe's `parallel` section is the prefill layout c_p (e.g. pp: 2); `decode_tp` x
-`decode_pp` is the decode layout c_d over the same ranks (e.g. TP=2). Prefill runs in c_p and
+`decode_pp` is the decode layout c_d over the same ranks (e.g. TP=2). As the paper does, the
+layouts can be left to the model of the hardware: `decode_tp` / `decode_pp: auto` (the default)
+and `prefill_layout: auto` are resolved when a run starts by simulating every alternative on the
+job's own prompts (strategies/seesaw/auto_layout.py). Prefill runs in c_p and
 writes each prompt's KV into a CPU store in shared memory; decode runs in c_d and pulls the
 sequences back in through a per-worker prefetcher; the layouts switch only when the store is full
 or empty (strategies/seesaw/scheduler.py). The machinery is in resharding/.
@@ -16,19 +19,33 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, PositiveInt, field_validator
 
 from batchinfer.engine.config import SchedulerConfig, parse_size
-from batchinfer.strategies.base import StrategyParams, register_strategy
+from batchinfer.strategies.base import AutoSearch, StrategyParams, register_strategy
+
+AUTO = "auto"
 
 
 class SeesawParams(StrategyParams):
     """Seesaw's knobs: the decode layout, the CPU store, the schedule and the ablation switches."""
 
     name: Literal["seesaw"] = "seesaw"
-    decode_tp: int = Field(2, ge=1, description="tensor-parallel degree of the decode layout c_d "
-                           "(the prefill layout c_p is the recipe's parallel section)")
-    decode_pp: int = Field(1, ge=1, description="pipeline depth of the decode layout c_d")
+    decode_tp: Union[Literal["auto"], PositiveInt] = Field(
+        AUTO, description="tensor-parallel degree of the decode layout c_d; auto: the one the "
+        "simulator predicts fastest on the job's prompts (with decode_pp given, the ranks fix it)")
+    decode_pp: Union[Literal["auto"], PositiveInt] = Field(
+        AUTO, description="pipeline depth of the decode layout c_d; auto: as decode_tp")
+    prefill_layout: Literal["parallel", "auto"] = Field(
+        "parallel", description="the prefill layout c_p: the recipe's parallel section as given, "
+        "or auto: the simulator picks its tp x pp over the same ranks, with c_d")
+    layout_costs: str = Field(
+        "measured", description="what prices the alternatives of an auto layout: measured (this "
+        "machine's profile of the model, made once and kept in the setup cache), a profile table "
+        "(profile_table.json from `batchinfer profile`) or a hardware preset (a10, l4, l20, "
+        "a100-pcie, a100-sxm, h100, h20, h200)")
+    layout_sample_requests: int = Field(256, ge=1, description="an auto layout is chosen by "
+                                        "simulating the first N usable requests of the input")
     decode_pp_layers: Optional[list[int]] = Field(
         None, description="layers per decode pipeline stage; default: parallel.pp_balance's split")
     cpu_kv_cache_memory: Union[int, str] = Field(
@@ -62,6 +79,16 @@ class SeesawParams(StrategyParams):
 
         return build_seesaw_engine(config, self)
 
+    def auto_keys(self) -> list[str]:
+        keys = [k for k in ("decode_tp", "decode_pp") if getattr(self, k) == AUTO]
+        if len(keys) == 1:     # the other one and the ranks fix it (build.resolve_layouts)
+            keys = []
+        return keys + (["prefill_layout"] if self.prefill_layout == AUTO else [])
+
+    def auto_search(self, parallel, arch) -> AutoSearch:
+        from .auto_layout import layout_search
+
+        return layout_search(self, parallel, arch)
 
     def simulated_replicas(self, sim) -> list:
         from .sim import seesaw_replica

@@ -120,11 +120,14 @@ class SeesawScheduler(BatchingScheduler):
                 self.running.append(seq)
 
     def strategy_summary(self) -> dict:
-        """Switches and the KV that moved between the tiers (tokens)."""
+        """Switches, the KV that moved between the tiers (tokens), the store's size and the most
+        it held at once (more than the device cache holds only with the CPU tier)."""
+        store = self.tiers.store
         return {"num_switches": self.num_switches,
                 "swapped_out_tokens": self.tiers.swapped_out_tokens,
                 "swapped_in_tokens": self.tiers.swapped_in_tokens,
-                "cpu_store_tokens": self.tiers.store.capacity_tokens}
+                "cpu_store_tokens": store.capacity_tokens,
+                "cpu_store_peak_tokens": self.tiers.peak_store_blocks * store.block_size}
 
     def take_actions(self) -> list:
         actions, self._actions = self._actions, []

@@ -26,8 +26,9 @@ class SeesawWorker(WorkerExtension):
 
     def build_partition(self, worker, arch) -> bool:
         rank = worker.spec.rank
-        self.switcher = LayoutSwitcher(worker, self.spec, arch, lambda transfer_ids, seconds:
-                                       worker.send(("swapped", rank, transfer_ids, seconds)))
+        self.switcher = LayoutSwitcher(
+            worker, self.spec, arch, lambda transfer_ids, seconds, thread:
+            worker.send(("swapped", rank, transfer_ids, seconds, thread)))
         self._enter(worker, self.spec.initial)
         return True
 

@@ -1,9 +1,13 @@
 """Seesaw (issue 8): the tier allocator, the transition-minimizing schedule, weight re-sharding,
-and end-to-end runs through several layout switches that give the baseline's greedy tokens."""
+end-to-end runs through several layout switches that give the baseline's greedy tokens, and what
+the ablations change (issue 41): which thread copies the KV, and how much of it the CPU store
+holds. The auto layouts: test_seesaw_auto.py."""
 from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
+
+import threading
 
 import pytest
 import torch
@@ -18,8 +22,11 @@ from batchinfer.engine.model.llama import ModelPartition
 from batchinfer.engine.model.loader import build_model, load_arch
 from batchinfer.engine.model.sources import resolve_model_dir
 from batchinfer.strategies.seesaw.executor import Reshard
+from batchinfer.resharding.kv_store import ShardView, allocate_store
 from batchinfer.resharding.kv_tiers import KVTiers, Transfer
+from batchinfer.resharding.prefetcher import Prefetcher
 from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup, shared_norms
+from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
 from batchinfer.strategies.seesaw.params import SeesawParams
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
 from tests.scheduler_driver import complete, launch, make_seq
@@ -209,6 +216,77 @@ def test_abort_with_copies_in_flight_frees_both_tiers_when_they_report():
     assert sched.tiers.device.num_free_blocks == 10 and sched.tiers.store.num_free_blocks == 24
 
 
+# --- the ablations: where the copies run, what the store holds -----------------------------------
+@pytest.mark.parametrize("threaded,thread", [(True, Prefetcher.THREAD_NAME), (False, "MainThread")])
+def test_copies_run_on_the_prefetcher_thread_only_with_the_async_pipeline(threaded, thread):
+    """async_pipeline's switch: with it a copy runs (and is reported) on the prefetcher's thread
+    after submit returns; without it, on the caller's (the worker's main) thread inside submit."""
+    store = allocate_store(4, 2, 2, 4, 8, torch.float32)
+    paged = torch.arange(2 * 2 * 3 * 2 * 4 * 8, dtype=torch.float32).view(2, 2, 3, 2, 4, 8)
+    reports = []
+    done = threading.Event()
+
+    def notify(ids, seconds, name):
+        reports.append((ids, name, threading.current_thread().name))
+        done.set()
+
+    prefetcher = Prefetcher(store, notify, threaded=threaded)
+    prefetcher.attach(paged, ShardView(0, 2, 0, 2))
+    try:
+        prefetcher.submit(7, "out", [1], [3])
+        assert done.is_set() == (not threaded)      # inline: done before submit returns
+        prefetcher.drain()
+    finally:
+        prefetcher.close()
+    assert reports == [([7], thread, thread)]
+    assert torch.equal(store[3], paged[:, :, 1])
+
+
+SMOL = {"max_model_len": 128}
+
+
+def _tiers(cpu_kv_tier: bool) -> tuple[int, int]:
+    """(device blocks, store blocks) as the engine sizes them: SmolLM2, PP=3 -> TP=3, 4 MiB of
+    KV per rank and a 64 MiB store."""
+    from batchinfer.engine.runtime.build import model_setup
+
+    params = SeesawParams(decode_tp=3, decode_pp=1, cpu_kv_tier=cpu_kv_tier,
+                          cpu_kv_cache_memory="64MiB")
+    config = _seesaw_config(params, {"pp": 3}, SMOL, "4MiB")
+    arch = model_setup(config).arch
+    layouts = resolve_layouts(config, params, arch)
+    device, _, store = tier_blocks(config, params, arch, layouts, 4 << 20, 4, 128)
+    return device, store
+
+
+@pytest.mark.parametrize("cpu_kv_tier", [True, False])
+def test_without_the_cpu_tier_the_store_holds_what_the_device_holds(cpu_kv_tier):
+    """cpu_kv_tier's switch, on the schedule the engine would run: without the tier the store is
+    the device cache's size and every prefill phase stops when the device would be full; with it
+    prefill runs past the device cache (its prompts wait in the store)."""
+    device_blocks, store_blocks = _tiers(cpu_kv_tier)
+    assert (store_blocks == device_blocks) == (not cpu_kv_tier)
+    sched = SeesawScheduler(BlockManager(device_blocks, 16), BlockManager(store_blocks, 16),
+                            max_num_seqs=256, max_num_batched_tokens=256, max_model_len=128,
+                            prefill_depth=3, decode_depth=1)
+    seqs = [make_seq(i, 40 + (i * 13) % 60, 8 + (i * 7) % 20) for i in range(3 * device_blocks)]
+    for seq in seqs:
+        sched.add(seq)
+    switches = drive(sched)
+    assert all(seq.is_finished for seq in seqs)
+    to_decode = [s for s in switches if s["to"] == "decode"]
+    # every prefill phase but the last stopped for lack of room: the next prompt (at most 7
+    # blocks) did not fit the store
+    assert len(to_decode) >= 2 and all(s["store_free"] < 7 for s in to_decode if s["waiting"])
+    held = [(store_blocks - s["store_free"]) * 16 for s in to_decode]
+    peak = sched.strategy_summary()["cpu_store_peak_tokens"]
+    device_tokens = device_blocks * 16
+    if cpu_kv_tier:      # prefill ran past what the device holds
+        assert peak > device_tokens and max(held) > device_tokens
+    else:                # prefill stopped at the device's capacity
+        assert peak <= device_tokens and max(held) <= device_tokens
+
+
 # --- weights ---------------------------------------------------------------------------------------
 def _params(model) -> dict:
     out = {}
@@ -260,7 +338,8 @@ def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv
     with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype}) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
     token = 30 * 2 * 4 * 64 * element
-    params = SeesawParams(cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
+    params = SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=token * 256,
+                          max_num_batched_tokens=64)
     config = _seesaw_config(params, {"pp": 2, "pp_balance": "layers"}, DUMMY8, str(token * 240 // 2),
                             kv_dtype)
     with Engine.from_config(config) as engine:
@@ -277,37 +356,56 @@ def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv
     assert seesaw["swapped_out_tokens"] >= sum(len(engine.tokenizer.encode(p)) for p in E2E_PROMPTS)
     assert {e["layout"] for e in events} == {"prefill", "decode"}
     assert max(e["kv_store_usage"] for e in events) > 0.5
+    # the paper's mechanism, as it ran: every copy on the ranks' prefetcher threads (2 ranks
+    # report each), and the store held more KV than the device cache can
+    assert seesaw["kv_copies_by_thread"] == {"kv-prefetcher": 2 * sched.tiers.num_transfers}
+    assert seesaw["cpu_store_peak_tokens"] > stats["kv_capacity_tokens"]
     sched.check_invariants()
     assert sched.tiers.store.num_free_blocks == sched.tiers.store.num_blocks
 
 
 @pytest.mark.slow
-def test_smollm2_pp_only_layouts_equal_the_baseline(make_engine):
-    """SmolLM2 with two pipeline layouts (15 + 15 for prefill, 20 + 10 for decode), copies on the
-    main thread (the async ablation): the same greedy tokens as the single process."""
-    tight = {"max_model_len": 128}
-    with make_engine(model=tight, cache={"kv_cache_memory": "10MiB"}) as engine:
+def test_smollm2_ablations_equal_the_baseline_and_do_what_they_say(make_engine):
+    """SmolLM2 with two pipeline layouts (15 + 15 for prefill, 20 + 10 for decode), without the
+    asynchronous pipeline and without the CPU tier: the same greedy tokens as the single process;
+    every KV copy ran on the workers' main threads, and the store held no more than the device
+    cache (prefill stopped there)."""
+    with make_engine(model=SMOL, cache={"kv_cache_memory": "10MiB"}) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
     params = SeesawParams(decode_tp=1, decode_pp=2, decode_pp_layers=[20, 10],
-                          cpu_kv_cache_memory="40MiB", async_pipeline=False)
-    config = _seesaw_config(params, {"pp": 2, "pp_layers": [15, 15]}, tight, "5MiB")
+                          cpu_kv_cache_memory="40MiB", async_pipeline=False, cpu_kv_tier=False)
+    config = _seesaw_config(params, {"pp": 2, "pp_layers": [15, 15]}, SMOL, "5MiB")
     with Engine.from_config(config) as engine:
         outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+        decisions = [d for e in engine.drain_step_events() for d in e.get("decisions", ())]
         stats = engine.stats()
+        transfers = engine.scheduler.tiers.num_transfers
     assert [o.output_token_ids for o in outs] == reference
-    assert stats["strategy_stats"]["num_reshards"] >= 1
+    seesaw = stats["strategy_stats"]
+    assert seesaw["num_reshards"] >= 1
+    assert seesaw["kv_copies_by_thread"] == {"MainThread": 2 * transfers} and transfers > 0
+    assert seesaw["cpu_store_tokens"] == stats["kv_capacity_tokens"]
+    assert seesaw["cpu_store_peak_tokens"] <= stats["kv_capacity_tokens"]
+    assert any(d["reason"] == "CPU store full" for d in decisions)
 
 
 def test_a_layout_the_model_cannot_take_is_a_clear_error():
+    """SmolLM2 (9 / 3 heads) over 2 ranks: only PP=2 splits them. Each error names its key and
+    what is allowed."""
+    allowed = r"allowed over 2 rank\(s\): decode_tp x decode_pp = 1 x 2,"
     params = SeesawParams(decode_tp=2)
-    with pytest.raises(ConfigError, match="strategy.decode_tp.*9 attention heads"):
-        Engine.from_config(_seesaw_config(params, {"pp": 2}, {"max_model_len": 128}, "5MiB"))
-    with pytest.raises(ConfigError, match="same 2 ranks"):
-        Engine.from_config(_seesaw_config(SeesawParams(decode_tp=3), {"pp": 2},
-                                          {"max_model_len": 128}, "5MiB"))
+    with pytest.raises(ConfigError, match="strategy.decode_tp / decode_pp: .*9 attention heads.*"
+                       + allowed):
+        Engine.from_config(_seesaw_config(params, {"pp": 2}, SMOL, "5MiB"))
+    with pytest.raises(ConfigError, match="strategy.decode_tp: 3 does not divide .* 2 rank.*"
+                       + allowed):
+        Engine.from_config(_seesaw_config(SeesawParams(decode_tp=3), {"pp": 2}, SMOL, "5MiB"))
+    with pytest.raises(ConfigError, match="must use the same 2 ranks.*" + allowed):
+        Engine.from_config(_seesaw_config(SeesawParams(decode_tp=1, decode_pp=1), {"pp": 2},
+                                          SMOL, "5MiB"))
     small = SeesawParams(decode_tp=1, decode_pp=2, cpu_kv_cache_memory="1MiB")
     with pytest.raises(ConfigError, match="strategy.cpu_kv_cache_memory"):
-        Engine.from_config(_seesaw_config(small, {"pp": 2}, {"max_model_len": 128}, "5MiB"))
+        Engine.from_config(_seesaw_config(small, {"pp": 2}, SMOL, "5MiB"))
 
 
 @pytest.mark.slow
