@@ -11,6 +11,7 @@ process; figures follow `vllm bench throughput` (model load excluded).
     python benchmarks/strategies/seesaw_bench.py --workload sharegpt --requests 300 --output-scale 0.25
     python benchmarks/strategies/seesaw_bench.py --workload prefill-heavy --requests 40 --only seesaw \
         seesaw-pp2-only tp2-sb pp2-sb
+    python benchmarks/strategies/seesaw_auto_pick.py --workload prefill-heavy --requests 16   # auto
 
 Prints one JSON object.
 """
@@ -49,6 +50,10 @@ CONFIGS = {
         **SEESAW, "async_pipeline": False}},
     # c_d = c_p = PP=2: no re-sharding, the CPU tier and the transition-minimizing schedule only
     "seesaw-pp2-only": {"pp": 2, "parallel": EVEN, "model": DUMMY8, "strategy": {
+        **SEESAW, "decode_tp": 1, "decode_pp": 2}},
+    # the other two (c_p, c_d) pairs `prefill_layout: auto` chooses among (seesaw_auto_pick.py)
+    "seesaw-tp2-tp2": {"tp": 2, "parallel": EVEN, "model": DUMMY8, "strategy": SEESAW},
+    "seesaw-tp2-pp2": {"tp": 2, "parallel": EVEN, "model": DUMMY8, "strategy": {
         **SEESAW, "decode_tp": 1, "decode_pp": 2}},
 }
 

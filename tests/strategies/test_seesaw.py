@@ -30,7 +30,7 @@ from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
 from batchinfer.strategies.seesaw.params import SeesawParams
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
 from tests.scheduler_driver import complete, launch, make_seq
-from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, run_shipped_recipe
+from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS
 
 DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
           "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}}
@@ -406,12 +406,3 @@ def test_a_layout_the_model_cannot_take_is_a_clear_error():
     small = SeesawParams(decode_tp=1, decode_pp=2, cpu_kv_cache_memory="1MiB")
     with pytest.raises(ConfigError, match="strategy.cpu_kv_cache_memory"):
         Engine.from_config(_seesaw_config(small, {"pp": 2}, SMOL, "5MiB"))
-
-
-@pytest.mark.slow
-def test_seesaw_recipe_runs_out_of_the_box(tmp_path):
-    """recipes/seesaw.yaml as shipped: SmolLM2 (the embedded default), PP=3 prefill, TP=3 decode."""
-    out = tmp_path / "run"
-    _, report = run_shipped_recipe("seesaw", out, limit=4)
-    assert report["strategy"]["name"] == "seesaw"
-    assert "seconds_by_layout" in report["engine"]["strategy_stats"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer.engine.config import EngineConfig, ParallelConfig
+from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.request import SamplingParams
@@ -22,6 +23,7 @@ from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
 from batchinfer.sim.search import candidates
 from batchinfer.strategies.seesaw.auto_layout import decode_split, layout_search
 from batchinfer.strategies.seesaw.params import SeesawParams
+from tests.strategy_e2e import run_shipped_recipe
 
 # 2 layers, 4 / 2 heads: over 2 ranks every layout is TP=2 or PP=2
 TINY = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
@@ -33,17 +35,18 @@ SLOW_ALLREDUCE = LinkCost(1e-5, 2e7)
 FAST_ALLREDUCE = LinkCost(1e-6, 1e12)
 
 
-def _table(allreduce: LinkCost, num_layers: int = 2) -> ProfileTable:
+def _table(allreduce: LinkCost, num_layers: int = 2, hidden_size: int = 64,
+           kv_bytes_per_token: int = 2 * 2 * 2 * 16 * 4) -> ProfileTable:
     """A machine where a layer costs ~2 ms whatever the batch up to 64 tokens (reading the
     weights), so splitting a decode batch into PP micro-batches costs one weight read each."""
     compute = {t: RankCompute([(1, 2e-3 / t), (64, 2.2e-3 / t), (2048, 1e-2 / t)], 1e-6,
                               [(1, 4e-9), (256, 1e-9)], 2e-10, [(1, 1e-4), (256, 4e-4)],
                               [(1, 1e-4), (256, 1e-3)])
                for t in (1, 2)}
-    return ProfileTable({"model_id": "tiny", "num_layers": num_layers, "hidden_size": 64,
+    return ProfileTable({"model_id": "tiny", "num_layers": num_layers, "hidden_size": hidden_size,
                          "vocab_size": 49152, "dtype": "float32", "dtype_bytes": 4},
                         {"device": "cpu", "cores": 2}, compute, LinkCost(1e-5, 1e9), allreduce,
-                        1e-5, 1e-7, 2 * num_layers * 2 * 16 * 4, 8 << 30,
+                        1e-5, 1e-7, kv_bytes_per_token, 8 << 30,
                         host_copy=LinkCost(1e-6, 1e10))
 
 
@@ -182,7 +185,9 @@ def test_this_machines_profile_is_measured_once_and_reused(tmp_path, monkeypatch
     monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def fake_profile(config, progress=None, **kw):
+    def fake_profile(config, threads=None, progress=None, **kw):
+        # only the thread count the 2 ranks run with (the cores split between them)
+        assert threads == [max(1, compute_threads(None) // 2)]
         calls.append(config.model.dtype)
         return _table(SLOW_ALLREDUCE)
 
@@ -197,3 +202,25 @@ def test_this_machines_profile_is_measured_once_and_reused(tmp_path, monkeypatch
     other.model.dtype = "float32"                   # another key: profiled again
     resolve_auto_settings(other, prompts)
     assert calls == ["auto", "float32"]
+
+
+@pytest.mark.slow
+def test_seesaw_recipe_runs_out_of_the_box(tmp_path, monkeypatch):
+    """recipes/seesaw.yaml as shipped: SmolLM2 (the embedded default) over 3 ranks, both layouts
+    left to auto. This machine's profile is stood in for by a table of SmolLM2's shape (the
+    profiling itself: test_this_machines_profile_is_measured_once_and_reused); the engine runs
+    the layouts the simulation chose."""
+    from batchinfer.sim import profile_cache
+
+    table = tmp_path / "smollm2.json"
+    _table(SLOW_ALLREDUCE, num_layers=30, hidden_size=576,
+           kv_bytes_per_token=30 * 2 * 3 * 64 * 4).save(table)
+    monkeypatch.setattr(profile_cache, "cached_profile", lambda config: table)
+    _, report = run_shipped_recipe("seesaw", tmp_path / "run", limit=4)
+    auto = report["auto_settings"]
+    assert auto["keys"] == ["decode_tp", "decode_pp", "prefill_layout"]
+    assert len(auto["alternatives"]) == 4         # {PP=3, TP=3} x {PP=3, TP=3}
+    chosen, ran = auto["chosen"], report["engine"]["seesaw"]
+    assert ran["prefill_layout"] == chosen["parallel"]
+    assert ran["decode_layout"] == {"tp": chosen["decode_tp"], "pp": chosen["decode_pp"]}
+    assert "seconds_by_layout" in report["engine"]["strategy_stats"]
