@@ -11,7 +11,7 @@ time.
     python benchmarks/strategies/sipipe_bench.py --requests 200 --output-scale 0.25
 
 Prints one JSON object; the ratios are SiPipe's output tok/s over each other configuration's.
-This machine has 2 cores and PP=2 keeps both busy: the p sampler processes and the input threads
+This machine has 2 cores and PP=2 keeps both busy: the sampler processes and the input threads
 compete with the forwards for the same cores (SiPipe's gains come from idle cores beside busy
 GPUs), so small or negative effects are expected here.
 """
@@ -30,6 +30,7 @@ CONFIGS = {
     "sipipe": {"pp": 2, "strategy": SIPIPE},
     "pp2-hb": {"pp": 2, "strategy": {"name": "baseline", **BATCHING}},
     "sipipe-no-cpu-sampling": {"pp": 2, "strategy": {**SIPIPE, "cpu_sampling": False}},
+    "sipipe-no-column-split": {"pp": 2, "strategy": {**SIPIPE, "split_columns": False}},
     "sipipe-no-token-safe": {"pp": 2, "strategy": {**SIPIPE, "token_safe_execution": False}},
     "sipipe-no-structure-aware": {"pp": 2, "strategy": {
         **SIPIPE, "structure_aware_transmission": False}},
