@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from batchinfer.engine.config import SchedulerConfig
 from batchinfer.strategies.base import StrategyParams, register_strategy
@@ -31,7 +31,7 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
     name: Literal["sipipe"] = "sipipe"
     cpu_sampling: bool = Field(True, description="sample in a pool of CPU sampler processes "
                                "with column-wise incremental state (§5.1); off: on the last stage")
-    samplers: Union[PositiveInt, Literal["auto"]] = Field(
+    samplers: Union[int, Literal["auto"]] = Field(
         "auto", description="CPU sampler processes per replica (the pool); auto: p "
         "(parallel.pp), one per micro-batch in flight")
     split_columns: bool = Field(True, description="every micro-batch's sampled rows split across "
@@ -42,6 +42,13 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
     structure_aware_transmission: bool = Field(True, description="metadata-free, pre-posted "
                                                "receives between stages after the first (§5.3)")
     sampler_threads: int = Field(1, ge=1, description="torch threads of each sampler process")
+
+    @field_validator("samplers", mode="before")
+    @classmethod
+    def _pool_size(cls, value):
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError("a whole number of sampler processes >= 1, or auto")
 
     @model_validator(mode="after")
     def _pool_without_split(self):

@@ -180,5 +180,6 @@ def test_pool_keys_in_a_recipe():
     assert parse_recipe({"strategy": {"name": "sipipe"}}).engine_config().strategy.pool_size(4) == 4
     with pytest.raises(RecipeError, match="samplers: 3 needs split_columns: true"):
         parse_recipe({"strategy": {"name": "sipipe", "samplers": 3, "split_columns": False}})
-    with pytest.raises(RecipeError, match="strategy.samplers"):
-        parse_recipe({"strategy": {"name": "sipipe", "samplers": 0}})
+    for bad in (0, True, "2"):
+        with pytest.raises(RecipeError, match="strategy.samplers: a whole number"):
+            parse_recipe({"strategy": {"name": "sipipe", "samplers": bad}})
