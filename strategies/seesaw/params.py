@@ -23,8 +23,7 @@ from pydantic import Field, PositiveInt, field_validator
 
 from batchinfer.engine.config import SchedulerConfig, parse_size
 from batchinfer.strategies.base import AutoSearch, StrategyParams, register_strategy
-
-AUTO = "auto"
+from .auto_layout import AUTO
 
 
 class SeesawParams(StrategyParams):
