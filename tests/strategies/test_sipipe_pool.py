@@ -171,6 +171,40 @@ def test_the_last_stage_tells_every_sampler_and_waits_for_the_slot_to_be_release
     assert [m[1] for m in conns[1].sent] == [0, 1, 2]
 
 
+def _share(mb_id: int, offset: int, tokens: list[int], sample_s: float) -> dict:
+    return {"mb_id": mb_id, "offset": offset, "tokens": tokens, "logprobs": [None] * len(tokens),
+            "forward_s": 0.5, "sample_s": sample_s}
+
+
+def test_a_micro_batch_is_done_when_every_share_is_back_whatever_the_order():
+    """Three samplers' shares of micro-batch 5 arrive out of order, with micro-batch 6's between:
+    not ready until the last; then each row's token from its column, the pool's slowest share
+    as the sampling time, and micro-batch 6's share left queued."""
+    from collections import defaultdict, deque
+    from types import SimpleNamespace
+
+    from batchinfer.strategies.sipipe.executor import ColumnPlan, SiPipeExecutor
+
+    pool = SimpleNamespace(results=defaultdict(deque), send=lambda rank, message: None)
+    layout = SimpleNamespace(replica_ranks=lambda replica: [0, 1], pp=2)
+    executor = SiPipeExecutor(pool, layout, 0, None, 10.0, [2, 3, 4],
+                              PoolLayout.of(2, 6, True, 3), seed=0)
+    plan = ColumnPlan(5, [], [], [], [], [0, 1, 3], ["a", "b", "c"], [0, 0, 0],
+                      sample_columns=[2, 0, 1])
+    batch = SimpleNamespace(items=[None] * 4)
+    executor._in_flight.append((5, batch, plan))
+    queue = pool.results[0]
+    for message in (_share(5, 2, [12], 0.2), _share(6, 0, [60], 0.1), _share(5, 0, [10], 0.3)):
+        queue.append(message)
+        assert not executor.ready()
+    queue.append(_share(5, 1, [11], 0.1))
+    assert executor.ready()
+    _, result = executor.collect()
+    assert result.tokens == [12, 10, None, 11] and result.sample_s == 0.3
+    assert [m["mb_id"] for m in queue] == [6]
+    assert executor.strategy_summary()["cpu_sampling_ms_per_micro_batch"] == 300.0
+
+
 def test_pool_keys_in_a_recipe():
     strategy = parse_recipe({"strategy": {"name": "sipipe", "samplers": 3, "sampler_threads": 2},
                              "parallel": {"pp": 2}}).engine_config().strategy
