@@ -37,6 +37,7 @@ CONFIGS = {
     "tdpipe-no-work-stealing": {"pp": 2, "strategy": {**TDPIPE, "work_stealing": False}},
     "tdpipe-no-intensity": {"pp": 2, "strategy": {**TDPIPE, "intensity_switch": False}},
     "tdpipe-no-prefill-ahead": {"pp": 2, "strategy": {**TDPIPE, "launch_prefills_ahead": False}},
+    "tdpipe-literal-forecast": {"pp": 2, "strategy": {**TDPIPE, "count_ending_requests": False}},
     "pp2-sb": {"pp": 2, "strategy": {"name": "baseline", "policy": "sb", "max_num_seqs": 512}},
     "pp2-hb": {"pp": 2, "strategy": {"name": "baseline", "policy": "hb", "max_num_seqs": 512,
                                       "max_num_batched_tokens": 2048}},

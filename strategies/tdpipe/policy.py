@@ -42,18 +42,29 @@ class KVForecast:
     Each input is rounded up to a block, so where the block size divides the point interval (16
     and 32 by default) the usage is exactly what the cache will hold, not up to a block per
     request less (which, summed over a phase's requests, let the prefill overshoot into
-    preemptions)."""
+    preemptions).
 
-    def __init__(self, points: Sequence[int], capacity_tokens: float, block_size: int = 1):
+    Read literally, Algorithm 1 sees a request only at the points it outlives: one predicted to
+    end before the first point (32 steps) adds nothing, though it holds its KV until then, so a
+    job of short replies prefills until the cache is physically full and its decode phase starts
+    preempting. With `count_ending` each request also counts, at the first point after its end,
+    what it holds when it ends (input + its length): the check then bounds the peak between two
+    points, not only at them."""
+
+    def __init__(self, points: Sequence[int], capacity_tokens: float, block_size: int = 1,
+                 count_ending: bool = False):
         self.points = list(points)
         self.capacity = float(capacity_tokens)
         self.block_size = max(int(block_size), 1)
+        self.count_ending = count_ending
         self._count = [0] * len(self.points)
         self._input = [0] * len(self.points)
+        self._ending = [0] * len(self.points)
 
     def copy(self) -> "KVForecast":
-        other = KVForecast(self.points, self.capacity, self.block_size)
+        other = KVForecast(self.points, self.capacity, self.block_size, self.count_ending)
         other._count, other._input = list(self._count), list(self._input)
+        other._ending = list(self._ending)
         return other
 
     def update(self, input_len: int, predict_len: int) -> None:
@@ -61,10 +72,14 @@ class KVForecast:
         adds input_len (in whole blocks) + point at every future point up to its predicted
         length."""
         reach = bisect_right(self.points, predict_len)
+        block = self.block_size
         if reach:
-            block = self.block_size
             self._count[reach - 1] += 1
             self._input[reach - 1] += -(-input_len // block) * block
+        ends_between = reach < len(self.points) and (
+            not reach or self.points[reach - 1] != predict_len)
+        if self.count_ending and ends_between:
+            self._ending[reach] += -(-(input_len + predict_len) // block) * block
 
     @property
     def usage(self) -> list[int]:
@@ -73,7 +88,7 @@ class KVForecast:
         for index in range(len(self.points) - 1, -1, -1):
             count += self._count[index]
             total += self._input[index]
-            out[index] = total + count * self.points[index]
+            out[index] = total + count * self.points[index] + self._ending[index]
         return out
 
     def peak(self) -> int:

@@ -54,6 +54,11 @@ class TDPipeParams(StrategyParams):
     future_point_horizon: int = Field(1024, ge=1, description="last future point")
     kv_safety_ratio: float = Field(1.0, gt=0, le=2, description="share of the KV capacity the "
                                    "predicted peak may reach")
+    count_ending_requests: bool = Field(True, description="a request also counts, at the first "
+                                        "future point after its predicted end, the KV it holds "
+                                        "when it ends, so replies shorter than a point interval "
+                                        "are seen; off: Algorithm 1 literally (only the points "
+                                        "a request outlives)")
     kv_occupancy_ratio: float = Field(0.5, gt=0, le=1, description="ablation of greedy_prefill: "
                                       "switch once this share of the KV blocks is in use")
     # Approach 2: inter-batch work stealing (decode)
@@ -165,7 +170,8 @@ class TDPipeScheduler(BatchingScheduler):
         return max(left, 0)
 
     def _running_forecast(self) -> KVForecast:
-        forecast = KVForecast(self.points, self.capacity, self.block_manager.block_size)
+        forecast = KVForecast(self.points, self.capacity, self.block_manager.block_size,
+                              self.params.count_ending_requests)
         for seq in self.running:
             forecast.update(seq.num_tokens, self.predicted_remaining(seq))
         return forecast

@@ -56,6 +56,49 @@ def test_forecast_counts_whole_blocks_as_the_paged_cache_holds_them():
     assert forecast.copy().usage == forecast.usage
 
 
+def test_counting_ending_requests_sees_replies_shorter_than_a_point_interval():
+    literal = KVForecast([32, 64], capacity_tokens=300, count_ending=False)
+    counted = KVForecast([32, 64], capacity_tokens=300, count_ending=True)
+    for forecast in (literal, counted):
+        for _ in range(3):
+            forecast.update(input_len=100, predict_len=10)   # gone before point 32
+        forecast.update(input_len=20, predict_len=64)         # alive at both points
+        forecast.update(input_len=50, predict_len=40)         # ends between 32 and 64
+    # literally: the three short replies are invisible, though they hold 3 x 110 tokens at step 10
+    assert literal.usage == [52 + 82, 84] and not literal.should_switch()
+    # counted: each at the first point after its end, with what it holds then (input + length)
+    assert counted.usage == [52 + 82 + 3 * 110, 84 + 90] and counted.should_switch()
+    # a request ending exactly on a point is counted there already, not twice
+    exact = KVForecast([32, 64], capacity_tokens=1000, count_ending=True)
+    exact.update(input_len=10, predict_len=32)
+    assert exact.usage == [42, 0]
+    # beyond the horizon nothing ends within it
+    beyond = KVForecast([32, 64], capacity_tokens=1000, count_ending=True)
+    beyond.update(input_len=10, predict_len=100)
+    assert beyond.usage == [42, 74] and beyond.copy().usage == beyond.usage
+
+
+def test_a_phase_of_short_replies_ends_on_the_forecast_not_on_a_full_cache():
+    """Prompts of 48 tokens with 5-token replies: literally, Algorithm 1 sees none of them (they
+    end before the first point, 8) and prefills until the cache is full."""
+    peaks, reasons = {}, {}
+    for counted in (True, False):
+        sched = _scheduler(num_blocks=16, count_ending_requests=counted)   # 256 tokens
+        for i in range(12):
+            sched.add(_seq(i, 48, 5, predicted=5))
+        while sched.phase == "prefill":
+            batches = _launch(sched)
+            for batch in batches:
+                _complete(sched, batch)
+            if not batches:
+                break
+        decision = sched.drain_decisions()[0]
+        reasons[counted], peaks[counted] = decision["reason"], decision["predicted_kv_peak"]
+    # each holds 48 + 5 tokens (4 blocks) at its end: the 5th is forecast over the 16 blocks
+    assert reasons == {True: "predicted KV peak exceeds capacity", False: "KV cache full"}
+    assert peaks[True] == pytest.approx(5 * 64 / 256) and peaks[False] == 0   # literally: blind
+
+
 # --- Approach 2: inter-batch work stealing, the paper's Fig. 9 ----------------------------------------
 def test_work_stealing_reproduces_figure_9():
     stealing = WorkStealing(depth=4)
