@@ -1,0 +1,121 @@
+"""TD-Pipe's scheduler replayed on a workload's real lengths, without a model: the decisions it
+takes (micro-batches, preemptions, recomputed prefill tokens, phase switches and why, most
+micro-batches in flight), exactly as the engine would take them, in seconds and free of the
+machine's timing noise. Used to see why one workload's lead differs from another's (issue 41:
+held-out ShareGPT requests); the intensity comparison reads a step-time table (--step-times, as
+report.json's engine.step_times; default: one profiled on a 2-core Xeon, PP=2, SmolLM2-135M).
+
+    python benchmarks/strategies/tdpipe_replay.py --requests 400 --offset 1000 --output-scale 0.25
+    python benchmarks/strategies/tdpipe_replay.py --requests 80 --stop-at-eos --max-tokens 512
+
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import embedded_source, emit  # noqa: E402
+from benchmarks.strategies import eos_workload  # noqa: E402
+from benchmarks.strategies.strategy_bench import workload_rows  # noqa: E402
+
+# profiled at startup by tdpipe_bench.py on an Intel Xeon @ 2.50GHz, 2 cores, PP=2 (2026-11-27)
+DEFAULT_STEP_TIMES = {"decode": [[1, 0.0309], [8, 0.0403], [32, 0.0716], [64, 0.1191],
+                                 [128, 0.2262], [256, 0.5047]],
+                      "prefill": [[256, 0.3823], [1024, 1.7303]]}
+CONFIGS = {"tdpipe": {}, "tdpipe-literal-forecast": {"count_ending_requests": False},
+           "tdpipe-no-prefill-ahead": {"launch_prefills_ahead": False}}
+
+
+def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
+           predicted: list, kv_tokens: int, step_times, depth: int = 2) -> dict:
+    from batchinfer.engine.kv_cache import BlockManager
+    from batchinfer.engine.request import SequenceStatus
+    from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
+    from tests.scheduler_driver import launch, make_seq
+
+    sched = TDPipeScheduler(BlockManager(kv_tokens // 16, 16), TDPipeParams(
+        max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)
+    sched.step_times = step_times
+    for i, (n, limit, guess) in enumerate(zip(prompts, limits, predicted)):
+        sched.add(make_seq(i, n, limit, predicted=guess))
+    true_len = {f"r{i}": n for i, n in enumerate(lengths)}
+    in_flight, launched, most = collections.deque(), [], 0
+    while sched.has_unfinished() or in_flight:
+        while len(in_flight) < sched.in_flight_limit(depth):
+            batches = launch(sched)
+            if not batches:
+                break
+            in_flight.extend(batches)
+            most = max(most, len(in_flight))
+            launched += [(b.phase, b.num_tokens if b.phase == "prefill" else len(b))
+                         for b in batches]
+        if not in_flight:
+            break
+        batch = in_flight.popleft()
+        for item in batch.items:           # what the engine does with a returned micro-batch
+            seq = item.seq
+            seq.in_flight = False
+            seq.num_computed_tokens += item.num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(7)
+                if len(seq.output_token_ids) >= true_len[seq.request.request_id]:
+                    seq.status = SequenceStatus.FINISHED
+        sched.on_result(batch)
+    reasons = collections.Counter(d["reason"] for d in sched.drain_decisions())
+    decode = [n for phase, n in launched if phase == "decode"]
+    return {"micro_batches": len(launched), "preemptions": sched.num_preemptions,
+            "phase_switches": sched.num_switches,
+            "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
+            "prefill_tokens": sum(n for phase, n in launched if phase == "prefill"),
+            "recomputed_prefill_tokens": sum(n for p, n in launched if p == "prefill")
+            - sum(prompts),
+            "most_in_flight": most, "switch_reasons": dict(reasons)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--output-scale", type=float, default=0.25)
+    ap.add_argument("--kv-tokens", type=int, default=14448,
+                    help="KV tokens per pipeline (tdpipe_bench's 16,384 split 17 + 13)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="eos_workload.py's lengths (its cached reference pass must exist)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "none"], default="oracle")
+    ap.add_argument("--step-times", type=Path, default=None)
+    args = ap.parse_args()
+    from batchinfer.engine.step_times import StepTimes
+
+    table = (StepTimes.load(args.step_times) if args.step_times
+             else StepTimes.from_json(DEFAULT_STEP_TIMES))
+    rows = workload_rows(args.requests, args.output_scale, "sharegpt", args.offset,
+                         args.max_tokens if args.stop_at_eos else None)
+    tokenizer = embedded_source().tokenizer
+    prompts = [len(eos_workload.prompt_ids(tokenizer, r["prompt"], args.stop_at_eos))
+               for r in rows]
+    lengths = None
+    if args.stop_at_eos:
+        path = eos_workload.reference_path(args.requests, args.offset, args.max_tokens)
+        lengths = json.loads(path.read_text())
+        true = [lengths[r["id"]] for r in rows]
+    else:
+        true = [r["max_tokens"] for r in rows]
+    predicted, _ = eos_workload.forecasts(args.predictor, rows, lengths)
+    limits = [r["max_tokens"] for r in rows]
+    results = {name: replay(params, prompts, true, limits, predicted, args.kv_tokens, table)
+               for name, params in CONFIGS.items()}
+    emit({"requests": args.requests, "offset": args.offset, "output_scale": args.output_scale,
+          "stop_at_eos": args.stop_at_eos, "predictor": args.predictor,
+          "kv_tokens": args.kv_tokens, "prompt_tokens": sum(prompts), "output_tokens": sum(true),
+          "step_times": "default" if args.step_times is None else str(args.step_times),
+          "results": results})
+
+
+if __name__ == "__main__":
+    main()
