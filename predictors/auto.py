@@ -3,14 +3,19 @@
 TD-Pipe's prefill decisions run on forecasts, so a job whose strategy reads them gets, in order:
 1. a predictor trained from this model's own run history: the history.jsonl of the runs beside
    this one (or under `predictor.path`) holding at least MIN_RECORDS records of the same model id
-   with prompt text. It is trained once (the frozen encoder plus the head, seconds for a few
-   thousand prompts) into the setup cache and reused until the history has grown by a quarter;
+   with prompt text (the job's own run directory excluded). It is trained once (the frozen
+   encoder plus the head, seconds for a few thousand prompts) into the setup cache and reused
+   until the history has grown by a quarter; a job that finds another one training it takes the
+   next choice rather than wait;
 2. a predictor shipped in the package for this model (predictors/shipped/*/predictor.json whose
    card lists the model id): the embedded default model has one;
 3. with neither: the mean output length of whatever history there is, or else each request's
    max_tokens (what `none` does).
-The choice and why are logged and recorded in the report (AutoChoice). A strategy that reads no
-forecast gets no predictor at all (nothing to pay for).
+Whatever goes wrong on the way (a broken cache entry is discarded and trained again once) is
+logged and the next choice taken: a predictor never fails a job. The choice and why are logged
+and recorded in the report (AutoChoice). A strategy that reads no forecast gets no predictor at
+all (nothing to pay for). The predictor runs on the CPU unless the recipe names a device: on a
+GPU host it would otherwise take memory from the engine's first rank.
 """
 from __future__ import annotations
 
@@ -19,17 +24,18 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
-from .base import PREDICTOR_CARD, LengthPredictor, MeanPredictor, PredictorError, bert_from_dir
+from .base import PREDICTOR_CARD, LengthPredictor, MeanPredictor, bert_from_dir
 from .history import HISTORY, HistoryRecord, read_history
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
 MAX_TRAIN_RECORDS = 4000     # the newest records a history-trained predictor learns from
 RETRAIN_GROWTH = 1.25        # a cached predictor is reused until the history is this much larger
-TRAIN_WAIT_S = 1800.0        # another job training the same predictor: wait this long at most
+TRAIN_WAIT_S = 2.0           # another job training the same predictor: take the next choice
 
 
 @dataclass(frozen=True)
@@ -47,21 +53,21 @@ class AutoChoice:
 
 
 def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[str],
-                     reads_forecasts: bool) -> tuple[Optional[LengthPredictor], AutoChoice]:
-    """The predictor `auto` resolves to (None: each request's max_tokens) and why."""
+                     reads_forecasts: bool, exclude: Optional[Path] = None
+                     ) -> tuple[Optional[LengthPredictor], AutoChoice]:
+    """The predictor `auto` resolves to (None: each request's max_tokens) and why. `exclude`: a
+    run directory whose history is not read (the job's own: a resumed run or a Slurm part would
+    otherwise learn from a different, growing set). Nothing here fails the job: a predictor is an
+    optimisation, so each step that goes wrong is logged and the next choice taken."""
     if not reads_forecasts:
         return None, AutoChoice("none", "max_tokens", "the strategy reads no length forecast")
     root = Path(cfg.path) if cfg.path else Path(runs_root)
-    records = model_history(root, model_id)
+    records = model_history(root, model_id, exclude)
     if len(records) >= min_records():
-        try:
-            path = trained_from_history(records, model_id, device)
-            predictor = bert_from_dir(cfg, path, device)
-        except (PredictorError, OSError, RuntimeError) as exc:
-            # a predictor is an optimisation: never fail the job over one
-            log.warning("length predictor (auto): could not train one from the history under "
-                        "%s (%s: %s); falling back", root, type(exc).__name__, exc)
-        else:
+        built = _attempt(f"training one from the history under {root}",
+                         lambda: _from_history(cfg, records, model_id, device))
+        if built is not None:
+            path, predictor = built
             reason = (f"trained on this model's own history: "
                       f"{min(len(records), MAX_TRAIN_RECORDS)} of {len(records)} records under "
                       f"{root}")
@@ -69,11 +75,13 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
             return predictor, AutoChoice("bert", "history", reason, str(path), len(records))
     shipped = shipped_predictor(model_id)
     if shipped is not None:
-        reason = (f"shipped for {model_id}" + (f" (this model's history has {len(records)} "
-                  f"records, fewer than the {min_records()} needed to train)" if records else ""))
-        log.info("length predictor (auto): bert %s (%s)", shipped, reason)
-        return (bert_from_dir(cfg, shipped, device),
-                AutoChoice("bert", "shipped", reason, str(shipped), len(records)))
+        predictor = _attempt(f"loading {shipped}", lambda: bert_from_dir(cfg, shipped, device))
+        if predictor is not None:
+            reason = (f"shipped for {model_id}" + (
+                f" (this model's history has {len(records)} records, fewer than the "
+                f"{min_records()} needed to train)" if records else ""))
+            log.info("length predictor (auto): bert %s (%s)", shipped, reason)
+            return predictor, AutoChoice("bert", "shipped", reason, str(shipped), len(records))
     if records:
         mean = sum(r.output_tokens for r in records) / len(records)
         reason = (f"no predictor for {model_id}: the mean output length ({mean:.1f} tokens) of "
@@ -89,31 +97,81 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
     return None, AutoChoice("none", "max_tokens", reason)
 
 
+def _attempt(what: str, build: Callable[[], T]) -> Optional[T]:
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
+        log.warning("length predictor (auto): %s failed (%s: %s); taking the next choice", what,
+                    type(exc).__name__, exc)
+        return None
+
+
+def _from_history(cfg: Any, records: list[HistoryRecord], model_id: str,
+                  device: Optional[str]) -> tuple[Path, LengthPredictor]:
+    """The cached (or newly trained) predictor, loaded; a cached one that does not load is
+    discarded and trained again once."""
+    from batchinfer.engine.setup_cache import discard
+
+    path = trained_from_history(records, model_id, device)
+    try:
+        return path, bert_from_dir(cfg, path, device)
+    except Exception as exc:  # noqa: BLE001 - whatever broke the entry, it is rebuilt
+        log.warning("length predictor (auto): the cached %s does not load (%s: %s); training "
+                    "it again", path, type(exc).__name__, exc)
+        discard(path, "discarding a broken length predictor", TRAIN_WAIT_S)
+    path = trained_from_history(records, model_id, device)
+    return path, bert_from_dir(cfg, path, device)
+
+
 def min_records() -> int:
     from .train import MIN_RECORDS
 
     return MIN_RECORDS
 
 
-def model_history(root: Path, model_id: str) -> list[HistoryRecord]:
+def model_history(root: Path, model_id: str, exclude: Optional[Path] = None
+                  ) -> list[HistoryRecord]:
     """Records of `model_id` with prompt text in `root` itself (a run directory) or in the run
-    directories directly under it. Unreadable runs are skipped, never fatal."""
+    directories directly under it, but `exclude`. A run that cannot be read is skipped with a
+    warning, never fatal."""
     if not root.is_dir():
         return []
-    runs = [root] if _has_history(root) else []
-    runs += sorted(p for p in root.iterdir() if p.is_dir() and _has_history(p))
-    if not runs:
-        return []
     try:
-        data = read_history(runs, model=model_id, need_text=True)
+        runs = [root] if _has_history(root) else []
+        runs += sorted(p for p in root.iterdir() if p.is_dir() and _has_history(p))
     except OSError as exc:
-        log.warning("length predictor (auto): cannot read the history under %s (%s)", root, exc)
+        log.warning("length predictor (auto): cannot list %s (%s)", root, exc)
         return []
-    return data.records
+    skip = _resolved(exclude) if exclude is not None else None
+    records: list[HistoryRecord] = []
+    seen: set = set()
+    for run in runs:
+        if skip is not None and _resolved(run) == skip:
+            continue
+        try:
+            data = read_history([run], model=model_id, need_text=True)
+        except OSError as exc:
+            log.warning("length predictor (auto): skipping %s (%s)", run, exc)
+            continue
+        for record in data.records:
+            if record.key not in seen:
+                seen.add(record.key)
+                records.append(record)
+    return records
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except OSError:
+        return Path(path).absolute()
 
 
 def _has_history(path: Path) -> bool:
-    return (path / HISTORY).is_file() or any(path.glob(f"part-*-of-*/{HISTORY}"))
+    try:
+        return (path / HISTORY).is_file() or any(path.glob(f"part-*-of-*/{HISTORY}"))
+    except OSError:          # e.g. another user's run directory
+        return False
 
 
 def shipped_predictor(model_id: str) -> Optional[Path]:

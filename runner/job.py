@@ -32,6 +32,7 @@ from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputReader, Shard
 from .report.metrics import SessionMetrics
 from .report.plots import render_plots
+from .predictor_setup import build_job_predictor
 from .progress import Progress
 from .recipe import Recipe
 from .io.records import RequestPayload, error_record, input_error_record, output_record
@@ -215,7 +216,8 @@ class Job:
 
                 factory = Engine.from_config
             # the predictor first: a bad predictor directory is a usage error (exit 2)
-            self.predictor = self._build_predictor()
+            self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
+                                                                        self.spec.output_dir)
             self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
             self.engine.drain_step_events()
@@ -231,28 +233,6 @@ class Job:
 
         resolution = resolve_auto_settings(self.recipe, self.spec.input_path, self.spec.limit)
         self.recipe, self.auto_settings = resolution.recipe, resolution.record
-
-    def _build_predictor(self):
-        """The recipe's length predictor; none needs no prediction pass at all."""
-        cfg = self.recipe.predictor
-        device = self.recipe.device.device
-        device = None if device == "auto" else device
-        if cfg.name == "auto":
-            from batchinfer.engine.model.sources import model_id_for
-            from batchinfer.predictors.auto import choose_predictor
-
-            model = self.recipe.model
-            predictor, choice = choose_predictor(
-                cfg, model_id_for(model.path, model.load_format == "dummy"),
-                Path(self.spec.output_dir).parent, device,
-                self.recipe.strategy.reads_length_forecasts())
-            self.predictor_choice = choice.to_json()
-            return predictor
-        if cfg.name == "none":
-            return None
-        from batchinfer.predictors import make_predictor
-
-        return make_predictor(cfg, device=device)
 
     # --- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> bool:

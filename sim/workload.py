@@ -52,9 +52,9 @@ def _history_lengths(sources: list[Path]) -> list[int]:
 
 
 def _predictor(recipe):
-    """The recipe's predictor and how the profile names it; `auto` resolves as a run of a
-    strategy that reads forecasts would (every simulated strategy needs output lengths), over
-    the runs beside the recipe's run directory (default: runs/)."""
+    """The recipe's predictor and how the profile names it; `auto` resolves as the recipe's run
+    would (a strategy that reads no forecast gets max_tokens, as a run of it predicts nothing),
+    over the runs beside the recipe's run directory (default: runs/), on the CPU."""
     from batchinfer.predictors import make_predictor
 
     cfg = recipe.predictor
@@ -67,7 +67,7 @@ def _predictor(recipe):
     runs_root = Path(recipe.io.output_dir).parent if recipe.io.output_dir else Path("runs")
     predictor, choice = choose_predictor(
         cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy"), runs_root,
-        "cpu", reads_forecasts=True)
+        "cpu", reads_forecasts=recipe.strategy.reads_length_forecasts())
     return predictor or NonePredictor(cfg.oracle_field), f"predictor auto: {choice.reason}"
 
 

@@ -131,17 +131,42 @@ def test_enough_history_trains_once_and_retrains_when_it_grows(tmp_path, cache):
     assert Path(grown.path).name == "n84" and grown.path != choice.path
 
 
-def test_a_failed_training_falls_back_and_the_job_goes_on(tmp_path, cache, monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError, ValueError, ImportError])
+def test_whatever_breaks_a_predictor_the_next_choice_is_taken(tmp_path, cache, monkeypatch,
+                                                              error):
     from batchinfer.predictors import auto
-    from batchinfer.predictors.base import PredictorError
 
     def broken(*args, **kwargs):
-        raise PredictorError("the encoder is broken")
+        raise error("broken")
 
     monkeypatch.setattr(auto, "trained_from_history", broken)
     _write_history(tmp_path / "run", MODEL, 10)
     predictor, choice = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
     assert predictor.name == "mean" and choice.name == "mean"
+    # the shipped predictor failing to load: the embedded model's job goes on with max_tokens
+    monkeypatch.setattr(auto, "bert_from_dir", broken)
+    predictor, choice = choose_predictor(_cfg(), DEFAULT_MODEL_ID, tmp_path / "none", "cpu", True)
+    assert predictor is None and choice.name == "none"
+
+
+def test_a_broken_cached_predictor_is_trained_again(tmp_path, cache):
+    _write_history(tmp_path / "run", MODEL, 10)
+    _, first = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
+    (Path(first.path) / "weights.safetensors").write_bytes(b"torn")
+    predictor, again = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
+    assert (again.name, again.source, again.path) == ("bert", "history", first.path)
+    assert len(predictor.predict([LengthQuery("x", max_tokens=512)])) == 1
+
+
+def test_the_jobs_own_run_and_unreadable_runs_are_left_out(tmp_path):
+    own, other = tmp_path / "own", tmp_path / "other"
+    _write_history(own, MODEL, 2)
+    _write_history(other, MODEL, 1, start=500)
+    assert len(model_history(tmp_path, MODEL)) == 18
+    assert len(model_history(tmp_path, MODEL, exclude=own)) == 6
+    (tmp_path / "locked").mkdir(mode=0)          # another user's run: skipped, not fatal
+    assert len(model_history(tmp_path, MODEL, exclude=own)) == 6
+    assert model_history(tmp_path / "missing", MODEL) == []
 
 
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
@@ -183,4 +208,6 @@ def test_a_job_learns_from_the_runs_beside_it_and_reports_the_choice(tmp_path, m
     assert (second["predictor"]["name"], second["predictor"]["source"]) == ("bert", "history")
     assert second["session"]["predictor"]["requests"] == 3
     history = [json.loads(x) for x in (runs / "second" / "history.jsonl").read_text().splitlines()]
-    assert all(h["predicted_tokens"] == 4 for h in history)   # long tasks, capped at max_tokens
+    assert len(history) == 3 and all("predicted_tokens" in h for h in history)
+    # the 60 records beside it and the first run's 3, not its own (a resumed run's or a part's)
+    assert second["predictor"]["history_records"] == 63
