@@ -21,7 +21,7 @@ import torch
 from .attention import AttentionBackend
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager
-from .model.llama import CausalLM
+from .model.causal_lm import CausalLM
 from .sampler import Sampler
 from .scheduler import MicroBatch
 from .step_plan import model_inputs, plan_batch

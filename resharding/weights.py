@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 import torch
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.model.llama import CausalLM, ModelPartition
+from batchinfer.engine.model.causal_lm import CausalLM, ModelPartition
 from batchinfer.engine.model.loader import (_Filler, _read_weights, _Target, dummy_tensor,
                                             empty_partition, finish_partition, hf_tensor_shapes,
                                             safetensor_files)
@@ -41,8 +41,8 @@ class _Collect:
     def __init__(self, wanted: set[str]):
         self.wanted, self.tensors = wanted, {}
 
-    def target(self, name: str):
-        return _Target("whole") if name in self.wanted else None   # no slice: the whole tensor
+    def targets(self, name: str) -> list:
+        return [_Target("whole")] if name in self.wanted else []   # no slice: the whole tensor
 
     def check_source_shape(self, name, shape, where) -> None:
         pass
@@ -57,7 +57,7 @@ def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition]) -> set[s
     for partition in partitions:
         with torch.device("meta"):   # shapes only: nothing is allocated
             filler = _Filler(CausalLM(arch, 16, partition, ShapeOnlyGroup(partition)))
-        names.update(name for name, _ in hf_tensor_shapes(arch) if filler.target(name) is not None)
+        names.update(name for name, _ in hf_tensor_shapes(arch) if filler.targets(name))
     return names
 
 
@@ -87,7 +87,7 @@ class HostWeights:
                 if name in wanted:
                     collect.put(name, dummy_tensor(name, shape, seed))
         else:
-            _read_weights(safetensor_files(model_dir), collect)
+            _read_weights(safetensor_files(model_dir), collect, arch, str(model_dir))
         missing = wanted - set(collect.tensors)
         if missing:
             raise ValueError(f"{model_dir}: weights missing for {', '.join(sorted(missing)[:6])}")
@@ -108,15 +108,13 @@ class HostWeights:
         from_host = 0
         with torch.no_grad():
             for name, tensor in self.tensors.items():
-                where = filler.target(name)
-                if where is None:
-                    continue
-                if name in kept:
-                    filler.put(name, kept[name], where)
-                    continue
-                part = where.take(tensor)
-                filler.put(name, part, where)
-                from_host += part.numel() * part.element_size()
+                for where in filler.targets(name):
+                    if name in kept:
+                        filler.put(name, kept[name], where)
+                        continue
+                    part = where.take(tensor)
+                    filler.put(name, part, where)
+                    from_host += part.numel() * part.element_size()
             filler.check_complete("the host copy of the weights")
         model = finish_partition(model, device, dtype)
         kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
@@ -131,9 +129,8 @@ def shared_norms(previous: CausalLM, partition: ModelPartition, arch: ModelArch)
     kept = {}
     for index in range(max(old.layer_start, new.layer_start), min(old.layer_end, new.layer_end)):
         layer = previous.layers[index - old.layer_start]
-        kept[f"model.layers.{index}.input_layernorm.weight"] = layer.input_layernorm.weight
-        kept[f"model.layers.{index}.post_attention_layernorm.weight"] = \
-            layer.post_attention_layernorm.weight
+        for norm in layer.NORMS:
+            kept[f"model.layers.{index}.{norm}.weight"] = getattr(layer, norm).weight
     if previous.norm is not None and new.is_last(arch.num_layers):
         kept["model.norm.weight"] = previous.norm.weight
     return {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in kept.items()}

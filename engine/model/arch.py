@@ -1,7 +1,9 @@
 """The architecture facts the engine needs, read from a Hugging Face config.json.
 
-Supported: the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2 (qkv bias). Anything
-else is a clear error naming the file and the architectures we run.
+The generic fields (sizes, heads, RoPE, norms' epsilon) are read here for every family; each
+family module (registry.py lists them) adds what sets it apart (q/k norms, norm placement,
+soft-capping, ...). Anything else is a clear error naming the file, the architectures we run and
+how to run it anyway (`strategy: vllm`).
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ModelLoadError
+from .registry import FAMILIES, family_module, supported_models
 
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,18 @@ class ModelArch:
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    # --- what sets a family apart (the defaults are the Llama family's) ---------------------------
+    o_bias: bool = False                 # o_proj has a bias (added once, after the TP all-reduce)
+    qk_norm: Optional[str] = None        # RMSNorm of q and k before RoPE: "head" (over each head:
+                                         # Qwen3), "full" (over all heads at once: OLMo 2)
+    rotary_dim: Optional[int] = None     # RoPE on the first rotary_dim of each head (Phi-4-mini's
+                                         # partial_rotary_factor); None: all of it
+    fused_checkpoint: bool = False       # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
+
+    @property
+    def family(self) -> str:
+        """The family module's name (registry.FAMILIES)."""
+        return FAMILIES[self.model_type]
 
     @property
     def q_size(self) -> int:
@@ -44,6 +59,11 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_size(self) -> int:
+        """The rotated width of each head."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -69,59 +89,94 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def rope_kind(scaling: Optional[dict]) -> str:
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def unsupported_architecture(model_type: Any, archs: Any, source: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{source}: model_type {model_type!r} (architectures {archs}) is not supported by the "
+        f"batchinfer engine; supported: {supported_models()}. To run it anyway, set "
+        "`strategy: {name: vllm}` in the recipe: an installed vLLM runs the job "
+        "(pip install 'batchinfer[vllm]'; recipes/vllm.yaml)")
+
+
+def _generic_fields(cfg: dict) -> dict:
+    """ModelArch's fields every family reads the same way (KeyError: a required one is missing)."""
+    model_type = cfg["model_type"]
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (rope if rope_kind(rope) != "default" else None)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    return dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=dict(scaling) if scaling else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        rotary_dim=(int(head_dim * float(partial)) if partial not in (None, 1, 1.0) else None),
+        raw=cfg,
+    )
+
+
 def arch_from_dict(cfg: dict, source: str = "config.json") -> ModelArch:
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = cfg.get("architectures")
-        raise ModelLoadError(
-            f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Llama 2/3, SmolLM2, TinyLlama, "
-            "Mistral, Qwen2)")
+    if model_type not in FAMILIES:
+        raise unsupported_architecture(model_type, cfg.get("architectures"), source)
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        rope = cfg.get("rope_parameters") or {}
-        rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        head_dim = cfg.get("head_dim") or hidden // heads
-        arch = ModelArch(
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-            raw=cfg,
-        )
+        family = family_module(model_type)
+        if family.COMPLETE_WITH_TRANSFORMERS:
+            cfg = transformers_config(cfg)
+        fields = _generic_fields(cfg)
+        fields.update(family.read_config(cfg))
+        arch = ModelArch(**fields)
     except KeyError as exc:
         raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: malformed field: {exc}") from None
+    _check(arch, source)
+    return arch
+
+
+def _check(arch: ModelArch, source: str) -> None:
     if arch.num_heads % arch.num_kv_heads:
         raise ModelLoadError(f"{source}: num_attention_heads ({arch.num_heads}) is not a multiple of "
                              f"num_key_value_heads ({arch.num_kv_heads})")
-    if arch.head_dim % 2:
-        raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings, got {arch.head_dim}")
-    if arch.rope_scaling:
-        kind = arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type", "default"))
-        if kind not in ("default", "linear", "llama3", "dynamic"):
-            raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported; "
-                                 "supported: default, linear, llama3, dynamic (treated as default "
-                                 "within max_position_embeddings)")
+    if arch.head_dim % 2 or arch.rotary_size % 2 or not 0 < arch.rotary_size <= arch.head_dim:
+        raise ModelLoadError(f"{source}: the rotary width must be even and within head_dim, got "
+                             f"{arch.rotary_size} of head_dim {arch.head_dim}")
+    if arch.rope_scaling and rope_kind(arch.rope_scaling) not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: rope scaling type {rope_kind(arch.rope_scaling)!r} is not "
+                             f"supported; supported: {', '.join(ROPE_TYPES)} (dynamic is treated as "
+                             "default within max_position_embeddings)")
     if math.isnan(arch.rms_norm_eps):
         raise ModelLoadError(f"{source}: rms_norm_eps is NaN")
-    return arch
+
+
+def transformers_config(cfg: dict) -> dict:
+    """The config dict completed by transformers' own config class for its model_type: every
+    default it fills in (config.json files saved by transformers omit them) and RoPE parameters
+    in its standard form (rope_parameters). For families whose defaults are not the generic ones."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
+    return {**config.to_dict(), "model_type": cfg["model_type"]}
 
 
 def read_arch(model_dir: Path) -> ModelArch:

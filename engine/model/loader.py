@@ -1,9 +1,11 @@
 """Builds a CausalLM partition and fills it from safetensors (or random weights for `dummy`).
 
 Hugging Face tensor names are mapped onto the fused layout: q/k/v rows go into qkv_proj, gate/up
-rows into gate_up_proj. Only the tensors this partition needs are read, and a tensor-parallel rank
-reads only its slices of them (shard.py says which). Dummy weights are generated as whole HF
-tensors from (seed, name) and go through the same slicing, so every layout gets the same model.
+rows into gate_up_proj (a checkpoint that stores them fused, Phi-3's, has that layout already).
+Only the tensors this partition needs are read, and a tensor-parallel rank reads only its slices
+of them (shard.py says which). Every tensor's name and shape is checked against the config first
+(checkpoint.py). Dummy weights are generated as whole HF tensors from (seed, name) and go through
+the same slicing, so every layout gets the same model.
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from ..cpu_dtype import activation_dtype
 from ..errors import ModelLoadError
 from .arch import ModelArch, arch_from_dict, read_arch
+from .causal_lm import CausalLM, ModelPartition
+from .checkpoint import CheckpointCheck, hf_tensor_shapes
 from .fast_linear import pack_linears
-from .llama import CausalLM, ModelPartition
+from .rope import Rotary
 from .shard import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -49,8 +53,10 @@ def safetensor_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one HF tensor goes: rows [start, start + rows) of our parameter `param`, taking the
-    source slice [lo, hi) along `dim` (None: the whole tensor) of a tensor `full` wide there."""
+    """Where one HF tensor (or a piece of it) goes: rows [start, start + rows) of our parameter
+    `param`, taking the source slice [lo, hi) along `dim` (None: the whole tensor) of a tensor
+    `full` wide there. `zero`: the rows are zeros whatever the source holds (a row-parallel bias
+    on every TP rank but the first, so that the all-reduce adds it once)."""
 
     param: str
     start: int = 0
@@ -59,6 +65,7 @@ class _Target:
     lo: int = 0
     hi: int = 0
     full: int = 0
+    zero: bool = False
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.dim is None else tensor.narrow(self.dim, self.lo, self.hi - self.lo)
@@ -73,46 +80,66 @@ class _Filler:
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
 
-    def target(self, name: str) -> Optional[_Target]:
-        """HF name -> where it goes, or None if not ours to hold."""
+    def targets(self, name: str) -> list[_Target]:
+        """HF name -> where its pieces go; [] if not ours to hold."""
         a, m, sh = self.arch, self.model, self.shard
         split = sh.tp_size > 1
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             ours = "embed_tokens" if name.startswith("model.") else "lm_head"
             if getattr(m, ours) is None or (ours == "lm_head" and a.tie_word_embeddings):
-                return None
-            return _Target(f"{ours}.weight", 0, sh.vocab_rows, *self._cut(split, 0, sh.vocab_start,
-                                                                          sh.vocab_rows, a.vocab_size))
+                return []
+            return [_Target(f"{ours}.weight", 0, sh.vocab_rows,
+                            *self._cut(split, 0, sh.vocab_start, sh.vocab_rows, a.vocab_size))]
         if name == "model.norm.weight":
-            return _Target("norm.weight") if m.norm is not None else None
+            return [_Target("norm.weight")] if m.norm is not None else []
         match = _LAYER.match(name)
         if not match:
-            return None
+            return []
         layer = int(match.group(1)) - m.partition.layer_start
         if not 0 <= layer < len(m.layers):
-            return None
+            return []
         rest, p = match.group(2), f"layers.{layer}."
         module, _, kind = rest.rpartition(".")
-        q, kv, inter = sh.q_size, sh.kv_size, sh.intermediate_size
-        i_start, i_full = sh.intermediate_start, a.intermediate_size
-        column = {  # column-parallel: this rank's output rows, into the fused parameter
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q, sh.q_start, a.q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv, sh.kv_start, a.kv_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv, sh.kv_start, a.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter, i_start, i_full),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter, i_start, i_full),
-        }
-        if module in column:
-            target, start, rows, lo, full = column[module]
-            return _Target(f"{p}{target}.{kind}", start, rows, *self._cut(split, 0, lo, rows, full))
+        pieces = self._column_pieces(module)
+        if pieces is not None:   # column-parallel: this rank's output rows, into a fused parameter
+            target, parts = pieces
+            if not split and len(parts) > 1:     # a fused checkpoint tensor, whole: our layout
+                return [_Target(f"{p}{target}.{kind}")]
+            return [_Target(f"{p}{target}.{kind}", start, rows, *self._cut(split, 0, lo, rows, full))
+                    for start, rows, lo, full in parts]
         row = {  # row-parallel: this rank's input columns
-            "self_attn.o_proj": (sh.q_start, q, a.q_size),
-            "mlp.down_proj": (i_start, inter, i_full),
+            "self_attn.o_proj": (sh.q_start, sh.q_size, a.q_size),
+            "mlp.down_proj": (sh.intermediate_start, sh.intermediate_size, a.intermediate_size),
         }
         if module in row and kind == "weight":
             lo, cols, full = row[module]
-            return _Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, cols, full))
-        return _Target(f"{p}{rest}")
+            return [_Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, cols, full))]
+        if module in row:        # its bias: added once, by the first rank
+            return [_Target(f"{p}{rest}", zero=sh.tp_rank > 0)]
+        return [_Target(f"{p}{rest}")]
+
+    def _column_pieces(self, module: str) -> Optional[tuple[str, list[tuple[int, int, int, int]]]]:
+        """Our fused parameter for a column-parallel HF module and its pieces as (our first row,
+        rows, first row in the HF tensor, the HF tensor's rows); None for other modules. The
+        fused HF tensors (Phi-3's) have one piece per projection they hold."""
+        a, sh = self.arch, self.shard
+        q, kv, inter = sh.q_size, sh.kv_size, sh.intermediate_size
+        i_start, i_full = sh.intermediate_start, a.intermediate_size
+        qkv_full = a.q_size + 2 * a.kv_size
+        pieces = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", [(0, q, sh.q_start, a.q_size)]),
+            "self_attn.k_proj": ("self_attn.qkv_proj", [(q, kv, sh.kv_start, a.kv_size)]),
+            "self_attn.v_proj": ("self_attn.qkv_proj", [(q + kv, kv, sh.kv_start, a.kv_size)]),
+            "mlp.gate_proj": ("mlp.gate_up_proj", [(0, inter, i_start, i_full)]),
+            "mlp.up_proj": ("mlp.gate_up_proj", [(inter, inter, i_start, i_full)]),
+            "self_attn.qkv_proj": ("self_attn.qkv_proj", [
+                (0, q, sh.q_start, qkv_full),
+                (q, kv, a.q_size + sh.kv_start, qkv_full),
+                (q + kv, kv, a.q_size + a.kv_size + sh.kv_start, qkv_full)]),
+            "mlp.gate_up_proj": ("mlp.gate_up_proj", [
+                (0, inter, i_start, 2 * i_full), (inter, inter, i_full + i_start, 2 * i_full)]),
+        }
+        return pieces.get(module)
 
     @staticmethod
     def _cut(split: bool, dim: int, lo: int, size: int, full: int) -> tuple:
@@ -125,11 +152,8 @@ class _Filler:
             raise ModelLoadError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
                                  f"{where.full} along dim {where.dim}")
 
-    def put(self, name: str, tensor: torch.Tensor, where: Optional[_Target] = None) -> None:
+    def put(self, name: str, tensor: torch.Tensor, where: _Target) -> None:
         """`tensor` is what `where` selects: this rank's slice when `where.dim` is set."""
-        where = self.target(name) if where is None else where
-        if where is None:
-            return
         param = self.params.get(where.param)
         if param is None:
             raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
@@ -138,7 +162,10 @@ class _Filler:
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config "
                                  f"implies {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if where.zero:
+            dest.zero_()
+        else:
+            dest.copy_(tensor)
         self.filled[where.param] = self.filled.get(where.param, 0) + rows
 
     def expected_rows(self, pname: str) -> int:
@@ -147,55 +174,39 @@ class _Filler:
         return self.params[pname].shape[0]
 
     def check_complete(self, source: str) -> None:
+        """Every parameter row filled (the checkpoint check names missing tensors before this)."""
         missing = [n for n in self.params if self.filled.get(n, 0) != self.expected_rows(n)]
         if missing:
             raise ModelLoadError(f"{source}: weights missing for {', '.join(missing[:6])}"
                                  f"{' ...' if len(missing) > 6 else ''}")
 
 
-def _read_weights(files: list[Path], filler: _Filler) -> None:
-    """Reads only what this partition holds; a TP rank reads only its slices (get_slice)."""
+def _read_weights(files: list[Path], filler, arch: ModelArch, source: str) -> None:
+    """Reads only what this partition holds; a TP rank reads only its slices (get_slice). Every
+    tensor's name and shape is checked against the config (from the file's header) first.
+    `filler` is a _Filler, or anything with its targets / check_source_shape / put."""
     from safetensors import SafetensorError, safe_open
 
+    check = CheckpointCheck(arch, source)
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():
-                    where = filler.target(name)
-                    if where is None:
+                    part = fh.get_slice(name)
+                    if not check.see(name, part.get_shape()):
                         continue
-                    if where.dim is None:
-                        tensor = fh.get_tensor(name)
-                    else:
-                        part = fh.get_slice(name)
-                        filler.check_source_shape(name, part.get_shape(), where)
-                        cut = slice(where.lo, where.hi)
-                        tensor = part[cut] if where.dim == 0 else part[:, cut]
-                    filler.put(name, tensor, where)
+                    for where in filler.targets(name):
+                        if where.dim is None:
+                            tensor = fh.get_tensor(name)
+                        else:
+                            filler.check_source_shape(name, part.get_shape(), where)
+                            cut = slice(where.lo, where.hi)
+                            tensor = part[cut] if where.dim == 0 else part[:, cut]
+                        filler.put(name, tensor, where)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: cannot read weights ({exc}); the file may be corrupt "
                                  "or truncated") from None
-
-
-def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The full model's Hugging Face tensor names and shapes (what a checkpoint would hold)."""
-    h, v = arch.hidden_size, arch.vocab_size
-    yield "model.embed_tokens.weight", (v, h)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
-        for proj, rows in (("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)):
-            yield f"{p}self_attn.{proj}_proj.weight", (rows, h)
-            if arch.qkv_bias:
-                yield f"{p}self_attn.{proj}_proj.bias", (rows,)
-        yield p + "self_attn.o_proj.weight", (h, arch.q_size)
-        yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.gate_proj.weight", (arch.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", (arch.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", (h, arch.intermediate_size)
-    yield "model.norm.weight", (h,)
-    if not arch.tie_word_embeddings:
-        yield "lm_head.weight", (v, h)
+    check.finish(name for name in check.expected if filler.targets(name))
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], seed: int,
@@ -212,9 +223,11 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int,
 
 def _fill_dummy(filler: _Filler, seed: int, device: torch.device) -> None:
     for name, shape in hf_tensor_shapes(filler.arch):
-        where = filler.target(name)
-        if where is not None:
-            filler.put(name, where.take(dummy_tensor(name, shape, seed, device)), where)
+        wheres = filler.targets(name)
+        if wheres:
+            tensor = dummy_tensor(name, shape, seed, device)
+            for where in wheres:
+                filler.put(name, where.take(tensor), where)
 
 
 def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
@@ -233,7 +246,7 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
             _fill_dummy(filler, seed, device if on_device else torch.device("cpu"))
             filler.check_complete("dummy weights")
         else:
-            _read_weights(safetensor_files(model_dir), filler)
+            _read_weights(safetensor_files(model_dir), filler, arch, str(model_dir))
             filler.check_complete(str(model_dir))
     return finish_partition(model, device, dtype, pack)
 
@@ -248,7 +261,9 @@ def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartiti
         model = CausalLM(arch, max_positions, partition, tp_group)
     _materialize(model, device, dtype)
     model.tie_weights()
-    model.rotary.reset()
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.reset()
     with torch.no_grad():
         for vocab_param in (model.embed_tokens, model.lm_head):
             if vocab_param is not None:  # the padding rows of the last vocab shard

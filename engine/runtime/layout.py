@@ -13,7 +13,7 @@ from ..config import ParallelConfig
 from ..cpu_binding import compute_threads
 from ..errors import ConfigError
 from ..model.arch import ModelArch
-from ..model.llama import ModelPartition
+from ..model.causal_lm import ModelPartition
 
 
 @dataclass(frozen=True)

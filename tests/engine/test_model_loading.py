@@ -33,7 +33,7 @@ def test_unknown_architecture(tmp_path, default_model_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt_neox"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"config.json: model_type 'gpt_neox'.*supported: llama"):
+    with pytest.raises(ModelLoadError, match=r"config.json: model_type .gpt_neox.*supported: .*llama \("):
         _build(d)
 
 
@@ -57,7 +57,8 @@ def test_weights_missing_a_tensor(tmp_path, default_model_dir):
     tensors = load_file(str(default_model_dir / "model.safetensors"))
     del tensors["model.layers.3.mlp.up_proj.weight"]
     save_file(tensors, str(d / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"weights missing for layers\.3\.mlp\.gate_up_proj"):
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor\(s\) .*'model\.layers\.3\.mlp\.up_proj"
+                                             r"\.weight' \(1536, 576\)$"):
         _build(d)
 
 
@@ -153,3 +154,77 @@ def test_a_conversion_parses_its_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
     assert gguf.GGUFReader(path) is not first
+
+
+def test_unsupported_architecture_lists_the_supported_and_the_vllm_route():
+    from batchinfer.engine.model.arch import arch_from_dict
+
+    with pytest.raises(ModelLoadError) as info:
+        arch_from_dict({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}, "c.json")
+    message = str(info.value)
+    assert message.startswith("c.json: model_type 'gpt_neox' (architectures ['GPTNeoXForCausalLM'])")
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"):
+        assert f"{model_type} (" in message
+    assert "strategy: {name: vllm}" in message
+
+
+TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8}
+
+
+def _tiny_checkpoint(path, cfg, edit):
+    """A dummy-weight checkpoint of `cfg` with `edit(tensors)` applied."""
+    from safetensors.torch import save_file
+
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.loader import dummy_tensor, hf_tensor_shapes
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = {n: dummy_tensor(n, s, seed=1) for n, s in hf_tensor_shapes(arch_from_dict(cfg))}
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _load(path):
+    import torch
+
+    from batchinfer.engine.model.loader import build_model, load_arch
+
+    return build_model(path, load_arch(path), torch.float32, torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"),
+     r"missing 1 tensor\(s\) .*'model\.layers\.1\.self_attn\.k_norm\.weight' \(8,\)$"),
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}),
+     r"tensor 'model\.layers\.0\.self_attn\.o_proj\.bias' of shape \(32,\) that a qwen3 model"),
+    (lambda t: t.update({"model.layers.1.mlp.down_proj.weight": np.zeros((32, 40), np.float32)}),
+     r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight' has shape \(32, 40\) in the checkpoint, "
+     r"but config.json implies \(32, 48\)$"),
+], ids=["missing", "extra", "wrong-shape"])
+def test_a_checkpoint_that_does_not_match_its_config_names_the_tensor(tmp_path, edit, message):
+    import torch
+
+    def edit_tensors(tensors):
+        edit(tensors)
+        for name, value in tensors.items():
+            tensors[name] = torch.as_tensor(value)
+
+    path = _tiny_checkpoint(tmp_path / "m", TINY_QWEN3, edit_tensors)
+    with pytest.raises(ModelLoadError, match=message):
+        _load(path)
+
+
+def test_a_fused_checkpoint_tensor_of_the_wrong_shape_is_named(tmp_path):
+    """Phi-3 stores qkv_proj fused: a config with other head counts names it and both shapes."""
+    cfg = {**TINY_QWEN3, "model_type": "phi3", "head_dim": None}
+    path = _tiny_checkpoint(tmp_path / "m", cfg, lambda t: None)
+    cfg["num_key_value_heads"] = 4
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\.self_attn\.qkv_proj\.weight' has "
+                                             r"shape \(64, 32\) in the checkpoint, but config\.json "
+                                             r"implies \(96, 32\)$"):
+        _load(path)

@@ -15,7 +15,7 @@ from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kernels import load_native_kernels
 from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
 from batchinfer.engine.model.arch import arch_from_dict
-from batchinfer.engine.model.llama import CausalLM, ModelPartition
+from batchinfer.engine.model.causal_lm import CausalLM, ModelPartition
 from batchinfer.engine.model.loader import build_model, dummy_tensor, hf_tensor_shapes, load_arch
 from batchinfer.engine.model.ops import NativeOps, TorchOps
 from batchinfer.engine.model.shard import (TensorParallelGroup, check_tensor_parallel, shard_sizes,

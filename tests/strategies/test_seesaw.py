@@ -18,7 +18,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
-from batchinfer.engine.model.llama import ModelPartition
+from batchinfer.engine.model.causal_lm import ModelPartition
 from batchinfer.engine.model.loader import build_model, load_arch
 from batchinfer.engine.model.sources import resolve_model_dir
 from batchinfer.strategies.seesaw.executor import Reshard

@@ -1,0 +1,142 @@
+"""Every model family on a tiny random model built with transformers' own classes
+(tests/tiny_families.py): greedy outputs equal transformers' generate token for token, one
+prompt at a time and batched, under SB and under HB with small chunks and prefix caching, and
+split by PP=2 and by TP=2 (one pair of processes runs every family)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.greedy import greedy_tokens
+from tests.tiny_families import FAMILIES, MAX_NEW, PROMPTS, hf_greedy, hf_model, save_model
+
+SMALL_CACHE = {"kv_cache_memory": "8MiB"}
+
+
+@pytest.mark.parametrize("family", ["llama3", "phi3"])
+def test_rope_tables_equal_transformers(family):
+    """llama3 scaling; LongRoPE's short set below the original length, its long set (what
+    transformers switches to once a sequence is longer) from there on, on half of each head."""
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.rope import Rotary
+
+    model = hf_model(family)
+    arch = arch_from_dict(model.config.to_dict())
+    ours = Rotary(arch, 256)
+    original = model.config.rope_parameters.get("original_max_position_embeddings", 64)
+    for length in (original, 256):    # transformers: short up to `original`, then long
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(length)[None])
+        half = cos.shape[-1] // 2
+        assert 2 * half == arch.rotary_size == arch.head_dim // (2 if family == "phi3" else 1)
+        rows = slice(0 if length == original else original, length)
+        torch.testing.assert_close(ours.cos[rows], cos[0, rows, :half], rtol=1e-6, atol=0)
+        torch.testing.assert_close(ours.sin[rows], sin[0, rows, :half], rtol=1e-6, atol=0)
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory, default_model_dir):
+    """family -> (its directory, transformers' greedy tokens for PROMPTS), built on first use."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            model = hf_model(family)
+            path = save_model(model, tmp_path_factory.mktemp(family), default_model_dir)
+            built[family] = (path, hf_greedy(model, PROMPTS))
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers_sb(make_engine, family_models, family):
+    path, expected = family_models(family)
+    engine = make_engine(model={"path": str(path), "max_model_len": 256}, cache=SMALL_CACHE,
+                         scheduler={"policy": "sb"})
+    assert engine.info["attention_backend"] in ("native", "torch")
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    assert greedy_tokens(engine, PROMPTS[:3], batched=False, max_new=MAX_NEW) == expected[:3]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers_hb_chunked_with_prefix_caching(make_engine, family_models,
+                                                                     family):
+    """Chunks of 16 tokens; the batch runs twice, the second time from the cached prefixes."""
+    path, expected = family_models(family)
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         cache={**SMALL_CACHE, "enable_prefix_caching": True},
+                         scheduler={"policy": "hb", "chunk_size": 16,
+                                    "max_num_batched_tokens": 48})
+    first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    assert first == expected and again == expected
+    assert engine.stats()["prefix_cache"]["hit_tokens"] >= sum(len(p) // 16 * 16 for p in PROMPTS)
+
+
+# --- partitions: TP=2 and PP=2, every family in one pair of processes ---------------------------
+
+def _partition_worker(rank, world, init_file, out_dir, model_dirs):
+    import torch.distributed as dist
+
+    from batchinfer.engine.attention import NativeCPUAttention, TorchAttention
+    from batchinfer.engine.kernels import load_native_kernels
+    from batchinfer.engine.model.causal_lm import ModelPartition
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from batchinfer.engine.model.ops import NativeOps, TorchOps
+    from batchinfer.engine.model.shard import TensorParallelGroup
+    from tests.tiny_families import model_greedy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    native = load_native_kernels()
+    ops, backend = (NativeOps, NativeCPUAttention()) if native else (TorchOps, TorchAttention())
+    cpu, results = torch.device("cpu"), {}
+    try:
+        for family, model_dir in model_dirs.items():
+            arch = load_arch(Path(model_dir))
+            layouts = {"tp": ModelPartition(tp_rank=rank, tp_size=world),
+                       "pp": ModelPartition(layer_start=rank, layer_end=rank + 1)}
+            for name, partition in layouts.items():
+                model = build_model(Path(model_dir), arch, torch.float32, cpu, 256, partition,
+                                    tp_group=TensorParallelGroup(dist.group.WORLD)
+                                    if name == "tp" else None)
+                model.use_ops(ops)
+                results[family, name] = model_greedy(model, backend, PROMPTS, MAX_NEW - 1,
+                                                     (rank, world) if name == "pp" else None)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_partitions_match_transformers(tmp_path, family_models):
+    """Each family split by TP=2 (heads, MLP rows and vocabulary halved, OLMo 2's q/k norms over
+    all heads gathered, Phi-3's fused tensors sliced, Llama's o_proj bias added once) and by
+    PP=2 (a layer per stage, hidden and residual sent between processes) gives transformers'
+    tokens, on every rank."""
+    import torch.multiprocessing as mp
+
+    dirs = {family: str(family_models(family)[0]) for family in sorted(FAMILIES)}
+    mp.start_processes(_partition_worker, nprocs=2, join=True, start_method="spawn",
+                       args=(2, tmp_path / "init", tmp_path, dirs))
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for family in dirs:
+            expected = family_models(family)[1]
+            for layout in ("tp", "pp"):
+                assert results[family, layout].tolist() == expected, (family, layout, rank)
+
+
+@pytest.mark.slow
+def test_pipeline_engine_runs_a_post_norm_family(make_engine, family_models):
+    """OLMo 2 (norms after attention and MLP) through the multi-process runtime at PP=2 with
+    chunked prefill: transformers' tokens."""
+    path, expected = family_models("olmo2")
+    with make_engine(model={"path": str(path), "max_model_len": 256}, cache=SMALL_CACHE,
+                     parallel={"pp": 2},
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected

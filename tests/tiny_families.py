@@ -1,0 +1,122 @@
+"""Tiny random models of every family the engine runs, built with transformers' own config and
+model classes (2 layers, hidden 64, 4 heads / 2 kv heads: TP=2 and PP=2 both split them), saved
+as Hugging Face directories, and transformers' greedy `generate` on them: the reference the
+engine's tokens must equal.
+
+Weights are drawn with initializer_range 0.2 (transformers' default is 0.02): at 0.02 a 2-layer
+model's attention is nearly uniform, so RoPE, q/k norms or a wrong mask would barely move a
+token and the comparison could not fail; at 0.2 they decide the tokens (the llama3-scaled and the
+plain-RoPE Llama, same weights, already differ in their first tokens).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+MAX_NEW = 12
+VOCAB = 512
+TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "initializer_range": 0.2, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0}
+
+# family -> (transformers config class, model class, config fields beyond TINY)
+FAMILIES = {
+    # Llama 3.x: llama3 RoPE scaling (an original length of 64, so the prompts run past it), and
+    # attention_bias (biases on q/k/v and on o_proj, which TP adds once)
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {
+        "attention_bias": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),   # head_dim != hidden / heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # Phi-4-mini's shape of Phi-3: fused checkpoint tensors, LongRoPE, RoPE on half of each head.
+    # Sequences stay within the original length (rope.py: past it transformers recomputes)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "partial_rotary_factor": 0.5, "original_max_position_embeddings": 128,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7],
+                         "long_factor": [1.5, 2.0, 3.0, 5.0]}}),
+}
+
+SHARED = list(range(300, 340))    # a 40-token prefix several prompts share (prefix caching)
+PROMPTS = [[7], [5, 17, 300, 42, 9], SHARED + [11, 12, 13], list(range(100, 131)),
+           SHARED + list(range(60, 80)), list(range(150, 250))]      # 1 to 100 tokens
+
+
+def hf_model(family: str, seed: int = 0):
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def save_model(model, directory: Path, tokenizer_dir: Path) -> Path:
+    """The model as a Hugging Face directory, with the embedded default's tokenizer files (the
+    engine loads a tokenizer; the prompts here are token ids below VOCAB)."""
+    model.save_pretrained(directory)
+    for f in tokenizer_dir.glob("tokenizer*"):
+        shutil.copy(f, directory / f.name)
+    return directory
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    """transformers' generate, greedy, one prompt at a time (no padding)."""
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None) -> torch.Tensor:
+    """Greedy at the model level (no engine): one prefill of all prompts, then `steps` decode
+    steps over the paged KV cache -> tokens [prompts, steps + 1]. `pipe`: (stage, stages) when
+    `model` is one pipeline stage of a gloo group with a rank per stage: (hidden, residual) go
+    stage to stage and the last stage's tokens come back to every stage."""
+    import torch.distributed as dist
+
+    from batchinfer.engine.attention import AttentionMetadata
+    from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
+
+    cpu, block = torch.device("cpu"), 16
+    stage, stages = pipe or (0, 1)
+    per_seq = -(-(max(map(len, prompts)) + steps) // block)
+    spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
+                       model.arch.head_dim, 4)
+    kv = allocate_kv_tensors(spec, torch.float32, cpu)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    lens = [len(p) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    positions = [i for p in prompts for i in range(len(p))]
+    query_lens, tokens = lens, []
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            meta = AttentionMetadata.build(query_lens, lens, tables, block, cpu)
+            hidden = residual = None
+            if stage > 0:
+                hidden, residual = (torch.empty(len(ids), model.arch.hidden_size) for _ in "hr")
+                dist.recv(hidden, stage - 1)
+                dist.recv(residual, stage - 1)
+            hidden, residual = model(torch.tensor(ids), torch.tensor(positions), kv, meta,
+                                     backend, hidden, residual)
+            if stage < stages - 1:
+                dist.send(hidden.contiguous(), stage + 1)
+                dist.send(residual.contiguous(), stage + 1)
+                step_tokens = torch.empty(len(prompts), dtype=torch.long)
+            else:
+                rows = torch.tensor(query_lens).cumsum(0) - 1
+                step_tokens = model.compute_logits(hidden[rows], residual[rows]).argmax(-1)
+            if stages > 1:
+                dist.broadcast(step_tokens, stages - 1)
+            tokens.append(step_tokens)
+            ids, positions = step_tokens.tolist(), list(lens)
+            lens = [n + 1 for n in lens]
+            query_lens = [1] * len(prompts)
+    return torch.stack(tokens, dim=1)
