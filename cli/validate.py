@@ -98,9 +98,7 @@ def _tokenizer(recipe) -> tuple[Optional[object], Optional[int]]:
     config_path = Path(model_dir) / "config.json"
     config = {**json.loads(config_path.read_text()), **(recipe.model.hf_overrides or {})}
     arch = arch_from_dict(config, str(config_path))
-    limit = arch.max_position_embeddings
-    if arch.sliding_window:
-        limit = min(limit, int(arch.sliding_window))
+    limit = arch.context_limit()
     max_len = recipe.model.max_model_len or limit
     if max_len > limit:
         raise fail(f"model.max_model_len {max_len} exceeds what the model supports ({limit})")

@@ -81,7 +81,10 @@ class AttentionBackend(Protocol):
                  v: torch.Tensor, meta: AttentionMetadata) -> None: ...
 
     def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+               meta: AttentionMetadata, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """`window` > 0: each query sees only its last `window` keys (a sliding-window layer);
+        `softcap` > 0: scores -> softcap * tanh(scores / softcap) before the softmax."""
 
 
 class NativeCPUAttention:
@@ -91,9 +94,11 @@ class NativeCPUAttention:
     def write_kv(key_cache, value_cache, k, v, meta: AttentionMetadata) -> None:
         torch.ops.batchinfer.write_kv(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)
 
-    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float):
+    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+               window: int = 0, softcap: float = 0.0):
         return torch.ops.batchinfer.paged_attention(q, key_cache, value_cache, meta.block_tables,
-                                                    meta.query_start, meta.seq_lens, scale)
+                                                    meta.query_start, meta.seq_lens, scale,
+                                                    window, softcap)
 
 
 def fused_ops_for(backend_name: str):

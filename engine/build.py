@@ -232,13 +232,11 @@ def use_cuda_graphs(choice: Optional[bool], backend_name: str) -> bool:
 
 
 def _max_model_len(requested: Optional[int], arch: ModelArch) -> int:
-    limit = arch.max_position_embeddings
-    if arch.sliding_window:
-        limit = min(limit, int(arch.sliding_window))
+    limit = arch.context_limit()
     if requested is None:
         return limit
     if requested > limit:
+        clipped = limit < arch.max_position_embeddings
         raise ConfigError(f"model.max_model_len {requested} exceeds what the model supports "
-                          f"({limit}: max_position_embeddings"
-                          f"{' / sliding_window' if arch.sliding_window else ''})")
+                          f"({limit}: {'sliding_window' if clipped else 'max_position_embeddings'})")
     return requested

@@ -91,14 +91,19 @@ class GraphDecodeAttention:
     def __init__(self, triton: bool = False):
         self.triton = triton
 
-    def attend(self, q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float) -> torch.Tensor:
+    def attend(self, q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float,
+               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if not self.triton:
-            return decode_attention(q, key_cache, value_cache, meta.tables, meta.mask, scale)
+            mask = meta.mask
+            if window:   # a sliding-window layer: the row's last `window` keys
+                recent = meta.key_pos[None, :] >= meta.seq_lens[:, None] - window
+                mask = mask & recent[:, None, None, :]
+            return decode_attention(q, key_cache, value_cache, meta.tables, mask, scale, softcap)
         from .triton_attention import launch
 
         out = torch.empty_like(q)
         launch(out, q, key_cache, value_cache, meta.tables, meta.seq_lens, meta.query_start,
-               meta.work, q.shape[0], True, scale)
+               meta.work, q.shape[0], True, scale, window, softcap)
         return out
 
 

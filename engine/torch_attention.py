@@ -16,6 +16,9 @@ On CUDA a prefill group's K/V gather also repeats each kv head for its query hea
 held to the memory-efficient kernel: with a mask and grouped heads it would otherwise take
 cuDNN's, whose host-side cost was ~0.8 ms a call on an H200 (most of a 512-sequence step), or
 the math one.
+A sliding window (a layer that sees only its last `window` keys) is one more term of the masks; a
+logit soft-cap (Gemma 2: scores -> cap * tanh(scores / cap) before the softmax) takes an explicit
+softmax instead of SDPA, which has no such step.
 `reference_attention` is the direct per-sequence definition the batched path is tested against.
 """
 from __future__ import annotations
@@ -59,6 +62,10 @@ class _Plan:
     prefill: list[_Rows]
 
 
+class _Plans(dict):
+    """A step's plans by sliding window (0: none): layers with the same window share one."""
+
+
 def _group_rows(rows: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Rows sorted by size, cut into groups whose padded work stays within the bound."""
     groups: list[list[int]] = []
@@ -77,7 +84,8 @@ def _group_rows(rows: list[int], query_lens: list[int], seq_lens: list[int]) -> 
     return groups
 
 
-def _rows(seqs: list[int], meta, offsets: list[int], block_size: int, device) -> _Rows:
+def _rows(seqs: list[int], meta, offsets: list[int], block_size: int, device,
+          window: int = 0) -> _Rows:
     q_lens = [meta.query_lens_cpu[i] for i in seqs]
     s_lens = [meta.seq_lens_cpu[i] for i in seqs]
     starts = [offsets[i] for i in seqs]
@@ -93,8 +101,11 @@ def _rows(seqs: list[int], meta, offsets: list[int], block_size: int, device) ->
     key_pos = torch.arange(n_blocks * block_size, **long_)
     query_pos = torch.arange(q_max, **long_)
     seq_lens = torch.tensor(s_lens, **long_)
+    query_at = ctx[:, None, None] + query_pos[None, :, None]
     mask = ((key_pos[None, None, :] < seq_lens[:, None, None])
-            & (key_pos[None, None, :] <= ctx[:, None, None] + query_pos[None, :, None]))
+            & (key_pos[None, None, :] <= query_at))
+    if window:
+        mask &= key_pos[None, None, :] > query_at - window
     return _Rows(tokens=torch.tensor(tokens, **long_),
                  keep=None if keep is None else torch.tensor(keep, **long_),
                  dest=None if dest is None else torch.tensor(dest, **long_),
@@ -102,10 +113,13 @@ def _rows(seqs: list[int], meta, offsets: list[int], block_size: int, device) ->
                  mask=mask.unsqueeze(1))
 
 
-def plan(meta, block_size: int, device) -> _Plan:
-    """The step's batched calls (cached on the metadata: every layer shares them)."""
-    if isinstance(meta.backend_plan, _Plan):
-        return meta.backend_plan
+def plan(meta, block_size: int, device, window: int = 0) -> _Plan:
+    """The step's batched calls (cached on the metadata: every layer with this window shares
+    them)."""
+    if not isinstance(meta.backend_plan, _Plans):
+        meta.backend_plan = _Plans()
+    if window in meta.backend_plan:
+        return meta.backend_plan[window]
     offsets = [0]
     for q_len in meta.query_lens_cpu:
         offsets.append(offsets[-1] + q_len)
@@ -113,11 +127,11 @@ def plan(meta, block_size: int, device) -> _Plan:
     prefills = [i for i, q in enumerate(meta.query_lens_cpu) if q > 1]
     decode_groups = (_group_rows(decodes, meta.query_lens_cpu, meta.seq_lens_cpu)
                      if GROUP_DECODE_ROWS else [decodes] if decodes else [])
-    meta.backend_plan = _Plan(
-        decode=[_rows(g, meta, offsets, block_size, device) for g in decode_groups],
-        prefill=[_rows(g, meta, offsets, block_size, device)
+    meta.backend_plan[window] = _Plan(
+        decode=[_rows(g, meta, offsets, block_size, device, window) for g in decode_groups],
+        prefill=[_rows(g, meta, offsets, block_size, device, window)
                  for g in _group_rows(prefills, meta.query_lens_cpu, meta.seq_lens_cpu)])
-    return meta.backend_plan
+    return meta.backend_plan[window]
 
 
 @lru_cache(maxsize=None)
@@ -125,8 +139,20 @@ def _kv_head_of(num_heads: int, kv_heads: int, device: torch.device) -> torch.Te
     return torch.arange(num_heads, device=device) // (num_heads // kv_heads)
 
 
+def softcapped_attention(queries, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """SDPA's maths with the logit soft-cap before the softmax; k and v have the queries' heads
+    or one per group of them (GQA: the queries' head axis a multiple of theirs)."""
+    if k.shape[-3] != queries.shape[-3]:
+        repeat = queries.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(queries, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def decode_attention(q, key_cache, value_cache, tables: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One new token per sequence: q [n, heads, dim] over the blocks of `tables` [n, W] (long),
     `mask` [n, 1, 1, W * block_size] -> [n, heads, dim]. The query heads that share a kv head go
     in as that head's queries (one token each, all under the same mask), so K/V are gathered once
@@ -137,23 +163,30 @@ def decode_attention(q, key_cache, value_cache, tables: torch.Tensor, mask: torc
     k = key_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
     v = value_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
     queries = q.reshape(n, kv_heads, num_heads // kv_heads, head_dim)
+    if softcap:
+        return softcapped_attention(queries, k, v, mask, scale, softcap).reshape(n, num_heads, head_dim)
     with sdpa_kernel(CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
 
 
-def _attend_rows(q, key_cache, value_cache, rows: _Rows, scale: float, out: torch.Tensor) -> None:
+def _attend_rows(q, key_cache, value_cache, rows: _Rows, scale: float, out: torch.Tensor,
+                 softcap: float = 0.0) -> None:
     n, q_max = rows.tokens.shape
     if q_max == 1:
         tokens = rows.tokens[:, 0]
         out.index_copy_(0, tokens, decode_attention(q[tokens], key_cache, value_cache, rows.tables,
-                                                    rows.mask, scale))
+                                                    rows.mask, scale, softcap))
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     keys = rows.tables.shape[1] * block_size
     queries = q[rows.tokens].transpose(1, 2)                         # [n, heads, q_max, dim]
-    if q.is_cuda:
+    if softcap:
+        k = key_cache[rows.tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
+        v = value_cache[rows.tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
+        o = softcapped_attention(queries, k, v, rows.mask, scale, softcap)
+    elif q.is_cuda:
         index = (rows.tables[:, :, None], _kv_head_of(num_heads, kv_heads, q.device))
         k = key_cache[index].transpose(1, 2).reshape(n, num_heads, keys, head_dim).to(q.dtype)
         v = value_cache[index].transpose(1, 2).reshape(n, num_heads, keys, head_dim).to(q.dtype)
@@ -175,15 +208,19 @@ class TorchAttention:
     name = "torch"
     write_kv = staticmethod(write_kv)
 
-    def attend(self, q, key_cache, value_cache, meta, scale: float):
-        step = plan(meta, key_cache.shape[2], q.device)
+    def attend(self, q, key_cache, value_cache, meta, scale: float, window: int = 0,
+               softcap: float = 0.0):
+        """`window`: each query sees its last `window` keys only (0: all); `softcap`: the
+        logit soft-cap (0: none)."""
+        step = plan(meta, key_cache.shape[2], q.device, window)
         out = torch.empty_like(q)
         for rows in step.decode + step.prefill:
-            _attend_rows(q, key_cache, value_cache, rows, scale, out)
+            _attend_rows(q, key_cache, value_cache, rows, scale, out, softcap)
         return out
 
 
-def reference_attention(q, key_cache, value_cache, meta, scale: float) -> torch.Tensor:
+def reference_attention(q, key_cache, value_cache, meta, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """One sequence at a time, straight from the definition (tests' reference)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -196,11 +233,15 @@ def reference_attention(q, key_cache, value_cache, meta, scale: float) -> torch.
         v = value_cache[blocks].transpose(0, 1).reshape(kv_heads, n_blocks * block_size, head_dim)
         k, v = k[:, :s_len].to(q.dtype), v[:, :s_len].to(q.dtype)
         ctx = s_len - q_len
-        allowed = (torch.arange(s_len, device=q.device)[None, :]
-                   <= ctx + torch.arange(q_len, device=q.device)[:, None])
+        key_at = torch.arange(s_len, device=q.device)[None, :]
+        query_at = ctx + torch.arange(q_len, device=q.device)[:, None]
+        allowed = (key_at <= query_at) & ((key_at > query_at - window) if window else True)
         qi = q[start:start + q_len].transpose(0, 1)
-        oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale,
-                                            enable_gqa=num_heads != kv_heads)
+        if softcap:
+            oi = softcapped_attention(qi, k, v, allowed, scale, softcap)
+        else:
+            oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale,
+                                                enable_gqa=num_heads != kv_heads)
         out[start:start + q_len] = oi.transpose(0, 1)
         start += q_len
     return out

@@ -11,7 +11,10 @@ program) and once for the prefill chunks (QUERY_ROWS rows per program), over a w
 
 fp32 models use IEEE fp32 products (not TF32), so fp32 runs stay token-exact against transformers;
 bf16 / fp16 models multiply in their dtype (the probabilities rounded to it before P x V, as
-flash attention does) and accumulate in fp32.
+flash attention does) and accumulate in fp32. A sliding-window layer's programs start at the
+first key their queries' windows reach and mask below each one's window; a logit soft-cap
+(Gemma 2) caps the scores before the online softmax. Both are compile-time switches (WINDOWED,
+SOFTCAP), so the plain causal kernel is the code it was.
 CI has no GPU: the tests run this kernel in Triton's interpreter (TRITON_INTERPRET=1) on CPU
 tensors against the per-sequence definition (torch_attention.reference_attention).
 """
@@ -41,12 +44,13 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, query_start_ptr,
-        work_ptr, scale_log2,
+        work_ptr, scale_log2, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_table,
         GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        TILE: tl.constexpr, FP32_DOT: tl.constexpr):
+        TILE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(work_ptr + 2 * pid).to(tl.int64)
@@ -71,7 +75,10 @@ def _paged_attention_kernel(
     denom = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_P2], tl.float32)
     last = ctx + tl.minimum(first + QUERIES, q_len)   # keys [0, last) are visible to some row
-    for start in range(0, last, TILE):
+    lowest = 0
+    if WINDOWED:    # the first query's window starts here; tiles wholly before it are skipped
+        lowest = tl.maximum(ctx + first + 1 - window, 0) // TILE * TILE
+    for start in range(lowest, last, TILE):
         pos = start + tl.arange(0, TILE)
         pos_ok = pos < last
         block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=pos_ok,
@@ -83,8 +90,15 @@ def _paged_attention_kernel(
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = s * scale_log2
+        if SOFTCAP > 0.0:   # cap * tanh(scores / cap), tanh(x) = 1 - 2 / (e^2x + 1); log2 units
+            x = s * (scale_log2 / (1.4426950408889634 * SOFTCAP))
+            s = (1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)) * (
+                SOFTCAP * 1.4426950408889634)
+        else:
+            s = s * scale_log2
         visible = pos_ok[None, :] & (pos[None, :] <= ctx + query[:, None])
+        if WINDOWED:
+            visible = visible & (pos[None, :] > ctx + query[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -122,9 +136,10 @@ def queries_per_program(group: int, decode: bool) -> tuple[int, int]:
 
 
 def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, programs: int,
-           decode: bool, scale: float) -> None:
+           decode: bool, scale: float, window: int = 0, softcap: float = 0.0) -> None:
     """Runs the kernel over `programs` (sequence, first query) pairs of `work` (int32 [P, 2]).
-    tables [B, W] and seq_lens [B] any integer dtype; query_start [B + 1]."""
+    tables [B, W] and seq_lens [B] any integer dtype; query_start [B + 1]. `window` > 0: a
+    sliding window of that many keys; `softcap` > 0: the logit soft-cap."""
     if programs == 0:
         return
     _, num_heads, head_dim = q.shape
@@ -132,14 +147,15 @@ def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, 
     group = num_heads // kv_heads
     queries, rows = queries_per_program(group, decode)
     _paged_attention_kernel[(programs, kv_heads)](
-        out, q, key_cache, value_cache, tables, seq_lens, query_start, work, scale * _LOG2E,
+        out, q, key_cache, value_cache, tables, seq_lens, query_start, work, scale * _LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
         GROUP=group, QUERIES=queries, ROWS=rows, HEAD_DIM=head_dim,
         DIM_P2=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size,
         TILE=KEY_TILE if head_dim * q.element_size() <= 256 else KEY_TILE // 2,
-        FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETING, WINDOWED=window > 0,
+        SOFTCAP=float(softcap),
         num_warps=4, num_stages=2)
 
 
@@ -189,7 +205,8 @@ class TritonAttention:
     def __init__(self):
         self._fallback = None
 
-    def attend(self, q, key_cache, value_cache, meta, scale: float):
+    def attend(self, q, key_cache, value_cache, meta, scale: float, window: int = 0,
+               softcap: float = 0.0):
         if self._fallback is None:
             reason = unsupported_reason(q.shape[-1], q.shape[1], key_cache.shape[1], q.dtype,
                                         key_cache.dtype)
@@ -198,11 +215,14 @@ class TritonAttention:
                             reason)
             self._fallback = TorchAttention() if reason else False
         if self._fallback:
-            return self._fallback.attend(q, key_cache, value_cache, meta, scale)
+            return self._fallback.attend(q, key_cache, value_cache, meta, scale, window, softcap)
+        if window and max(meta.seq_lens_cpu, default=0) <= window:
+            window = 0                                  # no sequence is longer: plain causal
         group = q.shape[1] // key_cache.shape[1]
         step = step_work(meta, group, q.device)
         out = torch.empty_like(q)
         args = (key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start)
-        launch(out, q, *args, step.work, step.decode_programs, True, scale)
-        launch(out, q, *args, step.work[step.decode_programs:], step.prefill_programs, False, scale)
+        launch(out, q, *args, step.work, step.decode_programs, True, scale, window, softcap)
+        launch(out, q, *args, step.work[step.decode_programs:], step.prefill_programs, False, scale,
+               window, softcap)
         return out

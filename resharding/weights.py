@@ -110,7 +110,7 @@ class HostWeights:
             for name, tensor in self.tensors.items():
                 for where in filler.targets(name):
                     if name in kept:
-                        filler.put(name, kept[name], where)
+                        filler.put(name, kept[name], where, stored=True)
                         continue
                     part = where.take(tensor)
                     filler.put(name, part, where)

@@ -39,6 +39,18 @@ FAMILIES = {
         "partial_rotary_factor": 0.5, "original_max_position_embeddings": 128,
         "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7],
                          "long_factor": [1.5, 2.0, 3.0, 5.0]}}),
+    # a 16-key window on every other layer (the prompts run to 100 tokens); soft-caps and a query
+    # scale small enough to change the scores
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # local and global layers with their own RoPE (the global one linearly scaled)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                               "rope_theta": 1000000.0}}}),
 }
 
 SHARED = list(range(300, 340))    # a 40-token prefix several prompts share (prefix caching)
@@ -73,6 +85,28 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[l
                                  eos_token_id=None, pad_token_id=0)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+def prefill_logits(model, backend, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The whole model's logits at every prompt position ([len, vocab] per prompt), all prompts
+    in one prefill over the paged KV cache."""
+    from batchinfer.engine.attention import AttentionMetadata
+    from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
+
+    cpu, block = torch.device("cpu"), 16
+    per_seq = -(-max(map(len, prompts)) // block)
+    spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
+                       model.arch.head_dim, 4)
+    kv = allocate_kv_tensors(spec, torch.float32, cpu)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    lens = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(lens, lens, tables, block, cpu)
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.inference_mode():
+        hidden, residual = model(ids, positions, kv, meta, backend)
+        logits = model.compute_logits(hidden.clone(), residual.clone())
+    return list(logits.split(lens))
 
 
 def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None) -> torch.Tensor:

@@ -65,11 +65,14 @@ inline __m256 load8(const at::Half* p) {
 }
 #endif
 
+// window > 0: each query sees only its last `window` keys (a sliding-window layer); softcap > 0:
+// scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). Both 0: plain causal.
 template <int D, typename T>
 void attend_item(const float* q, float* out, const T* kc, const T* vc, const int* table,
                  int num_q, int ctx, int group, int head_dim, int block_size, int64_t q_tok_stride,
                  int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
-                 int64_t block_stride, float scale, int kv_head, int64_t head_stride) {
+                 int64_t block_stride, float scale, int kv_head, int64_t head_stride,
+                 int window = 0, float softcap = 0.f) {
   const int hd = D > 0 ? D : head_dim;
   const int rows = num_q * group;  // (query, head-in-group) pairs
   std::vector<float> acc(static_cast<size_t>(rows) * hd, 0.f);
@@ -85,7 +88,8 @@ void attend_item(const float* q, float* out, const T* kc, const T* vc, const int
     }
   const int last_pos = ctx + num_q - 1;  // the last query's position
   const int num_blocks = last_pos / block_size + 1;
-  for (int b = 0; b < num_blocks; ++b) {
+  const int first_block = window > 0 ? std::max(0, ctx - window + 1) / block_size : 0;
+  for (int b = first_block; b < num_blocks; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
     const T* kb = kc + base;
     const T* vb = vc + base;
@@ -94,12 +98,14 @@ void attend_item(const float* q, float* out, const T* kc, const T* vc, const int
     for (int r = 0; r < rows; ++r) {
       const int j = r / group;
       const int visible = std::min(n, ctx + j + 1 - start);  // causal limit for this query
+      const int from = window > 0 ? std::max(0, ctx + j + 1 - window - start) : 0;  // window's
       float* sr = s.data() + static_cast<size_t>(r) * block_size;
-      if (visible <= 0) continue;
+      if (visible <= from) continue;
       const float* qr = qs.data() + static_cast<size_t>(r) * hd;
       float bmax = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < visible; ++t) {
-        const float v = D > 0 ? dot<D, T>(qr, kb + t * hd) : dot_dyn(qr, kb + t * hd, hd);
+      for (int t = from; t < visible; ++t) {
+        float v = D > 0 ? dot<D, T>(qr, kb + t * hd) : dot_dyn(qr, kb + t * hd, hd);
+        if (softcap > 0.f) v = softcap * std::tanh(v / softcap);
         sr[t] = v;
         bmax = std::max(bmax, v);
       }
@@ -107,7 +113,7 @@ void attend_item(const float* q, float* out, const T* kc, const T* vc, const int
       const float correction = std::exp(m[r] - new_m);
       float bsum = 0.f;
 #pragma omp simd reduction(+ : bsum)
-      for (int t = 0; t < visible; ++t) {
+      for (int t = from; t < visible; ++t) {
         const float p = std::exp(sr[t] - new_m);
         sr[t] = p;
         bsum += p;
@@ -119,7 +125,7 @@ void attend_item(const float* q, float* out, const T* kc, const T* vc, const int
 #pragma omp simd
         for (int d = 0; d < hd; ++d) ar[d] *= correction;
       }
-      for (int t = 0; t < visible; ++t) {
+      for (int t = from; t < visible; ++t) {
         const float p = sr[t];
         const T* vr = vb + t * hd;
 #pragma omp simd

@@ -12,6 +12,9 @@
 // batch in two passes over its blocks in physical order. The kernels themselves live in
 // attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype).
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
+// A sliding window (`window` > 0, once some sequence is longer than it) or a logit soft-cap
+// (`softcap` > 0) sends every item through attend_item, which takes both; the AVX2 paths above
+// are the plain causal ones.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -33,7 +36,7 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
                            const at::Tensor& block_tables, // [B, max_blocks] int32
                            const at::Tensor& query_start,  // [B + 1] int32
                            const at::Tensor& seq_lens,     // [B] int32
-                           double scale) {
+                           double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 queries only");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_attention: key and value caches of different dtypes");
@@ -53,10 +56,14 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   const int* tp = tables.data_ptr<int>();
   const int* sp = starts.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
+  const bool windowed = window > 0 && num_seqs > 0 && *std::max_element(lp, lp + num_seqs) > window;
+  const bool masked = windowed || softcap > 0;
+  const int item_window = windowed ? static_cast<int>(window) : 0;
+  const float item_softcap = static_cast<float>(softcap);
   // Work items: (sequence, kv heads, tile of queries). The AVX2 path takes all kv heads of a
   // sequence at once (contiguous block reads); the generic path one head per item.
 #ifdef BATCHINFER_AVX2
-  const bool all_heads = head_dim % 8 == 0 && (head_dim == 64 || head_dim == 128);
+  const bool all_heads = !masked && head_dim % 8 == 0 && (head_dim == 64 || head_dim == 128);
   const bool decode_path = all_heads && block_size % 8 == 0;
 #else
   const bool all_heads = false;
@@ -130,6 +137,21 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
         const float* q = qp + tok * qts;
         float* o = op + tok * ots;
         const int* table = tp + static_cast<int64_t>(it.seq) * max_blocks;
+        if (masked) {
+          if (head_dim == 64)
+            attend_item<64>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
+                            qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
+                            item_window, item_softcap);
+          else if (head_dim == 128)
+            attend_item<128>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
+                             qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
+                             item_window, item_softcap);
+          else
+            attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
+                           qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
+                           item_window, item_softcap);
+          continue;
+        }
 #ifdef BATCHINFER_AVX2
         if (head_dim == 64) {
           attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,
@@ -161,7 +183,8 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
 
 TORCH_LIBRARY(batchinfer, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor query_start, Tensor seq_lens, float scale, int window=0, float softcap=0.0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) { m.impl("paged_attention", &paged_attention); }

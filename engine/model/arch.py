@@ -17,6 +17,7 @@ from ..errors import ModelLoadError
 from .registry import FAMILIES, family_module, supported_models
 
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,17 @@ class ModelArch:
     rotary_dim: Optional[int] = None     # RoPE on the first rotary_dim of each head (Phi-4-mini's
                                          # partial_rotary_factor); None: all of it
     fused_checkpoint: bool = False       # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
+    checkpoint_layers: Optional[int] = None  # the checkpoint's layers when hf_overrides ran fewer
+    hidden_act: str = "silu"             # the MLP's gate activation: silu, gelu_pytorch_tanh (GeGLU)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: global); (): none masked
+    local_rope: Optional[tuple] = None   # (theta, scaling) of the sliding-window layers' RoPE
+                                         # where it is not the global one (Gemma 3)
+    norm_offset: float = 0.0             # RMSNorm scales by offset + weight (Gemma: 1 + w; folded
+                                         # into the weights at load)
+    embedding_scale: Optional[float] = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    attention_scale: Optional[float] = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0            # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
+    final_softcap: float = 0.0           # the same on the logits
 
     @property
     def family(self) -> str:
@@ -64,6 +76,18 @@ class ModelArch:
     def rotary_size(self) -> int:
         """The rotated width of each head."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in keys (0: it sees the whole sequence)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def context_limit(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, and the sliding window
+        where the family does not mask windows (the Llama family's Mistral and Qwen2: within its
+        window, attention is full attention)."""
+        if self.sliding_window and not self.layer_windows:
+            return min(self.max_position_embeddings, int(self.sliding_window))
+        return self.max_position_embeddings
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -131,6 +155,7 @@ def _generic_fields(cfg: dict) -> dict:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
         rotary_dim=(int(head_dim * float(partial)) if partial not in (None, 1, 1.0) else None),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
         raw=cfg,
     )
 
@@ -167,6 +192,24 @@ def _check(arch: ModelArch, source: str) -> None:
                              "default within max_position_embeddings)")
     if math.isnan(arch.rms_norm_eps):
         raise ModelLoadError(f"{source}: rms_norm_eps is NaN")
+    if arch.hidden_act not in ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden activation {arch.hidden_act!r} is not supported; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+    if arch.layer_windows and len(arch.layer_windows) != arch.num_layers:
+        raise ModelLoadError(f"{source}: {len(arch.layer_windows)} layer types for "
+                             f"{arch.num_layers} layers")
+
+
+def sliding_windows(cfg: dict) -> tuple[int, ...]:
+    """Each layer's window from a completed config: its layer_types where it has them, else the
+    one sliding_window on every layer; () without a window."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
+    return (int(window),) * int(cfg["num_hidden_layers"])
 
 
 def transformers_config(cfg: dict) -> dict:

@@ -85,6 +85,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layer(arch, i, self.shard, self.tp) for i in
                                     range(self.partition.layer_start, self.partition.layer_end))
         self.rotary = Rotary(arch, max_positions)
+        # the sliding-window layers' own RoPE, where the family gives them one (Gemma 3)
+        self.local_rotary = (Rotary(arch, max_positions, arch.local_rope)
+                             if arch.local_rope is not None else None)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = (nn.Linear(arch.hidden_size, self.shard.vocab_shard, bias=False)
                         if self.is_last else None)
@@ -121,19 +124,33 @@ class CausalLM(nn.Module):
         # .forward, not __call__: ~10 us of hook bookkeeping a module call (no hooks are ever
         # registered here), x 8 modules x 30 layers a step
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer.forward(hidden, residual, positions, self.rotary, kv_cache, meta,
+            rotary = self.rotary
+            if self.local_rotary is not None and layer.self_attn.window:
+                rotary = self.local_rotary
+            hidden, residual = layer.forward(hidden, residual, positions, rotary, kv_cache, meta,
                                              backend, self.ops)
         return hidden, residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.embed_tokens(input_ids)
-        # vocab-parallel: ids outside this rank's rows give zero rows; the sum over ranks is whole
-        local = input_ids - self.shard.vocab_start
-        outside = (local < 0) | (local >= self.shard.vocab_rows)
-        hidden = self.embed_tokens(local.masked_fill(outside, 0))
-        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.tp.all_reduce(hidden)
+            hidden = self.embed_tokens(input_ids)
+        else:
+            # vocab-parallel: ids outside this rank's rows give zero rows; the sum over ranks is
+            # whole
+            local = input_ids - self.shard.vocab_start
+            outside = (local < 0) | (local >= self.shard.vocab_rows)
+            hidden = self.embed_tokens(local.masked_fill(outside, 0))
+            hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+            hidden = self.tp.all_reduce(hidden)
+        if self.arch.embedding_scale is not None:   # in the embeddings' dtype, as transformers
+            hidden *= torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head, and the final logit soft-cap where the family has one (Gemma 2)."""
+        logits = self.lm_head(normed)
+        cap = self.arch.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def _final_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         if residual is None:
@@ -145,7 +162,7 @@ class CausalLM(nn.Module):
 
         -> [rows, vocab_size] on every TP rank (local logits gathered, padding dropped).
         """
-        logits = self.lm_head(self._final_norm(hidden, residual)).float()
+        logits = self._head(self._final_norm(hidden, residual)).float()
         if self.tp is None:
             return logits
         logits = self.tp.all_gather_last_dim(logits)
@@ -159,5 +176,5 @@ class CausalLM(nn.Module):
         (the column-wise samplers' layout: a TP rank's shard is a row range of the full [V, rows], so
         no all-gather). The same LM head as compute_logits, so the same values, bit for bit;
         `out` may live in host memory."""
-        logits = self.lm_head(self._final_norm(hidden, residual))
+        logits = self._head(self._final_norm(hidden, residual))
         out.copy_(logits[:, : self.shard.vocab_rows].t())

@@ -12,6 +12,7 @@ from .registry import family_module
 
 # tensors some checkpoints carry that are not weights (old Llama exports saved RoPE's buffer)
 _NOT_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -64,6 +65,9 @@ class CheckpointCheck:
         shape = tuple(int(s) for s in shape)
         if _NOT_WEIGHTS.search(name) or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
             return False
+        layer = _LAYER.match(name)
+        if layer and self.arch.num_layers <= int(layer.group(1)) < (self.arch.checkpoint_layers or 0):
+            return False                  # a layer hf_overrides left out
         expected = self.expected.get(name)
         if expected is None:
             raise ModelLoadError(

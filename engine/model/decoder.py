@@ -19,8 +19,6 @@ from .arch import ModelArch
 from .rope import Rotary, partial_rotary
 from .shard import ShardSizes, TensorParallelGroup
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-
 
 class RMSNorm(nn.Module):
     """Holds the norm's weight and epsilon; the maths is in ops (fused with the residual add)."""
@@ -39,8 +37,9 @@ class Attention(nn.Module):
     """This rank's heads: column-parallel qkv_proj, row-parallel o_proj (+ all-reduce if tp > 1).
 
     Optional, from the arch: q/k RMSNorm before RoPE (per head, or over all heads: then a TP rank
-    gathers the other ranks' q and k to normalize them whole), RoPE on part of each head, and an
-    o_proj bias (held by TP rank 0 only, so the all-reduce adds it once).
+    gathers the other ranks' q and k to normalize them whole), RoPE on part of each head, an
+    o_proj bias (held by TP rank 0 only, so the all-reduce adds it once), the layer's sliding
+    window and a logit soft-cap (the attention backend applies both).
     """
 
     def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
@@ -50,7 +49,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, shard.q_size + 2 * shard.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(shard.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = arch.attention_scale or self.head_dim ** -0.5
+        self.window, self.softcap = arch.window(layer_index), arch.attn_softcap
         self.qk_norm = arch.qk_norm
         if arch.qk_norm is not None:
             whole = arch.qk_norm == "full"
@@ -74,7 +74,11 @@ class Attention(nn.Module):
             (num_heads, num_kv_heads, num_kv_heads), dim=1)
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta)
-        out = backend.attend(q, key_cache, value_cache, meta, self.scale)
+        if self.window or self.softcap:
+            out = backend.attend(q, key_cache, value_cache, meta, self.scale, self.window,
+                                 self.softcap)
+        else:
+            out = backend.attend(q, key_cache, value_cache, meta, self.scale)
         out = self.o_proj.forward(out.view(tokens, num_heads * head_dim))
         if self.tp is not None:
             self.tp.all_reduce(out)
@@ -111,11 +115,9 @@ class MLP(nn.Module):
     """This rank's intermediate rows: column-parallel gate_up_proj, row-parallel down_proj;
     act(gate) * up between them (SiLU: fused into the GEMM where the ops can)."""
 
-    def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup],
-                 activation: str = "silu"):
+    def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup]):
         super().__init__()
-        assert activation in ACTIVATIONS, activation   # the family's reader checked the config
-        self.tp, self.activation = tp, activation
+        self.tp, self.activation = tp, arch.hidden_act     # silu or gelu_pytorch_tanh (arch.py)
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
 

@@ -9,6 +9,7 @@ the same slicing, so every layout gets the same model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -152,8 +153,10 @@ class _Filler:
             raise ModelLoadError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
                                  f"{where.full} along dim {where.dim}")
 
-    def put(self, name: str, tensor: torch.Tensor, where: _Target) -> None:
-        """`tensor` is what `where` selects: this rank's slice when `where.dim` is set."""
+    def put(self, name: str, tensor: torch.Tensor, where: _Target, stored: bool = False) -> None:
+        """`tensor` is what `where` selects: this rank's slice when `where.dim` is set. A norm's
+        weight gets the family's offset added (Gemma's 1 + w), unless `stored`: the tensor is a
+        parameter's value already (a norm another partition of this model held)."""
         param = self.params.get(where.param)
         if param is None:
             raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
@@ -164,6 +167,8 @@ class _Filler:
                                  f"implies {tuple(dest.shape)}")
         if where.zero:
             dest.zero_()
+        elif self.arch.norm_offset and not stored and where.param.endswith("norm.weight"):
+            dest.copy_(tensor.float() + self.arch.norm_offset)
         else:
             dest.copy_(tensor)
         self.filled[where.param] = self.filled.get(where.param, 0) + rows
@@ -303,8 +308,14 @@ def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
 
 
 def load_arch(model_dir: Path, overrides: Optional[dict] = None) -> ModelArch:
+    """config.json with `hf_overrides` applied; where they run fewer layers than the checkpoint
+    has, the arch says so (its later layers' tensors are skipped, not an error)."""
     if not overrides:
         return read_arch(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
+    saved_layers = cfg.get("num_hidden_layers")
     cfg.update(overrides)
-    return arch_from_dict(cfg, f"{model_dir / 'config.json'} with hf_overrides")
+    arch = arch_from_dict(cfg, f"{model_dir / 'config.json'} with hf_overrides")
+    if isinstance(saved_layers, int) and saved_layers > arch.num_layers:
+        arch = dataclasses.replace(arch, checkpoint_layers=saved_layers)
+    return arch

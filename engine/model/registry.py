@@ -20,6 +20,8 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3",
     "olmo2": "olmo2",
     "phi3": "phi3",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
 }
 
 # model_type -> the models users know it by (the unsupported-architecture message lists these)
@@ -30,6 +32,8 @@ MODEL_NAMES: dict[str, str] = {
     "qwen3": "Qwen3 (dense)",
     "olmo2": "OLMo 2",
     "phi3": "Phi-3 / Phi-3.5 / Phi-4 (incl. mini)",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 text-only (1B)",
 }
 
 

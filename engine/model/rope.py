@@ -38,12 +38,11 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_inv_freq(arch: ModelArch, theta: Optional[float] = None,
-                  scaling: Optional[dict] = None, long: bool = False) -> torch.Tensor:
-    """The inverse frequencies of `arch`'s RoPE (or of the given theta / scaling); `long`: the
-    LongRoPE long set."""
-    theta = arch.rope_theta if theta is None else theta
-    scaling = (arch.rope_scaling if scaling is None else scaling) or {}
+def rope_inv_freq(arch: ModelArch, rope: Optional[tuple] = None, long: bool = False) -> torch.Tensor:
+    """The inverse frequencies of `arch`'s RoPE, or of `rope` = (theta, scaling or None);
+    `long`: the LongRoPE long set."""
+    theta, scaling = rope if rope is not None else (arch.rope_theta, arch.rope_scaling)
+    scaling = scaling or {}
     dim, kind = arch.rotary_size, rope_kind(scaling)
     if kind == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
@@ -66,14 +65,12 @@ def longrope_attention_factor(arch: ModelArch, scaling: dict) -> float:
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by position; `theta` and
-    `scaling` override the model's (a family's local layers may have their own)."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position; `rope` = (theta,
+    scaling or None) instead of the model's (a family's local layers may have their own)."""
 
-    def __init__(self, arch: ModelArch, max_positions: int, theta: Optional[float] = None,
-                 scaling: Optional[dict] = None):
+    def __init__(self, arch: ModelArch, max_positions: int, rope: Optional[tuple] = None):
         super().__init__()
-        self.arch, self.max_positions = arch, max_positions
-        self.theta, self.scaling = theta, scaling
+        self.arch, self.max_positions, self.rope = arch, max_positions, rope
         half = arch.rotary_size // 2
         self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
@@ -83,14 +80,13 @@ class Rotary(nn.Module):
     def reset(self) -> None:
         """(Re)computes the tables on the buffers' device (after building on the meta device)."""
         pos = torch.arange(self.max_positions, dtype=torch.float32)
-        scaling = (self.arch.rope_scaling if self.scaling is None else self.scaling) or {}
-        freqs = torch.outer(pos, rope_inv_freq(self.arch, self.theta, self.scaling))
+        scaling = (self.arch.rope_scaling if self.rope is None else self.rope[1]) or {}
+        freqs = torch.outer(pos, rope_inv_freq(self.arch, self.rope))
         cos, sin = freqs.cos(), freqs.sin()
         if rope_kind(scaling) == "longrope":
             original = int(scaling["original_max_position_embeddings"])
             if self.max_positions > original:
-                long = torch.outer(pos[original:],
-                                   rope_inv_freq(self.arch, self.theta, self.scaling, long=True))
+                long = torch.outer(pos[original:], rope_inv_freq(self.arch, self.rope, long=True))
                 cos[original:], sin[original:] = long.cos(), long.sin()
             factor = longrope_attention_factor(self.arch, scaling)
             cos, sin = cos * factor, sin * factor

@@ -1,7 +1,8 @@
 """Every model family on a tiny random model built with transformers' own classes
-(tests/tiny_families.py): greedy outputs equal transformers' generate token for token, one
-prompt at a time and batched, under SB and under HB with small chunks and prefix caching, and
-split by PP=2 and by TP=2 (one pair of processes runs every family)."""
+(tests/tiny_families.py): prefill logits equal transformers' forward; greedy outputs equal its
+generate token for token, one prompt at a time and batched, under SB and under HB with small
+chunks and prefix caching (the Gemmas' prompts run past their 16-key windows), and split by PP=2
+and by TP=2 (one pair of processes runs every family), and through the runtime at PP=2."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from tests.greedy import greedy_tokens
-from tests.tiny_families import FAMILIES, MAX_NEW, PROMPTS, hf_greedy, hf_model, save_model
+from tests.tiny_families import (FAMILIES, MAX_NEW, PROMPTS, hf_greedy, hf_model, prefill_logits,
+                                  save_model)
 
 SMALL_CACHE = {"kv_cache_memory": "8MiB"}
 
@@ -38,34 +40,54 @@ def test_rope_tables_equal_transformers(family):
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory, default_model_dir):
-    """family -> (its directory, transformers' greedy tokens for PROMPTS), built on first use."""
+    """family -> (its directory, transformers' greedy tokens for PROMPTS, the transformers model),
+    built on first use."""
     built = {}
 
     def get(family):
         if family not in built:
             model = hf_model(family)
             path = save_model(model, tmp_path_factory.mktemp(family), default_model_dir)
-            built[family] = (path, hf_greedy(model, PROMPTS))
+            built[family] = (path, hf_greedy(model, PROMPTS), model)
         return built[family]
 
     return get
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_logits_equal_transformers(family_models, family):
+    """Every position's logits, not only their argmax (Gemma 2's final soft-cap keeps the argmax),
+    with the engine's CPU kernels."""
+    from batchinfer.engine.attention import fused_ops_for, select_backend
+    from batchinfer.engine.model.loader import build_model, load_arch
+
+    path, _, hf = family_models(family)
+    cpu = torch.device("cpu")
+    model = build_model(path, load_arch(path), torch.float32, cpu, 256)
+    backend = select_backend("auto", cpu, torch.float32)
+    model.use_ops(fused_ops_for(backend.name) or model.ops)
+    for prompt, ours in zip(PROMPTS, prefill_logits(model, backend, PROMPTS)):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_matches_transformers_sb(make_engine, family_models, family):
-    path, expected = family_models(family)
+    path, expected, _ = family_models(family)
     engine = make_engine(model={"path": str(path), "max_model_len": 256}, cache=SMALL_CACHE,
                          scheduler={"policy": "sb"})
     assert engine.info["attention_backend"] in ("native", "torch")
     assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
-    assert greedy_tokens(engine, PROMPTS[:3], batched=False, max_new=MAX_NEW) == expected[:3]
+    alone = [PROMPTS[0], PROMPTS[-1]]                     # 1 and 100 tokens, one at a time
+    assert greedy_tokens(engine, alone, batched=False, max_new=MAX_NEW) == [expected[0], expected[-1]]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_matches_transformers_hb_chunked_with_prefix_caching(make_engine, family_models,
                                                                      family):
     """Chunks of 16 tokens; the batch runs twice, the second time from the cached prefixes."""
-    path, expected = family_models(family)
+    path, expected, _ = family_models(family)
     engine = make_engine(model={"path": str(path), "max_model_len": 256},
                          cache={**SMALL_CACHE, "enable_prefix_caching": True},
                          scheduler={"policy": "hb", "chunk_size": 16,
@@ -134,7 +156,7 @@ def test_tp2_and_pp2_partitions_match_transformers(tmp_path, family_models):
 def test_pipeline_engine_runs_a_post_norm_family(make_engine, family_models):
     """OLMo 2 (norms after attention and MLP) through the multi-process runtime at PP=2 with
     chunked prefill: transformers' tokens."""
-    path, expected = family_models("olmo2")
+    path, expected, _ = family_models("olmo2")
     with make_engine(model={"path": str(path), "max_model_len": 256}, cache=SMALL_CACHE,
                      parallel={"pp": 2},
                      scheduler={"policy": "hb", "chunk_size": 16,
