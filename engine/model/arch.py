@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ModelLoadError
-from .registry import FAMILIES, family_module, supported_models
+from .registry import FAMILIES, LANGUAGE_MODELS, family_module, supported_models
 
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -58,11 +58,8 @@ class ModelArch:
     attention_scale: Optional[float] = None  # None: head_dim ** -0.5
     attn_softcap: float = 0.0            # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     final_softcap: float = 0.0           # the same on the logits
-
-    @property
-    def family(self) -> str:
-        """The family module's name (registry.FAMILIES)."""
-        return FAMILIES[self.model_type]
+    checkpoint_prefix: str = ""          # where a vision-language checkpoint keeps the language
+                                         # model's tensors (the rest is skipped)
 
     @property
     def q_size(self) -> int:
@@ -162,14 +159,17 @@ def _generic_fields(cfg: dict) -> dict:
 
 def arch_from_dict(cfg: dict, source: str = "config.json") -> ModelArch:
     model_type = cfg.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in FAMILIES and model_type not in LANGUAGE_MODELS:
         raise unsupported_architecture(model_type, cfg.get("architectures"), source)
     try:
-        family = family_module(model_type)
+        prefix = ""
+        if model_type in LANGUAGE_MODELS:   # a vision-language checkpoint: its language model
+            cfg, prefix = _language_model_config(cfg)
+        family = family_module(cfg["model_type"])
         if family.COMPLETE_WITH_TRANSFORMERS:
             cfg = transformers_config(cfg)
         fields = _generic_fields(cfg)
-        fields.update(family.read_config(cfg))
+        fields.update(family.read_config(cfg), checkpoint_prefix=prefix)
         arch = ModelArch(**fields)
     except KeyError as exc:
         raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
@@ -210,6 +210,17 @@ def sliding_windows(cfg: dict) -> tuple[int, ...]:
     if types:
         return tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
     return (int(window),) * int(cfg["num_hidden_layers"])
+
+
+def _language_model_config(cfg: dict) -> tuple[dict, str]:
+    """A vision-language config -> its language model's (completed by transformers; the outer
+    config's token ids win, as its generation uses them) and the prefix of its tensors."""
+    text_type, prefix = LANGUAGE_MODELS[cfg["model_type"]]
+    text = dict(transformers_config(cfg)["text_config"], model_type=text_type)
+    for key in ("bos_token_id", "eos_token_id"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text, prefix
 
 
 def transformers_config(cfg: dict) -> dict:

@@ -4,7 +4,7 @@ one the model has no place for, one of the wrong shape, each named with both sha
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 from ..errors import ModelLoadError
 from .arch import ModelArch
@@ -59,9 +59,17 @@ class CheckpointCheck:
         self.expected = dict(hf_tensor_shapes(arch))
         self.seen: set[str] = set()
 
+    def model_name(self, name: str) -> Optional[str]:
+        """The language model's name of a checkpoint tensor: the name itself, or without the
+        language model's prefix in a vision-language checkpoint (None: a vision tensor)."""
+        prefix = self.arch.checkpoint_prefix
+        if not prefix:
+            return name
+        return name[len(prefix):] if name.startswith(prefix) else None
+
     def see(self, name: str, shape: Iterable[int]) -> bool:
         """False for a tensor that is not a weight (skip it); raises for one the config has no
-        place for or gives another shape."""
+        place for or gives another shape. `name` is the model's (model_name)."""
         shape = tuple(int(s) for s in shape)
         if _NOT_WEIGHTS.search(name) or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
             return False

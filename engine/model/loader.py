@@ -196,13 +196,14 @@ def _read_weights(files: list[Path], filler, arch: ModelArch, source: str) -> No
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as fh:
-                for name in fh.keys():
-                    part = fh.get_slice(name)
-                    if not check.see(name, part.get_shape()):
+                for stored in fh.keys():
+                    name = check.model_name(stored)
+                    part = fh.get_slice(stored)
+                    if name is None or not check.see(name, part.get_shape()):
                         continue
                     for where in filler.targets(name):
                         if where.dim is None:
-                            tensor = fh.get_tensor(name)
+                            tensor = fh.get_tensor(stored)
                         else:
                             filler.check_source_shape(name, part.get_shape(), where)
                             cut = slice(where.lo, where.hi)

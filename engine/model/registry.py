@@ -24,6 +24,13 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "gemma",
 }
 
+# vision-language model_type -> (its language model's model_type, the prefix of the language
+# model's tensors in the checkpoint): the engine runs the language model on text and skips the
+# vision tower and projector
+LANGUAGE_MODELS: dict[str, tuple[str, str]] = {
+    "gemma3": ("gemma3_text", "language_model."),
+}
+
 # model_type -> the models users know it by (the unsupported-architecture message lists these)
 MODEL_NAMES: dict[str, str] = {
     "llama": "Llama 2 / 3.x, SmolLM2, TinyLlama",
@@ -33,7 +40,8 @@ MODEL_NAMES: dict[str, str] = {
     "olmo2": "OLMo 2",
     "phi3": "Phi-3 / Phi-3.5 / Phi-4 (incl. mini)",
     "gemma2": "Gemma 2",
-    "gemma3_text": "Gemma 3 text-only (1B)",
+    "gemma3_text": "Gemma 3 1B",
+    "gemma3": "Gemma 3 4B / 12B / 27B: the language model, on text",
 }
 
 
@@ -44,4 +52,4 @@ def family_module(model_type: str) -> ModuleType:
 
 def supported_models() -> str:
     """'llama (Llama 2 / 3.x, ...), mistral (Mistral), ...' for error messages."""
-    return ", ".join(f"{t} ({MODEL_NAMES[t]})" for t in sorted(FAMILIES))
+    return ", ".join(f"{t} ({MODEL_NAMES[t]})" for t in sorted({*FAMILIES, *LANGUAGE_MODELS}))

@@ -74,6 +74,9 @@ def build_sidp_engine(config, params):
     if setup.device.type != "cpu":
         raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
                           "host shared memory; the CUDA IPC path is not built yet)")
+    if arch.hidden_act != "silu":
+        raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
+                          f"({arch.model_type}) gates with {arch.hidden_act}")
     with_slots = resolve_weight_slots(params.weight_slots, setup.device)
     # the shared FFN computes in the activations' dtype: fp32 for a bf16 model on CPU, whose
     # shared FFN weights stay fp32 (only the attention's linears get bf16 weights there)

@@ -98,6 +98,20 @@ def test_greedy_matches_transformers_hb_chunked_with_prefix_caching(make_engine,
     assert engine.stats()["prefix_cache"]["hit_tokens"] >= sum(len(p) // 16 * 16 for p in PROMPTS)
 
 
+def test_a_vision_language_gemma3_runs_its_language_model(tmp_path, make_engine, default_model_dir):
+    """model_type gemma3 (Gemma 3 4B-27B): the language model's tensors under their prefix, the
+    vision tower's skipped, the outer config's eos ids; transformers' tokens on text prompts."""
+    from tests.tiny_families import hf_gemma3_vision_language
+
+    model = hf_gemma3_vision_language()
+    path = save_model(model, tmp_path / "gemma3-vl", default_model_dir)
+    engine = make_engine(model={"path": str(path), "max_model_len": 256}, cache=SMALL_CACHE)
+    arch = engine.replicas[0].executor.model.arch
+    assert (arch.model_type, arch.checkpoint_prefix) == ("gemma3_text", "language_model.")
+    assert arch.eos_token_ids == (2, model.config.eos_token_id[1])
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == hf_greedy(model, PROMPTS)
+
+
 # --- partitions: TP=2 and PP=2, every family in one pair of processes ---------------------------
 
 def _partition_worker(rank, world, init_file, out_dir, model_dirs):
