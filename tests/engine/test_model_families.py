@@ -38,6 +38,19 @@ def test_rope_tables_equal_transformers(family):
         torch.testing.assert_close(ours.sin[rows], sin[0, rows, :half], rtol=1e-6, atol=0)
 
 
+def test_a_tensor_parallel_size_the_heads_do_not_allow_names_the_counts():
+    from batchinfer.engine.config import ParallelConfig
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.runtime.layout import ParallelLayout
+
+    arch = arch_from_dict(hf_model("olmo2").config.to_dict())
+    with pytest.raises(ConfigError, match=r"parallel.tp: tp=4 cannot split this model: the model "
+                                          r"has 4 attention heads and 2 kv heads; tp must divide "
+                                          r"both: allowed tp = 1, 2$"):
+        ParallelLayout.resolve(ParallelConfig(tp=4), arch)
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory, default_model_dir):
     """family -> (its directory, transformers' greedy tokens for PROMPTS, the transformers model),

@@ -25,3 +25,34 @@ def test_window_and_softcap_equal_the_definition(window, softcap, block_size):
     got = TritonAttention().attend(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), moved, 0.125,
                                    window, softcap)
     torch.testing.assert_close(got.cpu(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_the_cuda_path_gives_the_torch_paths_tokens_on_the_new_layers(tmp_path, make_engine,
+                                                                      default_model_dir, family):
+    """Tiny models (tests/tiny_families.py) whose layers reach the CUDA path's kernels in new
+    ways: greedy tokens with the Triton kernel and triton_ops.py's element-wise kernels, then
+    with decode steps through the CUDA graphs' forward (eager here: capture needs a GPU), equal
+    the torch path's. Gemma 2: sliding windows and soft-caps handed to both; OLMo 2: q and k
+    normalized over all heads (strided rows)."""
+    from batchinfer.engine.cuda_graphs import DecodeGraphs
+    from batchinfer.engine.triton_ops import TritonOps
+    from tests.greedy import greedy_tokens
+    from tests.tiny_families import hf_model, save_model
+
+    path = save_model(hf_model(family), tmp_path / family, default_model_dir)
+    engine = make_engine(model={"path": str(path), "max_model_len": 128, "dtype": "float32"},
+                         device={"device": "cpu", "attention_backend": "torch"},
+                         cache={"kv_cache_memory": "8MiB"},
+                         scheduler={"policy": "hb", "max_num_batched_tokens": 32, "chunk_size": 16})
+    executor = engine.replicas[0].executor
+    prompts = [[7], list(range(200, 230))]          # the second runs past the 16-key windows
+    expected = greedy_tokens(engine, prompts, batched=True, max_new=3)
+    executor.backend = TritonAttention()
+    executor.model.use_ops(TritonOps)
+    assert greedy_tokens(engine, prompts, batched=True, max_new=3) == expected
+    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
+                                   torch.device("cpu"), max_batch=4, max_seq_len_to_capture=128,
+                                   capture=False, triton_attention=True)
+    assert greedy_tokens(engine, prompts, batched=True, max_new=3) == expected
+    assert executor.graphs.steps >= 2
