@@ -2,9 +2,9 @@
 
 A family module under engine/model/ defines `COMPLETE_WITH_TRANSFORMERS` (True: config.json is
 first completed by transformers' own config class, which fills in the defaults saved files omit),
-`read_config(cfg) -> dict` (its ModelArch fields beyond the generic ones), `DecoderLayer` (one
-layer, over the shared blocks in decoder.py) and `LAYER_NORMS` (its norms' checkpoint names). A
-new family is one such module plus a line here (and its names in MODEL_NAMES).
+`read_config(cfg) -> dict` (its ModelArch fields beyond the generic ones) and `DecoderLayer` (one
+layer, over the shared blocks in decoder.py, with `NORMS`: its norms' checkpoint names). A new
+family is one such module plus a line here (and its names in MODEL_NAMES).
 Modules are imported on first use, so reading a config does not build every family's layers.
 """
 from __future__ import annotations
