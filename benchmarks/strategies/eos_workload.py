@@ -37,10 +37,17 @@ def prompt_ids(tokenizer, prompt: str, stop_at_eos: bool) -> list[int]:
 
 
 def reference_path(n: int, offset: int, max_tokens: int) -> Path:
+    """Where the reference lengths are cached: per workload slice and cap, and per sampling and
+    reference engine (a change to either makes a new entry). An engine change that alters
+    greedy replies is not in the key: delete the entry (same_length_as_reference shows it)."""
+    import hashlib
+    import json
+
     from batchinfer.engine.setup_cache import cache_root
 
-    return (cache_root() / "workloads" /
-            f"sharegpt-eos-lengths-n{n}-off{offset}-max{max_tokens}.json")
+    key = hashlib.sha256(json.dumps([EOS_SAMPLING, REFERENCE], sort_keys=True).encode())
+    return (cache_root() / "workloads" / f"sharegpt-eos-lengths-n{n}-off{offset}-max{max_tokens}"
+            f"-{key.hexdigest()[:8]}.json")
 
 
 def reference_lengths(script: str, args) -> Path:

@@ -219,6 +219,8 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
               args.workload, "--offset", str(args.offset)]
     lengths_path = None
     if args.stop_at_eos:
+        if args.workload != "sharegpt":
+            ap.error("--stop-at-eos runs the ShareGPT prompts (--workload sharegpt)")
         lengths_path = eos_workload.reference_lengths(script, args)
         common += ["--stop-at-eos", "--max-tokens", str(args.max_tokens),
                    "--lengths", str(lengths_path)]

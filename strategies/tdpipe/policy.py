@@ -49,7 +49,8 @@ class KVForecast:
     job of short replies prefills until the cache is physically full and its decode phase starts
     preempting. With `count_ending` each request also counts, at the first point after its end,
     what it holds when it ends (input + its length): the check then bounds the peak between two
-    points, not only at them."""
+    points, not only at them, up to the horizon (a request predicted past the last point counts
+    as input + that point, as in the paper)."""
 
     def __init__(self, points: Sequence[int], capacity_tokens: float, block_size: int = 1,
                  count_ending: bool = False):
@@ -70,7 +71,8 @@ class KVForecast:
     def update(self, input_len: int, predict_len: int) -> None:
         """UpdateUsage: a request holding `input_len` tokens that will generate `predict_len` more
         adds input_len (in whole blocks) + point at every future point up to its predicted
-        length."""
+        length; with count_ending, also input_len + predict_len (in whole blocks) at the first
+        point after its end."""
         reach = bisect_right(self.points, predict_len)
         block = self.block_size
         if reach:
