@@ -15,8 +15,10 @@ Scenarios (the paper's claim in `expect`, each strategy at its own defaults):
   best static layout (TP4, PP4, TP2 x PP2, each with SB and HB) (Seesaw §6.2, Fig. 10 / 12)
 - sipipe: Qwen2.5-72B on 8 x H100 (NVLink) at PP4 x TP2: SiPipe > vLLM-style PP (HB) at the same
   layout (SiPipe §7.2, Fig. 8a), with the paper's configuration (§7.1): a batch of 512, every
-  sampling knob and all three penalties, the 184 cores left beside the 8 workers' shared by the 4
-  samplers (46 threads each); plus SiPipe with each mechanism off (the ablation, §7.5, Fig. 16).
+  sampling knob and all three penalties, the 184 cores left beside the 8 workers shared by the
+  pool's 4 samplers (46 threads each; every micro-batch split across them, or, without the
+  column split, on one of them); plus SiPipe with each mechanism off (the ablation, §7.5,
+  Fig. 16).
   The host work the mechanisms move (the default sampler's, input preparation) is this engine's,
   measured on this machine (benchmarks/sim/host_costs.py, constants in sim/hardware.py).
 - sidp: Qwen2.5-32B on 8 x H20 (NVLink) at 0.6 of GPU memory (the paper's Fig. 12 budget):
@@ -45,6 +47,7 @@ from benchmarks.common import SIPIPE_SAMPLING, bench_requests, emit  # noqa: E40
 
 # SiPipe with one mechanism off (the paper's ablation, §7.5): configuration name -> switch
 SIPIPE_ABLATIONS = {"sipipe-no-cpu-sampling": "cpu_sampling",
+                    "sipipe-no-column-split": "split_columns",
                     "sipipe-no-token-safe": "token_safe_execution",
                     "sipipe-no-sat": "structure_aware_transmission"}
 
