@@ -49,6 +49,16 @@ def resolve_layouts(config: EngineConfig, params, arch) -> dict[str, ParallelLay
     return {PREFILL: prefill, DECODE: decode}
 
 
+def sampling_rank(layouts: dict[str, ParallelLayout]) -> int:
+    """The one rank that samples in every layout (the sampler keeps per-request state): on the
+    last stage of each. Ranks are numbered stage-major, so the highest one always is; the first
+    such rank is taken (prefill's usual sampler when decode's last stage has it too)."""
+    common = set.intersection(*({lay.rank(0, lay.pp - 1, t) for t in range(lay.tp)}
+                                for lay in layouts.values()))
+    assert common, "the highest rank is on the last stage of every layout"
+    return min(common)
+
+
 def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
                 per_rank: int, dtype_bytes: int, max_model_len: int) -> tuple[int, int, int]:
     """-> (device blocks, bytes of a device block, store blocks). Every rank gets the same block
@@ -91,7 +101,7 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     store = allocate_store(store_blocks, arch.num_layers, arch.num_kv_heads, block_size,
                            arch.head_dim, setup.kv_dtype)
     threads = threads_per_rank(config.parallel, prefill.world_size, config.device.num_threads)
-    layout_spec = LayoutSpec(layouts, PREFILL, prefill.sampling_rank(0), store,
+    layout_spec = LayoutSpec(layouts, PREFILL, sampling_rank(layouts), store,
                              async_swap=params.async_pipeline)
     pool = start_workers(config, setup, prefill, num_blocks, threads,
                          extension=SeesawWorker(layout_spec))

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_cache import BlockManager
@@ -287,6 +287,28 @@ def test_without_the_cpu_tier_the_store_holds_what_the_device_holds(cpu_kv_tier)
         assert peak <= device_tokens and max(held) <= device_tokens
 
 
+def test_one_rank_samples_on_the_last_stage_of_both_layouts():
+    """Every (c_p, c_d) pair `auto` may pick over 4 ranks of the 8-head dummy: the sampling rank
+    is on the last stage of each layout (prefill TP -> decode PP once had no sampler at all:
+    rank 0 sampled, and PP's last stage is rank 3)."""
+    from batchinfer.engine.runtime.build import model_setup
+    from batchinfer.engine.runtime.layout import ParallelLayout
+    from batchinfer.strategies.seesaw.auto_layout import splits
+    from batchinfer.strategies.seesaw.build import sampling_rank
+
+    arch = model_setup(EngineConfig(model=DUMMY8)).arch
+    layouts = [ParallelLayout.resolve(ParallelConfig(tp=tp, pp=pp), arch)
+               for tp, pp in splits(4, arch)]
+    assert len(layouts) == 3                          # TP=4, TP=2 x PP=2, PP=4
+    for prefill in layouts:
+        for decode in layouts:
+            rank = sampling_rank({"prefill": prefill, "decode": decode})
+            for lay in (prefill, decode):
+                assert lay.info(rank).stage == lay.pp - 1
+            if decode.info(prefill.sampling_rank(0)).stage == decode.pp - 1:
+                assert rank == prefill.sampling_rank(0)     # as before where that worked
+
+
 # --- weights ---------------------------------------------------------------------------------------
 def _params(model) -> dict:
     out = {}
@@ -325,23 +347,29 @@ def test_resharded_weights_equal_the_direct_shards():
 # --- end to end ------------------------------------------------------------------------------------
 def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
                    kv_dtype: str = "auto") -> EngineConfig:
+    """A stuck rank (e.g. no sampler in a layout) fails the test in 2 minutes, not 10."""
     return EngineConfig(model=model, cache={"kv_cache_memory": kv, "kv_cache_dtype": kv_dtype},
-                        parallel=parallel, scheduler=params.scheduler_config(), strategy=params)
+                        parallel={"step_timeout_seconds": 120, **parallel},
+                        scheduler=params.scheduler_config(), strategy=params)
 
 
-@pytest.mark.parametrize("kv_dtype,element", [("auto", 4), ("bfloat16", 2)])
+@pytest.mark.parametrize("prefill,decode,kv_dtype,element", [
+    ({"pp": 2}, (2, 1), "auto", 4), ({"pp": 2}, (2, 1), "bfloat16", 2),
+    ({"tp": 2}, (1, 2), "auto", 4)], ids=["pp2-tp2", "pp2-tp2-bf16", "tp2-pp2"])
 @pytest.mark.slow
-def test_pp2_to_tp2_equals_the_baseline_through_several_switches(make_engine, kv_dtype, element):
-    """Dummy 8-head model: PP=2 prefill, TP=2 decode, a device cache of ~230 tokens and a CPU
-    store of 256: several switches, every token equal to the single process's (with a bf16 KV
-    cache too: both tiers and the moves between them hold bf16)."""
+def test_two_layouts_equal_the_baseline_through_several_switches(make_engine, prefill, decode,
+                                                                 kv_dtype, element):
+    """Dummy 8-head model: PP=2 prefill and TP=2 decode (and the other way round, which `auto`
+    may pick too), a device cache of ~230 tokens and a CPU store of 256: several switches, every
+    token equal to the single process's (with a bf16 KV cache too: both tiers and the moves
+    between them hold bf16)."""
     with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype}) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
     token = 30 * 2 * 4 * 64 * element
-    params = SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=token * 256,
-                          max_num_batched_tokens=64)
-    config = _seesaw_config(params, {"pp": 2, "pp_balance": "layers"}, DUMMY8, str(token * 240 // 2),
-                            kv_dtype)
+    params = SeesawParams(decode_tp=decode[0], decode_pp=decode[1],
+                          cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
+    config = _seesaw_config(params, {**prefill, "pp_balance": "layers"}, DUMMY8,
+                            str(token * 240 // 2), kv_dtype)
     with Engine.from_config(config) as engine:
         outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
         events = engine.drain_step_events()
