@@ -33,6 +33,14 @@ def norm(ops, x: torch.Tensor, module: RMSNorm) -> torch.Tensor:
     return ops.rms_norm(x, module.weight, module.eps)
 
 
+def add_norm(ops, hidden: torch.Tensor, residual, module: RMSNorm):
+    """A pre-norm block's input: the residual stream (the layer's input for the first layer, whose
+    residual is None) plus `hidden`, normed -> (normed, residual)."""
+    if residual is None:
+        return ops.rms_norm(hidden, module.weight, module.eps), hidden
+    return ops.add_rms_norm(hidden, residual, module.weight, module.eps)
+
+
 class Attention(nn.Module):
     """This rank's heads: column-parallel qkv_proj, row-parallel o_proj (+ all-reduce if tp > 1).
 

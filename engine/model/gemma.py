@@ -11,7 +11,7 @@ from typing import Optional
 from torch import nn
 
 from .arch import ModelArch, rope_kind, sliding_windows
-from .decoder import MLP, Attention, RMSNorm, norm
+from .decoder import MLP, Attention, RMSNorm, add_norm, norm
 from .shard import ShardSizes, TensorParallelGroup
 
 COMPLETE_WITH_TRANSFORMERS = True
@@ -59,12 +59,7 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps)
 
     def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
-        first = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, first.weight, first.eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, first.weight, first.eps)
+        hidden, residual = add_norm(ops, hidden, residual, self.input_layernorm)
         hidden = self.self_attn.forward(hidden, positions, rotary, kv_cache, meta, backend, ops)
         hidden = norm(ops, hidden, self.post_attention_layernorm)
         pre = self.pre_feedforward_layernorm

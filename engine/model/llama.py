@@ -8,7 +8,7 @@ from typing import Optional
 from torch import nn
 
 from .arch import ModelArch
-from .decoder import MLP, Attention, RMSNorm
+from .decoder import MLP, Attention, RMSNorm, add_norm
 from .shard import ShardSizes, TensorParallelGroup
 
 COMPLETE_WITH_TRANSFORMERS = False   # config.json read as it is (the generic defaults are Llama's)
@@ -38,13 +38,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, shard, tp)
 
     def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
-        norm = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden, residual = add_norm(ops, hidden, residual, self.input_layernorm)
         hidden = self.self_attn.forward(hidden, positions, rotary, kv_cache, meta, backend, ops)
-        norm = self.post_attention_layernorm
-        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden, residual = add_norm(ops, hidden, residual, self.post_attention_layernorm)
         return self.mlp.forward(hidden, ops), residual
