@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from batchinfer.engine.kernels import load_native_kernels
-from batchinfer.engine.request import Request, SamplingParams, Sequence
+from batchinfer.engine.request import SamplingParams, Sequence
 from batchinfer.engine.runtime.input_prep import TokenSafeInputs, VersionedInputs
 from batchinfer.engine.sampler import Sampler
 from batchinfer.engine.step_plan import StepPlan, model_inputs
 from batchinfer.strategies.sipipe.column_sampler import ColumnSampler
 from batchinfer.strategies.sipipe.columns import ColumnAssigner, ColumnJoin
+from tests.sipipe_churn import churn
 
 
 def _join_stub(rid, col):
@@ -69,28 +70,8 @@ def test_incremental_columns_equal_scratch_and_the_default_sampler(native):
     gen = torch.Generator().manual_seed(3)
     default = Sampler(vocab, (2,), torch.device("cpu"), native_kernels=native)
     replicas = [(ColumnAssigner(16), ColumnSampler(vocab, 16, 256, (2,), native)) for _ in range(2)]
-    seqs, members, counter = {}, [[], []], 0
-    for step in range(60):
-        r = step % 2
+    for step, r, batch, rows, seqs in churn(vocab, rng, PARAMS):
         assigner, sampler = replicas[r]
-        batch = members[r]
-        batch[:] = [rid for rid in batch if rng.random() > 0.15]            # leavers
-        if batch and rng.random() < 0.1:                                     # one moves over
-            members[1 - r].append(batch.pop(rng.randrange(len(batch))))
-        while len(batch) < 9 and rng.random() < 0.6:                         # joiners
-            counter += 1
-            rid = f"r{counter}"
-            params = PARAMS[counter % len(PARAMS)].model_copy(update={"seed": counter})
-            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
-            seqs[rid] = Sequence(request=Request(rid, prompt, params))
-            batch.append(rid)
-        if not batch:
-            continue
-        for rid in batch:
-            if seqs[rid].output_token_ids and rng.random() < 0.05:          # trimmed by the engine
-                seqs[rid].output_token_ids.pop()
-        rng.shuffle(batch)
-        rows = [seqs[rid] for rid in batch]
         logits = torch.randn(len(rows), vocab, generator=gen) * 3
         expected, info = default.sample(logits.clone(), default.prepare(rows))
 

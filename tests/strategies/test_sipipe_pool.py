@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from batchinfer.engine.kernels import load_native_kernels
-from batchinfer.engine.request import Request, Sequence
 from batchinfer.engine.sampler import Sampler
 from batchinfer.runner.recipe import parse_recipe
 from batchinfer.runner.recipe_errors import RecipeError
@@ -18,6 +17,7 @@ from batchinfer.strategies.sipipe.columns import ColumnJoin
 from batchinfer.strategies.sipipe.logits_channel import (LogitsProducer, SamplerLink,
                                                          allocate_slots)
 from batchinfer.strategies.sipipe.sampler_pool import PoolLayout, ShareAssigner
+from tests.sipipe_churn import churn
 from tests.strategies.test_sipipe import PARAMS, _scratch
 
 
@@ -72,27 +72,8 @@ def test_a_seeded_request_samples_the_same_tokens_whichever_split(native, split,
     whole = [ShareAssigner(1, 9) for _ in range(depth)]
     reference = [ColumnSampler(vocab, 9, 256, (2,), native) for _ in range(depth)]
     default = Sampler(vocab, (2,), torch.device("cpu"), native_kernels=native)
-    seqs, members, counter, strided = {}, [[], []], 0, 0
-    for step in range(60):
-        r = step % depth
-        batch = members[r]
-        batch[:] = [rid for rid in batch if rng.random() > 0.15]            # leavers
-        if batch and rng.random() < 0.1:                                     # one moves over
-            members[1 - r].append(batch.pop(rng.randrange(len(batch))))
-        while len(batch) < 9 and rng.random() < 0.6:                         # joiners
-            counter += 1
-            rid = f"r{counter}"
-            params = PARAMS[counter % len(PARAMS)].model_copy(update={"seed": counter})
-            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
-            seqs[rid] = Sequence(request=Request(rid, prompt, params))
-            batch.append(rid)
-        if not batch:
-            continue
-        for rid in batch:
-            if seqs[rid].output_token_ids and rng.random() < 0.05:          # trimmed by the engine
-                seqs[rid].output_token_ids.pop()
-        rng.shuffle(batch)
-        rows = [seqs[rid] for rid in batch]
+    strided = 0
+    for step, r, batch, rows, seqs in churn(vocab, rng, PARAMS):
         lens = [len(s.output_token_ids) for s in rows]
         logits = torch.randn(len(rows), vocab, generator=gen) * 3
 
