@@ -33,7 +33,9 @@ def profile(
     model: Optional[str] = typer.Option(None, "--model", help="A preset model to plan for "
                                         "(with a preset --hardware)."),
     table: Optional[Path] = typer.Option(None, "--table", help="A profile table saved by an "
-                                         "earlier run (profile_table.json): no measuring."),
+                                         "earlier run (profile_table.json), or one shipped "
+                                         "(h100-llama-3.1-8b, h100-smollm2-135m: measured on "
+                                         "one H100): no measuring."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where the table, ranking and "
                                        "winning recipe go. Default: profile-<recipe>/."),
     requests: int = typer.Option(2000, "--requests", min=1, help="Simulate the first N usable "

@@ -144,6 +144,7 @@ def model_source(model_cfg: ModelConfig) -> ModelSource:
 
 def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
+    launch_ahead = use_async_scheduling(config, device)      # a bad ask fails before loading
     if device.type == "cpu":
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
@@ -187,7 +188,11 @@ def _build_single_process(config: EngineConfig) -> Engine:
         graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,
                               min(config.device.max_seq_len_to_capture, max_model_len),
                               triton_attention=backend.name == "triton")
-    executor = InProcessExecutor(model, kv_caches, backend, sampler, block_manager, device, graphs)
+        graphs.capture_all()
+    executor_class = InProcessExecutor
+    if launch_ahead:
+        from .steps_ahead import AsyncInProcessExecutor as executor_class
+    executor = executor_class(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
         "model_id": model_id_for(config.model.path, dummy),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -199,7 +204,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
         "scheduler_policy": sched_cfg.policy,
         "linear_kernel": linear_kernel_label(device, dtype),
-        "cuda_graphs": graphs is not None,
+        "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
     }
     log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
@@ -223,6 +228,25 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                             -(-max_model_len // block) * block * arch.kv_bytes_per_token(
                                 kv_dtype.itemsize),
                             f"max_model_len {max_model_len} tokens")
+
+
+def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """scheduler.async_scheduling (a baseline strategy's own key first): empty means on with
+    CUDA; asked for where it can't run, a ConfigError that names why."""
+    strategy = config.strategy
+    if strategy is not None and strategy.name == "baseline":
+        choice, key = strategy.scheduler_config().async_scheduling, "strategy.async_scheduling"
+    else:
+        choice, key = config.scheduler.async_scheduling, "scheduler.async_scheduling"
+    why_not = ""
+    if strategy is not None and strategy.name != "baseline":
+        why_not = f"strategy {strategy.name} schedules its own steps"
+    elif config.cache.enable_prefix_caching:
+        why_not = "prefix caching indexes blocks by token values the host reads a step late"
+    if choice and why_not:
+        raise ConfigError(f"{key}: true needs one process, the baseline strategy and no prefix "
+                          f"caching; here {why_not}")
+    return bool(choice) if choice is not None else device.type == "cuda" and not why_not
 
 
 def use_cuda_graphs(choice: Optional[bool], backend_name: str) -> bool:

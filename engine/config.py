@@ -82,6 +82,12 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=16)
     chunk_size: Optional[int] = Field(None, ge=1, description="largest prefill chunk (hb); "
                                       "default: max_num_batched_tokens")
+    async_scheduling: Optional[bool] = Field(
+        None, description="schedule and launch the next step while the GPU runs this one (its "
+        "sampled ids fed to the next step on the device, stop checks one step late, as vLLM's "
+        "async scheduling): the host's work per step hides under the GPU's. One process, the "
+        "baseline strategy, no prefix caching; requests with penalties run step by step. "
+        "Empty: on with CUDA, off on CPU (where the forward runs on the host, nothing overlaps)")
 
 
 class DeviceConfig(_Strict):

@@ -18,9 +18,10 @@ A graph fixes every shape and every address, so:
 - padding rows write their K/V into one block reserved for them (held in the block manager under
   PADDING_OWNER), never into a sequence's block.
 
-Graphs are captured lazily, the first time a (batch, width) shape is needed (with the Triton
-kernel, the width is always the largest, so a graph per batch size), all into one memory
-pool. That is safe because steps replay one at a time and each step's outputs are consumed before
+With the Triton kernel the width is always the largest, so there is one graph per batch size,
+and all of them are captured when the engine is built (`capture_all`, as vLLM does); with the
+torch path a graph is captured the first time its (batch, width) shape is needed. All share one
+memory pool. That is safe because steps replay one at a time and each step's outputs are consumed before
 the next replay. Only pure-decode batches on one device use graphs; steps with prefill run eagerly,
 and so do contexts longer than `max_seq_len_to_capture`.
 With `capture=False` the same padded forward runs eagerly: the tests run it on CPU.
@@ -32,6 +33,7 @@ import time
 from bisect import bisect_left
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from .host_to_device import copy_into
@@ -150,9 +152,10 @@ class DecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, plan: StepPlan):
+    def run(self, plan: StepPlan, substitute: Optional[Callable[[torch.Tensor], None]] = None):
         """-> (hidden, residual, logits rows) for a pure-decode plan that fits a graph, else None
-        (the caller runs the step eagerly)."""
+        (the caller runs the step eagerly). substitute(input ids): writes the ids still on the
+        device into the static buffer (async scheduling), after the host's copy."""
         n = len(plan.query_lens)
         if n == 0 or n > self.sizes[-1] or len(plan.sample_items) != n:
             return None
@@ -167,6 +170,8 @@ class DecodeGraphs:
         batch = self.sizes[bisect_left(self.sizes, n)]
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         self._fill(plan, batch, blocks if self.attention.triton else width)
+        if substitute is not None:
+            substitute(self._ints[0, :batch])
         hidden, residual = graph.replay()
         self.steps += 1
         return hidden, residual, self._rows[:n]
@@ -180,17 +185,22 @@ class DecodeGraphs:
         return True
 
     def _fill(self, plan: StepPlan, batch: int, width: int) -> None:
+        """The step's inputs into the static buffers, padding rows after the step's own. Built in
+        numpy, row by row: a nested list through torch.tensor took ~10 us a sequence."""
         bs, pad, n = self.block_size, self._pad_block, len(plan.seq_lens)
-        positions = [s - 1 for s in plan.seq_lens]
-        padding = batch - n
-        ints = [plan.input_ids + [0] * padding,
-                positions + [0] * padding,
-                [t[p // bs] for t, p in zip(plan.block_tables, positions)] + [pad] * padding,
-                [p % bs for p in positions] + [0] * padding,
-                list(plan.seq_lens) + [1] * padding]
-        tables = [t + [pad] * (width - len(t)) for t in plan.block_tables] + [[pad] * width] * padding
-        copy_into(self._ints[:, :batch], torch.tensor(ints, dtype=torch.long))
-        copy_into(self._tables[:batch, :width], torch.tensor(tables, dtype=torch.long))
+        ints = np.zeros((5, batch), dtype=np.int64)
+        ints[0, :n] = plan.input_ids
+        ints[4, :n] = plan.seq_lens
+        positions = ints[4, :n] - 1
+        ints[1, :n] = positions
+        ints[2, :n] = [t[p // bs] for t, p in zip(plan.block_tables, positions.tolist())]
+        ints[3, :n] = positions % bs
+        ints[2, n:], ints[4, n:] = pad, 1
+        tables = np.full((batch, width), pad, dtype=np.int64)
+        for row, table in enumerate(plan.block_tables):
+            tables[row, :len(table)] = table
+        copy_into(self._ints[:, :batch], torch.from_numpy(ints))
+        copy_into(self._tables[:batch, :width], torch.from_numpy(tables))
 
     def _padding_inputs(self, batch: int, width: int) -> None:
         """Every row a padding row: warm-up and capture write only the padding block."""
@@ -198,7 +208,22 @@ class DecodeGraphs:
         self._tables[:batch, :width] = self._pad_block
 
     # --- capture --------------------------------------------------------------------------------
-    def _capture(self, batch: int, width: int) -> _Graph:
+    def capture_all(self) -> None:
+        """Every batch size's graph before the first request (largest first, so the smaller ones
+        reuse its memory pool), as vLLM captures at start: captured lazily, they cost a W-8B run
+        on an H100 5.0 of its 33 s. Only with the Triton kernel, whose graphs all take the one
+        largest width; the torch path's widths follow the contexts and stay lazy."""
+        if not (self.capture and self.attention.triton) or not self._reserve_padding_block():
+            return
+        start = time.perf_counter()
+        for batch in reversed(self.sizes):
+            if (batch, self.max_width) not in self._graphs:
+                self._capture(batch, self.max_width, announce=False)
+        log.info("CUDA graphs for %d batch sizes (1-%d sequences, up to %d tokens each) "
+                 "captured in %.1f s", len(self.sizes), self.sizes[-1],
+                 self.max_width * self.block_size, time.perf_counter() - start)
+
+    def _capture(self, batch: int, width: int, announce: bool = True) -> _Graph:
         start = time.perf_counter()
         ints = self._ints[:, :batch]
         meta = StaticDecodeMeta(ints, self._tables[:batch, :width], self.block_size,
@@ -226,7 +251,8 @@ class DecodeGraphs:
         self._graphs[(batch, width)] = graph
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
-        log.info("decode graph for %d sequences, block tables of %d (%d tokens): %s in %.2f s",
-                 batch, width, width * self.block_size,
-                 "captured" if self.capture else "built (eager)", seconds)
+        (log.info if announce else log.debug)(
+            "decode graph for %d sequences, block tables of %d (%d tokens): %s in %.2f s",
+            batch, width, width * self.block_size, "captured" if self.capture else "built (eager)",
+            seconds)
         return graph

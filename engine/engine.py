@@ -58,6 +58,12 @@ class Engine:
         self._clock0 = self._clock()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
+        # async scheduling (steps_ahead.py), where the build chose an executor that launches ahead
+        self._ahead = None
+        if self.info.get("async_scheduling"):
+            from .steps_ahead import StepsAhead
+
+            self._ahead = StepsAhead(self)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -80,6 +86,8 @@ class Engine:
                      self.info.get("vocab_size") or self.tokenizer.vocab_size)
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
+        if self._ahead is not None and request.sampling.uses_penalties:
+            self._ahead.penalised += 1
         if replica is not None and not 0 <= replica < len(self.replicas):
             raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
         if len(self.replicas) == 1 or replica is not None:
@@ -126,12 +134,13 @@ class Engine:
                 rep.scheduler.on_transfers_done(rep.executor.take_done_transfers())
             while rep.executor.num_in_flight and rep.executor.ready():
                 batch, result = rep.executor.collect()
-                t_start = self._submitted.pop(id(batch), self.now())
-                decode = batch.num_decode_tokens
-                shape = (len(batch), batch.num_tokens - decode, decode)
-                for item in batch.items:
-                    item.seq.in_flight = False
-                finished.extend(self._apply(batch, result))
+                t_start, shape = self._submitted.pop(id(batch))
+                if self._ahead is not None:
+                    finished.extend(self._ahead.settle(batch, result))
+                else:
+                    for item in batch.items:
+                        item.seq.in_flight = False
+                    finished.extend(self._apply(batch, result))
                 rep.scheduler.on_result(batch)
                 self._record(rep, index, batch.phase, shape, result, t_start)
         return finished
@@ -139,15 +148,22 @@ class Engine:
     def _fill(self, rep: Replica) -> None:
         _run_actions(rep)
         while rep.executor.num_in_flight < rep.scheduler.in_flight_limit(rep.executor.max_in_flight):
+            if rep.executor.num_in_flight and self._ahead is not None and \
+                    not self._ahead.may_launch_ahead(rep):
+                return
             batches = rep.scheduler.schedule()
             _run_actions(rep)    # copies and layout switches go before the micro-batches
             if not batches:
                 return
             for batch in batches:
+                decode = batch.num_decode_tokens
                 for item in batch.items:
                     item.seq.in_flight = True
-                self._submitted[id(batch)] = self.now()
+                self._submitted[id(batch)] = (self.now(),
+                                              (len(batch), batch.num_tokens - decode, decode))
                 rep.executor.submit(batch)
+                if self._ahead is not None:
+                    self._ahead.launched(batch)
 
     def _feed(self) -> None:
         """Data parallelism: a replica takes new requests only while its own queue is short
@@ -183,6 +199,9 @@ class Engine:
         return done
 
     def _finish(self, seq: Sequence) -> RequestOutput:
+        if self._ahead is not None and seq.request.sampling.uses_penalties and \
+                self._seqs.get(seq.request_id) is seq:
+            self._ahead.penalised -= 1
         self._seqs.pop(seq.request_id, None)
         for rep in self.replicas:
             rep.executor.release(seq.request_id)
@@ -198,6 +217,8 @@ class Engine:
                 while not rep.executor.ready():
                     rep.executor.wait()
                 batch, _ = rep.executor.collect()
+                if self._ahead is not None:
+                    self._ahead.discard(batch)
                 for item in batch.items:
                     item.seq.in_flight = False
             seqs.extend(rep.scheduler.abort_all())

@@ -107,6 +107,10 @@ class Request:
     predicted_output_len: Optional[int] = None
 
 
+# an output token sampled on the device whose value the host has not read yet (async scheduling)
+PENDING_TOKEN = -1
+
+
 @dataclass(eq=False)
 class Sequence:
     """Engine-side state of one request. The scheduler reads it; the engine mutates it.
@@ -134,6 +138,9 @@ class Sequence:
     sampler_slot: int = -1
     # inside a submitted micro-batch whose results are not back yet (pipeline parallelism)
     in_flight: bool = False
+    # async scheduling (engine/steps_ahead.py): the row of the launched step's sampled ids that
+    # holds this sequence's last token while output_token_ids has PENDING_TOKEN in its place
+    pending_row: int = -1
 
     @property
     def request_id(self) -> str:

@@ -15,7 +15,7 @@ import torch
 from .attention import METADATA_DTYPES, AttentionMetadata, metadata_lists
 from .host_to_device import packed_to_device
 from .kv_cache import BlockManager
-from .request import Request
+from .request import PENDING_TOKEN, Request
 from .scheduler import MicroBatch
 
 
@@ -30,6 +30,9 @@ class StepPlan:
     sample_request_ids: list[str]
     sample_output_lens: list[int]      # tokens each sampled request has generated so far
     new_requests: list[Request] = field(default_factory=list)  # first sight, for the sampling rank
+    # async scheduling: (input position, row of the previous launch's sampled ids) for each input
+    # token still on the device (PENDING_TOKEN in the sequence's outputs)
+    pending: list[tuple[int, int]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)          # finished since the last plan
 
     @property
@@ -50,6 +53,7 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
     ids: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     sample_items, sample_ids, output_lens = [], [], []
+    pending: list[tuple[int, int]] = []
     for index, item in enumerate(batch.items):
         seq, n = item.seq, item.num_tokens
         start = seq.num_computed_tokens
@@ -57,7 +61,10 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
         if start + n <= prompt_len:
             ids.extend(seq.request.prompt_token_ids[start:start + n])
         elif n == 1 and start >= prompt_len:  # the usual decode step: just the last output token
-            ids.append(seq.output_token_ids[start - prompt_len])
+            token = seq.output_token_ids[start - prompt_len]
+            if token == PENDING_TOKEN:
+                pending.append((len(ids), seq.pending_row))
+            ids.append(token)
         else:
             ids.extend(seq.token_ids()[start:start + n])
         query_lens.append(n)
@@ -67,7 +74,8 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
             sample_items.append(index)
             sample_ids.append(seq.request_id)
             output_lens.append(len(seq.output_token_ids))
-    return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens)
+    return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens,
+                    pending=pending)
 
 
 def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:

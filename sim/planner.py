@@ -40,8 +40,11 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
     from .profile_table import ProfileTable
     from .profiler import profile_machine
 
+    from .shipped_tables import resolve_table
+
     config = recipe.engine_config()
     if table_path is not None:
+        table_path = resolve_table(table_path)
         table = ProfileTable.load(table_path)
     else:
         table = profile_machine(config, progress=progress)
@@ -73,6 +76,19 @@ def preset_setup(recipe_model, hardware: str, devices: int, model: Optional[str]
                      {"hardware": spec.name, "gpus": devices, "model": model or "recipe",
                       "source": spec.source, "dtype": "bfloat16",
                       "prompt_tokens": "counted with the recipe model's tokenizer"})
+
+
+def _read_on_this_machine(config):
+    """A CUDA recipe planned where torch sees no GPU (a shipped table, a preset): its model read
+    on the CPU, in the GPU's dtype (auto is bf16 there)."""
+    import torch
+
+    if config.device.device != "cuda" or torch.cuda.is_available():
+        return config
+    model = (config.model.model_copy(update={"dtype": "bfloat16"})
+             if config.model.dtype == "auto" else config.model)
+    device = config.device.model_copy(update={"device": "cpu", "attention_backend": "torch"})
+    return config.model_copy(update={"model": model, "device": device})
 
 
 @dataclass
@@ -115,7 +131,8 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
     if hardware == "measured" and model:
         raise ConfigError("--model names a preset model for a preset --hardware; measured "
                           "profiles time the recipe's own model")
-    recipe_model = model_setup(recipe.engine_config())     # config.json and tokenizer, no weights
+    # config.json and tokenizer, no weights
+    recipe_model = model_setup(_read_on_this_machine(recipe.engine_config()))
     if hardware == "measured":
         setup = measured_setup(recipe, recipe_model, table, out_dir, devices, progress)
     else:

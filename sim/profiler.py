@@ -22,13 +22,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from batchinfer.engine.build import available_memory, kv_element_bytes
+from batchinfer.engine.build import available_memory, kv_element_bytes, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
-from batchinfer.engine.step_times import SyntheticSequences
+from batchinfer.engine.step_times import SyntheticSequences, interpolate
 
 from .cost_model import ffn_share
 from .link_profile import profile_links
@@ -57,6 +57,12 @@ PREFILL_PROMPT_LEN = 256
 ATTENTION_PROBE = (1024, (64, 1024))      # the same tokens as short and as one long prompt
 HEAD_ROWS = (1, 16, 64, 256)
 PROFILE_KV_BYTES = 4 * 2**30          # every sequence of a probe gets its own blocks
+# A GPU batches far more: decode up to vLLM's 1,024 sequences (CUDA graphs cover each size), and
+# prefill steps up to its 16,384 tokens; its KV is sized as a run sizes it (engine/gpu_memory.py)
+GPU_DECODE_BATCHES = DECODE_BATCHES + (384, 512, 768, 1024)
+GPU_PREFILL_TOKENS = PREFILL_TOKENS + (4096, 8192, 16384)
+GPU_ATTENTION_PROBE = (4096, (256, 4096))
+GPU_HEAD_ROWS = HEAD_ROWS + (1024,)
 DECODE_REPEATS = 5                    # decode probes are cheap: more repeats, less noise
 
 
@@ -68,11 +74,28 @@ class _Probe:
         self.executor = engine.replicas[0].executor
         self.synth = SyntheticSequences(engine, int(engine.info["vocab_size"]))
         self.repeats = repeats
+        self.gpu_head: Optional[tuple[list, list]] = None   # (LM head, sampler) by rows, on CUDA
 
     def forward_seconds(self, batch: MicroBatch, repeats: Optional[int] = None) -> float:
+        """The executor's forward time. On a GPU its own clock sees only the host's part (the
+        kernels run on after forward_s ends, and the sampler's read of the ids waits for them),
+        so the whole step is timed there, GPU work included, less the LM head and sampler for
+        its rows (measured first, `gpu_head`): what the fit calls the layers' time."""
         self.executor.execute(batch)                         # warm-up
-        return statistics.median(self.executor.execute(batch).forward_s
-                                 for _ in range(repeats or self.repeats))
+        if self.executor.device.type != "cuda":
+            return statistics.median(self.executor.execute(batch).forward_s
+                                     for _ in range(repeats or self.repeats))
+        times = []
+        for _ in range(repeats or self.repeats):
+            _sync(self.executor.device)
+            t0 = time.perf_counter()
+            self.executor.execute(batch)
+            _sync(self.executor.device)
+            times.append(time.perf_counter() - t0)
+        rows = sum(1 for item in batch.items if item.samples)
+        head = (interpolate(self.gpu_head[0], rows) + interpolate(self.gpu_head[1], rows)
+                if rows and self.gpu_head else 0.0)
+        return max(statistics.median(times) - head, 0.05 * statistics.median(times))
 
     def fits(self, size: int, tokens_each: int) -> bool:
         """Own blocks for every sequence: shared blocks would be read from cache, which no real
@@ -172,6 +195,18 @@ def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, 
     if engine.replicas[0].executor.device.type == "cpu":
         torch.set_num_threads(threads)
     probe = _Probe(engine, repeats)
+    head, sampling = [], []
+
+    def measure_head() -> None:
+        for rows in head_rows:
+            progress(f"{threads} thread(s): LM head and sampler, {rows} rows")
+            h, s = probe.head(rows)
+            head.append((rows, h))
+            sampling.append((rows, s))
+
+    if engine.replicas[0].executor.device.type == "cuda":
+        measure_head()                 # first: the forward probes' times are net of it
+        probe.gpu_head = (head, sampling)
     probe.warm_up()
     points = []
     capacity = engine.replicas[0].scheduler.block_manager.capacity_tokens
@@ -195,12 +230,8 @@ def measure_compute(engine: Engine, threads: int, repeats: int, decode_batches, 
         point = probe.prefill(lengths)
         if point is not None:
             points.append(point)
-    head, sampling = [], []
-    for rows in head_rows:
-        progress(f"{threads} thread(s): LM head and sampler, {rows} rows")
-        h, s = probe.head(rows)
-        head.append((rows, h))
-        sampling.append((rows, s))
+    if not head:
+        measure_head()
     num_layers = engine.replicas[0].executor.model.arch.num_layers
     return fit_rank_compute(points, num_layers, head, sampling)
 
@@ -260,14 +291,21 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     cores = compute_threads(config.device.num_threads)
     if threads is None:
         threads = sorted({max(1, cores // n) for n in range(1, cores + 1)})
-    probe_config = EngineConfig(model=config.model, device=config.device,
-                                cache={"block_size": config.cache.block_size,
-                                       "kv_cache_memory": PROFILE_KV_BYTES})
-    sets = dict(decode_batches=(1, 8) if quick else DECODE_BATCHES,
+    gpu = resolve_device(config.device.device).type == "cuda"
+    cache = {"block_size": config.cache.block_size}
+    if not gpu:
+        cache["kv_cache_memory"] = PROFILE_KV_BYTES
+    # on a GPU the probes' largest steps are sized into the memory profile and graphs captured
+    scheduler = ({"max_num_seqs": GPU_DECODE_BATCHES[-1],
+                  "max_num_batched_tokens": GPU_PREFILL_TOKENS[-1]} if gpu else {})
+    probe_config = EngineConfig(model=config.model, device=config.device, cache=cache,
+                                scheduler=scheduler)
+    sets = dict(decode_batches=(1, 8) if quick else GPU_DECODE_BATCHES if gpu else DECODE_BATCHES,
                 decode_contexts=(16, 64) if quick else DECODE_CONTEXTS,
-                prefill_tokens=(16, 64) if quick else PREFILL_TOKENS,
-                attention_probe=(64, (16, 64)) if quick else ATTENTION_PROBE,
-                head_rows=(1, 8) if quick else HEAD_ROWS)
+                prefill_tokens=(16, 64) if quick else GPU_PREFILL_TOKENS if gpu else PREFILL_TOKENS,
+                attention_probe=(64, (16, 64)) if quick else GPU_ATTENTION_PROBE if gpu
+                else ATTENTION_PROBE,
+                head_rows=(1, 8) if quick else GPU_HEAD_ROWS if gpu else HEAD_ROWS)
     per_threads = (len(sets["decode_batches"]) * len(sets["decode_contexts"])
                    + len(sets["prefill_tokens"]) + len(sets["attention_probe"][1])
                    + len(sets["head_rows"]))
@@ -299,16 +337,21 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                       "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
                       "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6)}
         kv_per_token = arch.kv_bytes_per_token(kv_element_bytes(config, dtype_bytes))
+        # what a run has for weights + KV: on a GPU the probe engine sized its KV as a run does
+        # (after weights and the largest step's activations), and the free memory now is the rest
+        memory = (available_memory(device) if device.type == "cpu"
+                  else int(engine.info["kv_cache_bytes"]) + arch.num_params() * dtype_bytes)
     progress("point-to-point and all-reduce between two processes")
     links = profile_links(device.type, quick=quick, tp_all_reduce=config.parallel.tp_all_reduce)
     hardware = {"device": device.type, "cores": cores, "machine": platform.machine(),
+                **({"card": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
                 "processor": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds")}
     return ProfileTable(model_info, hardware, compute, LinkCost(**links["p2p"]),
                         LinkCost(**links["allreduce"]), per_step, per_seq, kv_per_token,
-                        available_memory(device),
+                        memory,
                         {"seconds": round(time.perf_counter() - t_start, 1), "quick": quick,
                          "repeats": repeats, "link_backend": links["backend"],
                          "link_points": links["points"]}, host_copy)

@@ -21,7 +21,12 @@
 #                                            # default against the torch path eagerly), `w8b` and
 #                                            # `qwen7b` (1,000 ShareGPT requests at Llama-3.1-8B /
 #                                            # Qwen2.5-7B shapes), `roofline` (Llama-3.1-8B, 256
-#                                            # decoding sequences); logs and JSON land in OUT
+#                                            # decoding sequences), `tables` (`batchinfer
+#                                            # profile`'s measured tables for Llama-3.1-8B and
+#                                            # SmolLM2 on this card), `ablation` (W-8B and
+#                                            # SmolLM2's ShareGPT without async scheduling);
+#                                            # `smollmdefault` / `smollmeager`: one of smollm's
+#                                            # two; logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
 set -euo pipefail
@@ -67,9 +72,10 @@ run() {
         transformers.__version__, torch.cuda.get_device_name())"
     local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
     if [[ " $parts " == *" tests "* ]]; then
-        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py \
-            tests/kernels/test_triton_attention.py -k "not engine_gives" \
-            -q -p no:cacheprovider --rootdir . -o addopts="-ra" 2>&1 | tee "$out/cuda_tests.log" || true
+        BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py tests/engine/test_host_to_device.py \
+            tests/kernels/test_triton_attention.py \
+            -q -p no:cacheprovider --rootdir . -o addopts="-ra" -k "${CUDA_TESTS_K:-not engine_gives}" \
+            2>&1 | tee "$out/cuda_tests.log" || true
     fi
     if [[ " $parts " == *" wdecode "* ]]; then
         for mode in graphs eager; do
@@ -89,14 +95,29 @@ run() {
     if [[ " $parts " == *" kernel "* ]]; then
         "${bench[@]}" kernel 2>&1 | tee "$out/kernel.json" || true
     fi
-    if [[ " $parts " == *" smollm "* ]]; then
-        for mode in default eager; do
+    for mode in default eager sync; do             # the default; the torch path; no async
+        if [[ " $parts " == *" smollm "* && $mode != sync ]] || [[ " $parts " == *" smollm$mode "* ]] \
+                || [[ " $parts " == *" ablation "* && $mode = sync ]]; then
             "${bench[@]}" sharegpt --model "$GPU_DIR/smollm2" "${sharegpt[@]}" --requests 600 \
-                $([ $mode = eager ] && echo --eager) 2>&1 | tee "$out/smollm_sharegpt_$mode.json" || true
-        done
-    fi
+                $([ $mode = eager ] && echo --eager) $([ $mode = sync ] && echo --no-async) 2>&1 \
+                | tee "$out/smollm_sharegpt_$mode.json" || true
+        fi
+    done
     if [[ " $parts " == *" w8b "* ]]; then
-        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/w8b.json" || true
+        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 \
+            --events "$out/w8b_steps.jsonl" 2>&1 | tee "$out/w8b.json" || true
+    fi
+    if [[ " $parts " == *" ablation "* ]]; then     # W-8B step by step (no async scheduling)
+        "${bench[@]}" sharegpt --model $llama "${sharegpt[@]}" --requests 1000 --no-async \
+            --events "$out/w8b_sync_steps.jsonl" 2>&1 | tee "$out/w8b_sync.json" || true
+    fi
+    if [[ " $parts " == *" tables "* ]]; then      # batchinfer profile's measured tables
+        local card
+        card=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+        "${bench[@]}" profile --model $llama --tokenizer "$GPU_DIR/smollm2" \
+            --out "$out/$card-llama-3.1-8b.json" 2>&1 | tail -3 | tee "$out/table_llama.log" || true
+        "${bench[@]}" profile --model "$GPU_DIR/smollm2" --out "$out/$card-smollm2-135m.json" \
+            2>&1 | tail -3 | tee "$out/table_smollm.log" || true
     fi
     if [[ " $parts " == *" roofline "* ]]; then
         "${bench[@]}" roofline --model $llama --tokenizer "$GPU_DIR/smollm2" 2>&1 | tee "$out/roofline_llama.json" || true
@@ -114,5 +135,5 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
-            "[w8b] [roofline] [qwen7b]" >&2; exit 2 ;;
+            "[w8b] [roofline] [qwen7b] [tables] [ablation]" >&2; exit 2 ;;
 esac

@@ -10,10 +10,18 @@ step against its roofline, and ShareGPT throughput at real model sizes. Needs a 
         each pure-decode step's time against its bound, (weights + the step's K/V) bytes over
         the copy bandwidth
     python benchmarks/engine/gpu_engine_bench.py sharegpt --model DIR --requests 1000 [--eager]
+            [--no-async]
         the first N requests of a ShareGPT V3 workload (each request's max_tokens its reference
         reply length, ignore_eos, greedy), as `vllm bench throughput` counts: output tokens and
         all tokens over the elapsed time; --eager: the torch attention path without CUDA graphs
-        (the engine before the Triton kernel)
+        (the engine before the Triton kernel); the steps split into pure-decode and mixed ones,
+        and the wall time outside the steps
+    python benchmarks/engine/gpu_engine_bench.py profile --model DIR --out TABLE.json
+        `batchinfer profile`'s measured table for the model on this GPU (sim/profiler.py)
+    python benchmarks/engine/gpu_engine_bench.py simulate --model DIR --table TABLE.json \
+            --measured SHAREGPT.json
+        runs on any machine: the same requests and batching as the measured `sharegpt` run,
+        through the simulator on the table's costs, with the same KV capacity; sim / measured
 
 Each prints one JSON object with the card's name.
 """
@@ -89,22 +97,31 @@ def kernel(args) -> dict:
     return out
 
 
-def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
+def _engine_config(args, eager: bool, max_num_seqs: int, max_model_len=None, device="cuda",
+                   kv_bytes=None):
     """Batching as vLLM's offline defaults on an H100 (1,024 sequences, 16,384 tokens a step),
     unless --max-num-seqs / --max-num-batched-tokens say otherwise."""
     from batchinfer.engine.config import EngineConfig
-    from batchinfer.engine.engine import Engine
 
-    device = {"device": "cuda"}
+    simulated = device == "cpu"
+    device = {"device": device}
     if eager:
         device.update(attention_backend="torch", cuda_graphs=False)
     model = {"path": str(args.model), "load_format": "dummy",
+             **({"dtype": "bfloat16"} if simulated else {}),   # simulate: the GPU's auto
              **({"tokenizer": str(args.tokenizer)} if args.tokenizer else {}),
              **({"max_model_len": max_model_len} if max_model_len else {})}
-    return Engine.from_config(EngineConfig(model=model, device=device,
-                                           scheduler={"max_num_seqs": max_num_seqs,
-                                                      "max_num_batched_tokens":
-                                                          args.max_num_batched_tokens}))
+    return EngineConfig(model=model, device=device,
+                        cache={"kv_cache_memory": kv_bytes} if kv_bytes else {},
+                        scheduler={"max_num_seqs": max_num_seqs,
+                                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                                   "async_scheduling": False if args.no_async else None})
+
+
+def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
+    from batchinfer.engine.engine import Engine
+
+    return Engine.from_config(_engine_config(args, eager, max_num_seqs, max_model_len))
 
 
 def _card() -> str:
@@ -159,11 +176,21 @@ def sharegpt(args) -> dict:
     engine.drain_step_events()
     outs, elapsed, n_in, n_out = timed_generate(engine, rows)
     events = engine.drain_step_events()
+    if args.events:
+        import jsonlines
+
+        with jsonlines.open(args.events, "w") as out:
+            out.write_all(events)
     graphs = engine.replicas[0].executor.graphs
     return {"card": _card(), "model": str(args.model), "requests": len(outs), "eager": args.eager,
             "attention_backend": engine.info["attention_backend"],
-            "cuda_graphs": engine.info["cuda_graphs"],
+            "cuda_graphs": engine.info["cuda_graphs"], "max_num_seqs": args.max_num_seqs,
+            "async_scheduling": engine.info["async_scheduling"],
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache_GiB": round(engine.info["kv_cache_bytes"] / 2**30, 1),
+            "kv_cache_bytes": engine.info["kv_cache_bytes"],
+            "kv_capacity_tokens": engine.stats()["kv_capacity_tokens"],
+            "step_split": step_split(events, elapsed),
             "elapsed_s": round(elapsed, 2), "output_tokens": n_out, "prompt_tokens": n_in,
             "output_tok_per_s": round(n_out / elapsed, 1),
             "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
@@ -172,9 +199,71 @@ def sharegpt(args) -> dict:
                if graphs else {})}
 
 
+def step_split(events: list[dict], elapsed: float) -> dict:
+    """Where the wall time went: pure-decode and mixed (prefill) steps, each its count, time,
+    forward and sampling seconds and mean sequences; and the time outside every step."""
+    out = {}
+    for kind, chosen in (("decode", [e for e in events if not e["num_prefill_tokens"]]),
+                         ("mixed", [e for e in events if e["num_prefill_tokens"]])):
+        out[kind] = {"steps": len(chosen), "seconds": round(sum(e["dur"] for e in chosen), 3),
+                     "forward_s": round(sum(e["forward_s"] for e in chosen), 3),
+                     "sample_s": round(sum(e["sample_s"] for e in chosen), 3),
+                     "mean_seqs": round(statistics.mean(e["num_seqs"] for e in chosen), 1)
+                     if chosen else None,
+                     "prefill_tokens": sum(e["num_prefill_tokens"] for e in chosen)}
+    out["outside_steps_s"] = round(elapsed - sum(e["dur"] for e in events), 3)
+    return out
+
+
+def profile(args) -> dict:
+    from batchinfer.sim.profiler import profile_machine
+
+    config = _engine_config(args, False, args.max_num_seqs)
+    table = profile_machine(config, progress=lambda m, *_: print(m, file=sys.stderr, flush=True))
+    table.save(args.out)
+    return {"card": _card(), "model": str(args.model), "table": str(args.out),
+            "profile_seconds": table.meta.get("seconds")}
+
+
+def simulate(args) -> dict:
+    """The measured run's requests and batching through the simulator on the table's costs."""
+    import json
+
+    from batchinfer.engine.runtime.build import model_setup
+    from batchinfer.sim.cost_model import MeasuredCostModel
+    from batchinfer.sim.profile_table import ProfileTable
+    from batchinfer.sim.simulator import SimRequest, simulate_recipe_model
+
+    text = args.measured.read_text()          # the run's printout: its JSON object after any log
+    measured = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
+    args.max_num_seqs = measured.get("max_num_seqs", args.max_num_seqs)
+    args.max_num_batched_tokens = measured.get("max_num_batched_tokens",
+                                               args.max_num_batched_tokens)
+    config = _engine_config(args, False, args.max_num_seqs, device="cpu",
+                            kv_bytes=measured["kv_cache_bytes"])
+    table = ProfileTable.load(args.table)
+    tokenizer = model_setup(config).tokenizer
+    rows = read_jsonl(sharegpt_path(args.workload))[:measured["requests"]]
+    requests = [SimRequest(len(tokenizer.encode(r["prompt"])), r["max_tokens"], r["max_tokens"])
+                for r in rows]
+    sim = simulate_recipe_model(config, requests, MeasuredCostModel(table), 1).to_json()
+    return {"card": table.hardware.get("card") or measured["card"], "table": str(args.table),
+            "requests": len(requests),
+            "measured_output_tok_per_s": measured["output_tok_per_s"],
+            "simulated_output_tok_per_s": round(sim["output_tok_per_s"], 1),
+            "sim_over_measured": round(sim["output_tok_per_s"] / measured["output_tok_per_s"], 3),
+            "measured_steps": measured["steps"], "simulated_steps": sim["steps"],
+            "measured_elapsed_s": measured["elapsed_s"],
+            "simulated_elapsed_s": round(sim["elapsed_s"], 2),
+            "prompt_tokens": {"measured": measured["prompt_tokens"],
+                              "simulated": sim["prompt_tokens"]},
+            "kv_capacity_tokens": {"measured": measured.get("kv_capacity_tokens"),
+                                   "simulated": sim["kv_capacity_tokens"]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["kernel", "roofline", "sharegpt"])
+    ap.add_argument("what", choices=["kernel", "roofline", "sharegpt", "profile", "simulate"])
     ap.add_argument("--model", type=Path, help="a model directory (config.json is enough: dummy weights)")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="model.tokenizer (a config-only folder: default the embedded one's)")
@@ -189,8 +278,16 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--eager", action="store_true",
                     help="the torch attention path without CUDA graphs")
+    ap.add_argument("--no-async", action="store_true",
+                    help="step by step: no scheduling ahead (scheduler.async_scheduling: false)")
+    ap.add_argument("--out", type=Path, default=Path("profile_table.json"),
+                    help="profile: where the table goes")
+    ap.add_argument("--table", type=Path, help="simulate: a table from `profile`")
+    ap.add_argument("--events", type=Path, help="sharegpt: every step's event, as JSONL")
+    ap.add_argument("--measured", type=Path, help="simulate: a `sharegpt` run's JSON")
     args = ap.parse_args()
-    emit({"kernel": kernel, "roofline": roofline, "sharegpt": sharegpt}[args.what](args))
+    emit({"kernel": kernel, "roofline": roofline, "sharegpt": sharegpt, "profile": profile,
+          "simulate": simulate}[args.what](args))
 
 
 if __name__ == "__main__":

@@ -153,6 +153,36 @@ def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(tiny_llama):
         assert graphs.steps >= MAX_NEW - 1 and graphs.num_graphs >= 2
 
 
+def test_async_scheduling_on_cuda_gives_the_step_by_step_outputs(tiny_llama):
+    """Graphs, the Triton kernel, ids fed from the device, stop checks a step late: the outputs
+    of the step-by-step engine, stops and sampled rows included."""
+    if DEVICE != "cuda":
+        pytest.skip("the overlap needs a GPU (tests/engine/test_async_scheduling.py checks the "
+                    "bookkeeping on CPU)")
+    _, folder = tiny_llama
+    scheduler = {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}
+    prompts = _prompts()
+    outs = {}
+    for ahead in (False, True):
+        engine = _engine(folder, model={"dtype": "float32"}, device={"device": DEVICE},
+                         scheduler={**scheduler, "async_scheduling": ahead})
+        assert engine.info["async_scheduling"] is ahead and engine.info["cuda_graphs"] is True
+        if not ahead:     # a token the third prompt reaches: its stop token
+            stop = _greedy(engine, prompts[2:3], batched=False)[0][4]
+        params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, seed=7,
+                                 ignore_eos=True),
+                  SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=[stop]),
+                  SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=2,
+                                 ignore_eos=True),
+                  SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
+        outs[ahead] = [(o.output_token_ids, o.finish_reason, o.logprobs)
+                       for o in engine.generate(prompts, params)]
+        del engine
+    assert outs[True] == outs[False]
+    assert outs[True][2][1].value == "stop" and len(outs[True][2][0]) <= 5
+
+
 def test_qwen2_qkv_bias_on_cuda_matches_transformers(tmp_path, tokenizer_files):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
