@@ -110,6 +110,8 @@ def build_engine(config: EngineConfig) -> Engine:
     elif config.parallel.multiprocess:
         from .runtime.build import build_parallel_engine
 
+        use_async_scheduling(config, torch.device("cpu"))    # asked for here: a ConfigError
+
         engine = build_parallel_engine(config)
     else:
         engine = _build_single_process(config)
@@ -239,7 +241,9 @@ def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     else:
         choice, key = config.scheduler.async_scheduling, "scheduler.async_scheduling"
     why_not = ""
-    if strategy is not None and strategy.name != "baseline":
+    if config.parallel.multiprocess:
+        why_not = "the layout runs on worker processes"
+    elif strategy is not None and strategy.name != "baseline":
         why_not = f"strategy {strategy.name} schedules its own steps"
     elif config.cache.enable_prefix_caching:
         why_not = "prefix caching indexes blocks by token values the host reads a step late"

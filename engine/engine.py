@@ -51,7 +51,7 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._pending: deque[Sequence] = deque()   # not yet given to a replica (dp > 1)
-        self._submitted: dict[int, float] = {}     # id(batch) -> submit time
+        self._submitted: dict[int, tuple] = {}     # id(batch) -> (submit time, its shape)
         self._events: list[dict] = []
         self._generate_calls = 0
         self._clock = clock or time.perf_counter
@@ -84,12 +84,12 @@ class Engine:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
         check_prompt(request, self.max_model_len,
                      self.info.get("vocab_size") or self.tokenizer.vocab_size)
+        if replica is not None and not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
         if self._ahead is not None and request.sampling.uses_penalties:
             self._ahead.penalised += 1
-        if replica is not None and not 0 <= replica < len(self.replicas):
-            raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
         if len(self.replicas) == 1 or replica is not None:
             self.replicas[replica or 0].scheduler.add(seq)
         else:
@@ -136,7 +136,12 @@ class Engine:
                 batch, result = rep.executor.collect()
                 t_start, shape = self._submitted.pop(id(batch))
                 if self._ahead is not None:
-                    finished.extend(self._ahead.settle(batch, result))
+                    done, batch = self._ahead.settle(batch, result)
+                    finished.extend(done)
+                    # steps overlap: each is timed from the later of its launch and the last
+                    # step's return, so the report's busy time does not count a span twice
+                    t_start = max(t_start, self._ahead.last_settled)
+                    self._ahead.last_settled = self.now()
                 else:
                     for item in batch.items:
                         item.seq.in_flight = False

@@ -148,6 +148,7 @@ class StepsAhead:
     def __init__(self, engine):
         self.engine = engine
         self.penalised = 0                      # unfinished requests whose sampling reads tokens
+        self.last_settled = 0.0                 # engine clock of the last step's return
         self._placeholders: dict[int, list[tuple[Sequence, int]]] = {}
 
     def may_launch_ahead(self, rep) -> bool:
@@ -188,12 +189,16 @@ class StepsAhead:
                              or seq.num_tokens >= max_model_len)
         self._placeholders[id(batch)] = placeholders
 
-    def settle(self, batch: MicroBatch, result: StepResult) -> list[RequestOutput]:
+    def settle(self, batch: MicroBatch,
+               result: StepResult) -> tuple[list[RequestOutput], MicroBatch]:
         """The step's ids are on the host: each replaces its placeholder, then the stop checks
-        (a later placeholder of the same sequence is kept unless it stopped here)."""
+        (a later placeholder of the same sequence is kept unless it stopped here). -> (finished
+        requests, the batch less the sequences that had finished before it came back: the
+        scheduler must not free them again, their id may name a new request by now)."""
         engine = self.engine
         now = engine.now()
         placeholders = iter(self._placeholders.pop(id(batch)))
+        live = MicroBatch([item for item in batch.items if not item.seq.is_finished], batch.phase)
         done = []
         for token, logprob in zip(result.tokens, result.logprobs):
             if token is None:
@@ -212,7 +217,7 @@ class StepsAhead:
                 done.append(engine._finish(seq))
             else:
                 seq.output_token_ids.extend(later)
-        return done
+        return done, live
 
     def discard(self, batch: MicroBatch) -> None:
         """The step's results are dropped (abort): its placeholders and any after them go."""
