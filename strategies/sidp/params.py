@@ -39,8 +39,8 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                                   "in rounds and send FFN inputs to each layer's owner; false: "
                                   "WaS only")
     batch_threshold: Optional[int] = Field(None, ge=1, description="B_th: CaS once the "
-                                           "effective batch (most tokens a replica runs in an "
-                                           "iteration) stays below it; default: profiled at "
+                                           "effective batch (the tokens the group runs in "
+                                           "an iteration, all replicas) stays below it; default: profiled at "
                                            "startup (strategies/sidp/cost_profile.py)")
     mode_switch_patience: int = Field(16, ge=1, description="iterations the batch must stay "
                                       "past a bound before the group switches mode")
