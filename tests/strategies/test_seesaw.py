@@ -29,7 +29,7 @@ from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup, shared_no
 from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
 from batchinfer.strategies.seesaw.params import SeesawParams
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
-from tests.scheduler_driver import complete, launch, make_seq
+from batchinfer.sim.scheduler_driver import complete, launch, make_seq
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS
 
 DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
