@@ -196,7 +196,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         from .steps_ahead import AsyncInProcessExecutor as executor_class
     executor = executor_class(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
-        "model_id": model_id_for(config.model.path, dummy),
+        "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "dtype_reason": dtype_choice.reason,
         "attention_backend": backend.name, "vocab_size": arch.vocab_size,
