@@ -140,7 +140,7 @@ def simulate_scenario(scenario: dict, rows: list[dict], tokenizer) -> dict:
                          "bubble_ratio": r.bubble_ratio, "preemptions": r.preemptions,
                          "phase_switches": r.phase_switches, "steps": r.steps,
                          **({"strategy_stats": _brief(r.strategy_stats)}
-                            if strategy in ("seesaw", "sidp") else {}),
+                            if spec["name"] in ("seesaw", "sidp") else {}),
                          "simulation_wall_s": round(time.perf_counter() - t0, 1)}
         print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)
     ran = [k for k in results if "output_tok_per_s" in results[k]]
