@@ -78,7 +78,8 @@ class PipelineExecutor(Executor):
         for index, token, logprob in self._sampled_rows(plan, message):
             tokens[index], logprobs[index] = token, logprob
         return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
-                                 sample_s=message["sample_s"])
+                                 sample_s=message["sample_s"],
+                                 expert_load=message.get("expert_load"))
 
     def _take_result(self, mb_id: int) -> dict:
         """The sampling rank answers in pipeline order."""

@@ -310,6 +310,9 @@ class Worker:
             stats = self.ext.result_stats(self)     # e.g. shared-weight counters ride along
             if stats is not None:
                 result["stats"] = stats
+            load = self.model.take_expert_load()    # a mixture of experts: this stage's layers
+            if load is not None:
+                result["expert_load"] = load
             self.send(("result", self.info.replica, result))
 
     def _sample(self, plan, logits):
