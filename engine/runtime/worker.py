@@ -281,6 +281,7 @@ class Worker:
                                       inputs.meta, self.backend, hidden, residual)
         if not self.is_last:
             self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self._send_expert_load(plan.mb_id)     # before the hidden states: ahead of the result
             t1 = time.time()
             works = self.sender.send(plan.mb_id, {"hidden": hidden, "residual": residual})
             self._sends.append((plan.mb_id, t1, works))
@@ -314,6 +315,14 @@ class Worker:
             if load is not None:
                 result["expert_load"] = load
             self.send(("result", self.info.replica, result))
+
+    def _send_expert_load(self, mb_id: int) -> None:
+        """A mixture of experts on a stage before the last: its layers' tokens per expert go
+        to the controller, which joins them to the micro-batch's result (one TP rank sends:
+        every rank routes the same tokens)."""
+        load = self.model.take_expert_load() if self.info.tp_rank == 0 else None
+        if load is not None:
+            self.send(("expert_load", self.info.replica, mb_id, self.info.stage, load))
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs

@@ -192,3 +192,30 @@ def test_an_expert_tensor_that_does_not_match_the_config_is_named_with_both_shap
         name, torch.zeros(64, 128))))
     with pytest.raises(ModelLoadError, match=rf"missing 1 tensor.*'{missing}' \(128, 64\)"):
         build_model(path, load_arch(path), torch.float32, torch.device("cpu"), 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}])
+def test_worker_processes_report_every_sparse_layer(make_engine, tmp_path, default_model_dir,
+                                                    parallel):
+    """Mixtral (both layers sparse) on worker processes: transformers' tokens, and each step's
+    expert load covers both layers: at PP=2 the first stage's layer comes by its own message,
+    the second's with the result; at TP=2 one rank's count is the layer's."""
+    from tests.tiny_families import PROMPTS
+
+    model = hf_model("mixtral")
+    path = save_model(model, tmp_path / "mixtral", default_model_dir)
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "8MiB"}, parallel=parallel,
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        engine.drain_step_events()
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == \
+            hf_greedy(model, PROMPTS)
+        events = engine.drain_step_events()
+        load = engine.stats()["expert_load"]
+    assert len(load["per_layer"]) == 2
+    for event in events:
+        tokens = event["num_prefill_tokens"] + event["num_decode_tokens"]
+        assert sum(event["expert_tokens"]) == tokens * 2 * 2      # top 2, two sparse layers
+    assert sum(map(sum, load["per_layer"])) == sum(sum(e["expert_tokens"]) for e in events)
