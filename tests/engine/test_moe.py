@@ -219,3 +219,14 @@ def test_worker_processes_report_every_sparse_layer(make_engine, tmp_path, defau
         tokens = event["num_prefill_tokens"] + event["num_decode_tokens"]
         assert sum(event["expert_tokens"]) == tokens * 2 * 2      # top 2, two sparse layers
     assert sum(map(sum, load["per_layer"])) == sum(sum(e["expert_tokens"]) for e in events)
+
+
+def test_sidp_refuses_a_mixture_of_experts_by_name(make_engine, qwen3_moe):
+    """SiDP's shared FFN holds one dense MLP per layer: a clear error, before any worker."""
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.strategies.sidp.params import SiDPParams
+
+    with pytest.raises(ConfigError, match=r"strategy sidp .* \(qwen3_moe\) has a mixture of "
+                                          r"experts: run it with another strategy"):
+        make_engine(model={"path": str(qwen3_moe[0]), "max_model_len": 256},
+                    cache={"kv_cache_memory": "8MiB"}, parallel={"dp": 2}, strategy=SiDPParams())
