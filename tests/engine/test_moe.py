@@ -24,28 +24,29 @@ def _reference(x, gate_up, down, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [None, torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_a_per_token_reference(packed):
     """Sorted by expert, one GEMM chain per expert that got tokens, scattered back: the
     reference's sums, with most of 16 experts getting no token; the load counts each expert's
-    tokens. `packed`: the blocked kernel's panels (where the CPU has the kernel)."""
+    tokens. `packed`: laid out for the CPU's kernel in that weight dtype (the blocked kernel's
+    panels where it is built; bf16: the reference over the rounded weights)."""
     from batchinfer.engine.model.fused_experts import StackedExperts, route
-    from batchinfer.engine.model.fast_linear import blocked_kernel_available
+    from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel_for
     from batchinfer.engine.model.ops import TorchOps
 
-    if packed and not blocked_kernel_available():
-        pytest.skip("the blocked kernel is not built here")
     gen = torch.Generator().manual_seed(0)
     experts = StackedExperts(16, 32, 16)
     with torch.no_grad():
         experts.gate_up.copy_(torch.randn(16, 32, 32, generator=gen) * 0.3)
         experts.down.copy_(torch.randn(16, 32, 16, generator=gen) * 0.3)
     gate_up, down = experts.gate_up.detach().clone(), experts.down.detach().clone()
-    if packed:
-        experts.pack()
-        assert experts.panels is not None
+    if packed is not None:
+        experts.pack(packed)
+        blocked = linear_kernel_for(torch.device("cpu"), packed) == "blocked"
+        assert (experts.panels is not None) == (blocked and blocked_kernel_available())
+        gate_up, down = (w.to(packed).float() for w in (gate_up, down))
         for ours, theirs in zip(experts.dense_weights(), (gate_up, down)):
-            assert torch.equal(ours, theirs)
+            assert torch.equal(ours.float(), theirs)
     x = torch.randn(3, 32, generator=gen)
     weights, ids = route(torch.randn(3, 16, generator=gen), top_k=2, normalize=True)
     with torch.inference_mode():
