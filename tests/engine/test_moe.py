@@ -231,3 +231,34 @@ def test_sidp_refuses_a_mixture_of_experts_by_name(make_engine, qwen3_moe):
                                           r"experts: run it with another strategy"):
         make_engine(model={"path": str(qwen3_moe[0]), "max_model_len": 256},
                     cache={"kv_cache_memory": "8MiB"}, parallel={"dp": 2}, strategy=SiDPParams())
+
+
+def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir):
+    """Seesaw's re-shard from the host copy (the loader's own slicing) gives a TP rank the same
+    experts, shared expert and router as the direct loader: PP stage 0, then TP rank 1 of 2."""
+    from batchinfer.engine.model.causal_lm import ModelPartition
+    from batchinfer.engine.model.fused_experts import StackedExperts
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup
+
+    path = save_model(hf_model("qwen2_moe"), tmp_path / "qwen2_moe", default_model_dir)
+    arch, cpu = load_arch(path), torch.device("cpu")
+    stage, shard = ModelPartition(0, 1), ModelPartition(tp_rank=1, tp_size=2)
+    host = HostWeights.load(path, arch, [stage, shard])
+    host.build(arch, torch.float32, cpu, 64, stage)
+    resharded, _ = host.build(arch, torch.float32, cpu, 64, shard, ShapeOnlyGroup(shard))
+    direct = build_model(path, arch, torch.float32, cpu, 64, shard, tp_group=ShapeOnlyGroup(shard))
+
+    def weights(model):
+        out = {name: m.dense_weight() for name, m in model.named_modules()
+               if hasattr(m, "dense_weight")}
+        for name, m in model.named_modules():
+            if isinstance(m, StackedExperts):
+                out[f"{name}.gate_up"], out[f"{name}.down"] = m.dense_weights()
+        return out
+
+    ours, theirs = weights(resharded), weights(direct)
+    assert ours.keys() == theirs.keys() and "layers.0.mlp.experts.gate_up" in ours
+    assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 32, 64)   # 16 of 32 rows each
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
