@@ -79,7 +79,7 @@ def available_memory(device: torch.device) -> int:
 
 def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
     """Working memory of one forward: hidden/qkv/MLP activations for the token budget, logits."""
-    per_token = (4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 3 * arch.intermediate_size)
+    per_token = 4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + arch.ffn_activation_width()
     return (max_tokens * per_token * dtype_bytes + 4 * max_seqs * arch.vocab_size * 4 + GiB // 2)
 
 

@@ -123,6 +123,17 @@ class ModelArch:
                   + (3 * h * m.shared_intermediate_size + h if m.shared_intermediate_size else 0))
         return m.num_sparse_layers * sparse + (self.num_layers - m.num_sparse_layers) * dense
 
+    def ffn_activation_width(self) -> int:
+        """Values one token's feed-forward holds at once: gate/up and its product for a dense
+        MLP; for a sparse layer its top_k copies gathered in and out, each expert's gate/up and
+        product, and the shared expert's (the widest layer kind counts)."""
+        dense = 3 * self.intermediate_size
+        if self.moe is None:
+            return dense
+        m = self.moe
+        sparse = m.top_k * (2 * self.hidden_size + 3 * m.intermediate_size) + 3 * m.shared_intermediate_size
+        return max(sparse, dense if m.num_sparse_layers < self.num_layers else 0)
+
     def num_params(self) -> int:
         h, v = self.hidden_size, self.vocab_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h

@@ -153,7 +153,7 @@ def test_cuda_graphs_asked_for_a_mixture_of_experts_is_a_config_error():
         use_cuda_graphs(True, "triton", arch)
 
 
-def test_num_params_and_flops_count_every_expert_and_the_active_ones():
+def test_params_flops_and_working_memory_count_every_expert_and_the_active_ones():
     arch = _arch("qwen2_moe")
     h, moe = arch.hidden_size, arch.moe
     expert = 3 * h * moe.intermediate_size
@@ -163,6 +163,9 @@ def test_num_params_and_flops_count_every_expert_and_the_active_ones():
     assert ffn(arch) == 8 * expert + 8 * h + shared + 3 * h * arch.intermediate_size
     flops = arch.flops_per_token() - dense.flops_per_token() + 2 * 2 * 3 * h * arch.intermediate_size
     assert flops == 2 * (2 * expert + 8 * h + shared + 3 * h * arch.intermediate_size)
+    # a token's working values: its 2 copies in and out, 2 experts' gate/up and product, the
+    # shared expert's (wider than the dense layer's 3 x 128)
+    assert arch.ffn_activation_width() == 2 * (2 * h + 3 * 32) + 3 * 48 > 3 * 128
 
 
 def _rewrite(path, change):
