@@ -131,7 +131,8 @@ class ModelArch:
         if self.moe is None:
             return dense
         m = self.moe
-        sparse = m.top_k * (2 * self.hidden_size + 3 * m.intermediate_size) + 3 * m.shared_intermediate_size
+        sparse = (m.top_k * (2 * self.hidden_size + 3 * m.intermediate_size)
+                  + 3 * m.shared_intermediate_size)
         return max(sparse, dense if m.num_sparse_layers < self.num_layers else 0)
 
     def num_params(self) -> int:

@@ -115,10 +115,10 @@ class CausalLM(nn.Module):
         stacks = [layer.mlp.experts for layer in self.layers if hasattr(layer.mlp, "experts")]
         if not stacks:
             return None
-        loads = []
+        device = self.rotary.cos.device
+        loads = [torch.zeros(s.num_experts, dtype=torch.long, device=device) if s.load is None
+                 else s.load for s in stacks]
         for stack in stacks:
-            loads.append(stack.load if stack.load is not None else
-                         torch.zeros(stack.num_experts, dtype=torch.long, device=self.rotary.cos.device))
             stack.load = None
         return torch.stack(loads).tolist()
 

@@ -151,8 +151,9 @@ class _Filler:
                               moe.shared_intermediate_size)
             if proj == "down_proj":
                 return [_Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, rows, full))]
-            return [_Target(f"{p}shared_expert.gate_up_proj.weight", 0 if proj == "gate_proj" else rows,
-                            rows, *self._cut(split, 0, lo, rows, full))]
+            start = 0 if proj == "gate_proj" else rows
+            return [_Target(f"{p}shared_expert.gate_up_proj.weight", start, rows,
+                            *self._cut(split, 0, lo, rows, full))]
         return [_Target(f"{p}{rest}")]
 
     def _column_pieces(self, module: str) -> Optional[tuple[str, list[tuple[int, int, int, int]]]]:

@@ -79,7 +79,8 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_index, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = SparseMoE(arch, shard, tp) if arch.is_sparse(layer_index) else MLP(arch, shard, tp)
+        self.mlp = (SparseMoE(arch, shard, tp) if arch.is_sparse(layer_index)
+                    else MLP(arch, shard, tp))
 
     def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
         hidden, residual = add_norm(ops, hidden, residual, self.input_layernorm)

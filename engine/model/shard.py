@@ -6,9 +6,9 @@ followed by an all-reduce. A mixture of experts is split the same way inside eve
 rank holds every expert's block of intermediate rows; the router is replicated), so every rank
 routes the same tokens, does an equal share of each expert's work whatever the load, and one
 all-reduce after the experts sums it, as after a dense MLP: no all-to-all, and no rank idles
-while another's experts are hot. Vocab-parallel: the embedding and LM head rows, padded so that every
-rank holds ceil(vocab / tp) rows; the last shard may be partly padding, and padded logits are
-dropped after the all-gather.
+while another's experts are hot. Vocab-parallel: the embedding and LM head rows, padded so
+that every rank holds ceil(vocab / tp) rows; the last shard may be partly padding, and padded
+logits are dropped after the all-gather.
 
 Everything here is size arithmetic, plus `TensorParallelGroup`, the two collectives the model
 needs. With tp = 1 that group is an identity and never touches torch.distributed.

@@ -204,7 +204,8 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
         idle = sum(1 for tokens in per_expert if not tokens)
         out += ["## Expert load", "",
                 f"Tokens routed to each of the {len(per_expert)} experts, summed over the "
-                f"sparse layers ({len(experts.get('per_layer') or [])}): {sum(per_expert):,} in all, "
+                f"sparse layers ({len(experts.get('per_layer') or [])}): "
+                f"{sum(per_expert):,} in all, "
                 f"the busiest expert {experts.get('max_over_mean')}x an even share, {idle} "
                 "without a token (per layer in report.json; per interval in metrics.jsonl).", ""]
     strategy_stats = (report.get("engine") or {}).get("strategy_stats") or {}

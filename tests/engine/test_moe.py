@@ -158,11 +158,12 @@ def test_params_flops_and_working_memory_count_every_expert_and_the_active_ones(
     h, moe = arch.hidden_size, arch.moe
     expert = 3 * h * moe.intermediate_size
     shared = 3 * h * moe.shared_intermediate_size + h
-    dense = _arch("qwen2_moe", mlp_only_layers=[0, 1])
-    ffn = lambda a: a.num_params() - dense.num_params() + 2 * 3 * h * a.intermediate_size  # noqa: E731
-    assert ffn(arch) == 8 * expert + 8 * h + shared + 3 * h * arch.intermediate_size
-    flops = arch.flops_per_token() - dense.flops_per_token() + 2 * 2 * 3 * h * arch.intermediate_size
-    assert flops == 2 * (2 * expert + 8 * h + shared + 3 * h * arch.intermediate_size)
+    dense = _arch("qwen2_moe", mlp_only_layers=[0, 1])     # the same model with no sparse layer
+    dense_mlp = 3 * h * arch.intermediate_size
+    ffn = arch.num_params() - dense.num_params() + 2 * dense_mlp
+    assert ffn == 8 * expert + 8 * h + shared + dense_mlp
+    flops = arch.flops_per_token() - dense.flops_per_token() + 2 * 2 * dense_mlp
+    assert flops == 2 * (2 * expert + 8 * h + shared + dense_mlp)
     # a token's working values: its 2 copies in and out, 2 experts' gate/up and product, the
     # shared expert's (wider than the dense layer's 3 x 128)
     assert arch.ffn_activation_width() == 2 * (2 * h + 3 * 32) + 3 * 48 > 3 * 128
