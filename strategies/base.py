@@ -84,6 +84,11 @@ class StrategyParams(BaseModel):
         return True
 
     @classmethod
+    def runs_model(cls, arch) -> bool:
+        """Whether the strategy can run this model at all (profile skips it otherwise)."""
+        return True
+
+    @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         """(label, strategy section) pairs `batchinfer profile` simulates for the strategy, with
         the user's batching knobs; [] leaves it out of the search."""

@@ -266,3 +266,15 @@ def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir):
     assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 32, 64)   # 16 of 32 rows each
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_profile_leaves_out_the_strategies_that_cannot_run_the_model():
+    """SiDP's shared dense FFN store: not a candidate for a mixture of experts."""
+    from batchinfer.sim.search import candidates
+    from batchinfer.strategies.base import BaselineStrategy
+
+    def names(arch):
+        return {c.strategy["name"] for c in candidates(BaselineStrategy(), arch, 2)}
+
+    moe, dense = _arch("qwen3_moe"), _arch("qwen3")
+    assert "sidp" in names(dense) and "sidp" not in names(moe) and "baseline" in names(moe)
