@@ -278,3 +278,10 @@ def test_profile_leaves_out_the_strategies_that_cannot_run_the_model():
 
     moe, dense = _arch("qwen3_moe"), _arch("qwen3")
     assert "sidp" in names(dense) and "sidp" not in names(moe) and "baseline" in names(moe)
+
+
+def test_a_config_routing_to_more_experts_than_it_has_is_an_error():
+    from batchinfer.engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"config.json: 9 experts per token of 8 experts"):
+        _arch("qwen2_moe", num_experts_per_tok=9)
