@@ -93,7 +93,10 @@ class PipelineExecutor(Executor):
         """A mixture of experts: the micro-batch's tokens per expert, layer by layer: the
         earlier stages' first (each sent them before its hidden states, so they are here before
         the result that needed those), then the last stage's."""
-        stages = self.pool.expert_loads[self.replica].pop(mb_id, {})
+        pending = self.pool.expert_loads[self.replica]
+        stages = pending.pop(mb_id, {})
+        for stale in [mb for mb in pending if mb < mb_id]:   # never expected; not kept forever
+            del pending[stale]
         layers = [row for stage in sorted(stages) for row in stages[stage]]
         layers.extend(message.get("expert_load") or ())
         return layers or None

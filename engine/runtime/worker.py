@@ -287,8 +287,9 @@ class Worker:
             self._sends.append((plan.mb_id, t1, works))
             self._reap_sends()
             return
-        if self.logits_out is not None:
+        if self.logits_out is not None:    # sampler processes send the result (SiPipe)
             forward_s = time.time() - t0
+            self._send_expert_load(plan.mb_id)
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
                                     forward_s)
             self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
@@ -317,9 +318,10 @@ class Worker:
             self.send(("result", self.info.replica, result))
 
     def _send_expert_load(self, mb_id: int) -> None:
-        """A mixture of experts on a stage before the last: its layers' tokens per expert go
-        to the controller, which joins them to the micro-batch's result (one TP rank sends:
-        every rank routes the same tokens)."""
+        """A mixture of experts on a rank that does not send the result (a stage before the
+        last, or the last when sampler processes answer): its layers' tokens per expert go to
+        the controller ahead of its outputs, and the controller joins them to the micro-batch's
+        result (one TP rank sends: every rank routes the same tokens)."""
         load = self.model.take_expert_load() if self.info.tp_rank == 0 else None
         if load is not None:
             self.send(("expert_load", self.info.replica, mb_id, self.info.stage, load))
