@@ -200,20 +200,24 @@ def test_an_expert_tensor_that_does_not_match_the_config_is_named_with_both_shap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}])
+@pytest.mark.parametrize("parallel,sipipe", [({"tp": 2}, False), ({"pp": 2}, False),
+                                             ({"pp": 2}, True)], ids=["tp2", "pp2", "sipipe-pp2"])
 def test_worker_processes_report_every_sparse_layer(make_engine, tmp_path, default_model_dir,
-                                                    parallel):
+                                                    parallel, sipipe):
     """Mixtral (both layers sparse) on worker processes: transformers' tokens, and each step's
     expert load covers both layers: at PP=2 the first stage's layer comes by its own message,
-    the second's with the result; at TP=2 one rank's count is the layer's."""
+    the second's with the result (under SiPipe, whose sampler processes answer, by its own
+    message too); at TP=2 one rank's count is the layer's."""
+    from batchinfer.strategies.sipipe.params import SiPipeParams
     from tests.tiny_families import PROMPTS
 
     model = hf_model("mixtral")
     path = save_model(model, tmp_path / "mixtral", default_model_dir)
+    batching = {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 48}
+    strategy = SiPipeParams(**batching) if sipipe else None
     with make_engine(model={"path": str(path), "max_model_len": 256},
-                     cache={"kv_cache_memory": "8MiB"}, parallel=parallel,
-                     scheduler={"policy": "hb", "chunk_size": 16,
-                                "max_num_batched_tokens": 48}) as engine:
+                     cache={"kv_cache_memory": "8MiB"}, parallel=parallel, strategy=strategy,
+                     scheduler=strategy.scheduler_config() if sipipe else batching) as engine:
         engine.drain_step_events()
         assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == \
             hf_greedy(model, PROMPTS)
