@@ -51,6 +51,18 @@ FAMILIES = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                "rope_theta": 1000000.0}}}),
+    # mixtures of experts: Qwen2-MoE's shared expert and its gate, top-k weights as the softmax
+    # gave them (norm_topk_prob false), its second layer dense (mlp_only_layers); Qwen3-MoE's
+    # first layer dense (decoder_sparse_step 2), 16 experts of which a decode step of a few
+    # sequences leaves most without a token; Mixtral's always renormalized top 2 of 4
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 def hf_gemma3_vision_language(seed: int = 0):

@@ -66,6 +66,10 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         return tp == 1 and pp == 1 and dp >= 2      # replicas that share one FFN store
 
     @classmethod
+    def runs_model(cls, arch) -> bool:
+        return arch.moe is None                     # the store holds one dense FFN per layer
+
+    @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         return [("sidp", {"name": "sidp", "policy": "hb", **batching(knobs)})]
 
