@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from .arch import ModelArch, MoESpec
-from .decoder import MLP, Attention, RMSNorm, add_norm
+from .decoder import MLP
+from .llama import DecoderLayer
 from .fused_experts import StackedExperts, route
 from .shard import ShardSizes, TensorParallelGroup
 
@@ -67,26 +68,15 @@ class SparseMoE(nn.Module):
         return out
 
 
-class MoEDecoderLayer(nn.Module):
+class MoEDecoderLayer(DecoderLayer):
     """The Llama family's pre-norm layer (q/k norms where the arch has them) whose feed-forward
     is a SparseMoE, or the dense MLP on the layers the config keeps dense."""
 
-    NORMS = ("input_layernorm", "post_attention_layernorm")   # their checkpoint names
-
-    def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
-                 tp: Optional[TensorParallelGroup]):
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer_index, shard, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = (SparseMoE(arch, shard, tp) if arch.is_sparse(layer_index)
-                    else MLP(arch, shard, tp))
-
-    def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
-        hidden, residual = add_norm(ops, hidden, residual, self.input_layernorm)
-        hidden = self.self_attn.forward(hidden, positions, rotary, kv_cache, meta, backend, ops)
-        hidden, residual = add_norm(ops, hidden, residual, self.post_attention_layernorm)
-        return self.mlp.forward(hidden, ops), residual
+    @staticmethod
+    def make_mlp(arch: ModelArch, layer_index: int, shard: ShardSizes,
+                 tp: Optional[TensorParallelGroup]) -> nn.Module:
+        return (SparseMoE(arch, shard, tp) if arch.is_sparse(layer_index)
+                else MLP(arch, shard, tp))
 
 
 def moe_tensor_shapes(arch: ModelArch, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
