@@ -287,7 +287,7 @@ class Worker:
             self._sends.append((plan.mb_id, t1, works))
             self._reap_sends()
             return
-        if self.logits_out is not None:    # sampler processes send the result (SiPipe)
+        if self.logits_out is not None:    # sampler processes send the result
             forward_s = time.time() - t0
             self._send_expert_load(plan.mb_id)
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
