@@ -166,7 +166,8 @@ def test_a_micro_batch_is_done_when_every_share_is_back_whatever_the_order():
 
     from batchinfer.strategies.sipipe.executor import ColumnPlan, SiPipeExecutor
 
-    pool = SimpleNamespace(results=defaultdict(deque), send=lambda rank, message: None)
+    pool = SimpleNamespace(results=defaultdict(deque), expert_loads=defaultdict(dict),
+                           send=lambda rank, message: None)
     layout = SimpleNamespace(replica_ranks=lambda replica: [0, 1], pp=2)
     executor = SiPipeExecutor(pool, layout, 0, None, 10.0, [2, 3, 4],
                               PoolLayout.of(2, 6, True, 3), seed=0)
