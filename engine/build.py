@@ -180,7 +180,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
             f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
     kv_caches = allocate_kv_tensors(spec, kv_dtype, device)
     block_manager = BlockManager(spec.num_blocks, spec.block_size,
-                                 prefix_caching=config.cache.enable_prefix_caching)
+                                 prefix_caching=config.cache.enable_prefix_caching,
+                                 window=config.cache.kv_window(arch))
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,

@@ -221,7 +221,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
     replicas = []
     for replica in range(layout.dp):
         block_manager = BlockManager(plan.num_blocks, block_size,
-                                     prefix_caching=config.cache.enable_prefix_caching)
+                                     prefix_caching=config.cache.enable_prefix_caching,
+                                     window=config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
