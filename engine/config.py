@@ -70,7 +70,8 @@ class CacheConfig(_Strict):
         True, description="sliding-window models whose every layer has a window (Phi-3-mini, "
         "Qwen with use_sliding_window on all layers): release a sequence's blocks that no later "
         "query can see, so it holds about window / block_size + 1 blocks, not its whole context; "
-        "false keeps them (the ablation). Models with global layers (Gemma 2/3) keep every block")
+        "false keeps them (the ablation). Models with global layers (Gemma 2/3) keep every block "
+        "(docs/engine.md, Paged KV cache)")
 
     def kv_window(self, arch) -> int:
         """The sliding window the block manager releases blocks outside of (0: none)."""

@@ -143,3 +143,34 @@ def test_shared_blocks_released_by_one_sequence_stay_held_by_the_other():
     bm.free("a")
     bm.check_invariants()
     assert bm.prefix.num_evictable == 4
+
+
+@pytest.mark.parametrize("family, extra, window", [
+    ("Phi3Config", {"sliding_window": 24}, 24),             # every layer windowed
+    ("Phi3Config", {"sliding_window": None}, 0),
+    ("Gemma3TextConfig", {"sliding_window": 16, "layer_types": ["sliding_attention",
+                                                                 "full_attention"]}, 0),
+    ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, 32),
+])
+def test_only_models_whose_every_layer_has_a_window_release(family, extra, window):
+    """A global layer needs the whole context: with one, the cache releases nothing (the blocks
+    hold every layer's K/V), and the switch turns releasing off."""
+    import transformers
+
+    from batchinfer.engine.config import CacheConfig
+    from batchinfer.engine.model.arch import arch_from_dict
+    from tests.tiny_families import TINY
+
+    arch = arch_from_dict(getattr(transformers, family)(**{**TINY, **extra}).to_dict())
+    assert arch.kv_window() == window
+    assert CacheConfig().kv_window(arch) == window
+    assert CacheConfig(free_outside_window=False).kv_window(arch) == 0
+
+
+def test_the_switch_is_validated():
+    from pydantic import ValidationError
+
+    from batchinfer.engine.config import CacheConfig
+
+    with pytest.raises(ValidationError, match="free_outside_window"):
+        CacheConfig(free_outside_window="sometimes")
