@@ -136,7 +136,8 @@ class BlockManager:
         if upto <= done:
             return 0
         if self.prefix is not None and upto > self._indexed.get(seq_id, (0, None))[0]:
-            # a block not indexed yet can never be: the chain of this sequence ends here
+            # a block not indexed yet can never be (its slot holds the placeholder from now
+            # on): the chain of this sequence ends here
             self._indexed[seq_id] = (_CHAIN_BROKEN, None)
         for i in range(done, upto):
             self._drop(table[i])

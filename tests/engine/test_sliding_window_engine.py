@@ -108,3 +108,27 @@ def test_preempted_sequences_that_released_blocks_recompute_the_same_tokens(make
     assert engine.scheduler.block_manager.num_blocks == 16
     assert greedy_tokens(engine, PROMPTS * 2, batched=True, max_new=MAX_NEW) == expected * 2
     assert engine.stats()["num_preemptions"] > 0
+
+
+def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, windowed, checked):
+    """Async scheduling (the host's count runs a step ahead of the results, and releases go by
+    it), and the CUDA graphs' padded decode forward (eager on CPU), which gathers every slot of a
+    row, placeholders included, and masks the window."""
+    from batchinfer.engine.cuda_graphs import DecodeGraphs
+    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
+
+    path, expected = windowed
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         device={"device": "cpu", "attention_backend": "torch"},
+                         cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
+                         scheduler={"policy": "hb", "chunk_size": 16,
+                                    "max_num_batched_tokens": 48, "async_scheduling": True})
+    executor = engine.replicas[0].executor
+    assert isinstance(executor, AsyncInProcessExecutor)
+    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
+                                   torch.device("cpu"), max_batch=8, max_seq_len_to_capture=256,
+                                   capture=False)
+    first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    assert first == expected and again == expected
+    assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0
