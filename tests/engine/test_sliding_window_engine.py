@@ -132,3 +132,17 @@ def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, windowed, c
     again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
     assert first == expected and again == expected
     assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0
+
+
+def test_the_pipeline_runtime_releases_on_its_stages(make_engine, windowed):
+    """PP=2 through the multi-process runtime (two virtual engines over one block manager, each
+    stage reading its layers' KV through the same tables): transformers' tokens."""
+    path, expected = windowed
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
+                     parallel={"pp": 2},
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        assert engine.scheduler.block_manager.window == WINDOW
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert engine.stats()["kv_window_freed_blocks"] > 0
