@@ -288,6 +288,13 @@ class BlockManager:
             assert not parked or cached, f"block {block}: parked but not cached"
 
 
+def log_kv_window(window: int) -> None:
+    """The start-up log's line for a block manager that releases blocks behind a window."""
+    if window:
+        log.info("KV cache: every layer has a sliding window of %d keys: a sequence's blocks "
+                 "behind it are released (memory.free_outside_window)", window)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """How many blocks of what shape: decided once, from the memory budget."""

@@ -62,10 +62,11 @@ def test_the_model_releases_and_equals_transformers_and_freeing_off(make_engine,
     path, expected = windowed
     on = engine_for(make_engine, path, backend=backend)
     assert (on.info["attention_backend"], on.scheduler.block_manager.window) == (backend, WINDOW)
+    assert on.info["kv_window"] == WINDOW
     assert greedy_tokens(on, PROMPTS, batched=True, max_new=MAX_NEW) == expected
     assert on.stats()["kv_window_freed_blocks"] > 0
     off = engine_for(make_engine, path, free=False, backend=backend)
-    assert off.scheduler.block_manager.window == 0
+    assert off.scheduler.block_manager.window == off.info["kv_window"] == 0
     assert greedy_tokens(off, PROMPTS, batched=True, max_new=MAX_NEW) == expected
     assert off.stats()["kv_window_freed_blocks"] == 0
 
@@ -143,6 +144,6 @@ def test_the_pipeline_runtime_releases_on_its_stages(make_engine, windowed):
                      parallel={"pp": 2},
                      scheduler={"policy": "hb", "chunk_size": 16,
                                 "max_num_batched_tokens": 48}) as engine:
-        assert engine.scheduler.block_manager.window == WINDOW
+        assert engine.scheduler.block_manager.window == engine.info["kv_window"] == WINDOW
         assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
         assert engine.stats()["kv_window_freed_blocks"] > 0
