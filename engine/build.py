@@ -79,7 +79,7 @@ def available_memory(device: torch.device) -> int:
 
 def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
     """Working memory of one forward: hidden/qkv/MLP activations for the token budget, logits."""
-    per_token = (4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 3 * arch.intermediate_size)
+    per_token = 4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + arch.ffn_activation_width()
     return (max_tokens * per_token * dtype_bytes + 4 * max_seqs * arch.vocab_size * 4 + GiB // 2)
 
 
@@ -146,12 +146,12 @@ def model_source(model_cfg: ModelConfig) -> ModelSource:
 
 def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
-    launch_ahead = use_async_scheduling(config, device)      # a bad ask fails before loading
+    source = model_source(config.model)
+    model_dir, arch = source.model_dir, source.arch
+    launch_ahead = use_async_scheduling(config, device, arch)   # a bad ask fails before loading
     if device.type == "cpu":
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
-    source = model_source(config.model)
-    model_dir, arch = source.model_dir, source.arch
     max_model_len, tokenizer = source.max_model_len, source.tokenizer
     dtype_choice = resolve_dtype(config.model.dtype, device, arch)
     dtype = dtype_choice.dtype
@@ -187,7 +187,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
                       native_kernels=backend.name == "native")
     graphs = None
-    if device.type == "cuda" and use_cuda_graphs(config.device.cuda_graphs, backend.name):
+    if device.type == "cuda" and use_cuda_graphs(config.device.cuda_graphs, backend.name, arch):
         graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,
                               min(config.device.max_seq_len_to_capture, max_model_len),
                               triton_attention=backend.name == "triton")
@@ -197,7 +197,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         from .steps_ahead import AsyncInProcessExecutor as executor_class
     executor = executor_class(model, kv_caches, backend, sampler, block_manager, device, graphs)
     info = {
-        "model_id": model_id_for(config.model.path, dummy),
+        "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "dtype_reason": dtype_choice.reason,
         "attention_backend": backend.name, "vocab_size": arch.vocab_size,
@@ -235,7 +235,8 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                             f"max_model_len {max_model_len} tokens")
 
 
-def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+def use_async_scheduling(config: EngineConfig, device: torch.device,
+                         arch: Optional[ModelArch] = None) -> bool:
     """scheduler.async_scheduling (a baseline strategy's own key first): empty means on with
     CUDA; asked for where it can't run, a ConfigError that names why."""
     strategy = config.strategy
@@ -250,15 +251,27 @@ def use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
         why_not = f"strategy {strategy.name} schedules its own steps"
     elif config.cache.enable_prefix_caching:
         why_not = "prefix caching indexes blocks by token values the host reads a step late"
+    elif arch is not None and arch.moe is not None:
+        why_not = ("the model is a mixture of experts, whose layers read their experts' token "
+                   "counts on the host (fused_experts.py): the next step could not launch ahead")
     if choice and why_not:
         raise ConfigError(f"{key}: true needs one process, the baseline strategy and no prefix "
                           f"caching; here {why_not}")
     return bool(choice) if choice is not None else device.type == "cuda" and not why_not
 
 
-def use_cuda_graphs(choice: Optional[bool], backend_name: str) -> bool:
+def use_cuda_graphs(choice: Optional[bool], backend_name: str,
+                   arch: Optional[ModelArch] = None) -> bool:
     """device.cuda_graphs: empty means on with the Triton attention (its kernel reads no padding,
-    so a graph's padded block tables cost nothing); with the torch path they are opt-in."""
+    so a graph's padded block tables cost nothing); with the torch path they are opt-in. Off
+    for a mixture of experts: its grouping reads each expert's token count on the host, which a
+    graph cannot replay."""
+    if arch is not None and arch.moe is not None:
+        if choice:
+            raise ConfigError("device.cuda_graphs: true cannot run a mixture-of-experts model: "
+                              "its layers read their experts' token counts on the host, which "
+                              "a CUDA graph cannot replay; leave it empty (off for this model)")
+        return False
     return choice if choice is not None else backend_name == "triton"
 
 

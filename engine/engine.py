@@ -58,6 +58,7 @@ class Engine:
         self._clock0 = self._clock()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
+        self._expert_load: Optional[list[list[int]]] = None   # [sparse layer][expert], summed
         # async scheduling (steps_ahead.py), where the build chose an executor that launches ahead
         self._ahead = None
         if self.info.get("async_scheduling"):
@@ -288,12 +289,34 @@ class Engine:
             "num_running": scheduler.num_running,
             **scheduler.step_stats(), **rep.executor.step_stats(),
         }
+        if result.expert_load:     # a mixture of experts: tokens per expert, layers summed
+            event["expert_tokens"] = [sum(column) for column in zip(*result.expert_load)]
+            self._add_expert_load(result.expert_load)
         if len(self.replicas) > 1:
             event["replica"] = replica_index
         decisions = scheduler.drain_decisions()
         if decisions:
             event["decisions"] = decisions
         self._events.append(event)
+
+    def _add_expert_load(self, load: list[list[int]]) -> None:
+        if self._expert_load is None:
+            self._expert_load = [list(row) for row in load]
+            return
+        for total, row in zip(self._expert_load, load):
+            for expert, tokens in enumerate(row):
+                total[expert] += tokens
+
+    def expert_load(self) -> Optional[dict]:
+        """Tokens routed to each expert so far: per sparse layer, summed over the layers, and
+        the busiest expert's share against an even split (1.0: perfectly balanced); None for a
+        dense model."""
+        if self._expert_load is None:
+            return None
+        per_expert = [sum(column) for column in zip(*self._expert_load)]
+        mean = sum(per_expert) / len(per_expert)
+        return {"per_expert": per_expert, "per_layer": [list(r) for r in self._expert_load],
+                "max_over_mean": round(max(per_expert) / mean, 4) if mean else None}
 
     def drain_step_events(self) -> list[dict]:
         events, self._events = self._events, []
@@ -316,6 +339,7 @@ class Engine:
             **({"pipeline": pipeline} if pipeline else {}),
             **({"strategy_stats": strategy_stats} if strategy_stats else {}),
             **_prefix_cache_stats(managers),
+            **({"expert_load": self.expert_load()} if self._expert_load is not None else {}),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
             "kv_window_freed_blocks": sum(bm.window_freed_blocks for bm in managers),

@@ -36,6 +36,9 @@ class StepResult:
     forward_s: float = 0.0
     sample_s: float = 0.0
     events: list[dict] = field(default_factory=list)
+    # tokens routed to each expert in each sparse layer the step ran ([layer][expert]; None:
+    # a dense model); with PP on worker processes, the last stage's layers
+    expert_load: Optional[list[list[int]]] = None
 
 
 class Executor:
@@ -175,7 +178,8 @@ class InProcessExecutor(Executor):
             for index, token, logprob in zip(plan.sample_items, sampled, row_logprobs):
                 tokens[index], logprobs[index] = token, logprob
         t2 = time.perf_counter()
-        return StepResult(tokens, logprobs, forward_s=t1 - t0, sample_s=t2 - t1)
+        return StepResult(tokens, logprobs, forward_s=t1 - t0, sample_s=t2 - t1,
+                          expert_load=self.model.take_expert_load())
 
 
 def _row_logprobs(info: dict, row: int, top_n: int) -> dict:

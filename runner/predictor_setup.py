@@ -18,7 +18,7 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
         model = recipe.model
         # auto picks where to run too: the CPU (~3 ms a request) unless the recipe names a device
         predictor, choice = choose_predictor(
-            cfg, model_id_for(model.path, model.load_format == "dummy"), Path(output_dir).parent,
+            cfg, model_id_for(model.path, model.load_format == "dummy", model.hf_overrides), Path(output_dir).parent,
             "cpu" if device == "auto" else device, recipe.strategy.reads_length_forecasts(),
             exclude=Path(output_dir))
         return predictor, choice.to_json()

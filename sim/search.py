@@ -78,6 +78,8 @@ def candidates(recipe_strategy: StrategyParams, arch, devices: int,
     out = []
     for label, strategy in strategy_candidates(recipe_strategy):
         cls = strategy_class(strategy["name"])
+        if not cls.runs_model(arch):
+            continue
         for tp, pp, dp in layouts(devices, arch, include_single):
             if cls.applies_to(tp, pp, dp):
                 out += _spelled_out(Candidate(label, strategy, tp, pp, dp), cls, arch)

@@ -66,7 +66,8 @@ def _predictor(recipe):
 
     runs_root = Path(recipe.io.output_dir).parent if recipe.io.output_dir else Path("runs")
     predictor, choice = choose_predictor(
-        cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy"), runs_root,
+        cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy",
+                      recipe.model.hf_overrides), runs_root,
         "cpu", reads_forecasts=recipe.strategy.reads_length_forecasts())
     return predictor or NonePredictor(cfg.oracle_field), f"predictor auto: {choice.reason}"
 

@@ -9,8 +9,8 @@ A strategy provides, on its parameter model:
   close), and `prepare(engine)` once the engine is built;
 - its simulator model: `simulated_replicas(sim)` (None: the simulator's standard pipeline,
   with `simulated_executor_options(layout)`);
-- the layouts it applies to: `applies_to(tp, pp, dp)`, and the parameters `batchinfer profile`
-  tries for it: `search_params(knobs)`;
+- the layouts it applies to: `applies_to(tp, pp, dp)`, the models it can run: `runs_model(arch)`,
+  and the parameters `batchinfer profile` tries for it: `search_params(knobs)`;
 - settings a recipe may leave to `auto` that a simulation of the job decides before the engine is
   built: `auto_keys()` and `auto_search(parallel, arch)` (sim/auto_settings.py runs it);
 - its report statistics: the generic `strategy_summary()` / `step_stats()` of its scheduler and
@@ -81,6 +81,11 @@ class StrategyParams(BaseModel):
     @classmethod
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
         """Whether the strategy means anything on this layout (profile skips it otherwise)."""
+        return True
+
+    @classmethod
+    def runs_model(cls, arch) -> bool:
+        """Whether the strategy can run this model at all (profile skips it otherwise)."""
         return True
 
     @classmethod

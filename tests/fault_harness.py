@@ -4,7 +4,7 @@ moments, a file-size limit, then a clean rerun that must complete with every id 
 Used by tests/runner/test_fault_injection.py (a short seeded run in CI) and by
 benchmarks/fault_injection.py (the long run, JSON out). Each run starts in a session of its own,
 so a fault reaches its whole process group as Slurm's and a terminal's signals do, and leftovers
-(workers, compilers) are found by process group and by the run's cache directory.
+(workers, compilers) are found by process group and by a token in their environment.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,10 +41,16 @@ SIGNAL_BOUND_S = 5.0         # the issue's bound on answering SIGTERM / SIGINT
 SIGNAL_CODES = {signal.SIGTERM: (143, -signal.SIGTERM), signal.SIGINT: (130, -signal.SIGINT)}
 
 
+# a token in the environment of every process a run starts: the compilers it launches leave its
+# process group (a session of their own) but inherit it, and no other process on the host has it
+RUN_MARKER = "BATCHINFER_FAULT_HARNESS_RUN"
+
+
 def run_env(cache: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", BATCHINFER_CACHE=str(cache),
                **extra)
+    env[RUN_MARKER] = uuid.uuid4().hex
     return env
 
 
@@ -73,6 +80,7 @@ class Run:
     proc: subprocess.Popen
     log_path: Path
     started: float
+    marker: str = ""      # run_env's token in its processes' environment
 
     @property
     def pgid(self) -> int:
@@ -102,7 +110,7 @@ def start_run(recipe: Path, prompts: Path, out: Path, env: dict, *args: str,
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=preexec)
-    return Run(proc, log_path, time.monotonic())
+    return Run(proc, log_path, time.monotonic(), env.get(RUN_MARKER, ""))
 
 
 def wait(run: Run, bound_s: float) -> Optional[int]:
@@ -122,8 +130,11 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def leftovers(pgid: int, cache: Path) -> list[str]:
-    """Processes still alive from a run: its process group, or a build using its cache."""
+def leftovers(run: Run) -> list[str]:
+    """Processes still alive from a run: its process group, or one that left the group (a kernel
+    build's compiler) with the run's token in its environment. Other runs on the host (another
+    job, another test session) are not the run's, whatever cache they share."""
+    token = f"{RUN_MARKER}={run.marker}".encode() if run.marker else None
     found = []
     mine = {os.getpid(), os.getppid()}
     for entry in Path("/proc").iterdir():
@@ -138,15 +149,22 @@ def leftovers(pgid: int, cache: Path) -> list[str]:
         state, group = fields[0], int(fields[2])
         if state == "Z":
             continue
-        if group == pgid or (f"{cache}{os.sep}" in cmd and group != os.getpgrp()):
+        if group == run.pgid or (token is not None and token in _environ(entry)):
             found.append(f"{entry.name}: {cmd[:120]}")
     return found
 
 
-def wait_for_leftovers(pgid: int, cache: Path, bound_s: float = 5.0) -> list[str]:
+def _environ(entry: Path) -> bytes:
+    try:
+        return (entry / "environ").read_bytes()
+    except OSError:                     # gone, or another user's
+        return b""
+
+
+def wait_for_leftovers(run: Run, bound_s: float = 5.0) -> list[str]:
     deadline = time.monotonic() + bound_s
     while True:
-        found = leftovers(pgid, cache)
+        found = leftovers(run)
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -223,7 +241,7 @@ def run_trial(trial: Trial, work: Path, cache: Path, rng: random.Random,
             res["problems"].append("a torn or corrupt line after the failed write")
     else:
         code = _inject(trial, run, res)
-    found = wait_for_leftovers(run.pgid, cache)
+    found = wait_for_leftovers(run)
     if found:
         res["problems"].append(f"processes left behind: {found[:3]}")
     res["finished_before_fault"] = code == 0 and trial.kind != "fsize"

@@ -51,6 +51,18 @@ FAMILIES = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                "rope_theta": 1000000.0}}}),
+    # mixtures of experts: Qwen2-MoE's shared expert and its gate, top-k weights as the softmax
+    # gave them (norm_topk_prob false), its second layer dense (mlp_only_layers); Qwen3-MoE's
+    # first layer dense (decoder_sparse_step 2), 16 experts of which a decode step of a few
+    # sequences leaves most without a token; Mixtral's always renormalized top 2 of 4
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 def hf_gemma3_vision_language(seed: int = 0):
@@ -126,6 +138,22 @@ def prefill_logits(model, backend, prompts: list[list[int]]) -> list[torch.Tenso
     return list(logits.split(lens))
 
 
+def paged_prefill_inputs(model, prompts: list[list[int]], steps: int, block: int):
+    """A paged KV cache with room for every prompt plus `steps` tokens, one contiguous run of
+    blocks per sequence, and the first step's flat inputs -> (kv, block tables, lengths, ids,
+    positions)."""
+    from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
+
+    per_seq = -(-(max(map(len, prompts)) + steps) // block)
+    spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
+                       model.arch.head_dim, 4)
+    kv = allocate_kv_tensors(spec, torch.float32, torch.device("cpu"))
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    ids = [t for p in prompts for t in p]
+    positions = [i for p in prompts for i in range(len(p))]
+    return kv, tables, [len(p) for p in prompts], ids, positions
+
+
 def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None) -> torch.Tensor:
     """Greedy at the model level (no engine): one prefill of all prompts, then `steps` decode
     steps over the paged KV cache -> tokens [prompts, steps + 1]. `pipe`: (stage, stages) when
@@ -134,18 +162,10 @@ def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None
     import torch.distributed as dist
 
     from batchinfer.engine.attention import AttentionMetadata
-    from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
 
     cpu, block = torch.device("cpu"), 16
     stage, stages = pipe or (0, 1)
-    per_seq = -(-(max(map(len, prompts)) + steps) // block)
-    spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
-                       model.arch.head_dim, 4)
-    kv = allocate_kv_tensors(spec, torch.float32, cpu)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-    lens = [len(p) for p in prompts]
-    ids = [t for p in prompts for t in p]
-    positions = [i for p in prompts for i in range(len(p))]
+    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, block)
     query_lens, tokens = lens, []
     with torch.inference_mode():
         for _ in range(steps + 1):

@@ -36,7 +36,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     from batchinfer.engine.kv_cache import BlockManager
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
-    from tests.scheduler_driver import launch, make_seq
+    from batchinfer.sim.scheduler_driver import launch, make_seq
 
     sched = TDPipeScheduler(BlockManager(kv_tokens // 16, 16), TDPipeParams(
         max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)

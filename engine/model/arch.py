@@ -21,6 +21,26 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts model's feed-forward: each token's router picks `top_k` of
+    `num_experts` gated MLPs (moe.py). The checkpoint keeps them under `block_name` (mlp,
+    Mixtral's block_sparse_moe), each expert's projections named `projections` (gate, up, down)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int               # each expert's
+    norm_topk_prob: bool                 # the top-k routing weights renormalized to sum to 1
+    sparse_layers: tuple[bool, ...]      # per layer: experts (True) or the dense MLP
+    shared_intermediate_size: int = 0    # Qwen2-MoE's shared expert (sigmoid-gated); 0: none
+    block_name: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+
+@dataclass(frozen=True)
 class ModelArch:
     model_type: str
     vocab_size: int
@@ -60,6 +80,7 @@ class ModelArch:
     final_softcap: float = 0.0           # the same on the logits
     checkpoint_prefix: str = ""          # where a vision-language checkpoint keeps the language
                                          # model's tensors (the rest is skipped)
+    moe: Optional[MoESpec] = None        # mixture-of-experts feed-forward (Qwen-MoE, Mixtral)
 
     @property
     def q_size(self) -> int:
@@ -94,20 +115,49 @@ class ModelArch:
             return min(self.max_position_embeddings, int(self.sliding_window))
         return self.max_position_embeddings
 
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer`'s feed-forward is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def _ffn_weights(self, active: bool) -> int:
+        """The feed-forward weights of all layers; `active`: only those one token runs (its
+        top_k experts, the router and the shared expert), not every expert."""
+        h, dense = self.hidden_size, 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return self.num_layers * dense
+        m = self.moe
+        experts = m.top_k if active else m.num_experts
+        sparse = (3 * h * m.intermediate_size * experts + h * m.num_experts
+                  + (3 * h * m.shared_intermediate_size + h if m.shared_intermediate_size else 0))
+        return m.num_sparse_layers * sparse + (self.num_layers - m.num_sparse_layers) * dense
+
+    def ffn_activation_width(self) -> int:
+        """Values one token's feed-forward holds at once: gate/up and its product for a dense
+        MLP; for a sparse layer its top_k copies gathered in and out, each expert's gate/up and
+        product, and the shared expert's (the widest layer kind counts)."""
+        dense = 3 * self.intermediate_size
+        if self.moe is None:
+            return dense
+        m = self.moe
+        sparse = (m.top_k * (2 * self.hidden_size + 3 * m.intermediate_size)
+                  + 3 * m.shared_intermediate_size)
+        return max(sparse, dense if m.num_sparse_layers < self.num_layers else 0)
+
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        h, v = self.hidden_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * per_layer + self._ffn_weights(False) + h + head
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     def flops_per_token(self) -> int:
-        """Matmul FLOPs per token, attention scores excluded (2 x the non-embedding weights + head)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-        return 2 * (self.num_layers * per_layer + v * h)
+        """Matmul FLOPs per token, attention scores excluded (2 x the non-embedding weights a
+        token runs through + head: a mixture of experts counts its top_k experts)."""
+        h, v = self.hidden_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        return 2 * (self.num_layers * per_layer + self._ffn_weights(True) + v * h)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -203,6 +253,13 @@ def _check(arch: ModelArch, source: str) -> None:
     if arch.hidden_act not in ACTIVATIONS:
         raise ModelLoadError(f"{source}: hidden activation {arch.hidden_act!r} is not supported; "
                              f"supported: {', '.join(ACTIVATIONS)}")
+    moe = arch.moe
+    if moe is not None and not (0 < moe.top_k <= moe.num_experts
+                                and len(moe.sparse_layers) == arch.num_layers):
+        raise ModelLoadError(f"{source}: {moe.top_k} experts per token of {moe.num_experts} "
+                             f"experts, {len(moe.sparse_layers)} layer kinds for "
+                             f"{arch.num_layers} layers: a mixture of experts needs "
+                             "0 < experts per token <= experts and a kind per layer")
     if arch.layer_windows and len(arch.layer_windows) != arch.num_layers:
         raise ModelLoadError(f"{source}: {len(arch.layer_windows)} layer types for "
                              f"{arch.num_layers} layers")

@@ -107,6 +107,21 @@ class CausalLM(nn.Module):
         """TorchOps (portable), NativeOps (fused CPU kernels) or TritonOps (fused CUDA kernels)."""
         self.ops = ops
 
+    def take_expert_load(self) -> Optional[list[list[int]]]:
+        """Tokens routed to each expert in each of this partition's sparse layers since the last
+        call ([layer][expert], this partition's sparse layers in order), read in one host copy;
+        None for a dense model. Under TP every rank routes every token: any rank's count is
+        the layer's."""
+        stacks = [layer.mlp.experts for layer in self.layers if hasattr(layer.mlp, "experts")]
+        if not stacks:
+            return None
+        device = self.rotary.cos.device
+        loads = [torch.zeros(s.num_experts, dtype=torch.long, device=device) if s.load is None
+                 else s.load for s in stacks]
+        for stack in stacks:
+            stack.load = None
+        return torch.stack(loads).tolist()
+
     def tie_weights(self) -> None:
         if self.lm_head is not None and self.arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

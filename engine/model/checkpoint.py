@@ -8,6 +8,7 @@ from typing import Iterable, Iterator, Optional
 
 from ..errors import ModelLoadError
 from .arch import ModelArch
+from .moe import moe_tensor_shapes
 from .registry import family_module
 
 # tensors some checkpoints carry that are not weights (old Llama exports saved RoPE's buffer)
@@ -39,6 +40,9 @@ def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.o_proj.weight", (h, q)
         if arch.o_bias:
             yield p + "self_attn.o_proj.bias", (h,)
+        if arch.is_sparse(i):
+            yield from moe_tensor_shapes(arch, p)
+            continue
         if arch.fused_checkpoint:
             yield p + "mlp.gate_up_proj.weight", (2 * inter, h)
         else:

@@ -121,13 +121,17 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """This rank's intermediate rows: column-parallel gate_up_proj, row-parallel down_proj;
-    act(gate) * up between them (SiLU: fused into the GEMM where the ops can)."""
+    act(gate) * up between them (SiLU: fused into the GEMM where the ops can). `rows`: this
+    rank's intermediate rows where they are not the dense MLP's (a shared expert; its caller
+    sums over the ranks, so it passes no tp)."""
 
-    def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup]):
+    def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup],
+                 rows: Optional[int] = None):
         super().__init__()
         self.tp, self.activation = tp, arch.hidden_act     # silu or gelu_pytorch_tanh (arch.py)
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shard.intermediate_size, arch.hidden_size, bias=False)
+        rows = shard.intermediate_size if rows is None else rows
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * rows, bias=False)
+        self.down_proj = nn.Linear(rows, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         if self.activation == "silu":

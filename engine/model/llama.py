@@ -35,7 +35,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_index, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, shard, tp)
+        self.mlp = self.make_mlp(arch, layer_index, shard, tp)
+
+    @staticmethod
+    def make_mlp(arch: ModelArch, layer_index: int, shard: ShardSizes,
+                 tp: Optional[TensorParallelGroup]) -> nn.Module:
+        """The layer's feed-forward (a mixture of experts overrides it)."""
+        return MLP(arch, shard, tp)
 
     def forward(self, hidden, residual, positions, rotary, kv_cache, meta, backend, ops):
         hidden, residual = add_norm(ops, hidden, residual, self.input_layernorm)

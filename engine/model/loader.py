@@ -26,11 +26,13 @@ from .arch import ModelArch, arch_from_dict, read_arch
 from .causal_lm import CausalLM, ModelPartition
 from .checkpoint import CheckpointCheck, hf_tensor_shapes
 from .fast_linear import pack_linears
+from .fused_experts import pack_experts
 from .rope import Rotary
 from .shard import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 
 
 def safetensor_files(model_dir: Path) -> list[Path]:
@@ -57,7 +59,8 @@ class _Target:
     """Where one HF tensor (or a piece of it) goes: rows [start, start + rows) of our parameter
     `param`, taking the source slice [lo, hi) along `dim` (None: the whole tensor) of a tensor
     `full` wide there. `zero`: the rows are zeros whatever the source holds (a row-parallel bias
-    on every TP rank but the first, so that the all-reduce adds it once)."""
+    on every TP rank but the first, so that the all-reduce adds it once). `expert`: the rows are
+    within that expert's slab of a stacked [experts, rows, cols] parameter."""
 
     param: str
     start: int = 0
@@ -67,6 +70,7 @@ class _Target:
     hi: int = 0
     full: int = 0
     zero: bool = False
+    expert: Optional[int] = None
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.dim is None else tensor.narrow(self.dim, self.lo, self.hi - self.lo)
@@ -100,6 +104,9 @@ class _Filler:
         if not 0 <= layer < len(m.layers):
             return []
         rest, p = match.group(2), f"layers.{layer}."
+        moe = a.moe
+        if a.is_sparse(int(match.group(1))) and rest.startswith(moe.block_name + "."):
+            return self._moe_targets(p + "mlp.", rest[len(moe.block_name) + 1:])
         module, _, kind = rest.rpartition(".")
         pieces = self._column_pieces(module)
         if pieces is not None:   # column-parallel: this rank's output rows, into a fused parameter
@@ -117,6 +124,36 @@ class _Filler:
             return [_Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, cols, full))]
         if module in row:        # its bias: added once, by the first rank
             return [_Target(f"{p}{rest}", zero=sh.tp_rank > 0)]
+        return [_Target(f"{p}{rest}")]
+
+    def _moe_targets(self, p: str, rest: str) -> list[_Target]:
+        """A sparse layer's feed-forward tensor (`rest`: its name inside the checkpoint's block)
+        -> our SparseMoE's parameters (prefix `p`): an expert's gate and up rows into its slab of
+        experts.gate_up, its down columns into experts.down, this rank's intermediate rows of
+        each; the shared expert as a dense MLP of its own size; the router and the shared
+        expert's gate whole on every rank."""
+        moe, sh = self.arch.moe, self.shard
+        split = sh.tp_size > 1
+        expert = _EXPERT.match(rest)
+        if expert is not None:
+            index, proj = int(expert.group(1)), expert.group(2)
+            rows, lo, full = (sh.expert_intermediate_size, sh.expert_intermediate_start,
+                              moe.intermediate_size)
+            if proj == moe.projections[2]:
+                return [_Target(f"{p}experts.down", 0, None, *self._cut(split, 1, lo, rows, full),
+                                expert=index)]
+            start = 0 if proj == moe.projections[0] else rows
+            return [_Target(f"{p}experts.gate_up", start, rows,
+                            *self._cut(split, 0, lo, rows, full), expert=index)]
+        if rest.startswith("shared_expert."):
+            proj = rest[len("shared_expert."):].partition(".")[0]
+            rows, lo, full = (sh.shared_intermediate_size, sh.shared_intermediate_start,
+                              moe.shared_intermediate_size)
+            if proj == "down_proj":
+                return [_Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, rows, full))]
+            start = 0 if proj == "gate_proj" else rows
+            return [_Target(f"{p}shared_expert.gate_up_proj.weight", start, rows,
+                            *self._cut(split, 0, lo, rows, full))]
         return [_Target(f"{p}{rest}")]
 
     def _column_pieces(self, module: str) -> Optional[tuple[str, list[tuple[int, int, int, int]]]]:
@@ -160,8 +197,9 @@ class _Filler:
         param = self.params.get(where.param)
         if param is None:
             raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
-        rows = param.shape[0] if where.rows is None else where.rows
-        dest = param.data[where.start:where.start + rows]
+        data = param.data if where.expert is None else param.data[where.expert]
+        rows = data.shape[0] if where.rows is None else where.rows
+        dest = data[where.start:where.start + rows]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config "
                                  f"implies {tuple(dest.shape)}")
@@ -176,7 +214,8 @@ class _Filler:
     def expected_rows(self, pname: str) -> int:
         if pname in ("embed_tokens.weight", "lm_head.weight"):
             return self.shard.vocab_rows  # the rest is padding
-        return self.params[pname].shape[0]
+        shape = self.params[pname].shape
+        return shape[0] * shape[1] if len(shape) == 3 else shape[0]   # stacked experts: per slab
 
     def check_complete(self, source: str) -> None:
         """Every parameter row filled (the checkpoint check names missing tensors before this)."""
@@ -305,6 +344,7 @@ def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
                                  else torch.float32)
     if pack:
         pack_linears(model, weight_dtype=model.linear_weight_dtype)
+        pack_experts(model, weight_dtype=model.linear_weight_dtype)
     return model
 
 

@@ -22,6 +22,9 @@ FAMILIES: dict[str, str] = {
     "phi3": "phi3",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "qwen2_moe": "qwen_moe",
+    "qwen3_moe": "qwen_moe",
+    "mixtral": "mixtral",
 }
 
 # vision-language model_type -> (its language model's model_type, the prefix of the language
@@ -42,6 +45,9 @@ MODEL_NAMES: dict[str, str] = {
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 1B",
     "gemma3": "Gemma 3 4B / 12B / 27B: the language model, on text",
+    "qwen2_moe": "Qwen1.5-MoE / Qwen2-57B-A14B",
+    "qwen3_moe": "Qwen3-30B-A3B / Qwen3-235B-A22B",
+    "mixtral": "Mixtral 8x7B / 8x22B",
 }
 
 

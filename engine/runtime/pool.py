@@ -76,6 +76,9 @@ class WorkerPool:
         self.procs: list = []
         self.conns: list[Connection] = []
         self.results: dict[int, deque] = defaultdict(deque)   # replica -> result messages
+        # replica -> micro-batch -> stage -> tokens per expert of the stage's layers (a mixture
+        # of experts: the stages before the last send them; the executor joins them to results)
+        self.expert_loads: dict[int, dict[int, dict[int, list]]] = defaultdict(dict)
         # (rank, transfer ids, seconds, the thread that copied)
         self.swapped: list[tuple[int, list[int], float, str]] = []
         self.worker_stats: dict[int, dict] = {}   # rank -> its latest (cumulative) counters
@@ -164,6 +167,8 @@ class WorkerPool:
                 self.results[msg[1]].append(msg[2])
             elif kind == "events":
                 self._add_events(msg[2])
+            elif kind == "expert_load":
+                self.expert_loads[msg[1]].setdefault(msg[2], {})[msg[3]] = msg[4]
             elif kind == "swapped":
                 self.swapped.append((rank, msg[2], msg[3], msg[4]))
             elif kind == "stats":

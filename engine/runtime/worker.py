@@ -281,13 +281,15 @@ class Worker:
                                       inputs.meta, self.backend, hidden, residual)
         if not self.is_last:
             self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self._send_expert_load(plan.mb_id)     # before the hidden states: ahead of the result
             t1 = time.time()
             works = self.sender.send(plan.mb_id, {"hidden": hidden, "residual": residual})
             self._sends.append((plan.mb_id, t1, works))
             self._reap_sends()
             return
-        if self.logits_out is not None:
+        if self.logits_out is not None:    # sampler processes send the result
             forward_s = time.time() - t0
+            self._send_expert_load(plan.mb_id)
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
                                     forward_s)
             self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
@@ -310,7 +312,19 @@ class Worker:
             stats = self.ext.result_stats(self)     # e.g. shared-weight counters ride along
             if stats is not None:
                 result["stats"] = stats
+            load = self.model.take_expert_load()    # a mixture of experts: this stage's layers
+            if load is not None:
+                result["expert_load"] = load
             self.send(("result", self.info.replica, result))
+
+    def _send_expert_load(self, mb_id: int) -> None:
+        """A mixture of experts on a rank that does not send the result (a stage before the
+        last, or the last when sampler processes answer): its layers' tokens per expert go to
+        the controller ahead of its outputs, and the controller joins them to the micro-batch's
+        result (one TP rank sends: every rank routes the same tokens)."""
+        load = self.model.take_expert_load() if self.info.tp_rank == 0 else None
+        if load is not None:
+            self.send(("expert_load", self.info.replica, mb_id, self.info.stage, load))
 
     def _sample(self, plan, logits):
         from ..executor import _row_logprobs

@@ -88,6 +88,7 @@ class _Bucket:
     requests_done: int = 0
     requests_failed: int = 0
     phase_s: Counter = field(default_factory=Counter)
+    expert_tokens: Optional[list[int]] = None   # a mixture of experts: tokens per expert
 
 
 class SessionMetrics:
@@ -173,6 +174,10 @@ class SessionMetrics:
                 bucket.kv_store = float(ev["kv_store_usage"])
             if ev.get("mode") is not None:
                 bucket.mode_steps[ev["mode"]] += 1
+            if ev.get("expert_tokens"):
+                routed = ev["expert_tokens"]
+                bucket.expert_tokens = (list(routed) if bucket.expert_tokens is None else
+                                        [a + b for a, b in zip(bucket.expert_tokens, routed)])
             for decision in ev.get("decisions", ()):
                 if len(self.decisions) < MAX_DECISIONS:
                     self.decisions.append({"t": ev.get("t"), **decision})
@@ -229,6 +234,7 @@ class SessionMetrics:
             **({"kv_predicted": round(b.kv_predicted, 4)} if b.kv_predicted is not None else {}),
             **({"kv_store_usage": round(b.kv_store, 4)} if b.kv_store is not None else {}),
             **({"mode_steps": dict(b.mode_steps)} if b.mode_steps else {}),
+            **({"expert_tokens": b.expert_tokens} if b.expert_tokens is not None else {}),
             "num_waiting": b.num_waiting, "num_running": b.num_running,
             "preemptions_total": int(stats.get("num_preemptions", 0)) - self._base_preemptions,
             "phase_s": {k: round(v, 4) for k, v in b.phase_s.items()},

@@ -198,6 +198,16 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"{prefix.get('hit_tokens', 0):,} of {prefix.get('queried_tokens', 0):,} tokens of "
                 f"the admitted sequences came from the cache"
                 + (f" ({rate:.1%})." if rate is not None else "."), ""]
+    experts = (report.get("engine") or {}).get("expert_load")
+    if experts:
+        per_expert = experts.get("per_expert") or []
+        idle = sum(1 for tokens in per_expert if not tokens)
+        out += ["## Expert load", "",
+                f"Tokens routed to each of the {len(per_expert)} experts, summed over the "
+                f"sparse layers ({len(experts.get('per_layer') or [])}): "
+                f"{sum(per_expert):,} in all, "
+                f"the busiest expert {experts.get('max_over_mean')}x an even share, {idle} "
+                "without a token (per layer in report.json; per interval in metrics.jsonl).", ""]
     strategy_stats = (report.get("engine") or {}).get("strategy_stats") or {}
     if strategy_stats:
         out += ["## Strategy", ""]

@@ -74,6 +74,10 @@ def build_sidp_engine(config, params):
     if setup.device.type != "cpu":
         raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
                           "host shared memory; the CUDA IPC path is not built yet)")
+    if not params.runs_model(arch):
+        raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
+                          f"({arch.model_type}) has a mixture of experts: run it with another "
+                          "strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
     if arch.hidden_act != "silu":
         raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
                           f"({arch.model_type}) gates with {arch.hidden_act}")

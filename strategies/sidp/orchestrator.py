@@ -77,7 +77,7 @@ class Orchestrator:
                 elif not self.executors[replica].num_sent:
                     self._latest_rows[replica] = 0
             self._sent_now.clear()
-            self._observe(max(self._latest_rows))
+            self._observe(sum(self._latest_rows))
         if self._held and (force or not any(e.num_sent for e in self.executors)):
             self._send_round()
 
@@ -95,7 +95,7 @@ class Orchestrator:
         plans, self._held = self._held, {}
         self._send_round_plans(plans, rows)
         self._latest_rows = real
-        self._observe(max(real))
+        self._observe(sum(real))
 
     # --- transport (the simulator's orchestrator overrides these two) ---------------------------
     def _send(self, replica: int, plan: StepPlan) -> None:

@@ -39,8 +39,8 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                                   "in rounds and send FFN inputs to each layer's owner; false: "
                                   "WaS only")
     batch_threshold: Optional[int] = Field(None, ge=1, description="B_th: CaS once the "
-                                           "effective batch (most tokens a replica runs in an "
-                                           "iteration) stays below it; default: profiled at "
+                                           "effective batch (the tokens the group runs in "
+                                           "an iteration, all replicas) stays below it; default: profiled at "
                                            "startup (strategies/sidp/cost_profile.py)")
     mode_switch_patience: int = Field(16, ge=1, description="iterations the batch must stay "
                                       "past a bound before the group switches mode")
@@ -64,6 +64,10 @@ class SiDPParams(StrategyParams, SchedulerConfig):
     @classmethod
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
         return tp == 1 and pp == 1 and dp >= 2      # replicas that share one FFN store
+
+    @classmethod
+    def runs_model(cls, arch) -> bool:
+        return arch.moe is None                     # the store holds one dense FFN per layer
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:

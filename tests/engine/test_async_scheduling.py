@@ -135,3 +135,47 @@ def test_asked_for_where_it_cannot_run_names_the_key(make_engine):
     off = make_engine(model={"max_model_len": 256}, device={"device": "cpu"},
                       cache={"kv_cache_memory": "64MiB"})
     assert off.info["async_scheduling"] is False       # CPU: nothing to overlap
+
+
+def test_an_id_reused_while_its_last_step_is_out_keeps_its_blocks(make_engine):
+    """A request stops on a stop token, which the host sees a step late, so one more step of it
+    is still running; a new request takes the same id before that step comes back. The late
+    step must not free the new request's blocks (the scheduler frees by id)."""
+    plain = _engine(make_engine, False)
+    first, second, other = (_chat(plain, p) for p in PROMPTS[1:4])
+    free_run = plain.generate([first], SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True))[0].output_token_ids
+    at = next(i for i in range(3, 12) if free_run[i] not in free_run[:i])
+    stopping = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[free_run[at]])
+    short = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = {"first": free_run[:at + 1],
+                "second": plain.generate([second], short)[0].output_token_ids,
+                "other": plain.generate([other], short)[0].output_token_ids}
+
+    engine = _engine(make_engine, True)
+    executor = engine.replicas[0].executor
+    ready, collect, collected = executor.ready, executor.collect, []
+    # as on a GPU: one step comes back per engine step, the one launched after it still runs
+    executor.ready = lambda: not collected and ready()
+    executor.collect = lambda: collected.append(1) or collect()
+
+    def run_until(done) -> dict:
+        outs = {}
+        while not done(outs):
+            collected.clear()
+            outs.update((o.request_id, o) for o in engine.step())
+        return outs
+
+    engine.add_request(Request("a", first, stopping))
+    engine.add_request(Request("b", other, short))
+    outs = run_until(lambda outs: "a" in outs)
+    assert outs["a"].output_token_ids == expected["first"]
+    assert any(item.seq.request_id == "a" for step in executor._launched
+               for item in step.batch.items)         # its extra step has not come back
+    engine.add_request(Request("a", second, short))  # the id is free: the request finished
+    outs.update(run_until(lambda _: not engine.has_unfinished()))
+    assert outs["a"].output_token_ids == expected["second"]
+    assert outs["b"].output_token_ids == expected["other"]
+    block_manager = engine.scheduler.block_manager
+    block_manager.check_invariants()
+    assert block_manager.num_free_blocks == block_manager.num_blocks

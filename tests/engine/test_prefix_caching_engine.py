@@ -3,6 +3,8 @@ caching off, under SB, HB with small chunks, a cache small enough to evict and p
 gLLM, TD-Pipe and SiDP; a fully cached prompt computes its last token; seesaw refuses it."""
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import pytest
@@ -106,6 +108,15 @@ def test_a_fully_cached_prompt_computes_only_its_last_token():
     assert again == first
 
 
+@functools.cache
+def _single_process_reference(scheduler: str) -> tuple[list, list]:
+    """(prompts, outputs) with caching off in one process, once per scheduler (JSON) for the
+    layouts below (the strategies' schedulers may share one)."""
+    with _engine(4096, False, scheduler=json.loads(scheduler)) as plain:
+        prompts = _prompts(plain.tokenizer)
+        return prompts, _outputs(plain, prompts)
+
+
 @pytest.mark.parametrize("sections", [
     {"parallel": {"pp": 2}, "scheduler": {"policy": "hb", "max_num_batched_tokens": 64}},
     {"parallel": {"pp": 2}, "strategy": {"name": "gllm", "MaxP": 48, "MinP": 8}},
@@ -123,9 +134,10 @@ def test_pipeline_parallel_outputs_equal_caching_off(sections):
         spec = sections.pop("strategy")
         params = strategy_class(spec["name"]).model_validate(spec)
         sections.update(strategy=params, scheduler=params.scheduler_config())
-    with _engine(4096, False, scheduler=sections.get("scheduler", {})) as plain:
-        prompts = _prompts(plain.tokenizer)
-        reference = _outputs(plain, prompts)
+    scheduler = sections.get("scheduler", {})
+    if not isinstance(scheduler, dict):                 # a strategy's SchedulerConfig
+        scheduler = scheduler.model_dump(mode="json")
+    prompts, reference = _single_process_reference(json.dumps(scheduler, sort_keys=True))
     with _engine(4096, True, **sections) as cached:
         assert _outputs(cached, prompts) == reference
         assert cached.stats()["prefix_cache"]["hit_tokens"] > 0

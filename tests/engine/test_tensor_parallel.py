@@ -13,13 +13,13 @@ import torch
 from batchinfer.engine.attention import AttentionMetadata, NativeCPUAttention, TorchAttention
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kernels import load_native_kernels
-from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
 from batchinfer.engine.model.arch import arch_from_dict
 from batchinfer.engine.model.causal_lm import CausalLM, ModelPartition
 from batchinfer.engine.model.loader import build_model, dummy_tensor, hf_tensor_shapes, load_arch
 from batchinfer.engine.model.ops import NativeOps, TorchOps
 from batchinfer.engine.model.shard import (TensorParallelGroup, check_tensor_parallel, shard_sizes,
                                            vocab_range, vocab_shard_size)
+from tests.tiny_families import paged_prefill_inputs
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -42,14 +42,7 @@ def _backends(names=("torch", "native")):
 def generate(model, backend, prompts, steps):
     """Greedy: one prefill of all prompts, then `steps` decode steps through the paged KV cache.
     -> (logits of every step stacked [steps + 1, seqs, vocab], tokens [seqs, steps + 1])."""
-    per_seq = -(-(max(map(len, prompts)) + steps) // BLOCK)
-    spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), BLOCK, model.num_local_kv_heads,
-                       model.arch.head_dim, 4)
-    kv = allocate_kv_tensors(spec, torch.float32, CPU)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-    lens = [len(p) for p in prompts]
-    ids = [t for p in prompts for t in p]
-    positions = [i for p in prompts for i in range(len(p))]
+    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, BLOCK)
     query_lens = lens
     logits_all, tokens = [], []
     with torch.inference_mode():

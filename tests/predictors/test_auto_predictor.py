@@ -169,6 +169,15 @@ def test_the_jobs_own_run_and_unreadable_runs_are_left_out(tmp_path):
     assert model_history(tmp_path / "missing", MODEL) == []
 
 
+def test_dummy_models_of_other_shapes_are_other_models():
+    """Their replies differ, so their run histories must not train one another's predictor."""
+    small, large = {"hidden_size": 64}, {"hidden_size": 128}
+    assert model_id_for(None, True, small) != model_id_for(None, True, large)
+    assert model_id_for(None, True, small) == model_id_for(None, True, dict(small))
+    assert model_id_for(None, True, small) != model_id_for(None, True)
+    assert model_id_for(None, False, small) == model_id_for(None) == DEFAULT_MODEL_ID
+
+
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
     "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
@@ -185,7 +194,7 @@ def test_a_job_learns_from_the_runs_beside_it_and_reports_the_choice(tmp_path, m
     engine = Engine.from_config(Recipe(model=TINY_MODEL, memory={"kv_cache_memory": "16MiB"},
                                        strategy={"name": "baseline", "max_num_seqs": 8}
                                        ).engine_config())
-    model_id = model_id_for(None, dummy=True)
+    model_id = model_id_for(None, dummy=True, hf_overrides=TINY_MODEL["hf_overrides"])
     assert engine.model_id == model_id
     # the predictor trains into a fresh cache (the engine above used the usual one: no rebuild)
     monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))

@@ -75,12 +75,12 @@ def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, w
     assert wait(run, 30) == 143, run.log()
     assert time.monotonic() - t0 <= SIGNAL_BOUND_S
     assert "during setup" in run.log()
-    assert wait_for_leftovers(run.pgid, cache) == []         # no compiler keeps running
+    assert wait_for_leftovers(run) == []         # no compiler keeps running
 
     run = start_and_wait_for_the_build(tmp_path / "second")
     kill_group(run.pgid, signal.SIGKILL)
     wait(run, 30)
-    assert wait_for_leftovers(run.pgid, cache) == []         # the build died with its parent
+    assert wait_for_leftovers(run) == []         # the build died with its parent
 
     racers = [start_run(recipe, prompts, tmp_path / f"race-{i}", run_env(cache)) for i in range(2)]
     for racer in racers:

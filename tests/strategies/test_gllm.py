@@ -11,7 +11,7 @@ from batchinfer.runner.recipe_errors import RecipeError
 from batchinfer.engine.scheduler import HybridBatching
 from batchinfer.strategies.gllm.scheduler import (GLLMParams, TokenThrottlingScheduler, decode_budget,
                                         is_decoding, prefill_budget)
-from tests.scheduler_driver import complete, launch, make_seq, run_pipeline
+from batchinfer.sim.scheduler_driver import complete, launch, make_seq, run_pipeline
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
 
 DEFAULTS = GLLMParams()

@@ -29,11 +29,15 @@ from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup, shared_no
 from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
 from batchinfer.strategies.seesaw.params import SeesawParams
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
-from tests.scheduler_driver import complete, launch, make_seq
+from batchinfer.sim.scheduler_driver import complete, launch, make_seq
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS
 
+# SmolLM2's shape with 8 heads (TP=2 splits them) and 8 of its 30 layers: the switches move KV
+# per layer alike, so depth only costs the suite time
+DUMMY8_LAYERS = 8
 DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
-          "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}}
+          "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                           "num_hidden_layers": DUMMY8_LAYERS}}
 
 
 # --- the CPU store's allocator and the moves between tiers ----------------------------------------
@@ -365,7 +369,7 @@ def test_two_layouts_equal_the_baseline_through_several_switches(make_engine, pr
     between them hold bf16)."""
     with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype}) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
-    token = 30 * 2 * 4 * 64 * element
+    token = DUMMY8_LAYERS * 2 * 4 * 64 * element        # KV bytes of a token
     params = SeesawParams(decode_tp=decode[0], decode_pp=decode[1],
                           cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
     config = _seesaw_config(params, {**prefill, "pp_balance": "layers"}, DUMMY8,

@@ -93,6 +93,24 @@ def test_cas_rounds_wait_for_every_replica_and_give_idle_ones_dummies(dummy_skip
     assert orchestrator.summary()["cas_rounds"] == 1
 
 
+def test_the_switch_reads_the_group_batch_not_the_largest_replica_share():
+    """Each replica below B_th is not the tail: a round would fuse every replica's rows into one
+    owner's GEMMs, so the group stays in WaS until the rows of all replicas together fall below."""
+    pool = _Pool()
+    orchestrator = Orchestrator(pool, 3, ModeSwitch(threshold=8, patience=1))
+    executors = [_Executor(orchestrator, r) for r in range(3)]
+    for replica in range(3):
+        orchestrator.submit(replica, _plan(replica, 3))
+    orchestrator.flush()                              # 3 + 3 + 3 = 9 >= 8: WaS
+    assert orchestrator.mode == WAS and len(pool.sent) == 3
+    for replica in (1, 2):                            # two replicas ran dry
+        executors[replica].num_sent = 0
+    executors[0].num_sent = 0
+    orchestrator.submit(0, _plan(3, 5))
+    orchestrator.flush()                              # 5 + 0 + 0 < 8: the tail, CaS
+    assert orchestrator.mode == CAS
+
+
 def test_a_held_plan_goes_when_forced():
     pool = _Pool()
     orchestrator = Orchestrator(pool, 2, ModeSwitch(threshold=4, patience=1))

@@ -16,9 +16,9 @@ from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
 from batchinfer.strategies.tdpipe.policy import (KVForecast, WorkStealing, future_points,
                                                  pack_prefill, spatial_intensity,
                                                  temporal_intensity)
-from tests.scheduler_driver import complete as _complete
-from tests.scheduler_driver import launch as _launch
-from tests.scheduler_driver import make_seq as _seq
+from batchinfer.sim.scheduler_driver import complete as _complete
+from batchinfer.sim.scheduler_driver import launch as _launch
+from batchinfer.sim.scheduler_driver import make_seq as _seq
 from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
 
 TABLE = StepTimes(decode=[(1, 0.010), (16, 0.020), (64, 0.040), (256, 0.128)],

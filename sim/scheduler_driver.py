@@ -1,6 +1,7 @@
 """Drives a Scheduler by hand the way the engine does, without a model: launched micro-batches are
 marked in flight, completed ones advance their sequences (one token sampled where a chunk reaches
-the end) and go back to the scheduler. Shared by the strategy tests."""
+the end) and go back to the scheduler. The strategies' unit tests drive their schedulers with it,
+and benchmarks/strategies/tdpipe_replay.py replays TD-Pipe's decisions on real lengths."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,0 +1,119 @@
+"""A mixture-of-experts layer's experts, computed grouped by expert (no per-token Python).
+
+Each token's router picks its top-k experts (`route`). The (token, expert) pairs are sorted by
+expert (a stable argsort of the [T, k] assignments), the tokens gathered in that order, and each
+expert that got any runs one GEMM chain over its contiguous run of rows: gate/up, SiLU-and-mul,
+down. The rows are scaled by their routing weights and scatter-added back to their tokens
+(index_add_). The Python loop is over the experts that got tokens, never over tokens; an expert
+with none costs nothing.
+
+The experts are stacked, `gate_up` [E, 2 I, H] (each expert's gate rows, then its up rows) and
+`down` [E, H, I], so the same code runs on CUDA tensors. On CPU, `pack` lays each expert out in
+the blocked kernel's 16-wide panels (fast_linear.py) where that kernel is the linears' kernel:
+the expert's gate/up GEMM runs SiLU-and-mul as its epilogue, and bf16 weights stay bf16 (widened
+as they are loaded). Elsewhere each expert is torch's linear over its slice of the stack.
+
+The per-expert token counts (a bincount of the assignments, which the grouping needs anyway) are
+added into `load`, a [E] tensor on the model's device that the executor reads once per step
+(CausalLM.take_expert_load).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fast_linear import PANEL, blocked_kernel_available, linear_kernel_for
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool):
+    """Softmax over the experts (in fp32), the top_k of each token, renormalized to sum to 1
+    where the model does -> (weights [T, k] fp32, expert ids [T, k]). As transformers routes."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """Every expert's gate/up and down projections (this TP rank's intermediate rows of each)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, rows: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.rows = num_experts, hidden_size, rows
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
+        self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # set by pack()
+        self.load: Optional[torch.Tensor] = None    # tokens routed to each expert, since taken
+
+    def pack(self, weight_dtype: torch.dtype = torch.float32) -> None:
+        """CPU: each expert in the blocked kernel's panels where it is the linears' kernel and
+        the widths split into whole panels (gate/up into pairs, for the SiLU epilogue); else
+        bf16 weights rounded and held in fp32 (torch's GEMM over the rounded values)."""
+        if self.gate_up.device.type != "cpu" or self.gate_up.dtype != torch.float32:
+            return
+        kernel = linear_kernel_for(self.gate_up.device, weight_dtype)
+        fits = self.rows % PANEL == 0 and self.hidden_size % PANEL == 0
+        if kernel == "blocked" and fits and blocked_kernel_available():
+            self.panels = (_to_panels(self.gate_up.detach().to(weight_dtype)),
+                           _to_panels(self.down.detach().to(weight_dtype)))
+            empty = torch.empty(0)        # the dense stacks are not used again
+            self.gate_up, self.down = nn.Parameter(empty), nn.Parameter(empty.clone())
+        elif weight_dtype == torch.bfloat16:
+            with torch.no_grad():
+                for stack in (self.gate_up, self.down):
+                    stack.copy_(stack.to(torch.bfloat16).float())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                ops) -> torch.Tensor:
+        """x [T, H], the routing (route()) -> sum over each token's experts of weight x
+        expert(x), [T, H] (this rank's share of it under TP: the caller all-reduces)."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.load = counts if self.load is None else self.load.add_(counts)
+        token = torch.div(order, top_k, rounding_mode="floor")
+        rows = x.index_select(0, token)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):     # one host read of E counts
+            if n:
+                out[start:start + n] = self._expert(expert, rows[start:start + n], ops)
+                start += n
+        out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.panels is not None:
+            gate_up, down = self.panels
+            inner = torch.ops.batchinfer.blocked_linear_silu_mul(x, gate_up[expert])
+            return torch.ops.batchinfer.blocked_linear(inner, down[expert])
+        inner = ops.silu_and_mul(F.linear(x, self.gate_up[expert]))
+        return F.linear(inner, self.down[expert])
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2 I, H], down [E, H, I]) back from the panels where packed."""
+        if self.panels is None:
+            return self.gate_up.detach(), self.down.detach()
+        return tuple(p.transpose(2, 3).reshape(p.shape[0], p.shape[1] * PANEL, p.shape[2])
+                     for p in self.panels)
+
+
+def _to_panels(stack: torch.Tensor) -> torch.Tensor:
+    """[E, out, in] -> [E, out / 16, in, 16]: each expert as fast_linear.to_blocked lays one
+    linear out (expert e's panels contiguous at [e])."""
+    experts, out_features, in_features = stack.shape
+    return (stack.reshape(experts, out_features // PANEL, PANEL, in_features)
+            .transpose(2, 3).contiguous())
+
+
+def pack_experts(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
+    """Packs every StackedExperts of `model` (pack()); returns how many there were."""
+    stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    for stack in stacks:
+        stack.pack(weight_dtype)
+    return len(stacks)

@@ -1,0 +1,291 @@
+"""Mixtures of experts beyond the per-family parity of test_model_families.py (which runs the tiny
+Qwen2-MoE, Qwen3-MoE and Mixtral through every check the dense families get, TP=2 and PP=2
+included): the grouped expert computation against a per-token reference, a batch that leaves
+most experts without a token, the expert load in the step events, the stats and the report,
+and the errors: a TP size that cannot split the experts, CUDA graphs asked for, a checkpoint
+whose expert tensors do not match the config."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.greedy import greedy_tokens
+from tests.tiny_families import FAMILIES, MAX_NEW, TINY, hf_greedy, hf_model, save_model
+
+
+def _reference(x, gate_up, down, weights, ids):
+    """Each token through each of its experts, one at a time."""
+    out = torch.zeros_like(x)
+    rows = gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = gate_up[e] @ x[t]
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(h[:rows]) * h[rows:]))
+    return out
+
+
+@pytest.mark.parametrize("packed", [None, torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_a_per_token_reference(packed):
+    """Sorted by expert, one GEMM chain per expert that got tokens, scattered back: the
+    reference's sums, with most of 16 experts getting no token; the load counts each expert's
+    tokens. `packed`: laid out for the CPU's kernel in that weight dtype (the blocked kernel's
+    panels where it is built; bf16: the reference over the rounded weights)."""
+    from batchinfer.engine.model.fused_experts import StackedExperts, route
+    from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel_for
+    from batchinfer.engine.model.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(0)
+    experts = StackedExperts(16, 32, 16)
+    with torch.no_grad():
+        experts.gate_up.copy_(torch.randn(16, 32, 32, generator=gen) * 0.3)
+        experts.down.copy_(torch.randn(16, 32, 16, generator=gen) * 0.3)
+    gate_up, down = experts.gate_up.detach().clone(), experts.down.detach().clone()
+    if packed is not None:
+        experts.pack(packed)
+        blocked = linear_kernel_for(torch.device("cpu"), packed) == "blocked"
+        assert (experts.panels is not None) == (blocked and blocked_kernel_available())
+        gate_up, down = (w.to(packed).float() for w in (gate_up, down))
+        for ours, theirs in zip(experts.dense_weights(), (gate_up, down)):
+            assert torch.equal(ours.float(), theirs)
+    x = torch.randn(3, 32, generator=gen)
+    weights, ids = route(torch.randn(3, 16, generator=gen), top_k=2, normalize=True)
+    with torch.inference_mode():
+        out = experts(x, weights, ids, TorchOps)
+    torch.testing.assert_close(out, _reference(x, gate_up, down, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+    load = experts.load.tolist()
+    assert load == torch.bincount(ids.flatten(), minlength=16).tolist()
+    assert sum(load) == 6 and load.count(0) >= 10
+
+
+def test_routing_renormalizes_only_where_the_model_does():
+    from batchinfer.engine.model.fused_experts import route
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    raw, ids = route(logits, 2, normalize=False)
+    normed, same = route(logits, 2, normalize=True)
+    assert ids.tolist() == same.tolist() == [[0, 1]]
+    torch.testing.assert_close(raw, torch.softmax(logits, -1)[:, :2])
+    torch.testing.assert_close(normed, raw / raw.sum())
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory, default_model_dir):
+    model = hf_model("qwen3_moe")
+    return save_model(model, tmp_path_factory.mktemp("qwen3_moe"), default_model_dir), model
+
+
+def test_a_batch_leaving_experts_without_tokens_matches_transformers(make_engine, qwen3_moe):
+    """Two short prompts on 16 experts, top 2: each decode step routes 4 (token, expert) pairs,
+    so at least 12 experts get none; transformers' tokens all the same. Each step's event
+    carries its tokens per expert (their sum: tokens x top_k x sparse layers) and the stats the
+    totals per layer."""
+    path, hf = qwen3_moe
+    prompts = [[7], [5, 17, 300]]
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         cache={"kv_cache_memory": "8MiB"}, scheduler={"policy": "sb"})
+    engine.drain_step_events()
+    assert greedy_tokens(engine, prompts, batched=True, max_new=MAX_NEW) == hf_greedy(hf, prompts)
+    events = engine.drain_step_events()
+    arch = engine.replicas[0].executor.model.arch
+    assert arch.moe.num_sparse_layers == 1 and arch.moe.num_experts == 16
+    for event in events:
+        tokens = event["num_prefill_tokens"] + event["num_decode_tokens"]
+        assert len(event["expert_tokens"]) == 16
+        assert sum(event["expert_tokens"]) == tokens * arch.moe.top_k
+    decode = [e for e in events if e["num_prefill_tokens"] == 0]
+    assert decode and all(e["expert_tokens"].count(0) >= 12 for e in decode)
+    load = engine.stats()["expert_load"]
+    assert load["per_layer"] == [load["per_expert"]]
+    assert sum(load["per_expert"]) == sum(sum(e["expert_tokens"]) for e in events)
+    assert 0 in load["per_expert"] or load["max_over_mean"] >= 1.0
+
+
+def test_expert_load_reaches_the_metrics_and_the_report():
+    from batchinfer.runner.report.metrics import SessionMetrics
+    from batchinfer.runner.report.report import render_markdown
+
+    metrics = SessionMetrics()
+    metrics.start({}, 0.0)
+    metrics.on_steps([{"dur": 0.1, "expert_tokens": [3, 0, 1]},
+                      {"dur": 0.1, "expert_tokens": [1, 0, 2]}])
+    assert metrics.sample(1.0, {}, force=True)["expert_tokens"] == [4, 0, 3]
+    report = {"engine": {"expert_load": {"per_expert": [4, 0, 3], "per_layer": [[4, 0, 3]],
+                                         "max_over_mean": 1.7143}}}
+    text = render_markdown(report, ())
+    assert ("## Expert load" in text and "7 in all" in text and "1.7143x" in text
+            and "1 without a token" in text)
+
+
+def _arch(family: str, **changes):
+    from batchinfer.engine.model.arch import arch_from_dict
+
+    config_class, _, extra = FAMILIES[family]
+    import transformers
+
+    cfg = getattr(transformers, config_class)(**{**TINY, **extra, **changes}).to_dict()
+    return arch_from_dict(cfg)
+
+
+def test_a_tensor_parallel_size_the_experts_do_not_allow_names_the_counts():
+    from batchinfer.engine.config import ParallelConfig
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.engine.runtime.layout import ParallelLayout
+
+    arch = _arch("qwen2_moe", num_attention_heads=8, num_key_value_heads=4,
+                 moe_intermediate_size=18, shared_expert_intermediate_size=50)
+    with pytest.raises(ConfigError, match=r"tp=4 cannot split this model: the model's expert "
+                                          r"intermediate size 18 and the shared expert "
+                                          r"intermediate size 50 are not divisible by tp: "
+                                          r"allowed tp = 1, 2$"):
+        ParallelLayout.resolve(ParallelConfig(tp=4), arch)
+    # Mixtral's layers are all sparse: its intermediate_size is each expert's
+    assert _arch("mixtral", intermediate_size=96).moe.intermediate_size == 96
+
+
+def test_cuda_graphs_asked_for_a_mixture_of_experts_is_a_config_error():
+    from batchinfer.engine.build import use_cuda_graphs
+    from batchinfer.engine.errors import ConfigError
+
+    arch = _arch("mixtral")
+    assert use_cuda_graphs(None, "triton", arch) is False
+    with pytest.raises(ConfigError, match="mixture-of-experts.*token counts on the host"):
+        use_cuda_graphs(True, "triton", arch)
+
+
+def test_params_flops_and_working_memory_count_every_expert_and_the_active_ones():
+    arch = _arch("qwen2_moe")
+    h, moe = arch.hidden_size, arch.moe
+    expert = 3 * h * moe.intermediate_size
+    shared = 3 * h * moe.shared_intermediate_size + h
+    dense = _arch("qwen2_moe", mlp_only_layers=[0, 1])     # the same model with no sparse layer
+    dense_mlp = 3 * h * arch.intermediate_size
+    ffn = arch.num_params() - dense.num_params() + 2 * dense_mlp
+    assert ffn == 8 * expert + 8 * h + shared + dense_mlp
+    flops = arch.flops_per_token() - dense.flops_per_token() + 2 * 2 * dense_mlp
+    assert flops == 2 * (2 * expert + 8 * h + shared + dense_mlp)
+    # a token's working values: its 2 copies in and out, 2 experts' gate/up and product, the
+    # shared expert's (wider than the dense layer's 3 x 128)
+    assert arch.ffn_activation_width() == 2 * (2 * h + 3 * 32) + 3 * 48 > 3 * 128
+
+
+def _rewrite(path, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_an_expert_tensor_that_does_not_match_the_config_is_named_with_both_shapes(
+        tmp_path, default_model_dir):
+    from batchinfer.engine.errors import ModelLoadError
+    from batchinfer.engine.model.loader import build_model, load_arch
+
+    path = save_model(hf_model("mixtral"), tmp_path / "mixtral", default_model_dir)
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+
+    def narrow(tensors):
+        tensors[name] = tensors[name][:, :64].contiguous()
+
+    _rewrite(path, narrow)
+    with pytest.raises(ModelLoadError, match=rf"tensor '{name}' has shape \(64, 64\) in the "
+                                             r"checkpoint, but config.json implies \(64, 128\)"):
+        build_model(path, load_arch(path), torch.float32, torch.device("cpu"), 256)
+    missing = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+    _rewrite(path, lambda tensors: (tensors.pop(missing), tensors.__setitem__(
+        name, torch.zeros(64, 128))))
+    with pytest.raises(ModelLoadError, match=rf"missing 1 tensor.*'{missing}' \(128, 64\)"):
+        build_model(path, load_arch(path), torch.float32, torch.device("cpu"), 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,sipipe", [({"tp": 2}, False), ({"pp": 2}, False),
+                                             ({"pp": 2}, True)], ids=["tp2", "pp2", "sipipe-pp2"])
+def test_worker_processes_report_every_sparse_layer(make_engine, tmp_path, default_model_dir,
+                                                    parallel, sipipe):
+    """Mixtral (both layers sparse) on worker processes: transformers' tokens, and each step's
+    expert load covers both layers: at PP=2 the first stage's layer comes by its own message,
+    the second's with the result (under SiPipe, whose sampler processes answer, by its own
+    message too); at TP=2 one rank's count is the layer's."""
+    from batchinfer.strategies.sipipe.params import SiPipeParams
+    from tests.tiny_families import PROMPTS
+
+    model = hf_model("mixtral")
+    path = save_model(model, tmp_path / "mixtral", default_model_dir)
+    batching = {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 48}
+    strategy = SiPipeParams(**batching) if sipipe else None
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "8MiB"}, parallel=parallel, strategy=strategy,
+                     scheduler=strategy.scheduler_config() if sipipe else batching) as engine:
+        engine.drain_step_events()
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == \
+            hf_greedy(model, PROMPTS)
+        events = engine.drain_step_events()
+        load = engine.stats()["expert_load"]
+    assert len(load["per_layer"]) == 2
+    for event in events:
+        tokens = event["num_prefill_tokens"] + event["num_decode_tokens"]
+        assert sum(event["expert_tokens"]) == tokens * 2 * 2      # top 2, two sparse layers
+    assert sum(map(sum, load["per_layer"])) == sum(sum(e["expert_tokens"]) for e in events)
+
+
+def test_sidp_refuses_a_mixture_of_experts_by_name(make_engine, qwen3_moe):
+    """SiDP's shared FFN holds one dense MLP per layer: a clear error, before any worker."""
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.strategies.sidp.params import SiDPParams
+
+    with pytest.raises(ConfigError, match=r"strategy sidp .* \(qwen3_moe\) has a mixture of "
+                                          r"experts: run it with another strategy"):
+        make_engine(model={"path": str(qwen3_moe[0]), "max_model_len": 256},
+                    cache={"kv_cache_memory": "8MiB"}, parallel={"dp": 2}, strategy=SiDPParams())
+
+
+def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir):
+    """Seesaw's re-shard from the host copy (the loader's own slicing) gives a TP rank the same
+    experts, shared expert and router as the direct loader: PP stage 0, then TP rank 1 of 2."""
+    from batchinfer.engine.model.causal_lm import ModelPartition
+    from batchinfer.engine.model.fused_experts import StackedExperts
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup
+
+    path = save_model(hf_model("qwen2_moe"), tmp_path / "qwen2_moe", default_model_dir)
+    arch, cpu = load_arch(path), torch.device("cpu")
+    stage, shard = ModelPartition(0, 1), ModelPartition(tp_rank=1, tp_size=2)
+    host = HostWeights.load(path, arch, [stage, shard])
+    host.build(arch, torch.float32, cpu, 64, stage)
+    resharded, _ = host.build(arch, torch.float32, cpu, 64, shard, ShapeOnlyGroup(shard))
+    direct = build_model(path, arch, torch.float32, cpu, 64, shard, tp_group=ShapeOnlyGroup(shard))
+
+    def weights(model):
+        out = {name: m.dense_weight() for name, m in model.named_modules()
+               if hasattr(m, "dense_weight")}
+        for name, m in model.named_modules():
+            if isinstance(m, StackedExperts):
+                out[f"{name}.gate_up"], out[f"{name}.down"] = m.dense_weights()
+        return out
+
+    ours, theirs = weights(resharded), weights(direct)
+    assert ours.keys() == theirs.keys() and "layers.0.mlp.experts.gate_up" in ours
+    assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 32, 64)   # 16 of 32 rows each
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_profile_leaves_out_the_strategies_that_cannot_run_the_model():
+    """SiDP's shared dense FFN store: not a candidate for a mixture of experts."""
+    from batchinfer.sim.search import candidates
+    from batchinfer.strategies.base import BaselineStrategy
+
+    def names(arch):
+        return {c.strategy["name"] for c in candidates(BaselineStrategy(), arch, 2)}
+
+    moe, dense = _arch("qwen3_moe"), _arch("qwen3")
+    assert "sidp" in names(dense) and "sidp" not in names(moe) and "baseline" in names(moe)
+
+
+def test_a_config_routing_to_more_experts_than_it_has_is_an_error():
+    from batchinfer.engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"config.json: 9 experts per token of 8 experts"):
+        _arch("qwen2_moe", num_experts_per_tok=9)
