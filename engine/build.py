@@ -16,7 +16,7 @@ from .cuda_graphs import DecodeGraphs
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
-from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors
+from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors, log_kv_window
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
 from .model.loader import build_model, load_arch
@@ -180,7 +180,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
             f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
     kv_caches = allocate_kv_tensors(spec, kv_dtype, device)
     block_manager = BlockManager(spec.num_blocks, spec.block_size,
-                                 prefix_caching=config.cache.enable_prefix_caching)
+                                 prefix_caching=config.cache.enable_prefix_caching,
+                                 window=config.cache.kv_window(arch))
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
@@ -207,10 +208,12 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "scheduler_policy": sched_cfg.policy,
         "linear_kernel": linear_kernel_label(device, dtype),
         "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
+        "kv_window": block_manager.window,
     }
     log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
              "requests: %.2fx", spec.capacity_tokens, spec.num_blocks, spec.block_size,
              info["kv_cache_bytes"] / GiB, max_model_len, spec.capacity_tokens / max_model_len)
+    log_kv_window(block_manager.window)
     return Engine([Replica(scheduler, executor)], tokenizer, max_model_len, info["model_id"], info)
 
 

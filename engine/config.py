@@ -66,6 +66,16 @@ class CacheConfig(_Strict):
     enable_prefix_caching: bool = Field(
         False, description="automatic prefix caching: reuse the KV of full blocks a sequence "
         "shares with earlier ones, kept until their room is needed (LRU)")
+    free_outside_window: bool = Field(
+        True, description="sliding-window models whose every layer has a window (Phi-3-mini, "
+        "Qwen with use_sliding_window on all layers): release a sequence's blocks that no later "
+        "query can see, so it holds about window / block_size + 1 blocks, not its whole context; "
+        "false keeps them (the ablation). Models with global layers (Gemma 2/3) keep every block "
+        "(docs/engine.md, Paged KV cache)")
+
+    def kv_window(self, arch) -> int:
+        """The sliding window the block manager releases blocks outside of (0: none)."""
+        return arch.kv_window() if self.free_outside_window else 0
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -148,6 +148,7 @@ class Engine:
                         item.seq.in_flight = False
                     finished.extend(self._apply(batch, result))
                 rep.scheduler.on_result(batch)
+                release_outside_windows(rep.scheduler.block_manager, batch)
                 self._record(rep, index, batch.phase, shape, result, t_start)
         return finished
 
@@ -341,10 +342,25 @@ class Engine:
             **({"expert_load": self.expert_load()} if self._expert_load is not None else {}),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
+            "kv_window_freed_blocks": sum(bm.window_freed_blocks for bm in managers),
             "kv_usage": used / capacity if capacity else 0.0,
             "max_concurrency": capacity / self.max_model_len,
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
+
+
+def release_outside_windows(block_manager, batch: MicroBatch) -> None:
+    """Sliding windows (the block manager has one): after a step, each sequence it ran that goes
+    on releases the blocks its next queries cannot see. After the scheduler's on_result, so the
+    prefix cache indexed the step's blocks first. With steps launched ahead the host's count is
+    ahead of the device: a block an in-flight step still reads is only reused by a step launched
+    after it, on the same stream."""
+    if not block_manager.window:
+        return
+    for item in batch.items:
+        seq = item.seq
+        if not seq.is_finished:
+            block_manager.release_outside_window(seq.request_id, seq.num_computed_tokens)
 
 
 def _prefix_cache_stats(managers: list) -> dict:

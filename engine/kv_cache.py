@@ -6,6 +6,15 @@ prefix caching on, full blocks are indexed by their contents (engine/prefix_cach
 sequence starts with the cached blocks of its prefix, and blocks nobody holds stay cached until
 their room is needed (least recently used first). It never touches a tensor, so schedulers and
 the simulator use it as is.
+
+Sliding windows: when every layer of the model sees only its last `window` keys, a sequence's
+leading blocks that no later query can see go back to the pool (`release_outside_window`). Their
+table slots keep a placeholder (PLACEHOLDER_BLOCK), so positions still map to slots unchanged;
+the attention backends mask those positions (the CPU kernel and Triton skip the blocks, the torch
+path and CUDA graphs read them and mask: the placeholder is a real block of finite KV, so the
+read is harmless). A released block that the prefix cache indexed is parked like any cached
+block nobody holds: its contents stay valid until it is evicted, and eviction drops it from the
+index, so a later match never returns reused KV.
 """
 from __future__ import annotations
 
@@ -20,10 +29,16 @@ from .prefix_cache import PrefixIndex
 
 log = logging.getLogger(__name__)
 
+PLACEHOLDER_BLOCK = 0    # what a released table slot points at (masked, never written)
+_CHAIN_BROKEN = 1 << 40  # _indexed's count once nothing more of a sequence can be indexed
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 prefix_caching: bool = False, hash_fn: Callable[[object], int] = hash):
+                 prefix_caching: bool = False, hash_fn: Callable[[object], int] = hash,
+                 window: int = 0):
+        """`window` > 0: every layer sees only its last `window` keys, and blocks wholly before
+        every future query's window are released (0: a sequence holds all its blocks)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -39,6 +54,10 @@ class BlockManager:
         # sequence (index of its first such block, their keys)
         self._computing: dict[int, int] = {}
         self._computing_of: dict[Hashable, tuple[int, list[int]]] = {}
+        self.window = window
+        self._released: dict[Hashable, int] = {}   # seq -> its leading slots released (window)
+        self.window_freed_blocks = 0        # blocks released for sliding windows, in all
+        self.peak_seq_blocks = 0            # the most blocks one sequence held after a grow
         self.prefix_queried_tokens = 0      # tokens of admitted sequences (prefix caching on)
         self.prefix_hit_tokens = 0          # ... whose KV came from the cache
 
@@ -56,7 +75,12 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_table(self, seq_id: Hashable) -> list[int]:
+        """One block per slot; slots released for the window hold PLACEHOLDER_BLOCK."""
         return self._tables.get(seq_id, [])
+
+    def num_held_blocks(self, seq_id: Hashable) -> int:
+        """Blocks `seq_id` really holds (its table less the slots released for the window)."""
+        return len(self._tables.get(seq_id, ())) - self._released.get(seq_id, 0)
 
     def blocks_needed(self, seq_id: Hashable, total_tokens: int) -> int:
         """Blocks to add so that `seq_id` can hold `total_tokens` tokens."""
@@ -78,6 +102,7 @@ class BlockManager:
         for block in new:
             self._ref[block] = 1
         table.extend(new)
+        self.peak_seq_blocks = max(self.peak_seq_blocks, len(table) - self._released.get(seq_id, 0))
         return new
 
     def share(self, seq_id: Hashable, blocks: list[int]) -> None:
@@ -95,13 +120,40 @@ class BlockManager:
         """Tail blocks first, so that a prefix outlives what followed it in the cache."""
         self._indexed.pop(seq_id, None)
         self._done_computing(seq_id, None)
-        for block in reversed(self._tables.pop(seq_id, ())):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self.prefix is not None and self.prefix.is_cached(block):
-                    self.prefix.park(block)
-                else:
-                    self._free.append(block)
+        released = self._released.pop(seq_id, 0)
+        for block in reversed(self._tables.pop(seq_id, [])[released:]):
+            self._drop(block)
+
+    def release_outside_window(self, seq_id: Hashable, first_query: int) -> int:
+        """Releases `seq_id`'s leading blocks that no query at `first_query` or later can see
+        (each sees the keys after position query - window); -> how many it released. Call it
+        with the first position not yet computed: a step's queries all start there or later."""
+        table = self._tables.get(seq_id)
+        if not self.window or not table:
+            return 0
+        done = self._released.get(seq_id, 0)
+        upto = min(max(0, (first_query - self.window + 1) // self.block_size), len(table))
+        if upto <= done:
+            return 0
+        if self.prefix is not None and upto > self._indexed.get(seq_id, (0, None))[0]:
+            # a block not indexed yet can never be (its slot holds the placeholder from now
+            # on): the chain of this sequence ends here
+            self._indexed[seq_id] = (_CHAIN_BROKEN, None)
+        for i in range(done, upto):
+            self._drop(table[i])
+            table[i] = PLACEHOLDER_BLOCK
+        self._released[seq_id] = upto
+        self.window_freed_blocks += upto - done
+        return upto - done
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer; a block nobody holds is parked if cached, else free."""
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self.prefix is not None and self.prefix.is_cached(block):
+                self.prefix.park(block)
+            else:
+                self._free.append(block)
 
     def _take(self) -> int:
         if self._free:
@@ -201,7 +253,7 @@ class BlockManager:
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = self.prefix.register(table[i], parent, tokens)
             if parent is None:      # the chain's cached parent was evicted: nothing after it
-                self._indexed[seq_id] = (len(table) + (1 << 40), None)
+                self._indexed[seq_id] = (_CHAIN_BROKEN, None)
                 return
         self._indexed[seq_id] = (full, parent)
 
@@ -217,9 +269,13 @@ class BlockManager:
         """Every block is held exactly refcount times, or (refcount 0) either on the free list,
         not cached, or parked in the prefix cache, never both."""
         held: dict[int, int] = {}
-        for table in self._tables.values():
-            for block in table:
+        for seq_id, table in self._tables.items():
+            released = self._released.get(seq_id, 0)
+            assert all(block == PLACEHOLDER_BLOCK for block in table[:released]), \
+                f"{seq_id!r}: a released slot holds a block"
+            for block in table[released:]:
                 held[block] = held.get(block, 0) + 1
+        assert set(self._released) <= set(self._tables), "released slots of a freed sequence"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         for block in range(self.num_blocks):
@@ -230,6 +286,13 @@ class BlockManager:
             assert (block in free) + parked == (count == 0), f"block {block}: free state is wrong"
             assert not (block in free and cached), f"block {block}: free but still cached"
             assert not parked or cached, f"block {block}: parked but not cached"
+
+
+def log_kv_window(window: int) -> None:
+    """The start-up log's line for a block manager that releases blocks behind a window."""
+    if window:
+        log.info("KV cache: every layer has a sliding window of %d keys: a sequence's blocks "
+                 "behind it are released (memory.free_outside_window)", window)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,9 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
             options["structure_aware"] = False
         replicas = []
         for index in range(layout.dp):
-            block_manager = BlockManager(num_blocks, config.cache.block_size)
+            # a sliding window on every layer: blocks behind it released, as the engine does
+            block_manager = BlockManager(num_blocks, config.cache.block_size,
+                                         window=config.cache.kv_window(arch))
             scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
                                          threads, index, **options)

@@ -99,6 +99,14 @@ class ModelArch:
         """Layer `layer`'s sliding window in keys (0: it sees the whole sequence)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def kv_window(self) -> int:
+        """The window every layer has (the widest of them): keys before it are never read again,
+        so the KV cache may release them. 0 when some layer attends to the whole sequence (its
+        KV is needed to the end: freeing per layer group would take a block pool per group)."""
+        if not self.layer_windows or not all(self.layer_windows):
+            return 0
+        return max(self.layer_windows)
+
     def context_limit(self) -> int:
         """The longest sequence the model runs: max_position_embeddings, and the sliding window
         where the family does not mask windows (the Llama family's Mistral and Qwen2: within its

@@ -19,7 +19,7 @@ from ..build import (GiB, _max_model_len, kv_budget, kv_element_bytes, resolve_d
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
-from ..kv_cache import BlockManager
+from ..kv_cache import BlockManager, log_kv_window
 from ..model.fast_linear import linear_kernel_label
 from ..model.loader import load_arch
 from ..model.sources import model_id_for, resolve_model_dir
@@ -179,6 +179,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
+        "kv_window": config.cache.kv_window(arch),
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,
@@ -189,6 +190,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
              "concurrency for %d-token requests: %.2fx per replica", capacity, layout.dp,
              num_blocks, block_size, kv_cache_bytes / GiB, setup.max_model_len,
              capacity / setup.max_model_len)
+    log_kv_window(info["kv_window"])
     return info
 
 
@@ -221,7 +223,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
     replicas = []
     for replica in range(layout.dp):
         block_manager = BlockManager(plan.num_blocks, block_size,
-                                     prefix_caching=config.cache.enable_prefix_caching)
+                                     prefix_caching=config.cache.enable_prefix_caching,
+                                     window=config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))

@@ -280,6 +280,7 @@ class SessionMetrics:
                 "usage_mean": round(self.kv_weighted / self.kv_time, 4) if self.kv_time else None,
                 "usage_max": round(self.kv_max, 4),
                 "max_concurrency": stats.get("max_concurrency"),
+                "window_freed_blocks": stats.get("kv_window_freed_blocks"),
             },
             "phases_s": {**{k: round(v, 3) for k, v in self.phases_s.items()},
                          **{f"engine_{k}": round(v, 3) for k, v in self.step_phase_s.items()}},

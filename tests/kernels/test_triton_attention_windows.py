@@ -56,3 +56,20 @@ def test_the_cuda_path_gives_the_torch_paths_tokens_on_the_new_layers(tmp_path, 
                                    capture=False, triton_attention=True)
     assert greedy_tokens(engine, prompts, batched=True, max_new=3) == expected
     assert executor.graphs.steps >= 2
+
+
+@pytest.mark.parametrize("window,block_size", [(24, 16), (37, 8)])
+def test_slots_released_for_the_window_do_not_change_the_output(window, block_size):
+    """Its first key tile may cover slots released for the window (a placeholder block holding
+    anything): read and masked, the output is the one over the original blocks."""
+    from tests.kernels.test_released_window_slots import released_case
+
+    q, kc, vc, meta, released = released_case(window, block_size)
+
+    def attend(m):
+        moved = AttentionMetadata.build(m.query_lens_cpu, m.seq_lens_cpu, m.block_tables.tolist(),
+                                        block_size, DEVICE)
+        return TritonAttention().attend(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), moved, 0.125,
+                                        window).cpu()
+
+    torch.testing.assert_close(attend(released), attend(meta), rtol=1e-5, atol=1e-5)

@@ -325,3 +325,21 @@ def test_a_quick_real_profile_round_trips(tmp_path):
         path = tmp_path / f"table{suffix}"
         table.save(path)
         assert ProfileTable.load(path).to_json() == table.to_json()
+
+
+def test_a_windowed_model_releases_blocks_in_the_simulator_as_in_the_engine():
+    """Every layer with a 32-key window: long sequences hold their window, not their context,
+    so a cache that preempts them with freeing off runs them without preemption."""
+    from dataclasses import replace
+
+    windowed = replace(ARCH, layer_windows=(32,) * ARCH.num_layers)
+    work = [SimRequest(200, 100) for _ in range(8)]
+    kv_bytes = 40 * 16 * windowed.kv_bytes_per_token(4)            # 40 blocks of 16 tokens
+    runs = {}
+    for free in (True, False):
+        config = _config({"name": "baseline", "policy": "hb"}, kv_bytes=kv_bytes)
+        config = config.model_copy(update={"cache": config.cache.model_copy(
+            update={"free_outside_window": free})})
+        runs[free] = simulate(config, work, LinearCost(), windowed, 512, 4)
+    assert runs[True].output_tokens == runs[False].output_tokens == 800
+    assert runs[False].preemptions > 0 and runs[True].preemptions == 0
