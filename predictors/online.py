@@ -163,6 +163,14 @@ class OnlineLengthPredictor(LengthPredictor):
         """A request that ended without a length to learn from (aborted, failed)."""
         self._pending.pop(str(key), None)
 
+    def current(self, key: Any) -> Optional[int]:
+        """The forecast a pending request has now (what the scheduler reads)."""
+        entry = self._pending.get(str(key))
+        return None if entry is None else entry.current
+
+    def pending_keys(self) -> set[str]:
+        return set(self._pending)
+
     def due(self) -> bool:
         return self._since_fit >= self.refit_every and len(self._done) >= self.min_examples
 

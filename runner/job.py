@@ -443,6 +443,13 @@ class Job:
                     png = plot_pipeline(events)
                     if png:
                         plots["pipeline_timeline.png"] = png
+                online = (session.get("predictor") or {}).get("online")
+                if online and online.get("timeline"):
+                    from .report.plots import plot_forecast_error
+
+                    png = plot_forecast_error(online["timeline"])
+                    if png:
+                        plots["forecast_error.png"] = png
             except Exception as exc:  # a plot must never fail a job
                 log.warning("could not draw the plots: %s", exc)
         names = tuple(sorted(plots)) if plots else tuple(
