@@ -17,8 +17,11 @@ measured (`stats()`).
 
 The first requests to finish are the short ones (a job admits many, the short replies end
 first), so learning from them alone would pull every forecast down. With `censored` the requests
-still decoding count too, labelled with what is known of them: at least the tokens generated so
-far, else their current forecast (`progress`: request id -> tokens generated).
+still decoding count too (`progress`: request id -> tokens generated): the global scale compares
+what is known of every request with what the prior said, both cut at how far the request has
+been watched (a finished one: its length plus the tokens generated since, on a token clock the
+progress advances), and a decoding request is labelled with the larger of what it generated and
+its rescaled prior forecast.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class _Done:
     cls: int
     feature: Optional[np.ndarray]
     actual: int
+    clock: float = 0.0            # the token clock when it finished
 
 
 def request_key(request: Any) -> Optional[str]:
@@ -84,6 +88,8 @@ class OnlineLengthPredictor(LengthPredictor):
         self._pending: dict[str, _Pending] = {}
         self._done: list[_Done] = []
         self._since_fit = 0
+        self._clock = 0.0                          # tokens a decoding request has generated
+        self._last_progress: dict = {}             # since the job began (advanced by update)
         self.fit: Optional[OnlineFit] = None
         self.refits = 0
         self.refit_seconds = 0.0
@@ -152,7 +158,7 @@ class OnlineLengthPredictor(LengthPredictor):
         if entry is None:
             return False
         actual = int(output_tokens)
-        self._done.append(_Done(entry.prior, entry.cls, entry.feature, actual))
+        self._done.append(_Done(entry.prior, entry.cls, entry.feature, actual, self._clock))
         if len(self._done) > self.max_examples:
             del self._done[:len(self._done) - self.max_examples]
         self._since_fit += 1
@@ -180,6 +186,7 @@ class OnlineLengthPredictor(LengthPredictor):
         those whose forecast changed. Never raises: a refit that fails keeps the last one."""
         t = time.perf_counter()
         try:
+            self._advance_clock(progress or {})
             self.fit = self._refit(progress or {})
             changed = self._reforecast()
         except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
@@ -194,22 +201,36 @@ class OnlineLengthPredictor(LengthPredictor):
         self.seconds += spent
         return changed
 
+    def _advance_clock(self, progress: dict) -> None:
+        """The token clock: how many tokens a request decoding all along would have generated,
+        the median progress, since the last update, of the requests decoding at both."""
+        steps = [progress[k] - self._last_progress[k] for k in progress
+                 if k in self._last_progress and progress[k] >= self._last_progress[k]]
+        if steps:
+            self._clock += float(np.median(steps))
+        self._last_progress = dict(progress)
+
     def _refit(self, progress: dict) -> OnlineFit:
-        rows = [(d.prior, d.cls, d.feature, float(d.actual)) for d in self._done]
-        if self.censored and self.fit is not None:
+        # (prior, class, feature, label, horizon, censored)
+        rows = [(d.prior, d.cls, d.feature, float(d.actual),
+                 d.actual + self._clock - d.clock, False) for d in self._done]
+        if self.censored:
             for key, generated in progress.items():
                 entry = self._pending.get(str(key))
                 if entry is not None and generated > 0:
-                    rows.append((entry.prior, entry.cls, entry.feature,
-                                 float(max(generated, entry.current))))
+                    rows.append((entry.prior, entry.cls, entry.feature, float(generated),
+                                 float(generated), True))
         prior = np.array([r[0] for r in rows])
         cls = np.array([r[1] for r in rows])
         feats = None
         if self.head and rows and all(r[2] is not None for r in rows):
             feats = np.stack([r[2] for r in rows])
         means = self._classes[0] if self._classes is not None else None
+        censored = self.censored and any(r[5] for r in rows)
         return fit_online([r[3] for r in rows], prior, cls, means, feats, self.prior_weight,
-                          percentiles=(self.upper_percentile,), use_head=self.head)
+                          percentiles=(self.upper_percentile,), use_head=self.head,
+                          horizons=[r[4] for r in rows] if censored else None,
+                          censored=[r[5] for r in rows] if censored else None)
 
     def _reforecast(self) -> list[tuple[Any, Forecast]]:
         if not self._pending or self.fit is None:

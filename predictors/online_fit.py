@@ -6,7 +6,9 @@ Fitting is three small steps, each sound with few examples because each shrinks 
 
 1. **Global scale** s: sum(y) / sum(o), with `prior_weight` pseudo-examples at ratio 1
    (s = (sum y + tau * mean o) / (sum o + tau * mean o)): a job whose replies are all longer
-   or shorter than the prior's training data moves every class at once.
+   or shorter than the prior's training data moves every class at once. The first replies to
+   finish are the short ones, so the requests still decoding count too, both sides truncated
+   at how far each request has been watched (`global_scale`'s censored moment match).
 2. **Class means** (μ-Serve's rule, recalibrated on the job): m_k' = (sum of y in class k +
    tau * s * m_k) / (n_k + tau): the prior's class mean, rescaled, is worth `tau` examples.
 3. **Ridge head on the cached embeddings** for what is left, r_i = y_i - m'_{c_i}:
@@ -75,13 +77,32 @@ def _r(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(float(v), 2)
 
 
-def global_scale(actual: np.ndarray, prior: np.ndarray, prior_weight: float) -> float:
-    """sum(actual) / sum(prior), shrunk to 1 by `prior_weight` pseudo-examples."""
+def global_scale(actual: np.ndarray, prior: np.ndarray, prior_weight: float,
+                 horizons: Optional[np.ndarray] = None) -> float:
+    """sum(actual) / sum(prior), shrunk to 1 by `prior_weight` pseudo-examples.
+
+    With `horizons` (how far each request has been watched, in its own tokens: a finished one
+    its length plus the tokens generated since; a decoding one what it has generated, its
+    `actual` then being that same lower bound), both sides are truncated there, so requests not
+    finished yet count for what is known of them (a censored moment match):
+    sum(min(actual, h)) / sum(min(prior, h)). Learning from the finished alone would read the
+    short replies, which end first, as the job's lengths."""
     if actual.size == 0:
         return 1.0
     mean_o = max(float(prior.mean()), 1.0)
+    if horizons is not None:
+        actual = np.minimum(actual, horizons)
+        prior = truncated_mean(prior, horizons)
     return float((actual.sum() + prior_weight * mean_o) /
                  (max(float(prior.sum()), 0.0) + prior_weight * mean_o))
+
+
+def truncated_mean(mean: np.ndarray, horizon: np.ndarray) -> np.ndarray:
+    """E[min(L, h)] for a length L forecast at `mean`, read as exponentially distributed (the
+    spread of reply lengths around a forecast is about its size): mean * (1 - exp(-h / mean)).
+    min(mean, h) would overstate it (min is concave) and so understate the scale."""
+    mean = np.maximum(np.asarray(mean, dtype=np.float64), 1e-6)
+    return mean * -np.expm1(-np.asarray(horizon, dtype=np.float64) / mean)
 
 
 def recalibrated_means(actual: np.ndarray, classes: np.ndarray, prior_means: Sequence[float],
@@ -125,15 +146,23 @@ def ridge_loo(x: np.ndarray, r: np.ndarray, grid: Sequence[float] = LAMBDA_GRID
 def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequence[int],
                prior_means: Optional[Sequence[float]], features: Optional[np.ndarray],
                prior_weight: float = 8.0, percentiles: Sequence[float] = (),
-               use_head: bool = True) -> OnlineFit:
-    """One refit on the job's labelled examples (see the module docstring)."""
+               use_head: bool = True, horizons: Optional[Sequence[float]] = None,
+               censored: Optional[Sequence[bool]] = None) -> OnlineFit:
+    """One refit on the job's labelled examples (see the module docstring). `horizons` and
+    `censored` (requests still decoding, `actual` = the tokens they generated): the scale is
+    the censored moment match of `global_scale`, and a censored request's label for the class
+    means and the head is the larger of what it generated and its rescaled prior forecast."""
     y = np.asarray(actual, dtype=np.float64)
     o = np.asarray(prior, dtype=np.float64)
     cls = np.asarray(classes, dtype=np.int64)
     fit = OnlineFit(examples=int(y.size))
     if y.size == 0:
         return fit
-    fit.scale = global_scale(y, o, prior_weight)
+    h = None if horizons is None else np.asarray(horizons, dtype=np.float64)
+    fit.scale = global_scale(y, o, prior_weight, h)
+    if censored is not None:
+        cens = np.asarray(censored, dtype=bool)
+        y = np.where(cens, np.maximum(y, fit.scale * o), y)
     if prior_means is not None and len(prior_means):
         fit.class_means = recalibrated_means(y, cls, prior_means, fit.scale, prior_weight)
     base = fit.predict(o, cls, None)

@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--refit-every", type=int, default=16)
     ap.add_argument("--prior-weight", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-tokens", type=int, default=14448, help="TD-Pipe replay: KV tokens "
+                    "per pipeline (tdpipe_bench's)")
+    ap.add_argument("--no-tdpipe", action="store_true", help="skip the TD-Pipe replays")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "
                     "(do not run the model for the missing ones)")
     args = ap.parse_args()
@@ -176,7 +179,8 @@ def main() -> None:
                 pending = online.pending_keys()
                 progress = {rows[j]["id"]: min(t_end - admit[j], lengths[j])
                             for j in range(n) if admit[j] <= t_end and rows[j]["id"] in pending}
-                online.update(progress)
+                # a random order has no timeline: nothing is known of the unfinished ones
+                online.update(progress if args.order == "job" else None)
                 now = [online.current(rows[j]["id"]) for j in rest]
                 timeline.append({"finished": online.stats()["online"]["examples"],
                                  **{f"N={k}": v for k, v in accumulated(
@@ -209,6 +213,9 @@ def main() -> None:
         results[name] = accumulated(points, actual, args.seed)
         details[name] = info
         timelines[name] = timeline
+    tdpipe = None if args.no_tdpipe else tdpipe_replays(
+        bert, train_mean, queries, [by_id[p["id"]].prompt_tokens for p in rows], lengths,
+        [p["max_tokens"] for p in rows], args)
     job_s = job_seconds(run_dir)
     online_s = details["bert+online"]["seconds"]
     emit({
@@ -224,11 +231,62 @@ def main() -> None:
         "accumulated_error": results,
         "online": details,
         "timeline_bert_online": timelines["bert+online"],
+        "tdpipe_replay": tdpipe,
         "predictor_cost": {"bert_forecast_s_per_request": round(bert_s / max(len(rest), 1), 5),
                            "online_s_whole_replay": online_s,
                            "job_generation_s": job_s,
                            "share_of_job": None if not job_s else round(online_s / job_s, 5)},
     })
+
+
+def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
+                   lengths: list[int], limits: list[int], args) -> dict:
+    """TD-Pipe's scheduler replayed on the job's real lengths (tdpipe_replay.py: no model, the
+    default step-time table) with each forecast source; the online predictor learns from the
+    finishes as the job loop would. Throughput is relative to the oracle's modelled time."""
+    from batchinfer.engine.step_times import StepTimes
+    from batchinfer.predictors.base import LengthQuery
+    from batchinfer.predictors.online import OnlineLengthPredictor
+    from batchinfer.runner.predictor_setup import apply_forecast
+    from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay
+
+    table = StepTimes.from_json(DEFAULT_STEP_TIMES)
+    keyed = [LengthQuery(q.text, max_tokens=q.max_tokens, key=f"r{i}")
+             for i, q in enumerate(queries)]
+    mean = min(round(train_mean), 512)
+
+    def run(forecasts, params: dict, online=None) -> dict:
+        def hook(sched, seqs):
+            for seq in seqs:
+                online.observe(seq.request.request_id, len(seq.output_token_ids))
+            if online.due():
+                live = {s.request.request_id: s for s in list(sched.waiting) + list(sched.running)}
+                progress = {k: len(s.output_token_ids) for k, s in live.items()}
+                for query, forecast in online.update(progress):
+                    if query.key in live:
+                        apply_forecast(live[query.key].request, forecast)
+        return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
+                      on_finished=hook if online is not None else None)
+
+    point = {"unsure_upper_forecast": False}
+    bert_forecasts = bert.forecast(keyed)
+    out = {"oracle": run(lengths, {}), "none": run([None] * len(lengths), {}),
+           "mean": run([min(mean, m) for m in limits], {}),
+           "bert (shipped, point)": run([f.point for f in bert_forecasts], {}),
+           "bert (shipped) + unsure upper": run(bert_forecasts, {})}
+    for name, params in (("bert+online, point", point), ("bert+online + unsure upper", {})):
+        online = OnlineLengthPredictor(bert, refit_every=args.refit_every,
+                                       prior_weight=args.prior_weight)
+        out[name] = run(online.forecast(keyed), params, online)
+        out[name]["refits"] = online.refits
+    base = out["oracle"]["modelled_s"]
+    for r in out.values():
+        r["throughput_vs_oracle"] = round(base / r["modelled_s"], 4) if r["modelled_s"] else None
+    return {"kv_tokens": args.kv_tokens, "step_times": "tdpipe_replay.DEFAULT_STEP_TIMES",
+            "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
+                                                    "micro_batches", "preemptions",
+                                                    "phase_switches", "refits") if key in r}
+                        for k, r in out.items()}}
 
 
 def _mean(value: float):

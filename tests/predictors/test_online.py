@@ -14,7 +14,7 @@ from batchinfer.predictors.base import (Forecast, LengthPredictor, LengthQuery, 
 from batchinfer.predictors.history import HistoryRecord, history_record
 from batchinfer.predictors.online import OnlineLengthPredictor
 from batchinfer.predictors.online_fit import (fit_online, global_scale, recalibrated_means,
-                                              ridge_loo)
+                                              ridge_loo, truncated_mean)
 from batchinfer.runner.predictor_setup import _online, apply_forecast, learn
 from batchinfer.runner.recipe import PredictorConfig
 from batchinfer.strategies.tdpipe.policy import forecast_length
@@ -30,6 +30,33 @@ def test_global_scale_shrinks_to_one_with_few_examples():
     many = global_scale(np.full(400, 200.0), np.full(400, 100.0), 4.0)
     assert 1.95 < many < 2.0
     assert global_scale(np.array([]), np.array([]), 4.0) == 1.0
+
+
+def test_censored_scale_truncates_both_sides_at_the_horizon():
+    assert truncated_mean(np.array([100.0]), np.array([np.inf]))[0] == pytest.approx(100.0)
+    assert truncated_mean(np.array([100.0]), np.array([0.0]))[0] == pytest.approx(0.0)
+    assert truncated_mean(np.array([100.0]), np.array([100.0]))[0] == pytest.approx(
+        100 * (1 - np.exp(-1)))
+    # two short replies finished; eight still decode, already past the prior's 100 tokens
+    prior = np.full(10, 100.0)
+    known = np.array([20.0, 20.0] + [150.0] * 8)
+    finished_only = global_scale(known[:2], prior[:2], 0.0)
+    assert finished_only == pytest.approx(0.2)              # what learning from the first reads
+    horizons = known.copy()
+    censored = global_scale(known, prior, 0.0, horizons)
+    expected = known.sum() / (2 * 100 * (1 - np.exp(-0.2)) + 8 * 100 * (1 - np.exp(-1.5)))
+    assert censored == pytest.approx(expected) and censored > 1.5
+    # a long-finished short reply watched for long says more than one that just ended
+    watched = global_scale(np.array([20.0]), np.array([100.0]), 0.0, np.array([500.0]))
+    just = global_scale(np.array([20.0]), np.array([100.0]), 0.0, np.array([20.0]))
+    assert watched < just
+
+
+def test_the_token_clock_follows_the_decoding_requests():
+    online = OnlineLengthPredictor(MeanPredictor(50.0))
+    online._advance_clock({"a": 10, "b": 20})                             # noqa: SLF001
+    online._advance_clock({"a": 30, "b": 44, "c": 5})                     # noqa: SLF001
+    assert online._clock == pytest.approx(22.0)                           # noqa: SLF001
 
 
 def test_class_means_blend_the_job_with_the_rescaled_prior():
