@@ -12,8 +12,9 @@ The encoder runs once per request, when it is first forecast: its pooled state a
 probabilities are cached until the request finishes, so a refit is numpy on a few hundred rows
 (online_fit.py: global scale, per-class means, a ridge head with leave-one-out lam, each shrunk
 to the prior) and re-forecasting is one matrix product. A refit runs between engine steps every
-`refit_every` finished requests, at most `max_examples` (the newest) enter it, and its cost is
-measured (`stats()`).
+`refit_every` finished requests, but never sooner than 1 / `time_budget` (1%) times the last
+one's cost after it, at most `max_examples` (the newest) enter it, numpy's BLAS runs on one
+thread for it, and its cost is measured (`stats()`).
 
 The first requests to finish are the short ones (a job admits many, the short replies end
 first), so learning from them alone would pull every forecast down. With `censored` the requests
@@ -25,6 +26,7 @@ its rescaled prior forecast.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -72,7 +74,8 @@ class OnlineLengthPredictor(LengthPredictor):
 
     def __init__(self, base: LengthPredictor, refit_every: int = 16, min_examples: int = 8,
                  prior_weight: float = 8.0, head: bool = True, censored: bool = True,
-                 max_examples: int = 4000, upper_percentile: Optional[float] = None):
+                 max_examples: int = 1024, upper_percentile: Optional[float] = None,
+                 time_budget: Optional[float] = 0.01):
         super().__init__(base.oracle_field)
         self.base = base
         self.name = base.name
@@ -82,6 +85,9 @@ class OnlineLengthPredictor(LengthPredictor):
         self.head = head
         self.censored = censored
         self.max_examples = max(int(max_examples), 1)
+        self.time_budget = time_budget
+        self._last_refit_end: Optional[float] = None
+        self._last_refit_cost = 0.0
         if upper_percentile is not None:
             self.upper_percentile = float(upper_percentile)
         self._classes = _classes_of(base)
@@ -178,7 +184,15 @@ class OnlineLengthPredictor(LengthPredictor):
         return set(self._pending)
 
     def due(self) -> bool:
-        return self._since_fit >= self.refit_every and len(self._done) >= self.min_examples
+        """`refit_every` finished since the last refit, and (with `time_budget`) the time since
+        it at least 1 / time_budget times what it took: refits never take more than that share
+        of the job, however fast requests finish."""
+        if self._since_fit < self.refit_every or len(self._done) < self.min_examples:
+            return False
+        if self.time_budget and self._last_refit_end is not None:
+            waited = time.perf_counter() - self._last_refit_end
+            return waited * self.time_budget >= self._last_refit_cost
+        return True
 
     def update(self, progress: Optional[dict] = None) -> list[tuple[Any, Forecast]]:
         """Refits on the finished requests (and, with `censored`, the decoding ones in
@@ -186,15 +200,18 @@ class OnlineLengthPredictor(LengthPredictor):
         those whose forecast changed. Never raises: a refit that fails keeps the last one."""
         t = time.perf_counter()
         try:
-            self._advance_clock(progress or {})
-            self.fit = self._refit(progress or {})
-            changed = self._reforecast()
+            with _one_blas_thread():
+                self._advance_clock(progress or {})
+                self.fit = self._refit(progress or {})
+                changed = self._reforecast()
         except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
             log.warning("online length predictor: refit failed (%s: %s); keeping the last one",
                         type(exc).__name__, exc)
             changed = []
         self._since_fit = 0
-        spent = time.perf_counter() - t
+        self._last_refit_end = time.perf_counter()
+        spent = self._last_refit_end - t
+        self._last_refit_cost = spent
         self.refits += 1
         self.refit_seconds += spent
         self.refit_max_s = max(self.refit_max_s, spent)
@@ -282,6 +299,17 @@ class OnlineLengthPredictor(LengthPredictor):
 
     def describe(self) -> dict:
         return {**self.base.describe(), "online": True}
+
+
+def _one_blas_thread():
+    """numpy's BLAS on one thread for a refit: its small SVD takes ~30 ms so, but seconds with
+    a BLAS thread per core spinning against the engine's threads for the same cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(limits=1, user_api="blas")
+    except Exception:  # noqa: BLE001 - without threadpoolctl the refit is only slower
+        return contextlib.nullcontext()
 
 
 def _classes_of(base: LengthPredictor) -> Optional[tuple[list[float], list[float]]]:

@@ -78,6 +78,37 @@ def _history_len(run_dir: Path) -> int:
         return 0
 
 
+def model_replies(args):
+    """(run dir, prompt rows, reply lengths, prompt tokens) of the embedded model's replies."""
+    from batchinfer.predictors.history import read_history
+
+    run_dir = make_replies(args.offset, args.requests, args.max_tokens, not args.cached_only)
+    prompts = [json.loads(line) for line in open(
+        job_dir() / f"prompts-off{args.offset}-n{args.requests}.jsonl")]
+    by_id = {r.id: r for r in read_history([run_dir], need_text=True).records}
+    rows = []
+    for p in prompts:            # the replies cached so far: the prompts' longest finished prefix
+        if p["id"] not in by_id:  # (a later reply missing would leave the short ones only)
+            break
+        rows.append(p)
+    return (run_dir, rows, [by_id[p["id"]].output_tokens for p in rows],
+            [by_id[p["id"]].prompt_tokens for p in rows])
+
+
+def reference_replies(args):
+    """The same prompts with the ShareGPT reference replies' lengths (capped): no model run."""
+    from benchmarks.common import embedded_source
+
+    tokenizer = embedded_source().tokenizer
+    rows = [{"id": r["id"], "prompt": r["prompt"], "max_tokens": args.max_tokens}
+            for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
+    lengths = [min(r["max_tokens"], args.max_tokens)
+               for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
+    prompt_tokens = [len(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]))
+                     for r in rows]
+    return None, rows, lengths, prompt_tokens
+
+
 def finish_order(lengths: list[int], concurrency: int, order: str, seed: int
                  ) -> list[tuple[int, int]]:
     """(finish step, request index) in the order requests finish; `job`: admitted in input
@@ -129,29 +160,26 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=14448, help="TD-Pipe replay: KV tokens "
                     "per pipeline (tdpipe_bench's)")
     ap.add_argument("--no-tdpipe", action="store_true", help="skip the TD-Pipe replays")
+    ap.add_argument("--lengths", choices=("model", "reference"), default="model",
+                    help="model: the embedded model's replies (generated once, cached); "
+                    "reference: the ShareGPT replies' own lengths (no generation; a second "
+                    "held-out workload)")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "
                     "(do not run the model for the missing ones)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    run_dir = make_replies(args.offset, args.requests, args.max_tokens, not args.cached_only)
     from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
     from batchinfer.predictors.auto import shipped_predictor
     from batchinfer.predictors.base import LengthQuery
     from batchinfer.predictors.bert import BertLengthPredictor
-    from batchinfer.predictors.history import read_history
     from batchinfer.predictors.online import OnlineLengthPredictor
     from benchmarks.strategies.predictor_bench import job_seconds
 
-    prompts = [json.loads(line) for line in open(
-        job_dir() / f"prompts-off{args.offset}-n{args.requests}.jsonl")]
-    by_id = {r.id: r for r in read_history([run_dir], need_text=True).records}
-    rows = []
-    for p in prompts:            # the replies cached so far: the prompts' longest finished prefix
-        if p["id"] not in by_id:  # (a later reply missing would leave the short ones only)
-            break
-        rows.append(p)
-    lengths = [by_id[p["id"]].output_tokens for p in rows]
+    if args.lengths == "model":
+        run_dir, rows, lengths, prompt_tokens = model_replies(args)
+    else:
+        run_dir, rows, lengths, prompt_tokens = reference_replies(args)
     n = len(rows)
     queries = [LengthQuery(p["prompt"], max_tokens=p["max_tokens"], key=p["id"]) for p in rows]
 
@@ -167,9 +195,10 @@ def main() -> None:
     actual = np.array([lengths[i] for i in rest], dtype=np.float64)
 
     def online_run(base, head: bool, censored: bool) -> tuple[list[int], dict, list]:
+        # time_budget off: the replay runs faster than the job, whose pace the budget follows
         online = OnlineLengthPredictor(base, refit_every=args.refit_every, min_examples=8,
                                        prior_weight=args.prior_weight, head=head,
-                                       censored=censored)
+                                       censored=censored, time_budget=None)
         t = time.perf_counter()
         online.forecast(queries)                     # at admission (the job forecasts them all)
         timeline = []
@@ -196,6 +225,7 @@ def main() -> None:
     t = time.perf_counter()
     shipped_points = bert.predict([queries[j] for j in rest])
     bert_s = time.perf_counter() - t
+    _memoise_features(bert)       # every variant below re-reads the same prompts: encode once
     results = {
         "bert (shipped)": accumulated(shipped_points, actual, args.seed),
         "mean (shipped history)": accumulated([min(round(train_mean), q.max_tokens)
@@ -214,17 +244,19 @@ def main() -> None:
         details[name] = info
         timelines[name] = timeline
     tdpipe = None if args.no_tdpipe else tdpipe_replays(
-        bert, train_mean, queries, [by_id[p["id"]].prompt_tokens for p in rows], lengths,
+        bert, train_mean, queries, prompt_tokens, lengths,
         [p["max_tokens"] for p in rows], args)
-    job_s = job_seconds(run_dir)
+    job_s = job_seconds(run_dir) if run_dir is not None else None
     online_s = details["bert+online"]["seconds"]
     emit({
         "benchmark": "online_predictor_bench",
         "workload": {"prompts": f"ShareGPT V3 sample [{args.offset}, {args.offset + n})",
-                     "replies": "SmolLM2-135M-Instruct, predictor_history.yaml sampling",
+                     "replies": "SmolLM2-135M-Instruct, predictor_history.yaml sampling"
+                     if args.lengths == "model" else
+                     f"the ShareGPT reference replies' lengths, capped at {args.max_tokens}",
                      "requests": n, "mean_reply_tokens": round(float(np.mean(lengths)), 1),
                      "at_max_tokens": int(sum(1 for x in lengths if x >= args.max_tokens)),
-                     "run_dir": str(run_dir)},
+                     "run_dir": None if run_dir is None else str(run_dir)},
         "order": args.order, "concurrency": args.concurrency,
         "learned_from": learn, "evaluated_on": len(rest),
         "evaluated_mean_tokens": round(float(actual.mean()), 1),
@@ -276,7 +308,7 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
            "bert (shipped) + unsure upper": run(bert_forecasts, {})}
     for name, params in (("bert+online, point", point), ("bert+online + unsure upper", {})):
         online = OnlineLengthPredictor(bert, refit_every=args.refit_every,
-                                       prior_weight=args.prior_weight)
+                                       prior_weight=args.prior_weight, time_budget=None)
         out[name] = run(online.forecast(keyed), params, online)
         out[name]["refits"] = online.refits
     base = out["oracle"]["modelled_s"]
@@ -287,6 +319,22 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                                                     "micro_batches", "preemptions",
                                                     "phase_switches", "refits") if key in r}
                         for k, r in out.items()}}
+
+
+def _memoise_features(bert) -> None:
+    """The benchmark replays the same prompts through several predictors: the encoder's output
+    per prompt is computed once (a job encodes each request once anyway)."""
+    encode, memo = bert.features, {}
+
+    def features(texts):
+        missing = [t for t in dict.fromkeys(texts) if t not in memo]
+        if missing:
+            feats, probs = encode(missing)
+            memo.update((t, (f, p)) for t, f, p in zip(missing, feats, probs))
+        rows = [memo[t] for t in texts]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+    bert.features = features
 
 
 def _mean(value: float):

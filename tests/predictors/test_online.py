@@ -343,3 +343,17 @@ def test_eval_by_source_splits_in_and_out_of_distribution():
     assert out["out_of_distribution"]["class_accuracy"] == 0.5
     unknown = evaluate_by_source(Fixed(), records, None, group_sizes=(1,))
     assert "in_distribution" not in unknown and unknown["sources"]["web"]["in_distribution"] is None
+
+
+def test_refits_keep_to_their_time_budget():
+    online = OnlineLengthPredictor(MeanPredictor(50.0), refit_every=1, min_examples=1)
+    requests = [_req(i, 0) for i in range(4)]
+    online.forecast(requests)
+    online.observe("r0", 10)
+    assert online.due()
+    online.update()
+    online.observe("r1", 10)
+    online._last_refit_cost = 60.0          # noqa: SLF001 - a refit that took a minute
+    assert not online.due()                  # next one only after 100 minutes (1% budget)
+    online.time_budget = None
+    assert online.due()
