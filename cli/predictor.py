@@ -149,7 +149,9 @@ def evaluate(
             if label in by_source:
                 m = by_source[label]
                 _print_metrics(m, f"{label.replace('_', ' ')}: {m['records']} records")
-        for name, m in by_source["sources"].items():
+        groups = sum(label in by_source for label in ("in_distribution", "out_of_distribution"))
+        sources = by_source["sources"]
+        for name, m in (sources.items() if len(sources) > groups else ()):
             where = {True: "in distribution", False: "out of distribution"}.get(
                 m.get("in_distribution"), "distribution unknown")
             _print_metrics(m, f"source {name} ({where}): {m['records']} records")
