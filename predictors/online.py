@@ -21,8 +21,8 @@ first), so learning from them alone would pull every forecast down. With `censor
 still decoding count too (`progress`: request id -> tokens generated): the global scale compares
 what is known of every request with what the prior said, both cut at how far the request has
 been watched (a finished one: its length plus the tokens generated since, on a token clock the
-progress advances), and a decoding request is labelled with the larger of what it generated and
-its rescaled prior forecast.
+progress advances), and a decoding request that generated g tokens is labelled with its expected
+length under the same reading, g + its rescaled prior forecast, capped at its max_tokens.
 """
 from __future__ import annotations
 
@@ -228,15 +228,16 @@ class OnlineLengthPredictor(LengthPredictor):
         self._last_progress = dict(progress)
 
     def _refit(self, progress: dict) -> OnlineFit:
-        # (prior, class, feature, label, horizon, censored)
+        # (prior, class, feature, label, horizon, censored, max_tokens)
         rows = [(d.prior, d.cls, d.feature, float(d.actual),
-                 d.actual + self._clock - d.clock, False) for d in self._done]
+                 d.actual + self._clock - d.clock, False, np.inf) for d in self._done]
         if self.censored:
             for key, generated in progress.items():
                 entry = self._pending.get(str(key))
                 if entry is not None and generated > 0:
                     rows.append((entry.prior, entry.cls, entry.feature, float(generated),
-                                 float(generated), True))
+                                 float(generated), True,
+                                 np.inf if entry.max_tokens is None else entry.max_tokens))
         prior = np.array([r[0] for r in rows])
         cls = np.array([r[1] for r in rows])
         feats = None
@@ -247,7 +248,8 @@ class OnlineLengthPredictor(LengthPredictor):
         return fit_online([r[3] for r in rows], prior, cls, means, feats, self.prior_weight,
                           percentiles=(self.upper_percentile,), use_head=self.head,
                           horizons=[r[4] for r in rows] if censored else None,
-                          censored=[r[5] for r in rows] if censored else None)
+                          censored=[r[5] for r in rows] if censored else None,
+                          caps=[r[6] for r in rows])
 
     def _reforecast(self) -> list[tuple[Any, Forecast]]:
         if not self._pending or self.fit is None:

@@ -147,11 +147,13 @@ def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequenc
                prior_means: Optional[Sequence[float]], features: Optional[np.ndarray],
                prior_weight: float = 8.0, percentiles: Sequence[float] = (),
                use_head: bool = True, horizons: Optional[Sequence[float]] = None,
-               censored: Optional[Sequence[bool]] = None) -> OnlineFit:
+               censored: Optional[Sequence[bool]] = None,
+               caps: Optional[Sequence[float]] = None) -> OnlineFit:
     """One refit on the job's labelled examples (see the module docstring). `horizons` and
-    `censored` (requests still decoding, `actual` = the tokens they generated): the scale is
+    `censored` (requests still decoding, `actual` = the g tokens they generated): the scale is
     the censored moment match of `global_scale`, and a censored request's label for the class
-    means and the head is the larger of what it generated and its rescaled prior forecast."""
+    means and the head is its expected length under the same exponential reading,
+    E[L | L > g] = g + scale * prior, capped at its max_tokens (`caps`)."""
     y = np.asarray(actual, dtype=np.float64)
     o = np.asarray(prior, dtype=np.float64)
     cls = np.asarray(classes, dtype=np.int64)
@@ -162,7 +164,8 @@ def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequenc
     fit.scale = global_scale(y, o, prior_weight, h)
     if censored is not None:
         cens = np.asarray(censored, dtype=bool)
-        y = np.where(cens, np.maximum(y, fit.scale * o), y)
+        cap = np.full(y.size, np.inf) if caps is None else np.asarray(caps, dtype=np.float64)
+        y = np.where(cens, np.minimum(y + fit.scale * o, np.maximum(cap, y)), y)
     if prior_means is not None and len(prior_means):
         fit.class_means = recalibrated_means(y, cls, prior_means, fit.scale, prior_weight)
     base = fit.predict(o, cls, None)
