@@ -357,3 +357,12 @@ def test_refits_keep_to_their_time_budget():
     assert not online.due()                  # next one only after 100 minutes (1% budget)
     online.time_budget = None
     assert online.due()
+
+
+def test_the_forecast_error_plot():
+    from batchinfer.runner.report.plots import plot_forecast_error
+
+    png = plot_forecast_error([{"finished": 64, "t": 1.0, "error_online": 0.2,
+                                "error_prior": 0.3}])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_forecast_error([]) is None
