@@ -118,24 +118,43 @@ def evaluate(
     setup_logging(verbose)
     from batchinfer.predictors.bert import BertLengthPredictor
     from batchinfer.predictors.train import evaluate as run_eval
-    from batchinfer.predictors.train import held_out, load_split
+    from batchinfer.predictors.train import (evaluate_by_source, held_out, load_split,
+                                             source_name, training_sources)
 
     sizes = tuple(int(n) for n in _floats(groups, "--groups"))
     with user_errors():
         predictor = BertLengthPredictor.load(predictor_dir, device=device)
         models = predictor.card["data"].get("models") or []
         data = _read(history, models[0] if len(models) == 1 else None)
-        records = data.records if all_records else held_out(data.records, load_split(predictor_dir))
+        split = load_split(predictor_dir)
+        records = data.records if all_records else held_out(data.records, split)
         if not records:
             raise fail(f"no held-out records in {', '.join(map(str, history))} (every one was used "
                        "for training or validation); pass other history or --all")
         metrics = run_eval(predictor, records, sizes, rounds, seed)
+        trained_on = training_sources(predictor.card, data.records, split)
+        sources = {source_name(r) for r in records}
+        if len(sources) > 1 or (trained_on is not None and not sources <= trained_on):
+            metrics["by_source"] = evaluate_by_source(predictor, records, trained_on, sizes,
+                                                      rounds, seed)
     metrics["held_out_only"] = not all_records
     if as_json:
         typer.echo(json.dumps(metrics, indent=2))
         return
     _print_metrics(metrics, f"{predictor_dir} on {metrics['records']} "
                    f"{'records' if all_records else 'held-out records'}")
+    by_source = metrics.get("by_source")
+    if by_source:
+        for label in ("in_distribution", "out_of_distribution"):
+            if label in by_source:
+                m = by_source[label]
+                _print_metrics(m, f"{label.replace('_', ' ')}: {m['records']} records")
+        groups = sum(label in by_source for label in ("in_distribution", "out_of_distribution"))
+        sources = by_source["sources"]
+        for name, m in (sources.items() if len(sources) > groups else ()):
+            where = {True: "in distribution", False: "out of distribution"}.get(
+                m.get("in_distribution"), "distribution unknown")
+            _print_metrics(m, f"source {name} ({where}): {m['records']} records")
 
 
 def _pct(v) -> str:
@@ -148,16 +167,20 @@ def _print_metrics(m: dict, title: str) -> None:
 
     console = Console()
     console.print(f"[bold]{title}[/bold]")
+    if not m.get("records"):
+        return
     console.print(f"class accuracy {_pct(m['class_accuracy'])} (majority class "
                   f"{_pct(m['majority_class_accuracy'])}), mean abs error "
                   f"{m['mean_abs_error_tokens']} tokens, inference "
                   f"{m['inference_ms_per_request']} ms/request")
     table = Table(title="accumulated error over groups of N requests (TD-Pipe Fig. 14)")
     table.add_column("predictor")
-    for n in m["accumulated_error"]:
+    # a group size with no full group (e.g. N=256 on fewer records) is left out
+    sizes = [n for n, v in m["accumulated_error"].items() if v is not None]
+    for n in sizes:
         table.add_column(f"N={n}", justify="right")
-    table.add_row("bert", *[_pct(v) for v in m["accumulated_error"].values()])
-    table.add_row("mean", *[_pct(v) for v in m["mean_baseline_accumulated_error"].values()])
+    table.add_row("bert", *[_pct(m["accumulated_error"][n]) for n in sizes])
+    table.add_row("mean", *[_pct(m["mean_baseline_accumulated_error"][n]) for n in sizes])
     console.print(table)
 
 

@@ -104,6 +104,11 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._seqs)
 
+    def progress(self) -> dict[str, int]:
+        """Output tokens generated so far by each unfinished request (the online length
+        predictor's lower bounds on the replies still decoding)."""
+        return {rid: len(seq.output_token_ids) for rid, seq in self._seqs.items()}
+
     def now(self) -> float:
         return self._clock() - self._clock0
 

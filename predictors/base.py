@@ -40,6 +40,7 @@ class LengthQuery:
     prompt_tokens: int = 0
     max_tokens: Optional[int] = None
     oracle: Optional[int] = None         # the true length, when the input carries it
+    key: Optional[str] = None            # identifies it to the online learner (predictors/online.py)
 
 
 def oracle_value(request: Any, oracle_field: str) -> Optional[int]:
@@ -78,6 +79,43 @@ def cap(length: float, max_tokens: Optional[int]) -> int:
     return min(value, max_tokens) if max_tokens is not None else value
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """One request's forecast: the point (what Algorithm 1 reads), the `upper_percentile` of the
+    predictor's length distribution and how sure it is (the predicted class's probability);
+    None where the predictor cannot say."""
+
+    point: int
+    upper: Optional[int] = None
+    confidence: Optional[float] = None
+
+
+DEFAULT_UPPER_PERCENTILE = 75.0
+
+
+def class_forecasts(probs: Any, means: Sequence[float], edges: Sequence[float],
+                    queries: Sequence[LengthQuery], percentile: float) -> list[Forecast]:
+    """A length classifier's forecasts: the most likely class's mean (μ-Serve's rule), as upper
+    the upper edge of the class where the cumulative class probability reaches `percentile`
+    (the last class has no upper edge: max_tokens, else its mean), confidence the most likely
+    class's probability."""
+    import numpy as np
+
+    probs = np.asarray(probs, dtype=np.float64)
+    out = []
+    for row, q in zip(probs, queries):
+        best = int(row.argmax())
+        k = int(np.searchsorted(np.cumsum(row), percentile / 100.0 - 1e-9))
+        k = min(max(k, best), len(means) - 1)
+        if k + 1 < len(edges):
+            upper = float(edges[k + 1])
+        else:
+            upper = float(q.max_tokens) if q.max_tokens is not None else float(means[k])
+        point = cap(means[best], q.max_tokens)
+        out.append(Forecast(point, max(cap(upper, q.max_tokens), point), float(row[best])))
+    return out
+
+
 class LengthPredictor(ABC):
     """Predicts each request's number of output tokens, a batch at a time."""
 
@@ -103,6 +141,24 @@ class LengthPredictor(ABC):
     @abstractmethod
     def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
         ...
+
+    upper_percentile: float = DEFAULT_UPPER_PERCENTILE
+
+    def forecast(self, requests: Sequence[Any]) -> list[Forecast]:
+        """Forecasts with their uncertainty (predict's points, the same cost); a predictor that
+        knows no distribution gives points alone."""
+        queries = [as_query(r, self.oracle_field) for r in requests]
+        if not queries:
+            return []
+        t = time.perf_counter()
+        out = self.forecast_queries(queries)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        self.requests += len(queries)
+        return out
+
+    def forecast_queries(self, queries: Sequence[LengthQuery]) -> list[Forecast]:
+        return [Forecast(p) for p in self.predict_queries(queries)]
 
     def stats(self) -> dict:
         """Inference cost so far (the job reports it as a share of its time)."""

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import PREDICTOR_CARD, LengthPredictor, LengthQuery, PredictorError, cap
+from .base import (PREDICTOR_CARD, Forecast, LengthPredictor, LengthQuery, PredictorError, cap,
+                   class_forecasts)
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,19 @@ class BertLengthPredictor(LengthPredictor):
     def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
         classes = self.predict_class_ids([q.text for q in queries])
         return [cap(self.means[c], q.max_tokens) for c, q in zip(classes, queries)]
+
+    def features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(pooled encoder states (n, hidden), class probabilities (n, classes)) in one encoder
+        pass: what the online learner caches per request (predictors/online.py)."""
+        tokens = Tokenized(self.tokenizer, texts, self.max_length)
+        states = pooled_states(self.model, tokens, self.batch_size, self.device)
+        with torch.inference_mode():
+            probs = torch.softmax(self.model.head(states.to(self.device)).float(), -1).cpu()
+        return states.numpy().astype(np.float32), probs.numpy().astype(np.float64)
+
+    def forecast_queries(self, queries: Sequence[LengthQuery]) -> list[Forecast]:
+        _, probs = self.features([q.text for q in queries])
+        return class_forecasts(probs, self.means, self.edges, queries, self.upper_percentile)
 
     def describe(self) -> dict:
         return {"name": self.name, "classes": len(self.means), "device": str(self.device)}

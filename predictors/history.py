@@ -5,11 +5,13 @@ writer), one line per request written to outputs.jsonl:
 
     {"id": "q1", "prompt": "What is ...?", "prompt_sha256": "9f2c...", "prompt_tokens": 31,
      "output_tokens": 12, "finish_reason": "stop", "model": "SmolLM2-135M-Instruct",
-     "max_tokens": 512, "predicted_tokens": 40}
+     "max_tokens": 512, "predicted_tokens": 40, "source": "sharegpt"}
 
 `prompt` is the text the predictor sees (a chat conversation rendered as `role: content` lines);
 with `predictor.history_prompts: hash` only its sha256 is kept. `predicted_tokens` is there when
-the run used a predictor, so a run's own history shows how good the predictions were.
+the run used a predictor, so a run's own history shows how good the predictions were (with
+`predictor.online` it is the last forecast before the request finished); `source` is the input
+line's metadata.source, when it has one (eval reports each source apart).
 Reading is forgiving: a malformed line is skipped and counted, with a warning naming file:line.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ class HistoryRecord:
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     predicted_tokens: Optional[int] = None
+    source: Optional[str] = None          # where the prompt came from (metadata.source), if said
 
     @property
     def key(self) -> tuple[str, str]:
@@ -50,8 +53,9 @@ class HistoryRecord:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        if out["predicted_tokens"] is None:
-            del out["predicted_tokens"]
+        for optional in ("predicted_tokens", "source"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -84,7 +88,7 @@ def spec_text(prompt: Union[str, list, None], messages: Optional[list[dict]],
 def history_record(request_id: str, prompt_text: Optional[str], prompt_tokens: int,
                    output_tokens: int, finish_reason: Any, model: Optional[str],
                    max_tokens: Optional[int], predicted_tokens: Optional[int] = None,
-                   prompts: str = "text") -> dict:
+                   prompts: str = "text", source: Optional[str] = None) -> dict:
     """The JSON line for one finished request (`prompts`: text keeps the prompt, hash only its
     sha256)."""
     text = prompt_text or ""
@@ -93,7 +97,8 @@ def history_record(request_id: str, prompt_text: Optional[str], prompt_tokens: i
         prompt_sha256=sha256_text(text), prompt_tokens=int(prompt_tokens),
         output_tokens=int(output_tokens),
         finish_reason=str(getattr(finish_reason, "value", finish_reason)), model=model,
-        max_tokens=max_tokens, predicted_tokens=predicted_tokens).to_json()
+        max_tokens=max_tokens, predicted_tokens=predicted_tokens,
+        source=None if source is None else str(source)).to_json()
 
 
 # --- reading --------------------------------------------------------------------------------------
@@ -145,10 +150,14 @@ def _parse(obj: Any) -> tuple[Optional[HistoryRecord], str]:
     prompt = obj.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         return None, "prompt is not a string"
+    source = obj.get("source")
+    if source is None and isinstance(obj.get("metadata"), dict):
+        source = obj["metadata"].get("source")
     return HistoryRecord(id=str(obj["id"]), prompt=prompt, prompt_sha256=str(obj["prompt_sha256"]),
                          prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                          finish_reason=str(obj.get("finish_reason")), model=obj.get("model"),
-                         max_tokens=max_tokens, predicted_tokens=predicted), ""
+                         max_tokens=max_tokens, predicted_tokens=predicted,
+                         source=None if source is None else str(source)), ""
 
 
 def _read_file(path: Path) -> Iterator[tuple[int, Optional[HistoryRecord], str]]:

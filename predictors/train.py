@@ -216,6 +216,7 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
                     "train_counts": counts, "train_mean": round(float(lengths.mean()), 3),
                     "majority_class": int(np.argmax(counts))},
         "data": {"sources": [str(s) for s in sources], "records": len(records),
+                 "prompt_sources": sorted({source_name(r) for r in train}),
                  "skipped": dict(skipped or {}),
                  "models": sorted({str(r.model) for r in records}),
                  "split": {"fractions": list(cfg.fractions), "seed": cfg.seed,
@@ -287,6 +288,48 @@ def evaluate(predictor: "bert.BertLengthPredictor", records: Sequence[HistoryRec
         "inference_s": round(infer_s, 4),
         "inference_ms_per_request": round(1e3 * infer_s / len(records), 4),
     }
+
+
+NO_SOURCE = "-"
+
+
+def source_name(record: HistoryRecord) -> str:
+    return record.source if record.source else NO_SOURCE
+
+
+def training_sources(card: dict, records: Sequence[HistoryRecord], split: dict
+                     ) -> Optional[set[str]]:
+    """The prompt sources the predictor was trained on: its card's (predictors trained since
+    issue 43 record them), else those of its training records found in `records`; None when
+    neither says."""
+    listed = (card.get("data") or {}).get("prompt_sources")
+    if listed:
+        return set(listed)
+    train = split.get("train", set())
+    found = {source_name(r) for r in records if r.key in train}
+    return found or None
+
+
+def evaluate_by_source(predictor: "bert.BertLengthPredictor", records: Sequence[HistoryRecord],
+                       trained_on: Optional[set[str]],
+                       group_sizes: Sequence[int] = DEFAULT_GROUP_SIZES, rounds: int = 20,
+                       seed: int = 0) -> dict:
+    """`evaluate` per prompt source (a record's `source`), and over the sources the predictor
+    was trained on (in distribution) and over the others (out of distribution)."""
+    by: dict[str, list[HistoryRecord]] = {}
+    for r in records:
+        by.setdefault(source_name(r), []).append(r)
+    out: dict = {"sources": {}}
+    for name in sorted(by):
+        m = evaluate(predictor, by[name], group_sizes, rounds, seed)
+        m["in_distribution"] = None if trained_on is None else name in trained_on
+        out["sources"][name] = m
+    if trained_on is not None:
+        for label, keep in (("in_distribution", True), ("out_of_distribution", False)):
+            part = [r for r in records if (source_name(r) in trained_on) == keep]
+            if part:
+                out[label] = evaluate(predictor, part, group_sizes, rounds, seed)
+    return out
 
 
 def _rounded(errors: dict) -> dict:

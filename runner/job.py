@@ -32,7 +32,7 @@ from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputReader, Shard
 from .report.metrics import SessionMetrics
 from .report.plots import render_plots
-from .predictor_setup import build_job_predictor
+from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
 from .recipe import Recipe
 from .io.records import RequestPayload, error_record, input_error_record, output_record
@@ -246,10 +246,13 @@ class Job:
                 exhausted = self._fill(records)
             self.read_ahead.feed()
             if engine.has_unfinished():
-                for out in engine.step():
+                outputs = engine.step()
+                for out in outputs:
                     self._sink.submit(out.payload.order, ("output", out))
                     for copy in self.read_ahead.finished(out):
                         self._sink.submit(copy.payload.order, ("output", copy))
+                if outputs and self.predictor is not None:
+                    learn(self.predictor, engine, outputs, self.clock())
                 self.metrics.on_steps(engine.drain_step_events())
             elif exhausted and not self.read_ahead.waiting:
                 finished = True
@@ -310,9 +313,8 @@ class Job:
         if self.predictor is None or not requests:
             return
         t = time.perf_counter()
-        for request, length in zip(requests, self.predictor.predict(requests)):
-            request.predicted_output_len = length
-            request.payload.predicted_tokens = length
+        for request, forecast in zip(requests, self.predictor.forecast(requests)):
+            apply_forecast(request, forecast)
         self.metrics.phases_s["predict"] += time.perf_counter() - t
 
     def _add(self, spec: RequestSpec, request) -> bool:
@@ -320,6 +322,8 @@ class Job:
             self.engine.add_request(request)
         except RequestError as exc:
             self._request_error(spec, request.payload.order, exc)
+            if self.predictor is not None and hasattr(self.predictor, "forget"):
+                self.predictor.forget(request.request_id)
             for follower in self.read_ahead.dedup.abandon(request):   # the same error
                 self._sink.submit(follower.payload.order,
                                   ("request_error", (follower.payload, follower.request_id, exc)))
@@ -367,7 +371,9 @@ class Job:
         return history_record(out.request_id, payload.prompt_text, out.num_prompt_tokens,
                               out.num_output_tokens, out.finish_reason, self.engine.model_id,
                               payload.max_tokens, payload.predicted_tokens,
-                              prompts=self.recipe.predictor.history_prompts)
+                              prompts=self.recipe.predictor.history_prompts,
+                              source=(payload.metadata or {}).get("source")
+                              if isinstance(payload.metadata, dict) else None)
 
     def _tick(self, force: bool = False, report: bool = True) -> None:
         now = self.clock()
@@ -437,6 +443,13 @@ class Job:
                     png = plot_pipeline(events)
                     if png:
                         plots["pipeline_timeline.png"] = png
+                online = (session.get("predictor") or {}).get("online")
+                if online and online.get("timeline"):
+                    from .report.plots import plot_forecast_error
+
+                    png = plot_forecast_error(online["timeline"])
+                    if png:
+                        plots["forecast_error.png"] = png
             except Exception as exc:  # a plot must never fail a job
                 log.warning("could not draw the plots: %s", exc)
         names = tuple(sorted(plots)) if plots else tuple(

@@ -1,10 +1,17 @@
 """The job's output-length predictor, built from the recipe's `predictor` section before the
 engine: `auto` resolves through predictors/auto.py (over the runs beside this one, this run's own
-directory left out), the others through the predictor registry."""
+directory left out), the others through the predictor registry. With `predictor.online` the
+predictor is wrapped to learn from the job itself (predictors/online.py); `apply_forecasts` and
+`learn` are the job loop's side of that."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+ONLINE_BASES = ("bert", "mean")      # what learns from the job (oracle knows, none is a bound)
 
 
 def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Optional[dict]]:
@@ -21,9 +28,59 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
             cfg, model_id_for(model.path, model.load_format == "dummy", model.hf_overrides), Path(output_dir).parent,
             "cpu" if device == "auto" else device, recipe.strategy.reads_length_forecasts(),
             exclude=Path(output_dir))
-        return predictor, choice.to_json()
+        return _online(predictor, cfg), choice.to_json()
     if cfg.name == "none":
         return None, None
     from batchinfer.predictors import make_predictor
 
-    return make_predictor(cfg, device=None if device == "auto" else device), None
+    return _online(make_predictor(cfg, device=None if device == "auto" else device), cfg), None
+
+
+def _online(predictor: Optional[Any], cfg) -> Optional[Any]:
+    if predictor is None:
+        return None
+    predictor.upper_percentile = getattr(cfg, "upper_percentile", predictor.upper_percentile)
+    if not getattr(cfg, "online", False) or predictor.name not in ONLINE_BASES:
+        return predictor
+    from batchinfer.predictors.online import OnlineLengthPredictor
+
+    return OnlineLengthPredictor(predictor, refit_every=cfg.online_refit_every,
+                                 min_examples=cfg.online_min_examples,
+                                 prior_weight=cfg.online_prior_weight, head=cfg.online_head,
+                                 censored=cfg.online_censored,
+                                 upper_percentile=cfg.upper_percentile)
+
+
+def apply_forecast(request: Any, forecast: Any) -> None:
+    """What the scheduler reads (Request.predicted_output_len / _upper / predicted_confidence)
+    and what history.jsonl records (payload.predicted_tokens: the latest forecast)."""
+    request.predicted_output_len = forecast.point
+    request.predicted_output_upper = forecast.upper
+    request.predicted_confidence = forecast.confidence
+    payload = getattr(request, "payload", None)
+    if payload is not None:
+        payload.predicted_tokens = forecast.point
+
+
+def learn(predictor: Any, engine: Any, outputs: Iterable[Any], now: Optional[float]) -> None:
+    """The finished `outputs` of one engine step are labelled examples; when a refit is due it
+    runs here, between steps, and the waiting requests get their new forecasts. Nothing here
+    can fail the job."""
+    observe = getattr(predictor, "observe", None)
+    if observe is None:
+        return
+    try:
+        from batchinfer.engine.request import FinishReason
+
+        for out in outputs:
+            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                observe(out.request_id, out.num_output_tokens, now)
+            else:
+                predictor.forget(out.request_id)
+        if predictor.due():
+            progress = getattr(engine, "progress", None)
+            for request, forecast in predictor.update(progress() if progress else None):
+                apply_forecast(request, forecast)
+    except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
+        log.warning("online length predictor: %s: %s (the forecasts stay as they are)",
+                    type(exc).__name__, exc)

@@ -67,6 +67,27 @@ class PredictorConfig(_Strict):
                           "(the training data of `batchinfer predictor train`)")
     history_prompts: Literal["text", "hash"] = Field(
         "text", description="text: keep each prompt in history.jsonl; hash: only its sha256")
+    online: bool = Field(True, description="learn from the running job (bert and mean, and what "
+                         "auto picks of them): each finished request is a labelled example; "
+                         "every online_refit_every of them the predictor recalibrates on the "
+                         "job's replies and re-forecasts the requests still waiting "
+                         "(predictors/online.py); false: the forecasts made at admission stay")
+    online_refit_every: int = Field(16, ge=1, description="finished requests between refits")
+    online_min_examples: int = Field(8, ge=1, description="finished requests before the first "
+                                     "refit")
+    online_prior_weight: float = Field(8.0, ge=0, description="pseudo-examples the prior "
+                                       "predictor's class means are worth against the job's "
+                                       "own replies")
+    online_head: bool = Field(True, description="also fit a ridge head on the cached encoder "
+                              "embeddings (its strength chosen by leave-one-out error; off by "
+                              "itself when it does not help); false: recalibrate the class "
+                              "means only")
+    online_censored: bool = Field(True, description="also learn from the requests still "
+                                  "decoding (at least the tokens they generated so far): the "
+                                  "first to finish are the short ones")
+    upper_percentile: float = Field(75.0, gt=0, lt=100, description="the upper forecast each "
+                                    "request carries: this percentile of the predictor's length "
+                                    "distribution (TD-Pipe's unsure_upper_forecast reads it)")
 
     @field_validator("path")
     @classmethod

@@ -32,7 +32,12 @@ CONFIGS = {"tdpipe": {}, "tdpipe-literal-forecast": {"count_ending_requests": Fa
 
 
 def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
-           predicted: list, kv_tokens: int, step_times, depth: int = 2) -> dict:
+           predicted: list, kv_tokens: int, step_times, depth: int = 2,
+           on_finished=None) -> dict:
+    """`predicted`: per request a length, None, or a Forecast (point, upper, confidence).
+    `on_finished(sched, seqs)`: called with the sequences each returned micro-batch finished
+    (an online predictor learns there). `modelled_s`: the micro-batches' step times from the
+    table summed, over `depth` stages (a throughput proxy free of the machine's noise)."""
     from batchinfer.engine.kv_cache import BlockManager
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
@@ -42,7 +47,11 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)
     sched.step_times = step_times
     for i, (n, limit, guess) in enumerate(zip(prompts, limits, predicted)):
-        sched.add(make_seq(i, n, limit, predicted=guess))
+        point = getattr(guess, "point", guess)
+        seq = make_seq(i, n, limit, predicted=point)
+        seq.request.predicted_output_upper = getattr(guess, "upper", None)
+        seq.request.predicted_confidence = getattr(guess, "confidence", None)
+        sched.add(seq)
     true_len = {f"r{i}": n for i, n in enumerate(lengths)}
     in_flight, launched, most = collections.deque(), [], 0
     while sched.has_unfinished() or in_flight:
@@ -57,6 +66,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         if not in_flight:
             break
         batch = in_flight.popleft()
+        done = []
         for item in batch.items:           # what the engine does with a returned micro-batch
             seq = item.seq
             seq.in_flight = False
@@ -65,10 +75,15 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
                 seq.output_token_ids.append(7)
                 if len(seq.output_token_ids) >= true_len[seq.request.request_id]:
                     seq.status = SequenceStatus.FINISHED
+                    done.append(seq)
         sched.on_result(batch)
+        if on_finished is not None and done:
+            on_finished(sched, done)
     reasons = collections.Counter(d["reason"] for d in sched.drain_decisions())
     decode = [n for phase, n in launched if phase == "decode"]
-    return {"micro_batches": len(launched), "preemptions": sched.num_preemptions,
+    modelled = sum(step_times.decode_time(n) if phase == "decode" else
+                   step_times.prefill_time(n) for phase, n in launched) / max(depth, 1)
+    return {"modelled_s": round(modelled, 2), "micro_batches": len(launched), "preemptions": sched.num_preemptions,
             "phase_switches": sched.num_switches,
             "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
             "prefill_tokens": sum(n for phase, n in launched if phase == "prefill"),

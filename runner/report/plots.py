@@ -150,6 +150,26 @@ def _micro_batch_tokens(timeline: list[dict], title: str) -> Optional[bytes]:
     return _png(plt, fig)
 
 
+def plot_forecast_error(timeline: list[dict]) -> Optional[bytes]:
+    """The online length predictor over the job (issue 43): per window of finished requests, the
+    error of their summed forecasts, as they finished (online) and as they were admitted."""
+    rows = [w for w in timeline if w.get("error_online") is not None]
+    if not rows:
+        return None
+    x = [w["finished"] for w in rows]
+    plt, fig, ax = _figure()
+    ax.plot(x, [100 * w["error_online"] for w in rows], "o-", label="forecast when it finished "
+            "(online)")
+    ax.plot(x, [100 * w["error_prior"] for w in rows], "s--", alpha=0.7,
+            label="forecast at admission")
+    ax.set_xlabel("requests finished")
+    ax.set_ylabel("|sum forecast - sum actual| / sum actual (%)")
+    ax.set_title("Output-length forecast error over the job (per window of finished requests)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize="small")
+    return _png(plt, fig)
+
+
 def plot_pipeline(events: list[dict], last_micro_batches: int = 48) -> Optional[bytes]:
     """Gantt chart of the most recent micro-batches: one row per rank, forward bars coloured by
     micro-batch, receive waits hatched."""

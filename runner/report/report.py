@@ -58,6 +58,22 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + [""]
 
 
+def _online_lines(online: Optional[dict]) -> list[str]:
+    """The online predictor (issue 43): its refits and the forecast error over the job."""
+    if not online:
+        return []
+    line = (f"Learning from the job (`predictor.online`): {online.get('refits', 0)} refits on "
+            f"{online.get('examples', 0)} finished requests, {online.get('refit_seconds', 0)} s "
+            f"(longest {online.get('refit_max_ms', 0)} ms), {online.get('reforecasts', 0)} "
+            "forecasts redone.")
+    timeline = online.get("timeline") or []
+    if timeline:
+        line += " Forecast error of the finished requests' summed lengths, by window: " + ", ".join(
+            f"{w['finished']}: {100 * w['error_online']:.1f}% (at admission "
+            f"{100 * w['error_prior']:.1f}%)" for w in timeline[-6:]) + "."
+    return [line, ""]
+
+
 def _predictor_line(choice: Optional[dict]) -> list[str]:
     """The length predictor the job used (for `auto`, which one and why)."""
     if not choice:
@@ -160,6 +176,7 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"{predictor.get('calls')} batches, {predictor.get('seconds')} s "
                 f"({predictor.get('ms_per_request') or 0:.3f} ms per request, "
                 f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time).", ""]
+        out += _online_lines(predictor.get("online"))
     decisions = s.get("strategy_decisions") or {}
     if decisions:
         by_phase = decisions.get("steps_by_phase") or {}

@@ -32,6 +32,21 @@ def future_points(interval: int = 32, horizon: int = 1024) -> list[int]:
     return list(range(interval, horizon + 1, interval))
 
 
+def forecast_length(request, params) -> Optional[int]:
+    """Algorithm 1's getPredictLen: the predictor's point forecast, or with
+    `unsure_upper_forecast` its upper one (the predictor's upper_percentile) when the predictor's
+    confidence in it is below `unsure_confidence`: a request whose forecast may well be too
+    short is planned for longer, so a poor forecast costs fewer preemptions. None: no forecast."""
+    point = request.predicted_output_len
+    if point is None or not params.unsure_upper_forecast:
+        return point
+    upper = getattr(request, "predicted_output_upper", None)
+    confidence = getattr(request, "predicted_confidence", None)
+    if upper is None or confidence is None or confidence >= params.unsure_confidence:
+        return point
+    return max(point, upper)
+
+
 class KVForecast:
     """Algorithm 1's kvUsage map: predicted KV tokens held at each future decode point.
 

@@ -33,7 +33,8 @@ from batchinfer.engine.request import Sequence, SequenceStatus
 from batchinfer.engine.scheduler import BatchingScheduler, MicroBatch, ScheduledSeq
 from batchinfer.engine.step_times import StepTimes, profile_step_times
 
-from .policy import KVForecast, WorkStealing, future_points, intensities, pack_prefill
+from .policy import (KVForecast, WorkStealing, forecast_length, future_points, intensities,
+                     pack_prefill)
 
 log = logging.getLogger("batchinfer")
 
@@ -59,6 +60,14 @@ class TDPipeParams(StrategyParams):
                                         "when it ends, so replies shorter than a point interval "
                                         "are seen; off: Algorithm 1 literally (only the points "
                                         "a request outlives)")
+    unsure_upper_forecast: bool = Field(True, description="Algorithm 1's getPredictLen takes "
+                                        "the request's upper forecast (predictor."
+                                        "upper_percentile of its length distribution) when the "
+                                        "predictor is unsure of it (its class probability below "
+                                        "unsure_confidence); false: always the point (the paper)")
+    unsure_confidence: float = Field(0.5, ge=0, le=1, description="a forecast whose class "
+                                     "probability is below this is unsure (the paper's "
+                                     "predictors are right about half the time: 52-58%)")
     kv_occupancy_ratio: float = Field(0.5, gt=0, le=1, description="ablation of greedy_prefill: "
                                       "switch once this share of the KV blocks is in use")
     # Approach 2: inter-batch work stealing (decode)
@@ -154,7 +163,8 @@ class TDPipeScheduler(BatchingScheduler):
     # --- predictions ----------------------------------------------------------------------------
     def predicted_remaining(self, seq: Sequence) -> int:
         """Output tokens `seq` is predicted to generate from now on: the predictor's length (else
-        max_tokens) minus what it generated, capped by max_tokens and max_model_len. A request
+        max_tokens; its upper forecast when the predictor is unsure, `unsure_upper_forecast`)
+        minus what it generated, capped by max_tokens and max_model_len. A request
         already past its prediction still holds its KV: it is expected to run one more
         future-point interval (it would otherwise vanish from the forecast)."""
         request = seq.request
@@ -162,7 +172,7 @@ class TDPipeScheduler(BatchingScheduler):
         limit = self.max_model_len - seq.prompt_len
         if request.sampling.max_tokens is not None:
             limit = min(limit, request.sampling.max_tokens)
-        predicted = request.predicted_output_len
+        predicted = forecast_length(request, self.params)
         predicted = limit if predicted is None else min(predicted, limit)
         left = predicted - generated
         if left <= 0:

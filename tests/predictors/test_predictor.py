@@ -366,3 +366,40 @@ def test_shipped_predictor_tells_short_answers_from_long_ones():
         LengthQuery("Write a detailed essay of at least five paragraphs about the history of "
                     "the printing press.", max_tokens=512)])
     assert short < 100 and long_ > 200      # class means: 18 / 61 vs 226 / 427 / 512
+
+
+def test_a_run_learns_from_its_own_replies_online(tmp_path, tiny_recipe, shared_engine):
+    """predictor.online (issue 43): a mean predictor that expects 30 tokens, in a job whose
+    replies are 1 token long, forecasts the later requests shorter; online: false does not."""
+    history_dir = tmp_path / "history"
+    history_dir.mkdir()
+    (history_dir / "history.jsonl").write_text("".join(
+        json.dumps(_history_line(i, f"p{i}", 30)) + "\n" for i in range(4)))
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}?",
+                                        "max_tokens": 12, "metadata": {"source": "web"}}) + "\n"
+                            for i in range(48)))
+    one_token = tiny_recipe.sampling.model_copy(
+        update={"stop_token_ids": list(range(shared_engine.tokenizer.vocab_size))})
+    # a strategy that reads no forecast still gets a named predictor (and so learns)
+    settings = {"name": "mean", "path": str(history_dir), "online_refit_every": 4,
+                "online_min_examples": 4}
+    recipe = tiny_recipe.model_copy(update={"predictor": Recipe(predictor=settings).predictor,
+                                            "sampling": one_token})
+    _run(recipe, path, tmp_path / "run", shared_engine)
+    history = _jsonl(tmp_path / "run" / "history.jsonl")
+    assert all(h["output_tokens"] == 1 and h["source"] == "web" for h in history)
+    predicted = {h["id"]: h["predicted_tokens"] for h in history}
+    assert predicted["q0"] == 12 and predicted["q47"] < 12           # learned: shorter
+    online = json.loads((tmp_path / "run" / "report.json").read_text()
+                        )["session"]["predictor"]["online"]
+    assert online["refits"] >= 1 and online["examples"] == 48 and online["timeline"]
+    assert online["timeline"][-1]["error_online"] < online["timeline"][-1]["error_prior"]
+    assert "Learning from the job" in (tmp_path / "run" / "report.md").read_text()
+
+    off = recipe.model_copy(update={"predictor": Recipe(
+        predictor={**settings, "online": False}).predictor})
+    _run(off, path, tmp_path / "off", shared_engine)
+    assert {h["predicted_tokens"] for h in _jsonl(tmp_path / "off" / "history.jsonl")} == {12}
+    session = json.loads((tmp_path / "off" / "report.json").read_text())["session"]
+    assert "online" not in session["predictor"]
