@@ -135,9 +135,11 @@ class BlockManager:
         upto = min(max(0, (first_query - self.window + 1) // self.block_size), len(table))
         if upto <= done:
             return 0
-        if self.prefix is not None and upto > self._indexed.get(seq_id, (0, None))[0]:
+        if self.prefix is not None and upto >= self._indexed.get(seq_id, (0, None))[0]:
             # a block not indexed yet can never be (its slot holds the placeholder from now
-            # on): the chain of this sequence ends here
+            # on), and the last indexed block is the next one's parent by block id: once it is
+            # released it may be evicted and re-registered with other content. Either way the
+            # chain of this sequence ends here
             self._indexed[seq_id] = (_CHAIN_BROKEN, None)
         for i in range(done, upto):
             self._drop(table[i])

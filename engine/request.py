@@ -105,8 +105,8 @@ class Request:
     # output tokens the recipe's length predictor expects (set before scheduling; None: no
     # prediction was made). Strategies that forecast future KV use read it.
     predicted_output_len: Optional[int] = None
-    # the predictor's upper forecast (its upper_percentile) and how sure it is (0..1): TD-Pipe's
-    # Algorithm 1 reads the upper one for a request the predictor is unsure of
+    # the predictor's upper forecast (its upper_percentile) and how sure it is (0..1): a
+    # strategy's KV forecast may read the upper one for a request the predictor is unsure of
     predicted_output_upper: Optional[int] = None
     predicted_confidence: Optional[float] = None
 

@@ -51,6 +51,7 @@ class _Pending:
     max_tokens: Optional[int]
     first: int                    # the forecast it was admitted with
     current: int                  # the forecast the scheduler sees now
+    current_upper: Optional[int] = None   # and its upper forecast
 
 
 @dataclass
@@ -120,7 +121,7 @@ class OnlineLengthPredictor(LengthPredictor):
             key = request_key(r)
             if key is not None:
                 self._pending[key] = _Pending(r, float(p), int(c), f, b.confidence, q.max_tokens,
-                                              fc.point, fc.point)
+                                              fc.point, fc.point, fc.upper)
         self.seconds += time.perf_counter() - t
         self.calls += 1
         self.requests += len(queries)
@@ -203,7 +204,7 @@ class OnlineLengthPredictor(LengthPredictor):
             with _one_blas_thread():
                 self._advance_clock(progress or {})
                 self.fit = self._refit(progress or {})
-                changed = self._reforecast()
+                changed = self._reforecast(progress or {})
         except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
             log.warning("online length predictor: refit failed (%s: %s); keeping the last one",
                         type(exc).__name__, exc)
@@ -251,10 +252,13 @@ class OnlineLengthPredictor(LengthPredictor):
                           censored=[r[5] for r in rows] if censored else None,
                           caps=[r[6] for r in rows])
 
-    def _reforecast(self) -> list[tuple[Any, Forecast]]:
+    def _reforecast(self, progress: dict) -> list[tuple[Any, Forecast]]:
+        """New forecasts for the pending requests; one decoding already (`progress`: its tokens
+        so far) is never forecast to end before the token it generates next."""
         if not self._pending or self.fit is None:
             return []
-        entries = list(self._pending.values())
+        keys = list(self._pending)
+        entries = [self._pending[k] for k in keys]
         priors = np.array([e.prior for e in entries])
         cls = np.array([e.cls for e in entries])
         feats = None
@@ -263,11 +267,11 @@ class OnlineLengthPredictor(LengthPredictor):
         points = self.fit.predict(priors, cls, feats)
         uppers = self.fit.upper(points, self.upper_percentile)
         changed = []
-        for i, e in enumerate(entries):
-            point = cap(max(points[i], 1.0), e.max_tokens)
+        for i, (key, e) in enumerate(zip(keys, entries)):
+            point = cap(max(points[i], progress.get(key, 0) + 1, 1.0), e.max_tokens)
             upper = point if uppers is None else max(cap(uppers[i], e.max_tokens), point)
-            if point != e.current:
-                e.current = point
+            if (point, upper) != (e.current, e.current_upper):
+                e.current, e.current_upper = point, upper
                 changed.append((e.request, Forecast(point, upper, e.confidence)))
         self.reforecasts += len(changed)
         return changed

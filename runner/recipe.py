@@ -87,7 +87,8 @@ class PredictorConfig(_Strict):
                                   "first to finish are the short ones")
     upper_percentile: float = Field(75.0, gt=0, lt=100, description="the upper forecast each "
                                     "request carries: this percentile of the predictor's length "
-                                    "distribution (TD-Pipe's unsure_upper_forecast reads it)")
+                                    "distribution (a strategy that plans unsure requests for "
+                                    "their upper forecast reads it)")
 
     @field_validator("path")
     @classmethod

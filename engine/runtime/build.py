@@ -166,7 +166,9 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
 
 
 def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout, num_blocks: int,
-                threads: int, kv_cache_bytes: int) -> dict:
+                threads: int, kv_cache_bytes: int, releases_window: bool = True) -> dict:
+    """What report.json's `engine` says of this engine. releases_window: whether its block
+    managers release blocks behind a sliding window (a strategy with its own may not)."""
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
@@ -179,7 +181,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
-        "kv_window": config.cache.kv_window(arch),
+        "kv_window": config.cache.kv_window(arch) if releases_window else 0,
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,

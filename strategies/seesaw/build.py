@@ -112,8 +112,9 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
                                 decode_depth=layouts[DECODE].pp, policy=params.schedule)
     executor = SeesawExecutor(pool, prefill, 0, device_blocks, config.parallel.step_timeout_seconds,
                               layouts=layouts, initial=PREFILL)
+    # the CPU tier moves whole block tables between layouts: no block is released behind a window
     info = engine_info(config, setup, prefill, num_blocks, threads,
-                       num_blocks * block_bytes * prefill.world_size)
+                       num_blocks * block_bytes * prefill.world_size, releases_window=False)
     info["seesaw"] = {"prefill_layout": {"tp": prefill.tp, "pp": prefill.pp},
                       "decode_layout": {"tp": layouts[DECODE].tp, "pp": layouts[DECODE].pp},
                       "cpu_store_tokens": store_blocks * block_size,

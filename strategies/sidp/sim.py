@@ -293,7 +293,8 @@ def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, la
     check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
     replicas = []
     for executor in group.executors:
-        block_manager = BlockManager(num_blocks, config.cache.block_size)
+        block_manager = BlockManager(num_blocks, config.cache.block_size,
+                                     window=config.cache.kv_window(arch))
         scheduler = params.make_scheduler(block_manager, max_model_len, layout.pp)
         replicas.append(Replica(scheduler, executor))
     block_size = config.cache.block_size

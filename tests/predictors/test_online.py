@@ -239,14 +239,28 @@ def test_censored_requests_keep_the_short_ones_from_pulling_forecasts_down():
         online.observe("r0", 20)                              # the first to end are the short
         online.update()
         online.observe("r1", 20)
-        # the other 38 are still decoding, already past 150 tokens
-        progress = {r.request_id: 150 for r in requests[2:]}
+        # 37 are still decoding, already past 150 tokens; the last one still waits
+        progress = {r.request_id: 150 for r in requests[2:-1]}
         for r, f in online.update(progress):
             apply_forecast(r, f)
+            if r.request_id in progress:    # a decoding request: never before its next token
+                assert f.point >= 151
         return requests[-1].predicted_output_len
 
     assert run(censored=False) < 60
     assert run(censored=True) > 120
+
+
+def test_a_new_upper_forecast_reaches_the_scheduler_even_when_the_point_stays():
+    online = OnlineLengthPredictor(FakeClassifier(), refit_every=1, min_examples=1,
+                                   prior_weight=1.0, head=False, censored=False)
+    requests = [_req(i, 9.0) for i in range(3)]
+    online.forecast(requests)
+    entry = online._pending["r2"]
+    entry.current_upper = -1                  # as if the last one sent had another upper
+    online.observe("r0", 100)
+    changed = dict((r.request_id, f) for r, f in online.update())
+    assert "r2" in changed and changed["r2"].upper == entry.current_upper != -1
 
 
 def test_online_mean_predictor_recalibrates_its_mean():

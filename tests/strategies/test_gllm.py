@@ -12,7 +12,8 @@ from batchinfer.engine.scheduler import HybridBatching
 from batchinfer.strategies.gllm.scheduler import (GLLMParams, TokenThrottlingScheduler, decode_budget,
                                         is_decoding, prefill_budget)
 from batchinfer.sim.scheduler_driver import complete, launch, make_seq, run_pipeline
-from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
+from tests.strategy_e2e import (E2E_PARAMS, E2E_PROMPTS, TIGHT, assert_context_dependent,
+                                 run_shipped_recipe)
 
 DEFAULTS = GLLMParams()
 
@@ -230,6 +231,7 @@ def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
 
     with make_engine(**TIGHT) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    assert_context_dependent(reference)
     config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=GLLMParams(T=2, MaxP=48, MinP=8))
     with Engine.from_config(config) as engine:
         outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)

@@ -19,7 +19,8 @@ from batchinfer.strategies.tdpipe.policy import (KVForecast, WorkStealing, futur
 from batchinfer.sim.scheduler_driver import complete as _complete
 from batchinfer.sim.scheduler_driver import launch as _launch
 from batchinfer.sim.scheduler_driver import make_seq as _seq
-from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, run_shipped_recipe
+from tests.strategy_e2e import (E2E_PARAMS, E2E_PROMPTS, TIGHT, assert_context_dependent,
+                                 run_shipped_recipe)
 
 TABLE = StepTimes(decode=[(1, 0.010), (16, 0.020), (64, 0.040), (256, 0.128)],
                   prefill=[(64, 0.030), (256, 0.100), (1024, 0.400)])
@@ -343,6 +344,7 @@ def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
 
     with make_engine(**TIGHT) as engine:
         reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    assert_context_dependent(reference)
     # the step times are profiled at startup on the two workers, before any request
     config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=TDPipeParams(
         max_num_batched_tokens=64, profile_decode_batch_sizes=[1, 8],
