@@ -130,6 +130,20 @@ def test_a_block_released_before_it_was_indexed_is_never_indexed():
     bm.check_invariants()
 
 
+def test_releasing_the_last_indexed_block_ends_the_chain():
+    """The next block is registered under its parent's block id: once the parent is released
+    (parked, evictable, then reusable for other content) nothing may be chained onto it."""
+    bm = manager(prefix=True, window=8)
+    tokens = list(range(100, 164))
+    bm.grow("a", 32)
+    bm.cache_computed("a", tokens, 32)            # blocks 0-1 indexed
+    assert bm.release_outside_window("a", 40) == 2
+    bm.grow("a", 48)
+    bm.cache_computed("a", tokens, 48)            # block 2: not chained onto released block 1
+    assert bm.match_prefix("b", tokens[:48] + [1]) == 32
+    bm.check_invariants()
+
+
 def test_shared_blocks_released_by_one_sequence_stay_held_by_the_other():
     bm = manager(prefix=True)
     tokens = list(range(100, 164))                # 4 full blocks
