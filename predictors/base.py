@@ -128,11 +128,15 @@ class LengthPredictor(ABC):
         self.seconds = 0.0
 
     def predict(self, requests: Sequence[Any]) -> list[int]:
+        return self._timed(self.predict_queries, requests)
+
+    def _timed(self, method, requests: Sequence[Any]) -> list:
+        """`method` over the requests' queries, its cost counted in stats()."""
         queries = [as_query(r, self.oracle_field) for r in requests]
         if not queries:
             return []
         t = time.perf_counter()
-        out = self.predict_queries(queries)
+        out = method(queries)
         self.seconds += time.perf_counter() - t
         self.calls += 1
         self.requests += len(queries)
@@ -147,15 +151,7 @@ class LengthPredictor(ABC):
     def forecast(self, requests: Sequence[Any]) -> list[Forecast]:
         """Forecasts with their uncertainty (predict's points, the same cost); a predictor that
         knows no distribution gives points alone."""
-        queries = [as_query(r, self.oracle_field) for r in requests]
-        if not queries:
-            return []
-        t = time.perf_counter()
-        out = self.forecast_queries(queries)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        self.requests += len(queries)
-        return out
+        return self._timed(self.forecast_queries, requests)
 
     def forecast_queries(self, queries: Sequence[LengthQuery]) -> list[Forecast]:
         return [Forecast(p) for p in self.predict_queries(queries)]

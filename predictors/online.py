@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .base import (Forecast, LengthPredictor, LengthQuery, as_query, cap, class_forecasts)
+from .base import Forecast, LengthPredictor, LengthQuery, cap, class_forecasts
 from .classes import accumulated_error
 from .online_fit import OnlineFit, fit_online
 
@@ -109,10 +109,11 @@ class OnlineLengthPredictor(LengthPredictor):
         return [f.point for f in self.forecast_queries(queries)]
 
     def forecast(self, requests: Sequence[Any]) -> list[Forecast]:
-        if not requests:
-            return []
-        t = time.perf_counter()
-        queries = [as_query(r, self.oracle_field) for r in requests]
+        """Forecasts, and each request's prior and embedding kept for re-forecasting."""
+        return self._timed(lambda queries: self._forecast_pending(requests, queries), requests)
+
+    def _forecast_pending(self, requests: Sequence[Any],
+                          queries: Sequence[LengthQuery]) -> list[Forecast]:
         priors, classes, features, base = self._prior(queries)
         out = self._apply(priors, classes, features, base, queries)
         for r, q, p, c, f, b, fc in zip(requests, queries, priors, classes,
@@ -122,9 +123,6 @@ class OnlineLengthPredictor(LengthPredictor):
             if key is not None:
                 self._pending[key] = _Pending(r, float(p), int(c), f, b.confidence, q.max_tokens,
                                               fc.point, fc.point, fc.upper)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        self.requests += len(queries)
         return out
 
     def forecast_queries(self, queries: Sequence[LengthQuery]) -> list[Forecast]:
