@@ -102,7 +102,7 @@ class BlockManager:
         for block in new:
             self._ref[block] = 1
         table.extend(new)
-        self.peak_seq_blocks = max(self.peak_seq_blocks, len(table) - self._released.get(seq_id, 0))
+        self.peak_seq_blocks = max(self.peak_seq_blocks, self.num_held_blocks(seq_id))
         return new
 
     def share(self, seq_id: Hashable, blocks: list[int]) -> None:

@@ -64,7 +64,7 @@ def apply_forecast(request: Any, forecast: Any) -> None:
 
 def learn(predictor: Any, engine: Any, outputs: Iterable[Any], now: Optional[float]) -> None:
     """The finished `outputs` of one engine step are labelled examples; when a refit is due it
-    runs here, between steps, and the waiting requests get their new forecasts. Nothing here
+    runs here, between steps, and the unfinished requests get their new forecasts. Nothing here
     can fail the job."""
     observe = getattr(predictor, "observe", None)
     if observe is None:

@@ -137,24 +137,29 @@ class _Filler:
         expert = _EXPERT.match(rest)
         if expert is not None:
             index, proj = int(expert.group(1)), expert.group(2)
-            rows, lo, full = (sh.expert_intermediate_size, sh.expert_intermediate_start,
-                              moe.intermediate_size)
-            if proj == moe.projections[2]:
-                return [_Target(f"{p}experts.down", 0, None, *self._cut(split, 1, lo, rows, full),
-                                expert=index)]
-            start = 0 if proj == moe.projections[0] else rows
-            return [_Target(f"{p}experts.gate_up", start, rows,
-                            *self._cut(split, 0, lo, rows, full), expert=index)]
+            gate, _, down = moe.projections
+            return [self._feed_forward_part(
+                proj == gate, proj == down, f"{p}experts.gate_up", f"{p}experts.down",
+                sh.expert_intermediate_size, sh.expert_intermediate_start,
+                moe.intermediate_size, split, expert=index)]
         if rest.startswith("shared_expert."):
             proj = rest[len("shared_expert."):].partition(".")[0]
-            rows, lo, full = (sh.shared_intermediate_size, sh.shared_intermediate_start,
-                              moe.shared_intermediate_size)
-            if proj == "down_proj":
-                return [_Target(f"{p}{rest}", 0, None, *self._cut(split, 1, lo, rows, full))]
-            start = 0 if proj == "gate_proj" else rows
-            return [_Target(f"{p}shared_expert.gate_up_proj.weight", start, rows,
-                            *self._cut(split, 0, lo, rows, full))]
+            return [self._feed_forward_part(
+                proj == "gate_proj", proj == "down_proj",
+                f"{p}shared_expert.gate_up_proj.weight", f"{p}{rest}",
+                sh.shared_intermediate_size, sh.shared_intermediate_start,
+                moe.shared_intermediate_size, split)]
         return [_Target(f"{p}{rest}")]
+
+    def _feed_forward_part(self, is_gate: bool, is_down: bool, gate_up: str, down: str,
+                           rows: int, lo: int, full: int, split: bool,
+                           expert: Optional[int] = None) -> _Target:
+        """An expert's (or the shared expert's) projection: gate rows, then up rows, of this
+        rank's intermediate slice into the fused `gate_up`; down's matching columns into `down`."""
+        if is_down:
+            return _Target(down, 0, None, *self._cut(split, 1, lo, rows, full), expert=expert)
+        return _Target(gate_up, 0 if is_gate else rows, rows,
+                       *self._cut(split, 0, lo, rows, full), expert=expert)
 
     def _column_pieces(self, module: str) -> Optional[tuple[str, list[tuple[int, int, int, int]]]]:
         """Our fused parameter for a column-parallel HF module and its pieces as (our first row,
