@@ -372,7 +372,7 @@ class Job:
                               out.num_output_tokens, out.finish_reason, self.engine.model_id,
                               payload.max_tokens, payload.predicted_tokens,
                               prompts=self.recipe.predictor.history_prompts,
-                              source=(payload.metadata or {}).get("source")
+                              source=payload.metadata.get("source")
                               if isinstance(payload.metadata, dict) else None)
 
     def _tick(self, force: bool = False, report: bool = True) -> None:
