@@ -58,7 +58,7 @@ class Engine:
         self._clock0 = self._clock()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
-        self._expert_load: Optional[list[list[int]]] = None   # [sparse layer][expert], summed
+        self._expert_load: Optional[dict[int, list[int]]] = None  # layer -> [expert], summed
         # async scheduling (steps_ahead.py), where the build chose an executor that launches ahead
         self._ahead = None
         if self.info.get("async_scheduling"):
@@ -295,7 +295,7 @@ class Engine:
             **scheduler.step_stats(), **rep.executor.step_stats(),
         }
         if result.expert_load:     # a mixture of experts: tokens per expert, layers summed
-            event["expert_tokens"] = [sum(column) for column in zip(*result.expert_load)]
+            event["expert_tokens"] = [sum(column) for column in zip(*result.expert_load.values())]
             self._add_expert_load(result.expert_load)
         if len(self.replicas) > 1:
             event["replica"] = replica_index
@@ -304,23 +304,25 @@ class Engine:
             event["decisions"] = decisions
         self._events.append(event)
 
-    def _add_expert_load(self, load: list[list[int]]) -> None:
+    def _add_expert_load(self, load: dict[int, list[int]]) -> None:
         if self._expert_load is None:
-            self._expert_load = [list(row) for row in load]
-            return
-        for total, row in zip(self._expert_load, load):
+            self._expert_load = {}
+        for layer, row in load.items():
+            total = self._expert_load.setdefault(layer, [0] * len(row))
             for expert, tokens in enumerate(row):
                 total[expert] += tokens
 
     def expert_load(self) -> Optional[dict]:
-        """Tokens routed to each expert so far: per sparse layer, summed over the layers, and
-        the busiest expert's share against an even split (1.0: perfectly balanced); None for a
-        dense model."""
+        """Tokens routed to each expert so far: per sparse layer (`layers` names them), summed
+        over the layers, and the busiest expert's share against an even split (1.0: perfectly
+        balanced); None for a dense model."""
         if self._expert_load is None:
             return None
-        per_expert = [sum(column) for column in zip(*self._expert_load)]
+        layers = sorted(self._expert_load)
+        per_layer = [list(self._expert_load[layer]) for layer in layers]
+        per_expert = [sum(column) for column in zip(*per_layer)]
         mean = sum(per_expert) / len(per_expert)
-        return {"per_expert": per_expert, "per_layer": [list(r) for r in self._expert_load],
+        return {"per_expert": per_expert, "per_layer": per_layer, "layers": layers,
                 "max_over_mean": round(max(per_expert) / mean, 4) if mean else None}
 
     def drain_step_events(self) -> list[dict]:

@@ -38,7 +38,7 @@ class StepResult:
     events: list[dict] = field(default_factory=list)
     # tokens routed to each expert in each sparse layer the step ran ([layer][expert]; None:
     # a dense model); with PP on worker processes, the last stage's layers
-    expert_load: Optional[list[list[int]]] = None
+    expert_load: Optional[dict[int, list[int]]] = None   # decoder layer -> tokens per expert
 
 
 class Executor:

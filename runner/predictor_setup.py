@@ -28,15 +28,18 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
             cfg, model_id_for(model.path, model.load_format == "dummy", model.hf_overrides), Path(output_dir).parent,
             "cpu" if device == "auto" else device, recipe.strategy.reads_length_forecasts(),
             exclude=Path(output_dir))
-        return _online(predictor, cfg), choice.to_json()
+        return wrap_online(predictor, cfg), choice.to_json()
     if cfg.name == "none":
         return None, None
     from batchinfer.predictors import make_predictor
 
-    return _online(make_predictor(cfg, device=None if device == "auto" else device), cfg), None
+    predictor = make_predictor(cfg, device=None if device == "auto" else device)
+    return wrap_online(predictor, cfg), None
 
 
-def _online(predictor: Optional[Any], cfg) -> Optional[Any]:
+def wrap_online(predictor: Optional[Any], cfg) -> Optional[Any]:
+    """`predictor` learning from the job (predictors/online.py) when `cfg.online` says so and
+    it can; else `predictor` itself."""
     if predictor is None:
         return None
     predictor.upper_percentile = getattr(cfg, "upper_percentile", predictor.upper_percentile)

@@ -12,6 +12,8 @@ with a cap of --max-tokens, so lengths are unknown until the replies end. Foreca
 - mean: the reference lengths' mean for every request;
 - bert: the predictor shipped for the embedded model (what `predictor: auto` picks), on the prompt
   text as a job gives it;
+- bert-online: the same predictor learning from the run as it goes (`predictor.online`, the
+  default for a job): refits between steps on the finished replies, re-forecasts the rest;
 - none: each request's max_tokens.
 """
 from __future__ import annotations
@@ -96,6 +98,36 @@ def forecasts(predictor: str, rows: list[dict], lengths: Optional[dict]) -> tupl
         mean = round(statistics.mean(true))
         return [min(mean, r["max_tokens"]) for r in rows], 0.0
     return true, 0.0
+
+
+def online_predictor():
+    """The shipped predictor learning from the run (`predictor.online`, the recipe's defaults):
+    what a job with `predictor: auto` runs for the embedded model."""
+    from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
+    from batchinfer.predictors.auto import shipped_predictor
+    from batchinfer.predictors.bert import BertLengthPredictor
+    from batchinfer.runner.recipe import PredictorConfig
+    from batchinfer.runner.predictor_setup import wrap_online
+
+    base = BertLengthPredictor.load(shipped_predictor(DEFAULT_MODEL_ID), device="cpu")
+    return wrap_online(base, PredictorConfig(name="bert"))
+
+
+def online_forecasts(online, requests: list, rows: list[dict]) -> tuple[list, float]:
+    """The online predictor's first forecasts, set on the requests as the job sets them; the
+    prompt text is the row's, as a job gives it."""
+    import time
+    from types import SimpleNamespace
+
+    from batchinfer.runner.predictor_setup import apply_forecast
+
+    for request, row in zip(requests, rows):
+        request.payload = SimpleNamespace(prompt_text=row["prompt"], predicted_tokens=None)
+    t = time.perf_counter()
+    forecasts = online.forecast(requests)
+    for request, forecast in zip(requests, forecasts):
+        apply_forecast(request, forecast)
+    return [f.point for f in forecasts], time.perf_counter() - t
 
 
 def forecast_error(predicted: list, actual: dict, rows: list[dict]) -> Optional[dict]:

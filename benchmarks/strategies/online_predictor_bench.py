@@ -82,9 +82,17 @@ def model_replies(args):
     """(run dir, prompt rows, reply lengths, prompt tokens) of the embedded model's replies."""
     from batchinfer.predictors.history import read_history
 
-    run_dir = make_replies(args.offset, args.requests, args.max_tokens, not args.cached_only)
-    prompts = [json.loads(line) for line in open(
-        job_dir() / f"prompts-off{args.offset}-n{args.requests}.jsonl")]
+    if args.workload == "bigbench":
+        from benchmarks.strategies.predictor_corpus import corpus_dir
+
+        run_dir = corpus_dir() / "run-bigbench"
+        prompts = [json.loads(line) for line in open(corpus_dir() / "prompts-bigbench.jsonl")]
+        prompts = prompts[args.offset:args.offset + args.requests]
+    else:
+        run_dir = make_replies(args.offset, args.requests, args.max_tokens,
+                               not args.cached_only)
+        prompts = [json.loads(line) for line in open(
+            job_dir() / f"prompts-off{args.offset}-n{args.requests}.jsonl")]
     by_id = {r.id: r for r in read_history([run_dir], need_text=True).records}
     rows = []
     for p in prompts:            # the replies cached so far: the prompts' longest finished prefix
@@ -164,6 +172,11 @@ def main() -> None:
                     help="model: the embedded model's replies (generated once, cached); "
                     "reference: the ShareGPT replies' own lengths (no generation; a second "
                     "held-out workload)")
+    ap.add_argument("--workload", choices=("sharegpt", "bigbench"), default="sharegpt",
+                    help="sharegpt: the ShareGPT sample from --offset; bigbench: the held-out "
+                    "BIG-bench prompts of predictor_corpus.py (answered there; --offset 0)")
+    ap.add_argument("--predictor", type=Path, default=None, help="a predictor directory "
+                    "(default: the one shipped for the embedded model)")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "
                     "(do not run the model for the missing ones)")
     args = ap.parse_args()
@@ -183,7 +196,7 @@ def main() -> None:
     n = len(rows)
     queries = [LengthQuery(p["prompt"], max_tokens=p["max_tokens"], key=p["id"]) for p in rows]
 
-    shipped = shipped_predictor(DEFAULT_MODEL_ID)
+    shipped = args.predictor or shipped_predictor(DEFAULT_MODEL_ID)
     bert = BertLengthPredictor.load(shipped, device="cpu")
     train_mean = float(bert.card["classes"]["train_mean"])
 
@@ -250,7 +263,11 @@ def main() -> None:
     online_s = details["bert+online"]["seconds"]
     emit({
         "benchmark": "online_predictor_bench",
-        "workload": {"prompts": f"ShareGPT V3 sample [{args.offset}, {args.offset + n})",
+        "predictor": str(shipped),
+        "workload": {"prompts": f"ShareGPT V3 sample [{args.offset}, {args.offset + n})"
+                     if args.workload == "sharegpt" else
+                     f"BIG-bench, held out (predictor_corpus.py) [{args.offset}, "
+                     f"{args.offset + n})",
                      "replies": "SmolLM2-135M-Instruct, predictor_history.yaml sampling"
                      if args.lengths == "model" else
                      f"the ShareGPT reference replies' lengths, capped at {args.max_tokens}",

@@ -72,18 +72,22 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     from batchinfer.engine.engine import Engine
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
+    from batchinfer.runner.predictor_setup import learn
 
     config = engine_config(spec, kv_tokens, workload)
     rows = workload_rows(n, scale, workload, offset, max_tokens if stop_at_eos else None)
     predictor = spec.get("predictor", predictor)
     lengths = json.loads(Path(lengths_path).read_text()) if lengths_path else None
-    predicted, predict_s = eos_workload.forecasts(predictor, rows, lengths)
+    online = eos_workload.online_predictor() if predictor == "bert-online" else None
+    predicted, predict_s = ([None] * len(rows), 0.0) if online else eos_workload.forecasts(
+        predictor, rows, lengths)
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:
         build_s = time.perf_counter() - t_build
         tokens = [eos_workload.prompt_ids(engine.tokenizer, r["prompt"], stop_at_eos)
                   for r in rows]
         start = time.perf_counter()
+        requests = []
         for i, (row, ids) in enumerate(zip(rows, tokens)):
             base = eos_workload.EOS_SAMPLING if stop_at_eos else {"temperature": 0.0}
             sampling = {**base, **spec.get("sampling", {})}
@@ -94,10 +98,17 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
                                                              **sampling),
                               arrival_index=i)
             request.predicted_output_len = predicted[i]
+            requests.append(request)
+        if online is not None:      # as a job does: forecast at admission, learn after each step
+            predicted, predict_s = eos_workload.online_forecasts(online, requests, rows)
+        for request in requests:
             engine.add_request(request)
         outs, events = [], []
         while engine.has_unfinished():
-            outs.extend(engine.step())
+            step_outs = engine.step()
+            if online is not None:
+                learn(online, engine, step_outs, time.perf_counter())
+            outs.extend(step_outs)
             events.extend(engine.drain_step_events())
         elapsed = time.perf_counter() - start
         stats = engine.stats()
@@ -118,6 +129,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     actual = {o.request_id: o.num_output_tokens for o in outs}
     if stop_at_eos:
         eos = {"predictor": predictor, "predict_s": round(predict_s, 2),
+               **({"online": online.stats()["online"]} if online is not None else {}),
                "forecast_error": eos_workload.forecast_error(predicted, actual, rows),
                "stopped_at_eos": sum(o.num_output_tokens < max_tokens for o in outs)}
         if lengths:
@@ -189,7 +201,7 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
                     help="multiply each reference reply length (1.0: ShareGPT's own lengths)")
     ap.add_argument("--kv-tokens", type=int, default=16384,
                     help="KV capacity of the single process in tokens; PP ranks split its bytes")
-    ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "none"], default="oracle",
+    ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "bert-online", "none"], default="oracle",
                     help="the forecasts TD-Pipe reads, unless a configuration names its own")
     ap.add_argument("--offset", type=int, default=0,
                     help="skip the first K requests of the sample (held-out prompts)")

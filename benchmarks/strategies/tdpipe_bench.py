@@ -12,7 +12,7 @@ and TD-Pipe's startup profile excluded).
     python benchmarks/strategies/tdpipe_bench.py --requests 1000 --output-scale 0.25
     python benchmarks/strategies/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
     python benchmarks/strategies/tdpipe_bench.py --requests 120 --stop-at-eos --max-tokens 256 \
-        --only tdpipe-bert tdpipe-oracle tdpipe-none pp2-hb --repeat 3
+        --only tdpipe-bert-online tdpipe-bert tdpipe-oracle tdpipe-none pp2-hb --repeat 3
     python benchmarks/strategies/tdpipe_bench.py --requests 500 --output-scale 0.25 --only tdpipe \
         tdpipe-occupancy-30 tdpipe-occupancy-50 tdpipe-occupancy-70 tdpipe-occupancy-90
 
@@ -49,7 +49,7 @@ CONFIGS = {
 }
 # TD-Pipe's forecasts from each source (Figs. 14-15: prediction error costs little); meant for
 # --stop-at-eos, where lengths are unknown (eos_workload.py)
-for _source in ("bert", "oracle", "mean", "none"):
+for _source in ("bert", "bert-online", "oracle", "mean", "none"):
     CONFIGS[f"tdpipe-{_source}"] = {"pp": 2, "strategy": TDPIPE, "predictor": _source}
 # the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
 # the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the

@@ -107,20 +107,24 @@ class CausalLM(nn.Module):
         """TorchOps (portable), NativeOps (fused CPU kernels) or TritonOps (fused CUDA kernels)."""
         self.ops = ops
 
-    def take_expert_load(self) -> Optional[list[list[int]]]:
+    def take_expert_load(self) -> Optional[dict[int, list[int]]]:
         """Tokens routed to each expert in each of this partition's sparse layers since the last
-        call ([layer][expert], this partition's sparse layers in order), read in one host copy;
-        None for a dense model. Under TP every rank routes every token: any rank's count is
-        the layer's."""
-        stacks = [layer.mlp.experts for layer in self.layers if hasattr(layer.mlp, "experts")]
-        if not stacks:
+        call ({decoder layer index: [tokens per expert]}, read in one host copy); None for a
+        dense model. Keyed by the layer's index in the whole model, so the stages of a pipeline
+        merge without relying on the order their counts arrive in. Under TP every rank routes
+        every token: any rank's count is the layer's."""
+        layers = [layer for layer in self.layers if hasattr(layer.mlp, "experts")]
+        if not layers:
             return None
         device = self.rotary.cos.device
-        loads = [torch.zeros(s.num_experts, dtype=torch.long, device=device) if s.load is None
-                 else s.load for s in stacks]
-        for stack in stacks:
+        loads = []
+        for layer in layers:
+            stack = layer.mlp.experts
+            loads.append(torch.zeros(stack.num_experts, dtype=torch.long, device=device)
+                         if stack.load is None else stack.load)
             stack.load = None
-        return torch.stack(loads).tolist()
+        return dict(zip((layer.self_attn.layer_index for layer in layers),
+                        torch.stack(loads).tolist()))
 
     def tie_weights(self) -> None:
         if self.lm_head is not None and self.arch.tie_word_embeddings:

@@ -89,16 +89,19 @@ class PipelineExecutor(Executor):
                               f"arrived while {mb_id} was expected (pipeline order broken)")
         return message
 
-    def _expert_load(self, mb_id: int, message: dict) -> Optional[list[list[int]]]:
-        """A mixture of experts: the micro-batch's tokens per expert, layer by layer: the
-        earlier stages' first (each sent them before its hidden states, so they are here before
-        the result that needed those), then the last stage's."""
+    def _expert_load(self, mb_id: int, message: dict) -> Optional[dict[int, list[int]]]:
+        """A mixture of experts: the micro-batch's tokens per expert, by decoder layer: the
+        earlier stages' (each sent them before its hidden states) and the last stage's. Keyed by
+        layer, so a stage whose counts are late leaves its layers out of this step instead of
+        shifting the others."""
         pending = self.pool.expert_loads[self.replica]
         stages = pending.pop(mb_id, {})
         for stale in [mb for mb in pending if mb < mb_id]:   # never expected; not kept forever
             del pending[stale]
-        layers = [row for stage in sorted(stages) for row in stages[stage]]
-        layers.extend(message.get("expert_load") or ())
+        layers: dict[int, list[int]] = {}
+        for stage in sorted(stages):
+            layers.update(stages[stage])
+        layers.update(message.get("expert_load") or {})
         return layers or None
 
     @staticmethod

@@ -96,10 +96,31 @@ def test_a_batch_leaving_experts_without_tokens_matches_transformers(make_engine
     decode = [e for e in events if e["num_prefill_tokens"] == 0]
     assert decode and all(e["expert_tokens"].count(0) >= 12 for e in decode)
     load = engine.stats()["expert_load"]
-    assert load["per_layer"] == [load["per_expert"]]
+    assert load["per_layer"] == [load["per_expert"]] and len(load["layers"]) == 1
     assert sum(load["per_expert"]) == sum(sum(e["expert_tokens"]) for e in events)
     mean = sum(load["per_expert"]) / len(load["per_expert"])
     assert load["max_over_mean"] == pytest.approx(max(load["per_expert"]) / mean, abs=0.01)
+
+
+def test_pipeline_expert_counts_merge_by_layer_whatever_arrives():
+    """A pipeline's stages send their layers' counts apart: they merge by decoder layer, so a
+    stage whose counts have not arrived leaves its own layers out instead of shifting the last
+    stage's onto them; a stale micro-batch's counts are dropped."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from batchinfer.engine.runtime.executor import PipelineExecutor
+
+    executor = object.__new__(PipelineExecutor)
+    executor.pool, executor.replica = SimpleNamespace(expert_loads=defaultdict(dict)), 0
+    pending = executor.pool.expert_loads[0]
+    pending[3] = {0: {1: [2, 0, 1]}}
+    pending[1] = {0: {1: [9, 9, 9]}}                       # stale: never expected any more
+    assert executor._expert_load(3, {"expert_load": {5: [0, 3, 0]}}) == {1: [2, 0, 1],
+                                                                       5: [0, 3, 0]}
+    assert dict(pending) == {}
+    assert executor._expert_load(4, {"expert_load": {5: [1, 1, 1]}}) == {5: [1, 1, 1]}
+    assert executor._expert_load(5, {}) is None
 
 
 def test_expert_load_reaches_the_metrics_and_the_report():
@@ -224,7 +245,7 @@ def test_worker_processes_report_every_sparse_layer(make_engine, tmp_path, defau
             hf_greedy(model, PROMPTS)
         events = engine.drain_step_events()
         load = engine.stats()["expert_load"]
-    assert len(load["per_layer"]) == 2
+    assert len(load["per_layer"]) == 2 and load["layers"] == [0, 1]
     for event in events:
         tokens = event["num_prefill_tokens"] + event["num_decode_tokens"]
         assert sum(event["expert_tokens"]) == tokens * 2 * 2      # top 2, two sparse layers

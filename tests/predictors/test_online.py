@@ -15,7 +15,7 @@ from batchinfer.predictors.history import HistoryRecord, history_record
 from batchinfer.predictors.online import OnlineLengthPredictor
 from batchinfer.predictors.online_fit import (fit_online, global_scale, recalibrated_means,
                                               ridge_loo, truncated_mean)
-from batchinfer.runner.predictor_setup import _online, apply_forecast, learn
+from batchinfer.runner.predictor_setup import apply_forecast, learn, wrap_online
 from batchinfer.runner.recipe import PredictorConfig
 from batchinfer.strategies.tdpipe.policy import forecast_length
 
@@ -306,14 +306,14 @@ def test_learn_observes_finished_forgets_aborted_and_never_raises(caplog):
 
 def test_the_recipe_wraps_bert_and_mean_only():
     cfg = PredictorConfig(name="none")
-    mean = _online(MeanPredictor(5.0), cfg)
+    mean = wrap_online(MeanPredictor(5.0), cfg)
     assert isinstance(mean, OnlineLengthPredictor) and mean.refit_every == 16
     assert mean.describe()["online"]
-    off = _online(MeanPredictor(5.0), PredictorConfig(name="none", online=False,
+    off = wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online=False,
                                                       upper_percentile=90))
     assert isinstance(off, MeanPredictor) and off.upper_percentile == 90
     oracle = SimpleNamespace(name="oracle", upper_percentile=75)
-    assert _online(oracle, cfg) is oracle
+    assert wrap_online(oracle, cfg) is oracle
     with pytest.raises(ValueError):
         PredictorConfig(upper_percentile=100)
     with pytest.raises(ValueError):
