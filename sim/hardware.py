@@ -107,8 +107,7 @@ class RooflineCostModel:
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
         self.logits_bytes = 4 * arch.vocab_size
         self.device, self.memory_bytes = "cuda", int(hardware.memory)
-        h, i = arch.hidden_size, arch.intermediate_size
-        self.layer_params = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * i
+        self.attn_params = arch.hidden_size * (2 * arch.q_size + 2 * arch.kv_size)
         self.peak_flops = hardware.tflops * 1e12 * COMPUTE_EFFICIENCY
         self.bandwidth = hardware.memory_bandwidth * MEMORY_EFFICIENCY
         self.p2p = LinkCost(LINK_LATENCY_S, hardware.p2p_bandwidth)
@@ -117,12 +116,37 @@ class RooflineCostModel:
     def _roofline(self, flops: float, nbytes: float) -> float:
         return max(flops / self.peak_flops, nbytes / self.bandwidth)
 
+    def ffn_work(self, tokens: int) -> tuple[float, float]:
+        """(FLOPs, weight bytes) of one layer's feed-forward over `tokens` tokens, averaged over
+        the model's layers. A dense MLP reads all its weights and runs them for every token. A
+        mixture of experts runs each token through its top_k experts (plus the router and any
+        shared expert) and reads only the experts some token was routed to: with routing taken
+        as uniform, E (1 - (1 - k/E)^T) distinct experts of E for T tokens (a decode step of
+        a few sequences reads a few experts; a long prefill, all of them)."""
+        arch = self.arch
+        h = arch.hidden_size
+        dense = 3 * h * arch.intermediate_size
+        moe = arch.moe
+        if moe is None:
+            return 2.0 * dense * tokens, float(dense * self.dtype_bytes)
+        expert = 3 * h * moe.intermediate_size
+        always = h * moe.num_experts + (3 * h * moe.shared_intermediate_size + h
+                                        if moe.shared_intermediate_size else 0)
+        touched = moe.num_experts * (1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens)
+        sparse_flops = 2.0 * (moe.top_k * expert + always) * tokens
+        sparse_bytes = (touched * expert + always) * self.dtype_bytes
+        share = moe.num_sparse_layers / arch.num_layers
+        return (share * sparse_flops + (1 - share) * 2.0 * dense * tokens,
+                share * sparse_bytes + (1 - share) * dense * self.dtype_bytes)
+
     def layer_seconds(self, shape: BatchShape, tp: int) -> float:
         arch = self.arch
         kv_per_token_layer = 2 * arch.kv_size * self.dtype_bytes
         attn_pairs = shape.decode_context + shape.prefill_pairs
-        flops = (2 * self.layer_params * shape.tokens + 4 * attn_pairs * arch.q_size) / tp
-        nbytes = (self.layer_params * self.dtype_bytes
+        ffn_flops, ffn_bytes = self.ffn_work(shape.tokens)
+        flops = (2 * self.attn_params * shape.tokens + ffn_flops
+                 + 4 * attn_pairs * arch.q_size) / tp
+        nbytes = (self.attn_params * self.dtype_bytes + ffn_bytes
                   + shape.decode_context * kv_per_token_layer) / tp
         return self._roofline(flops, nbytes) + LAYER_OVERHEAD_S
 
@@ -184,8 +208,7 @@ class RooflineCostModel:
         return LINK_LATENCY_S + nbytes / self.hardware.host_bandwidth
 
     def ffn_seconds(self, tokens: int, threads: int) -> float:
-        h, i = self.arch.hidden_size, self.arch.intermediate_size
-        return self._roofline(6 * h * i * tokens, 3 * h * i * self.dtype_bytes) + LAYER_OVERHEAD_S
+        return self._roofline(*self.ffn_work(tokens)) + LAYER_OVERHEAD_S
 
     def weight_read_seconds(self, nbytes: float) -> float:
         """A peer GPU's weights over the interconnect (SiDP's WaS)."""

@@ -24,6 +24,10 @@ MODEL_PRESETS: dict[str, dict] = {
     "qwen2.5-14b": _qwen2(5120, 13824, 48, 40, 8, 32768),                # gLLM
     "qwen2.5-32b": _qwen2(5120, 27648, 64, 40, 8, 32768),                # TD-Pipe, gLLM
     "qwen2.5-72b": _qwen2(8192, 29568, 80, 64, 8, 32768),                # SiPipe, SiDP
+    # a mixture of experts (issue 42's GPU figure): 128 experts of 768, top 8 (3.3 B active)
+    "qwen3-30b-a3b": {**_llama(2048, 6144, 48, 32, 4, 151936, 40960), "model_type": "qwen3_moe",
+                      "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True},
 }
 
 

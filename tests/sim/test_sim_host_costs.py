@@ -147,3 +147,31 @@ def test_simulated_requests_sample_with_the_given_knobs():
         simulate(config, [SimRequest(4, 3)], cost, ARCH, 512, 4, sampling=sampling)
         assert max(s.random_rows for s in cost.shapes) == random_rows
         assert max(s.penalty_tokens for s in cost.shapes) == (6 if sampling else 0)
+
+
+def test_the_roofline_prices_a_mixture_of_experts_by_the_experts_it_runs_and_reads():
+    """Qwen3-30B-A3B on an H100: a token runs its top 8 of 128 experts (FLOPs), and a step
+    reads only the experts its tokens were routed to (bytes): one decode token reads 8 experts'
+    weights, a long prefill reads them all; a dense model prices as before (all weights, every
+    token), so the same layer with 128 dense-sized experts would cost E/k times the FLOPs."""
+    arch = model_preset("qwen3-30b-a3b")
+    cost = RooflineCostModel(preset("h100"), arch)
+    expert = 3 * arch.hidden_size * arch.moe.intermediate_size * cost.dtype_bytes
+    router = arch.hidden_size * arch.moe.num_experts * cost.dtype_bytes
+    flops_1, bytes_1 = cost.ffn_work(1)
+    assert bytes_1 == pytest.approx(8 * expert + router)
+    assert flops_1 == pytest.approx(2 * (8 * expert + router) / cost.dtype_bytes)
+    assert cost.ffn_work(4096)[1] == pytest.approx(128 * expert + router, rel=1e-6)
+    assert cost.ffn_work(16)[1] < cost.ffn_work(64)[1] < 128 * expert + router
+    assert cost.ffn_work(4096)[0] == pytest.approx(4096 * flops_1)
+
+    def decode(seqs):
+        return BatchShape(tokens=seqs, seqs=seqs, decode_seqs=seqs, decode_context=seqs * 512,
+                          prefill_pairs=0, sample_rows=seqs)
+
+    # decode is weight-read bound: 4 sequences read ~4x the expert bytes of one, far below all
+    assert cost.layer_seconds(decode(4), 1) < 0.5 * cost.layer_seconds(decode(256), 1)
+    dense = RooflineCostModel(preset("h100"), model_preset("qwen2.5-14b"))
+    d = dense.arch
+    assert dense.ffn_work(10) == (2 * 3 * d.hidden_size * d.intermediate_size * 10,
+                                  3 * d.hidden_size * d.intermediate_size * dense.dtype_bytes)
