@@ -40,8 +40,7 @@ def forecast_length(request, params) -> Optional[int]:
     point = request.predicted_output_len
     if point is None or not params.unsure_upper_forecast:
         return point
-    upper = getattr(request, "predicted_output_upper", None)
-    confidence = getattr(request, "predicted_confidence", None)
+    upper, confidence = request.predicted_output_upper, request.predicted_confidence
     if upper is None or confidence is None or confidence >= params.unsure_confidence:
         return point
     return max(point, upper)
