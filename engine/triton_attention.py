@@ -115,7 +115,7 @@ def _paged_attention_kernel(
         m = m_new
     if SINKS:   # the head's sink logit joins the denominator (log2 units, as m)
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        denom += tl.math.exp2(sink * 1.4426950408889634 - m)
+        denom += tl.math.exp2(tl.where(row_ok, sink * 1.4426950408889634 - m, float("-inf")))
     denom = tl.where(denom > 0.0, denom, 1.0)
     out = acc / denom[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
