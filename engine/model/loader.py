@@ -1,7 +1,9 @@
 """Builds a CausalLM partition and fills it from safetensors (or random weights for `dummy`).
 
 Hugging Face tensor names are mapped onto the fused layout: q/k/v rows go into qkv_proj, gate/up
-rows into gate_up_proj (a checkpoint that stores them fused, Phi-3's, has that layout already).
+rows into gate_up_proj (a checkpoint that stores them fused, Phi-3's, has that layout already);
+GPT-OSS's experts, stored stacked per layer (gate and up interleaved) or in MXFP4, are converted
+into the same expert stacks (`_Filler.convert`).
 Only the tensors this partition needs are read, and a tensor-parallel rank reads only its slices
 of them (shard.py says which). Every tensor's name and shape is checked against the config first
 (checkpoint.py). Dummy weights are generated as whole HF tensors from (seed, name) and go through
@@ -171,7 +173,8 @@ class _Filler:
         once (rank 0); MXFP4 pairs read whole, de-quantized when both halves are in, then cut."""
         sh, moe = self.shard, self.arch.moe
         split = sh.tp_size > 1
-        lo, rows, full = sh.expert_intermediate_start, sh.expert_intermediate_size, moe.intermediate_size
+        lo, rows = sh.expert_intermediate_start, sh.expert_intermediate_size
+        full = moe.intermediate_size
         if name == "gate_up_proj":
             return _Target(p + "gate_up", 0, None, *self._cut(split, 2, 2 * lo, 2 * rows, 2 * full),
                            convert="gate_up_t")

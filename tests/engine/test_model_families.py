@@ -1,8 +1,9 @@
 """Every model family on a tiny random model built with transformers' own classes
 (tests/tiny_families.py): prefill logits equal transformers' forward; greedy outputs equal its
 generate token for token, one prompt at a time and batched, under SB and under HB with small
-chunks and prefix caching (the Gemmas' and GPT-OSS's prompts run past their 16-key windows), and split by PP=2
-and by TP=2 (one pair of processes runs every family), and through the runtime at PP=2."""
+chunks and prefix caching (the Gemmas' and GPT-OSS's prompts run past their 16-key windows),
+and split by PP=2 and by TP=2 (one pair of processes runs every family), and through the runtime
+at PP=2."""
 from __future__ import annotations
 
 from pathlib import Path

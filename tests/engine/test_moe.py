@@ -245,15 +245,18 @@ def test_sidp_refuses_a_mixture_of_experts_by_name(make_engine, qwen3_moe):
                     cache={"kv_cache_memory": "8MiB"}, parallel={"dp": 2}, strategy=SiDPParams())
 
 
-def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir):
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir, family, request):
     """Seesaw's re-shard from the host copy (the loader's own slicing) gives a TP rank the same
-    experts, shared expert and router as the direct loader: PP stage 0, then TP rank 1 of 2."""
+    experts, shared expert and router as the direct loader: PP stage 0, then TP rank 1 of 2
+    (GPT-OSS: its MXFP4 checkpoint, the pairs de-quantized from the host copy, and its sinks)."""
     from batchinfer.engine.model.causal_lm import ModelPartition
     from batchinfer.engine.model.fused_experts import StackedExperts
     from batchinfer.engine.model.loader import build_model, load_arch
     from batchinfer.resharding.weights import HostWeights, ShapeOnlyGroup
 
-    path = save_model(hf_model("qwen2_moe"), tmp_path / "qwen2_moe", default_model_dir)
+    path = (request.getfixturevalue("gpt_oss_mxfp4")[0] if family == "gpt_oss" else
+            save_model(hf_model(family), tmp_path / family, default_model_dir))
     arch, cpu = load_arch(path), torch.device("cpu")
     stage, shard = ModelPartition(0, 1), ModelPartition(tp_rank=1, tp_size=2)
     host = HostWeights.load(path, arch, [stage, shard])
@@ -271,7 +274,13 @@ def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir):
 
     ours, theirs = weights(resharded), weights(direct)
     assert ours.keys() == theirs.keys() and "layers.0.mlp.experts.gate_up" in ours
-    assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 32, 64)   # 16 of 32 rows each
+    if family == "gpt_oss":      # 64 of 128 rows each; the biases and sinks are parameters
+        assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 128, 64)
+        for model, into in ((resharded, ours), (direct, theirs)):
+            into.update((n, p) for n, p in model.named_parameters() if "bias" in n or "sinks" in n)
+        assert theirs["layers.0.self_attn.sinks"].shape == (2,)
+    else:
+        assert theirs["layers.0.mlp.experts.gate_up"].shape == (8, 32, 64)   # 16 of 32 rows each
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
 
