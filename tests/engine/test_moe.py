@@ -295,6 +295,7 @@ def test_profile_leaves_out_the_strategies_that_cannot_run_the_model():
 
     moe, dense = _arch("qwen3_moe"), _arch("qwen3")
     assert "sidp" in names(dense) and "sidp" not in names(moe) and "baseline" in names(moe)
+    assert "sidp" not in names(_arch("gpt_oss")) and "baseline" in names(_arch("gpt_oss"))
 
 
 def test_a_config_routing_to_more_experts_than_it_has_is_an_error():
