@@ -82,9 +82,11 @@ class AttentionBackend(Protocol):
 
     def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`window` > 0: each query sees only its last `window` keys (a sliding-window layer);
-        `softcap` > 0: scores -> softcap * tanh(scores / softcap) before the softmax."""
+        `softcap` > 0: scores -> softcap * tanh(scores / softcap) before the softmax; `sinks`
+        [heads] (GPT-OSS): each head's sink logit joins the softmax's denominator (a layer
+        without sinks passes none and takes the backend's plain path)."""
 
 
 class NativeCPUAttention:
@@ -95,10 +97,14 @@ class NativeCPUAttention:
         torch.ops.batchinfer.write_kv(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)
 
     def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, scale: float,
-               window: int = 0, softcap: float = 0.0):
+               window: int = 0, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
+        if sinks is None:
+            return torch.ops.batchinfer.paged_attention(q, key_cache, value_cache,
+                                                        meta.block_tables, meta.query_start,
+                                                        meta.seq_lens, scale, window, softcap)
         return torch.ops.batchinfer.paged_attention(q, key_cache, value_cache, meta.block_tables,
                                                     meta.query_start, meta.seq_lens, scale,
-                                                    window, softcap)
+                                                    window, softcap, sinks.float())
 
 
 def fused_ops_for(backend_name: str):

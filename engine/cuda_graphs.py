@@ -94,18 +94,19 @@ class GraphDecodeAttention:
         self.triton = triton
 
     def attend(self, q, key_cache, value_cache, meta: StaticDecodeMeta, scale: float,
-               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+               window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
         if not self.triton:
             mask = meta.mask
             if window:   # a sliding-window layer: the row's last `window` keys
                 recent = meta.key_pos[None, :] >= meta.seq_lens[:, None] - window
                 mask = mask & recent[:, None, None, :]
-            return decode_attention(q, key_cache, value_cache, meta.tables, mask, scale, softcap)
+            return decode_attention(q, key_cache, value_cache, meta.tables, mask, scale, softcap,
+                                    sinks)
         from .triton_attention import launch
 
         out = torch.empty_like(q)
         launch(out, q, key_cache, value_cache, meta.tables, meta.seq_lens, meta.query_start,
-               meta.work, q.shape[0], True, scale, window, softcap)
+               meta.work, q.shape[0], True, scale, window, softcap, sinks)
         return out
 
 

@@ -17,8 +17,9 @@ held to the memory-efficient kernel: with a mask and grouped heads it would othe
 cuDNN's, whose host-side cost was ~0.8 ms a call on an H200 (most of a 512-sequence step), or
 the math one.
 A sliding window (a layer that sees only its last `window` keys) is one more term of the masks; a
-logit soft-cap (Gemma 2: scores -> cap * tanh(scores / cap) before the softmax) takes an explicit
-softmax instead of SDPA, which has no such step.
+logit soft-cap (Gemma 2: scores -> cap * tanh(scores / cap) before the softmax) and attention
+sinks (GPT-OSS: a logit per head that joins the softmax's denominator and takes no value) take an
+explicit softmax instead of SDPA, which has no such step.
 `reference_attention` is the direct per-sequence definition the batched path is tested against.
 """
 from __future__ import annotations
@@ -139,20 +140,30 @@ def _kv_head_of(num_heads: int, kv_heads: int, device: torch.device) -> torch.Te
     return torch.arange(num_heads, device=device) // (num_heads // kv_heads)
 
 
-def softcapped_attention(queries, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """SDPA's maths with the logit soft-cap before the softmax; k and v have the queries' heads
-    or one per group of them (GQA: the queries' head axis a multiple of theirs)."""
+def softcapped_attention(queries, k, v, mask, scale: float, softcap: float,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SDPA's maths with the logit soft-cap (0: none) before the softmax and, where `sinks` is
+    given, a sink logit per head in its denominator (`sinks` broadcasts against the scores
+    without their key axis: [heads, 1, 1], or [kv heads, group, 1] for grouped queries); k and
+    v have the queries' heads or one per group of them (GQA: the queries' head axis a multiple
+    of theirs)."""
     if k.shape[-3] != queries.shape[-3]:
         repeat = queries.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
     scores = torch.matmul(queries, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def decode_attention(q, key_cache, value_cache, tables: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: float = 0.0) -> torch.Tensor:
+                     scale: float, softcap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One new token per sequence: q [n, heads, dim] over the blocks of `tables` [n, W] (long),
     `mask` [n, 1, 1, W * block_size] -> [n, heads, dim]. The query heads that share a kv head go
     in as that head's queries (one token each, all under the same mask), so K/V are gathered once
@@ -163,29 +174,33 @@ def decode_attention(q, key_cache, value_cache, tables: torch.Tensor, mask: torc
     k = key_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
     v = value_cache[tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
     queries = q.reshape(n, kv_heads, num_heads // kv_heads, head_dim)
-    if softcap:
-        return softcapped_attention(queries, k, v, mask, scale, softcap).reshape(n, num_heads, head_dim)
+    if softcap or sinks is not None:
+        if sinks is not None:
+            sinks = sinks.view(kv_heads, num_heads // kv_heads, 1)
+        return softcapped_attention(queries, k, v, mask, scale, softcap,
+                                    sinks).reshape(n, num_heads, head_dim)
     with sdpa_kernel(CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
 
 
 def _attend_rows(q, key_cache, value_cache, rows: _Rows, scale: float, out: torch.Tensor,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> None:
     n, q_max = rows.tokens.shape
     if q_max == 1:
         tokens = rows.tokens[:, 0]
         out.index_copy_(0, tokens, decode_attention(q[tokens], key_cache, value_cache, rows.tables,
-                                                    rows.mask, scale, softcap))
+                                                    rows.mask, scale, softcap, sinks))
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     keys = rows.tables.shape[1] * block_size
     queries = q[rows.tokens].transpose(1, 2)                         # [n, heads, q_max, dim]
-    if softcap:
+    if softcap or sinks is not None:
         k = key_cache[rows.tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
         v = value_cache[rows.tables].transpose(1, 2).reshape(n, kv_heads, keys, head_dim).to(q.dtype)
-        o = softcapped_attention(queries, k, v, rows.mask, scale, softcap)
+        o = softcapped_attention(queries, k, v, rows.mask, scale, softcap,
+                                 None if sinks is None else sinks.view(num_heads, 1, 1))
     elif q.is_cuda:
         index = (rows.tables[:, :, None], _kv_head_of(num_heads, kv_heads, q.device))
         k = key_cache[index].transpose(1, 2).reshape(n, num_heads, keys, head_dim).to(q.dtype)
@@ -209,18 +224,19 @@ class TorchAttention:
     write_kv = staticmethod(write_kv)
 
     def attend(self, q, key_cache, value_cache, meta, scale: float, window: int = 0,
-               softcap: float = 0.0):
+               softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
         """`window`: each query sees its last `window` keys only (0: all); `softcap`: the
-        logit soft-cap (0: none)."""
+        logit soft-cap (0: none); `sinks` [heads]: each head's sink logit in the softmax's
+        denominator (None: none)."""
         step = plan(meta, key_cache.shape[2], q.device, window)
         out = torch.empty_like(q)
         for rows in step.decode + step.prefill:
-            _attend_rows(q, key_cache, value_cache, rows, scale, out, softcap)
+            _attend_rows(q, key_cache, value_cache, rows, scale, out, softcap, sinks)
         return out
 
 
 def reference_attention(q, key_cache, value_cache, meta, scale: float, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One sequence at a time, straight from the definition (tests' reference)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -237,8 +253,9 @@ def reference_attention(q, key_cache, value_cache, meta, scale: float, window: i
         query_at = ctx + torch.arange(q_len, device=q.device)[:, None]
         allowed = (key_at <= query_at) & ((key_at > query_at - window) if window else True)
         qi = q[start:start + q_len].transpose(0, 1)
-        if softcap:
-            oi = softcapped_attention(qi, k, v, allowed, scale, softcap)
+        if softcap or sinks is not None:
+            oi = softcapped_attention(qi, k, v, allowed, scale, softcap,
+                                      None if sinks is None else sinks.view(num_heads, 1, 1))
         else:
             oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale,
                                                 enable_gqa=num_heads != kv_heads)

@@ -13,8 +13,9 @@ fp32 models use IEEE fp32 products (not TF32), so fp32 runs stay token-exact aga
 bf16 / fp16 models multiply in their dtype (the probabilities rounded to it before P x V, as
 flash attention does) and accumulate in fp32. A sliding-window layer's programs start at the
 first key their queries' windows reach and mask below each one's window; a logit soft-cap
-(Gemma 2) caps the scores before the online softmax. Both are compile-time switches (WINDOWED,
-SOFTCAP), so the plain causal kernel is the code it was.
+(Gemma 2) caps the scores before the online softmax; attention sinks (GPT-OSS: a logit per head)
+join each row's denominator after the last tile. All three are compile-time switches (WINDOWED,
+SOFTCAP, SINKS), so the plain causal kernel is the code it was.
 CI has no GPU: the tests run this kernel in Triton's interpreter (TRITON_INTERPRET=1) on CPU
 tensors against the per-sequence definition (torch_attention.reference_attention).
 """
@@ -44,13 +45,13 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, query_start_ptr,
-        work_ptr, scale_log2, window,
+        work_ptr, sinks_ptr, scale_log2, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_table,
         GROUP: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOWED: tl.constexpr,
-        SOFTCAP: tl.constexpr):
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(work_ptr + 2 * pid).to(tl.int64)
@@ -112,6 +113,9 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if SINKS:   # the head's sink logit joins the denominator (log2 units, as m)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        denom += tl.math.exp2(tl.where(row_ok, sink * 1.4426950408889634 - m, float("-inf")))
     denom = tl.where(denom > 0.0, denom, 1.0)
     out = acc / denom[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -136,10 +140,12 @@ def queries_per_program(group: int, decode: bool) -> tuple[int, int]:
 
 
 def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, programs: int,
-           decode: bool, scale: float, window: int = 0, softcap: float = 0.0) -> None:
+           decode: bool, scale: float, window: int = 0, softcap: float = 0.0,
+           sinks=None) -> None:
     """Runs the kernel over `programs` (sequence, first query) pairs of `work` (int32 [P, 2]).
     tables [B, W] and seq_lens [B] any integer dtype; query_start [B + 1]. `window` > 0: a
-    sliding window of that many keys; `softcap` > 0: the logit soft-cap."""
+    sliding window of that many keys; `softcap` > 0: the logit soft-cap; `sinks` [heads]: each
+    head's sink logit in the softmax's denominator."""
     if programs == 0:
         return
     _, num_heads, head_dim = q.shape
@@ -147,7 +153,8 @@ def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, 
     group = num_heads // kv_heads
     queries, rows = queries_per_program(group, decode)
     _paged_attention_kernel[(programs, kv_heads)](
-        out, q, key_cache, value_cache, tables, seq_lens, query_start, work, scale * _LOG2E, window,
+        out, q, key_cache, value_cache, tables, seq_lens, query_start, work,
+        q if sinks is None else sinks, scale * _LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
@@ -155,7 +162,7 @@ def launch(out, q, key_cache, value_cache, tables, seq_lens, query_start, work, 
         DIM_P2=max(16, _next_pow2(head_dim)), BLOCK_SIZE=block_size,
         TILE=KEY_TILE if head_dim * q.element_size() <= 256 else KEY_TILE // 2,
         FP32_DOT=q.dtype == torch.float32 or INTERPRETING, WINDOWED=window > 0,
-        SOFTCAP=float(softcap),
+        SOFTCAP=float(softcap), SINKS=sinks is not None,
         num_warps=4, num_stages=2)
 
 
@@ -206,7 +213,7 @@ class TritonAttention:
         self._fallback = None
 
     def attend(self, q, key_cache, value_cache, meta, scale: float, window: int = 0,
-               softcap: float = 0.0):
+               softcap: float = 0.0, sinks=None):
         if self._fallback is None:
             reason = unsupported_reason(q.shape[-1], q.shape[1], key_cache.shape[1], q.dtype,
                                         key_cache.dtype)
@@ -215,14 +222,15 @@ class TritonAttention:
                             reason)
             self._fallback = TorchAttention() if reason else False
         if self._fallback:
-            return self._fallback.attend(q, key_cache, value_cache, meta, scale, window, softcap)
+            return self._fallback.attend(q, key_cache, value_cache, meta, scale, window, softcap,
+                                         sinks)
         if window and max(meta.seq_lens_cpu, default=0) <= window:
             window = 0                                  # no sequence is longer: plain causal
         group = q.shape[1] // key_cache.shape[1]
         step = step_work(meta, group, q.device)
         out = torch.empty_like(q)
         args = (key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start)
-        launch(out, q, *args, step.work, step.decode_programs, True, scale, window, softcap)
+        launch(out, q, *args, step.work, step.decode_programs, True, scale, window, softcap, sinks)
         launch(out, q, *args, step.work[step.decode_programs:], step.prefill_programs, False, scale,
-               window, softcap)
+               window, softcap, sinks)
         return out

@@ -51,13 +51,16 @@ class _Collect:
         self.tensors[name] = tensor.to(torch.float32)
 
 
-def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition]) -> set[str]:
-    """The Hugging Face tensors any of `partitions` reads (a TP shard reads its slice of each)."""
+def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition],
+                 quantized: bool = True) -> set[str]:
+    """The Hugging Face tensors any of `partitions` reads (a TP shard reads its slice of each);
+    `quantized` false: a quantized checkpoint's tensors in their de-quantized form (dummy)."""
     names = set()
     for partition in partitions:
         with torch.device("meta"):   # shapes only: nothing is allocated
             filler = _Filler(CausalLM(arch, 16, partition, ShapeOnlyGroup(partition)))
-        names.update(name for name, _ in hf_tensor_shapes(arch) if filler.targets(name))
+        names.update(name for name, _ in hf_tensor_shapes(arch, quantized)
+                     if filler.targets(name))
     return names
 
 
@@ -80,10 +83,10 @@ class HostWeights:
     @classmethod
     def load(cls, model_dir: Path, arch: ModelArch, partitions: list[ModelPartition],
              dummy: bool = False, seed: int = 0, pin: bool = False) -> "HostWeights":
-        wanted = needed_names(arch, partitions)
+        wanted = needed_names(arch, partitions, quantized=not dummy)
         collect = _Collect(wanted)
-        if dummy:
-            for name, shape in hf_tensor_shapes(arch):
+        if dummy:   # drawn de-quantized, as the loader draws them
+            for name, shape in hf_tensor_shapes(arch, quantized=False):
                 if name in wanted:
                     collect.put(name, dummy_tensor(name, shape, seed))
         else:

@@ -63,7 +63,21 @@ FAMILIES = {
         "norm_topk_prob": True, "decoder_sparse_step": 2}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # GPT-OSS: attention sinks, a 16-key window on the first layer and a full second one, YaRN
+    # (an original length of 64, so the prompts run past it), biased q/k/v/o, a biased router
+    # whose top 2 of 8 logits are softmaxed, biased experts (gate/up stored interleaved) and the
+    # clamped SwiGLU, its limit low enough (1.5) that the clamps bite. Its biases and sinks are
+    # drawn larger than the initializer does (hf_model), so each of them moves the tokens
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "sliding_window": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "swiglu_limit": 1.5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 64}}),
 }
+
+# parameters transformers initializes to zeros or small values, drawn N(0, std) in hf_model
+PERTURBED = {"gpt_oss": (("sinks", "_bias", "router.bias"), 1.0)}
 
 def hf_gemma3_vision_language(seed: int = 0):
     """Gemma 3's vision-language model (the 4B-27B checkpoints' kind) with the gemma3 family's
@@ -93,7 +107,14 @@ def hf_model(family: str, seed: int = 0):
     config_class, model_class, extra = FAMILIES[family]
     config = getattr(transformers, config_class)(**{**TINY, **extra})
     torch.manual_seed(seed)
-    return getattr(transformers, model_class)(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
+    if family in PERTURBED:
+        names, std = PERTURBED[family]
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(names):
+                    param.normal_(0.0, std)
+    return model
 
 
 def save_model(model, directory: Path, tokenizer_dir: Path) -> Path:

@@ -67,12 +67,14 @@ inline __m256 load8(const at::Half* p) {
 
 // window > 0: each query sees only its last `window` keys (a sliding-window layer); softcap > 0:
 // scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2). Both 0: plain causal.
+// sinks (GPT-OSS; nullptr: none): a logit per query head that joins the softmax's denominator
+// (exp(sink - max) added to the sum at the end) and takes no value.
 template <int D, typename T>
 void attend_item(const float* q, float* out, const T* kc, const T* vc, const int* table,
                  int num_q, int ctx, int group, int head_dim, int block_size, int64_t q_tok_stride,
                  int64_t q_head_stride, int64_t out_tok_stride, int64_t out_head_stride,
                  int64_t block_stride, float scale, int kv_head, int64_t head_stride,
-                 int window = 0, float softcap = 0.f) {
+                 int window = 0, float softcap = 0.f, const float* sinks = nullptr) {
   const int hd = D > 0 ? D : head_dim;
   const int rows = num_q * group;  // (query, head-in-group) pairs
   std::vector<float> acc(static_cast<size_t>(rows) * hd, 0.f);
@@ -136,7 +138,8 @@ void attend_item(const float* q, float* out, const T* kc, const T* vc, const int
   for (int r = 0; r < rows; ++r) {
     const int j = r / group, g = r % group;
     float* dst = out + j * out_tok_stride + (kv_head * group + g) * out_head_stride;
-    const float inv = 1.f / l[r];
+    const float denom = sinks ? l[r] + std::exp(sinks[kv_head * group + g] - m[r]) : l[r];
+    const float inv = 1.f / denom;
     const float* ar = acc.data() + static_cast<size_t>(r) * hd;
     for (int d = 0; d < hd; ++d) dst[d] = ar[d] * inv;
   }

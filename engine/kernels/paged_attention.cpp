@@ -14,7 +14,8 @@
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 // A sliding window (`window` > 0, once some sequence is longer than it) or a logit soft-cap
 // (`softcap` > 0) sends every item through attend_item, which takes both; the AVX2 paths above
-// are the plain causal ones.
+// are the plain causal ones. Attention sinks (`sinks`, a float32 logit per query head: GPT-OSS)
+// take attend_item too; without them (None) every path is as it was.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -36,7 +37,8 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
                            const at::Tensor& block_tables, // [B, max_blocks] int32
                            const at::Tensor& query_start,  // [B + 1] int32
                            const at::Tensor& seq_lens,     // [B] int32
-                           double scale, int64_t window, double softcap) {
+                           double scale, int64_t window, double softcap,
+                           const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 queries only");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_attention: key and value caches of different dtypes");
@@ -57,7 +59,15 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   const int* sp = starts.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
   const bool windowed = window > 0 && num_seqs > 0 && *std::max_element(lp, lp + num_seqs) > window;
-  const bool masked = windowed || softcap > 0;
+  at::Tensor sink_values;
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == num_heads,
+                "paged_attention: sinks must be float32 [", num_heads, "]");
+    sink_values = sinks->contiguous();
+  }
+  const float* sink_ptr = sink_values.defined() ? sink_values.data_ptr<float>() : nullptr;
+  const bool masked = windowed || softcap > 0 || sink_ptr != nullptr;
   const int item_window = windowed ? static_cast<int>(window) : 0;
   const float item_softcap = static_cast<float>(softcap);
   // Work items: (sequence, kv heads, tile of queries). The AVX2 path takes all kv heads of a
@@ -141,15 +151,15 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
           if (head_dim == 64)
             attend_item<64>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
                             qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
-                            item_window, item_softcap);
+                            item_window, item_softcap, sink_ptr);
           else if (head_dim == 128)
             attend_item<128>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
                              qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
-                             item_window, item_softcap);
+                             item_window, item_softcap, sink_ptr);
           else
             attend_item<0>(q, o, kp, vp, table, it.q_count, ctx, group, head_dim, block_size, qts,
                            qhs, ots, ohs, block_stride, fscale, it.kv_head, head_stride,
-                           item_window, item_softcap);
+                           item_window, item_softcap, sink_ptr);
           continue;
         }
 #ifdef BATCHINFER_AVX2
@@ -183,8 +193,8 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
 
 TORCH_LIBRARY(batchinfer, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start, Tensor seq_lens, float scale, int window=0, float softcap=0.0) "
-        "-> Tensor");
+        "Tensor query_start, Tensor seq_lens, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) { m.impl("paged_attention", &paged_attention); }

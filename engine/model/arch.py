@@ -16,7 +16,7 @@ from typing import Any, Optional
 from ..errors import ModelLoadError
 from .registry import FAMILIES, LANGUAGE_MODELS, family_module, supported_models
 
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -34,6 +34,15 @@ class MoESpec:
     shared_intermediate_size: int = 0    # Qwen2-MoE's shared expert (sigmoid-gated); 0: none
     block_name: str = "mlp"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # GPT-OSS (gpt_oss.py): the router is a biased linear whose top-k logits are softmaxed
+    # ("topk_softmax"; the others softmax all logits, then take the top k), the experts have
+    # biases and the clamped SwiGLU (alpha, limit), and the checkpoint stacks them per layer
+    # (gate and up interleaved), in MXFP4 blocks and scales where `mxfp4`
+    routing: str = "softmax_topk"
+    expert_bias: bool = False
+    swiglu: Optional[tuple[float, float]] = None   # (alpha, limit); None: SiLU-and-mul
+    stacked_checkpoint: bool = False
+    mxfp4: bool = False
 
     @property
     def num_sparse_layers(self) -> int:
@@ -81,6 +90,8 @@ class ModelArch:
     checkpoint_prefix: str = ""          # where a vision-language checkpoint keeps the language
                                          # model's tensors (the rest is skipped)
     moe: Optional[MoESpec] = None        # mixture-of-experts feed-forward (Qwen-MoE, Mixtral)
+    attention_sinks: bool = False        # a learned logit per head in each softmax's denominator
+                                         # (GPT-OSS: `self_attn.sinks`)
 
     @property
     def q_size(self) -> int:

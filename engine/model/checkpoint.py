@@ -16,8 +16,11 @@ _NOT_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The full model's Hugging Face tensor names and shapes (what a checkpoint would hold)."""
+def hf_tensor_shapes(arch: ModelArch,
+                     quantized: bool = True) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The full model's Hugging Face tensor names and shapes (what a checkpoint would hold);
+    `quantized` false: the de-quantized form of a quantized checkpoint's tensors (dummy weights
+    are drawn in it)."""
     h, v, inter = arch.hidden_size, arch.vocab_size, arch.intermediate_size
     q, kv = arch.q_size, arch.kv_size
     norms = family_module(arch.model_type).DecoderLayer.NORMS
@@ -40,8 +43,10 @@ def hf_tensor_shapes(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.o_proj.weight", (h, q)
         if arch.o_bias:
             yield p + "self_attn.o_proj.bias", (h,)
+        if arch.attention_sinks:
+            yield p + "self_attn.sinks", (arch.num_heads,)
         if arch.is_sparse(i):
-            yield from moe_tensor_shapes(arch, p)
+            yield from moe_tensor_shapes(arch, p, quantized)
             continue
         if arch.fused_checkpoint:
             yield p + "mlp.gate_up_proj.weight", (2 * inter, h)

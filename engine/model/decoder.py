@@ -47,7 +47,7 @@ class Attention(nn.Module):
     Optional, from the arch: q/k RMSNorm before RoPE (per head, or over all heads: then a TP rank
     gathers the other ranks' q and k to normalize them whole), RoPE on part of each head, an
     o_proj bias (held by TP rank 0 only, so the all-reduce adds it once), the layer's sliding
-    window and a logit soft-cap (the attention backend applies both).
+    window, a logit soft-cap and attention sinks (the attention backend applies all three).
     """
 
     def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
@@ -65,6 +65,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(arch.q_size if whole else arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.kv_size if whole else arch.head_dim, arch.rms_norm_eps)
         self.partial_rotary = arch.rotary_dim is not None
+        # GPT-OSS: a logit per head (this rank's heads) in each softmax's denominator; None
+        # elsewhere, so the backends take their plain paths
+        self.sinks = nn.Parameter(torch.empty(shard.num_heads)) if arch.attention_sinks else None
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -82,7 +85,10 @@ class Attention(nn.Module):
             (num_heads, num_kv_heads, num_kv_heads), dim=1)
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta)
-        if self.window or self.softcap:
+        if self.sinks is not None:
+            out = backend.attend(q, key_cache, value_cache, meta, self.scale, self.window,
+                                 self.softcap, sinks=self.sinks)
+        elif self.window or self.softcap:
             out = backend.attend(q, key_cache, value_cache, meta, self.scale, self.window,
                                  self.softcap)
         else:

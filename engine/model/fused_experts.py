@@ -38,6 +38,22 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool):
     return weights, ids
 
 
+def route_topk_softmax(router_logits: torch.Tensor, top_k: int):
+    """GPT-OSS: the top_k logits of each token, softmaxed among themselves (in fp32) -> (weights
+    [T, k], expert ids [T, k]). As transformers' GptOssTopKRouter."""
+    values, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation over [rows, 2 I] (gate columns, then up): gate clamped above at
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class StackedExperts(nn.Module):
     """Every expert's gate/up and down projections (this TP rank's intermediate rows of each)."""
 
@@ -101,6 +117,34 @@ class StackedExperts(nn.Module):
             return self.gate_up.detach(), self.down.detach()
         return tuple(p.transpose(2, 3).reshape(p.shape[0], p.shape[1] * PANEL, p.shape[2])
                      for p in self.panels)
+
+
+class BiasedExperts(StackedExperts):
+    """StackedExperts with a bias after each projection and GPT-OSS's clamped SwiGLU instead of
+    SiLU-and-mul (`swiglu` = (alpha, limit)). Only `_expert` differs, so the other families keep
+    StackedExperts' code as it was. Under TP each rank holds its rows of `gate_up_bias`
+    [E, 2 I] and the whole `down_bias` [E, H] on rank 0 only (zeros elsewhere: the all-reduce
+    adds it once, each copy scaled by its routing weight as the rest of the expert's output)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, rows: int,
+                 swiglu: tuple[float, float]):
+        super().__init__(num_experts, hidden_size, rows)
+        self.alpha, self.limit = float(swiglu[0]), float(swiglu[1])
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * rows))
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.panels is not None:
+            gate_up, down = self.panels
+            h = torch.ops.batchinfer.blocked_linear(x, gate_up[expert])
+            h += self.gate_up_bias[expert]
+            out = torch.ops.batchinfer.blocked_linear(
+                clamped_swiglu(h, self.alpha, self.limit), down[expert])
+            out += self.down_bias[expert]
+            return out
+        h = F.linear(x, self.gate_up[expert], self.gate_up_bias[expert])
+        return F.linear(clamped_swiglu(h, self.alpha, self.limit), self.down[expert],
+                        self.down_bias[expert])
 
 
 def _to_panels(stack: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Builds a CausalLM partition and fills it from safetensors (or random weights for `dummy`).
 
 Hugging Face tensor names are mapped onto the fused layout: q/k/v rows go into qkv_proj, gate/up
-rows into gate_up_proj (a checkpoint that stores them fused, Phi-3's, has that layout already).
+rows into gate_up_proj (a checkpoint that stores them fused, Phi-3's, has that layout already);
+GPT-OSS's experts, stored stacked per layer (gate and up interleaved) or in MXFP4, are converted
+into the same expert stacks (`_Filler.convert`).
 Only the tensors this partition needs are read, and a tensor-parallel rank reads only its slices
 of them (shard.py says which). Every tensor's name and shape is checked against the config first
 (checkpoint.py). Dummy weights are generated as whole HF tensors from (seed, name) and go through
@@ -71,6 +73,11 @@ class _Target:
     full: int = 0
     zero: bool = False
     expert: Optional[int] = None
+    # a layout change after the slice (GPT-OSS's stacked experts, _Filler.convert): "gate_up_t",
+    # "gate_up_bias", "down_t", "mxfp4_blocks" / "mxfp4_scales" (`part`: this rank's
+    # (first row, rows) of the de-quantized projection)
+    convert: Optional[str] = None
+    part: tuple[int, int] = (0, 0)
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.dim is None else tensor.narrow(self.dim, self.lo, self.hi - self.lo)
@@ -84,6 +91,7 @@ class _Filler:
         self.model, self.arch, self.shard = model, model.arch, model.shard
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}   # MXFP4 halves awaiting the other
 
     def targets(self, name: str) -> list[_Target]:
         """HF name -> where its pieces go; [] if not ours to hold."""
@@ -104,6 +112,10 @@ class _Filler:
         if not 0 <= layer < len(m.layers):
             return []
         rest, p = match.group(2), f"layers.{layer}."
+        if rest == "self_attn.sinks":    # one per head: this rank's heads
+            return [_Target(f"{p}{rest}", 0, None,
+                            *self._cut(split, 0, sh.q_start // sh.head_dim, sh.num_heads,
+                                       a.num_heads))]
         moe = a.moe
         if a.is_sparse(int(match.group(1))) and rest.startswith(moe.block_name + "."):
             return self._moe_targets(p + "mlp.", rest[len(moe.block_name) + 1:])
@@ -134,6 +146,8 @@ class _Filler:
         expert's gate whole on every rank."""
         moe, sh = self.arch.moe, self.shard
         split = sh.tp_size > 1
+        if moe.stacked_checkpoint and rest.startswith("experts."):
+            return [self._stacked_target(f"{p}experts.", rest[len("experts."):])]
         expert = _EXPERT.match(rest)
         if expert is not None:
             index, proj = int(expert.group(1)), expert.group(2)
@@ -150,6 +164,59 @@ class _Filler:
                 sh.shared_intermediate_size, sh.shared_intermediate_start,
                 moe.shared_intermediate_size, split)]
         return [_Target(f"{p}{rest}")]
+
+    def _stacked_target(self, p: str, name: str) -> _Target:
+        """GPT-OSS's stacked experts (moe._stacked_tensor_shapes) -> our experts' stacks, this
+        rank's intermediate rows of each: gate/up [E, H, 2 I] keeps columns [2 lo, 2 hi) (gate
+        and up interleaved, so a rank's rows are contiguous there), transposed and split into
+        gate rows then up rows; down [E, I, H] rows [lo, hi), transposed; the down bias added
+        once (rank 0); MXFP4 pairs read whole, de-quantized when both halves are in, then cut."""
+        sh, moe = self.shard, self.arch.moe
+        split = sh.tp_size > 1
+        lo, rows = sh.expert_intermediate_start, sh.expert_intermediate_size
+        full = moe.intermediate_size
+        if name == "gate_up_proj":
+            return _Target(p + "gate_up", 0, None, *self._cut(split, 2, 2 * lo, 2 * rows, 2 * full),
+                           convert="gate_up_t")
+        if name == "gate_up_proj_bias":
+            return _Target(p + "gate_up_bias", 0, None,
+                           *self._cut(split, 1, 2 * lo, 2 * rows, 2 * full), convert="gate_up_bias")
+        if name == "down_proj":
+            return _Target(p + "down", 0, None, *self._cut(split, 1, lo, rows, full),
+                           convert="down_t")
+        if name == "down_proj_bias":
+            return _Target(p + "down_bias", zero=sh.tp_rank > 0)
+        proj, _, kind = name.rpartition("_")          # gate_up_proj / down_proj, blocks / scales
+        if kind in ("blocks", "scales") and proj in ("gate_up_proj", "down_proj"):
+            return _Target(p + ("gate_up" if proj == "gate_up_proj" else "down"),
+                           convert=f"mxfp4_{kind}", part=(lo, rows))
+        return _Target(p + name)                      # no such parameter: put() names it
+
+    def convert(self, name: str, tensor: torch.Tensor, where: _Target) -> Optional[torch.Tensor]:
+        """`tensor` (this rank's slice) in our layout, or None while an MXFP4 pair waits for
+        its other half."""
+        from .gpt_oss import deinterleave, dequantize_mxfp4
+
+        kind = where.convert
+        if kind == "gate_up_t":
+            return deinterleave(tensor.transpose(1, 2))
+        if kind == "gate_up_bias":
+            return deinterleave(tensor)
+        if kind == "down_t":
+            return tensor.transpose(1, 2)
+        halves = self.pending.setdefault(where.param, {})
+        halves[kind] = tensor
+        if len(halves) < 2:
+            return None
+        del self.pending[where.param]
+        try:
+            dense = dequantize_mxfp4(halves["mxfp4_blocks"], halves["mxfp4_scales"])
+        except ValueError as exc:
+            raise ModelLoadError(f"weight {name!r}: {exc}") from None
+        lo, rows = where.part
+        if where.param.endswith("gate_up"):           # [E, 2 I, H], gate and up interleaved
+            return deinterleave(dense[:, 2 * lo:2 * (lo + rows)])
+        return dense[:, :, lo:lo + rows]              # [E, H, I]
 
     def _feed_forward_part(self, is_gate: bool, is_down: bool, gate_up: str, down: str,
                            rows: int, lo: int, full: int, split: bool,
@@ -202,6 +269,10 @@ class _Filler:
         param = self.params.get(where.param)
         if param is None:
             raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
+        if where.convert is not None:
+            tensor = self.convert(name, tensor, where)
+            if tensor is None:
+                return
         data = param.data if where.expert is None else param.data[where.expert]
         rows = data.shape[0] if where.rows is None else where.rows
         dest = data[where.start:where.start + rows]
@@ -214,7 +285,8 @@ class _Filler:
             dest.copy_(tensor.float() + self.arch.norm_offset)
         else:
             dest.copy_(tensor)
-        self.filled[where.param] = self.filled.get(where.param, 0) + rows
+        filled = rows if dest.dim() < 2 else dest.numel() // dest.shape[-1]
+        self.filled[where.param] = self.filled.get(where.param, 0) + filled
 
     def expected_rows(self, pname: str) -> int:
         if pname in ("embed_tokens.weight", "lm_head.weight"):
@@ -251,7 +323,8 @@ def _read_weights(files: list[Path], filler, arch: ModelArch, source: str) -> No
                         else:
                             filler.check_source_shape(name, part.get_shape(), where)
                             cut = slice(where.lo, where.hi)
-                            tensor = part[cut] if where.dim == 0 else part[:, cut]
+                            tensor = (part[cut] if where.dim == 0 else part[:, cut]
+                                      if where.dim == 1 else part[:, :, cut])
                         filler.put(name, tensor, where)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: cannot read weights ({exc}); the file may be corrupt "
@@ -272,7 +345,7 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int,
 
 
 def _fill_dummy(filler: _Filler, seed: int, device: torch.device) -> None:
-    for name, shape in hf_tensor_shapes(filler.arch):
+    for name, shape in hf_tensor_shapes(filler.arch, quantized=False):
         wheres = filler.targets(name)
         if wheres:
             tensor = dummy_tensor(name, shape, seed, device)

@@ -79,11 +79,16 @@ class MoEDecoderLayer(DecoderLayer):
                 else MLP(arch, shard, tp))
 
 
-def moe_tensor_shapes(arch: ModelArch, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+def moe_tensor_shapes(arch: ModelArch, prefix: str,
+                      quantized: bool = True) -> Iterator[tuple[str, tuple[int, ...]]]:
     """A sparse layer's feed-forward tensors in the checkpoint (`prefix`: 'model.layers.N.'):
-    the router, each expert's three projections, the shared expert and its gate."""
+    the router, each expert's three projections, the shared expert and its gate (GPT-OSS: the
+    stacked experts, in MXFP4 where the config says so and `quantized`)."""
     moe, h = arch.moe, arch.hidden_size
     block, rows = f"{prefix}{moe.block_name}.", moe.intermediate_size
+    if moe.stacked_checkpoint:
+        yield from _stacked_tensor_shapes(arch, block, quantized)
+        return
     gate, up, down = moe.projections
     yield f"{block}gate.weight", (moe.num_experts, h)
     for e in range(moe.num_experts):
@@ -96,3 +101,23 @@ def moe_tensor_shapes(arch: ModelArch, prefix: str) -> Iterator[tuple[str, tuple
         yield f"{block}shared_expert.up_proj.weight", (shared, h)
         yield f"{block}shared_expert.down_proj.weight", (h, shared)
         yield f"{block}shared_expert_gate.weight", (1, h)
+
+
+def _stacked_tensor_shapes(arch: ModelArch, block: str, quantized: bool):
+    """GPT-OSS's feed-forward: a biased router (`router`) and every expert stacked in one tensor
+    per projection, as transformers' GptOssExperts holds them (gate/up [E, H, 2 I], interleaved;
+    down [E, I, H]), or in MXFP4: [E, out, in / 32, 16] blocks and [E, out, in / 32] scales."""
+    moe, h = arch.moe, arch.hidden_size
+    e, rows = moe.num_experts, moe.intermediate_size
+    yield f"{block}router.weight", (e, h)
+    yield f"{block}router.bias", (e,)
+    if moe.mxfp4 and quantized:
+        yield f"{block}experts.gate_up_proj_blocks", (e, 2 * rows, h // 32, 16)
+        yield f"{block}experts.gate_up_proj_scales", (e, 2 * rows, h // 32)
+        yield f"{block}experts.down_proj_blocks", (e, h, rows // 32, 16)
+        yield f"{block}experts.down_proj_scales", (e, h, rows // 32)
+    else:
+        yield f"{block}experts.gate_up_proj", (e, h, 2 * rows)
+        yield f"{block}experts.down_proj", (e, rows, h)
+    yield f"{block}experts.gate_up_proj_bias", (e, 2 * rows)
+    yield f"{block}experts.down_proj_bias", (e, h)

@@ -25,6 +25,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "qwen_moe",
     "qwen3_moe": "qwen_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
 }
 
 # vision-language model_type -> (its language model's model_type, the prefix of the language
@@ -48,6 +49,7 @@ MODEL_NAMES: dict[str, str] = {
     "qwen2_moe": "Qwen1.5-MoE / Qwen2-57B-A14B",
     "qwen3_moe": "Qwen3-30B-A3B / Qwen3-235B-A22B",
     "mixtral": "Mixtral 8x7B / 8x22B",
+    "gpt_oss": "gpt-oss-20b / gpt-oss-120b",
 }
 
 

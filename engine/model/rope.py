@@ -47,12 +47,54 @@ def rope_inv_freq(arch: ModelArch, rope: Optional[tuple] = None, long: bool = Fa
     if kind == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "yarn":
+        return _yarn(theta, dim, scaling, arch.max_position_embeddings)
     inv_freq = default_inv_freq(theta, dim)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, scaling)
     return inv_freq
+
+
+def _yarn(theta: float, dim: int, scaling: dict, max_positions: int) -> torch.Tensor:
+    """YaRN (GPT-OSS): each frequency blended between its interpolated (divided by `factor`) and
+    its original value by a linear ramp over the dimensions between the beta_fast and beta_slow
+    rotation counts of the original context (transformers' _compute_yarn_parameters)."""
+    factor = scaling.get("factor")
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(factor) if factor is not None else max_positions / original
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(scaling: dict, max_positions: int) -> float:
+    """cos and sin are scaled by this: `attention_factor`, else 0.1 ln(factor) + 1 (with
+    mscale / mscale_all_dim where given)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor")
+    factor = (float(factor) if factor is not None
+              else max_positions / float(scaling["original_max_position_embeddings"]))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def longrope_attention_factor(arch: ModelArch, scaling: dict) -> float:
@@ -89,6 +131,9 @@ class Rotary(nn.Module):
                 long = torch.outer(pos[original:], rope_inv_freq(self.arch, self.rope, long=True))
                 cos[original:], sin[original:] = long.cos(), long.sin()
             factor = longrope_attention_factor(self.arch, scaling)
+            cos, sin = cos * factor, sin * factor
+        elif rope_kind(scaling) == "yarn":
+            factor = yarn_attention_factor(scaling, self.arch.max_position_embeddings)
             cos, sin = cos * factor, sin * factor
         self.cos = cos.to(self.cos.device)
         self.sin = sin.to(self.sin.device)

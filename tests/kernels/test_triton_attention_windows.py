@@ -1,5 +1,6 @@
-"""The Triton paged kernel's sliding window and logit soft-cap (Gemma 2 / 3) against the
-per-sequence definition; in Triton's interpreter without a GPU (tests/triton_interpreter.py)."""
+"""The Triton paged kernel's sliding window and logit soft-cap (Gemma 2 / 3) and attention sinks
+(GPT-OSS) against the per-sequence definition; in Triton's interpreter without a GPU
+(tests/triton_interpreter.py)."""
 from __future__ import annotations
 
 import pytest
@@ -27,14 +28,29 @@ def test_window_and_softcap_equal_the_definition(window, softcap, block_size):
     torch.testing.assert_close(got.cpu(), expected, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (24, 0.3)])
+def test_sinks_equal_the_definition(window, softcap):
+    """Decode rows and prefill programs, each head's sink in its rows' denominators."""
+    from tests.kernels.test_attention_sinks import sink_definition
+
+    q, kc, vc, meta = paged_case(3, 32, 4, 2, 16, *MIXED)
+    q, sinks = q * 4, torch.linspace(-3.0, 4.0, 4)
+    expected = sink_definition(q, kc, vc, meta, 0.125, sinks, window, softcap)
+    moved = AttentionMetadata.build(meta.query_lens_cpu, meta.seq_lens_cpu,
+                                    meta.block_tables.tolist(), 16, DEVICE)
+    got = TritonAttention().attend(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), moved, 0.125,
+                                   window, softcap, sinks=sinks.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "gpt_oss"])
 def test_the_cuda_path_gives_the_torch_paths_tokens_on_the_new_layers(tmp_path, make_engine,
                                                                       default_model_dir, family):
     """Tiny models (tests/tiny_families.py) whose layers reach the CUDA path's kernels in new
     ways: greedy tokens with the Triton kernel and triton_ops.py's element-wise kernels, then
     with decode steps through the CUDA graphs' forward (eager here: capture needs a GPU), equal
     the torch path's. Gemma 2: sliding windows and soft-caps handed to both; OLMo 2: q and k
-    normalized over all heads (strided rows)."""
+    normalized over all heads (strided rows); GPT-OSS: attention sinks beside the windows."""
     from batchinfer.engine.cuda_graphs import DecodeGraphs
     from batchinfer.engine.triton_ops import TritonOps
     from tests.greedy import greedy_tokens
