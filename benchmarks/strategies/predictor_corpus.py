@@ -176,8 +176,9 @@ def make_prompts(args) -> None:
     from benchmarks.common import sharegpt_rows
 
     seen |= {normalized(r["prompt"]) for r in sharegpt_rows()}    # the benchmarks' requests
-    train = deduplicated(sharegpt_prompts(args.sharegpt), seen)
-    train += deduplicated(humaneval_prompts(packages), seen)
+    # HumanEval first: a run cut short (resumable) then has every source and fewer ShareGPT rows
+    train = deduplicated(humaneval_prompts(packages), seen)
+    train += deduplicated(sharegpt_prompts(args.sharegpt), seen)
     held = fits(deduplicated(bigbench_prompts(packages, args.bigbench_per_task), seen))
     rng = random.Random(0)
     if len(held) > args.bigbench:
@@ -223,7 +224,7 @@ def main() -> None:
     p.add_argument("--bigbench", type=int, default=400, help="held-out BIG-bench prompts")
     p.add_argument("--bigbench-per-task", type=int, default=3)
     a = sub.add_parser("answer", help="the embedded model answers them (resumable)")
-    a.add_argument("which", nargs="*", default=["train", "bigbench"])
+    a.add_argument("which", nargs="*", default=["bigbench", "train"])
     sub.add_parser("ship", help="copy the training history into the repo")
     args = ap.parse_args()
     {"prompts": make_prompts, "answer": answer, "ship": ship}[args.cmd](args)
