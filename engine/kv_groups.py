@@ -118,6 +118,21 @@ def groups_for(config, arch) -> Optional[KVGroupLayout]:
     return layout
 
 
+def check_group_capacity(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
+                         max_model_len: int) -> None:
+    """A ConfigError where one max_model_len-token request does not fit the pool's blocks."""
+    if layout is None:
+        return
+    need = layout.blocks_per_sequence(max_model_len, block_size)
+    if need > num_blocks:
+        from .errors import ConfigError
+
+        raise ConfigError(f"the KV cache holds {num_blocks} blocks of {block_size} (pages of "
+                          f"{layout.page_layers} layers); a {max_model_len}-token request "
+                          f"holds {need} over its {layout.num_groups} layer groups: raise "
+                          "cache.kv_cache_memory or lower model.max_model_len")
+
+
 def log_kv_groups(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
                   max_model_len: int) -> None:
     """The start-up log's lines for a cache with layer groups."""
