@@ -154,3 +154,24 @@ def test_kv_pressure_preempts_and_recomputes_the_same_tokens(make_engine, hybrid
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_window_freed_blocks"] > 0
     assert stats["kv_capacity_tokens"] == 12 * BLOCK
+
+
+@pytest.mark.parametrize("family, parallel", [("gemma2", {"pp": 2}), ("gemma3", {"tp": 2})])
+def test_the_multi_process_runtime_runs_the_groups(make_engine, hybrid, family, parallel):
+    """PP=2 (each stage allocates the page slots its layers use, over the controller's tables)
+    and TP=2 (each rank its kv heads of every slot), chunked, with prefix caching:
+    transformers' tokens."""
+    path, expected = hybrid(family)
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "4MiB", "block_size": BLOCK,
+                            "enable_prefix_caching": True},
+                     parallel=parallel,
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        bm = engine.scheduler.block_manager
+        assert bm.windows == GROUPS[family][0] and engine.info["kv_window"] == WINDOW
+        assert engine.info["kv_groups"]["windows"] == list(bm.windows)
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        stats = engine.stats()
+        assert stats["kv_window_freed_blocks"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
