@@ -175,3 +175,24 @@ def test_the_multi_process_runtime_runs_the_groups(make_engine, hybrid, family, 
         assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
         stats = engine.stats()
         assert stats["kv_window_freed_blocks"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
+
+
+def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, hybrid, checked):
+    """Gemma 3 under async scheduling (releases go by the host's count, a step ahead) and the
+    CUDA graphs' padded decode forward (eager on CPU), each group's static tables its own."""
+    from batchinfer.engine.cuda_graphs import DecodeGraphs
+    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
+
+    path, expected = hybrid("gemma3")
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         device={"device": "cpu", "attention_backend": "torch"},
+                         cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
+                         scheduler={"policy": "hb", "chunk_size": 16,
+                                    "max_num_batched_tokens": 48, "async_scheduling": True})
+    executor = engine.replicas[0].executor
+    assert isinstance(executor, AsyncInProcessExecutor)
+    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
+                                   torch.device("cpu"), max_batch=8, max_seq_len_to_capture=256,
+                                   capture=False)
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0
