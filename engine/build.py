@@ -169,11 +169,12 @@ def _build_single_process(config: EngineConfig) -> Engine:
     fused_ops = fused_ops_for(backend.name)
     if fused_ops is not None:
         model.use_ops(fused_ops)
+    groups = groups_for(config, arch)
     if device.type == "cuda":
-        budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device)
+        budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device,
+                                groups)
     else:
         budget = kv_budget(config, arch, device, dtype_bytes)
-    groups = groups_for(config, arch)
     # with KV layer groups a block is one page of page_layers layers (kv_groups.py)
     spec = KVCacheSpec.from_budget(budget, groups.page_layers if groups else arch.num_layers,
                                    config.cache.block_size, arch.num_kv_heads, arch.head_dim,
@@ -236,7 +237,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
 
 
 def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_model_len: int,
-                   kv_dtype: torch.dtype, device: torch.device) -> int:
+                   kv_dtype: torch.dtype, device: torch.device, groups=None) -> int:
     """As vLLM sizes it (gpu_memory.py): the card's memory x memory_utilization, less the weights,
     a profiled step's peak and memory held elsewhere; refused with the numbers when max_model_len
     tokens of KV don't fit."""
@@ -246,10 +247,12 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
     memory = measure(model, backend, arch, config.scheduler.max_num_batched_tokens,
                      config.scheduler.max_num_seqs, max_model_len, block, kv_dtype, device)
     asked = config.cache.kv_cache_memory
+    needed = -(-max_model_len // block) * block * arch.kv_bytes_per_token(kv_dtype.itemsize)
+    if groups is not None:    # KV layer groups: a request's blocks over its groups, a page each
+        layer_block = block * arch.kv_bytes_per_token(kv_dtype.itemsize) // arch.num_layers
+        needed = groups.blocks_per_sequence(max_model_len, block) * groups.page_layers * layer_block
     return kv_budget_on_gpu(memory, config.cache.memory_utilization,
-                            None if asked is None else int(asked),
-                            -(-max_model_len // block) * block * arch.kv_bytes_per_token(
-                                kv_dtype.itemsize),
+                            None if asked is None else int(asked), needed,
                             f"max_model_len {max_model_len} tokens")
 
 

@@ -14,7 +14,8 @@ the attention backends mask those positions (the CPU kernel and Triton skip the 
 path and CUDA graphs read them and mask: the placeholder is a real block of finite KV, so the
 read is harmless). A released block that the prefix cache indexed is parked like any cached
 block nobody holds: its contents stay valid until it is evicted, and eviction drops it from the
-index, so a later match never returns reused KV.
+index, so a later match never returns reused KV. Models whose windowed layers alternate with
+global ones keep one table per layer group instead (group_blocks.GroupedBlockManager).
 """
 from __future__ import annotations
 

@@ -171,3 +171,24 @@ def test_evicting_an_anchor_returns_its_parked_row_to_the_pool():
     bm.grow("b", 32)                                       # evicts everything
     assert bm.prefix.num_cached == 0 and bm.match_prefix("c", list(range(100, 140))) == 0
     bm.check_invariants()
+
+
+def test_groups_only_with_freeing_on_and_the_baseline_strategy(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from batchinfer.engine.kv_groups import groups_for
+
+    arch = SimpleNamespace(layer_windows=(16, 0))
+
+    def config(free=True, strategy=None):
+        return SimpleNamespace(cache=SimpleNamespace(free_outside_window=free),
+                               strategy=strategy and SimpleNamespace(name=strategy))
+
+    assert groups_for(config(), arch).windows == (0, 16)
+    assert groups_for(config(strategy="baseline"), arch) is not None
+    assert groups_for(config(free=False), arch) is None
+    assert groups_for(config(), SimpleNamespace(layer_windows=(16, 16))) is None
+    with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
+        assert groups_for(config(strategy="seesaw"), arch) is None
+    assert "strategy seesaw keeps every block" in caplog.text
