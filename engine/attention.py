@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -36,30 +36,52 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # what a backend works out once per step and reuses in every layer (torch_attention.plan)
     backend_plan: Optional[object] = field(default=None, repr=False, compare=False)
+    # KV layer groups (kv_groups.py): the metadata of groups 1.. (this one is group 0's), the
+    # same batch over each group's block tables; () with one table per sequence
+    groups: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def with_groups(self, block_tables: torch.Tensor, slot_blocks: torch.Tensor) -> None:
+        """Attaches groups 1..'s metadata: block_tables [groups, B, width], slot_blocks
+        [groups, T]. The backends see one table per call: a layer is given its group's."""
+        self.groups = tuple(
+            AttentionMetadata(self.query_start, self.seq_lens, tables, slots, self.slot_offsets,
+                              self.query_lens_cpu, self.seq_lens_cpu)
+            for tables, slots in zip(block_tables, slot_blocks))
+
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device) -> "AttentionMetadata":
-        """From plain lists (one Python pass, then one tensor per field)."""
-        lists = metadata_lists(query_lens, seq_lens, block_tables, block_size)
-        return cls(**{name: torch.tensor(lists[name], dtype=dtype, device=device)
+              block_size: int, device: torch.device,
+              group_tables: Sequence[list[list[int]]] = ()) -> "AttentionMetadata":
+        """From plain lists (one Python pass, then one tensor per field). group_tables: the
+        tables of groups 1.. ([group][sequence]), with KV layer groups."""
+        lists = metadata_lists(query_lens, seq_lens, block_tables, block_size, group_tables)
+        meta = cls(**{name: torch.tensor(lists[name], dtype=dtype, device=device)
                       for name, dtype in METADATA_DTYPES.items()},
                    query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+        if group_tables:
+            meta.with_groups(*(torch.tensor(lists[name], dtype=dtype, device=device)
+                               for name, dtype in GROUP_DTYPES.items()))
+        return meta
 
 
 # the tensor fields of AttentionMetadata and their dtypes
 METADATA_DTYPES = {"query_start": torch.int32, "seq_lens": torch.int32,
                    "block_tables": torch.int32, "slot_blocks": torch.int64,
                    "slot_offsets": torch.int64}
+# ... and those of the groups after the first (KV layer groups), [groups, ...] each
+GROUP_DTYPES = {"group_block_tables": torch.int32, "group_slot_blocks": torch.int64}
 
 
 def metadata_lists(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                   block_size: int) -> dict[str, list]:
-    """AttentionMetadata's fields as plain lists (block tables padded to the widest)."""
+                   block_size: int,
+                   group_tables: Sequence[list[list[int]]] = ()) -> dict[str, list]:
+    """AttentionMetadata's fields as plain lists (block tables padded to the widest); with
+    group_tables (KV layer groups: [group][sequence], each as long as block_tables' row) also
+    GROUP_DTYPES' fields, nested by group."""
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -69,9 +91,16 @@ def metadata_lists(query_lens: list[int], seq_lens: list[int], block_tables: lis
         for pos in range(s_len - q_len, s_len):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
-    return {"query_start": starts, "seq_lens": list(seq_lens),
-            "block_tables": [t + [0] * (width - len(t)) for t in block_tables],
-            "slot_blocks": slot_blocks, "slot_offsets": slot_offsets}
+    lists = {"query_start": starts, "seq_lens": list(seq_lens),
+             "block_tables": [t + [0] * (width - len(t)) for t in block_tables],
+             "slot_blocks": slot_blocks, "slot_offsets": slot_offsets}
+    if group_tables:
+        lists["group_block_tables"] = [[t + [0] * (width - len(t)) for t in tables]
+                                       for tables in group_tables]
+        lists["group_slot_blocks"] = [
+            [table[pos // block_size] for table, q_len, s_len in zip(tables, query_lens, seq_lens)
+             for pos in range(s_len - q_len, s_len)] for tables in group_tables]
+    return lists
 
 
 class AttentionBackend(Protocol):

@@ -67,11 +67,12 @@ class CacheConfig(_Strict):
         False, description="automatic prefix caching: reuse the KV of full blocks a sequence "
         "shares with earlier ones, kept until their room is needed (LRU)")
     free_outside_window: bool = Field(
-        True, description="sliding-window models whose every layer has a window (Phi-3-mini, "
-        "Qwen with use_sliding_window on all layers): release a sequence's blocks that no later "
-        "query can see, so it holds about window / block_size + 1 blocks, not its whole context; "
-        "false keeps them (the ablation). Models with global layers (Gemma 2/3) keep every block "
-        "(docs/engine.md, Paged KV cache)")
+        True, description="sliding-window models: release a sequence's blocks that no later "
+        "query can see, so it holds about window / block_size + 1 blocks, not its whole context "
+        "(every layer windowed: Phi-3-mini, Qwen with use_sliding_window on all layers); with "
+        "global layers among them (Gemma 2/3) the windowed layers' blocks, each layer group with "
+        "its own block table (baseline strategy). false keeps every block in one table (the "
+        "ablation; docs/engine.md, Paged KV cache)")
 
     def kv_window(self, arch) -> int:
         """The sliding window the block manager releases blocks outside of (0: none)."""

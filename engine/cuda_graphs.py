@@ -16,7 +16,9 @@ A graph fixes every shape and every address, so:
   torch_attention's decode rows (`decode_attention`) over the padded tables, with the mask built
   inside the graph from the lengths;
 - padding rows write their K/V into one block reserved for them (held in the block manager under
-  PADDING_OWNER), never into a sequence's block.
+  PADDING_OWNER), never into a sequence's block;
+- with KV layer groups (kv_groups.py) each group after the first has its own static slot blocks
+  and tables, and its layers attend through them (`StaticDecodeMeta.groups`).
 
 With the Triton kernel the width is always the largest, so there is one graph per batch size,
 and all of them are captured when the engine is built (`capture_all`, as vLLM does); with the
@@ -28,6 +30,7 @@ With `capture=False` the same padded forward runs eagerly: the tests run it on C
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from bisect import bisect_left
@@ -74,12 +77,20 @@ class StaticDecodeMeta:
         self.work, self.query_start = work, query_start   # the Triton kernel's: row i, one query
         self.key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
         self.mask: Optional[torch.Tensor] = None   # built by prepare() (the torch path's)
+        self.groups: tuple = ()     # KV layer groups 1..: the same views over their own tables
+
+    def for_group(self, slot_blocks: torch.Tensor, tables: torch.Tensor) -> "StaticDecodeMeta":
+        other = copy.copy(self)
+        other.slot_blocks, other.tables, other.groups = slot_blocks, tables, ()
+        return other
 
     def prepare(self, masked: bool) -> None:
         """The torch path's attention mask from the lengths; runs inside the graph, once for all
         layers (the Triton kernel reads the lengths itself)."""
         if masked:
             self.mask = (self.key_pos[None, :] < self.seq_lens[:, None])[:, None, None, :]
+            for group in self.groups:
+                group.mask = self.mask
 
 
 class GraphDecodeAttention:
@@ -138,6 +149,11 @@ class DecodeGraphs:
         # rows: token ids, positions, slot blocks, slot offsets, sequence lengths
         self._ints = torch.zeros(5, biggest, dtype=torch.long, device=device)
         self._tables = torch.zeros(biggest, self.max_width, dtype=torch.long, device=device)
+        # KV layer groups after the first: their slot blocks and tables
+        groups = block_manager.num_groups - 1
+        self._group_slots = torch.zeros(groups, biggest, dtype=torch.long, device=device)
+        self._group_tables = torch.zeros(groups, biggest, self.max_width, dtype=torch.long,
+                                         device=device)
         self._rows = torch.arange(biggest, dtype=torch.long, device=device)
         # the Triton kernel's static work list (row i: sequence i, its one query) and query starts
         self._work = torch.stack([self._rows, torch.zeros_like(self._rows)], 1).to(torch.int32)
@@ -202,11 +218,22 @@ class DecodeGraphs:
             tables[row, :len(table)] = table
         copy_into(self._ints[:, :batch], torch.from_numpy(ints))
         copy_into(self._tables[:batch, :width], torch.from_numpy(tables))
+        if plan.group_tables:
+            slots = np.full((len(plan.group_tables), batch), pad, dtype=np.int64)
+            tables = np.full((len(plan.group_tables), batch, width), pad, dtype=np.int64)
+            for group, group_tables in enumerate(plan.group_tables):
+                slots[group, :n] = [t[p // bs] for t, p in zip(group_tables, positions.tolist())]
+                for row, table in enumerate(group_tables):
+                    tables[group, row, :len(table)] = table
+            copy_into(self._group_slots[:, :batch], torch.from_numpy(slots))
+            copy_into(self._group_tables[:, :batch, :width], torch.from_numpy(tables))
 
     def _padding_inputs(self, batch: int, width: int) -> None:
         """Every row a padding row: warm-up and capture write only the padding block."""
         self._ints[:, :batch] = torch.tensor([0, 0, self._pad_block, 0, 1], device=self.device)[:, None]
         self._tables[:batch, :width] = self._pad_block
+        self._group_slots[:, :batch] = self._pad_block
+        self._group_tables[:, :batch, :width] = self._pad_block
 
     # --- capture --------------------------------------------------------------------------------
     def capture_all(self) -> None:
@@ -229,6 +256,8 @@ class DecodeGraphs:
         ints = self._ints[:, :batch]
         meta = StaticDecodeMeta(ints, self._tables[:batch, :width], self.block_size,
                                 self._work[:batch], self._query_start[:batch + 1])
+        meta.groups = tuple(meta.for_group(slots[:batch], tables[:batch, :width])
+                            for slots, tables in zip(self._group_slots, self._group_tables))
 
         def forward():
             meta.prepare(masked=not self.attention.triton)

@@ -351,14 +351,15 @@ class Engine:
             "kv_capacity_tokens": capacity,
             "kv_window_freed_blocks": sum(bm.window_freed_blocks for bm in managers),
             "kv_usage": used / capacity if capacity else 0.0,
-            "max_concurrency": capacity / self.max_model_len,
+            "max_concurrency": sum(bm.max_concurrency(self.max_model_len) for bm in managers),
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
 
 
 def release_outside_windows(block_manager, batch: MicroBatch) -> None:
-    """Sliding windows (the block manager has one): after a step, each sequence it ran that goes
-    on releases the blocks its next queries cannot see. After the scheduler's on_result, so the
+    """Sliding windows (the block manager has one; with KV layer groups, its windowed groups):
+    after a step, each sequence it ran that goes on releases the blocks its next queries cannot
+    see. After the scheduler's on_result, so the
     prefix cache indexed the step's blocks first. With steps launched ahead the host's count is
     ahead of the device: a block an in-flight step still reads is only reused by a step launched
     after it, on the same stream."""

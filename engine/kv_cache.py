@@ -14,7 +14,8 @@ the attention backends mask those positions (the CPU kernel and Triton skip the 
 path and CUDA graphs read them and mask: the placeholder is a real block of finite KV, so the
 read is harmless). A released block that the prefix cache indexed is parked like any cached
 block nobody holds: its contents stay valid until it is evicted, and eviction drops it from the
-index, so a later match never returns reused KV.
+index, so a later match never returns reused KV. Models whose windowed layers alternate with
+global ones keep one table per layer group instead (group_blocks.GroupedBlockManager).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ _CHAIN_BROKEN = 1 << 40  # _indexed's count once nothing more of a sequence can 
 
 
 class BlockManager:
+    num_groups = 1   # block tables per sequence (group_blocks.GroupedBlockManager: one per group)
+
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  prefix_caching: bool = False, hash_fn: Callable[[object], int] = hash,
                  window: int = 0):
@@ -74,9 +77,17 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def max_concurrency(self, max_model_len: int) -> float:
+        """max_model_len-token requests the pool holds at once."""
+        return self.capacity_tokens / max_model_len
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """One block per slot; slots released for the window hold PLACEHOLDER_BLOCK."""
         return self._tables.get(seq_id, [])
+
+    def group_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The tables of the layer groups after the first (none here: one table)."""
+        return []
 
     def num_held_blocks(self, seq_id: Hashable) -> int:
         """Blocks `seq_id` really holds (its table less the slots released for the window)."""
@@ -115,6 +126,10 @@ class BlockManager:
                 raise ValueError(f"block {block} is free and cannot be shared")
             self._ref[block] += 1
         table.extend(blocks)
+
+    def share_tables(self, seq_id: Hashable, donor: Hashable) -> None:
+        """Starts `seq_id` with every block `donor` holds (the step profiler's stand-ins)."""
+        self.share(seq_id, list(self.block_table(donor)))
 
     def free(self, seq_id: Hashable) -> None:
         """Tail blocks first, so that a prefix outlives what followed it in the cache."""

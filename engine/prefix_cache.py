@@ -8,6 +8,14 @@ prefix's KV. Blocks that no sequence holds stay cached (evictable, least recentl
 until the block manager needs the room; a block evicted and reused gets a new generation, so the
 cached blocks that followed it can no longer match (they are evicted in their turn).
 
+Layer groups (engine/kv_groups.py: a hybrid-window model's windowed and global layers, each with
+its own block table): the chain is the first (global) group's blocks, the anchors; each anchor
+keeps its row, the other groups' blocks for the same positions (companions), attached when the
+row is indexed. A companion nobody holds is parked and evicted like an anchor; evicting it
+empties its slot of the row, and evicting an anchor drops its row (its parked companions go back
+to the pool: `orphans`). The block manager matches a prefix only as far as the rows its windows
+still need are whole (kv_groups.GroupedBlockManager.match_prefix).
+
 Pure Python over block ids, used by the block manager (engine/kv_cache.py).
 """
 from __future__ import annotations
@@ -35,10 +43,20 @@ class PrefixIndex:
         self._by_key: dict[int, list[int]] = {}        # chained key -> cached blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()   # held by nobody, LRU first
         self._generation = 0
+        # layer groups only: anchor -> its companions per other group; companion -> its anchor
+        self._rows: dict[int, list[Optional[int]]] = {}
+        self._anchor_of: dict[int, int] = {}
+        self.orphans: list[int] = []     # parked companions whose anchor was evicted (now free)
 
     # --- queries --------------------------------------------------------------------------------
     def is_cached(self, block: int) -> bool:
-        return block in self._entries
+        return block in self._entries or block in self._anchor_of
+
+    def companion(self, anchor: int, group: int) -> Optional[int]:
+        """The block of companion group `group` (0: the first group after the anchors') in
+        cached `anchor`'s row; None where it was never attached or was evicted."""
+        row = self._rows.get(anchor)
+        return row[group] if row is not None and group < len(row) else None
 
     @property
     def num_cached(self) -> int:
@@ -109,6 +127,21 @@ class PrefixIndex:
         self._by_key.setdefault(key, []).append(block)
         return block
 
+    def attach(self, anchor: int, group: int, block: int, num_groups: int) -> None:
+        """`block` holds the KV of cached `anchor`'s positions for companion group `group` (of
+        `num_groups`). Kept only where that slot of the row is empty and `block` is cached
+        nowhere else (an equal row cached first keeps its own)."""
+        if anchor not in self._entries or block in self._entries or block in self._anchor_of:
+            return
+        row = self._rows.setdefault(anchor, [None] * num_groups)
+        if row[group] is None:
+            row[group] = block
+            self._anchor_of[block] = anchor
+
+    def take_orphans(self) -> list[int]:
+        orphans, self.orphans = self.orphans, []
+        return orphans
+
     def park(self, block: int) -> None:
         """A cached block no sequence holds any more: evictable, most recently used."""
         self._evictable[block] = None
@@ -120,6 +153,17 @@ class PrefixIndex:
     def evict(self) -> int:
         """Drops the least recently used evictable block from the cache; -> the block."""
         block, _ = self._evictable.popitem(last=False)
+        anchor = self._anchor_of.pop(block, None)
+        if anchor is not None:             # a companion: its slot of the row is empty now
+            row = self._rows[anchor]
+            row[row.index(block)] = None
+            return block
+        for companion in self._rows.pop(block, ()):
+            if companion is not None:
+                del self._anchor_of[companion]
+                if companion in self._evictable:       # parked: nothing holds it now
+                    del self._evictable[companion]
+                    self.orphans.append(companion)
         entry = self._entries.pop(block)
         bucket = self._by_key[entry.key]
         bucket.remove(block)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .attention import METADATA_DTYPES, AttentionMetadata, metadata_lists
+from .attention import GROUP_DTYPES, METADATA_DTYPES, AttentionMetadata, metadata_lists
 from .host_to_device import packed_to_device
 from .kv_cache import BlockManager
 from .request import PENDING_TOKEN, Request
@@ -34,6 +34,9 @@ class StepPlan:
     # token still on the device (PENDING_TOKEN in the sequence's outputs)
     pending: list[tuple[int, int]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)          # finished since the last plan
+    # KV layer groups (kv_groups.py): the block tables of groups 1.., [group][item]; block_tables
+    # is group 0's. Empty with one table per sequence
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +57,7 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
     query_lens, seq_lens, tables = [], [], []
     sample_items, sample_ids, output_lens = [], [], []
     pending: list[tuple[int, int]] = []
+    groups: list[list[list[int]]] = [[] for _ in range(block_manager.num_groups - 1)]
     for index, item in enumerate(batch.items):
         seq, n = item.seq, item.num_tokens
         start = seq.num_computed_tokens
@@ -70,12 +74,15 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
         query_lens.append(n)
         seq_lens.append(start + n)
         tables.append(block_manager.block_table(seq.request_id))
+        if groups:
+            for group, table in zip(groups, block_manager.group_tables(seq.request_id)):
+                group.append(table)
         if item.samples:
             sample_items.append(index)
             sample_ids.append(seq.request_id)
             output_lens.append(len(seq.output_token_ids))
     return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens,
-                    pending=pending)
+                    pending=pending, group_tables=groups)
 
 
 def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:
@@ -90,7 +97,8 @@ def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:
         end += q_len
         if index in sampled:
             rows.append(end - 1)
-    return {**metadata_lists(plan.query_lens, plan.seq_lens, plan.block_tables, block_size),
+    return {**metadata_lists(plan.query_lens, plan.seq_lens, plan.block_tables, block_size,
+                             plan.group_tables),
             "input_ids": plan.input_ids, "positions": positions, "logits_rows": rows}
 
 
@@ -102,13 +110,29 @@ def model_inputs(plan: StepPlan, block_size: int, device: torch.device,
     tables = lists["block_tables"]
     width = len(tables[0]) if tables else 1
     lists["block_tables"] = [block for row in tables for block in row]
-    tensors = packed_to_device({name: lists[name] for name in INPUT_DTYPES}, INPUT_DTYPES, device,
-                               one_copy=packed)
+    names = list(INPUT_DTYPES)
+    if plan.group_tables:     # nested by group: flat here, shaped again on the device
+        lists.update(flatten_groups(lists))
+        names += list(GROUP_DTYPES)
+    tensors = packed_to_device({name: lists[name] for name in names},
+                               {**INPUT_DTYPES, **GROUP_DTYPES}, device, one_copy=packed)
     tensors["block_tables"] = tensors["block_tables"].view(len(tables), width)
     meta = AttentionMetadata(**{name: tensors[name] for name in METADATA_DTYPES},
                              query_lens_cpu=list(plan.query_lens),
                              seq_lens_cpu=list(plan.seq_lens))
+    if plan.group_tables:
+        groups = len(plan.group_tables)
+        meta.with_groups(tensors["group_block_tables"].view(groups, len(tables), width),
+                         tensors["group_slot_blocks"].view(groups, -1))
     return ModelInputs(tensors["input_ids"], tensors["positions"], meta, tensors["logits_rows"])
+
+
+def flatten_groups(lists: dict) -> dict[str, list]:
+    """GROUP_DTYPES' fields of input_lists, nested [group][...], as flat lists."""
+    return {"group_block_tables": [block for tables in lists["group_block_tables"]
+                                   for row in tables for block in row],
+            "group_slot_blocks": [block for slots in lists["group_slot_blocks"]
+                                  for block in slots]}
 
 
 # every tensor of ModelInputs (the metadata's included) and its dtype

@@ -115,8 +115,9 @@ class SyntheticSequences:
         return seq
 
     def fits(self, num_seqs: int, tokens_each: int) -> bool:
-        need = num_seqs * -(-tokens_each // self.block_manager.block_size)
-        return need <= self.block_manager.num_free_blocks
+        bm = self.block_manager
+        need = num_seqs * bm.num_groups * -(-tokens_each // bm.block_size)
+        return need <= bm.num_free_blocks
 
     def allocate(self, seqs: list[Sequence], tokens: int) -> bool:
         """Own blocks for each sequence when they fit, else one set shared by all of them (the
@@ -129,9 +130,8 @@ class SyntheticSequences:
             return True
         donor = seqs[0]
         self.block_manager.grow(donor.request_id, tokens)
-        blocks = self.block_manager.block_table(donor.request_id)
         for seq in seqs[1:]:
-            self.block_manager.share(seq.request_id, list(blocks))
+            self.block_manager.share_tables(seq.request_id, donor.request_id)
         self.shared = True
         return True
 

@@ -158,7 +158,7 @@ class StepsAhead:
         scheduler = rep.scheduler
         bm = scheduler.block_manager
         budget_blocks = -(-scheduler.max_num_batched_tokens // bm.block_size)
-        return bm.num_free_blocks >= scheduler.num_running + budget_blocks + 1
+        return bm.num_free_blocks >= bm.num_groups * (scheduler.num_running + budget_blocks + 1)
 
     def launched(self, batch: MicroBatch) -> None:
         """The step's effect as far as the host knows it: its tokens' KV computed, a placeholder

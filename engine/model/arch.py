@@ -113,7 +113,7 @@ class ModelArch:
     def kv_window(self) -> int:
         """The window every layer has (the widest of them): keys before it are never read again,
         so the KV cache may release them. 0 when some layer attends to the whole sequence (its
-        KV is needed to the end: freeing per layer group would take a block pool per group)."""
+        KV is needed to the end: such a model releases per layer group, kv_groups.py)."""
         if not self.layer_windows or not all(self.layer_windows):
             return 0
         return max(self.layer_windows)

@@ -93,6 +93,9 @@ class CausalLM(nn.Module):
                         if self.is_last else None)
         self.tie_weights()
         self.ops = TorchOps
+        # KV layer groups (kv_groups.py): each of this partition's layers' group, where the
+        # cache has them; a step's metadata then carries a block table per group
+        self.kv_layer_groups: Optional[tuple[int, ...]] = None
 
     @property
     def num_local_heads(self) -> int:
@@ -102,6 +105,13 @@ class CausalLM(nn.Module):
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches: the KV tensors it allocates are [blocks, this, block, head_dim]."""
         return self.shard.num_kv_heads
+
+    def use_kv_groups(self, layout) -> None:
+        """The cache is laid out in KV layer groups (a kv_groups.KVGroupLayout; None: one
+        table): each layer attends over its group's block tables."""
+        self.kv_layer_groups = None if layout is None else tuple(
+            layout.layer_group[layer]
+            for layer in range(self.partition.layer_start, self.partition.layer_end))
 
     def use_ops(self, ops) -> None:
         """TorchOps (portable), NativeOps (fused CPU kernels) or TritonOps (fused CUDA kernels)."""
@@ -142,12 +152,17 @@ class CausalLM(nn.Module):
             hidden, residual = self._embed(input_ids), None
         # .forward, not __call__: ~10 us of hook bookkeeping a module call (no hooks are ever
         # registered here), x 8 modules x 30 layers a step
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        groups = getattr(meta, "groups", ())
+        if groups and self.kv_layer_groups is None:
+            raise ValueError("the step has a block table per KV layer group, the model none")
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             rotary = self.rotary
             if self.local_rotary is not None and layer.self_attn.window:
                 rotary = self.local_rotary
-            hidden, residual = layer.forward(hidden, residual, positions, rotary, kv_cache, meta,
-                                             backend, self.ops)
+            group = self.kv_layer_groups[index] if groups else 0
+            hidden, residual = layer.forward(hidden, residual, positions, rotary, kv_cache,
+                                             groups[group - 1] if group else meta, backend,
+                                             self.ops)
         return hidden, residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

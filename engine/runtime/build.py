@@ -19,7 +19,9 @@ from ..build import (GiB, _max_model_len, kv_budget, kv_element_bytes, resolve_d
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
+from ..group_blocks import GroupedBlockManager
 from ..kv_cache import BlockManager, log_kv_window
+from ..kv_groups import KVGroupLayout, check_group_capacity, groups_for, log_kv_groups
 from ..model.fast_linear import linear_kernel_label
 from ..model.loader import load_arch
 from ..model.sources import model_id_for, resolve_model_dir
@@ -35,10 +37,13 @@ log = logging.getLogger("batchinfer")
 
 
 def rank_bytes_per_block(layout: ParallelLayout, arch, rank: int, block_size: int,
-                         dtype_bytes: int) -> int:
+                         dtype_bytes: int, groups: Optional[KVGroupLayout] = None) -> int:
+    """A block's K/V bytes on `rank`: its stage's layers, or with KV layer groups the page
+    slots those layers use."""
     start, end = layout.stage_range(layout.info(rank).stage)
+    layers = len(groups.slots_of(start, end)) if groups is not None else end - start
     kv_heads = arch.num_kv_heads // layout.tp
-    return 2 * (end - start) * kv_heads * block_size * arch.head_dim * dtype_bytes
+    return 2 * layers * kv_heads * block_size * arch.head_dim * dtype_bytes
 
 
 def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, device,
@@ -55,13 +60,14 @@ def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, devic
 
 
 def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int,
-                  available: Optional[int] = None) -> int:
+                  available: Optional[int] = None,
+                  groups: Optional[KVGroupLayout] = None) -> int:
     """Blocks per replica. cache.kv_cache_memory is per rank (as vLLM's is per GPU); auto splits
     the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
     block tables are shared. available: as kv_budget's."""
     per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
     block_size, kv_bytes = config.cache.block_size, kv_element_bytes(config, dtype_bytes)
-    return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, kv_bytes)
+    return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, kv_bytes, groups)
                for r in layout.replica_ranks(0))
 
 
@@ -104,8 +110,11 @@ def check_gpus(setup: ModelSetup, world_size: int) -> None:
                           f"torch sees {torch.cuda.device_count()}")
 
 
-def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    if num_blocks * block_size < max_model_len:
+def check_capacity(num_blocks: int, block_size: int, max_model_len: int,
+                   groups: Optional[KVGroupLayout] = None) -> None:
+    if groups is not None:
+        check_group_capacity(groups, num_blocks, block_size, max_model_len)
+    elif num_blocks * block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens per replica, less "
                           f"than max_model_len ({max_model_len}); raise cache.kv_cache_memory or "
                           "lower model.max_model_len")
@@ -166,9 +175,11 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
 
 
 def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout, num_blocks: int,
-                threads: int, kv_cache_bytes: int, releases_window: bool = True) -> dict:
+                threads: int, kv_cache_bytes: int, releases_window: bool = True,
+                block_manager=None) -> dict:
     """What report.json's `engine` says of this engine. releases_window: whether its block
-    managers release blocks behind a sliding window (a strategy with its own may not)."""
+    managers release blocks behind a sliding window (a strategy with its own may not);
+    block_manager: a replica's, where it has KV layer groups."""
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
@@ -188,12 +199,27 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                      "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce)},
     }
     capacity = num_blocks * block_size
+    concurrency = capacity / setup.max_model_len
+    groups = (setup_groups(config, setup) if getattr(block_manager, "num_groups", 1) > 1
+              else None)
+    if groups is not None:
+        capacity = block_manager.capacity_tokens
+        concurrency = block_manager.max_concurrency(setup.max_model_len)
+        info["kv_window"] = block_manager.window
+        info["kv_groups"] = groups.describe()
     log.info("KV cache: %d tokens per replica x %d (%d blocks of %d, %.2f GiB in all); maximum "
              "concurrency for %d-token requests: %.2fx per replica", capacity, layout.dp,
-             num_blocks, block_size, kv_cache_bytes / GiB, setup.max_model_len,
-             capacity / setup.max_model_len)
-    log_kv_window(info["kv_window"])
+             num_blocks, block_size, kv_cache_bytes / GiB, setup.max_model_len, concurrency)
+    if groups is not None:
+        log_kv_groups(groups, num_blocks, block_size, setup.max_model_len)
+    else:
+        log_kv_window(info["kv_window"])
     return info
+
+
+def setup_groups(config: EngineConfig, setup: ModelSetup) -> Optional[KVGroupLayout]:
+    """The KV layer groups the engine runs this model with (kv_groups.groups_for)."""
+    return groups_for(config, setup.arch)
 
 
 @dataclass
@@ -204,6 +230,7 @@ class ParallelPlan:
     layout: ParallelLayout
     num_blocks: int
     threads: int
+    kv_groups: Optional[KVGroupLayout] = None   # KV layer groups (kv_groups.py); None: one table
 
 
 def plan_parallel(config: EngineConfig) -> ParallelPlan:
@@ -211,10 +238,12 @@ def plan_parallel(config: EngineConfig) -> ParallelPlan:
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
     check_gpus(setup, layout.world_size)
-    num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes)
-    check_capacity(num_blocks, config.cache.block_size, setup.max_model_len)
+    groups = setup_groups(config, setup)
+    num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes,
+                               groups=groups)
+    check_capacity(num_blocks, config.cache.block_size, setup.max_model_len, groups)
     threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
-    return ParallelPlan(setup, layout, num_blocks, threads)
+    return ParallelPlan(setup, layout, num_blocks, threads, groups)
 
 
 def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
@@ -224,23 +253,30 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
     setup, layout, block_size = plan.setup, plan.layout, config.cache.block_size
     replicas = []
     for replica in range(layout.dp):
-        block_manager = BlockManager(plan.num_blocks, block_size,
-                                     prefix_caching=config.cache.enable_prefix_caching,
-                                     window=config.cache.kv_window(setup.arch))
+        if plan.kv_groups is not None:
+            block_manager = GroupedBlockManager(plan.num_blocks, block_size, plan.kv_groups.windows,
+                                                prefix_caching=config.cache.enable_prefix_caching)
+        else:
+            block_manager = BlockManager(plan.num_blocks, block_size,
+                                         prefix_caching=config.cache.enable_prefix_caching,
+                                         window=config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
     kv_element = setup.kv_dtype.itemsize
     kv_bytes = layout.dp * sum(
-        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, kv_element)
+        plan.num_blocks * rank_bytes_per_block(layout, setup.arch, r, block_size, kv_element,
+                                               plan.kv_groups)
         for r in layout.replica_ranks(0))
-    info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes)
+    info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes,
+                       block_manager=block_manager)
     info.update(extra_info or {})
     return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)
 
 
 def build_parallel_engine(config: EngineConfig) -> Engine:
     plan = plan_parallel(config)
-    pool = start_workers(config, plan.setup, plan.layout, plan.num_blocks, plan.threads)
+    pool = start_workers(config, plan.setup, plan.layout, plan.num_blocks, plan.threads,
+                         kv_groups=plan.kv_groups)
     return assemble_engine(config, plan, lambda replica, block_manager: PipelineExecutor(
         pool, plan.layout, replica, block_manager, config.parallel.step_timeout_seconds))

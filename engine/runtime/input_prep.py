@@ -24,9 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..attention import METADATA_DTYPES, AttentionMetadata
+from ..attention import GROUP_DTYPES, METADATA_DTYPES, AttentionMetadata
 from ..cpu_binding import release_helper_thread
-from ..step_plan import INPUT_DTYPES, ModelInputs, StepPlan, input_lists
+from ..step_plan import INPUT_DTYPES, ModelInputs, StepPlan, flatten_groups, input_lists
 
 
 class VersionedInputs:
@@ -49,6 +49,7 @@ class VersionedInputs:
         """Writes `plan`'s inputs (step_plan.input_lists, as model_inputs has them) into buffer
         `version`; -> views of it."""
         lists = input_lists(plan, self.block_size)
+        groups = {name: lists.pop(name) for name in GROUP_DTYPES if name in lists}
         tables = lists.pop("block_tables")
         n_seq, width = len(tables), len(tables[0]) if tables else 1
         buf = self.versions[version]
@@ -68,6 +69,13 @@ class VersionedInputs:
         meta = AttentionMetadata(**{name: views[name] for name in METADATA_DTYPES},
                                  query_lens_cpu=list(plan.query_lens),
                                  seq_lens_cpu=list(plan.seq_lens))
+        if groups:    # KV layer groups: fresh tensors, never overwritten while a forward reads
+            flat = flatten_groups(groups)
+            meta.with_groups(
+                torch.tensor(flat["group_block_tables"], dtype=torch.int32).view(
+                    len(plan.group_tables), n_seq, width).to(self.device, non_blocking=True),
+                torch.tensor(flat["group_slot_blocks"], dtype=torch.int64).view(
+                    len(plan.group_tables), -1).to(self.device, non_blocking=True))
         return ModelInputs(views["input_ids"], views["positions"], meta, views["logits_rows"])
 
 

@@ -60,6 +60,7 @@ class WorkerSpec:
     store_port: int = 0
     extension: Optional[WorkerExtension] = None  # a strategy's worker-level mechanism
     tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
+    kv_groups: Optional[object] = None  # kv_groups.KVGroupLayout: a table per layer group
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -190,11 +191,16 @@ class Worker:
                                      pack=self.ext.pack_linears)
             self.use_fused_ops()
             ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
-            layers = self.model.partition.layer_end - self.model.partition.layer_start
-            kv_spec = KVCacheSpec(layers, spec.num_blocks, spec.block_size,
+            start, end = self.model.partition.layer_start, self.model.partition.layer_end
+            groups = spec.kv_groups          # with layer groups: the page slots its layers use
+            kv_spec = KVCacheSpec(len(groups.slots_of(start, end)) if groups else end - start,
+                                  spec.num_blocks, spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
                                   self.kv_dtype.itemsize)
             self.kv_caches = allocate_kv_tensors(kv_spec, self.kv_dtype, self.device)
+            if groups is not None:
+                self.kv_caches = groups.layer_caches(self.kv_caches, start, end)
+                self.model.use_kv_groups(groups)
         self.open_channels()
         if self.ext.token_safe_inputs:
             versioned = VersionedInputs(spec.block_size, self.device)

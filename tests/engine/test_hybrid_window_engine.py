@@ -1,0 +1,198 @@
+"""Models whose windowed layers alternate with global ones (tiny Gemma 2 and Gemma 3 built from
+transformers' classes, a 16-key window, blocks of 16), prompts and generations far longer than
+the window: the engine runs them with KV layer groups (engine/kv_groups.py), the windowed groups
+releasing the blocks behind the window while the global group keeps the context, and its greedy
+tokens equal transformers' alone and batched, with chunked prefill, prefix caching, preemption,
+steps launched ahead with the graphs' decode forward, and at PP=2 / TP=2; with
+memory.free_outside_window false every block is kept and the tokens are the same."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.greedy import greedy_tokens
+from tests.tiny_families import FAMILIES, TINY, hf_greedy, save_model
+
+WINDOW, BLOCK, MAX_NEW = 16, 16, 40
+SHARED = list(range(300, 350))                    # a 50-token prefix: longer than the window
+PROMPTS = [[5, 17, 42], list(range(150, 230)), SHARED + [11, 12, 13], SHARED + list(range(60, 90))]
+# Gemma 2 with 4 layers (windowed, global, windowed, global): two groups of 2 layers, so a block
+# is a page of two slots, each shared by a windowed and a global layer; Gemma 3 with two
+# windowed layers before its global one: three groups of one layer (two of them windowed)
+MODELS = {"gemma2": {"num_hidden_layers": 4},
+          "gemma3": {"num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}}
+GROUPS = {"gemma2": ((0, WINDOW), 2), "gemma3": ((0, WINDOW, WINDOW), 1)}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory, default_model_dir):
+    """family -> (model directory, transformers' greedy tokens for PROMPTS)."""
+    import transformers
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            config_class, model_class, extra = FAMILIES[family]
+            config = getattr(transformers, config_class)(**{**TINY, **extra, **MODELS[family]})
+            assert config.sliding_window == WINDOW
+            torch.manual_seed(0)
+            model = getattr(transformers, model_class)(config).eval()
+            path = save_model(model, tmp_path_factory.mktemp(family), default_model_dir)
+            built[family] = path, hf_greedy(model, PROMPTS, MAX_NEW)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """Every release is followed by the block manager's invariants; -> the most blocks a
+    sequence held per group right after a release (between steps), over the test."""
+    from batchinfer.engine.group_blocks import GroupedBlockManager
+
+    release = GroupedBlockManager.release_outside_window
+    between_steps: list[int] = []
+
+    def checked_release(self, seq_id, first_query):
+        released = release(self, seq_id, first_query)
+        self.check_invariants()
+        held = self.held_per_group(seq_id)
+        between_steps[:] = [max(a, b) for a, b in zip(between_steps, held)] or held
+        return released
+
+    monkeypatch.setattr(GroupedBlockManager, "release_outside_window", checked_release)
+    return between_steps
+
+
+def engine_for(make_engine, path, free=True, memory="4MiB", prefix=False, backend="auto",
+               **scheduler):
+    return make_engine(model={"path": str(path), "max_model_len": 256},
+                       device={"attention_backend": backend},
+                       cache={"kv_cache_memory": memory, "block_size": BLOCK,
+                              "free_outside_window": free, "enable_prefix_caching": prefix},
+                       scheduler=scheduler or {"policy": "sb"})
+
+
+def held_bounds(bm, between_steps: list[int], longest: int, chunk: int = 0) -> None:
+    """Between steps a windowed group holds a sequence's window and one block more, the global
+    group its context; while a step computes `chunk` tokens (0: a whole prompt, SB), the window
+    and the chunk."""
+    context = math.ceil(longest / BLOCK)
+    assert bm.peak_group_blocks[0] == between_steps[0] == context
+    assert all(held <= math.ceil(WINDOW / BLOCK) + 1 for held in between_steps[1:])
+    if chunk:
+        bound = math.ceil((WINDOW + chunk - 1) / BLOCK) + 1
+        assert all(peak <= bound < context for peak in bm.peak_group_blocks[1:])
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_equals_transformers_alone_and_batched(make_engine, hybrid, checked, family,
+                                                      backend):
+    path, expected = hybrid(family)
+    engine = engine_for(make_engine, path, backend=backend)
+    bm = engine.scheduler.block_manager
+    windows, page = GROUPS[family]
+    assert (bm.windows, engine.info["kv_groups"]["page_layers"]) == (windows, page)
+    assert engine.info["attention_backend"] == backend and engine.info["kv_window"] == WINDOW
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    if backend == "native":
+        assert greedy_tokens(engine, PROMPTS, batched=False, max_new=MAX_NEW) == expected
+    stats = engine.stats()
+    assert stats["kv_window_freed_blocks"] > 0 and stats["kv_groups"]["windows"] == list(windows)
+    held_bounds(bm, checked, max(len(p) for p in PROMPTS) + MAX_NEW)
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_freeing_off_keeps_every_block_and_gives_the_same_tokens(make_engine, hybrid, family):
+    """memory.free_outside_window: false, the ablation: one table over every layer, as before
+    layer groups."""
+    from batchinfer.engine.group_blocks import GroupedBlockManager
+
+    path, expected = hybrid(family)
+    engine = engine_for(make_engine, path, free=False)
+    bm = engine.scheduler.block_manager
+    assert not isinstance(bm, GroupedBlockManager) and bm.window == 0 and bm.num_groups == 1
+    assert "kv_groups" not in engine.info
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    assert engine.stats()["kv_window_freed_blocks"] == 0
+    assert bm.peak_seq_blocks == math.ceil((max(len(p) for p in PROMPTS) + MAX_NEW) / BLOCK)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_chunked_prefill_with_prefix_caching(make_engine, hybrid, checked, family):
+    """HB with chunks of 16 and prefix caching, the batch twice: the second run matches the
+    cached prefixes (the global blocks and the windowed rows its window needs)."""
+    path, expected = hybrid(family)
+    engine = engine_for(make_engine, path, prefix=True, policy="hb", chunk_size=16,
+                        max_num_batched_tokens=48)
+    first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
+    assert first == expected and again == expected
+    stats = engine.stats()
+    assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["kv_window_freed_blocks"] > 0
+    bm = engine.scheduler.block_manager
+    held_bounds(bm, checked, max(len(p) for p in PROMPTS) + MAX_NEW, chunk=16)
+    bm.check_invariants()
+
+
+def test_kv_pressure_preempts_and_recomputes_the_same_tokens(make_engine, hybrid, checked):
+    """Gemma 2 in 24 blocks for eight sequences, each of which holds up to 8 global blocks and
+    3 windowed ones: preemptions happen and the recomputed tokens equal transformers'."""
+    path, expected = hybrid("gemma2")
+    page = 2 * 2 * TINY["num_key_value_heads"] * BLOCK * 16 * 4      # 2 layers' K/V, fp32
+    engine = engine_for(make_engine, path, memory=str(24 * page), policy="hb", chunk_size=16,
+                        max_num_batched_tokens=64)
+    assert engine.scheduler.block_manager.num_blocks == 24
+    assert greedy_tokens(engine, PROMPTS * 2, batched=True, max_new=MAX_NEW) == expected * 2
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_window_freed_blocks"] > 0
+    assert stats["kv_capacity_tokens"] == 12 * BLOCK
+
+
+@pytest.mark.parametrize("family, parallel", [("gemma2", {"pp": 2}), ("gemma3", {"tp": 2})])
+def test_the_multi_process_runtime_runs_the_groups(make_engine, hybrid, family, parallel):
+    """PP=2 (each stage allocates the page slots its layers use, over the controller's tables)
+    and TP=2 (each rank its kv heads of every slot), chunked, with prefix caching:
+    transformers' tokens."""
+    path, expected = hybrid(family)
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "4MiB", "block_size": BLOCK,
+                            "enable_prefix_caching": True},
+                     parallel=parallel,
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        bm = engine.scheduler.block_manager
+        assert bm.windows == GROUPS[family][0] and engine.info["kv_window"] == WINDOW
+        assert engine.info["kv_groups"]["windows"] == list(bm.windows)
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        stats = engine.stats()
+        assert stats["kv_window_freed_blocks"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
+
+
+def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, hybrid, checked):
+    """Gemma 3 under async scheduling (releases go by the host's count, a step ahead) and the
+    CUDA graphs' padded decode forward (eager on CPU), each group's static tables its own."""
+    from batchinfer.engine.cuda_graphs import DecodeGraphs
+    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
+
+    path, expected = hybrid("gemma3")
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         device={"device": "cpu", "attention_backend": "torch"},
+                         cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
+                         scheduler={"policy": "hb", "chunk_size": 16,
+                                    "max_num_batched_tokens": 48, "async_scheduling": True})
+    executor = engine.replicas[0].executor
+    assert isinstance(executor, AsyncInProcessExecutor)
+    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
+                                   torch.device("cpu"), max_batch=8, max_seq_len_to_capture=256,
+                                   capture=False)
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0

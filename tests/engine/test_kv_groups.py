@@ -1,0 +1,194 @@
+"""KV layer groups (engine/kv_groups.py, engine/group_blocks.py): which layers share a group and a
+slot, the release arithmetic per group (windowed groups release, global ones keep everything),
+what the scheduler's questions count, preemption, and the prefix cache over rows (a match never
+hands out a windowed block inside a window that was evicted, and stops where a row breaks)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchinfer.engine.group_blocks import GroupedBlockManager
+from batchinfer.engine.kv_cache import PLACEHOLDER_BLOCK
+from batchinfer.engine.kv_groups import blocks_per_sequence, group_layout
+
+BS, WINDOW = 16, 24
+
+
+def manager(num_blocks=64, windows=(0, WINDOW), prefix=False) -> GroupedBlockManager:
+    return GroupedBlockManager(num_blocks, BS, windows, prefix_caching=prefix)
+
+
+def test_layouts_of_gemma2_gemma3_and_models_without_hybrid_windows():
+    gemma2 = group_layout([16, 0, 16, 0])
+    assert (gemma2.windows, gemma2.page_layers) == ((0, 16), 2)
+    assert gemma2.layer_group == (1, 0, 1, 0) and gemma2.layer_slot == (0, 0, 1, 1)
+    # Gemma 3 1B: 22 windowed layers, a global one every sixth: groups of 4, the last of 2
+    gemma3 = group_layout([0 if (i + 1) % 6 == 0 else 512 for i in range(26)])
+    assert gemma3.windows == (0, 512, 512, 512, 512, 512, 512) and gemma3.page_layers == 4
+    assert gemma3.layer_group[5] == 0 and gemma3.layer_slot[:6] == (0, 1, 2, 3, 0, 0)
+    assert gemma3.slots_of(0, 6) == [0, 1, 2, 3] and gemma3.slots_of(5, 6) == [0]
+    assert gemma3.layer_caches(["s0", "s1", "s2", "s3"], 4, 8) == ["s0", "s0", "s1", "s2"]
+    assert group_layout([]) is None and group_layout([0, 0]) is None
+    assert group_layout([16, 16]) is None                 # every layer windowed: one table
+    assert blocks_per_sequence((0, 24), 256, BS) == 16 + 3
+
+
+@pytest.mark.parametrize("first_query, released", [(0, 0), (38, 0), (39, 1), (55, 2), (100, 4)])
+def test_the_windowed_group_releases_and_the_global_group_keeps(first_query, released):
+    bm = manager()
+    bm.grow("a", first_query + 1)
+    slots = math.ceil((first_query + 1) / BS)
+    assert bm.num_held_blocks("a") == 2 * slots and bm.blocks_needed("a", first_query + 1) == 0
+    global_table = list(bm.block_table("a"))
+    free = bm.num_free_blocks
+    assert bm.release_outside_window("a", first_query) == released
+    assert bm.block_table("a") == global_table
+    assert bm.group_tables("a")[0][:released] == [PLACEHOLDER_BLOCK] * released
+    assert bm.held_per_group("a") == [slots, slots - released]
+    assert bm.num_free_blocks == free + released and bm.window_freed_blocks == released
+    assert bm.release_outside_window("a", first_query) == 0
+    bm.check_invariants()
+
+
+def test_blocks_needed_and_room_count_every_group():
+    bm = manager(num_blocks=10, windows=(0, WINDOW, WINDOW))
+    assert bm.blocks_needed("a", 33) == 9 and bm.can_grow("a", 48)
+    assert not bm.can_grow("a", 49)                        # 4 slots x 3 groups > 10
+    bm.grow("a", 48)
+    assert bm.num_free_blocks == 1 and bm.usage() == pytest.approx(0.9)
+    bm.release_outside_window("a", 47)                     # keys 24.. seen: slot 0 goes, twice
+    assert bm.num_free_blocks == 3 and bm.held_per_group("a") == [3, 2, 2]
+    with pytest.raises(MemoryError):
+        bm.grow("a", 65)
+    assert bm.capacity_tokens == 3 * BS and bm.max_concurrency(48) == pytest.approx(10 / 9)
+    bm.check_invariants()
+
+
+def test_decode_to_300_tokens_holds_the_window_in_the_windowed_group():
+    bm = manager()
+    bound = math.ceil(WINDOW / BS) + 1
+    computed = 0
+    while computed < 300:
+        bm.grow("a", computed + 1)
+        computed += 1
+        bm.release_outside_window("a", computed)
+        bm.check_invariants()
+    assert bm.peak_group_blocks == [math.ceil(300 / BS), bound]
+
+
+def test_preemption_frees_every_group_and_the_recompute_starts_empty():
+    bm = manager(num_blocks=12)
+    bm.grow("a", 80)
+    bm.release_outside_window("a", 80)
+    bm.grow("b", 16)
+    bm.free("a")
+    bm.check_invariants()
+    assert bm.num_free_blocks == 10 and not bm.block_table("a") and not bm.group_tables("a")[0]
+    bm.grow("a", 48)
+    assert bm.held_per_group("a") == [3, 3]
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 12
+    bm.check_invariants()
+
+
+def test_share_tables_holds_the_donors_blocks_once_more():
+    bm = manager()
+    bm.grow("a", 64)
+    bm.release_outside_window("a", 64)
+    bm.share_tables("b", "a")
+    assert bm.block_table("b") == bm.block_table("a")
+    assert bm.group_tables("b") == bm.group_tables("a")
+    bm.check_invariants()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 64
+    bm.check_invariants()
+
+
+def run(bm, seq, tokens, chunk=16):
+    """Computes `tokens` chunk by chunk as the engine would: grow, step, index, release."""
+    computed = bm.match_prefix(seq, tokens)
+    while computed < len(tokens):
+        n = min(chunk, len(tokens) - computed)
+        bm.grow(seq, computed + n)
+        computed += n
+        bm.cache_computed(seq, tokens, computed)
+        bm.release_outside_window(seq, computed)
+        bm.check_invariants()
+
+
+def test_prefix_match_takes_the_global_blocks_and_the_windows_rows():
+    """80 tokens computed and freed: a request with the same 80 and more matches 4 blocks; its
+    windowed table starts with placeholders up to the window of position 64 and the parked
+    companions after it (released ones, still intact)."""
+    bm = manager(prefix=True)
+    prompt = list(range(100, 180))
+    run(bm, "a", prompt)
+    rows = list(bm.group_tables("a")[0])
+    bm.free("a")
+    bm.check_invariants()
+    assert bm.match_prefix("b", prompt + [1, 2]) == 80
+    first = (80 - WINDOW + 1) // BS                        # 3: slots 3.. are in the window
+    assert bm.group_tables("b")[0] == [PLACEHOLDER_BLOCK] * first + rows[first:5]
+    assert bm.block_table("b")[:5] == bm.block_table("b") and len(bm.block_table("b")) == 5
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("evicted, matched", [(2, 80), (4, 0)])
+def test_a_prefix_whose_window_rows_were_evicted_is_cut_back(evicted, matched):
+    """The parked blocks evict oldest first: the companions released behind the window (slots
+    0-2), then the freed sequence's tail. Two evicted (slots 0 and 1's): the whole prefix still
+    matches, its window needing slots 3 and 4 only. Four (slot 4's too): every shorter prefix's
+    window needs a row that is gone, so nothing matches."""
+    bm = manager(num_blocks=16, prefix=True)
+    prompt = list(range(100, 180))                         # 5 slots x 2 groups
+    run(bm, "a", prompt)
+    rows = list(bm.group_tables("a")[0])
+    bm.free("a")
+    bm.grow("x", 16 * 3)                                   # the 6 free blocks: no eviction
+    bm.grow("y", 16 * evicted // 2)
+    bm.check_invariants()
+    assert bm.match_prefix("b", prompt + [1]) == matched
+    if matched:
+        assert bm.group_tables("b")[0] == [PLACEHOLDER_BLOCK] * 3 + rows[3:]
+    bm.check_invariants()
+    bm.free("b")
+    bm.free("y")
+    run(bm, "b", prompt + [1])
+    for seq in "bx":
+        bm.free(seq)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants()
+
+
+def test_evicting_an_anchor_returns_its_parked_row_to_the_pool():
+    bm = manager(num_blocks=4, prefix=True)
+    run(bm, "a", list(range(100, 132)))                    # 2 slots x 2 groups, all indexed
+    bm.free("a")
+    assert bm.num_free_blocks == 4 and bm.prefix.num_cached == 2
+    bm.grow("b", 32)                                       # evicts everything
+    assert bm.prefix.num_cached == 0 and bm.match_prefix("c", list(range(100, 140))) == 0
+    bm.check_invariants()
+
+
+def test_groups_only_with_freeing_on_and_the_baseline_strategy(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from batchinfer.engine.kv_groups import groups_for
+
+    arch = SimpleNamespace(layer_windows=(16, 0))
+
+    def config(free=True, strategy=None):
+        return SimpleNamespace(cache=SimpleNamespace(free_outside_window=free),
+                               strategy=strategy and SimpleNamespace(name=strategy))
+
+    assert groups_for(config(), arch).windows == (0, 16)
+    assert groups_for(config(strategy="baseline"), arch) is not None
+    assert groups_for(config(free=False), arch) is None
+    assert groups_for(config(), SimpleNamespace(layer_windows=(16, 16))) is None
+    with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
+        assert groups_for(config(strategy="seesaw"), arch) is None
+    assert "strategy seesaw keeps every block" in caplog.text
