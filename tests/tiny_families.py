@@ -212,3 +212,14 @@ def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None
             lens = [n + 1 for n in lens]
             query_lens = [1] * len(prompts)
     return torch.stack(tokens, dim=1)
+
+
+def tiny_arch(family: str, **changes):
+    """The engine's ModelArch of a tiny `family` config (with `changes`), no weights."""
+    import transformers
+
+    from batchinfer.engine.model.arch import arch_from_dict
+
+    config_class, _, extra = FAMILIES[family]
+    return arch_from_dict(getattr(transformers, config_class)(**{**TINY, **extra, **changes})
+                          .to_dict())
