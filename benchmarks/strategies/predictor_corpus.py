@@ -57,6 +57,12 @@ def corpus_dir() -> Path:
     return cache_root() / "workloads" / "predictor-corpus"
 
 
+def jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file, a line each (not str.splitlines: a prompt may hold U+2028)."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
@@ -171,8 +177,7 @@ def make_prompts(args) -> None:
     base = corpus_dir()
     base.mkdir(parents=True, exist_ok=True)
     packages = base / "packages"
-    seen = {normalized(json.loads(line)["prompt"])
-            for line in TEMPLATE_HISTORY.read_text().splitlines() if line.strip()}
+    seen = {normalized(r["prompt"]) for r in jsonl(TEMPLATE_HISTORY)}
     from benchmarks.common import sharegpt_rows
 
     seen |= {normalized(r["prompt"]) for r in sharegpt_rows()}    # the benchmarks' requests
@@ -207,8 +212,7 @@ def answer(args) -> None:
 def ship(args) -> None:
     """The training history (never the held-out source) into the repo, sorted for stable diffs."""
     history = corpus_dir() / "run-train" / "history.jsonl"
-    records = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
-    records = [r for r in records if r.get("source") != HELD_OUT]
+    records = [r for r in jsonl(history) if r.get("source") != HELD_OUT]
     records.sort(key=lambda r: r["id"])
     SHIPPED_HISTORY.mkdir(parents=True, exist_ok=True)
     (SHIPPED_HISTORY / "history.jsonl").write_text(

@@ -111,6 +111,8 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
             outs.extend(step_outs)
             events.extend(engine.drain_step_events())
         elapsed = time.perf_counter() - start
+        if online is not None:    # the forecasts TD-Pipe read last (the refits' re-forecasts)
+            predicted = [request.predicted_output_len for request in requests]
         stats = engine.stats()
         sched = engine.scheduler
         timeline = (timeline_summary(engine.replicas[0].executor.timeline())
