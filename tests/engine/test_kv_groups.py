@@ -308,3 +308,22 @@ def test_the_cuda_graphs_padding_block_is_one_block_whatever_the_groups():
     full = manager(num_blocks=3, windows=(0, WINDOW, WINDOW))
     full.grow("a", 16)
     assert full.reserve_block("pad") is None
+
+
+def test_one_block_manager_choice_and_capacity_for_both_builds():
+    """kv_groups.make_block_manager (the one-process and the multi-process builds): a table per
+    group with groups, one table (released behind a window where every layer has one) without;
+    kv_capacity says what each block manager says of itself (the log and engine_info)."""
+    from batchinfer.engine.kv_cache import BlockManager
+    from batchinfer.engine.kv_groups import kv_capacity, make_block_manager
+
+    layout = group_layout([16, 0, 16, 0])
+    grouped = make_block_manager(layout, 40, BS, prefix_caching=True)
+    assert isinstance(grouped, GroupedBlockManager) and grouped.windows == (0, 16)
+    assert grouped.prefix is not None
+    plain = make_block_manager(None, 40, BS, prefix_caching=False, window=24)
+    assert type(plain) is BlockManager and plain.window == 24 and plain.prefix is None
+    for bm, groups in ((grouped, layout), (plain, None)):
+        tokens, concurrency = kv_capacity(groups, 40, BS, 256)
+        assert tokens == bm.capacity_tokens
+        assert concurrency == pytest.approx(bm.max_concurrency(256))
