@@ -9,11 +9,12 @@ their slots). What the scheduler asks (`blocks_needed`, `can_grow`, `num_free_bl
 counts blocks of every group, so admission, preemption and kv_usage see what is really held.
 
 Prefix caching: an anchor block is indexed with its row, the windowed groups' blocks of the same
-positions (prefix_cache.PrefixIndex companions), and a row whose companion was evicted gets the
-block of the next sequence that computes those positions again. A match of k blocks is kept only as far as every
-windowed group still has the blocks its window needs at the first position to compute
-(`_whole_prefix`): a row whose companion was evicted can still serve a longer match's early
-positions, where the windowed groups take placeholders, but never a position inside a window. A
+positions (prefix_cache.PrefixIndex companions); a row whose companion was evicted gets the
+block of the next sequence that computes those positions again. A match of k blocks is kept only
+as far as every windowed group still has the blocks its window needs at the first position to
+compute (`_whole_prefix`): a row whose companion was evicted can still serve a longer match's
+early positions, where the windowed groups take placeholders, but never a position inside a window.
+A
 companion released behind a sequence's window stays valid while parked, as any cached block.
 """
 from __future__ import annotations

@@ -58,9 +58,10 @@ def rope_inv_freq(arch: ModelArch, rope: Optional[tuple] = None, long: bool = Fa
 
 
 def _yarn(theta: float, dim: int, scaling: dict, max_positions: int) -> torch.Tensor:
-    """YaRN (GPT-OSS; Qwen2.5 / Qwen3's long-context configs): each frequency blended between its interpolated (divided by `factor`) and
-    its original value by a linear ramp over the dimensions between the beta_fast and beta_slow
-    rotation counts of the original context (transformers' _compute_yarn_parameters)."""
+    """YaRN (GPT-OSS; Qwen2.5 / Qwen3's long-context configs): each frequency blended between its
+    interpolated (divided by `factor`) and its original value by a linear ramp over the
+    dimensions between the beta_fast and beta_slow rotation counts of the original context
+    (transformers' _compute_yarn_parameters)."""
     factor = scaling.get("factor")
     original = _yarn_original(scaling)
     factor = float(factor) if factor is not None else max_positions / original
