@@ -16,9 +16,9 @@ from .cuda_graphs import DecodeGraphs
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
-from .group_blocks import GroupedBlockManager
-from .kv_cache import BlockManager, KVCacheSpec, allocate_kv_tensors, log_kv_window
-from .kv_groups import check_group_capacity, groups_for, log_kv_groups
+from .kv_cache import KVCacheSpec, allocate_kv_tensors
+from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_block_manager,
+                        step_tokens)
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
 from .model.loader import build_model, load_arch
@@ -170,9 +170,10 @@ def _build_single_process(config: EngineConfig) -> Engine:
     if fused_ops is not None:
         model.use_ops(fused_ops)
     groups = groups_for(config, arch)
+    step = step_tokens(config, max_model_len)
     if device.type == "cuda":
         budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device,
-                                groups)
+                                groups, step)
     else:
         budget = kv_budget(config, arch, device, dtype_bytes)
     # with KV layer groups a block is one page of page_layers layers (kv_groups.py)
@@ -184,14 +185,10 @@ def _build_single_process(config: EngineConfig) -> Engine:
             f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
             f"({max_model_len}); raise cache.kv_cache_memory (one token takes "
             f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
-    check_group_capacity(groups, spec.num_blocks, spec.block_size, max_model_len)
-    if groups is not None:
-        block_manager = GroupedBlockManager(spec.num_blocks, spec.block_size, groups.windows,
-                                            prefix_caching=config.cache.enable_prefix_caching)
-    else:
-        block_manager = BlockManager(spec.num_blocks, spec.block_size,
-                                     prefix_caching=config.cache.enable_prefix_caching,
-                                     window=config.cache.kv_window(arch))
+    check_group_capacity(groups, spec.num_blocks, spec.block_size, max_model_len, step)
+    block_manager = make_block_manager(groups, spec.num_blocks, spec.block_size,
+                                       config.cache.enable_prefix_caching,
+                                       config.cache.kv_window(arch))
     kv_caches = allocate_kv_tensors(spec, kv_dtype, device)
     if groups is not None:
         kv_caches = groups.layer_caches(kv_caches, 0, arch.num_layers)
@@ -225,19 +222,14 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "kv_window": block_manager.window,
         **({"kv_groups": groups.describe()} if groups is not None else {}),
     }
-    log.info("KV cache: %d tokens (%d blocks of %d, %.2f GiB); maximum concurrency for %d-token "
-             "requests: %.2fx", block_manager.capacity_tokens, spec.num_blocks, spec.block_size,
-             info["kv_cache_bytes"] / GiB, max_model_len,
-             block_manager.max_concurrency(max_model_len))
-    if groups is not None:
-        log_kv_groups(groups, spec.num_blocks, spec.block_size, max_model_len)
-    else:
-        log_kv_window(block_manager.window)
+    log_kv_cache(groups, spec.num_blocks, spec.block_size, max_model_len, info["kv_cache_bytes"],
+                 block_manager.window, step)
     return Engine([Replica(scheduler, executor)], tokenizer, max_model_len, info["model_id"], info)
 
 
 def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_model_len: int,
-                   kv_dtype: torch.dtype, device: torch.device, groups=None) -> int:
+                   kv_dtype: torch.dtype, device: torch.device, groups=None,
+                   step: tuple[int, str] = (1, "decoding")) -> int:
     """As vLLM sizes it (gpu_memory.py): the card's memory x memory_utilization, less the weights,
     a profiled step's peak and memory held elsewhere; refused with the numbers when max_model_len
     tokens of KV don't fit."""
@@ -248,12 +240,16 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                      config.scheduler.max_num_seqs, max_model_len, block, kv_dtype, device)
     asked = config.cache.kv_cache_memory
     needed = -(-max_model_len // block) * block * arch.kv_bytes_per_token(kv_dtype.itemsize)
-    if groups is not None:    # KV layer groups: a request's blocks over its groups, a page each
+    what = f"max_model_len {max_model_len} tokens"
+    if groups is not None:    # KV layer groups: a request's blocks over its groups, a page each,
+        # while its largest step (kv_groups.step_tokens) grows every group
         layer_block = block * arch.kv_bytes_per_token(kv_dtype.itemsize) // arch.num_layers
-        needed = groups.blocks_per_sequence(max_model_len, block) * groups.page_layers * layer_block
+        needed = (groups.blocks_per_sequence(max_model_len, block, step[0]) * groups.page_layers
+                  * layer_block)
+        what = (f"{groups.blocks_per_sequence(max_model_len, block, step[0])} blocks of a "
+                f"{max_model_len}-token request computing {step[0]} tokens a step ({step[1]})")
     return kv_budget_on_gpu(memory, config.cache.memory_utilization,
-                            None if asked is None else int(asked), needed,
-                            f"max_model_len {max_model_len} tokens")
+                            None if asked is None else int(asked), needed, what)
 
 
 def use_async_scheduling(config: EngineConfig, device: torch.device,

@@ -16,7 +16,8 @@ A graph fixes every shape and every address, so:
   torch_attention's decode rows (`decode_attention`) over the padded tables, with the mask built
   inside the graph from the lengths;
 - padding rows write their K/V into one block reserved for them (held in the block manager under
-  PADDING_OWNER), never into a sequence's block;
+  PADDING_OWNER, one block even with layer groups: every group's padding K/V goes there), never
+  into a sequence's block;
 - with KV layer groups (kv_groups.py) each group after the first has its own static slot blocks
   and tables, and its layers attend through them (`StaticDecodeMeta.groups`).
 
@@ -195,11 +196,11 @@ class DecodeGraphs:
 
     # --- inputs ---------------------------------------------------------------------------------
     def _reserve_padding_block(self) -> bool:
+        """One block for the padding rows' K/V (every layer group's: one page, whatever the
+        number of groups, BlockManager.reserve_block); False when none is free."""
         if self._pad_block is None:
-            if not self.block_manager.can_grow(PADDING_OWNER, 1):
-                return False
-            self._pad_block = self.block_manager.grow(PADDING_OWNER, 1)[0]
-        return True
+            self._pad_block = self.block_manager.reserve_block(PADDING_OWNER)
+        return self._pad_block is not None
 
     def _fill(self, plan: StepPlan, batch: int, width: int) -> None:
         """The step's inputs into the static buffers, padding rows after the step's own. Built in

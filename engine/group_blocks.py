@@ -9,15 +9,17 @@ their slots). What the scheduler asks (`blocks_needed`, `can_grow`, `num_free_bl
 counts blocks of every group, so admission, preemption and kv_usage see what is really held.
 
 Prefix caching: an anchor block is indexed with its row, the windowed groups' blocks of the same
-positions (prefix_cache.PrefixIndex companions). A match of k blocks is kept only as far as every
-windowed group still has the blocks its window needs at the first position to compute
-(`_whole_prefix`): a row whose companion was evicted can still serve a longer match's early
-positions, where the windowed groups take placeholders, but never a position inside a window. A
+positions (prefix_cache.PrefixIndex companions); a row whose companion was evicted gets the
+block of the next sequence that computes those positions again. A match of k blocks is kept only
+as far as every windowed group still has the blocks its window needs at the first position to
+compute (`_whole_prefix`): a row whose companion was evicted can still serve a longer match's
+early positions, where the windowed groups take placeholders, but never a position inside a window.
+A
 companion released behind a sequence's window stays valid while parked, as any cached block.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from .kv_cache import _CHAIN_BROKEN, PLACEHOLDER_BLOCK, BlockManager
 
@@ -92,6 +94,22 @@ class GroupedBlockManager(BlockManager):
         self.peak_seq_blocks = max(self.peak_seq_blocks, sum(held))
         return new
 
+    def reserve_block(self, owner: Hashable) -> Optional[int]:
+        """One block, not one per group (`grow` would take num_groups): the padding rows of a
+        CUDA graph write every group's K/V into the same block, garbage no query reads, so one
+        page serves them all. It is the anchor table's one slot; the other groups' slot is
+        released (the placeholder), which keeps the tables' lengths and check_invariants."""
+        if self._tables.get(owner):
+            raise ValueError(f"{owner!r} already has blocks")
+        if self.num_free_blocks < 1:
+            return None
+        block = self._take()
+        self._ref[block] = 1
+        self._tables[owner] = [block]
+        self._group_tables[owner] = [[PLACEHOLDER_BLOCK] for _ in self.windows[1:]]
+        self._group_released[owner] = [1] * (self.num_groups - 1)
+        return block
+
     def share(self, seq_id: Hashable, blocks: list[int]) -> None:
         raise NotImplementedError("with layer groups a sequence shares every group's table: "
                                   "share_tables")
@@ -110,11 +128,21 @@ class GroupedBlockManager(BlockManager):
         self._group_released[seq_id] = released
 
     def free(self, seq_id: Hashable) -> None:
+        """Tail first, a row at a time: each slot's global block, then the windowed groups'
+        blocks of the same positions. Parked blocks are evicted least recently parked first, so
+        a row goes whole (its anchor first, which sends its parked companions back to the pool:
+        prefix_cache.PrefixIndex.orphans), never its in-window companions before the anchors
+        they make matchable."""
+        self._indexed.pop(seq_id, None)
+        self._done_computing(seq_id, None)
+        table = self._tables.pop(seq_id, [])
+        others = self._group_tables.pop(seq_id, [])
         released = self._group_released.pop(seq_id, [])
-        for table, skip in zip(self._group_tables.pop(seq_id, []), released):
-            for block in reversed(table[skip:]):
-                self._drop(block)
-        super().free(seq_id)
+        for i in reversed(range(len(table))):
+            self._drop(table[i])
+            for other, skip in zip(others, released):
+                if i >= skip:
+                    self._drop(other[i])
 
     def release_outside_window(self, seq_id: Hashable, first_query: int) -> int:
         """Each windowed group releases `seq_id`'s leading blocks no query at `first_query` or
@@ -209,10 +237,12 @@ class GroupedBlockManager(BlockManager):
             if cached is None:
                 self._indexed[seq_id] = (_CHAIN_BROKEN, None)
                 return
-            if cached == table[i]:
-                for group, other in enumerate(others):
-                    if i >= released[group]:
-                        self.prefix.attach(cached, group, other[i], self.num_groups - 1)
+            # the row of an anchor cached before (`cached` is not table[i]) may have lost a
+            # companion to eviction: this sequence's block of the same positions fills the slot
+            # (attach fills empty slots only; a block not attached stays private, freed as such)
+            for group, other in enumerate(others):
+                if i >= released[group]:
+                    self.prefix.attach(cached, group, other[i], self.num_groups - 1)
             parent = cached
         self._indexed[seq_id] = (full, parent)
 

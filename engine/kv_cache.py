@@ -116,6 +116,14 @@ class BlockManager:
         self.peak_seq_blocks = max(self.peak_seq_blocks, self.num_held_blocks(seq_id))
         return new
 
+    def reserve_block(self, owner: Hashable) -> Optional[int]:
+        """One block held by `owner` (which holds none) that no sequence uses: the CUDA graphs'
+        padding rows write their K/V there. None when no block is free; `free(owner)` returns
+        it."""
+        if not self.can_grow(owner, 1):
+            return None
+        return self.grow(owner, 1)[0]
+
     def share(self, seq_id: Hashable, blocks: list[int]) -> None:
         """Starts `seq_id`'s table with blocks another sequence holds (reference counted)."""
         table = self._tables.setdefault(seq_id, [])

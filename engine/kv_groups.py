@@ -17,7 +17,9 @@ serves any group: there is no split to tune, and a job of short sequences (which
 nothing) and one of long ones (whose windowed groups hold a few blocks each) both use the whole
 pool. A sequence holds, per global group, a block per block_size tokens of its context, and per
 windowed group at most ceil((window + n - 1) / block_size) + 1 while a step computes n of its
-tokens.
+tokens: a step grows every group by its n tokens before anything behind the window is released,
+so the pool is sized for the largest step one sequence can take (`step_tokens`: a whole
+max_model_len prompt under SB, a chunk under HB), not for a decoding sequence alone.
 
 Gemma 2 (windowed and global alternating) has two groups of num_layers / 2 layers; Gemma 3 1B
 (22 windowed layers of 512 keys, 4 global) seven groups of 4 layers (the last windowed one of
@@ -60,8 +62,8 @@ class KVGroupLayout:
         index = {slot: i for i, slot in enumerate(self.slots_of(layer_start, layer_end))}
         return [pairs[index[self.layer_slot[layer]]] for layer in range(layer_start, layer_end)]
 
-    def blocks_per_sequence(self, tokens: int, block_size: int) -> int:
-        return blocks_per_sequence(self.windows, tokens, block_size)
+    def blocks_per_sequence(self, tokens: int, block_size: int, step_tokens: int = 1) -> int:
+        return blocks_per_sequence(self.windows, tokens, block_size, step_tokens)
 
     def describe(self) -> dict:
         """report.json's engine.kv_groups."""
@@ -70,13 +72,36 @@ class KVGroupLayout:
         return {"windows": list(self.windows), "layers": layers, "page_layers": self.page_layers}
 
 
-def blocks_per_sequence(windows: Sequence[int], tokens: int, block_size: int) -> int:
-    """The most blocks one decoding sequence of `tokens` tokens holds over groups of these
-    windows (a global group a block per block_size tokens, a windowed one its window's and one
-    more)."""
+def blocks_per_sequence(windows: Sequence[int], tokens: int, block_size: int,
+                        step_tokens: int = 1) -> int:
+    """The most blocks one sequence of up to `tokens` tokens holds over groups of these windows
+    while a step computes up to `step_tokens` of its tokens (1: decoding): a global group a block
+    per block_size tokens, a windowed one the blocks of the window before the step's first
+    query and of the step's tokens, ceil((window + step_tokens - 1) / block_size) + 1, at most
+    its whole context's."""
     whole = -(-tokens // block_size)
-    return sum(whole if not window else min(whole, -(-window // block_size) + 1)
+    return sum(whole if not window
+               else min(whole, -(-(window + step_tokens - 1) // block_size) + 1)
                for window in windows)
+
+
+def step_tokens(config, max_model_len: int) -> tuple[int, str]:
+    """The most tokens of one sequence a step of the baseline scheduler computes, and the
+    settings that set it: SB computes a whole prompt (up to max_model_len) in one step, HB a
+    chunk of at most chunk_size (default max_num_batched_tokens) within the token budget."""
+    strategy = getattr(config, "strategy", None)
+    if strategy is not None and strategy.name == "baseline":
+        sched, prefix = strategy.scheduler_config(), "strategy"
+    else:
+        sched, prefix = config.scheduler, "scheduler"
+    if sched.policy == "sb":
+        return max_model_len, (f"{prefix}.policy sb computes a whole prompt, up to "
+                               f"model.max_model_len, in one step; {prefix}.policy hb with a "
+                               f"smaller {prefix}.max_num_batched_tokens computes it in chunks")
+    chunk = min(sched.chunk_size or sched.max_num_batched_tokens, sched.max_num_batched_tokens,
+                max_model_len)
+    return chunk, (f"{prefix}.policy hb computes up to {chunk} tokens of a prompt a step "
+                   f"({prefix}.chunk_size / {prefix}.max_num_batched_tokens)")
 
 
 def group_layout(layer_windows: Sequence[int]) -> Optional[KVGroupLayout]:
@@ -119,28 +144,70 @@ def groups_for(config, arch) -> Optional[KVGroupLayout]:
 
 
 def check_group_capacity(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
-                         max_model_len: int) -> None:
-    """A ConfigError where one max_model_len-token request does not fit the pool's blocks."""
+                         max_model_len: int, step: tuple[int, str] = (1, "decoding")) -> None:
+    """A ConfigError where one max_model_len-token request, alone in the pool, cannot take the
+    largest step the scheduler gives it (`step`: step_tokens' tokens and the settings that set
+    them): it would never be scheduled, or would preempt itself forever, mid-run."""
     if layout is None:
         return
-    need = layout.blocks_per_sequence(max_model_len, block_size)
+    tokens, setting = step
+    need = layout.blocks_per_sequence(max_model_len, block_size, tokens)
     if need > num_blocks:
         from .errors import ConfigError
 
-        raise ConfigError(f"the KV cache holds {num_blocks} blocks of {block_size} (pages of "
-                          f"{layout.page_layers} layers); a {max_model_len}-token request "
-                          f"holds {need} over its {layout.num_groups} layer groups: raise "
-                          "cache.kv_cache_memory or lower model.max_model_len")
+        raise ConfigError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens (pages "
+                          f"of {layout.page_layers} layers); a {max_model_len}-token request "
+                          f"computing up to {tokens} tokens in a step holds up to {need} over "
+                          f"its {layout.num_groups} layer groups ({setting}): raise "
+                          "cache.kv_cache_memory, lower model.max_model_len or lower the "
+                          "tokens of a step (scheduler.max_num_batched_tokens / chunk_size "
+                          "under policy hb)")
 
 
-def log_kv_groups(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
-                  max_model_len: int) -> None:
-    """The start-up log's lines for a cache with layer groups."""
+def make_block_manager(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
+                       prefix_caching: bool, window: int = 0):
+    """One replica's block manager: a table per layer group where the model runs with groups,
+    else one table (released behind `window` when every layer has one)."""
+    if layout is not None:
+        from .group_blocks import GroupedBlockManager
+
+        return GroupedBlockManager(num_blocks, block_size, layout.windows,
+                                   prefix_caching=prefix_caching)
+    from .kv_cache import BlockManager
+
+    return BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=window)
+
+
+def kv_capacity(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
+                max_model_len: int) -> tuple[int, float]:
+    """The pool's tokens for sequences that release nothing, and the decoding max_model_len-token
+    requests it holds at once (the block managers' capacity_tokens / max_concurrency)."""
     if layout is None:
+        return num_blocks * block_size, num_blocks * block_size / max_model_len
+    return (num_blocks // layout.num_groups * block_size,
+            num_blocks / layout.blocks_per_sequence(max_model_len, block_size))
+
+
+def log_kv_cache(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,
+                 max_model_len: int, kv_cache_bytes: int, window: int,
+                 step: tuple[int, str] = (1, "decoding"), replicas: Optional[int] = None) -> None:
+    """The start-up log's KV cache lines (one process, or `replicas` of the multi-process
+    runtime): capacity and concurrency, then the layer groups or the window released."""
+    capacity, concurrency = kv_capacity(layout, num_blocks, block_size, max_model_len)
+    per = "" if replicas is None else f" per replica x {replicas}"
+    log.info("KV cache: %d tokens%s (%d blocks of %d, %.2f GiB%s); maximum concurrency for "
+             "%d-token requests: %.2fx%s", capacity, per, num_blocks, block_size,
+             kv_cache_bytes / (1 << 30), "" if replicas is None else " in all", max_model_len,
+             concurrency, "" if replicas is None else " per replica")
+    if layout is None:
+        from .kv_cache import log_kv_window
+
+        log_kv_window(window)
         return
     windowed = sorted({w for w in layout.windows if w})
-    per_request = layout.blocks_per_sequence(max_model_len, block_size)
+    per_request = layout.blocks_per_sequence(max_model_len, block_size, step[0])
     log.info("KV cache: %d layer groups of %d layers (windows %s): the windowed groups release "
              "a sequence's blocks behind their window, the global ones keep its context; a "
-             "%d-token request holds up to %d blocks", layout.num_groups, layout.page_layers,
-             "/".join(map(str, windowed)), max_model_len, per_request)
+             "%d-token request holds up to %d blocks while a step computes %d of its tokens",
+             layout.num_groups, layout.page_layers, "/".join(map(str, windowed)), max_model_len,
+             per_request, step[0])

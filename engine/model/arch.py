@@ -259,6 +259,12 @@ def _check(arch: ModelArch, source: str) -> None:
         raise ModelLoadError(f"{source}: rope scaling type {rope_kind(arch.rope_scaling)!r} is not "
                              f"supported; supported: {', '.join(ROPE_TYPES)} (dynamic is treated as "
                              "default within max_position_embeddings)")
+    if arch.rope_scaling and rope_kind(arch.rope_scaling) == "yarn" and \
+            arch.rope_scaling.get("original_max_position_embeddings") is None:
+        raise ModelLoadError(f"{source}: rope scaling type 'yarn' needs "
+                             "'original_max_position_embeddings' (the pretraining context the "
+                             f"ramp is measured against) in its rope_scaling / rope_parameters, "
+                             f"got {arch.rope_scaling}")
     if math.isnan(arch.rms_norm_eps):
         raise ModelLoadError(f"{source}: rms_norm_eps is NaN")
     if arch.hidden_act not in ACTIVATIONS:

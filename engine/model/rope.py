@@ -58,11 +58,12 @@ def rope_inv_freq(arch: ModelArch, rope: Optional[tuple] = None, long: bool = Fa
 
 
 def _yarn(theta: float, dim: int, scaling: dict, max_positions: int) -> torch.Tensor:
-    """YaRN (GPT-OSS): each frequency blended between its interpolated (divided by `factor`) and
-    its original value by a linear ramp over the dimensions between the beta_fast and beta_slow
-    rotation counts of the original context (transformers' _compute_yarn_parameters)."""
+    """YaRN (GPT-OSS; Qwen2.5 / Qwen3's long-context configs): each frequency blended between its
+    interpolated (divided by `factor`) and its original value by a linear ramp over the
+    dimensions between the beta_fast and beta_slow rotation counts of the original context
+    (transformers' _compute_yarn_parameters)."""
     factor = scaling.get("factor")
-    original = float(scaling["original_max_position_embeddings"])
+    original = _yarn_original(scaling)
     factor = float(factor) if factor is not None else max_positions / original
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
@@ -81,14 +82,25 @@ def _yarn(theta: float, dim: int, scaling: dict, max_positions: int) -> torch.Te
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def _yarn_original(scaling: dict) -> float:
+    """YaRN's original_max_position_embeddings; a ModelLoadError naming it where the config
+    lacks it (arch._check refuses such a config.json first; this covers a family's own rope)."""
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        from ..errors import ModelLoadError
+
+        raise ModelLoadError(f"rope scaling type 'yarn' needs 'original_max_position_embeddings' "
+                             f"in its rope_scaling / rope_parameters, got {scaling}")
+    return float(original)
+
+
 def yarn_attention_factor(scaling: dict, max_positions: int) -> float:
     """cos and sin are scaled by this: `attention_factor`, else 0.1 ln(factor) + 1 (with
     mscale / mscale_all_dim where given)."""
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = scaling.get("factor")
-    factor = (float(factor) if factor is not None
-              else max_positions / float(scaling["original_max_position_embeddings"]))
+    factor = float(factor) if factor is not None else max_positions / _yarn_original(scaling)
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

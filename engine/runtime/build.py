@@ -14,14 +14,13 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (GiB, _max_model_len, kv_budget, kv_element_bytes, resolve_device, resolve_dtype,
+from ..build import (_max_model_len, kv_budget, kv_element_bytes, resolve_device, resolve_dtype,
                      resolve_kv_dtype)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
-from ..group_blocks import GroupedBlockManager
-from ..kv_cache import BlockManager, log_kv_window
-from ..kv_groups import KVGroupLayout, check_group_capacity, groups_for, log_kv_groups
+from ..kv_groups import (KVGroupLayout, check_group_capacity, groups_for, log_kv_cache,
+                         make_block_manager, step_tokens)
 from ..model.fast_linear import linear_kernel_label
 from ..model.loader import load_arch
 from ..model.sources import model_id_for, resolve_model_dir
@@ -111,9 +110,11 @@ def check_gpus(setup: ModelSetup, world_size: int) -> None:
 
 
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int,
-                   groups: Optional[KVGroupLayout] = None) -> None:
+                   groups: Optional[KVGroupLayout] = None,
+                   step: tuple[int, str] = (1, "decoding")) -> None:
+    """step: with layer groups, kv_groups.step_tokens (the largest step of one sequence)."""
     if groups is not None:
-        check_group_capacity(groups, num_blocks, block_size, max_model_len)
+        check_group_capacity(groups, num_blocks, block_size, max_model_len, step)
     elif num_blocks * block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens per replica, less "
                           f"than max_model_len ({max_model_len}); raise cache.kv_cache_memory or "
@@ -176,10 +177,10 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
 
 def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout, num_blocks: int,
                 threads: int, kv_cache_bytes: int, releases_window: bool = True,
-                block_manager=None) -> dict:
+                kv_groups: Optional[KVGroupLayout] = None) -> dict:
     """What report.json's `engine` says of this engine. releases_window: whether its block
     managers release blocks behind a sliding window (a strategy with its own may not);
-    block_manager: a replica's, where it has KV layer groups."""
+    kv_groups: the layer groups its block managers run with (ParallelPlan.kv_groups)."""
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
@@ -198,28 +199,12 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                      "threads_per_rank": threads,
                      "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce)},
     }
-    capacity = num_blocks * block_size
-    concurrency = capacity / setup.max_model_len
-    groups = (setup_groups(config, setup) if getattr(block_manager, "num_groups", 1) > 1
-              else None)
-    if groups is not None:
-        capacity = block_manager.capacity_tokens
-        concurrency = block_manager.max_concurrency(setup.max_model_len)
-        info["kv_window"] = block_manager.window
-        info["kv_groups"] = groups.describe()
-    log.info("KV cache: %d tokens per replica x %d (%d blocks of %d, %.2f GiB in all); maximum "
-             "concurrency for %d-token requests: %.2fx per replica", capacity, layout.dp,
-             num_blocks, block_size, kv_cache_bytes / GiB, setup.max_model_len, concurrency)
-    if groups is not None:
-        log_kv_groups(groups, num_blocks, block_size, setup.max_model_len)
-    else:
-        log_kv_window(info["kv_window"])
+    if kv_groups is not None:
+        info["kv_window"] = max(kv_groups.windows)
+        info["kv_groups"] = kv_groups.describe()
+    log_kv_cache(kv_groups, num_blocks, block_size, setup.max_model_len, kv_cache_bytes,
+                 info["kv_window"], step_tokens(config, setup.max_model_len), replicas=layout.dp)
     return info
-
-
-def setup_groups(config: EngineConfig, setup: ModelSetup) -> Optional[KVGroupLayout]:
-    """The KV layer groups the engine runs this model with (kv_groups.groups_for)."""
-    return groups_for(config, setup.arch)
 
 
 @dataclass
@@ -238,10 +223,11 @@ def plan_parallel(config: EngineConfig) -> ParallelPlan:
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
     check_gpus(setup, layout.world_size)
-    groups = setup_groups(config, setup)
+    groups = groups_for(config, setup.arch)
     num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes,
                                groups=groups)
-    check_capacity(num_blocks, config.cache.block_size, setup.max_model_len, groups)
+    check_capacity(num_blocks, config.cache.block_size, setup.max_model_len, groups,
+                   step_tokens(config, setup.max_model_len))
     threads = threads_per_rank(config.parallel, layout.world_size, config.device.num_threads)
     return ParallelPlan(setup, layout, num_blocks, threads, groups)
 
@@ -253,13 +239,9 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
     setup, layout, block_size = plan.setup, plan.layout, config.cache.block_size
     replicas = []
     for replica in range(layout.dp):
-        if plan.kv_groups is not None:
-            block_manager = GroupedBlockManager(plan.num_blocks, block_size, plan.kv_groups.windows,
-                                                prefix_caching=config.cache.enable_prefix_caching)
-        else:
-            block_manager = BlockManager(plan.num_blocks, block_size,
-                                         prefix_caching=config.cache.enable_prefix_caching,
-                                         window=config.cache.kv_window(setup.arch))
+        block_manager = make_block_manager(plan.kv_groups, plan.num_blocks, block_size,
+                                           config.cache.enable_prefix_caching,
+                                           config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
@@ -269,7 +251,7 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
                                                plan.kv_groups)
         for r in layout.replica_ranks(0))
     info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes,
-                       block_manager=block_manager)
+                       kv_groups=plan.kv_groups)
     info.update(extra_info or {})
     return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)
 

@@ -196,3 +196,42 @@ def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, hybrid, che
                                    capture=False)
     assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
     assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0
+
+
+def page_bytes() -> int:
+    """One block of the tiny Gemma 2 (a page of 2 layers' K/V, fp32)."""
+    return 2 * 2 * TINY["num_key_value_heads"] * BLOCK * 16 * 4
+
+
+@pytest.mark.parametrize("scheduler, prompt_len, need", [
+    # SB computes a whole prompt in one step: every group grows by it before any release,
+    # 2 groups x 256 / 16
+    ({"policy": "sb"}, 200, 32),
+    # HB with chunks of 128: the global group's 16 blocks and the windowed group's
+    # ceil((16 + 127) / 16) + 1 = 10
+    ({"policy": "hb", "max_num_batched_tokens": 128}, 250, 26)])
+def test_a_pool_too_small_for_one_step_is_refused_at_start(make_engine, hybrid, scheduler,
+                                                           prompt_len, need):
+    """A pool that holds a decoding 256-token sequence (16 + 2 blocks) but not the largest step
+    the scheduler gives one: refused at start with the numbers and the settings to change (it
+    used to be accepted, then SB scheduled nothing forever and HB preempted the prompt forever);
+    sized by that rule, the longest prompt runs to completion alone, never preempted."""
+    from batchinfer.engine.errors import ConfigError
+
+    path, _ = hybrid("gemma2")
+    with pytest.raises(ConfigError) as refused:
+        engine_for(make_engine, path, memory=str(18 * page_bytes()), **scheduler)
+    message = str(refused.value)
+    assert f"holds 18 blocks" in message and f"holds up to {need}" in message
+    assert "cache.kv_cache_memory" in message and "model.max_model_len" in message
+    assert "max_num_batched_tokens" in message
+    with pytest.raises(ConfigError):
+        engine_for(make_engine, path, memory=str((need - 1) * page_bytes()), **scheduler)
+    engine = engine_for(make_engine, path, memory=str(need * page_bytes()), **scheduler)
+    bm = engine.scheduler.block_manager
+    assert bm.num_blocks == need
+    prompt = [(7 * i) % 200 + 3 for i in range(prompt_len)]
+    out = greedy_tokens(engine, [prompt], batched=True, max_new=256 - prompt_len)
+    assert len(out[0]) == 256 - prompt_len and engine.stats()["num_preemptions"] == 0
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()

@@ -139,9 +139,10 @@ def test_prefix_match_takes_the_global_blocks_and_the_windows_rows():
 @pytest.mark.parametrize("evicted, matched", [(2, 80), (4, 0)])
 def test_a_prefix_whose_window_rows_were_evicted_is_cut_back(evicted, matched):
     """The parked blocks evict oldest first: the companions released behind the window (slots
-    0-2), then the freed sequence's tail. Two evicted (slots 0 and 1's): the whole prefix still
-    matches, its window needing slots 3 and 4 only. Four (slot 4's too): every shorter prefix's
-    window needs a row that is gone, so nothing matches."""
+    0-2), then the freed sequence's rows from the tail, each anchor first. Two evicted (slots 0
+    and 1's): the whole prefix still matches, its window needing slots 3 and 4 only. Four (slot
+    2's companion and slot 4's anchor, whose companion goes back to the pool): every shorter
+    prefix's window needs a row that is gone, so nothing matches."""
     bm = manager(num_blocks=16, prefix=True)
     prompt = list(range(100, 180))                         # 5 slots x 2 groups
     run(bm, "a", prompt)
@@ -163,6 +164,72 @@ def test_a_prefix_whose_window_rows_were_evicted_is_cut_back(evicted, matched):
     bm.check_invariants()
 
 
+def test_a_recomputed_prefix_mends_the_rows_that_lost_companions():
+    """a computes 128 tokens; while it decodes, the companions released behind its window are
+    evicted (rows 0-5 lose theirs), so after a is freed its first 80 tokens match nothing. b
+    recomputes them: the anchors it registers are a's, and its windowed blocks fill a's empty
+    slots, so a third request matches all 80 tokens (it used to match none until a's anchors
+    were evicted)."""
+    bm = manager(num_blocks=20, prefix=True)
+    long = list(range(100, 228))
+    run(bm, "a", long)                                      # 8 anchors, slots 0-5 released
+    assert bm.held_per_group("a") == [8, 2] and bm.prefix.num_evictable == 6
+    bm.grow("x", 16 * 5)                                    # 4 free + the 6 parked companions
+    bm.free("x")
+    bm.free("a")
+    bm.check_invariants()
+    prompt = long[:80]
+    assert bm.match_prefix("b", prompt + [1]) == 0           # rows 3 and 4 lack companions
+    run(bm, "b", prompt + [1])
+    bm.free("b")
+    bm.check_invariants()
+    assert bm.match_prefix("c", prompt + [2]) == 80
+    assert bm.group_tables("c")[0][:3] == [PLACEHOLDER_BLOCK] * 3
+    bm.check_invariants()
+    bm.free("c")
+    assert bm.num_free_blocks == 20
+    bm.check_invariants()
+
+
+def test_an_evicted_anchor_orphans_its_parked_companion():
+    """PrefixIndex: an anchor evicted while its companion is parked drops the row and hands the
+    companion back as an orphan (free, cached nowhere)."""
+    from batchinfer.engine.prefix_cache import PrefixIndex
+
+    index = PrefixIndex()
+    assert index.register(5, None, (1, 2)) == 5
+    index.attach(5, 0, 9, 1)
+    assert index.companion(5, 0) == 9 and index.is_cached(9)
+    index.park(5)
+    index.park(9)
+    assert index.evict() == 5
+    assert index.take_orphans() == [9] and index.orphans == []
+    assert not index.is_cached(9) and not index.is_evictable(9) and index.num_evictable == 0
+
+
+def test_free_parks_rows_whole_so_eviction_takes_the_tail_row():
+    """A freed sequence parks its rows tail first, each anchor before its companions: eviction
+    takes the last row's anchor (its parked companion goes back to the pool, the orphan path),
+    and the first row stays whole and matchable (companions first left anchors without rows)."""
+    bm = manager(num_blocks=4, prefix=True)
+    run(bm, "a", list(range(100, 132)))                    # 2 slots x 2 groups, nothing released
+    row0 = bm.block_table("a")[0], bm.group_tables("a")[0][0]
+    bm.free("a")
+    assert bm.num_free_blocks == 4 and bm.prefix.num_evictable == 4
+    bm.grow("b", 16)                                       # 2 blocks: anchor 1 and its orphan
+    bm.check_invariants()
+    assert bm.num_free_blocks == 2 and bm.prefix.num_cached == 1
+    assert bm.prefix.companion(row0[0], 0) == row0[1]
+    assert bm.match_prefix("c", list(range(100, 140))) == 16
+    assert bm.block_table("c") == [row0[0]] and bm.group_tables("c")[0] == [row0[1]]
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+    bm.free("c")
+    bm.free("b")
+    assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
 def test_evicting_an_anchor_returns_its_parked_row_to_the_pool():
     bm = manager(num_blocks=4, prefix=True)
     run(bm, "a", list(range(100, 132)))                    # 2 slots x 2 groups, all indexed
@@ -173,22 +240,90 @@ def test_evicting_an_anchor_returns_its_parked_row_to_the_pool():
     bm.check_invariants()
 
 
+def engine_config(free=True, strategy=None, **scheduler):
+    """A real EngineConfig; strategy: None, or a StrategyParams (baseline, seesaw)."""
+    from batchinfer.engine.config import EngineConfig
+
+    config = EngineConfig(cache={"free_outside_window": free}, scheduler=scheduler)
+    config.strategy = strategy
+    return config
+
+
 def test_groups_only_with_freeing_on_and_the_baseline_strategy(caplog):
     import logging
     from types import SimpleNamespace
 
     from batchinfer.engine.kv_groups import groups_for
+    from batchinfer.strategies.base import BaselineStrategy
+    from batchinfer.strategies.seesaw.params import SeesawParams
 
     arch = SimpleNamespace(layer_windows=(16, 0))
-
-    def config(free=True, strategy=None):
-        return SimpleNamespace(cache=SimpleNamespace(free_outside_window=free),
-                               strategy=strategy and SimpleNamespace(name=strategy))
-
-    assert groups_for(config(), arch).windows == (0, 16)
-    assert groups_for(config(strategy="baseline"), arch) is not None
-    assert groups_for(config(free=False), arch) is None
-    assert groups_for(config(), SimpleNamespace(layer_windows=(16, 16))) is None
+    assert groups_for(engine_config(), arch).windows == (0, 16)
+    assert groups_for(engine_config(strategy=BaselineStrategy()), arch) is not None
+    assert groups_for(engine_config(free=False), arch) is None
+    assert groups_for(engine_config(), SimpleNamespace(layer_windows=(16, 16))) is None
     with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
-        assert groups_for(config(strategy="seesaw"), arch) is None
+        assert groups_for(engine_config(strategy=SeesawParams()), arch) is None
     assert "strategy seesaw keeps every block" in caplog.text
+
+
+def test_a_step_grows_every_group_before_the_window_releases():
+    """The capacity rule: a windowed group holds the window before a step's first query and
+    the step's tokens; the largest step is a whole prompt under SB, a chunk under HB (the
+    baseline strategy's own keys where it has them)."""
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.engine.kv_groups import check_group_capacity, step_tokens
+    from batchinfer.strategies.base import BaselineStrategy
+
+    assert blocks_per_sequence((0, 16), 256, BS) == 16 + 2                  # decoding
+    assert blocks_per_sequence((0, 16), 256, BS, step_tokens=256) == 2 * 16
+    assert blocks_per_sequence((0, 16), 256, BS, step_tokens=128) == 16 + 10
+    assert blocks_per_sequence((0, 16), 256, BS, step_tokens=16) == 16 + 3
+    assert step_tokens(engine_config(policy="sb"), 256)[0] == 256
+    assert step_tokens(engine_config(policy="hb", max_num_batched_tokens=128), 256)[0] == 128
+    assert step_tokens(engine_config(policy="hb", max_num_batched_tokens=128, chunk_size=32),
+                       256)[0] == 32
+    assert step_tokens(engine_config(policy="hb"), 256)[0] == 256           # 2048: the whole
+    baseline = engine_config(strategy=BaselineStrategy(policy="hb", max_num_batched_tokens=64))
+    tokens, setting = step_tokens(baseline, 256)
+    assert tokens == 64 and "strategy.max_num_batched_tokens" in setting
+    layout = group_layout([16, 0])
+    check_group_capacity(layout, 26, BS, 256, (128, "hb"))
+    with pytest.raises(ConfigError, match="holds 25 blocks .* holds up to 26"):
+        check_group_capacity(layout, 25, BS, 256, (128, "hb"))
+
+
+def test_the_cuda_graphs_padding_block_is_one_block_whatever_the_groups():
+    bm = manager(num_blocks=8, windows=(0, WINDOW, WINDOW))
+    block = bm.reserve_block("pad")
+    assert bm.num_free_blocks == 7 and bm.block_table("pad") == [block]
+    assert bm.held_per_group("pad") == [1, 0, 0]
+    bm.check_invariants()
+    bm.grow("a", 32)
+    assert bm.num_free_blocks == 1
+    bm.free("pad")
+    bm.free("a")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+    full = manager(num_blocks=3, windows=(0, WINDOW, WINDOW))
+    full.grow("a", 16)
+    assert full.reserve_block("pad") is None
+
+
+def test_one_block_manager_choice_and_capacity_for_both_builds():
+    """kv_groups.make_block_manager (the one-process and the multi-process builds): a table per
+    group with groups, one table (released behind a window where every layer has one) without;
+    kv_capacity says what each block manager says of itself (the log and engine_info)."""
+    from batchinfer.engine.kv_cache import BlockManager
+    from batchinfer.engine.kv_groups import kv_capacity, make_block_manager
+
+    layout = group_layout([16, 0, 16, 0])
+    grouped = make_block_manager(layout, 40, BS, prefix_caching=True)
+    assert isinstance(grouped, GroupedBlockManager) and grouped.windows == (0, 16)
+    assert grouped.prefix is not None
+    plain = make_block_manager(None, 40, BS, prefix_caching=False, window=24)
+    assert type(plain) is BlockManager and plain.window == 24 and plain.prefix is None
+    for bm, groups in ((grouped, layout), (plain, None)):
+        tokens, concurrency = kv_capacity(groups, 40, BS, 256)
+        assert tokens == bm.capacity_tokens
+        assert concurrency == pytest.approx(bm.max_concurrency(256))

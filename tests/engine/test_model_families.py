@@ -55,6 +55,65 @@ def test_yarn_rope_tables_equal_transformers():
     torch.testing.assert_close(ours.sin, sin[0], rtol=1e-6, atol=1e-6)
 
 
+def qwen3_yarn_config(**rope):
+    """A Qwen3-style long-context config: YaRN of factor 4 over an original 32,768 tokens
+    (Qwen3's documented rope_scaling), heads of 128."""
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
+                         "original_max_position_embeddings": 32768, **rope})
+
+
+def test_qwen3_yarn_rope_tables_equal_transformers():
+    """YaRN loads for every family: a Qwen3 yarn config's cos / sin tables equal those of
+    transformers' ROPE_INIT_FUNCTIONS["yarn"] (frequencies and attention factor), past the
+    original length too."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.rope import Rotary
+
+    config = qwen3_yarn_config()
+    arch = arch_from_dict(config.to_dict())
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.rotary_size == 128
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert attention == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    positions = torch.cat([torch.arange(0, 40000, 7), torch.tensor([32767, 32768, 40959])])
+    ours = Rotary(arch, 40960)
+    freqs = torch.outer(positions.float(), inv_freq.float())
+    torch.testing.assert_close(ours.cos[positions], freqs.cos() * attention, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.sin[positions], freqs.sin() * attention, rtol=1e-6, atol=1e-6)
+
+
+def test_a_yarn_config_without_its_original_length_is_refused_by_name():
+    """A Qwen2.5 config.json (read as it is, not completed by transformers) whose yarn
+    rope_scaling lacks original_max_position_embeddings: a ModelLoadError naming the key and the
+    file, not a KeyError from the rotary tables. (The families transformers completes get
+    max_position_embeddings there, as transformers itself does.)"""
+    from batchinfer.engine.errors import ModelLoadError
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.rope import rope_inv_freq
+
+    cfg = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 256,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+           "rope_theta": 1000000.0,
+           "rope_scaling": {"type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 32768}}
+    arch = arch_from_dict(cfg, "qwen25/config.json")
+    assert rope_inv_freq(arch).shape == (8,)
+    del cfg["rope_scaling"]["original_max_position_embeddings"]
+    with pytest.raises(ModelLoadError, match=r"qwen25/config.json: rope scaling type 'yarn' "
+                                             r"needs 'original_max_position_embeddings'"):
+        arch_from_dict(cfg, "qwen25/config.json")
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
+        rope_inv_freq(arch, (1000000.0, {"type": "yarn", "factor": 4.0}))
+
+
 @pytest.mark.skip(reason="transformers 5.24 cannot read a gpt_oss GGUF back: from_pretrained("
                          "gguf_file=...) on one written with llama.cpp's tensor names "
                          "(ffn_gate_exps / ffn_up_exps / ffn_down_exps, attn_sinks) leaves the "
