@@ -353,19 +353,21 @@ def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):
 
 
 def test_shipped_predictor_tells_short_answers_from_long_ones():
-    """predictors/shipped/smollm2-135m-instruct, trained on examples/predictor_history (SmolLM2's own replies to
-    examples/predictor_prompts.jsonl), loads offline and ranks unseen prompts sensibly."""
+    """predictors/shipped/smollm2-135m-instruct, trained on SmolLM2's own replies to the template
+    prompts (examples/predictor_history), ShareGPT and HumanEval (examples/predictor_history_real;
+    BIG-bench held out), loads offline and ranks unseen prompts sensibly."""
     repo = Path(__file__).resolve().parents[2]
     card = json.loads((repo / "predictors" / "shipped" / "smollm2-135m-instruct" / "predictor.json").read_text())
-    assert card["data"]["records"] == 3000
-    assert card["data"]["sources"] == ["examples/predictor_history"]
+    assert card["data"]["records"] == 4126
+    assert card["data"]["sources"] == ["examples/predictor_history", "examples/predictor_history_real"]
+    assert card["data"]["prompt_sources"] == ["humaneval", "sharegpt", "templates"]   # no bigbench
     predictor = make_predictor(Recipe(predictor={
         "name": "bert", "path": str(repo / "predictors" / "shipped" / "smollm2-135m-instruct")}).predictor)
     short, long_ = predictor.predict([
         LengthQuery("What color is grass? Answer with one word.", max_tokens=512),
         LengthQuery("Write a detailed essay of at least five paragraphs about the history of "
                     "the printing press.", max_tokens=512)])
-    assert short < 100 and long_ > 200      # class means: 18 / 61 vs 226 / 427 / 512
+    assert short < 100 and long_ > 200      # class means: 25 / 100 vs 280 / 457 / 512
 
 
 def test_a_run_learns_from_its_own_replies_online(tmp_path, tiny_recipe, shared_engine):
