@@ -109,8 +109,9 @@ def online_predictor():
     from batchinfer.runner.recipe import PredictorConfig
     from batchinfer.runner.predictor_setup import wrap_online
 
-    base = BertLengthPredictor.load(shipped_predictor(DEFAULT_MODEL_ID), device="cpu")
-    return wrap_online(base, PredictorConfig(name="bert"))
+    path = shipped_predictor(DEFAULT_MODEL_ID)
+    base = BertLengthPredictor.load(path, device="cpu")
+    return wrap_online(base, PredictorConfig(name="bert", path=str(path)))
 
 
 def online_forecasts(online, requests: list, rows: list[dict]) -> tuple[list, float]:
