@@ -260,13 +260,4 @@ class GroupedBlockManager(BlockManager):
                 for block in other[released:]:
                     held[block] = held.get(block, 0) + 1
         assert set(self._group_tables) == set(self._tables), "a sequence lacks a group's table"
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        for block in range(self.num_blocks):
-            count = held.get(block, 0)
-            assert self._ref[block] == count, f"block {block}: ref {self._ref[block]} != held {count}"
-            parked = self.prefix is not None and self.prefix.is_evictable(block)
-            cached = self.prefix is not None and self.prefix.is_cached(block)
-            assert (block in free) + parked == (count == 0), f"block {block}: free state is wrong"
-            assert not (block in free and cached), f"block {block}: free but still cached"
-            assert not parked or cached, f"block {block}: parked but not cached"
+        self._check_pool(held)

@@ -301,6 +301,11 @@ class BlockManager:
             for block in table[released:]:
                 held[block] = held.get(block, 0) + 1
         assert set(self._released) <= set(self._tables), "released slots of a freed sequence"
+        self._check_pool(held)
+
+    def _check_pool(self, held: dict[int, int]) -> None:
+        """Each block's refcount is what the tables hold (`held`); an unheld block is free or
+        parked in the prefix cache, never both, and a free block is not cached."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         for block in range(self.num_blocks):
