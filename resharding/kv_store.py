@@ -41,7 +41,8 @@ class ShardView:
 
 def swap_out(store: torch.Tensor, paged: torch.Tensor, view: ShardView,
              device_blocks: list[int], store_blocks: list[int]) -> None:
-    """paged [local layers, 2, blocks, local heads, block_size, head_dim] -> the store's slice."""
+    """paged [local layers, 2, blocks, local heads, block_size, head_dim] -> the store's slice
+    (CPU paged caches; CUDA ones go through resharding/cuda_kv_copies.py)."""
     src = paged[:, :, _index(device_blocks, paged.device)]          # [L, 2, n, H, bs, D]
     src = src.permute(2, 0, 1, 3, 4, 5).to("cpu")
     store[_index(store_blocks, store.device), view.layer_start:view.layer_end, :,
@@ -50,12 +51,10 @@ def swap_out(store: torch.Tensor, paged: torch.Tensor, view: ShardView,
 
 def swap_in(store: torch.Tensor, paged: torch.Tensor, view: ShardView,
             device_blocks: list[int], store_blocks: list[int]) -> None:
-    """The store's slice of this rank -> paged blocks (pinned staging on CUDA)."""
+    """The store's slice of this rank -> paged blocks (CPU; CUDA: cuda_kv_copies.py)."""
     src = store[_index(store_blocks, store.device), view.layer_start:view.layer_end, :,
                 view.head_start:view.head_end]                       # [n, L, 2, H, bs, D]
-    if paged.device.type == "cuda":
-        src = src.pin_memory().to(paged.device, non_blocking=True)
-    paged[:, :, _index(device_blocks, paged.device)] = src.permute(1, 2, 0, 3, 4, 5)
+    paged[:, :, _index(device_blocks, paged.device)] = src.permute(1, 2, 0, 3, 4, 5).to(paged.device)
 
 
 def _index(blocks: list[int], device) -> torch.Tensor:

@@ -6,6 +6,10 @@ copy to the controller, which then lets the sequence decode (swap-in) or frees i
 `threaded=False` is the ablation without the asynchronous pipeline: the copy runs on the main
 thread when the request arrives, between micro-batches. Each report names the thread that did the
 copies, so the report (and the tests) can see which one it was.
+
+On CUDA the copies go through `CudaKvCopier` (a copy stream, pinned staging buffers, events):
+`submit` records an event on the worker's compute stream that the copy waits for, so neither
+thread ever synchronizes the device.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from batchinfer.engine.cpu_binding import release_helper_thread
 
+from .cuda_kv_copies import CudaKvCopier
 from .kv_store import ShardView, swap_in, swap_out
 
 
@@ -34,6 +39,7 @@ class Prefetcher:
         self._queue: "queue.Queue" = queue.Queue()
         self._error: Optional[BaseException] = None
         self._thread = None
+        self.copier: Optional[CudaKvCopier] = None      # made at the first CUDA attach
         if threaded:
             self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME,
                                             daemon=True)
@@ -43,10 +49,13 @@ class Prefetcher:
         """The rank's paged storage and shard in the current layout (set at each re-shard, with
         the queue drained)."""
         self.paged, self.view = paged, view
+        if paged.is_cuda and self.copier is None:
+            self.copier = CudaKvCopier(paged.device)
 
     def submit(self, transfer_id: int, kind: str, device_blocks, store_blocks) -> None:
         self.raise_error()
-        task = (transfer_id, kind, list(device_blocks), list(store_blocks))
+        after = self.copier.mark() if self.copier is not None else None
+        task = (transfer_id, kind, list(device_blocks), list(store_blocks), after)
         if self._thread is None:
             self._run([task])
         else:
@@ -97,11 +106,13 @@ class Prefetcher:
     def _run(self, tasks: list) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for _tid, kind, device_blocks, store_blocks in tasks:
-                copy = swap_out if kind == "out" else swap_in
-                copy(self.store, self.paged, self.view, device_blocks, store_blocks)
-            if self.paged.device.type == "cuda":
-                torch.cuda.current_stream(self.paged.device).synchronize()
+            for _tid, kind, device_blocks, store_blocks, after in tasks:
+                if self.copier is not None:
+                    copy = self.copier.swap_out if kind == "out" else self.copier.swap_in
+                    copy(self.store, self.paged, self.view, device_blocks, store_blocks, after)
+                else:
+                    copy = swap_out if kind == "out" else swap_in
+                    copy(self.store, self.paged, self.view, device_blocks, store_blocks)
         spent = time.perf_counter() - t0
         self.busy_s += spent
         self.notify([t[0] for t in tasks], spent, threading.current_thread().name)

@@ -26,7 +26,11 @@
 #                                            # SmolLM2 on this card), `ablation` (W-8B and
 #                                            # SmolLM2's ShareGPT without async scheduling);
 #                                            # `smollmdefault` / `smollmeager`: one of smollm's
-#                                            # two; logs and JSON land in OUT
+#                                            # two; issue 40's `seesawtier` (Seesaw's CPU KV
+#                                            # tier: swap time hidden under compute, and
+#                                            # throughput with / without it,
+#                                            # benchmarks/strategies/seesaw_cuda_tier.py);
+#                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
 set -euo pipefail
@@ -73,7 +77,7 @@ run() {
     local model=(--model "$GPU_DIR/smollm2" --load-format dummy)
     if [[ " $parts " == *" tests "* ]]; then
         BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py tests/engine/test_host_to_device.py \
-            tests/kernels/test_triton_attention.py \
+            tests/kernels/test_triton_attention.py tests/strategies/test_seesaw_cuda.py \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" -k "${CUDA_TESTS_K:-not engine_gives}" \
             2>&1 | tee "$out/cuda_tests.log" || true
     fi
@@ -125,6 +129,14 @@ run() {
     if [[ " $parts " == *" qwen7b "* ]]; then
         "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json" || true
     fi
+    if [[ " $parts " == *" seesawtier "* ]]; then     # issue 40 item 1: Seesaw's CPU KV tier
+        df -h /dev/shm | tee "$out/seesaw_tier.log"
+        local tier=(python3 benchmarks/strategies/seesaw_cuda_tier.py)
+        "${tier[@]}" hidden --model $llama --tokenizer "$GPU_DIR/smollm2" --prompts 8 2>&1 \
+            | tee "$out/seesaw_hidden_llama.json" || true
+        "${tier[@]}" throughput --model "$GPU_DIR/smollm2" --requests 192 --prompt 2048 --new 32 \
+            --kv 256MiB --store 2GiB 2>&1 | tee "$out/seesaw_throughput_smollm.json" || true
+    fi
     if [[ " $parts " == *" profile "* ]]; then
         python3 benchmarks/engine/cuda_step_profile.py "${model[@]}" --workload "$GPU_DIR/w-decode.jsonl" \
             --n 512 --cuda-graphs on > "$out/step_profile_cuda.json" 2>&1 || true
@@ -135,5 +147,5 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
-            "[w8b] [roofline] [qwen7b] [tables] [ablation]" >&2; exit 2 ;;
+            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,166 @@
+"""Seesaw's KV copies on CUDA, off the compute stream (paper §5.2: GPU -> pinned -> shared memory).
+
+A rank's copies between its paged cache and the CPU store run on one dedicated copy stream,
+through two pinned staging buffers allocated once per rank (grown only if a layout's block is
+bigger than they are) and used in turn, so the device-to-host copy of one chunk of blocks runs
+while the host moves the previous chunk between staging and the store. Ordering is by CUDA
+events, never a device-wide sync:
+
+- the worker's main thread records `mark()` on its compute stream when a copy is submitted; the
+  copy stream waits for that event, so a swap-out reads a prompt's KV only after the kernels that
+  wrote it, and a swap-in overwrites free blocks only after the kernels issued before it are done
+  with them;
+- the prefetcher thread waits on the copy stream's own events (its host side of a chunk, and the
+  end of the transfer before it reports it), so the compute stream is never stalled.
+
+The controller lets a sequence decode (swap-in) or frees its device blocks (swap-out) only after
+the report, so nothing on the compute stream touches a block while its copy is in flight.
+
+If pinned memory cannot be allocated the staging buffers are pageable (one warning): the copies
+are then synchronous with the host but still off the compute stream.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .kv_store import ShardView
+
+log = logging.getLogger("batchinfer")
+
+STAGING_BYTES = 64 << 20          # each of the two buffers; a chunk is as many blocks as fit
+
+
+class CudaKvCopier:
+    def __init__(self, device: torch.device, staging_bytes: int = STAGING_BYTES):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.staging_bytes = staging_bytes
+        self.pinned = True
+        self._buffers: list[Optional[torch.Tensor]] = [None, None]
+        self._in_use: list[Optional[torch.cuda.Event]] = [None, None]   # last copy reading each
+        self.chunks = 0                                                  # for the tests / report
+
+    def mark(self) -> torch.cuda.Event:
+        """An event on the calling thread's current stream: what the next copy waits for."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def swap_out(self, store: torch.Tensor, paged: torch.Tensor, view: ShardView,
+                 device_blocks: list[int], store_blocks: list[int],
+                 after: Optional[torch.cuda.Event]) -> None:
+        """paged [layers, 2, blocks, heads, bs, D] blocks -> the store's slice, chunk by chunk:
+        chunk i's device-to-host copy is in flight while chunk i-1 goes from staging to the
+        store."""
+        self._wait(after)
+        shape = _block_shape(paged)
+        landed: Optional[tuple] = None
+        for i, (dev, sto) in enumerate(self._chunks(paged, device_blocks, store_blocks)):
+            slot = i % 2
+            staged = self._staging(slot, len(dev), shape, paged.dtype)
+            with torch.cuda.stream(self.stream):
+                index = _device_index(dev, self.device)
+                gathered = paged.permute(2, 0, 1, 3, 4, 5)[index]          # [n, L, 2, H, bs, D]
+                staged.copy_(gathered, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._in_use[slot] = done
+            if landed is not None:
+                _to_store(store, view, *landed)
+            landed = (done, staged, sto)
+        if landed is not None:
+            _to_store(store, view, *landed)
+
+    def swap_in(self, store: torch.Tensor, paged: torch.Tensor, view: ShardView,
+                device_blocks: list[int], store_blocks: list[int],
+                after: Optional[torch.cuda.Event]) -> None:
+        """The store's slice -> paged blocks: the host fills one staging buffer while the other's
+        host-to-device copy runs; returns once the last copy has landed (the copy stream's event,
+        not a device sync)."""
+        self._wait(after)
+        shape = _block_shape(paged)
+        for i, (dev, sto) in enumerate(self._chunks(paged, device_blocks, store_blocks)):
+            slot = i % 2
+            staged = self._staging(slot, len(dev), shape, paged.dtype)
+            staged.copy_(store[_host_index(sto), view.layer_start:view.layer_end, :,
+                               view.head_start:view.head_end])
+            with torch.cuda.stream(self.stream):
+                moved = staged.to(self.device, non_blocking=True)     # [n, L, 2, H, bs, D]
+                paged.index_copy_(2, _device_index(dev, self.device), moved.permute(1, 2, 0, 3, 4, 5))
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._in_use[slot] = done
+        for event in self._in_use:
+            if event is not None:
+                event.synchronize()
+
+    def _wait(self, after: Optional[torch.cuda.Event]) -> None:
+        if after is not None:
+            self.stream.wait_event(after)
+
+    def _chunks(self, paged: torch.Tensor, device_blocks: list[int], store_blocks: list[int]):
+        block_bytes = paged[:, :, 0].numel() * paged.element_size()
+        per_chunk = max(1, self.staging_bytes // block_bytes)
+        for start in range(0, len(device_blocks), per_chunk):
+            self.chunks += 1
+            yield (device_blocks[start:start + per_chunk], store_blocks[start:start + per_chunk])
+
+    def _staging(self, slot: int, blocks: int, block_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Staging buffer `slot` viewed as [blocks, *block_shape] of dtype, once the copy that last
+        read it is done; allocated at first use (and again only for a bigger block)."""
+        if self._in_use[slot] is not None:
+            self._in_use[slot].synchronize()
+            self._in_use[slot] = None
+        nbytes = blocks * _numel(block_shape) * dtype.itemsize
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[slot] = self._allocate(max(self.staging_bytes, nbytes))
+        return buffer[:nbytes].view(dtype).view(blocks, *block_shape)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as exc:
+                self.pinned = False
+                log.warning("Seesaw: pinned staging memory could not be allocated (%s); KV copies "
+                            "go through pageable memory, synchronously with the prefetcher", exc)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _to_store(store: torch.Tensor, view: ShardView, done: torch.cuda.Event,
+              staged: torch.Tensor, store_blocks: list[int]) -> None:
+    done.synchronize()
+    store[_host_index(store_blocks), view.layer_start:view.layer_end, :,
+          view.head_start:view.head_end] = staged
+
+
+def _block_shape(paged: torch.Tensor) -> tuple:
+    """One block of the paged buffer as the store holds it: [layers, 2, heads, bs, D]."""
+    layers, two, _, heads, block_size, head_dim = paged.shape
+    return (layers, two, heads, block_size, head_dim)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _host_index(blocks: list[int]) -> torch.Tensor:
+    return torch.tensor(blocks, dtype=torch.long)
+
+
+def _device_index(blocks: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the device: a small pinned copy on the current (copy) stream."""
+    host = torch.tensor(blocks, dtype=torch.long)
+    if torch.cuda.is_available():
+        try:
+            host = host.pin_memory()
+        except RuntimeError:
+            pass
+    return host.to(device, non_blocking=True)
