@@ -295,9 +295,13 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     cache = {"block_size": config.cache.block_size}
     if not gpu:
         cache["kv_cache_memory"] = PROFILE_KV_BYTES
-    # on a GPU the probes' largest steps are sized into the memory profile and graphs captured
+    # on a GPU the probes' largest steps are sized into the memory profile and graphs captured;
+    # steps run one by one (no async scheduling), so a step's wall time less the executor's is
+    # the controller's own work (under async scheduling it overlaps the GPU and the difference
+    # means nothing: the tables once recorded 0 for it)
     scheduler = ({"max_num_seqs": GPU_DECODE_BATCHES[-1],
-                  "max_num_batched_tokens": GPU_PREFILL_TOKENS[-1]} if gpu else {})
+                  "max_num_batched_tokens": GPU_PREFILL_TOKENS[-1],
+                  "async_scheduling": False} if gpu else {})
     probe_config = EngineConfig(model=config.model, device=config.device, cache=cache,
                                 scheduler=scheduler)
     sets = dict(decode_batches=(1, 8) if quick else GPU_DECODE_BATCHES if gpu else DECODE_BATCHES,
@@ -328,7 +332,8 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
         if device.type == "cpu":
             torch.set_num_threads(cores)
         progress("controller overhead: a short job")
-        per_step, per_seq = measure_controller(engine, 8 if quick else 48)
+        # a GPU runs hundreds of sequences a step: the fit covers them rather than extrapolate
+        per_step, per_seq = measure_controller(engine, 8 if quick else 256 if gpu else 48)
         arch = executor.model.arch
         dtype = _dtype(executor.model)
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
