@@ -85,8 +85,8 @@ class CudaKvCopier:
         for i, (dev, sto) in enumerate(self._chunks(paged, device_blocks, store_blocks)):
             slot = i % 2
             staged = self._staging(slot, len(dev), shape, paged.dtype)
-            staged.copy_(store[_host_index(sto), view.layer_start:view.layer_end, :,
-                               view.head_start:view.head_end])
+            for row, block in enumerate(sto):     # one pass, straight into the staging buffer
+                staged[row].copy_(_shard(store, view, block))
             with torch.cuda.stream(self.stream):
                 moved = staged.to(self.device, non_blocking=True)     # [n, L, 2, H, bs, D]
                 paged.index_copy_(2, _device_index(dev, self.device), moved.permute(1, 2, 0, 3, 4, 5))
@@ -134,8 +134,13 @@ class CudaKvCopier:
 def _to_store(store: torch.Tensor, view: ShardView, done: torch.cuda.Event,
               staged: torch.Tensor, store_blocks: list[int]) -> None:
     done.synchronize()
-    store[_host_index(store_blocks), view.layer_start:view.layer_end, :,
-          view.head_start:view.head_end] = staged
+    for row, block in enumerate(store_blocks):
+        _shard(store, view, block).copy_(staged[row])
+
+
+def _shard(store: torch.Tensor, view: ShardView, block: int) -> torch.Tensor:
+    """The rank's part of one store block: [its layers, 2, its heads, bs, D]."""
+    return store[block, view.layer_start:view.layer_end, :, view.head_start:view.head_end]
 
 
 def _block_shape(paged: torch.Tensor) -> tuple:
@@ -149,10 +154,6 @@ def _numel(shape: tuple) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _host_index(blocks: list[int]) -> torch.Tensor:
-    return torch.tensor(blocks, dtype=torch.long)
 
 
 def _device_index(blocks: list[int], device: torch.device) -> torch.Tensor:

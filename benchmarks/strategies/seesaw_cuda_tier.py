@@ -1,12 +1,14 @@
 """Seesaw's CPU KV tier on one GPU (issue 40, item 1). Needs a CUDA device.
 
     python benchmarks/strategies/seesaw_cuda_tier.py hidden --model DIR [--tokenizer DIR]
-        the share of swap time hidden under compute: prefill steps of the real engine (dummy
-        weights, e.g. Llama-3.1-8B's shapes) while the prefetcher moves as much KV as those
-        steps wrote out to the shared CPU store and back, through its copy stream and pinned
-        staging. Timed alone and together: hidden = (compute + swaps - together) / swaps, the
-        median of --repeats; with the async pipeline (the prefetcher thread) and without it
-        (`async_pipeline: false`: the copies run inline, the paper's ablation)
+        the share of swap time hidden under compute, in Seesaw's two phases on the real engine
+        (dummy weights, e.g. Llama-3.1-8B's shapes): prefill steps of --prompts prompts while
+        the prefetcher moves as much KV as they wrote out to the shared CPU store, and decode
+        steps of --decode-seqs sequences while it brings that KV back in, through its copy
+        stream and pinned staging. Each timed alone and together: hidden = (compute + swaps -
+        together) / swaps, medians of --repeats, overall = both phases' overlap / their swap
+        time; with the async pipeline (the prefetcher thread) and without it (`async_pipeline:
+        false`: the copies run inline, the paper's ablation)
     python benchmarks/strategies/seesaw_cuda_tier.py throughput --model DIR [--tokenizer DIR]
         a prefill-heavy job whose KV does not fit the device cache (--kv): the baseline engine,
         Seesaw on the one GPU with its CPU tier, and without it (`cpu_kv_tier: false`); output
@@ -64,51 +66,67 @@ def hidden(args) -> dict:
     paged = torch.zeros(arch.num_layers, 2, blocks, arch.num_kv_heads, block, arch.head_dim,
                         dtype=dtype, device=args.device)
     store = allocate_store(blocks, arch.num_layers, arch.num_kv_heads, block, arch.head_dim, dtype)
-    swap_bytes = 2 * paged.numel() * paged.element_size()          # out and back in
+    swap_bytes = paged.numel() * paged.element_size()              # each way
     once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=args.decode_steps, temperature=0.0, ignore_eos=True)
     seeds = iter(range(1, 10_000))
 
-    def compute() -> None:        # fresh prompts each time (no prefix reuse either way)
-        engine.generate(_prompts(args.prompts, args.prompt, next(seeds)), once)
+    def sync() -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    def submit(prefetcher) -> None:
+    # Seesaw's two phases: prefill writes prompts' KV that goes out to the store; decode runs
+    # while stored sequences come back in (fresh prompts each time: no prefix reuse either way)
+    phases = {
+        "prefill_swap_out": ("out", lambda: (engine.generate(
+            _prompts(args.prompts, args.prompt, next(seeds)), once), sync())),
+        "decode_swap_in": ("in", lambda: (engine.generate(
+            _prompts(args.decode_seqs, 32, next(seeds)), decode), sync())),
+    }
+
+    def submit(prefetcher, kind: str) -> None:
         for i in range(args.prompts):       # one transfer per prompt, as Seesaw's scheduler does
             ids = list(range(i * per_prompt, (i + 1) * per_prompt))
-            prefetcher.submit(2 * i, "out", ids, ids)
-        for i in range(args.prompts):
-            ids = list(range(i * per_prompt, (i + 1) * per_prompt))
-            prefetcher.submit(2 * i + 1, "in", ids, ids)
+            prefetcher.submit(i, kind, ids, ids)
 
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
 
-    compute()                                             # warm-up: kernels, graphs
+    for _, compute in phases.values():                    # warm-up: kernels, graphs
+        compute()
     out = {"card": _card(args.device), "model": str(args.model),
            "prompts": args.prompts, "prompt_tokens": args.prompt, "step_tokens": args.step_tokens,
-           "swap_GB": round(swap_bytes / 1e9, 2)}
+           "decode_seqs": args.decode_seqs, "decode_steps": args.decode_steps,
+           "swap_GB_each_way": round(swap_bytes / 1e9, 2)}
     for label, threaded in (("async_pipeline", True), ("inline", False)):
         prefetcher = Prefetcher(store, lambda ids, seconds, thread: None, threaded=threaded)
         prefetcher.attach(paged, ShardView(0, arch.num_layers, 0, arch.num_kv_heads))
-        submit(prefetcher)
-        prefetcher.drain()                                # warm-up: staging allocated
-        rows = []
-        for _ in range(args.repeats):
-            t_compute = timed(compute)
-            t_swaps = timed(lambda: (submit(prefetcher), prefetcher.drain()))
-            t_both = timed(lambda: (submit(prefetcher), compute(), prefetcher.drain()))
-            rows.append((t_compute, t_swaps, t_both))
+        for kind in ("out", "in"):                        # warm-up: staging allocated
+            submit(prefetcher, kind)
+            prefetcher.drain()
+        row, swaps_total, overlap_total = {}, 0.0, 0.0
+        for phase, (kind, compute) in phases.items():
+            runs = []
+            for _ in range(args.repeats):
+                t_compute = timed(compute)
+                t_swaps = timed(lambda: (submit(prefetcher, kind), prefetcher.drain()))
+                t_both = timed(lambda: (submit(prefetcher, kind), compute(), prefetcher.drain()))
+                runs.append((t_compute, t_swaps, t_both))
+            t_compute, t_swaps, t_both = (statistics.median(col) for col in zip(*runs))
+            overlap = t_compute + t_swaps - t_both
+            swaps_total += t_swaps
+            overlap_total += overlap
+            row[phase] = {"compute_s": round(t_compute, 4), "swaps_s": round(t_swaps, 4),
+                          "together_s": round(t_both, 4),
+                          "hidden_share": round(overlap / t_swaps, 3),
+                          "swap_GBps_alone": round(swap_bytes / t_swaps / 1e9, 2),
+                          "runs": [[round(x, 4) for x in r] for r in runs]}
         prefetcher.close()
-        t_compute, t_swaps, t_both = (statistics.median(col) for col in zip(*rows))
-        share = (t_compute + t_swaps - t_both) / t_swaps
-        out[label] = {"compute_s": round(t_compute, 4), "swaps_s": round(t_swaps, 4),
-                      "together_s": round(t_both, 4), "hidden_share": round(share, 3),
-                      "swap_GBps_alone": round(swap_bytes / t_swaps / 1e9, 2),
+        out[label] = {"hidden_share": round(overlap_total / swaps_total, 3),
                       "pinned_staging": prefetcher.copier.pinned if prefetcher.copier else None,
-                      "runs": [[round(x, 4) for x in r] for r in rows]}
+                      **row}
     engine.close()
     return out
 
@@ -164,6 +182,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="hidden: prompts per compute run")
     ap.add_argument("--prompt", type=int, default=2048, help="tokens per prompt")
     ap.add_argument("--step-tokens", type=int, default=16384, help="hidden: tokens per step")
+    ap.add_argument("--decode-seqs", type=int, default=64, help="hidden: sequences decoding")
+    ap.add_argument("--decode-steps", type=int, default=64, help="hidden: their new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=192, help="throughput: requests")
     ap.add_argument("--new", type=int, default=32, help="throughput: output tokens per request")
