@@ -137,13 +137,14 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[l
     return out
 
 
-def prefill_logits(model, backend, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """The whole model's logits at every prompt position ([len, vocab] per prompt), all prompts
-    in one prefill over the paged KV cache."""
+def prefill_logits(model, backend, prompts: list[list[int]],
+                   device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """The whole model's logits at every prompt position ([len, vocab] per prompt, on the CPU),
+    all prompts in one prefill over the paged KV cache on `device` (the model's)."""
     from batchinfer.engine.attention import AttentionMetadata
     from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
 
-    cpu, block = torch.device("cpu"), 16
+    cpu, block = torch.device(device), 16
     per_seq = -(-max(map(len, prompts)) // block)
     spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
                        model.arch.head_dim, 4)
@@ -151,15 +152,16 @@ def prefill_logits(model, backend, prompts: list[list[int]]) -> list[torch.Tenso
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     lens = [len(p) for p in prompts]
     meta = AttentionMetadata.build(lens, lens, tables, block, cpu)
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    ids = torch.tensor([t for p in prompts for t in p], device=cpu)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=cpu)
     with torch.inference_mode():
         hidden, residual = model(ids, positions, kv, meta, backend)
         logits = model.compute_logits(hidden.clone(), residual.clone())
-    return list(logits.split(lens))
+    return list(logits.cpu().split(lens))
 
 
-def paged_prefill_inputs(model, prompts: list[list[int]], steps: int, block: int):
+def paged_prefill_inputs(model, prompts: list[list[int]], steps: int, block: int,
+                         device: torch.device = torch.device("cpu")):
     """A paged KV cache with room for every prompt plus `steps` tokens, one contiguous run of
     blocks per sequence, and the first step's flat inputs -> (kv, block tables, lengths, ids,
     positions)."""
@@ -168,25 +170,27 @@ def paged_prefill_inputs(model, prompts: list[list[int]], steps: int, block: int
     per_seq = -(-(max(map(len, prompts)) + steps) // block)
     spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
                        model.arch.head_dim, 4)
-    kv = allocate_kv_tensors(spec, torch.float32, torch.device("cpu"))
+    kv = allocate_kv_tensors(spec, torch.float32, torch.device(device))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     ids = [t for p in prompts for t in p]
     positions = [i for p in prompts for i in range(len(p))]
     return kv, tables, [len(p) for p in prompts], ids, positions
 
 
-def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None) -> torch.Tensor:
+def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None,
+                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """Greedy at the model level (no engine): one prefill of all prompts, then `steps` decode
-    steps over the paged KV cache -> tokens [prompts, steps + 1]. `pipe`: (stage, stages) when
-    `model` is one pipeline stage of a gloo group with a rank per stage: (hidden, residual) go
-    stage to stage and the last stage's tokens come back to every stage."""
+    steps over the paged KV cache -> tokens [prompts, steps + 1] (on the CPU). `pipe`: (stage,
+    stages) when `model` is one pipeline stage of a gloo group with a rank per stage: (hidden,
+    residual) go stage to stage and the last stage's tokens come back to every stage. `device`:
+    the model's (one stage only)."""
     import torch.distributed as dist
 
     from batchinfer.engine.attention import AttentionMetadata
 
-    cpu, block = torch.device("cpu"), 16
+    cpu, block = torch.device(device), 16
     stage, stages = pipe or (0, 1)
-    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, block)
+    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, block, cpu)
     query_lens, tokens = lens, []
     with torch.inference_mode():
         for _ in range(steps + 1):
@@ -196,15 +200,16 @@ def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None
                 hidden, residual = (torch.empty(len(ids), model.arch.hidden_size) for _ in "hr")
                 dist.recv(hidden, stage - 1)
                 dist.recv(residual, stage - 1)
-            hidden, residual = model(torch.tensor(ids), torch.tensor(positions), kv, meta,
-                                     backend, hidden, residual)
+            hidden, residual = model(torch.tensor(ids, device=cpu),
+                                     torch.tensor(positions, device=cpu), kv, meta, backend,
+                                     hidden, residual)
             if stage < stages - 1:
                 dist.send(hidden.contiguous(), stage + 1)
                 dist.send(residual.contiguous(), stage + 1)
                 step_tokens = torch.empty(len(prompts), dtype=torch.long)
             else:
-                rows = torch.tensor(query_lens).cumsum(0) - 1
-                step_tokens = model.compute_logits(hidden[rows], residual[rows]).argmax(-1)
+                rows = torch.tensor(query_lens, device=cpu).cumsum(0) - 1
+                step_tokens = model.compute_logits(hidden[rows], residual[rows]).argmax(-1).cpu()
             if stages > 1:
                 dist.broadcast(step_tokens, stages - 1)
             tokens.append(step_tokens)

@@ -19,6 +19,7 @@ import torch
 from tests.engine import test_cuda_paths as cuda_paths
 from tests.engine import test_gpt_oss as gpt_oss_tests
 from tests.engine import test_hybrid_window_engine as hybrid_tests
+from tests.engine import test_model_families as model_families
 from tests.engine.test_cuda_paths import DEVICE
 from tests.greedy import greedy_tokens
 from tests.kernels.test_attention_sinks import CASES, _case, sink_definition
@@ -254,3 +255,41 @@ def test_a_captured_decode_graph_takes_the_sinks(triton, window, softcap):
         expected = sink_definition(case_q * 4, case_k, case_v, case_meta, 0.125, sinks, window,
                                    softcap)
         torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+# --- where a family's CUDA path leaves transformers: attention backend x element-wise ops -------
+
+family_models = model_families.family_models
+ISOLATED = ("gemma2", "gemma3", "gpt_oss", "llama3")      # llama3, gemma3: the pairs that pass
+
+
+@pytest.mark.parametrize("ops", ["triton", "torch"], ids=["triton-ops", "torch-ops"])
+@pytest.mark.parametrize("backend", ["triton", "torch"], ids=["triton-attn", "torch-attn"])
+@pytest.mark.parametrize("family", ISOLATED)
+def test_each_backend_and_ops_pair_gives_transformers_logits_and_tokens(family_models, family,
+                                                                        backend, ops):
+    """The model alone (no engine, no graphs, no steps ahead) on the device, fp32: every prompt
+    position's logits within 1e-4 of transformers' and greedy tokens equal to its, for each pair
+    of attention backend and element-wise ops, so a failure names the part that differs (the
+    engine-level tests above only say that something does)."""
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from batchinfer.engine.model.ops import TorchOps
+    from batchinfer.engine.torch_attention import TorchAttention
+    from tests.tiny_families import MAX_NEW, model_greedy, prefill_logits
+
+    device = torch.device(DEVICE) if backend == "torch" and ops == "torch" else _kernel_device()
+    path, expected, hf = family_models(family)
+    model = build_model(path, load_arch(path), torch.float32, device, 256)
+    if ops == "triton":
+        from batchinfer.engine.triton_ops import TritonOps
+
+        model.use_ops(TritonOps)
+    else:
+        model.use_ops(TorchOps)
+    attention = TritonAttention() if backend == "triton" else TorchAttention()
+    for prompt, ours in zip(PROMPTS, prefill_logits(model, attention, PROMPTS, device)):
+        with torch.inference_mode():
+            reference = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    tokens = model_greedy(model, attention, PROMPTS, MAX_NEW - 1, device=device)
+    assert tokens.tolist() == expected
