@@ -69,6 +69,35 @@ def test_copies_round_trip_in_chunks_through_both_staging_buffers(dtype):
 
 
 @needs_cuda
+def test_without_pinned_memory_the_copies_go_through_pageable_staging(monkeypatch, caplog):
+    """Pinned allocation fails: one warning, pageable staging, the same round trip."""
+    real_empty = torch.empty
+
+    def no_pinning(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("no pinned memory here")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)
+    paged = torch.randn(LAYERS, 2, BLOCKS, HEADS, BLOCK, DIM, device="cuda")
+    store = allocate_store(4, LAYERS, HEADS, BLOCK, DIM, torch.float32)
+    prefetcher, reports = _prefetcher(store, paged, ShardView(0, LAYERS, 0, HEADS), 64 << 20)
+    back = torch.zeros_like(paged)
+    try:
+        with caplog.at_level("WARNING", logger="batchinfer"):
+            prefetcher.submit(1, "out", [5, 9], [0, 3])
+            prefetcher.drain()
+            prefetcher.attach(back, ShardView(0, LAYERS, 0, HEADS))
+            prefetcher.submit(2, "in", [1, 2], [0, 3])
+            prefetcher.drain()
+    finally:
+        prefetcher.close()
+    assert reports == [1, 2] and not prefetcher.copier.pinned
+    assert sum("pinned staging memory" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(back[:, :, 1], paged[:, :, 5]) and torch.equal(back[:, :, 2], paged[:, :, 9])
+
+
+@needs_cuda
 def test_a_swap_out_waits_for_the_kernels_that_wrote_the_block():
     """The compute stream is busy, then writes a block; the swap-out submitted after it must copy
     the written values (the copy stream waits on the event `submit` recorded)."""
