@@ -57,7 +57,8 @@ class SimulatedExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: CostModel, layers_per_stage: list[int],
                  tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
                  cpu_samplers: int = 0, structure_aware: bool = True, token_safe: bool = False,
-                 sampler_threads: int = 1, split_samples: bool = False):
+                 sampler_threads: int = 1, split_samples: bool = False,
+                 launch_ahead: bool = False):
         """register: on the clock (False for a pipeline another executor wraps, which
         reports its events for it). Every stage prepares its inputs (cost.input_prep_seconds)
         before its forward on the rank's thread. CPU sampling (arXiv:2506.22033): `cpu_samplers` > 0 samples
@@ -70,7 +71,10 @@ class SimulatedExecutor(Executor):
         input_prep.py): the plan reaches that thread when the worker next reads its pipe (at
         once if it is between micro-batches, else when the micro-batch it is executing ends),
         and preparation starts once the previous micro-batch's forward has taken its inputs
-        (one iteration ahead: CI == GI); the forward waits only for what is left of it."""
+        (one iteration ahead: CI == GI); the forward waits only for what is left of it.
+        `launch_ahead` (the engine's async scheduling, engine/steps_ahead.py: one process, a
+        GPU): the controller plans and launches a step while the previous one runs, so its
+        work delays a step only by what outlasts the step before it."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -91,6 +95,8 @@ class SimulatedExecutor(Executor):
         self._executing: list[deque[tuple[float, float]]] = [deque(maxlen=8)
                                                               for _ in range(self.pp)]
         self._last_done = 0.0
+        self.launch_ahead = launch_ahead
+        self._host_free = 0.0           # when the controller finished launching the last step
         self.events: list[dict] = []
         self.record_events = True
         if register:
@@ -111,8 +117,12 @@ class SimulatedExecutor(Executor):
 
     def submit(self, batch: MicroBatch) -> None:
         shape = BatchShape.of(batch)
-        self.clock.advance(self.cost.controller_seconds(shape.seqs))
-        t = planned = self.clock.now
+        controller = self.cost.controller_seconds(shape.seqs)
+        if self.launch_ahead:      # planned while the step before ran: only the excess shows
+            self.clock.advance(self._host_free + controller - self.clock.now)
+        else:
+            self.clock.advance(controller)
+        t = planned = self._host_free = self.clock.now
         mb_id, self._next_mb = self._next_mb, self._next_mb + 1
         forward = sample = 0.0
         on_cpu = self.cpu_samplers > 0

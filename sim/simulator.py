@@ -18,6 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from batchinfer.engine.build import use_async_scheduling
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError
@@ -158,7 +159,8 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         # what the real engine's plain workers do (runtime/build.worker_extension); a strategy's
         # own options (SiPipe's) come on top
         options = {"structure_aware": config.parallel.stage_transport == "structured",
-                   "token_safe": strategy is not None and strategy.prepares_inputs_ahead()}
+                   "token_safe": strategy is not None and strategy.prepares_inputs_ahead(),
+                   "launch_ahead": use_async_scheduling(config, cost_device(cost), arch)}
         if strategy is not None:
             options.update(strategy.simulated_executor_options(layout))
         if config.parallel.stage_transport == "metadata":

@@ -175,3 +175,28 @@ def test_the_roofline_prices_a_mixture_of_experts_by_the_experts_it_runs_and_rea
     d = dense.arch
     assert dense.ffn_work(10) == (2 * 3 * d.hidden_size * d.intermediate_size * 10,
                                   3 * d.hidden_size * d.intermediate_size * dense.dtype_bytes)
+
+
+def test_launching_ahead_hides_the_controller_under_the_step_before():
+    """LinearCost: 0.1 s of controller work a step, decode steps of 2 layers x 0.5 s + 1 s of
+    sampling = 2 s. Step by step every step pays the controller (2.1 s apart); launched ahead
+    (async scheduling) only the first does: the next step was planned while this one ran."""
+    for ahead, want in ((False, [2.1, 4.2, 6.3]), (True, [2.1, 4.1, 6.1])):
+        clock = VirtualClock()
+        executor = SimulatedExecutor(clock, LinearCost(), [2], launch_ahead=ahead)
+        done = []
+        for name in "abc":
+            executor.submit(_prefill(1, name))
+            done += _drain(executor, clock)
+        assert done == [pytest.approx(t) for t in want], ahead
+
+
+def test_the_simulated_engine_launches_ahead_where_the_real_one_would():
+    """On a GPU's costs one process of the baseline launches ahead (the engine's default with
+    CUDA), unless the recipe turns it off; on a CPU's it does not."""
+    gpu = RooflineCostModel(preset("h100"), ARCH, 2)
+    for config, cost, want in ((EngineConfig(), gpu, True),
+                               (EngineConfig(scheduler={"async_scheduling": False}), gpu, False),
+                               (EngineConfig(), LinearCost(), False)):
+        engine = simulated_engine(config, cost, ARCH, 256, 2, 1)
+        assert engine.replicas[0].executor.launch_ahead is want
