@@ -114,7 +114,8 @@ def sample_tokens(model: CausalLM, sampler: Sampler, hidden: torch.Tensor,
     sampled, info = sampler.sample(logits, sampler.prepare(seqs))
     tokens = sampled.tolist()
     logprobs: list[Optional[dict]] = [None] * len(tokens)
-    if info is not None:
+    if info is not None:       # on the host once, not a blocking copy per row and value
+        info = {name: None if t is None else t.cpu() for name, t in info.items()}
         for row, seq in enumerate(seqs):
             if seq.request.sampling.logprobs is not None:
                 logprobs[row] = _row_logprobs(info, row, seq.request.sampling.logprobs)

@@ -111,7 +111,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
                                                None if residual is None else residual[rows])
             sampled, info = self.sampler.sample(logits, self.sampler.prepare(seqs))
             self._last_sampled = sampled
-            host_ids, done = _to_host(sampled)
+            host_ids, info, done = _to_host(sampled, info)
         return _Launched(batch, plan.sample_items, host_ids, done, info, t0, time.perf_counter())
 
     def _substitution(self, plan: StepPlan) -> Optional[Callable[[torch.Tensor], None]]:
@@ -129,17 +129,26 @@ class AsyncInProcessExecutor(InProcessExecutor):
         return substitute
 
 
-def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
-    """`ids` on the host without waiting: a pinned copy and an event after it (CPU: itself)."""
+def _to_host(ids: torch.Tensor, info: Optional[dict]
+             ) -> tuple[torch.Tensor, Optional[dict], Optional["torch.cuda.Event"]]:
+    """`ids` (and the rows' logprob tensors, when asked for) on the host without waiting: pinned
+    copies and one event after them (CPU: themselves). The collect reads them after the event,
+    with no copy of its own."""
     if ids.device.type != "cuda":
-        return ids, None
+        return ids, info, None
     from .host_to_device import pinned
 
-    host = pinned(torch.empty(ids.shape, dtype=ids.dtype))
-    host.copy_(ids, non_blocking=True)
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        host = pinned(torch.empty(tensor.shape, dtype=tensor.dtype))
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    host_info = None if info is None else {
+        name: None if tensor is None else copy(tensor) for name, tensor in info.items()}
+    host = copy(ids)
     done = torch.cuda.Event()
     done.record()
-    return host, done
+    return host, host_info, done
 
 
 class StepsAhead:
