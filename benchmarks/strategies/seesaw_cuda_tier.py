@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, timed_generate  # noqa: E402
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -138,7 +138,7 @@ def throughput(args) -> dict:
     from batchinfer.strategies.seesaw.params import SeesawParams
 
     prompts = _prompts(args.requests, args.prompt, 0)
-    params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+    rows = [{"prompt": prompt, "max_tokens": args.new} for prompt in prompts]
     configs = {
         "baseline": {},
         "seesaw": {"strategy": SeesawParams(decode_tp=1, decode_pp=1,
@@ -159,12 +159,8 @@ def throughput(args) -> dict:
                                  if strategy else {}))
         with Engine.from_config(config) as engine:
             engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
-            start = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start
+            _, elapsed, n_in, n_out = timed_generate(engine, rows)
             stats = engine.stats()
-        n_in = sum(o.num_prompt_tokens for o in outs)
-        n_out = sum(o.num_output_tokens for o in outs)
         out[name] = {"elapsed_s": round(elapsed, 2), "output_tok_per_s": round(n_out / elapsed, 1),
                      "total_tok_per_s": round((n_in + n_out) / elapsed, 1),
                      "kv_capacity_tokens": stats["kv_capacity_tokens"],
