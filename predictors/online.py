@@ -80,7 +80,7 @@ class OnlineLengthPredictor(LengthPredictor):
                  prior_weight: float = 8.0, head: bool = True, censored: bool = True,
                  max_examples: int = 1024, upper_percentile: Optional[float] = None,
                  time_budget: Optional[float] = 0.01, impute: str = "job",
-                 tail_weight: float = 32.0):
+                 tail_weight: float = 32.0, head_se: float = 1.0):
         super().__init__(base.oracle_field)
         self.base = base
         self.name = base.name
@@ -93,6 +93,7 @@ class OnlineLengthPredictor(LengthPredictor):
             raise ValueError(f"impute must be 'job' or 'prior', not {impute!r}")
         self.impute = impute
         self.tail_weight = float(tail_weight)
+        self.head_se = max(float(head_se), 0.0)
         self.max_examples = max(int(max_examples), 1)
         self.time_budget = time_budget
         self._last_refit_end: Optional[float] = None
@@ -257,7 +258,7 @@ class OnlineLengthPredictor(LengthPredictor):
                           horizons=[r[4] for r in rows] if censored else None,
                           censored=[r[5] for r in rows] if censored else None,
                           caps=[r[6] for r in rows], impute=self.impute,
-                          tail_weight=self.tail_weight)
+                          tail_weight=self.tail_weight, head_se=self.head_se)
 
     def _reforecast(self, progress: dict) -> list[tuple[Any, Forecast]]:
         """New forecasts for the pending requests; one decoding already (`progress`: its tokens

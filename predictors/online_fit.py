@@ -23,7 +23,12 @@ Fitting is three small steps, each sound with few examples because each shrinks 
 3. **Ridge head on the cached embeddings** for what is left, r_i = y_i - m'_{c_i}:
    w = argmin |r - Xw|^2 + lam |w|^2 on standardised embeddings, with lam chosen by exact
    leave-one-out error over a grid (one SVD); lam = inf (no head: the prior's classes alone)
-   is on the grid, so with little or uninformative data the head stays off by itself.
+   is on the grid, so with little or uninformative data the head stays off by itself. With
+   `head_se` (1, Breiman's one-standard-error rule) the head must beat no head by that many
+   standard errors of the paired LOO squared-error differences, and the largest lam within as
+   many of the best is taken: 384 dimensions on 80-175 rows find LOO gains of a few percent in
+   noise, and such a head, fit near interpolation, shifted the sum of the forecasts for held-out
+   BIG-bench prompts by up to 30% (the accumulated error the scheduler cares about).
 
 The upper forecast is split-conformal: the point plus the `upper_percentile` of the job's
 leave-one-out residuals (distribution-free, no assumption on the lengths' shape).
@@ -160,11 +165,14 @@ def censored_means(known: np.ndarray, censored: np.ndarray, caps: np.ndarray,
     return means, np.where(censored, known + m * -np.expm1(-room / m), known)
 
 
-def ridge_loo(x: np.ndarray, r: np.ndarray, grid: Sequence[float] = LAMBDA_GRID
-              ) -> tuple[Optional[float], Optional[np.ndarray], np.ndarray, float]:
+def ridge_loo(x: np.ndarray, r: np.ndarray, grid: Sequence[float] = LAMBDA_GRID,
+              se: float = 1.0) -> tuple[Optional[float], Optional[np.ndarray], np.ndarray, float]:
     """Ridge of `r` on the (already standardised) rows `x` with lam picked by exact leave-one-out
     error. -> (lam or None when no lam beats predicting 0, weights or None, the LOO residuals of
-    the choice, their RMSE)."""
+    the choice, their RMSE). `se` > 0: the one-standard-error rule (module docstring): no head
+    unless the best lam's mean LOO squared error is below no head's by `se` standard errors of
+    the paired differences, then the largest lam within `se` of them of the best; 0: the lam of
+    the least LOO error, on whenever it beats no head at all."""
     n = len(r)
     base = r.copy()                                  # w = 0: the residual itself
     best = (None, None, base, float(np.sqrt(np.mean(base ** 2))) if n else 0.0)
@@ -174,17 +182,24 @@ def ridge_loo(x: np.ndarray, r: np.ndarray, grid: Sequence[float] = LAMBDA_GRID
     s2 = s ** 2
     scale = float(s2.mean()) if s2.size else 1.0
     ur = u.T @ r
+    tried = []                                       # (lam, LOO residuals, mean diff, its SE)
     for factor in grid:
         lam = factor * scale
         shrink = s2 / (s2 + lam)
         fitted = u @ (shrink * ur)
         hat = (u ** 2) @ shrink
         loo = (r - fitted) / np.maximum(1.0 - hat, 1e-6)
-        rmse = float(np.sqrt(np.mean(loo ** 2)))
-        if rmse < best[3]:
-            w = vt.T @ ((s / (s2 + lam)) * ur)
-            best = (lam, w, loo, rmse)
-    return best
+        diff = loo ** 2 - base ** 2
+        tried.append((lam, loo, float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(n))))
+    lam, loo, gain, err = min(tried, key=lambda t: t[2])
+    if gain + se * err >= 0 or gain >= 0:
+        return best
+    for lam_k, loo_k, gain_k, _ in reversed(tried):  # the grid ascends: the largest lam first
+        if gain_k <= gain + se * err:
+            lam, loo = lam_k, loo_k
+            break
+    w = vt.T @ ((s / (s2 + lam)) * ur)
+    return lam, w, loo, float(np.sqrt(np.mean(loo ** 2)))
 
 
 def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequence[int],
@@ -193,7 +208,7 @@ def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequenc
                use_head: bool = True, horizons: Optional[Sequence[float]] = None,
                censored: Optional[Sequence[bool]] = None,
                caps: Optional[Sequence[float]] = None, impute: str = "job",
-               tail_weight: float = 32.0) -> OnlineFit:
+               tail_weight: float = 32.0, head_se: float = 1.0) -> OnlineFit:
     """One refit on the job's labelled examples (see the module docstring). `horizons` and
     `censored` (requests still decoding, `actual` = the g tokens they generated): the scale is
     the censored moment match of `global_scale`, and a censored request's label for the class
@@ -231,7 +246,7 @@ def fit_online(actual: Sequence[float], prior: Sequence[float], classes: Sequenc
         x = np.asarray(features, dtype=np.float64)
         center = x.mean(axis=0)
         std = x.std(axis=0) + 1e-6
-        lam, w, loo_h, rmse = ridge_loo((x - center) / std, r)
+        lam, w, loo_h, rmse = ridge_loo((x - center) / std, r, se=head_se)
         if w is not None:
             fit.weights, fit.center, fit.std, fit.lam = w, center, std, round(float(lam), 3)
             fit.loo_rmse, loo = rmse, loo_h

@@ -53,6 +53,7 @@ def wrap_online(predictor: Optional[Any], cfg) -> Optional[Any]:
                                  censored=cfg.online_censored,
                                  impute=getattr(cfg, "online_impute", "job"),
                                  tail_weight=getattr(cfg, "online_tail_prior_weight", 32.0),
+                                 head_se=getattr(cfg, "online_head_se", 1.0),
                                  upper_percentile=cfg.upper_percentile)
 
 

@@ -82,6 +82,11 @@ class PredictorConfig(_Strict):
                               "embeddings (its strength chosen by leave-one-out error; off by "
                               "itself when it does not help); false: recalibrate the class "
                               "means only")
+    online_head_se: float = Field(1.0, ge=0, description="the head stays off unless its "
+                                  "leave-one-out error beats the classes' alone by this many "
+                                  "standard errors, and takes the strongest regularisation "
+                                  "within as many of the best (the one-standard-error rule); "
+                                  "0: the least leave-one-out error, on at any gain")
     online_censored: bool = Field(True, description="also learn from the requests still "
                                   "decoding (at least the tokens they generated so far): the "
                                   "first to finish are the short ones")

@@ -140,6 +140,27 @@ def test_ridge_turns_on_for_a_signal_and_stays_off_for_noise():
     assert ridge_loo(x[:5], signal[:5])[1] is None           # too few examples: no head
 
 
+def test_the_head_needs_a_gain_beyond_one_standard_error():
+    """40 dimensions of noise on 60 rows: the least LOO error turns a head on with a gain of a
+    few percent in most draws; the one-standard-error rule keeps it off in most, and where it
+    does turn one on, regularises it at least as hard. A real signal still gets its head."""
+    on_min = on_se = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        x, r = rng.standard_normal((60, 40)), rng.normal(0, 50, 60)
+        lam_min, w_min, _, _ = ridge_loo(x, r, se=0.0)
+        lam_se, w_se, _, _ = ridge_loo(x, r)
+        on_min += w_min is not None
+        on_se += w_se is not None
+        if w_se is not None:
+            assert lam_se >= lam_min
+    assert on_min >= 12 and on_se <= on_min // 2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((80, 16))
+    lam, w, _, _ = ridge_loo(x, 50 * x[:, 3] + rng.normal(0, 5, 80))
+    assert w is not None and int(np.argmax(np.abs(w))) == 3
+
+
 def test_fit_online_recovers_a_shift_and_a_feature():
     rng = np.random.default_rng(1)
     n = 120
@@ -363,7 +384,9 @@ def test_the_recipe_wraps_bert_and_mean_only():
     cfg = PredictorConfig(name="none")
     mean = wrap_online(MeanPredictor(5.0), cfg)
     assert isinstance(mean, OnlineLengthPredictor) and mean.refit_every == 16
-    assert mean.impute == "job" and mean.tail_weight == 32.0
+    assert mean.impute == "job" and mean.tail_weight == 32.0 and mean.head_se == 1.0
+    assert wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online_head_se=0)
+                       ).head_se == 0.0
     earlier = wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online_impute="prior",
                                                               online_tail_prior_weight=4))
     assert earlier.impute == "prior" and earlier.tail_weight == 4.0
