@@ -22,7 +22,10 @@ still decoding count too (`progress`: request id -> tokens generated): the globa
 what is known of every request with what the prior said, both cut at how far the request has
 been watched (a finished one: its length plus the tokens generated since, on a token clock the
 progress advances), and a decoding request that generated g tokens is labelled with its expected
-length under the same reading, g + its rescaled prior forecast, capped at its max_tokens.
+length under the same reading, g + its class's mean as the job's own replies put it
+(`impute="job"`, online_fit.censored_means: the prior's mean worth `tail_weight` finished
+requests) or as the rescaled prior puts it (`impute="prior"`, the earlier rule), capped at its
+max_tokens.
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ class OnlineLengthPredictor(LengthPredictor):
     def __init__(self, base: LengthPredictor, refit_every: int = 16, min_examples: int = 8,
                  prior_weight: float = 8.0, head: bool = True, censored: bool = True,
                  max_examples: int = 1024, upper_percentile: Optional[float] = None,
-                 time_budget: Optional[float] = 0.01):
+                 time_budget: Optional[float] = 0.01, impute: str = "job",
+                 tail_weight: float = 32.0, head_se: float = 1.0):
         super().__init__(base.oracle_field)
         self.base = base
         self.name = base.name
@@ -85,6 +89,11 @@ class OnlineLengthPredictor(LengthPredictor):
         self.prior_weight = float(prior_weight)
         self.head = head
         self.censored = censored
+        if impute not in ("job", "prior"):
+            raise ValueError(f"impute must be 'job' or 'prior', not {impute!r}")
+        self.impute = impute
+        self.tail_weight = float(tail_weight)
+        self.head_se = max(float(head_se), 0.0)
         self.max_examples = max(int(max_examples), 1)
         self.time_budget = time_budget
         self._last_refit_end: Optional[float] = None
@@ -248,7 +257,8 @@ class OnlineLengthPredictor(LengthPredictor):
                           percentiles=(self.upper_percentile,), use_head=self.head,
                           horizons=[r[4] for r in rows] if censored else None,
                           censored=[r[5] for r in rows] if censored else None,
-                          caps=[r[6] for r in rows])
+                          caps=[r[6] for r in rows], impute=self.impute,
+                          tail_weight=self.tail_weight, head_se=self.head_se)
 
     def _reforecast(self, progress: dict) -> list[tuple[Any, Forecast]]:
         """New forecasts for the pending requests; one decoding already (`progress`: its tokens

@@ -51,6 +51,9 @@ def wrap_online(predictor: Optional[Any], cfg) -> Optional[Any]:
                                  min_examples=cfg.online_min_examples,
                                  prior_weight=cfg.online_prior_weight, head=cfg.online_head,
                                  censored=cfg.online_censored,
+                                 impute=getattr(cfg, "online_impute", "job"),
+                                 tail_weight=getattr(cfg, "online_tail_prior_weight", 32.0),
+                                 head_se=getattr(cfg, "online_head_se", 1.0),
                                  upper_percentile=cfg.upper_percentile)
 
 

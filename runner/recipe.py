@@ -82,9 +82,23 @@ class PredictorConfig(_Strict):
                               "embeddings (its strength chosen by leave-one-out error; off by "
                               "itself when it does not help); false: recalibrate the class "
                               "means only")
+    online_head_se: float = Field(1.0, ge=0, description="the head stays off unless its "
+                                  "leave-one-out error beats the classes' alone by this many "
+                                  "standard errors, and takes the strongest regularisation "
+                                  "within as many of the best (the one-standard-error rule); "
+                                  "0: the least leave-one-out error, on at any gain")
     online_censored: bool = Field(True, description="also learn from the requests still "
                                   "decoding (at least the tokens they generated so far): the "
                                   "first to finish are the short ones")
+    online_impute: Literal["job", "prior"] = Field(
+        "job", description="with online_censored, what a decoding request that generated g "
+        "tokens is expected to add: job: its class's mean as the job's replies put it (each "
+        "class's lengths read as exponential, the prior's mean worth "
+        "online_tail_prior_weight finished requests); prior: the prior's class mean, rescaled "
+        "(the earlier rule: it cannot learn a class whose replies differ from the prior's)")
+    online_tail_prior_weight: float = Field(
+        32.0, ge=0, description="online_impute: job: finished requests the prior's "
+        "(rescaled) class mean is worth in each class's censored estimate")
     upper_percentile: float = Field(75.0, gt=0, lt=100, description="the upper forecast each "
                                     "request carries: this percentile of the predictor's length "
                                     "distribution (a strategy that plans unsure requests for "

@@ -13,8 +13,8 @@ from batchinfer.predictors.base import (Forecast, LengthPredictor, LengthQuery, 
                                         class_forecasts)
 from batchinfer.predictors.history import HistoryRecord, history_record
 from batchinfer.predictors.online import OnlineLengthPredictor
-from batchinfer.predictors.online_fit import (fit_online, global_scale, recalibrated_means,
-                                              ridge_loo, truncated_mean)
+from batchinfer.predictors.online_fit import (censored_means, fit_online, global_scale,
+                                              recalibrated_means, ridge_loo, truncated_mean)
 from batchinfer.runner.predictor_setup import apply_forecast, learn, wrap_online
 from batchinfer.runner.recipe import PredictorConfig
 from batchinfer.strategies.tdpipe.policy import forecast_length
@@ -70,6 +70,61 @@ def test_class_means_blend_the_job_with_the_rescaled_prior():
     assert scaled[2] == pytest.approx(720.0)
 
 
+def test_censored_means_are_the_exponential_posterior_of_each_class():
+    # class 0: two finished (10, 30) and one decoding at 50; class 1: one decoding at 40 only
+    known = np.array([10.0, 30.0, 50.0, 40.0])
+    cens = np.array([False, False, True, True])
+    cls = np.array([0, 0, 0, 1])
+    means, labels = censored_means(known, cens, np.full(4, np.inf), cls, [20.0, 300.0], 1.5, 2.0)
+    # uncapped: (tokens watched + tau * s * m) / (finished + tau)
+    assert means[0] == pytest.approx((10 + 30 + 50 + 2 * 30) / (2 + 2))
+    assert means[1] == pytest.approx((40 + 2 * 450) / (0 + 2))
+    assert labels[:2] == pytest.approx([10, 30])                 # finished: their own length
+    assert labels[2] == pytest.approx(50 + means[0]) and labels[3] == pytest.approx(40 + means[1])
+    # with a cap, the fixed point: m = (sum of E[min(L, cap) | L > g] + tau s m0) / (n + tau)
+    capped, lab = censored_means(known, cens, np.full(4, 100.0), cls, [20.0, 300.0], 1.5, 2.0)
+    for k in (0, 1):
+        members = cls == k
+        assert capped[k] == pytest.approx((lab[members].sum() + 2 * [30, 450][k])
+                                          / (members.sum() + 2), rel=1e-4)
+    assert lab[3] <= 100 and capped[1] < means[1]
+
+
+def test_censored_class_means_learn_a_class_the_prior_put_too_long():
+    """The first 40% of a job to finish, and the rest still decoding: every reply averages 100
+    tokens whatever its class, but the prior says 25 and 300 (its classes do not separate this
+    source). Labelling a decoding request g + the prior's (rescaled) class mean keeps class 1
+    near the prior; the job's own censored estimate finds it."""
+    rng = np.random.default_rng(3)
+    n = 400
+    cls = rng.integers(0, 2, n)
+    lengths = np.minimum(rng.exponential(100.0, n), 512.0)
+    t = np.quantile(lengths, 0.4)                       # all admitted at once, watched t tokens
+    done = lengths <= t
+    known = np.where(done, lengths, t)
+    prior_means = [25.0, 300.0]
+    prior = np.asarray(prior_means)[cls]
+    args = (known, prior, cls, prior_means, None)
+    kw = dict(prior_weight=8.0, use_head=False, horizons=known, censored=~done,
+              caps=np.full(n, 512.0))
+    job = fit_online(*args, **kw)                       # the default: prior worth 32 finished
+    old = fit_online(*args, **kw, impute="prior")
+    truth = [lengths[cls == k].mean() for k in (0, 1)]
+    assert old.class_means[1] > 2.5 * truth[1]          # the earlier rule: pinned to the prior
+    assert job.class_means[1] < 0.65 * old.class_means[1]
+    light = fit_online(*args, **kw, tail_weight=8.0)     # a lighter prior: the job's own means
+    assert light.class_means == pytest.approx(truth, rel=0.3)
+    forecast_job = job.predict(prior, cls, None).sum()
+    forecast_old = old.predict(prior, cls, None).sum()
+    assert abs(forecast_job - lengths.sum()) < 0.5 * abs(forecast_old - lengths.sum())
+    # no decoding request: the class means are recalibrated_means, whatever `impute` says
+    plain = fit_online(lengths, prior, cls, prior_means, None, 8.0, use_head=False)
+    assert plain.class_means == pytest.approx(
+        recalibrated_means(lengths, cls, prior_means, plain.scale, 8.0))
+    with pytest.raises(ValueError):
+        fit_online(*args, **kw, impute="median")
+
+
 def test_ridge_turns_on_for_a_signal_and_stays_off_for_noise():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((80, 16))
@@ -83,6 +138,27 @@ def test_ridge_turns_on_for_a_signal_and_stays_off_for_noise():
     # pure noise: no lam predicts held-out rows better than 0, or only marginally
     assert w is None or rmse > 0.95 * np.sqrt(np.mean(noise ** 2))
     assert ridge_loo(x[:5], signal[:5])[1] is None           # too few examples: no head
+
+
+def test_the_head_needs_a_gain_beyond_one_standard_error():
+    """40 dimensions of noise on 60 rows: the least LOO error turns a head on with a gain of a
+    few percent in most draws; the one-standard-error rule keeps it off in most, and where it
+    does turn one on, regularises it at least as hard. A real signal still gets its head."""
+    on_min = on_se = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        x, r = rng.standard_normal((60, 40)), rng.normal(0, 50, 60)
+        lam_min, w_min, _, _ = ridge_loo(x, r, se=0.0)
+        lam_se, w_se, _, _ = ridge_loo(x, r)
+        on_min += w_min is not None
+        on_se += w_se is not None
+        if w_se is not None:
+            assert lam_se >= lam_min
+    assert on_min >= 12 and on_se <= on_min // 2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((80, 16))
+    lam, w, _, _ = ridge_loo(x, 50 * x[:, 3] + rng.normal(0, 5, 80))
+    assert w is not None and int(np.argmax(np.abs(w))) == 3
 
 
 def test_fit_online_recovers_a_shift_and_a_feature():
@@ -308,6 +384,14 @@ def test_the_recipe_wraps_bert_and_mean_only():
     cfg = PredictorConfig(name="none")
     mean = wrap_online(MeanPredictor(5.0), cfg)
     assert isinstance(mean, OnlineLengthPredictor) and mean.refit_every == 16
+    assert mean.impute == "job" and mean.tail_weight == 32.0 and mean.head_se == 1.0
+    assert wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online_head_se=0)
+                       ).head_se == 0.0
+    earlier = wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online_impute="prior",
+                                                              online_tail_prior_weight=4))
+    assert earlier.impute == "prior" and earlier.tail_weight == 4.0
+    with pytest.raises(ValueError):
+        PredictorConfig(online_impute="median")
     assert mean.describe()["online"]
     off = wrap_online(MeanPredictor(5.0), PredictorConfig(name="none", online=False,
                                                       upper_percentile=90))
