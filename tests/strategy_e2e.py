@@ -2,6 +2,7 @@
 shipped recipe run through `batchinfer run` on the embedded default."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,6 +17,18 @@ E2E_PROMPTS = [" ".join(WORDS[: 3 + (i * 7) % 11] * (1 + i % 3)) for i in range(
 E2E_PARAMS = [SamplingParams(max_tokens=12 + (i * 13) % 40, temperature=0.0, ignore_eos=True)
               for i in range(16)]
 TIGHT = {"model": {"max_model_len": 128}, "cache": {"kv_cache_memory": "10MiB"}}
+
+
+@functools.cache
+def tight_reference() -> tuple[tuple[int, ...], ...]:
+    """The single process's greedy tokens for E2E_PROMPTS under TIGHT (preempting as it goes),
+    generated once per session for every strategy held to them (gLLM, TD-Pipe, Seesaw)."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    with Engine.from_config(EngineConfig(**TIGHT)) as engine:
+        outputs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+    return tuple(tuple(o.output_token_ids) for o in outputs)
 
 
 def assert_context_dependent(outputs: list[list[int]]) -> None:

@@ -58,28 +58,44 @@ def _engine(make_engine, launch_ahead: bool, kv: str = "256MiB", graphs: bool = 
 
 
 @pytest.fixture(scope="module")
-def step_by_step(make_engine):
-    return _outputs(_engine(make_engine, False))
+def step_by_step_engine(make_engine):
+    """One step-by-step engine (256MiB of KV) for every test here that only generates with it."""
+    return _engine(make_engine, False)
+
+
+@pytest.fixture(scope="module")
+def launch_ahead_engine(make_engine):
+    """One launch-ahead engine (256MiB of KV) for the tests that only generate with it or spy
+    on its executor through monkeypatch."""
+    return _engine(make_engine, True)
+
+
+@pytest.fixture(scope="module")
+def step_by_step(step_by_step_engine):
+    return _outputs(step_by_step_engine)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-forward"])
-def test_launching_ahead_gives_the_step_by_step_outputs(make_engine, step_by_step, graphs):
-    engine = _engine(make_engine, True, graphs=graphs)
+def test_launching_ahead_gives_the_step_by_step_outputs(make_engine, launch_ahead_engine,
+                                                        step_by_step, graphs):
+    engine = _engine(make_engine, True, graphs=True) if graphs else launch_ahead_engine
+    engine.drain_step_events()
+    tokens_before = engine.stats()["generation_tokens"]
     ahead = _outputs(engine)
     assert ahead == step_by_step
     reasons = {o[2].value for o in ahead}
     assert {"stop", "length"} <= reasons       # the prompts did reach both kinds of stop
     events = engine.drain_step_events()
     assert all(PENDING_TOKEN not in o[0] for o in ahead)
-    assert engine.stats()["generation_tokens"] == sum(len(o[0]) for o in ahead)
+    assert engine.stats()["generation_tokens"] - tokens_before == sum(len(o[0]) for o in ahead)
     if graphs:
         assert engine.replicas[0].executor.graphs.steps > 0
     assert len(events) > 10
 
 
-def test_two_steps_are_in_flight_and_ids_come_from_the_device(make_engine):
-    engine = _engine(make_engine, True)
+def test_two_steps_are_in_flight_and_ids_come_from_the_device(launch_ahead_engine, monkeypatch):
+    engine = launch_ahead_engine
     executor = engine.replicas[0].executor
     seen = []
     submit = executor.submit
@@ -88,14 +104,15 @@ def test_two_steps_are_in_flight_and_ids_come_from_the_device(make_engine):
         submit(batch)
         seen.append(executor.num_in_flight)
 
-    executor.submit = spy
+    monkeypatch.setattr(executor, "submit", spy)
     prompts = [_chat(engine, p) for p in PROMPTS[:3]]
     engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert max(seen) == 2
 
 
 @pytest.mark.slow
-def test_under_kv_pressure_and_with_penalties_it_falls_back_step_by_step(make_engine):
+def test_under_kv_pressure_and_with_penalties_it_falls_back_step_by_step(
+        make_engine, step_by_step_engine, launch_ahead_engine):
     tight = "16MiB"       # 364 tokens for 8 x ~75: preemptions happen
     long = [p.with_overrides(max_tokens=40, ignore_eos=True, stop=None, stop_token_ids=None)
             for p in _params()]
@@ -106,8 +123,8 @@ def test_under_kv_pressure_and_with_penalties_it_falls_back_step_by_step(make_en
 
     penalised = [p.with_overrides(repetition_penalty=1.3) if i % 2 else p
                  for i, p in enumerate(_params())]
-    engine = _engine(make_engine, True)
-    assert _outputs(engine, penalised) == _outputs(_engine(make_engine, False), penalised)
+    engine = launch_ahead_engine
+    assert _outputs(engine, penalised) == _outputs(step_by_step_engine, penalised)
     assert engine._ahead.penalised == 0         # every penalised request counted out again
 
 
@@ -137,11 +154,12 @@ def test_asked_for_where_it_cannot_run_names_the_key(make_engine):
     assert off.info["async_scheduling"] is False       # CPU: nothing to overlap
 
 
-def test_an_id_reused_while_its_last_step_is_out_keeps_its_blocks(make_engine):
+def test_an_id_reused_while_its_last_step_is_out_keeps_its_blocks(make_engine,
+                                                                   step_by_step_engine):
     """A request stops on a stop token, which the host sees a step late, so one more step of it
     is still running; a new request takes the same id before that step comes back. The late
     step must not free the new request's blocks (the scheduler frees by id)."""
-    plain = _engine(make_engine, False)
+    plain = step_by_step_engine
     first, second, other = (_chat(plain, p) for p in PROMPTS[1:4])
     free_run = plain.generate([first], SamplingParams(max_tokens=12, temperature=0.0,
                                                       ignore_eos=True))[0].output_token_ids

@@ -38,6 +38,16 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (1, 5, 40, 130, 300)]
 
 
+@pytest.fixture(scope="module")
+def eager_tokens(engine) -> dict:
+    """The engine's own eager tokens, once for both graph tests: every prompt batched, and
+    each prompt alone."""
+    engine.replicas[0].executor.graphs = None
+    prompts = _prompts()
+    return {"batched": greedy_tokens(engine, prompts, batched=True, max_new=MAX_NEW),
+            "alone": greedy_tokens(engine, prompts, batched=False, max_new=MAX_NEW)}
+
+
 def _with_graphs(engine, max_seq_len_to_capture: int) -> DecodeGraphs:
     executor = engine.replicas[0].executor
     graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
@@ -48,12 +58,10 @@ def _with_graphs(engine, max_seq_len_to_capture: int) -> DecodeGraphs:
 
 
 @pytest.mark.slow
-def test_padded_decode_steps_give_the_eager_tokens(engine):
+def test_padded_decode_steps_give_the_eager_tokens(engine, eager_tokens):
     executor = engine.replicas[0].executor
     prompts = _prompts()
-    executor.graphs = None
-    eager_batched = greedy_tokens(engine, prompts, batched=True, max_new=MAX_NEW)
-    eager_alone = greedy_tokens(engine, prompts[:3], batched=False, max_new=MAX_NEW)
+    eager_batched, eager_alone = eager_tokens["batched"], eager_tokens["alone"][:3]
     graphs = _with_graphs(engine, 1024)
     try:
         assert greedy_tokens(engine, prompts, batched=True, max_new=MAX_NEW) == eager_batched
@@ -74,11 +82,10 @@ def test_padded_decode_steps_give_the_eager_tokens(engine):
 
 
 @pytest.mark.slow
-def test_contexts_past_max_seq_len_to_capture_run_eagerly(engine):
+def test_contexts_past_max_seq_len_to_capture_run_eagerly(engine, eager_tokens):
     executor = engine.replicas[0].executor
     prompts = _prompts()[2:]                      # 40, 130 and 300 tokens
-    executor.graphs = None
-    eager = greedy_tokens(engine, prompts, batched=False, max_new=MAX_NEW)
+    eager = eager_tokens["alone"][2:]
     graphs = _with_graphs(engine, 64)             # tables of at most 4 blocks
     try:
         assert greedy_tokens(engine, prompts, batched=False, max_new=MAX_NEW) == eager

@@ -24,6 +24,21 @@ def fp32_tokens(make_engine):
     return _tokens(make_engine(**SMOL, cache={"kv_cache_memory": "64MiB"}))
 
 
+@pytest.fixture(scope="module")
+def default_backend_tokens(make_engine):
+    """kv_dtype -> the single process's tokens on a cache of that dtype through the default
+    attention backend, generated once for the tests below that compare with them."""
+    tokens = {}
+
+    def of(kv_dtype: str) -> list[list[int]]:
+        if kv_dtype not in tokens:
+            cache = {"kv_cache_memory": "64MiB", "kv_cache_dtype": kv_dtype}
+            tokens[kv_dtype] = _tokens(make_engine(**SMOL, cache=cache))
+        return tokens[kv_dtype]
+
+    return of
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 def test_a_narrow_cache_holds_twice_the_tokens_in_the_same_memory(make_engine, tiny_engine_config,
                                                                   kv_dtype):
@@ -41,12 +56,13 @@ def test_a_narrow_cache_holds_twice_the_tokens_in_the_same_memory(make_engine, t
 @pytest.mark.skipif(not load_native_kernels(), reason="native kernels did not build")
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 @pytest.mark.slow
-def test_native_and_torch_attention_agree_on_a_narrow_cache(make_engine, fp32_tokens, kv_dtype):
+def test_native_and_torch_attention_agree_on_a_narrow_cache(make_engine, fp32_tokens,
+                                                            default_backend_tokens, kv_dtype):
     """Both paths round K/V the same way on write and widen them on read: the same greedy tokens,
     through chunked prefill and decode. Against the fp32 cache the rounding shows, but only as
     late divergence: most replies keep the fp32 reply's first tokens."""
     cache = {"kv_cache_memory": "64MiB", "kv_cache_dtype": kv_dtype}
-    native = _tokens(make_engine(**SMOL, cache=cache))
+    native = default_backend_tokens(kv_dtype)     # native: the kernels built (skipif above)
     portable = _tokens(make_engine(**SMOL, cache=cache, device={"attention_backend": "torch"}))
     assert native == portable
     same_start = sum(n[:6] == f[:6] for n, f in zip(native, fp32_tokens))
@@ -54,11 +70,11 @@ def test_native_and_torch_attention_agree_on_a_narrow_cache(make_engine, fp32_to
 
 
 @pytest.mark.slow
-def test_pipeline_ranks_store_the_narrow_dtype(make_engine):
+def test_pipeline_ranks_store_the_narrow_dtype(make_engine, default_backend_tokens):
     """Worker processes allocate their caches in kv_cache_dtype: two pipeline stages give the
     single process's tokens."""
     cache = {"kv_cache_memory": "64MiB", "kv_cache_dtype": "bfloat16"}
-    expected = _tokens(make_engine(**SMOL, cache=cache))
+    expected = default_backend_tokens("bfloat16")
     with make_engine(**SMOL, cache=cache, parallel={"pp": 2}) as engine:
         assert engine.info["kv_cache_dtype"] == "bfloat16"
         assert _tokens(engine) == expected

@@ -13,7 +13,7 @@ from batchinfer.strategies.gllm.scheduler import (GLLMParams, TokenThrottlingSch
                                         is_decoding, prefill_budget)
 from batchinfer.sim.scheduler_driver import complete, launch, make_seq, run_pipeline
 from tests.strategy_e2e import (E2E_PARAMS, E2E_PROMPTS, TIGHT, assert_context_dependent,
-                                 run_shipped_recipe)
+                                 run_shipped_recipe, tight_reference)
 
 DEFAULTS = GLLMParams()
 
@@ -223,14 +223,13 @@ def test_recipe_names_and_checks_the_papers_parameters():
 
 
 @pytest.mark.slow
-def test_pp2_gllm_equals_the_baseline_under_memory_pressure(make_engine):
+def test_pp2_gllm_equals_the_baseline_under_memory_pressure():
     """Requests that need ~3x the KV cache, small #MaxP so prompts are chunked: two pipeline
     stages with throttled hybrid micro-batches give the single process's greedy tokens."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
 
-    with make_engine(**TIGHT) as engine:
-        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    reference = [list(tokens) for tokens in tight_reference()]
     assert_context_dependent(reference)
     config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=GLLMParams(T=2, MaxP=48, MinP=8))
     with Engine.from_config(config) as engine:

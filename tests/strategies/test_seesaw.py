@@ -30,7 +30,7 @@ from batchinfer.strategies.seesaw.build import resolve_layouts, tier_blocks
 from batchinfer.strategies.seesaw.params import SeesawParams
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
 from batchinfer.sim.scheduler_driver import complete, launch, make_seq
-from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS
+from tests.strategy_e2e import E2E_PARAMS, E2E_PROMPTS, TIGHT, tight_reference
 
 # SmolLM2's shape with 8 heads (TP=2 splits them) and 8 of its 30 layers: the switches move KV
 # per layer alike, so depth only costs the suite time
@@ -397,13 +397,13 @@ def test_two_layouts_equal_the_baseline_through_several_switches(make_engine, pr
 
 
 @pytest.mark.slow
-def test_smollm2_ablations_equal_the_baseline_and_do_what_they_say(make_engine):
+def test_smollm2_ablations_equal_the_baseline_and_do_what_they_say():
     """SmolLM2 with two pipeline layouts (15 + 15 for prefill, 20 + 10 for decode), without the
     asynchronous pipeline and without the CPU tier: the same greedy tokens as the single process;
     every KV copy ran on the workers' main threads, and the store held no more than the device
     cache (prefill stopped there)."""
-    with make_engine(model=SMOL, cache={"kv_cache_memory": "10MiB"}) as engine:
-        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    assert TIGHT == {"model": SMOL, "cache": {"kv_cache_memory": "10MiB"}}  # its reference's
+    reference = [list(tokens) for tokens in tight_reference()]
     params = SeesawParams(decode_tp=1, decode_pp=2, decode_pp_layers=[20, 10],
                           cpu_kv_cache_memory="40MiB", async_pipeline=False, cpu_kv_tier=False)
     config = _seesaw_config(params, {"pp": 2, "pp_layers": [15, 15]}, SMOL, "5MiB")

@@ -20,7 +20,7 @@ from batchinfer.sim.scheduler_driver import complete as _complete
 from batchinfer.sim.scheduler_driver import launch as _launch
 from batchinfer.sim.scheduler_driver import make_seq as _seq
 from tests.strategy_e2e import (E2E_PARAMS, E2E_PROMPTS, TIGHT, assert_context_dependent,
-                                 run_shipped_recipe)
+                                 run_shipped_recipe, tight_reference)
 
 TABLE = StepTimes(decode=[(1, 0.010), (16, 0.020), (64, 0.040), (256, 0.128)],
                   prefill=[(64, 0.030), (256, 0.100), (1024, 0.400)])
@@ -336,14 +336,13 @@ def test_step_times_round_trip_and_bad_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure(make_engine):
+def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure():
     """16 requests that need ~3x the KV cache: TD-Pipe alternates phases several times on two
     pipeline stages and still produces the single-process baseline's greedy tokens."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
 
-    with make_engine(**TIGHT) as engine:
-        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    reference = [list(tokens) for tokens in tight_reference()]
     assert_context_dependent(reference)
     # the step times are profiled at startup on the two workers, before any request
     config = EngineConfig(**TIGHT, parallel={"pp": 2}, strategy=TDPipeParams(
