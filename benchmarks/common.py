@@ -212,9 +212,14 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                     help="dummy: random weights from the model's config (same speed, any shape)")
 
 
+PEER_MAX_MODEL_LEN = 2048            # vllm_offline.py's LLM(max_model_len=...)
+
+
 def model_section(args) -> dict:
-    """The recipe's model section from --model / --load-format."""
-    return {"load_format": args.load_format, **({"path": str(args.model)} if args.model else {})}
+    """The recipe's model section from --model / --load-format; a given model runs at the peer's
+    max_model_len (a real config's 32k-40k positions would not fit the KV of a CPU run)."""
+    return {"load_format": args.load_format,
+            **({"path": str(args.model), "max_model_len": PEER_MAX_MODEL_LEN} if args.model else {})}
 
 
 def warm_engine(workload: Optional[Path], n: int, policy: str = "hb", kv_cache_dtype: str = "auto",

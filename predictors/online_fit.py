@@ -132,37 +132,46 @@ def recalibrated_means(actual: np.ndarray, classes: np.ndarray, prior_means: Seq
 
 def censored_means(known: np.ndarray, censored: np.ndarray, caps: np.ndarray,
                    classes: np.ndarray, prior_means: Sequence[float], scale: float,
-                   prior_weight: float, iterations: int = 100
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   prior_weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Each class's mean length on the job from finished requests (`known` = their lengths) and
     decoding ones (`censored`, `known` = the tokens generated so far), lengths read as
     exponential, censored at their max_tokens `caps`, with the rescaled prior mean worth
     `prior_weight` finished requests (a conjugate Gamma prior on the rate). -> (the class means,
     every request's expected length under them: E[min(L, cap) | L > g] = g + m (1 - e^-(cap-g)/m)
-    for a decoding one). Without caps this is (tokens watched + tau s m_k) / (finished + tau);
-    with them, the same fixed point found by iteration (EM)."""
+    for a decoding one). The mean is the fixed point of labelling each decoding request so:
+    without caps (tokens watched + tau s m_k) / (finished + tau) in closed form, with them the
+    root below that bound, found by bisection (the EM iteration converges too slowly when most
+    of a class is still decoding). A class with nothing finished and no prior weight keeps the
+    prior's mean: nothing says where its replies end. Requests of no class (-1) are left out."""
     prior = np.asarray(prior_means, dtype=np.float64) * scale
-    k_max = len(prior) - 1
-    cls = np.clip(np.asarray(classes, dtype=np.int64), 0, k_max)
-    known_class = (np.asarray(classes) >= 0) & (np.asarray(classes) <= k_max)
+    raw = np.asarray(classes, dtype=np.int64)
+    in_class = (raw >= 0) & (raw < len(prior))
     room = np.maximum(caps - known, 0.0)
     means = prior.copy()
-    labels = known
-    for _ in range(iterations):
-        m = np.maximum(means[cls], 1e-6)
-        labels = np.where(censored, known + m * -np.expm1(-room / m), known)
-        new = prior.copy()
-        for k in range(len(prior)):
-            members = known_class & (cls == k)
-            new[k] = ((labels[members].sum() + prior_weight * prior[k]) /
-                      (members.sum() + prior_weight)) if prior_weight > 0 or members.any() \
-                else prior[k]
-        done = np.allclose(new, means, rtol=1e-6, atol=1e-3)
-        means = new
-        if done:
-            break
-    m = np.maximum(means[cls], 1e-6)
-    return means, np.where(censored, known + m * -np.expm1(-room / m), known)
+    for k in range(len(prior)):
+        members = in_class & (raw == k)
+        finished = float((members & ~censored).sum())
+        if finished + prior_weight <= 0:
+            continue
+        watched = float(known[members].sum()) + prior_weight * prior[k]
+        events = finished + prior_weight
+        tails = room[members & censored]
+        rows = float(members.sum()) + prior_weight
+
+        def excess(m: float) -> float:            # > 0 below the fixed point, < 0 above it
+            return watched + float((m * -np.expm1(-tails / m)).sum()) - m * rows
+
+        lo, hi = 1e-6, max(watched / events, 1e-6)     # the uncapped fixed point bounds it
+        if excess(hi) >= 0:
+            means[k] = hi
+            continue
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+        means[k] = 0.5 * (lo + hi)
+    m = np.maximum(means[np.clip(raw, 0, len(prior) - 1)], 1e-6)
+    labels = np.where(censored & in_class, known + m * -np.expm1(-room / m), known)
+    return means, labels
 
 
 def ridge_loo(x: np.ndarray, r: np.ndarray, grid: Sequence[float] = LAMBDA_GRID,
