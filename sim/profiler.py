@@ -259,12 +259,16 @@ def measure_host_copy(device: torch.device, quick: bool = False) -> LinkCost:
 def measure_controller(engine: Engine, num_requests: int = 48, prompt_len: int = 24,
                        output_len: int = 24) -> tuple[float, float]:
     """(per step, per sequence) seconds the controller spends beside the executor: a short real
-    job, each step's wall time less the executor's forward and sampling, fitted on batch size."""
+    job, each step's wall time less the executor's forward and sampling, fitted on batch size.
+    The requests' lengths run evenly from 1 to 2 x `output_len` (the mean is about
+    `output_len`), so the batch shrinks step by step from `num_requests` and the fit sees every
+    size in between (equal lengths kept one batch size and a slope of 0)."""
     vocab = int(engine.info["vocab_size"])
     for i in range(num_requests):
         tokens = [1 + (i * 7 + j) % (vocab - 1) for j in range(prompt_len)]
+        length = 1 + i * 2 * output_len // num_requests
         engine.add_request(Request(f"__controller-profile-{i}", tokens,
-                                   SamplingParams(max_tokens=output_len, ignore_eos=True,
+                                   SamplingParams(max_tokens=length, ignore_eos=True,
                                                   temperature=0.0)))
     seqs, overheads = [], []
     engine.drain_step_events()
@@ -332,7 +336,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
         if device.type == "cpu":
             torch.set_num_threads(cores)
         progress("controller overhead: a short job")
-        # a GPU runs hundreds of sequences a step: the fit covers them rather than extrapolate
+        # a GPU runs hundreds of sequences a step: the fit spans 1 to 256 of them
         per_step, per_seq = measure_controller(engine, 8 if quick else 256 if gpu else 48)
         arch = executor.model.arch
         dtype = _dtype(executor.model)
