@@ -144,16 +144,16 @@ def prefill_logits(model, backend, prompts: list[list[int]],
     from batchinfer.engine.attention import AttentionMetadata
     from batchinfer.engine.kv_cache import KVCacheSpec, allocate_kv_tensors
 
-    cpu, block = torch.device(device), 16
+    dev, block = torch.device(device), 16
     per_seq = -(-max(map(len, prompts)) // block)
     spec = KVCacheSpec(len(model.layers), per_seq * len(prompts), block, model.num_local_kv_heads,
                        model.arch.head_dim, 4)
-    kv = allocate_kv_tensors(spec, torch.float32, cpu)
+    kv = allocate_kv_tensors(spec, torch.float32, dev)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     lens = [len(p) for p in prompts]
-    meta = AttentionMetadata.build(lens, lens, tables, block, cpu)
-    ids = torch.tensor([t for p in prompts for t in p], device=cpu)
-    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=cpu)
+    meta = AttentionMetadata.build(lens, lens, tables, block, dev)
+    ids = torch.tensor([t for p in prompts for t in p], device=dev)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
     with torch.inference_mode():
         hidden, residual = model(ids, positions, kv, meta, backend)
         logits = model.compute_logits(hidden.clone(), residual.clone())
@@ -188,27 +188,27 @@ def model_greedy(model, backend, prompts: list[list[int]], steps: int, pipe=None
 
     from batchinfer.engine.attention import AttentionMetadata
 
-    cpu, block = torch.device(device), 16
+    dev, block = torch.device(device), 16
     stage, stages = pipe or (0, 1)
-    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, block, cpu)
+    kv, tables, lens, ids, positions = paged_prefill_inputs(model, prompts, steps, block, dev)
     query_lens, tokens = lens, []
     with torch.inference_mode():
         for _ in range(steps + 1):
-            meta = AttentionMetadata.build(query_lens, lens, tables, block, cpu)
+            meta = AttentionMetadata.build(query_lens, lens, tables, block, dev)
             hidden = residual = None
             if stage > 0:
                 hidden, residual = (torch.empty(len(ids), model.arch.hidden_size) for _ in "hr")
                 dist.recv(hidden, stage - 1)
                 dist.recv(residual, stage - 1)
-            hidden, residual = model(torch.tensor(ids, device=cpu),
-                                     torch.tensor(positions, device=cpu), kv, meta, backend,
+            hidden, residual = model(torch.tensor(ids, device=dev),
+                                     torch.tensor(positions, device=dev), kv, meta, backend,
                                      hidden, residual)
             if stage < stages - 1:
                 dist.send(hidden.contiguous(), stage + 1)
                 dist.send(residual.contiguous(), stage + 1)
                 step_tokens = torch.empty(len(prompts), dtype=torch.long)
             else:
-                rows = torch.tensor(query_lens, device=cpu).cumsum(0) - 1
+                rows = torch.tensor(query_lens, device=dev).cumsum(0) - 1
                 step_tokens = model.compute_logits(hidden[rows], residual[rows]).argmax(-1).cpu()
             if stages > 1:
                 dist.broadcast(step_tokens, stages - 1)

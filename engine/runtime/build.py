@@ -15,7 +15,7 @@ import torch
 
 from ..attention import select_backend
 from ..build import (_max_model_len, kv_budget, kv_element_bytes, resolve_device, resolve_dtype,
-                     resolve_kv_dtype)
+                     resolve_kv_dtype, warn_unverified_on_cuda)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -98,6 +98,7 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     backend = select_backend(config.device.attention_backend, device, dtype, arch,
                              kv_dtype)  # builds kernels once
+    warn_unverified_on_cuda(arch, device)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
                       dtype_choice.reason)

@@ -235,6 +235,8 @@ def test_seeded_sampling_on_cuda_gives_the_same_tokens_alone_and_in_a_batch(tiny
 
 
 def test_kv_swaps_between_cuda_blocks_and_the_cpu_store_round_trip():
+    """kv_store's portable copies (what CPU paged caches use) on CUDA tensors too; Seesaw's CUDA
+    path goes through resharding/cuda_kv_copies.py (tests/strategies/test_seesaw_cuda.py)."""
     from batchinfer.resharding.kv_store import ShardView, swap_in, swap_out
 
     layers, blocks, heads, block_size, head_dim = 3, 8, 4, 16, 8
