@@ -22,9 +22,12 @@ are then synchronous with the host but still off the compute stream.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
+
+from batchinfer.engine.host_to_device import pinned
 
 from .kv_store import ShardView
 
@@ -114,7 +117,7 @@ class CudaKvCopier:
         if self._in_use[slot] is not None:
             self._in_use[slot].synchronize()
             self._in_use[slot] = None
-        nbytes = blocks * _numel(block_shape) * dtype.itemsize
+        nbytes = blocks * math.prod(block_shape) * dtype.itemsize
         buffer = self._buffers[slot]
         if buffer is None or buffer.numel() < nbytes:
             buffer = self._buffers[slot] = self._allocate(max(self.staging_bytes, nbytes))
@@ -149,19 +152,7 @@ def _block_shape(paged: torch.Tensor) -> tuple:
     return (layers, two, heads, block_size, head_dim)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _device_index(blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids on the device: a small pinned copy on the current (copy) stream."""
-    host = torch.tensor(blocks, dtype=torch.long)
-    if torch.cuda.is_available():
-        try:
-            host = host.pin_memory()
-        except RuntimeError:
-            pass
-    return host.to(device, non_blocking=True)
+    """Block ids on the device: a small pinned copy (host_to_device.pinned: pageable where
+    pinning fails) on the current (copy) stream."""
+    return pinned(torch.tensor(blocks, dtype=torch.long)).to(device, non_blocking=True)
