@@ -1,7 +1,7 @@
 """The job loop: input stream -> engine -> run directory, with resume, reports and signals.
 
     reader (InputReader) --specs--> admission (tokenize) --Request--> engine.step()
-        --RequestOutput--> OrderedSink --records--> RunDir (outputs / errors)
+        --RequestOutput--> OrderedSink --> ResultWriter --records--> RunDir (outputs / errors)
 
 At most `max_in_flight` requests are read but not yet written, so input of any length streams
 through bounded memory. Every few seconds a timeline sample goes to metrics.jsonl and report.json
@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from batchinfer.predictors.history import history_record, spec_text
+from batchinfer.predictors.history import spec_text
 from .io.admission import build_request, prompt_token_ids
 from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
-from batchinfer.engine.request import FinishReason
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputReader, Shard
 from .report.metrics import SessionMetrics
@@ -35,7 +34,8 @@ from .report.plots import render_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
 from .recipe import Recipe
-from .io.records import RequestPayload, error_record, input_error_record, output_record
+from .result_writer import ResultWriter
+from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
@@ -104,6 +104,7 @@ class Job:
         self._total: Optional[int] = None
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
+        self._results: Optional[ResultWriter] = None
         self._last_report = 0.0
         self._last_plots = 0.0
 
@@ -119,6 +120,10 @@ class Job:
             self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
             self._start_session()
             self._build_engine()
+            # no engine: a signal came before it was built (the loop then writes nothing)
+            model_id = self.engine.model_id if self.engine is not None else None
+            self._results = ResultWriter(self.run_dir, self.metrics, model_id,
+                                         self.reader.format == "openai", self.recipe.predictor)
             self._sink = OrderedSink(self.recipe.io.output_order, self._write)
             self._progress = Progress(self._total, already_done=self.prior.num_outputs
                                       + self.prior.num_errors, mode=spec.progress,
@@ -338,42 +343,11 @@ class Job:
     def _write(self, kind: str, item) -> None:
         """Called by the sink, in output order."""
         t = time.perf_counter()
-        now = self.clock()
-        openai_input = self.reader.format == "openai"
-        if kind == "output" and _failed(item):
-            code = "aborted" if item.finish_reason == FinishReason.ABORT else "engine_error"
-            payload = item.payload
-            self.run_dir.write_error(error_record(payload.line, code, item.error or code,
-                                                  item.request_id, payload.metadata,
-                                                  payload.custom_id, openai=openai_input))
-            self.metrics.on_error(code, now)
-        elif kind == "output":
-            self.run_dir.write_output(output_record(item, item.payload, self.engine.model_id))
-            if self.recipe.predictor.history:
-                self.run_dir.write_history(self._history_record(item))
-            self.metrics.on_result(item, now)
-        elif kind == "error":
-            self.run_dir.write_error(input_error_record(item, openai_input))
-            self.metrics.on_error(item.code, now)
-        else:
-            payload, request_id, exc = item
-            self.run_dir.write_error(error_record(payload.line, exc.code, exc.message, request_id,
-                                                  payload.metadata, payload.custom_id,
-                                                  openai=openai_input))
-            self.metrics.on_error(exc.code, now)
+        self._results.write(kind, item, self.clock())
         if self._progress is not None:
             m = self.metrics
             self._progress.update(m.completed, m.failed, m.completion_tokens)
         self.metrics.phases_s["write"] += time.perf_counter() - t
-
-    def _history_record(self, out) -> dict:
-        payload = out.payload
-        return history_record(out.request_id, payload.prompt_text, out.num_prompt_tokens,
-                              out.num_output_tokens, out.finish_reason, self.engine.model_id,
-                              payload.max_tokens, payload.predicted_tokens,
-                              prompts=self.recipe.predictor.history_prompts,
-                              source=payload.metadata.get("source")
-                              if isinstance(payload.metadata, dict) else None)
 
     def _tick(self, force: bool = False, report: bool = True) -> None:
         now = self.clock()
@@ -489,11 +463,6 @@ class Job:
             log.error("could not write the final report: %s", exc)
         except Exception:
             log.exception("could not write the final report")
-
-
-def _failed(out) -> bool:
-    """A result the engine finished without an answer: an error record, not an output."""
-    return out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) or bool(out.error)
 
 
 def _shard_dict(shard: Shard) -> Optional[dict]:
