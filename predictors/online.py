@@ -32,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .base import Forecast, LengthPredictor, LengthQuery, cap, class_forecasts
-from .classes import accumulated_error
 from .online_fit import OnlineFit, fit_online
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,44 @@ class _Done:
     feature: Optional[np.ndarray]
     actual: int
     clock: float = 0.0            # the token clock when it finished
+
+
+class _ErrorWindows:
+    """The forecast error timeline (`OnlineLengthPredictor.timeline`) kept as it grows: per
+    window of `size` finished requests only the sums the error needs, so a finish costs O(1)
+    and the memory is one row per window, not one per request."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.finished = 0
+        self._closed: list[dict] = []
+        self._open = [0.0, 0.0, 0.0]      # sums over the open window: first, last, actual
+        self._open_count = 0
+        self._open_t: Optional[float] = None
+
+    def add(self, first: int, last: int, actual: int, t: Optional[float]) -> None:
+        sums = self._open
+        sums[0] += first
+        sums[1] += last
+        sums[2] += actual
+        self._open_count += 1
+        self._open_t = t
+        self.finished += 1
+        if self._open_count == self.size:
+            self._closed.append(self._row())
+            self._open, self._open_count = [0.0, 0.0, 0.0], 0
+
+    def rows(self) -> list[dict]:
+        return self._closed + ([self._row()] if self._open_count else [])
+
+    def _row(self) -> dict:
+        """accumulated_error (classes.py) over one group: |sum forecast - sum actual| /
+        sum actual (the sums of integers are exact in any order)."""
+        first, last, actual = self._open
+        t = self._open_t
+        return {"finished": self.finished, "t": None if t is None else round(t, 2),
+                "error_online": round(abs(last - actual) / max(actual, 1.0), 4),
+                "error_prior": round(abs(first - actual) / max(actual, 1.0), 4)}
 
 
 def request_key(request: Any) -> Optional[str]:
@@ -102,7 +140,7 @@ class OnlineLengthPredictor(LengthPredictor):
             self.upper_percentile = float(upper_percentile)
         self._classes = _classes_of(base)
         self._pending: dict[str, _Pending] = {}
-        self._done: list[_Done] = []
+        self._done: deque[_Done] = deque(maxlen=self.max_examples)   # the newest finished
         self._since_fit = 0
         self._clock = 0.0                          # tokens a decoding request has generated
         self._last_progress: dict = {}             # since the job began (advanced by update)
@@ -111,7 +149,7 @@ class OnlineLengthPredictor(LengthPredictor):
         self.refit_seconds = 0.0
         self.refit_max_s = 0.0
         self.reforecasts = 0
-        self._finished: list[tuple[int, int, int, Optional[float]]] = []  # first, last, actual, t
+        self._error_windows = _ErrorWindows(max(self.refit_every * 4, 32))
 
     # --- forecasting ------------------------------------------------------------------------------
     def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
@@ -173,10 +211,8 @@ class OnlineLengthPredictor(LengthPredictor):
             return False
         actual = int(output_tokens)
         self._done.append(_Done(entry.prior, entry.cls, entry.feature, actual, self._clock))
-        if len(self._done) > self.max_examples:
-            del self._done[:len(self._done) - self.max_examples]
         self._since_fit += 1
-        self._finished.append((entry.first, entry.current, actual, now))
+        self._error_windows.add(entry.first, entry.current, actual, now)
         return True
 
     def forget(self, key: Any) -> None:
@@ -285,23 +321,12 @@ class OnlineLengthPredictor(LengthPredictor):
         return changed
 
     # --- reporting --------------------------------------------------------------------------------
-    def timeline(self, window: int = 0) -> list[dict]:
-        """Forecast error over the job: per window of finished requests (in finishing order),
-        |sum forecast - sum actual| / sum actual for the forecast each had when it finished
-        (online) and when it was admitted (the prior)."""
-        window = window or max(self.refit_every * 4, 32)
-        out = []
-        for start in range(0, len(self._finished), window):
-            part = self._finished[start:start + window]
-            first = np.array([p[0] for p in part], dtype=np.float64)
-            last = np.array([p[1] for p in part], dtype=np.float64)
-            actual = np.array([p[2] for p in part], dtype=np.float64)
-            t = part[-1][3]
-            out.append({"finished": start + len(part),
-                        "t": None if t is None else round(t, 2),
-                        "error_online": round(accumulated_error(last, actual, len(part)), 4),
-                        "error_prior": round(accumulated_error(first, actual, len(part)), 4)})
-        return out
+    def timeline(self) -> list[dict]:
+        """Forecast error over the job: per window of finished requests (in finishing order,
+        max(4 refit_every, 32) a window, the last one partial), |sum forecast - sum actual| /
+        sum actual for the forecast each had when it finished (online) and when it was admitted
+        (the prior)."""
+        return self._error_windows.rows()
 
     def stats(self) -> dict:
         return {**super().stats(), "online": {

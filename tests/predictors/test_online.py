@@ -376,6 +376,37 @@ def test_a_failing_refit_keeps_the_last_forecasts(caplog):
     assert online.refits == 1 and online.fit is None
 
 
+def test_finishes_keep_the_newest_examples_and_the_error_timeline_per_window():
+    """What observe keeps is bounded (the newest max_examples, one row per timeline window),
+    and the running timeline is accumulated_error over each window of the finishing order."""
+    from batchinfer.predictors.classes import accumulated_error
+
+    online = OnlineLengthPredictor(MeanPredictor(50.0), refit_every=1, min_examples=1,
+                                   max_examples=5, censored=False)   # windows of 32
+    requests = [_req(i, 0, max_tokens=10_000) for i in range(75)]
+    online.forecast(requests)
+    rng = np.random.default_rng(3)
+    finished = []                                   # (first, last, actual, t) as they finish
+    for n, r in enumerate(requests):
+        actual = int(rng.integers(1, 400))
+        last = online.current(r.request_id)
+        assert online.observe(r.request_id, actual, now=0.5 * n)
+        finished.append((50, last, actual, 0.5 * n))
+        if n % 7 == 6:
+            online.update()                         # the forecasts move between finishes
+    assert [d.actual for d in online._done] == [f[2] for f in finished[-5:]]  # noqa: SLF001
+    expected = []
+    for start in range(0, len(finished), 32):
+        part = finished[start:start + 32]
+        first, last, actual = (np.array([p[k] for p in part], dtype=np.float64) for k in range(3))
+        expected.append({"finished": start + len(part), "t": round(part[-1][3], 2),
+                         "error_online": round(accumulated_error(last, actual, len(part)), 4),
+                         "error_prior": round(accumulated_error(first, actual, len(part)), 4)})
+    assert len({f[1] for f in finished}) > 1 and [e["finished"] for e in expected] == [32, 64, 75]
+    assert online.timeline() == expected
+    assert online.stats()["online"]["timeline"] == expected
+
+
 # --- the job loop's glue ------------------------------------------------------------------------
 def test_learn_observes_finished_forgets_aborted_and_never_raises(caplog):
     online = OnlineLengthPredictor(MeanPredictor(50.0), refit_every=1, min_examples=1,
