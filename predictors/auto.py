@@ -4,9 +4,10 @@ TD-Pipe's prefill decisions run on forecasts, so a job whose strategy reads them
 1. a predictor trained from this model's own run history: the history.jsonl of the runs beside
    this one (or under `predictor.path`) holding at least MIN_RECORDS records of the same model id
    with prompt text (the job's own run directory excluded). It is trained once (the frozen
-   encoder plus the head, seconds for a few thousand prompts) into the setup cache and reused
-   until the history has grown by a quarter; a job that finds another one training it takes the
-   next choice rather than wait;
+   encoder plus the head, seconds for a few thousand prompts) on the newest MAX_TRAIN_RECORDS
+   into the setup cache and reused until the history has grown by a quarter; a job that finds
+   another one training it takes the next choice rather than wait. The history is streamed, so
+   however long it grows only those newest records are held (ModelHistory);
 2. a predictor shipped in the package for this model (predictors/shipped/*/predictor.json whose
    card lists the model id): the embedded default model has one;
 3. with neither: the mean output length of whatever history there is, or else each request's
@@ -22,18 +23,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from .base import PREDICTOR_CARD, LengthPredictor, MeanPredictor, bert_from_dir
-from .history import HISTORY, HistoryRecord, read_history
+from .history import HISTORY, HistoryData, HistoryRecord, log_skipped, stream_history
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
-MAX_TRAIN_RECORDS = 4000     # the newest records a history-trained predictor learns from
+MAX_TRAIN_RECORDS = 4000     # the newest records a history-trained predictor learns from: the
+                             # only records of the history held in memory (ModelHistory)
 RETRAIN_GROWTH = 1.25        # a cached predictor is reused until the history is this much larger
 TRAIN_WAIT_S = 2.0           # another job training the same predictor: take the next choice
 
@@ -52,6 +55,23 @@ class AutoChoice:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+@dataclass
+class ModelHistory:
+    """What `auto` needs of a model's run history, read in one pass in bounded memory: how many
+    distinct records there are (the training threshold, the retrain trigger), their summed output
+    tokens (the `mean` fallback) and the newest MAX_TRAIN_RECORDS of them (what a predictor is
+    trained on). The prompts of the older ones are never held: a long history costs its reading
+    time and one 8-byte digest per distinct record (to drop repeats across runs), not its text."""
+
+    count: int = 0
+    output_tokens: int = 0
+    newest: list[HistoryRecord] = field(default_factory=list)   # oldest first
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return self.output_tokens / self.count
+
+
 def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[str],
                      reads_forecasts: bool, exclude: Optional[Path] = None
                      ) -> tuple[Optional[LengthPredictor], AutoChoice]:
@@ -62,34 +82,34 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
     if not reads_forecasts:
         return None, AutoChoice("none", "max_tokens", "the strategy reads no length forecast")
     root = Path(cfg.path) if cfg.path else Path(runs_root)
-    records = model_history(root, model_id, exclude)
-    if len(records) >= min_records():
+    history = model_history(root, model_id, exclude)
+    count = history.count
+    if count >= min_records():
         built = _attempt(f"training one from the history under {root}",
-                         lambda: _from_history(cfg, records, model_id, device))
+                         lambda: _from_history(cfg, history, model_id, device))
         if built is not None:
             path, predictor = built
             reason = (f"trained on this model's own history: "
-                      f"{min(len(records), MAX_TRAIN_RECORDS)} of {len(records)} records under "
-                      f"{root}")
+                      f"{len(history.newest)} of {count} records under {root}")
             log.info("length predictor (auto): bert %s (%s)", path, reason)
-            return predictor, AutoChoice("bert", "history", reason, str(path), len(records))
+            return predictor, AutoChoice("bert", "history", reason, str(path), count)
     shipped = shipped_predictor(model_id)
     if shipped is not None:
         predictor = _attempt(f"loading {shipped}", lambda: bert_from_dir(cfg, shipped, device))
         if predictor is not None:
             reason = (f"shipped for {model_id}" + (
-                f" (this model's history has {len(records)} records, fewer than the "
-                f"{min_records()} needed to train)" if records else ""))
+                f" (this model's history has {count} records, fewer than the "
+                f"{min_records()} needed to train)" if count else ""))
             log.info("length predictor (auto): bert %s (%s)", shipped, reason)
-            return predictor, AutoChoice("bert", "shipped", reason, str(shipped), len(records))
-    if records:
-        mean = sum(r.output_tokens for r in records) / len(records)
+            return predictor, AutoChoice("bert", "shipped", reason, str(shipped), count)
+    if count:
+        mean = history.mean_output_tokens
         reason = (f"no predictor for {model_id}: the mean output length ({mean:.1f} tokens) of "
-                  f"its {len(records)} history records under {root}; {min_records()} records "
+                  f"its {count} history records under {root}; {min_records()} records "
                   "train a BERT predictor")
         log.warning("length predictor (auto): %s", reason)
         return (MeanPredictor(mean, cfg.oracle_field, source=str(root)),
-                AutoChoice("mean", "history", reason, str(root), len(records)))
+                AutoChoice("mean", "history", reason, str(root), count))
     reason = (f"no predictor and no history for {model_id} under {root}: forecasting each "
               "request's max_tokens; runs write history.jsonl, from which the next run of this "
               "model learns")
@@ -106,20 +126,20 @@ def _attempt(what: str, build: Callable[[], T]) -> Optional[T]:
         return None
 
 
-def _from_history(cfg: Any, records: list[HistoryRecord], model_id: str,
+def _from_history(cfg: Any, history: ModelHistory, model_id: str,
                   device: Optional[str]) -> tuple[Path, LengthPredictor]:
     """The cached (or newly trained) predictor, loaded; a cached one that does not load is
     discarded and trained again once."""
     from batchinfer.engine.setup_cache import discard
 
-    path = trained_from_history(records, model_id, device)
+    path = trained_from_history(history, model_id, device)
     try:
         return path, bert_from_dir(cfg, path, device)
     except Exception as exc:  # noqa: BLE001 - whatever broke the entry, it is rebuilt
         log.warning("length predictor (auto): the cached %s does not load (%s: %s); training "
                     "it again", path, type(exc).__name__, exc)
         discard(path, "discarding a broken length predictor", TRAIN_WAIT_S)
-    path = trained_from_history(records, model_id, device)
+    path = trained_from_history(history, model_id, device)
     return path, bert_from_dir(cfg, path, device)
 
 
@@ -129,35 +149,50 @@ def min_records() -> int:
     return MIN_RECORDS
 
 
-def model_history(root: Path, model_id: str, exclude: Optional[Path] = None
-                  ) -> list[HistoryRecord]:
-    """Records of `model_id` with prompt text in `root` itself (a run directory) or in the run
-    directories directly under it, but `exclude`. A run that cannot be read is skipped with a
-    warning, never fatal."""
+def model_history(root: Path, model_id: str, exclude: Optional[Path] = None) -> ModelHistory:
+    """The records of `model_id` with prompt text in `root` itself (a run directory) or in the run
+    directories directly under it, but `exclude`, streamed (ModelHistory: what is kept of them).
+    Runs are read in name order, each file in line order: "newest" is the last read. A repeat of
+    a record already read (the same id and prompt, e.g. one input run under two recipes) counts
+    once. A run that cannot be read is skipped (from the failing read on) with a warning, never
+    fatal."""
+    history = ModelHistory()
     if not root.is_dir():
-        return []
+        return history
     try:
         runs = [root] if _has_history(root) else []
         runs += sorted(p for p in root.iterdir() if p.is_dir() and _has_history(p))
     except OSError as exc:
         log.warning("length predictor (auto): cannot list %s (%s)", root, exc)
-        return []
+        return history
     skip = _resolved(exclude) if exclude is not None else None
-    records: list[HistoryRecord] = []
-    seen: set = set()
+    newest: deque[HistoryRecord] = deque(maxlen=MAX_TRAIN_RECORDS)
+    seen: set[bytes] = set()
+    stats = HistoryData()
     for run in runs:
         if skip is not None and _resolved(run) == skip:
             continue
         try:
-            data = read_history([run], model=model_id, need_text=True)
+            for record in stream_history([run], model=model_id, need_text=True, stats=stats):
+                digest = _key_digest(record)
+                if digest in seen:
+                    continue
+                seen.add(digest)
+                history.count += 1
+                history.output_tokens += record.output_tokens
+                newest.append(record)
         except OSError as exc:
             log.warning("length predictor (auto): skipping %s (%s)", run, exc)
-            continue
-        for record in data.records:
-            if record.key not in seen:
-                seen.add(record.key)
-                records.append(record)
-    return records
+    log_skipped(stats)
+    history.newest = list(newest)
+    return history
+
+
+def _key_digest(record: HistoryRecord) -> bytes:
+    """A record's identity (its id and prompt hash) in 8 bytes: a collision among a million
+    records has odds of about 3e-8."""
+    key = f"{record.id}\0{record.prompt_sha256}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(key, digest_size=8).digest()
 
 
 def _resolved(path: Path) -> Path:
@@ -188,18 +223,18 @@ def shipped_predictor(model_id: str) -> Optional[Path]:
     return None
 
 
-def trained_from_history(records: list[HistoryRecord], model_id: str,
-                         device: Optional[str]) -> Path:
-    """A BERT predictor trained on the newest MAX_TRAIN_RECORDS `records`, from the setup cache
-    when one trained on at least 1 / RETRAIN_GROWTH as many records is there."""
+def trained_from_history(history: ModelHistory, model_id: str, device: Optional[str]) -> Path:
+    """A BERT predictor trained on the newest (at most MAX_TRAIN_RECORDS) records of `history`,
+    from the setup cache when one trained on a history at least 1 / RETRAIN_GROWTH as large is
+    there."""
     from batchinfer.engine.setup_cache import build_once, cache_root
 
     model_dir = cache_root() / "predictors" / _slug(model_id)
-    used = records[-MAX_TRAIN_RECORDS:]
-    cached = _cached(model_dir, len(records))
+    used = history.newest
+    cached = _cached(model_dir, history.count)
     if cached is not None:
         return cached
-    target = model_dir / f"n{len(records)}"
+    target = model_dir / f"n{history.count}"
 
     def build(staging: Path) -> None:
         from .train import TrainConfig, train_predictor
@@ -207,7 +242,7 @@ def trained_from_history(records: list[HistoryRecord], model_id: str,
         log.info("length predictor (auto): training on %d history records of %s (once; cached "
                  "in %s)", len(used), model_id, target)
         train_predictor(used, staging, TrainConfig(device=device), sources=["auto"])
-        (staging / "history_records").write_text(f"{len(records)}\n", encoding="utf-8")
+        (staging / "history_records").write_text(f"{history.count}\n", encoding="utf-8")
 
     model_dir.mkdir(parents=True, exist_ok=True)
     return build_once(target, build, what=f"training the length predictor of {model_id}",

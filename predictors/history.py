@@ -182,38 +182,54 @@ def _read_file(path: Path) -> Iterator[tuple[int, Optional[HistoryRecord], str]]
         yield line_no, record, why
 
 
-def read_history(sources: Iterable[Union[str, Path]], model: Optional[str] = None,
-                 need_text: bool = False) -> HistoryData:
-    """Records from run directories / history files. Malformed lines, hash-only prompts (when
-    `need_text`), other models' records (when `model`) and repeats of the same (id, prompt)
-    are skipped and counted by reason; each malformed line is named (file:line) in a warning."""
-    data = HistoryData()
-    seen: set[tuple[str, str]] = set()
+def stream_history(sources: Iterable[Union[str, Path]], model: Optional[str] = None,
+                   need_text: bool = False, stats: Optional[HistoryData] = None
+                   ) -> Iterator[HistoryRecord]:
+    """The usable records of run directories / history files, one at a time, in file order
+    (repeats included: what counts as one is the caller's). Malformed lines, hash-only prompts
+    (when `need_text`) and other models' records (when `model`) are skipped and counted by reason
+    into `stats` (its files too; its records are left alone); each malformed line is named
+    (file:line) in a warning."""
+    stats = stats if stats is not None else HistoryData()
     warned = 0
     for source in sources:
         for path in history_files(source):
-            data.files.append(str(path))
+            stats.files.append(str(path))
             for line_no, record, why in _read_file(path):
                 if record is None:
-                    data.skipped["malformed"] += 1
+                    stats.skipped["malformed"] += 1
                     if warned < MAX_WARNINGS:
                         log.warning("%s:%d: skipping a malformed history line (%s)", path,
                                     line_no, why)
                         warned += 1
                     continue
                 if model is not None and record.model != model:
-                    data.skipped["other model"] += 1
+                    stats.skipped["other model"] += 1
                     continue
                 if need_text and not record.prompt:
-                    data.skipped["no prompt text (history_prompts: hash)"] += 1
+                    stats.skipped["no prompt text (history_prompts: hash)"] += 1
                     continue
-                if record.key in seen:
-                    data.skipped["duplicate"] += 1
-                    continue
-                seen.add(record.key)
-                data.records.append(record)
+                yield record
+
+
+def read_history(sources: Iterable[Union[str, Path]], model: Optional[str] = None,
+                 need_text: bool = False) -> HistoryData:
+    """Every record from run directories / history files, in memory. Skipped as in
+    `stream_history`, and repeats of the same (id, prompt) too, all counted by reason."""
+    data = HistoryData()
+    seen: set[tuple[str, str]] = set()
+    for record in stream_history(sources, model, need_text, data):
+        if record.key in seen:
+            data.skipped["duplicate"] += 1
+            continue
+        seen.add(record.key)
+        data.records.append(record)
+    log_skipped(data)
+    return data
+
+
+def log_skipped(data: HistoryData) -> None:
     if data.num_skipped:
         log.warning("history: skipped %d lines (%s) in %d files", data.num_skipped,
                     ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items())),
                     len(data.files))
-    return data

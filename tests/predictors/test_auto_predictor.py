@@ -99,10 +99,10 @@ def test_no_history_forecasts_max_tokens_and_a_little_history_its_mean(tmp_path,
     n = _write_history(tmp_path / "earlier-run", MODEL, 2)
     _write_history(tmp_path / "other-model-run", "/models/another", 16)
     (tmp_path / "not-a-run").mkdir()
-    assert len(model_history(tmp_path, MODEL)) == n == 12
+    assert model_history(tmp_path, MODEL).count == n == 12
     predictor, choice = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
     assert (predictor.name, choice.name, choice.history_records) == ("mean", "mean", 12)
-    records = model_history(tmp_path, MODEL)
+    records = model_history(tmp_path, MODEL).newest
     mean = sum(r.output_tokens for r in records) / len(records)
     assert predictor.predict([LengthQuery("x", max_tokens=1000)]) == [round(mean)]
     assert predictor.predict([LengthQuery("x", max_tokens=3)]) == [3]     # capped
@@ -162,11 +162,40 @@ def test_the_jobs_own_run_and_unreadable_runs_are_left_out(tmp_path):
     own, other = tmp_path / "own", tmp_path / "other"
     _write_history(own, MODEL, 2)
     _write_history(other, MODEL, 1, start=500)
-    assert len(model_history(tmp_path, MODEL)) == 18
-    assert len(model_history(tmp_path, MODEL, exclude=own)) == 6
+    assert model_history(tmp_path, MODEL).count == 18
+    assert model_history(tmp_path, MODEL, exclude=own).count == 6
     (tmp_path / "locked").mkdir(mode=0)          # another user's run: skipped, not fatal
-    assert len(model_history(tmp_path, MODEL, exclude=own)) == 6
-    assert model_history(tmp_path / "missing", MODEL) == []
+    assert model_history(tmp_path, MODEL, exclude=own).count == 6
+    missing = model_history(tmp_path / "missing", MODEL)
+    assert (missing.count, missing.newest) == (0, [])
+
+
+def test_a_history_longer_than_the_training_cap_keeps_only_its_newest_records(tmp_path,
+                                                                               monkeypatch):
+    """The history is streamed: every record is counted (and its repeats dropped), but only the
+    newest MAX_TRAIN_RECORDS are held, and they are what a predictor is trained on."""
+    from batchinfer.predictors import auto
+
+    monkeypatch.setattr(auto, "MAX_TRAIN_RECORDS", 10)
+    _write_history(tmp_path / "a", MODEL, 4)                       # h0..h23
+    _write_history(tmp_path / "b", MODEL, 4)                       # the same 24 again: repeats
+    _write_history(tmp_path / "b", MODEL, 6, start=100)            # h100..h135, after them
+    _write_history(tmp_path / "c", "/models/another", 5, start=500)
+    lines = [json.loads(x) for run in ("a", "b")
+             for x in (tmp_path / run / "history.jsonl").read_text().splitlines()]
+    distinct = list({(r["id"], r["prompt_sha256"]): r for r in lines}.values())
+    history = model_history(tmp_path, MODEL)
+    assert history.count == len(distinct) == 60
+    assert history.output_tokens == sum(r["output_tokens"] for r in distinct)
+    assert [r.id for r in history.newest] == [f"h{100 + i}" for i in range(26, 36)]
+    trained_on = []
+    monkeypatch.setattr("batchinfer.predictors.train.train_predictor",
+                        lambda used, *a, **k: trained_on.append(list(used)) or 1 / 0)
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    predictor, choice = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
+    assert trained_on and [r.id for r in trained_on[0]] == [r.id for r in history.newest]
+    assert choice.history_records == 60 and predictor.name == "mean"    # training failed
+    assert predictor.mean == pytest.approx(history.output_tokens / 60)
 
 
 def test_dummy_models_of_other_shapes_are_other_models():
