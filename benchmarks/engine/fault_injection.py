@@ -25,9 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*, tests.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import emit  # noqa: E402
-from tests.fault_harness import (  # noqa: E402
+from benchmarks.engine.fault_harness import (  # noqa: E402
     SINGLE, PIPELINE, Trial, exactly_once_problems, run_env, run_trial, start_run, wait,
     write_prompts)
 

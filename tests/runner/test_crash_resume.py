@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import TINY_MODEL, exactly_once_problems, read_records, write_prompts
+from benchmarks.engine.fault_harness import (TINY_MODEL, exactly_once_problems, read_records,
+                                             write_prompts)
 
 # every test here runs real `batchinfer run` subprocesses, several seconds each
 pytestmark = pytest.mark.slow

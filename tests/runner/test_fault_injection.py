@@ -2,7 +2,8 @@
 random moments, a first run on an empty cache killed during the kernel build, runs racing for one
 cache and for one run directory, a file-size limit, directories that cannot be written.
 
-The long version (200 random trials) is benchmarks/fault_injection.py.
+The long version (200 random trials) is benchmarks/engine/fault_injection.py; the harness both
+drive is benchmarks/engine/fault_harness.py.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import (SIGNAL_BOUND_S, SINGLE, Trial, exactly_once_problems,
-                                 kill_group, run_env, run_trial, start_run, wait,
-                                 wait_for_leftovers, write_prompts)
+from benchmarks.engine.fault_harness import (SIGNAL_BOUND_S, SINGLE, Trial,
+                                             exactly_once_problems, kill_group, run_env,
+                                             run_trial, start_run, wait, wait_for_leftovers,
+                                             write_prompts)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 

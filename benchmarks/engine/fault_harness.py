@@ -1,8 +1,10 @@
 """Fault injection on real `batchinfer run` processes: kill -9, SIGTERM / SIGINT at random
 moments, a file-size limit, then a clean rerun that must complete with every id exactly once.
 
-Used by tests/runner/test_fault_injection.py (a short seeded run in CI) and by
-benchmarks/fault_injection.py (the long run, JSON out). Each run starts in a session of its own,
+Used by benchmarks/engine/fault_injection.py (the long run, JSON out) and by
+tests/runner/test_fault_injection.py (a short seeded run in CI) and test_crash_resume.py; it lives
+here, beside the benchmark, so the benchmark does not depend on the test package. It imports
+nothing of batchinfer: the runs are subprocesses. Each run starts in a session of its own,
 so a fault reaches its whole process group as Slurm's and a terminal's signals do, and leftovers
 (workers, compilers) are found by process group and by a token in their environment.
 """
