@@ -101,13 +101,20 @@ PROMPTS = [[7], [5, 17, 300, 42, 9], SHARED + [11, 12, 13], SHARED + list(range(
            list(range(150, 250))]                                    # 1 to 100 tokens
 
 
-def hf_model(family: str, seed: int = 0):
+def tiny_model(config_class: str, model_class: str, fields: dict, seed: int = 0):
+    """transformers' `model_class` over TINY with `fields` changed, its weights drawn from
+    `seed`, in eval mode."""
     import transformers
 
-    config_class, model_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**TINY, **extra})
+    config = getattr(transformers, config_class)(**{**TINY, **fields})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).eval()
+    return getattr(transformers, model_class)(config).eval()
+
+
+def hf_model(family: str, seed: int = 0, **changes):
+    """The tiny `family` (FAMILIES' fields, then `changes`)."""
+    config_class, model_class, extra = FAMILIES[family]
+    model = tiny_model(config_class, model_class, {**extra, **changes}, seed)
     if family in PERTURBED:
         names, std = PERTURBED[family]
         with torch.no_grad():
@@ -124,6 +131,13 @@ def save_model(model, directory: Path, tokenizer_dir: Path) -> Path:
     for f in tokenizer_dir.glob("tokenizer*"):
         shutil.copy(f, directory / f.name)
     return directory
+
+
+def saved_with_greedy(model, directory: Path, tokenizer_dir: Path, prompts: list[list[int]],
+                      max_new: int = MAX_NEW) -> tuple[Path, list[list[int]]]:
+    """(the model saved in `directory` (save_model), transformers' greedy tokens for
+    `prompts`): a model directory and the tokens the engine must give from it."""
+    return save_model(model, directory, tokenizer_dir), hf_greedy(model, prompts, max_new)
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:

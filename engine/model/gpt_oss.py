@@ -15,10 +15,13 @@ The checkpoint stacks each layer's experts as transformers' GptOssExperts holds 
 instead (`*_blocks` [E, out, in / 32, 16] of packed 4-bit values, `*_scales` [E, out, in / 32]
 of power-of-two exponents), de-quantized here at load to the engine's dtype (loader.py turns
 either form into our [E, 2 I, H] gate-then-up and [E, H, I] stacks, a TP rank's rows of each).
+A TP rank reads only its share of the MXFP4 blocks and scales (`mxfp4_span`) and de-quantizes
+that, a bounded chunk of experts at a time (`dequantize_experts`): gpt-oss-120b's gate/up alone
+is 8.5 GB a layer in fp32, whole.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -33,6 +36,9 @@ COMPLETE_WITH_TRANSFORMERS = True   # layer_types, YaRN parameters and biases by
 # the values of MXFP4's 4-bit codes (e2m1: sign, two exponent bits, one mantissa bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32                     # values that share a scale (a block's 16 bytes)
+# the most fp32 one de-quantization makes at once (at least one expert's; read at each call)
+DEQUANT_CHUNK_BYTES = 64 << 20
 
 
 def read_config(cfg: dict) -> dict:
@@ -105,3 +111,37 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
 def deinterleave(t: torch.Tensor) -> torch.Tensor:
     """[E, 2 n, ...] with gate and up alternating along dim 1 -> gate rows, then up rows."""
     return t.unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2).contiguous()
+
+
+def mxfp4_span(gate_up: bool, lo: int, rows: int) -> tuple[int, int, int, int]:
+    """Where a TP rank's intermediate rows [lo, lo + rows) of an expert projection lie in its
+    MXFP4 blocks and scales -> (dim, first, end, skip): gate/up's rows [2 lo, 2 (lo + rows))
+    along dim 1 (gate and up interleaved, so the rank's are contiguous; skip 0); down's input
+    columns are packed along dim 2 in groups of 32, so the groups that cover them, and how many
+    de-quantized columns precede the rank's first (a rank's share need not start a group)."""
+    if gate_up:
+        return 1, 2 * lo, 2 * (lo + rows), 0
+    first, end = lo // MXFP4_GROUP, -(-(lo + rows) // MXFP4_GROUP)
+    return 2, first, end, lo - first * MXFP4_GROUP
+
+
+def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                       layout: Callable[[torch.Tensor], torch.Tensor],
+                       chunk_bytes: Optional[int] = None) -> None:
+    """MXFP4 experts (blocks [E, out, G, 16], scales [E, out, G]: a rank's share) -> `out`
+    [E, ...], `layout` turning each de-quantized [experts, out, G * 32] into out's, a chunk of
+    experts at a time so that the fp32 made at once stays near `chunk_bytes` (default
+    DEQUANT_CHUNK_BYTES; one expert at the least). Equal to de-quantizing whole, to the bit:
+    each value depends on its own code and scale only."""
+    if blocks.shape[0] != out.shape[0]:
+        raise ValueError(f"MXFP4 blocks hold {blocks.shape[0]} experts, the config implies "
+                         f"{out.shape[0]}")
+    per_expert = 2 * blocks[0].numel() * 4           # fp32 values, two codes a byte
+    step = max(1, (chunk_bytes or DEQUANT_CHUNK_BYTES) // max(per_expert, 1))
+    for first in range(0, out.shape[0], step):
+        part = layout(dequantize_mxfp4(blocks[first:first + step], scales[first:first + step]))
+        dest = out[first:first + step]
+        if tuple(part.shape) != tuple(dest.shape):
+            raise ValueError(f"MXFP4 experts de-quantize to shape {tuple(part.shape)} a chunk, "
+                             f"the config implies {tuple(dest.shape)}")
+        dest.copy_(part)

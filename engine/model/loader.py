@@ -74,8 +74,8 @@ class _Target:
     zero: bool = False
     expert: Optional[int] = None
     # a layout change after the slice (GPT-OSS's stacked experts, _Filler.convert): "gate_up_t",
-    # "gate_up_bias", "down_t", "mxfp4_blocks" / "mxfp4_scales" (`part`: this rank's
-    # (first row, rows) of the de-quantized projection)
+    # "gate_up_bias", "down_t"; or "mxfp4_blocks" / "mxfp4_scales" (_Filler.put_mxfp4; `part`:
+    # the de-quantized columns before this rank's first, and its rows)
     convert: Optional[str] = None
     part: tuple[int, int] = (0, 0)
 
@@ -170,7 +170,8 @@ class _Filler:
         rank's intermediate rows of each: gate/up [E, H, 2 I] keeps columns [2 lo, 2 hi) (gate
         and up interleaved, so a rank's rows are contiguous there), transposed and split into
         gate rows then up rows; down [E, I, H] rows [lo, hi), transposed; the down bias added
-        once (rank 0); MXFP4 pairs read whole, de-quantized when both halves are in, then cut."""
+        once (rank 0); of an MXFP4 pair, the rank's share of the blocks and of the scales
+        (gpt_oss.mxfp4_span), de-quantized when both are in (put_mxfp4)."""
         sh, moe = self.shard, self.arch.moe
         split = sh.tp_size > 1
         lo, rows = sh.expert_intermediate_start, sh.expert_intermediate_size
@@ -188,35 +189,51 @@ class _Filler:
             return _Target(p + "down_bias", zero=sh.tp_rank > 0)
         proj, _, kind = name.rpartition("_")          # gate_up_proj / down_proj, blocks / scales
         if kind in ("blocks", "scales") and proj in ("gate_up_proj", "down_proj"):
-            return _Target(p + ("gate_up" if proj == "gate_up_proj" else "down"),
-                           convert=f"mxfp4_{kind}", part=(lo, rows))
+            from .gpt_oss import MXFP4_GROUP, mxfp4_span
+
+            gate_up = proj == "gate_up_proj"
+            dim, first, end, skip = mxfp4_span(gate_up, lo, rows)
+            width = 2 * full if gate_up else full // MXFP4_GROUP
+            return _Target(p + ("gate_up" if gate_up else "down"), 0, None,
+                           *self._cut(split, dim, first, end - first, width),
+                           convert=f"mxfp4_{kind}", part=(skip, rows))
         return _Target(p + name)                      # no such parameter: put() names it
 
-    def convert(self, name: str, tensor: torch.Tensor, where: _Target) -> Optional[torch.Tensor]:
-        """`tensor` (this rank's slice) in our layout, or None while an MXFP4 pair waits for
-        its other half."""
-        from .gpt_oss import deinterleave, dequantize_mxfp4
+    @staticmethod
+    def convert(tensor: torch.Tensor, where: _Target) -> torch.Tensor:
+        """`tensor` (this rank's slice of a stacked dense expert tensor) in our layout."""
+        from .gpt_oss import deinterleave
 
-        kind = where.convert
-        if kind == "gate_up_t":
+        if where.convert == "gate_up_t":
             return deinterleave(tensor.transpose(1, 2))
-        if kind == "gate_up_bias":
+        if where.convert == "gate_up_bias":
             return deinterleave(tensor)
-        if kind == "down_t":
-            return tensor.transpose(1, 2)
+        return tensor.transpose(1, 2)                 # down_t
+
+    def put_mxfp4(self, name: str, tensor: torch.Tensor, where: _Target) -> None:
+        """One half of an MXFP4 pair (this rank's share of the blocks or the scales); with both
+        in, de-quantized straight into the parameter a chunk of experts at a time: gate/up's
+        interleaved rows split into gate rows then up rows, down's columns from `where.part`."""
+        from .gpt_oss import deinterleave, dequantize_experts
+
         halves = self.pending.setdefault(where.param, {})
-        halves[kind] = tensor
+        halves[where.convert] = tensor
         if len(halves) < 2:
-            return None
+            return
         del self.pending[where.param]
+        skip, rows = where.part
+        if where.param.endswith("gate_up"):           # [E, 2 I, H], gate and up interleaved
+            layout = deinterleave
+        else:                                         # [E, H, I]
+            def layout(dense: torch.Tensor) -> torch.Tensor:
+                return dense[:, :, skip:skip + rows]
+        param = self.params[where.param].data
         try:
-            dense = dequantize_mxfp4(halves["mxfp4_blocks"], halves["mxfp4_scales"])
+            dequantize_experts(halves["mxfp4_blocks"], halves["mxfp4_scales"], param, layout)
         except ValueError as exc:
             raise ModelLoadError(f"weight {name!r}: {exc}") from None
-        lo, rows = where.part
-        if where.param.endswith("gate_up"):           # [E, 2 I, H], gate and up interleaved
-            return deinterleave(dense[:, 2 * lo:2 * (lo + rows)])
-        return dense[:, :, lo:lo + rows]              # [E, H, I]
+        slabs = param.shape[0] * param.shape[1]                # every expert's rows
+        self.filled[where.param] = self.filled.get(where.param, 0) + slabs
 
     def _feed_forward_part(self, is_gate: bool, is_down: bool, gate_up: str, down: str,
                            rows: int, lo: int, full: int, split: bool,
@@ -269,10 +286,11 @@ class _Filler:
         param = self.params.get(where.param)
         if param is None:
             raise ModelLoadError(f"weight {name!r} maps to unknown parameter {where.param!r}")
+        if where.convert is not None and where.convert.startswith("mxfp4_"):
+            self.put_mxfp4(name, tensor, where)
+            return
         if where.convert is not None:
-            tensor = self.convert(name, tensor, where)
-            if tensor is None:
-                return
+            tensor = self.convert(tensor, where)
         data = param.data if where.expert is None else param.data[where.expert]
         rows = data.shape[0] if where.rows is None else where.rows
         dest = data[where.start:where.start + rows]

@@ -155,6 +155,64 @@ def test_mxfp4_dequantization_equals_transformers():
                                                                           dtype=torch.float32))
 
 
+@pytest.mark.parametrize("rows,tp,kv_heads", [(96, 2, 2), (160, 4, 4)])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_each_rank_dequantizes_its_mxfp4_share_as_whole_then_cut(monkeypatch, rows, tp,
+                                                                 kv_heads, chunk):
+    """Each TP rank's experts, from its share of the MXFP4 blocks and scales (the loader's
+    targets and slices), equal the whole projection de-quantized, then cut to the rank's rows
+    (gate/up's interleaved rows split by hand), to the bit. Down's rank shares start inside a
+    group of 32 (48 of 96 rows; 40 of 160). `chunk`: experts a de-quantization makes at once
+    (None: the default budget, every expert here; 3: 3 + 3 + 2 of 8), and no call makes more
+    values than that many experts' share of the rank: a rank that de-quantized its experts whole
+    before cutting them (or every expert at once) would make more."""
+    import dataclasses
+    import math
+
+    from batchinfer.engine.model import gpt_oss
+    from batchinfer.engine.model.causal_lm import ModelPartition
+    from batchinfer.engine.model.loader import empty_partition
+    from batchinfer.resharding.weights import ShapeOnlyGroup
+
+    arch = tiny_arch("gpt_oss", intermediate_size=rows, num_key_value_heads=kv_heads)
+    arch = dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, mxfp4=True))
+    experts, hidden, share = arch.moe.num_experts, arch.hidden_size, rows // tp
+    gen = torch.Generator().manual_seed(3)
+    whole = {"gate_up_proj": _mxfp4(torch.empty(experts, 2 * rows, hidden), gen),
+             "down_proj": _mxfp4(torch.empty(experts, hidden, rows), gen)}
+    gate_up, down = (gpt_oss.dequantize_mxfp4(*whole[n]) for n in ("gate_up_proj", "down_proj"))
+    made, dequantize = [], gpt_oss.dequantize_mxfp4
+
+    def recorded(blocks, scales):
+        out = dequantize(blocks, scales)
+        made.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", recorded)
+    if chunk is not None:        # bytes of `chunk` experts' gate/up share: down's is no larger
+        monkeypatch.setattr(gpt_oss, "DEQUANT_CHUNK_BYTES", chunk * 2 * share * hidden * 4)
+    for rank in range(tp):
+        partition = ModelPartition(tp_rank=rank, tp_size=tp)
+        model, filler = empty_partition(arch, 64, partition, ShapeOnlyGroup(partition))
+        made.clear()
+        for proj, (blocks, scales) in whole.items():
+            for kind, tensor in (("blocks", blocks), ("scales", scales)):
+                name = f"model.layers.0.mlp.experts.{proj}_{kind}"
+                for where in filler.targets(name):
+                    filler.put(name, where.take(tensor), where)
+        ours = model.layers[0].mlp.experts
+        lo = rank * share
+        mine = gate_up[:, 2 * lo:2 * (lo + share)]
+        assert torch.equal(ours.gate_up, torch.cat([mine[:, 0::2], mine[:, 1::2]], dim=1))
+        assert torch.equal(ours.down, down[:, :, lo:lo + share])
+        assert filler.filled["layers.0.mlp.experts.gate_up"] == experts * 2 * share
+        assert filler.filled["layers.0.mlp.experts.down"] == experts * hidden
+        step = chunk or experts
+        assert max(map(math.prod, made)) <= step * 2 * share * hidden
+        gate_up_calls = [shape[0] for shape in made if shape[1:] == (2 * share, hidden)]
+        assert gate_up_calls == [min(step, experts - e) for e in range(0, experts, step)]
+
+
 def test_a_gpt_oss_batch_leaves_experts_without_tokens_and_reports_their_load(make_engine,
                                                                             family_dir):
     """One sequence decoding on 8 experts, top 2, two sparse layers: each decode step routes 4

@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from tests.greedy import greedy_tokens
-from tests.tiny_families import FAMILIES, TINY, hf_greedy, save_model
+from tests.tiny_families import TINY, hf_model, saved_with_greedy
+from tests.window_engines import (BLOCK, MAX_NEW, PROMPTS, engine_for, graph_decode_engine,
+                                   prefix_cached_twice)
 
-WINDOW, BLOCK, MAX_NEW = 16, 16, 40
-SHARED = list(range(300, 350))                    # a 50-token prefix: longer than the window
-PROMPTS = [[5, 17, 42], list(range(150, 230)), SHARED + [11, 12, 13], SHARED + list(range(60, 90))]
+WINDOW = 16
 # Gemma 2 with 4 layers (windowed, global, windowed, global): two groups of 2 layers, so a block
 # is a page of two slots, each shared by a windowed and a global layer; Gemma 3 with two
 # windowed layers before its global one: three groups of one layer (two of them windowed)
@@ -30,19 +29,14 @@ GROUPS = {"gemma2": ((0, WINDOW), 2), "gemma3": ((0, WINDOW, WINDOW), 1)}
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory, default_model_dir):
     """family -> (model directory, transformers' greedy tokens for PROMPTS)."""
-    import transformers
-
     built = {}
 
     def get(family):
         if family not in built:
-            config_class, model_class, extra = FAMILIES[family]
-            config = getattr(transformers, config_class)(**{**TINY, **extra, **MODELS[family]})
-            assert config.sliding_window == WINDOW
-            torch.manual_seed(0)
-            model = getattr(transformers, model_class)(config).eval()
-            path = save_model(model, tmp_path_factory.mktemp(family), default_model_dir)
-            built[family] = path, hf_greedy(model, PROMPTS, MAX_NEW)
+            model = hf_model(family, **MODELS[family])
+            assert model.config.sliding_window == WINDOW
+            built[family] = saved_with_greedy(model, tmp_path_factory.mktemp(family),
+                                              default_model_dir, PROMPTS, MAX_NEW)
         return built[family]
 
     return get
@@ -66,15 +60,6 @@ def checked(monkeypatch):
 
     monkeypatch.setattr(GroupedBlockManager, "release_outside_window", checked_release)
     return between_steps
-
-
-def engine_for(make_engine, path, free=True, memory="4MiB", prefix=False, backend="auto",
-               **scheduler):
-    return make_engine(model={"path": str(path), "max_model_len": 256},
-                       device={"attention_backend": backend},
-                       cache={"kv_cache_memory": memory, "block_size": BLOCK,
-                              "free_outside_window": free, "enable_prefix_caching": prefix},
-                       scheduler=scheduler or {"policy": "sb"})
 
 
 def held_bounds(bm, between_steps: list[int], longest: int, chunk: int = 0) -> None:
@@ -129,15 +114,7 @@ def test_freeing_off_keeps_every_block_and_gives_the_same_tokens(make_engine, hy
 def test_chunked_prefill_with_prefix_caching(make_engine, hybrid, checked, family):
     """HB with chunks of 16 and prefix caching, the batch twice: the second run matches the
     cached prefixes (the global blocks and the windowed rows its window needs)."""
-    path, expected = hybrid(family)
-    engine = engine_for(make_engine, path, prefix=True, policy="hb", chunk_size=16,
-                        max_num_batched_tokens=48)
-    first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
-    again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
-    assert first == expected and again == expected
-    stats = engine.stats()
-    assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["kv_window_freed_blocks"] > 0
-    bm = engine.scheduler.block_manager
+    bm = prefix_cached_twice(make_engine, *hybrid(family)).scheduler.block_manager
     held_bounds(bm, checked, max(len(p) for p in PROMPTS) + MAX_NEW, chunk=16)
     bm.check_invariants()
 
@@ -180,20 +157,8 @@ def test_the_multi_process_runtime_runs_the_groups(make_engine, hybrid, family, 
 def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, hybrid, checked):
     """Gemma 3 under async scheduling (releases go by the host's count, a step ahead) and the
     CUDA graphs' padded decode forward (eager on CPU), each group's static tables its own."""
-    from batchinfer.engine.cuda_graphs import DecodeGraphs
-    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
-
     path, expected = hybrid("gemma3")
-    engine = make_engine(model={"path": str(path), "max_model_len": 256},
-                         device={"device": "cpu", "attention_backend": "torch"},
-                         cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
-                         scheduler={"policy": "hb", "chunk_size": 16,
-                                    "max_num_batched_tokens": 48, "async_scheduling": True})
-    executor = engine.replicas[0].executor
-    assert isinstance(executor, AsyncInProcessExecutor)
-    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
-                                   torch.device("cpu"), max_batch=8, max_seq_len_to_capture=256,
-                                   capture=False)
+    engine, executor = graph_decode_engine(make_engine, path)
     assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
     assert executor.graphs.steps > 0 and engine.stats()["kv_window_freed_blocks"] > 0
 

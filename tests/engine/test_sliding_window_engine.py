@@ -8,26 +8,21 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from tests.greedy import greedy_tokens
-from tests.tiny_families import TINY, hf_greedy, save_model
+from tests.tiny_families import TINY, saved_with_greedy, tiny_model
+from tests.window_engines import (BLOCK, MAX_NEW, PROMPTS, engine_for, graph_decode_engine,
+                                   prefix_cached_twice)
 
-WINDOW, BLOCK, MAX_NEW = 24, 16, 40
-SHARED = list(range(300, 350))                    # a 50-token prefix: longer than the window
-PROMPTS = [[5, 17, 42], list(range(150, 230)), SHARED + [11, 12, 13], SHARED + list(range(60, 90))]
+WINDOW = 24
 
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory, default_model_dir):
     """(model directory, transformers' greedy tokens for PROMPTS)."""
-    import transformers
-
-    config = transformers.Phi3Config(**{**TINY, "sliding_window": WINDOW})
-    torch.manual_seed(0)
-    model = transformers.Phi3ForCausalLM(config).eval()
-    path = save_model(model, tmp_path_factory.mktemp("phi3_window"), default_model_dir)
-    return path, hf_greedy(model, PROMPTS, MAX_NEW)
+    model = tiny_model("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW})
+    return saved_with_greedy(model, tmp_path_factory.mktemp("phi3_window"), default_model_dir,
+                             PROMPTS, MAX_NEW)
 
 
 @pytest.fixture
@@ -43,15 +38,6 @@ def checked(monkeypatch):
         return released
 
     monkeypatch.setattr(BlockManager, "release_outside_window", checked_release)
-
-
-def engine_for(make_engine, path, free=True, memory="4MiB", prefix=False, backend="auto",
-               **scheduler):
-    return make_engine(model={"path": str(path), "max_model_len": 256},
-                       device={"attention_backend": backend},
-                       cache={"kv_cache_memory": memory, "block_size": BLOCK,
-                              "free_outside_window": free, "enable_prefix_caching": prefix},
-                       scheduler=scheduler or {"policy": "sb"})
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
@@ -86,14 +72,7 @@ def test_chunked_prefill_holds_the_window_and_a_chunk(make_engine, windowed, che
 def test_prefix_caching_over_a_prefix_longer_than_the_window(make_engine, windowed, checked):
     """The batch twice: the second time from the cached prefixes (released blocks the cache
     indexed stay matchable while their contents are valid)."""
-    path, expected = windowed
-    engine = engine_for(make_engine, path, prefix=True, policy="hb", chunk_size=16,
-                        max_num_batched_tokens=48)
-    first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
-    again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
-    assert first == expected and again == expected
-    stats = engine.stats()
-    assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["kv_window_freed_blocks"] > 0
+    engine = prefix_cached_twice(make_engine, *windowed)
     engine.scheduler.block_manager.check_invariants()
 
 
@@ -115,20 +94,8 @@ def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, windowed, c
     """Async scheduling (the host's count runs a step ahead of the results, and releases go by
     it), and the CUDA graphs' padded decode forward (eager on CPU), which gathers every slot of a
     row, placeholders included, and masks the window."""
-    from batchinfer.engine.cuda_graphs import DecodeGraphs
-    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
-
     path, expected = windowed
-    engine = make_engine(model={"path": str(path), "max_model_len": 256},
-                         device={"device": "cpu", "attention_backend": "torch"},
-                         cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
-                         scheduler={"policy": "hb", "chunk_size": 16,
-                                    "max_num_batched_tokens": 48, "async_scheduling": True})
-    executor = engine.replicas[0].executor
-    assert isinstance(executor, AsyncInProcessExecutor)
-    executor.graphs = DecodeGraphs(executor.model, executor.kv_caches, executor.block_manager,
-                                   torch.device("cpu"), max_batch=8, max_seq_len_to_capture=256,
-                                   capture=False)
+    engine, executor = graph_decode_engine(make_engine, path)
     first = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
     again = greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW)
     assert first == expected and again == expected

@@ -9,19 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.engine.attention import NativeCPUAttention, TorchAttention
+from batchinfer.engine.attention import NativeCPUAttention
 from batchinfer.engine.kernels import load_native_kernels
 from batchinfer.engine.torch_attention import decode_attention, reference_attention
-from tests.paged_cases import paged_case
+from tests.paged_cases import KERNEL_CASES, cpu_backends, kernel_case
 
-MIXED = ([1, 1, 7, 40, 1, 33, 1, 3], [1, 90, 7, 61, 17, 100, 130, 70])
-CASES = {   # name: (heads, kv_heads, head_dim, block_size, window, softcap)
-    "sinks": (4, 2, 64, 16, 0, 0.0),
-    "sinks-dim-128-gqa-4": (8, 2, 128, 16, 0, 0.0),
-    "sinks-dim-48": (6, 3, 48, 8, 0, 0.0),
-    "sinks-window-16": (4, 2, 64, 16, 16, 0.0),
-    "sinks-window-and-softcap": (4, 1, 64, 16, 24, 0.3),
-}
+CASES = sorted(name for name in KERNEL_CASES if name.startswith("sinks"))
 
 
 def sink_definition(q, kc, vc, meta, scale, sinks, window=0, softcap=0.0):
@@ -49,18 +42,13 @@ def sink_definition(q, kc, vc, meta, scale, sinks, window=0, softcap=0.0):
 
 
 def _case(name, seed=3):
-    heads, kv_heads, head_dim, block_size, window, softcap = CASES[name]
-    q, kc, vc, meta = paged_case(seed, head_dim, heads, kv_heads, block_size, *MIXED)
+    q, kc, vc, meta, window, softcap = kernel_case(name, seed)
     # sinks from well below to well above the scores, so they take from nothing to most of a row
-    sinks = torch.linspace(-3.0, 4.0, heads)
-    return q * 4, kc, vc, meta, sinks, window, softcap
+    sinks = torch.linspace(-3.0, 4.0, q.shape[1])
+    return q, kc, vc, meta, sinks, window, softcap
 
 
-def _backends():
-    return [TorchAttention()] + ([NativeCPUAttention()] if load_native_kernels() else [])
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CASES)
 def test_sinks_equal_the_definition(name):
     q, kc, vc, meta, sinks, window, softcap = _case(name)
     expected = sink_definition(q, kc, vc, meta, 0.125, sinks, window, softcap)
@@ -68,7 +56,7 @@ def test_sinks_equal_the_definition(name):
     assert (expected - without).abs().max() > 0.1           # the sinks change the output
     torch.testing.assert_close(reference_attention(q, kc, vc, meta, 0.125, window, softcap, sinks),
                                expected, rtol=2e-5, atol=2e-5)
-    for backend in _backends():
+    for backend in cpu_backends():
         got = backend.attend(q, kc, vc, meta, 0.125, window, softcap, sinks=sinks)
         torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5, msg=backend.name)
 
@@ -77,7 +65,7 @@ def test_without_sinks_the_kernels_give_their_plain_output_exactly():
     """sinks=None is the path a model without sinks takes: bit for bit the call without the
     argument (the native kernel's AVX2 paths included)."""
     q, kc, vc, meta, _, _, _ = _case("sinks")
-    for backend in _backends():
+    for backend in cpu_backends():
         plain = backend.attend(q, kc, vc, meta, 0.125)
         assert torch.equal(backend.attend(q, kc, vc, meta, 0.125, 0, 0.0, sinks=None), plain)
 

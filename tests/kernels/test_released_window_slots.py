@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.engine.attention import AttentionMetadata, NativeCPUAttention, TorchAttention
-from batchinfer.engine.kernels import load_native_kernels
-from tests.paged_cases import paged_case
-
-MIXED = ([1, 1, 7, 40, 1, 33, 1, 3], [1, 90, 7, 61, 17, 100, 130, 70])
+from batchinfer.engine.attention import AttentionMetadata
+from tests.paged_cases import MIXED, cpu_backends, paged_case
 
 
 def released_case(window: int, block_size: int, seed: int = 3):
@@ -31,15 +28,11 @@ def released_case(window: int, block_size: int, seed: int = 3):
     return q * 4, kc, vc, meta, released
 
 
-def backends():
-    return [TorchAttention()] + ([NativeCPUAttention()] if load_native_kernels() else [])
-
-
 @pytest.mark.parametrize("window,block_size,softcap", [(24, 16, 0.0), (16, 16, 0.0), (37, 8, 0.0),
                                                        (24, 16, 0.3)])
 def test_released_slots_do_not_change_the_output(window, block_size, softcap):
     q, kc, vc, meta, released = released_case(window, block_size)
-    for backend in backends():
+    for backend in cpu_backends():
         expected = backend.attend(q, kc, vc, meta, 0.125, window, softcap)
         got = backend.attend(q, kc, vc, released, 0.125, window, softcap)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=backend.name)
@@ -54,6 +47,6 @@ def test_one_slot_more_would_change_it():
     first_needed = (s_len - q_len - 24 + 1) // 16
     tables[6][first_needed] = poison
     over = AttentionMetadata.build(*MIXED, tables, 16, torch.device("cpu"))
-    for backend in backends():
+    for backend in cpu_backends():
         diff = backend.attend(q, kc, vc, over, 0.125, 24) - backend.attend(q, kc, vc, meta, 0.125, 24)
         assert diff.abs().max() > 1e-2, backend.name
