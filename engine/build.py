@@ -21,6 +21,7 @@ from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_blo
                         step_tokens)
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
+from .model.int8_linear import resolve_quantization
 from .model.loader import build_model, load_arch
 from .model.sources import model_id_for, resolve_model_dir
 from .sampler import Sampler
@@ -162,9 +163,11 @@ def _build_single_process(config: EngineConfig) -> Engine:
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     kv_bytes = kv_dtype.itemsize
 
+    quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
+                                        device)
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
-                        dummy=dummy, seed=config.model.seed)
+                        dummy=dummy, seed=config.model.seed, quantization=quantization)
     backend = select_backend(config.device.attention_backend, device, dtype, arch, kv_dtype)
     warn_unverified_on_cuda(arch, device)
     fused_ops = fused_ops_for(backend.name)
@@ -218,7 +221,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "kv_block_size": spec.block_size, "num_params": arch.num_params(),
         "flops_per_token": arch.flops_per_token(), "max_model_len": max_model_len,
         "scheduler_policy": sched_cfg.policy,
-        "linear_kernel": linear_kernel_label(device, dtype),
+        "linear_kernel": linear_kernel_label(device, dtype, quantization),
+        "quantization": quantization.describe() if quantization is not None else None,
         "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
         "kv_window": block_manager.window,
         **({"kv_groups": groups.describe()} if groups is not None else {}),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -43,11 +43,25 @@ class ModelConfig(_Strict):
     path: Optional[str] = Field(None, description="HF directory, .gguf file, or empty for the default")
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Optional[Literal["int8"]] = Field(
+        None, description="CPU: int8 linears (W8A8: int8 weights per output channel, int8 "
+        "activations per token at each step, int32 sums) on CPUs with AVX512-VNNI (AMX-INT8 CPUs "
+        "have it); no calibration. The LM head and MoE experts stay in the model's dtype. Empty: "
+        "the linears run in the model's dtype")
+    quantize_lm_head: bool = Field(
+        False, description="with quantization: the LM head in int8 too (faster for a large "
+        "vocabulary; the logits sampling reads move further from the model's)")
     max_model_len: Optional[int] = Field(None, ge=16)
     tokenizer: Optional[str] = Field(None, description="tokenizer directory when it differs from path")
     # For load_format=dummy: override fields of the model's config.json (e.g. head counts).
     hf_overrides: dict = Field(default_factory=dict)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _lm_head_needs_quantization(self):
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("model.quantize_lm_head: true needs model.quantization (int8)")
+        return self
 
 
 class CacheConfig(_Strict):

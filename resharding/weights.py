@@ -102,9 +102,9 @@ class HostWeights:
     def build(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
               max_positions: int, partition: ModelPartition,
               tp_group: Optional[TensorParallelGroup] = None,
-              kept: Optional[dict] = None) -> tuple[CausalLM, ReshardStats]:
+              kept: Optional[dict] = None, quantization=None) -> tuple[CausalLM, ReshardStats]:
         """The partition, filled from the host copy except for `kept` (HF name -> tensor the
-        rank already holds, from `shared_norms`)."""
+        rank already holds, from `shared_norms`); quantization: model.quantization's linears."""
         t0 = time.perf_counter()
         kept = kept or {}
         model, filler = empty_partition(arch, max_positions, partition, tp_group)
@@ -119,7 +119,7 @@ class HostWeights:
                     filler.put(name, part, where)
                     from_host += part.numel() * part.element_size()
             filler.check_complete("the host copy of the weights")
-        model = finish_partition(model, device, dtype)
+        model = finish_partition(model, device, dtype, quantization=quantization)
         kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
         return model, ReshardStats(time.perf_counter() - t0, from_host, kept_bytes)
 

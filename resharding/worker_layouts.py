@@ -86,7 +86,8 @@ class LayoutSwitcher:
         kept = shared_norms(previous, partition, arch) if previous is not None else {}
         worker.model = previous = None     # the old partition goes before the new one is built
         model, stats = self.host.build(arch, worker.dtype, worker.device, wspec.max_model_len,
-                                       partition, self.tp_groups[name], kept=kept)
+                                       partition, self.tp_groups[name], kept=kept,
+                                       quantization=wspec.quantization)
         view = shard_view(layout, wspec.rank, arch)
         layers, heads = view.layer_end - view.layer_start, view.head_end - view.head_start
         shape = (layers, 2, wspec.num_blocks, heads, wspec.block_size, arch.head_dim)

@@ -32,17 +32,18 @@ log = logging.getLogger("batchinfer")
 _DIR = Path(__file__).parent
 # Two builds with different floating-point contracts:
 # - the model kernels may reassociate (-ffast-math vectorizes their reductions and exps);
-# - the sampling kernels compute IEEE arithmetic as written (no fast-math, no FMA contraction):
+# - the "exact" kernels compute IEEE arithmetic as written (no fast-math, no FMA contraction):
 #   the column-wise kernels (CPU samplers) must give bitwise the row kernels' results, which fast-math
 #   breaks by reassociating double sums into vector partial sums, rewriting x / r as x * (1 / r)
-#   and calling libmvec's vector expf for some std::exp. Their vector code uses intrinsics.
+#   and calling libmvec's vector expf for some std::exp; the int8 linears' per-token quantization
+#   must round as torch's x * (127 / absmax) does. Their vector code uses intrinsics.
 _BUILDS = {
     "model": ([_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp", _DIR / "blocked_linear.cpp",
                _DIR / "shm_allreduce.cpp", _DIR / "thread_binding.cpp"],
               ["-O3", "-ffast-math", "-fopenmp"]),
-    "sampling": ([_DIR / "sampling.cpp", _DIR / "sampling_columns.cpp"],
-                 ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-                  "-fopenmp"]),
+    "exact": ([_DIR / "sampling.cpp", _DIR / "sampling_columns.cpp", _DIR / "int8_linear.cpp"],
+              ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+               "-fopenmp"]),
 }
 _LDFLAGS = ["-lm", "-fopenmp"]
 # The two builds take about half a minute on 2 cores; past this they are stuck (scaled by

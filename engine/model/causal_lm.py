@@ -59,6 +59,7 @@ class CausalLM(nn.Module):
     # the dtype its linears' weights are packed in (loader.finish_partition: bf16 for a bf16
     # model on CPU, whose activations stay fp32)
     linear_weight_dtype = torch.float32
+    linear_quantization = None      # int8_linear.LinearQuantization (model.quantization)
 
     def __init__(self, arch: ModelArch, max_positions: int,
                  partition: ModelPartition = ModelPartition(),

@@ -109,13 +109,15 @@ def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
     return linear_kernel() if dtype == torch.float32 else "torch"
 
 
-def linear_kernel_label(device: torch.device, dtype: torch.dtype) -> str:
-    """linear_kernel_for, naming the blocked kernel's tile and bf16 weights (report.json's
-    engine.linear_kernel)."""
+def linear_kernel_label(device: torch.device, dtype: torch.dtype, quantization=None) -> str:
+    """linear_kernel_for, naming the blocked kernel's tile, bf16 weights and int8 linears
+    (report.json's engine.linear_kernel); quantization: an int8_linear.LinearQuantization."""
     kernel = linear_kernel_for(device, dtype)
     label = f"blocked ({blocked_kernel_isa()} tile)" if kernel == "blocked" else kernel
     if device.type == "cpu" and dtype == torch.bfloat16:
         label += ", bf16 weights, fp32 activations"
+    if quantization is not None:
+        label = "int8 (avx512_vnni)" + ("" if quantization.lm_head else f"; LM head: {label}")
     return label
 
 
@@ -194,24 +196,39 @@ class BlockedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None,
-                 weight_dtype: torch.dtype = torch.float32) -> int:
+                 weight_dtype: torch.dtype = torch.float32, quantization=None) -> int:
     """Swaps every fp32 CPU nn.Linear in `model` for the kernel's module (a BlockedLinear where the
     output width is a multiple of 16, else a PackedLinear) with its weight in `weight_dtype` (fp32,
     or bf16 for a bf16 model on CPU: fp32 activations, bf16 weights); returns how many were
-    swapped."""
+    swapped. quantization (an int8_linear.LinearQuantization): an Int8Linear instead wherever the
+    width is a multiple of 16, the top-level `lm_head` only if it asks for it."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if (type(child) is nn.Linear and child.weight.device.type == "cpu"
                    and child.weight.dtype == torch.float32)]
     if not targets:                  # CUDA or fp16: nothing to lay out, no kernels to build
         return 0
+    swapped = 0
+    if quantization is not None:
+        from .int8_linear import Int8Linear
+
+        kept = []
+        for parent, name, child in targets:
+            is_head = parent is model and name == "lm_head"
+            if child.out_features % PANEL == 0 and (quantization.lm_head or not is_head):
+                setattr(parent, name, Int8Linear(child))
+                swapped += 1
+            else:
+                kept.append((parent, name, child))
+        targets = kept
     bf16 = weight_dtype == torch.bfloat16
     kernel = kernel or (bf16_linear_kernel() if bf16 else linear_kernel())
+    if not targets:
+        return swapped
     if kernel == "blocked" and not blocked_kernel_available():    # also loads the native op
         kernel = "onednn"
     if kernel == "torch" and not bf16:
-        return 0
-    swapped = 0
+        return swapped
     while targets:                   # popped, so each original is freed once swapped
         parent, name, child = targets.pop()
         if kernel == "blocked" and child.out_features % PANEL == 0:

@@ -374,7 +374,8 @@ def _fill_dummy(filler: _Filler, seed: int, device: torch.device) -> None:
 def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                 max_positions: int, partition: ModelPartition = ModelPartition(),
                 dummy: bool = False, seed: int = 0,
-                tp_group: Optional[TensorParallelGroup] = None, pack: bool = True) -> CausalLM:
+                tp_group: Optional[TensorParallelGroup] = None, pack: bool = True,
+                quantization=None) -> CausalLM:
     """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
     `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way.
     Dummy weights on a GPU are built there in the model's dtype: an 8B model's fp32 draw on the
@@ -389,7 +390,7 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
         else:
             _read_weights(safetensor_files(model_dir), filler, arch, str(model_dir))
             filler.check_complete(str(model_dir))
-    return finish_partition(model, device, dtype, pack)
+    return finish_partition(model, device, dtype, pack, quantization)
 
 
 def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartition,
@@ -430,16 +431,18 @@ def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
 
 
 def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
-                     pack: bool = True) -> CausalLM:
+                     pack: bool = True, quantization=None) -> CausalLM:
     """Filled partition -> on its device, in its dtype, linears packed (unless `pack` is false:
     the caller still needs the plain weights; it packs them later with `linear_weight_dtype`),
-    ready for inference. bf16 on CPU: fp32 everywhere but the packed linears' bf16 weights."""
+    ready for inference. bf16 on CPU: fp32 everywhere but the packed linears' bf16 weights.
+    quantization (int8_linear.LinearQuantization, model.quantization): int8 linears."""
     model = model.to(device=device, dtype=activation_dtype(device, dtype)).eval()
     model.requires_grad_(False)
     model.linear_weight_dtype = (torch.bfloat16 if activation_dtype(device, dtype) != dtype
                                  else torch.float32)
+    model.linear_quantization = quantization
     if pack:
-        pack_linears(model, weight_dtype=model.linear_weight_dtype)
+        pack_linears(model, weight_dtype=model.linear_weight_dtype, quantization=quantization)
         pack_experts(model, weight_dtype=model.linear_weight_dtype)
     return model
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fast_linear import BlockedLinear
+from .int8_linear import Int8Linear
 
 
 class TorchOps:
@@ -69,9 +70,10 @@ class NativeOps:
 
     @classmethod
     def gate_up_silu_mul(cls, gate_up_proj, x):
-        """One pass where the gate/up projection is a BlockedLinear that can fuse (the same bits
-        as the two ops); else the GEMM, then silu_and_mul."""
-        if isinstance(gate_up_proj, BlockedLinear) and gate_up_proj.can_fuse_silu_mul and cls.fuse_silu_mul:
+        """One pass where the gate/up projection is a BlockedLinear or Int8Linear that can fuse
+        (the same bits as the two ops); else the GEMM, then silu_and_mul."""
+        if (isinstance(gate_up_proj, (BlockedLinear, Int8Linear)) and gate_up_proj.can_fuse_silu_mul
+                and cls.fuse_silu_mul):
             return gate_up_proj.silu_mul(x)
         return cls.silu_and_mul(gate_up_proj(x))
 

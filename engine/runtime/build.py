@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..kv_groups import (KVGroupLayout, check_group_capacity, groups_for, log_kv_cache,
                          make_block_manager, step_tokens)
 from ..model.fast_linear import linear_kernel_label
+from ..model.int8_linear import LinearQuantization, resolve_quantization
 from ..model.loader import load_arch
 from ..model.sources import model_id_for, resolve_model_dir
 from ..tokenizer import load_tokenizer
@@ -85,6 +86,7 @@ class ModelSetup:
     tokenizer: object
     backend_name: str
     dtype_reason: str = ""            # why this dtype (engine/cpu_dtype.py)
+    quantization: Optional[LinearQuantization] = None   # model.quantization resolved
 
 
 def model_setup(config: EngineConfig) -> ModelSetup:
@@ -98,10 +100,12 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     backend = select_backend(config.device.attention_backend, device, dtype, arch,
                              kv_dtype)  # builds kernels once
+    quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
+                                        device)
     warn_unverified_on_cuda(arch, device)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
-                      dtype_choice.reason)
+                      dtype_choice.reason, quantization)
 
 
 def check_gpus(setup: ModelSetup, world_size: int) -> None:
@@ -165,7 +169,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         block_size=config.cache.block_size, threads=threads,
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
-        timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers, **extra,
+        timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
+        quantization=setup.quantization, **extra,
         **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
@@ -189,7 +194,9 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "dtype_reason": setup.dtype_reason, "attention_backend": setup.backend_name,
         "vocab_size": arch.vocab_size,
-        "linear_kernel": linear_kernel_label(setup.device, setup.dtype),
+        "linear_kernel": linear_kernel_label(setup.device, setup.dtype, setup.quantization),
+        "quantization": (setup.quantization.describe() if setup.quantization is not None
+                         else None),
         "kv_cache_bytes": kv_cache_bytes, "kv_block_size": block_size,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),

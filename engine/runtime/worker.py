@@ -61,6 +61,7 @@ class WorkerSpec:
     extension: Optional[WorkerExtension] = None  # a strategy's worker-level mechanism
     tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
     kv_groups: Optional[object] = None  # kv_groups.KVGroupLayout: a table per layer group
+    quantization: Optional[object] = None  # int8_linear.LinearQuantization (model.quantization)
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -188,7 +189,8 @@ class Worker:
             self.model = build_model(Path(spec.model_dir), arch, dtype, self.device,
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
                                      seed=spec.seed, tp_group=tp_group,
-                                     pack=self.ext.pack_linears)
+                                     pack=self.ext.pack_linears,
+                                     quantization=spec.quantization)
             self.use_fused_ops()
             ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
             start, end = self.model.partition.layer_start, self.model.partition.layer_end

@@ -78,6 +78,11 @@ def build_sidp_engine(config, params):
         raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
                           f"({arch.model_type}) has a mixture of experts: run it with another "
                           "strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
+    if setup.quantization is not None:
+        raise ConfigError("strategy sidp shares each layer's FFN weights between replicas in "
+                          "the fp32 blocked layout; model.quantization: int8 is not built for it: "
+                          "leave model.quantization empty, or run another strategy (baseline, "
+                          "gllm, tdpipe, seesaw, sipipe)")
     if arch.hidden_act != "silu":
         raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
                           f"({arch.model_type}) gates with {arch.hidden_act}")

@@ -9,7 +9,9 @@ import torch
 
 from batchinfer.engine import cpu_dtype
 from batchinfer.engine.model.fast_linear import BlockedLinear, PackedLinear, blocked_kernel_available
+from tests import teacher_forced
 from tests.greedy import greedy_tokens
+from tests.teacher_forced import HELD_TEXTS
 
 # teacher-forced against transformers in bf16 on the same CPU (measured on an AVX-512 Xeon without
 # native bf16: top-1 agreed at every position, the largest log-prob difference of the text's next
@@ -18,14 +20,6 @@ MIN_TOP1_AGREEMENT = 0.97
 MAX_LOGPROB_DIFF = 0.6
 # the same against transformers in fp32: measured 0.04 (blocked) and 0.10 (oneDNN)
 MAX_LOGPROB_DIFF_FP32 = 0.25
-HELD_TEXTS = [
-    "The history of the Roman Empire spans more than a thousand years, from the founding of the "
-    "city to the fall of Constantinople.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
-    "dioxide and water.",
-    "Q: How many legs does a spider have?\nA: A spider has eight legs.\nQ: And an insect?\nA:",
-]
 # which bf16 linear kernel a host gets: the blocked kernel widening bf16 panels (no native bf16),
 # or oneDNN's bf16 GEMM (native bf16; emulated, slower, but the same code path on this CPU)
 KERNEL_PATHS = {"blocked": (), "onednn": ("avx512_bf16",)}
@@ -128,50 +122,7 @@ def test_a_bf16_engine_keeps_fp32_activations_and_batches_like_it_runs_alone(pat
 @pytest.fixture(scope="module")
 def hf_logprobs(default_model_dir):
     """transformers' next-token log-probs over the held texts, in bf16 and fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
-    ids = [tokenizer.encode(t) for t in HELD_TEXTS]
-    out = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=dtype).eval()
-        with torch.inference_mode():
-            out[dtype] = [torch.log_softmax(model(torch.tensor([i])).logits[0].float(), -1)
-                          for i in ids]
-    return ids, out
-
-
-def _teacher_forced(model, backend, arch, ids) -> list[torch.Tensor]:
-    """Our model's next-token log-probs at every position of each text (one prefill each, over a
-    bf16 paged cache)."""
-    from batchinfer.engine.attention import AttentionMetadata
-
-    block = 16
-    out = []
-    for seq in ids:
-        blocks = (len(seq) + block - 1) // block
-        cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim,
-                                   dtype=torch.bfloat16) for _ in range(2))
-                 for _ in range(arch.num_layers)]
-        meta = AttentionMetadata.build([len(seq)], [len(seq)], [list(range(blocks))], block,
-                                       torch.device("cpu"))
-        with torch.inference_mode():
-            hidden, residual = model(torch.tensor(seq), torch.arange(len(seq)), cache, meta, backend)
-            out.append(torch.log_softmax(model.compute_logits(hidden, residual), -1))
-    return out
-
-
-def _agreement(ours, theirs, ids) -> tuple[float, float]:
-    """(share of positions whose top-1 token agrees, largest |log-prob difference| of the text's
-    actual next token)."""
-    agree = total = 0
-    worst = 0.0
-    for a, b, seq in zip(ours, theirs, ids):
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += len(seq)
-        nxt = torch.tensor(seq[1:])[:, None]
-        worst = max(worst, float((a[:-1].gather(1, nxt) - b[:-1].gather(1, nxt)).abs().max()))
-    return agree / total, worst
+    return teacher_forced.hf_logprobs(default_model_dir)
 
 
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
@@ -190,8 +141,8 @@ def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logp
     if backend.name == "native":
         model.use_ops(NativeOps)
     ids, reference = hf_logprobs
-    ours = _teacher_forced(model, backend, arch, ids)
-    top1, worst = _agreement(ours, reference[torch.bfloat16], ids)
+    ours = teacher_forced.teacher_forced(model, backend, arch, ids)
+    top1, worst = teacher_forced.agreement(ours, reference[torch.bfloat16], ids)
     assert top1 >= MIN_TOP1_AGREEMENT and worst <= MAX_LOGPROB_DIFF, (top1, worst)
-    top1_fp32, worst_fp32 = _agreement(ours, reference[torch.float32], ids)
+    top1_fp32, worst_fp32 = teacher_forced.agreement(ours, reference[torch.float32], ids)
     assert top1_fp32 >= MIN_TOP1_AGREEMENT and worst_fp32 <= MAX_LOGPROB_DIFF_FP32, (top1_fp32, worst_fp32)

@@ -145,11 +145,11 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_one(tmp_path, monkeypatch
 def test_kernel_cache_key_separates_python_environments(monkeypatch):
     from batchinfer.engine import kernels
 
-    sources, flags = kernels._BUILDS["sampling"]
-    here = kernels.build_name("sampling", sources, flags)
-    assert here == kernels.build_name("sampling", sources, flags)
+    sources, flags = kernels._BUILDS["exact"]
+    here = kernels.build_name("exact", sources, flags)
+    assert here == kernels.build_name("exact", sources, flags)
     monkeypatch.setattr(kernels.sysconfig, "get_paths", lambda: {"include": "/other/env/include"})
-    assert kernels.build_name("sampling", sources, flags) != here
+    assert kernels.build_name("exact", sources, flags) != here
 
 
 def test_a_kernel_build_past_its_bound_is_stopped_and_named(tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_a_kernel_build_past_its_bound_is_stopped_and_named(tmp_path, monkeypatc
     monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1.0)
     staging = tmp_path / "staging"
     staging.mkdir()
-    sources, flags = kernels._BUILDS["sampling"]
+    sources, flags = kernels._BUILDS["exact"]
     build = kernels.Build(tmp_path / "batchinfer_sampling_bound", sources, flags)
     with pytest.raises(SetupTimeout, match=r"took over 1 s and was stopped.*NATIVE_KERNELS=0"):
         kernels._compile_all([(build, staging)])

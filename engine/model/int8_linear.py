@@ -1,0 +1,171 @@
+"""int8 linears on CPU (`model.quantization: int8`): W8A8 over kernels/int8_linear.cpp.
+
+Each weight row (output channel) is quantized once, at load, to int8 with its own scale (absmax /
+127, symmetric); each activation row (token) is quantized the same way at every call, inside the
+kernel, with one scale per block of 64 input channels, so no calibration data is needed. One
+scale per token was measured too coarse: SmolLM2-135M's few large activation channels flattened
+the rest of the token (teacher-forced top-1 agreement with transformers fp32 0.93, worst
+next-token log-prob difference 1.6; per block of 64: 0.95-0.97, 0.35). The int8 products are
+summed exactly in int32 by AVX512-VNNI's vpdpbusd, per block, and scaled back to fp32: the same
+inputs give the same outputs whatever batch a token is in. Outside the linears (norms, rotary,
+attention, the KV cache, sampling) nothing changes.
+
+The LM head stays in the model's format unless `model.quantize_lm_head` (as llm-compressor's
+and vLLM's W8A8 checkpoints leave it): it is one matrix, but its logits are what sampling reads.
+MoE experts stay unquantized. AMX-INT8 CPUs have AVX512-VNNI, so they run this kernel too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from ..host_cpu import cpu_identity
+
+PANEL = 16
+GROUP = 4          # k per int32 lane of vpdpbusd
+BLOCK = 64         # input channels per activation scale (the kernel's BLOCK)
+QUANTIZATIONS = ("int8",)
+# what the kernel is compiled for: AVX-512 with its byte/word and dword/qword parts, and VNNI
+INT8_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512_vnni")
+
+
+def int8_missing_flags() -> tuple[str, ...]:
+    """The instruction-set flags int8 linears need that this CPU lacks (empty: it can run them)."""
+    _, flags = cpu_identity()
+    if not flags:        # no /proc/cpuinfo: torch's own view of the CPU
+        return () if torch.backends.cpu.get_cpu_capability() == "AVX512" and _kernel_built() \
+            else ("avx512_vnni",)
+    return tuple(f for f in INT8_FLAGS if f not in flags)
+
+
+def _kernel_built() -> bool:
+    from batchinfer.engine.kernels import load_native_kernels
+
+    return (load_native_kernels() and hasattr(torch.ops.batchinfer, "int8_linear_isa")
+            and torch.ops.batchinfer.int8_linear_isa() == "avx512_vnni")
+
+
+def int8_kernel_available() -> bool:
+    """This CPU has the instructions and the native kernels built with them."""
+    return not int8_missing_flags() and _kernel_built()
+
+
+@dataclass(frozen=True)
+class LinearQuantization:
+    """What `model.quantization` asks of the linears (`pack_linears`)."""
+    method: str = "int8"
+    lm_head: bool = False       # model.quantize_lm_head
+
+    def describe(self) -> str:
+        head = "LM head too" if self.lm_head else "LM head in the model's dtype"
+        return (f"{self.method} (AVX512-VNNI: int8 weights per output channel, int8 activations "
+                f"per token, int32 sums; {head})")
+
+
+def resolve_quantization(method: Optional[str], lm_head: bool,
+                         device: torch.device) -> Optional[LinearQuantization]:
+    """model.quantization -> what the linears run, or a ConfigError naming what is missing."""
+    if method is None:
+        return None
+    if method not in QUANTIZATIONS:
+        raise ConfigError(f"model.quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if device.type != "cpu":
+        raise ConfigError(f"model.quantization: {method} runs on CPU only (AVX512-VNNI kernels); "
+                          f"on {device.type} leave it empty")
+    missing = int8_missing_flags()
+    if missing:
+        cpu, _ = cpu_identity()
+        raise ConfigError(f"model.quantization: {method} needs a CPU with {', '.join(INT8_FLAGS)} "
+                          f"(AMX-INT8 CPUs have them); this one ({cpu or 'unknown CPU'}) lacks "
+                          f"{', '.join(missing)}. Leave model.quantization empty to run the "
+                          "model in its dtype")
+    if not _kernel_built():
+        raise ConfigError(f"model.quantization: {method} needs the native CPU kernels, which are "
+                          "unavailable here (BATCHINFER_NATIVE_KERNELS=0, or their build failed: "
+                          "see the log)")
+    return LinearQuantization(method, lm_head)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 codes [N, K], fp32 scales [N]): per output channel, symmetric."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def padded(k: int) -> int:
+    """K rounded up to whole activation blocks (the codes and weights are zero past K)."""
+    return -(-k // BLOCK) * BLOCK
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N / 16, Kp / 4, 16, 4] (zeros past K): the kernel's panels, 4 k of a panel's
+    16 columns one 64-byte load."""
+    n, k = codes.shape
+    kp = padded(k)
+    return (F.pad(codes, (0, kp - k)).reshape(n // PANEL, PANEL, kp // GROUP, GROUP)
+            .permute(0, 2, 1, 3).contiguous())
+
+
+def block_compensation(codes: torch.Tensor) -> torch.Tensor:
+    """int32 [Kp / 64, N]: 128 x each column's code sum per block. vpdpbusd takes the token's codes
+    as unsigned (q + 128); this is what each block's sum takes back."""
+    n, k = codes.shape
+    sums = F.pad(codes.to(torch.int32), (0, padded(k) - k)).reshape(n, -1, BLOCK).sum(dim=2)
+    return (sums * 128).T.contiguous().to(torch.int32)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization in torch (the reference tests hold the kernel to):
+    [M, K] fp32 -> (int8 codes [M, Kp], fp32 scales [M, Kp / 64]), per block of 64 channels
+    codes = round(x * (127 / absmax)), zero past K."""
+    m, k = x.shape
+    blocks = F.pad(x, (0, padded(k) - k)).reshape(m, -1, BLOCK)
+    absmax = blocks.abs().amax(dim=2)
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    codes = torch.round(blocks * inv[:, :, None]).to(torch.int8).reshape(m, -1)
+    return codes, absmax / 127.0
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 per output channel; input and output fp32 (see the module
+    doc). The output width must be a multiple of 16 (whole panels)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, self.scale = quantize_weight(linear.weight)
+        self.packed = pack_codes(codes)
+        self.comp = block_compensation(codes)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def _run(self, x: torch.Tensor, silu_mul: bool, width: int) -> torch.Tensor:
+        flat = x.dim() == 2
+        y = torch.ops.batchinfer.int8_linear(x if flat else x.reshape(-1, self.in_features),
+                                             self.packed, self.scale, self.comp, self.bias, silu_mul)
+        return y if flat else y.reshape(*x.shape[:-1], width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, False, self.out_features)
+
+    @property
+    def can_fuse_silu_mul(self) -> bool:
+        """A gate/up projection whose halves split into whole panels."""
+        return self.out_features % (2 * PANEL) == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
+        return self._run(x, True, self.out_features // 2)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight the kernel multiplies by: the codes times their scales."""
+        groups = self.packed.shape[1]
+        codes = self.packed.permute(0, 2, 1, 3).reshape(self.out_features, groups * GROUP)
+        return codes[:, :self.in_features].float() * self.scale[:, None]
