@@ -29,6 +29,9 @@ and fp32 eager (`ratio_vs_peer_fp32`); without a peer only ours runs.
     python benchmarks/engine/w_decode.py --roofline-every 0   # no roofline: the run's own speed only
     python benchmarks/engine/w_decode.py --kv-cache-dtype bfloat16 --no-peer   # K/V stored in bf16
     python benchmarks/engine/w_decode.py --dtype bfloat16     # bf16 weights (auto: the host decides)
+    python benchmarks/engine/w_decode.py --quantization none int8 int8-lm-head
+        # ours also with model.quantization: int8 (LM head in the model's dtype / in int8 too),
+        # each interleaved with the others and the peer; no roofline for the int8 runs
     python benchmarks/engine/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
         # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
@@ -70,7 +73,7 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     graph_steps = graphs.steps if graphs else 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
-    on_cpu = engine.info["device"] == "cpu"
+    on_cpu = engine.info["device"] == "cpu" and not engine.info.get("quantization")
     # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
     weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
     roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype) if roofline_every and on_cpu
@@ -115,15 +118,20 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "attention_backend": engine.info["attention_backend"], "policy": policy,
         "device": engine.info["device"], "dtype": engine.info["dtype"],
         "dtype_reason": engine.info.get("dtype_reason"), "linear_kernel": engine.info["linear_kernel"],
-        "kv_cache_dtype": engine.info["kv_cache_dtype"],
+        "kv_cache_dtype": engine.info["kv_cache_dtype"], "quantization": engine.info.get("quantization"),
         **({"cuda_graphs": graphs.num_graphs, "graph_steps": graphs.steps - graph_steps,
             "graph_capture_s": round(graphs.capture_seconds, 2)} if graphs else {}),
         **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
     }
 
 
-def _ours_cmd(args, n: int) -> list[str]:
+QUANTIZATIONS = {"none": {}, "int8": {"quantization": "int8"},
+                 "int8-lm-head": {"quantization": "int8", "quantize_lm_head": True}}
+
+
+def _ours_cmd(args, n: int, quantization: str = "none") -> list[str]:
     return [sys.executable, __file__, "--worker", "--workload", str(args.workload), "--n", str(n),
+            "--quantization", quantization,
             "--max-tokens", str(args.max_tokens), "--policy", args.policy,
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
             "--device", args.device, "--load-format", args.load_format, "--dtype", args.dtype,
@@ -156,6 +164,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our engine's model.dtype (auto: the host decides, engine/cpu_dtype.py)")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=sorted(QUANTIZATIONS),
+                    help="our engine's model.quantization, one run each (the first is `ours`, "
+                    "the others `ours_<name>`, each with its ratios to the peer)")
     ap.add_argument("--peer-configs", nargs="+", default=["defaults", "fp32"],
                     choices=sorted(PEER_CONFIGS), help="how the peer runs: its own CPU defaults "
                     "(dtype auto, compiled; ratio_vs_peer) and/or fp32 eager (ratio_vs_peer_fp32)")
@@ -170,7 +181,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_ours(args.workload, args.n, args.max_tokens, args.policy,
                                   args.roofline_every, args.kv_cache_dtype,
-                                  {**model_section(args), "dtype": args.dtype},
+                                  {**model_section(args), "dtype": args.dtype,
+                                   **QUANTIZATIONS[args.quantization[0]]},
                                   args.device, args.cuda_graphs)))
         return
 
@@ -182,35 +194,45 @@ def main() -> None:
                              "not run (--vllm-python / BATCHINFER_VLLM_PYTHON)"),
                     "results": []}
     for n in args.concurrency:
-        ours, peer = [], {config: [] for config in args.peer_configs}
+        ours = {q: [] for q in args.quantization}
+        peer = {config: [] for config in args.peer_configs}
         prompts_file = REPO / "runs" / f"w-decode-{n}.jsonl"
         prompts_file.parent.mkdir(exist_ok=True)
         prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                         for p in w_decode_prompts(args.workload, n)))
         for rep in range(args.repeats):  # alternate the order to cancel drift
-            order = ["ours", *peer] if rep % 2 == 0 else [*peer, "ours"]
+            mine = [f"ours:{q}" for q in ours]
+            order = [*mine, *peer] if rep % 2 == 0 else [*peer, *reversed(mine)]
             for who in order:
-                if who == "ours":
-                    ours.append(run_json(_ours_cmd(args, n)))
+                if who.startswith("ours:"):
+                    quantization = who.split(":", 1)[1]
+                    ours[quantization].append(run_json(_ours_cmd(args, n, quantization)))
                 elif vllm:
                     peer[who].append(run_json(vllm_offline_cmd(
                         vllm, prompts_file, args.max_tokens, who,
                         dummy=args.load_format == "dummy")))
-        entry = {"concurrency": n, "ours": _median(ours)}
-        if all("roofline" in run for run in ours):
-            entry["roofline_by_run"] = [run["roofline"] for run in ours]
+        first = args.quantization[0]
+        entry = {"concurrency": n, "ours": _median(ours[first])}
+        for quantization, runs in ours.items():
+            if quantization != first:
+                entry[f"ours_{quantization}"] = _median(runs)
+        if all("roofline" in run for run in ours[first]):
+            entry["roofline_by_run"] = [run["roofline"] for run in ours[first]]
             for key in ("fraction_of_roofline", "fraction_of_workload_roofline",
                         "fraction_of_roofline_vs_best", "fraction_of_workload_roofline_vs_best",
                         "ceiling_with_kv_read", "workload_ceiling_with_kv_read"):
-                if all(key in run["roofline"] for run in ours):  # no ceiling without decode steps
-                    entry[key] = round(statistics.median(run["roofline"][key] for run in ours), 3)
+                if all(key in run["roofline"] for run in ours[first]):  # no ceiling without decode steps
+                    entry[key] = round(statistics.median(run["roofline"][key] for run in ours[first]), 3)
         for config, runs in peer.items():
             if not runs:
                 continue
             suffix = "" if config == "defaults" else f"_{config}"
             entry[f"peer{suffix}"] = _median(runs)
-            entry[f"ratio_vs_peer{suffix}"] = round(entry["ours"]["output_tok_per_s"]
-                                                    / entry[f"peer{suffix}"]["output_tok_per_s"], 3)
+            for quantization in ours:
+                mine = "" if quantization == first else f"_{quantization}"
+                entry[f"ratio{mine}_vs_peer{suffix}"] = round(
+                    entry[f"ours{mine}"]["output_tok_per_s"]
+                    / entry[f"peer{suffix}"]["output_tok_per_s"], 3)
         report["results"].append(entry)
     emit(report)
 

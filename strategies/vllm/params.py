@@ -90,6 +90,11 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
                           "engine (tp x pp): for data parallelism run the job in shards "
                           "(batchinfer run --shard I/N, one per engine)")
     model = config.model
+    if model.quantization is not None:
+        raise ConfigError(f"model.quantization: {model.quantization} is batchinfer's own CPU "
+                          "kernel; strategy vllm runs vLLM's quantization from a quantized "
+                          "checkpoint (model.path) or its engine_args (quantization: ...): leave "
+                          "model.quantization empty")
     dtype = model.dtype
     if dtype == "auto" and device == "cpu":   # bf16 where the CPU has native bf16 arithmetic
         from batchinfer.engine import cpu_dtype            # (torch: not at recipe validation)

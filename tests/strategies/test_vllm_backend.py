@@ -65,6 +65,12 @@ def test_data_parallel_is_refused_with_the_way_to_do_it():
         engine_args(recipe.engine_config(), recipe.strategy, Path("/m"), "cpu")
 
 
+def test_batchinfers_int8_is_refused_pointing_at_vllms_own_quantization():
+    recipe = _recipe(model={"quantization": "int8"})
+    with pytest.raises(ConfigError, match="model.quantization: int8 is batchinfer's own CPU kernel"):
+        engine_args(recipe.engine_config(), recipe.strategy, Path("/m"), "cpu")
+
+
 def test_kv_cache_dtype_maps_to_vllms_where_it_has_one():
     config = _recipe(memory={"kv_cache_dtype": "bfloat16"}).engine_config()
     assert engine_args(config, VllmParams(name="vllm"), Path("/m"), "cpu")["kv_cache_dtype"] == "bfloat16"
