@@ -164,7 +164,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     kv_bytes = kv_dtype.itemsize
 
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
-                                        device)
+                                        device, dtype)
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed, quantization=quantization)

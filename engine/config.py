@@ -45,9 +45,9 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Optional[Literal["int8"]] = Field(
         None, description="CPU: int8 linears (W8A8: int8 weights per output channel, int8 "
-        "activations per token at each step, int32 sums) on CPUs with AVX512-VNNI (AMX-INT8 CPUs "
-        "have it); no calibration. The LM head and MoE experts stay in the model's dtype. Empty: "
-        "the linears run in the model's dtype")
+        "activations per token and per 64 input channels at each step, int32 sums) on CPUs with "
+        "AVX512-VNNI (AMX-INT8 CPUs have it); no calibration. The LM head, MoE experts and "
+        "routers stay in the model's dtype. Empty: the linears run in the model's dtype")
     quantize_lm_head: bool = Field(
         False, description="with quantization: the LM head in int8 too (faster for a large "
         "vocabulary; the logits sampling reads move further from the model's)")

@@ -47,7 +47,7 @@ EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 ENGINE_INFO_KEYS = ("device", "dtype", "dtype_reason", "kv_cache_dtype", "attention_backend",
                     "kv_cache_bytes", "kv_block_size", "kv_capacity_tokens", "kv_window",
                     "kv_groups", "num_params", "max_model_len", "scheduler_policy", "strategy", "step_times", "parallel",
-                    "strategy_stats", "prefix_cache", "linear_kernel", "expert_load")
+                    "strategy_stats", "prefix_cache", "linear_kernel", "quantization", "expert_load")
 # ... and the key the strategy's own engine build reports under: the strategy's name
 
 

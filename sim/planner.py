@@ -55,6 +55,13 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
             int(table.model["hidden_size"]) != model.arch.hidden_size:
         raise ConfigError(f"{table_path}: profiled for {table.model['model_id']}, not the recipe's "
                           f"model ({model.model_id}); profile again without --table")
+    measured = (table.model.get("quantization"), bool(table.model.get("quantize_lm_head")))
+    asked = (config.model.quantization, config.model.quantize_lm_head)
+    if measured != asked:
+        raise ConfigError(f"{table_path}: profiled with model.quantization {measured[0] or 'empty'}"
+                          f" (quantize_lm_head {str(measured[1]).lower()}), the recipe asks for "
+                          f"{asked[0] or 'empty'} ({str(asked[1]).lower()}); profile again "
+                          "without --table")
     cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
     if table.hardware.get("device") == "cpu":
         world = devices or cores

@@ -344,7 +344,9 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
         model_info = {"model_id": engine.model_id, "num_layers": arch.num_layers,
                       "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
                       "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
-                      "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6)}
+                      "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6),
+                      "quantization": config.model.quantization,
+                      "quantize_lm_head": config.model.quantize_lm_head}
         kv_per_token = arch.kv_bytes_per_token(kv_element_bytes(config, dtype_bytes))
         # what a run has for weights + KV: on a GPU the probe engine sized its KV as a run does
         # (after weights and the largest step's activations), and the free memory now is the rest

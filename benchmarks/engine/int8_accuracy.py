@@ -2,12 +2,12 @@
 greedy continuations against the same engine in fp32, on real ShareGPT conversations.
 
 Teacher-forced: each of --conversations ShareGPT V3 pairs (first human turn through the chat
-template, then the reference reply; the first --offset complete pairs of the dataset skipped,
-at most --max-len tokens) runs as one prefill through our fp32 model and through the int8 ones
-(the LM head in fp32, and in int8 too). Per position: whether the top-1 token agrees, |difference|
-of the log-prob of the text's actual next token (mean, p99, max), and KL(fp32 || int8) (mean).
-Our fp32 path equals transformers' fp32 within 4e-5 in log-prob (tests/engine/test_cpu_bf16.py),
-so it stands for the model. Greedy: the first --greedy prompts, --greedy-tokens tokens each,
+template, then the reference reply; the first --offset complete pairs of the dataset skipped, at
+most --max-len tokens) runs as one prefill through our fp32 model and through the int8 ones (the LM
+head in fp32, and in int8 too), and, for scale, with bf16 weights (`dtype: bfloat16`). Per
+position: whether the top-1 token agrees, |difference| of the log-prob of the text's actual next
+token (mean, p99, max), and KL(fp32 || it) (mean). Our fp32 path equals transformers' fp32 within
+4e-5 in log-prob (tests/engine/test_cpu_bf16.py), so it stands for the model. Greedy: the first --greedy prompts, --greedy-tokens tokens each,
 through an engine per configuration: the share of continuations identical to fp32's and the
 mean length of the common prefix.
 
@@ -27,8 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import emit, host_info  # noqa: E402
 
+# against fp32: int8 two ways, and bf16 weights (what `dtype: auto` runs on a CPU with native bf16)
+# for scale
 CONFIGS = {"int8": {"quantization": "int8"},
-           "int8-lm-head": {"quantization": "int8", "quantize_lm_head": True}}
+           "int8-lm-head": {"quantization": "int8", "quantize_lm_head": True},
+           "bf16-weights": {"dtype": "bfloat16"}}
 
 
 def conversations(tokenizer, n: int, offset: int, max_len: int) -> list[tuple[list[int], str]]:
@@ -125,8 +128,8 @@ def main() -> None:
     cpu = torch.device("cpu")
     backend = select_backend("auto", cpu, torch.float32)
 
-    def logprobs(quantization) -> list:
-        model = build_model(source.model_dir, source.arch, torch.float32, cpu, args.max_len,
+    def logprobs(quantization, dtype=torch.float32) -> list:
+        model = build_model(source.model_dir, source.arch, dtype, cpu, args.max_len,
                             quantization=quantization)
         if backend.name == "native":
             model.use_ops(NativeOps)
@@ -136,13 +139,14 @@ def main() -> None:
     report = {"host": host_info(), "model": source.model_id, "conversations": len(texts),
               "offset": args.offset, "max_len": args.max_len, "teacher_forced": {}, "greedy": {}}
     for name, model in CONFIGS.items():
-        quantization = resolve_quantization(model["quantization"],
-                                            model.get("quantize_lm_head", False), cpu)
-        report["teacher_forced"][name] = compare(reference, logprobs(quantization), texts)
+        dtype = getattr(torch, model.get("dtype", "float32"))
+        quantization = resolve_quantization(model.get("quantization"),
+                                            model.get("quantize_lm_head", False), cpu, dtype)
+        report["teacher_forced"][name] = compare(reference, logprobs(quantization, dtype), texts)
     prompts = [chat for _, chat in pairs[:args.greedy]]
-    base = greedy(prompts, args.greedy_tokens, {})
+    base = greedy(prompts, args.greedy_tokens, {"dtype": "float32"})
     for name, model in CONFIGS.items():
-        got = greedy(prompts, args.greedy_tokens, model)
+        got = greedy(prompts, args.greedy_tokens, {"dtype": "float32", **model})
         prefixes = [common_prefix(a, b) for a, b in zip(base, got)]
         report["greedy"][name] = {"prompts": len(prompts), "tokens": args.greedy_tokens,
                                   "identical": round(statistics.mean(p == args.greedy_tokens

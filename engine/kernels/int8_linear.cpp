@@ -17,7 +17,8 @@
 // block accumulators and 12 fp32 sums. Tasks are (panel pair, block of 48 rows).
 //
 // This file is built without -ffast-math (kernels/__init__.py's "exact" build): the quantization
-// must round exactly as torch's x * (127 / absmax) does, so tests compare codes bit for bit.
+// rounds as int8_linear.quantize_rows does in torch (a true 127 / absmax, then x times it), so
+// tests compare codes bit for bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -26,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -65,18 +67,24 @@ inline __mmask16 lanes_below(int64_t k, int64_t end) {
 }
 
 // Row x [K] -> q [Kp] and scales [Kp / 64]: per block, q = round(x * (127 / absmax)) + 128 (ties
-// to even; 128, a zero, past K) and scale absmax / 127.
+// to even; 128, a zero, past K and for a NaN) and scale absmax / 127. A NaN makes its block's
+// scale NaN, so the outputs it reaches are NaN as the fp32 linear's would be.
 inline void quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* q, float* scales) {
   const __m512i offset = _mm512_set1_epi32(128);
   for (int64_t b = 0; b < Kp; b += BLOCK) {
     __m512 most = _mm512_setzero_ps();
-    for (int64_t k = b; k < b + BLOCK; k += 16)
-      most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(k, K), x + k)));
-    const float absmax = _mm512_reduce_max_ps(most);
-    const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+    __mmask16 nan = 0;
     for (int64_t k = b; k < b + BLOCK; k += 16) {
       const __m512 v = _mm512_maskz_loadu_ps(lanes_below(k, K), x + k);
-      const __m512i code = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), offset);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      most = _mm512_max_ps(most, _mm512_abs_ps(v));
+    }
+    const float absmax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(most);
+    const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+    for (int64_t k = b; k < b + BLOCK; k += 16) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes_below(k, K), x + k), inv);
+      const __mmask16 ordered = _mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q);
+      const __m512i code = _mm512_add_epi32(_mm512_maskz_cvtps_epi32(ordered, scaled), offset);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtusepi32_epi8(code));
     }
     scales[b / BLOCK] = absmax / 127.f;

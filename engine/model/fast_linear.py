@@ -117,7 +117,8 @@ def linear_kernel_label(device: torch.device, dtype: torch.dtype, quantization=N
     if device.type == "cpu" and dtype == torch.bfloat16:
         label += ", bf16 weights, fp32 activations"
     if quantization is not None:
-        label = "int8 (avx512_vnni)" + ("" if quantization.lm_head else f"; LM head: {label}")
+        rest = "widths not a multiple of 16" if quantization.lm_head else "LM head"
+        label = f"int8 (avx512_vnni); {rest}: {label}"
     return label
 
 
@@ -201,7 +202,8 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
     output width is a multiple of 16, else a PackedLinear) with its weight in `weight_dtype` (fp32,
     or bf16 for a bf16 model on CPU: fp32 activations, bf16 weights); returns how many were
     swapped. quantization (an int8_linear.LinearQuantization): an Int8Linear instead wherever the
-    width is a multiple of 16, the top-level `lm_head` only if it asks for it."""
+    width is a multiple of 16 and the module is `quantizable` (MoE routers are not), the
+    top-level `lm_head` only if it asks for it."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if (type(child) is nn.Linear and child.weight.device.type == "cpu"
@@ -213,9 +215,11 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
         from .int8_linear import Int8Linear
 
         kept = []
-        for parent, name, child in targets:
+        while targets:               # popped, so each original is freed once quantized
+            parent, name, child = targets.pop()
             is_head = parent is model and name == "lm_head"
-            if child.out_features % PANEL == 0 and (quantization.lm_head or not is_head):
+            if (child.out_features % PANEL == 0 and getattr(child, "quantizable", True)
+                    and (quantization.lm_head or not is_head)):
                 setattr(parent, name, Int8Linear(child))
                 swapped += 1
             else:

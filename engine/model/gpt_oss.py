@@ -69,6 +69,7 @@ class GptOssMoE(nn.Module):
         moe = arch.moe
         self.tp, self.top_k = tp, moe.top_k
         self.router = nn.Linear(arch.hidden_size, moe.num_experts, bias=True)
+        self.router.quantizable = False   # model.quantization: routers keep their precision
         self.experts = BiasedExperts(moe.num_experts, arch.hidden_size,
                                      shard.expert_intermediate_size, moe.swiglu)
 

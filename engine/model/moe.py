@@ -50,6 +50,7 @@ class SparseMoE(nn.Module):
         moe = arch.moe
         self.tp, self.top_k, self.normalize = tp, moe.top_k, moe.norm_topk_prob
         self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=False)
+        self.gate.quantizable = False     # model.quantization: routers keep their precision
         self.experts = StackedExperts(moe.num_experts, arch.hidden_size,
                                       shard.expert_intermediate_size)
         self.shared_expert = self.shared_expert_gate = None

@@ -52,7 +52,8 @@ class TorchOps:
 class NativeOps:
     name = "native"
     # SiLU-and-mul as the gate/up GEMM's epilogue where it can (False: its own pass after the
-    # GEMM; the same bits either way, a switch for measuring the fusion)
+    # GEMM; the same bits either way for the fp32/bf16 blocked kernel, the same to fp32 rounding
+    # for int8; a switch for measuring the fusion)
     fuse_silu_mul = True
 
     @staticmethod
@@ -71,7 +72,8 @@ class NativeOps:
     @classmethod
     def gate_up_silu_mul(cls, gate_up_proj, x):
         """One pass where the gate/up projection is a BlockedLinear or Int8Linear that can fuse
-        (the same bits as the two ops); else the GEMM, then silu_and_mul."""
+        (a BlockedLinear: the same bits as the two ops; an Int8Linear: the same maths, to fp32
+        rounding); else the GEMM, then silu_and_mul."""
         if (isinstance(gate_up_proj, (BlockedLinear, Int8Linear)) and gate_up_proj.can_fuse_silu_mul
                 and cls.fuse_silu_mul):
             return gate_up_proj.silu_mul(x)

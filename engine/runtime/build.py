@@ -101,7 +101,7 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     backend = select_backend(config.device.attention_backend, device, dtype, arch,
                              kv_dtype)  # builds kernels once
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
-                                        device)
+                                        device, dtype)
     warn_unverified_on_cuda(arch, device)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,

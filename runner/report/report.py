@@ -255,12 +255,15 @@ def _pct(value: Optional[float]) -> Optional[str]:
 
 
 def _compute_line(engine: dict) -> list[str]:
-    """The number format and why (engine/cpu_dtype.py), the linears' kernel and the KV dtype."""
+    """The number format and why (engine/cpu_dtype.py), the linears' kernel, model.quantization
+    and the KV dtype."""
     if not engine.get("dtype"):
         return []
     parts = [engine.get("dtype_reason") or engine["dtype"]]
     if engine.get("linear_kernel"):
         parts.append(f"linears: {engine['linear_kernel']}")
+    if engine.get("quantization"):
+        parts.append(f"quantization: {engine['quantization']}")
     if engine.get("kv_cache_dtype"):
         parts.append(f"KV cache: {engine['kv_cache_dtype']}")
     return [f"**Compute:** {'; '.join(parts)}  "]

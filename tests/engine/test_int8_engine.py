@@ -44,6 +44,35 @@ def test_cuda_and_cpus_without_vnni_get_a_clear_error(monkeypatch):
     assert resolve_quantization(None, False, torch.device("cpu")) is None
 
 
+def test_fp16_is_refused_naming_model_dtype():
+    with pytest.raises(ConfigError, match="model.dtype: float16"):
+        resolve_quantization("int8", False, torch.device("cpu"), torch.float16)
+
+
+@needs_vnni
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_routers_and_experts_keep_their_precision(family, tmp_path, default_model_dir):
+    """A router's int8 logits could pick other experts (the tiny models' 8 experts make its
+    width a multiple of 16: it would be quantized without its mark)."""
+    from batchinfer.engine.model.loader import build_model, load_arch
+    from tests.tiny_families import hf_model, save_model
+
+    from batchinfer.engine.model.gpt_oss import GptOssMoE
+    from batchinfer.engine.model.moe import SparseMoE
+
+    experts = {"num_local_experts": 16} if family == "gpt_oss" else {"num_experts": 16}
+    path = save_model(hf_model(family, **experts), tmp_path, default_model_dir)
+    model = build_model(path, load_arch(path), torch.float32, torch.device("cpu"), 64,
+                        quantization=LinearQuantization("int8"))
+    blocks = [m for m in model.modules() if isinstance(m, (SparseMoE, GptOssMoE))]
+    assert blocks
+    for moe in blocks:
+        router = moe.router if family == "gpt_oss" else moe.gate
+        assert router.out_features % 16 == 0 and not isinstance(router, Int8Linear)
+        assert not any(isinstance(m, Int8Linear) for m in moe.experts.modules())
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+
+
 @needs_vnni
 def test_an_int8_engine_swaps_the_decoder_linears_and_batches_like_it_runs_alone(make_engine):
     engine = make_engine(model=INT8_MODEL)

@@ -39,15 +39,30 @@ def _reference(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return y
 
 
-@needs_vnni
-@pytest.mark.parametrize("rows,in_features", [(1, 576), (7, 3), (13, 577), (50, 64), (131, 1536)])
-def test_kernel_codes_and_scales_are_torchs_bit_for_bit(rows, in_features):
-    x = _inputs(rows, in_features, rows)
+def _same_codes(x: torch.Tensor) -> None:
     codes, scales = torch.ops.batchinfer.int8_quantize_rows(x)
     want_codes, want_scales = quantize_rows(x)
     assert codes.dtype == torch.uint8 and codes.shape[1] % BLOCK == 0
     assert torch.equal(codes.to(torch.int16) - 128, want_codes.to(torch.int16))
-    assert torch.equal(scales, want_scales)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,in_features", [(1, 576), (7, 3), (13, 577), (50, 64), (131, 1536)])
+def test_kernel_codes_and_scales_are_torchs_bit_for_bit(rows, in_features):
+    _same_codes(_inputs(rows, in_features, rows))
+
+
+@needs_vnni
+def test_codes_round_with_a_true_division_as_the_kernel_does():
+    """127 / absmax as one division: torch's `127.0 / tensor` is reciprocal-then-multiply, which
+    put this block's second value on the other side of a rounding boundary."""
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1] = 3.7, 0.01456693
+    _same_codes(x)
+    codes, _ = quantize_rows(x)
+    assert int(codes[0, 1]) == 1
+    _same_codes(torch.randn(512, 1024) * torch.rand(512, 1) * 10)
 
 
 @needs_vnni
@@ -67,9 +82,10 @@ def test_kernel_equals_the_int64_reference(rows, out_features, in_features, bias
 
 
 @needs_vnni
-def test_fused_silu_mul_is_silu_of_gate_times_up():
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_silu_mul_is_silu_of_gate_times_up(bias):
     torch.manual_seed(3)
-    gate_up = nn.Linear(576, 2 * 96, bias=False)
+    gate_up = nn.Linear(576, 2 * 96, bias=bias)
     x = _inputs(37, 576, 4)
     layer = Int8Linear(gate_up)
     assert layer.can_fuse_silu_mul
@@ -98,6 +114,17 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 
 
 @needs_vnni
+def test_a_nan_reaches_the_outputs_of_its_row_only():
+    layer = Int8Linear(nn.Linear(128, 32, bias=False))
+    x = _inputs(9, 128, 5)
+    clean = layer(x)
+    x[4, 70] = float("nan")
+    got = layer(x)
+    assert torch.isnan(got[4]).all()
+    assert torch.equal(got[torch.arange(9) != 4], clean[torch.arange(9) != 4])
+    _same_codes(x)
+
+
 def test_dense_weight_is_the_codes_times_their_scales():
     linear = nn.Linear(100, 32, bias=False)
     codes, scale = quantize_weight(linear.weight)
@@ -105,15 +132,17 @@ def test_dense_weight_is_the_codes_times_their_scales():
     assert (codes.abs() <= 127).all() and (codes.abs().amax(dim=1) == 127).all()
 
 
-@needs_vnni
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_pack_linears_quantizes_the_panel_widths_and_the_lm_head_only_if_asked(lm_head):
     model = nn.Module()
     model.proj = nn.Linear(64, 48)
     model.odd = nn.Linear(64, 40)                       # not whole panels: the fp32 path
+    model.router = nn.Linear(64, 32, bias=False)
+    model.router.quantizable = False                    # as the MoE routers are marked
     model.lm_head = nn.Linear(64, 32, bias=False)
     pack_linears(model, quantization=LinearQuantization("int8", lm_head))
     assert isinstance(model.proj, Int8Linear) and not isinstance(model.odd, Int8Linear)
+    assert not isinstance(model.router, Int8Linear)
     assert isinstance(model.lm_head, Int8Linear) == lm_head
     if not lm_head and isinstance(model.lm_head, BlockedLinear):
         assert model.lm_head.blocked.dtype == torch.float32

@@ -102,6 +102,21 @@ def test_markdown_has_every_section():
     assert "`invalid_json` 2" in md and "baseline (policy=hb)" in md
 
 
+def test_compute_line_names_the_format_the_linears_and_the_quantization():
+    engine = {"dtype": "float32", "dtype_reason": "float32: asked for", "kv_cache_dtype": "float32",
+              "linear_kernel": "int8 (avx512_vnni); LM head: blocked (avx512 tile)",
+              "quantization": "int8 (AVX512-VNNI: ...; LM head in the model's dtype)"}
+    report = build_report(status="completed", meta={"run_dir": "runs/x", "model": "m",
+                                                     "engine": engine},
+                          totals={"outputs": 0, "errors": 0}, session={}, previous_sessions=[])
+    line = next(l for l in render_markdown(report).splitlines() if l.startswith("**Compute:**"))
+    assert "linears: int8 (avx512_vnni)" in line and "quantization: int8 (AVX512-VNNI" in line
+    plain = {**engine, "linear_kernel": "blocked (avx512 tile)", "quantization": None}
+    report["engine"] = plain
+    line = next(l for l in render_markdown(report).splitlines() if l.startswith("**Compute:**"))
+    assert "quantization" not in line
+
+
 def test_merge_reports_sums_parts():
     def part(outputs, errors, start, end, status="completed"):
         return {"status": status, "model": "m", "totals": {
