@@ -149,48 +149,48 @@ template <int MB, int NP, bool SILU>
 inline void tile(const uint8_t* q, int64_t ldq, const float* x_scale, int64_t blocks,
                  const Panels& p, int64_t N, float* y, int64_t ldy) {
   static_assert(MB >= 1 && MB <= TILE, "a tile has 1 to 6 rows");
-#define BATCHINFER_SUM(j) __m512 sa##j = _mm512_setzero_ps(), sb##j = _mm512_setzero_ps();
-  BATCHINFER_SUM(0) BATCHINFER_SUM(1) BATCHINFER_SUM(2) BATCHINFER_SUM(3) BATCHINFER_SUM(4)
-  BATCHINFER_SUM(5)
-#undef BATCHINFER_SUM
+#define INT8_SUM(j) __m512 sa##j = _mm512_setzero_ps(), sb##j = _mm512_setzero_ps();
+  INT8_SUM(0) INT8_SUM(1) INT8_SUM(2) INT8_SUM(3) INT8_SUM(4)
+  INT8_SUM(5)
+#undef INT8_SUM
   const int8_t* wa = p.w[0];
   const int8_t* wb = NP == 2 ? p.w[1] : p.w[0];
   for (int64_t blk = 0; blk < blocks; ++blk) {
-#define BATCHINFER_ACC(j) __m512i a##j = _mm512_setzero_si512(), b##j = _mm512_setzero_si512();
-    BATCHINFER_ACC(0) BATCHINFER_ACC(1) BATCHINFER_ACC(2) BATCHINFER_ACC(3) BATCHINFER_ACC(4)
-    BATCHINFER_ACC(5)
-#undef BATCHINFER_ACC
+#define INT8_ACC(j) __m512i a##j = _mm512_setzero_si512(), b##j = _mm512_setzero_si512();
+    INT8_ACC(0) INT8_ACC(1) INT8_ACC(2) INT8_ACC(3) INT8_ACC(4)
+    INT8_ACC(5)
+#undef INT8_ACC
     const int64_t g0 = blk * STEPS;
 #pragma GCC unroll 16
     for (int64_t g = g0; g < g0 + STEPS; ++g) {
       const __m512i va = _mm512_loadu_si512(wa + g * P * GROUP);
       const __m512i vb = NP == 2 ? _mm512_loadu_si512(wb + g * P * GROUP) : va;
-#define BATCHINFER_STEP(j)                                          \
+#define INT8_STEP(j)                                          \
       if constexpr (MB > j) {                                       \
         const __m512i xb = broadcast_group(q + j * ldq + g * GROUP);  \
         dot_add(a##j, xb, va);                                      \
         if constexpr (NP == 2) dot_add(b##j, xb, vb);               \
       }
-      BATCHINFER_STEP(0) BATCHINFER_STEP(1) BATCHINFER_STEP(2) BATCHINFER_STEP(3)
-      BATCHINFER_STEP(4) BATCHINFER_STEP(5)
-#undef BATCHINFER_STEP
+      INT8_STEP(0) INT8_STEP(1) INT8_STEP(2) INT8_STEP(3)
+      INT8_STEP(4) INT8_STEP(5)
+#undef INT8_STEP
     }
     const __m512i ca = _mm512_loadu_si512(p.comp[0] + blk * N);
     const __m512i cb = NP == 2 ? _mm512_loadu_si512(p.comp[1] + blk * N) : ca;
-#define BATCHINFER_FOLD(j)                                              \
+#define INT8_FOLD(j)                                              \
     if constexpr (MB > j) {                                             \
       sa##j = fold(sa##j, a##j, ca, x_scale[j * blocks + blk]);         \
       if constexpr (NP == 2) sb##j = fold(sb##j, b##j, cb, x_scale[j * blocks + blk]); \
     }
-    BATCHINFER_FOLD(0) BATCHINFER_FOLD(1) BATCHINFER_FOLD(2) BATCHINFER_FOLD(3)
-    BATCHINFER_FOLD(4) BATCHINFER_FOLD(5)
-#undef BATCHINFER_FOLD
+    INT8_FOLD(0) INT8_FOLD(1) INT8_FOLD(2) INT8_FOLD(3)
+    INT8_FOLD(4) INT8_FOLD(5)
+#undef INT8_FOLD
   }
-#define BATCHINFER_OUT(j) \
+#define INT8_OUT(j) \
   if constexpr (MB > j) store_row<NP, SILU>(sa##j, sb##j, p, y + j * ldy);
-  BATCHINFER_OUT(0) BATCHINFER_OUT(1) BATCHINFER_OUT(2) BATCHINFER_OUT(3) BATCHINFER_OUT(4)
-  BATCHINFER_OUT(5)
-#undef BATCHINFER_OUT
+  INT8_OUT(0) INT8_OUT(1) INT8_OUT(2) INT8_OUT(3) INT8_OUT(4)
+  INT8_OUT(5)
+#undef INT8_OUT
 }
 
 template <int NP, bool SILU>
