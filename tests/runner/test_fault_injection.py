@@ -90,7 +90,7 @@ def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, w
     for i in range(2):
         assert exactly_once_problems(tmp_path / f"race-{i}", good, bad) == []
     logs = "".join(r.log() for r in racers)
-    assert len(re.findall(r"building the CPU kernels \(model, sampling\)", logs)) == 1, logs
+    assert len(re.findall(r"building the CPU kernels \(model, exact\)", logs)) == 1, logs
     assert "waiting for another process" in logs
     assert not list(kernels.glob("*.tmp-*"))
 
