@@ -14,7 +14,8 @@ The LM head stays in the model's format unless `model.quantize_lm_head` (as llm-
 and vLLM's W8A8 checkpoints leave it): it is one matrix, but its logits are what sampling reads.
 MoE experts and routers stay unquantized (a router's int8 logits could pick other experts): a
 module that must keep its precision carries `quantizable = False`. fp16 models are refused (the
-kernel takes fp32 activations; bf16 models on CPU have them). AMX-INT8 CPUs have AVX512-VNNI, so they run this kernel too.
+kernel takes fp32 activations; bf16 models on CPU have them). AMX-INT8 CPUs have AVX512-VNNI,
+so they run this kernel too.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class LinearQuantization:
     def describe(self) -> str:
         head = "LM head too" if self.lm_head else "LM head in the model's dtype"
         return (f"{self.method} (AVX512-VNNI: int8 weights per output channel, int8 activations "
-                f"per token, int32 sums; {head})")
+                f"per token and per 64 input channels, int32 sums; {head})")
 
 
 def resolve_quantization(method: Optional[str], lm_head: bool, device: torch.device,
