@@ -23,15 +23,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
 
-#include "simd.h"
+#include "simd.h"   // <immintrin.h> where the build targets AVX2 (the VNNI code below needs it)
 
 namespace {
 
