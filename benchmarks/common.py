@@ -269,6 +269,26 @@ def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
 
 
+def teacher_forced_logprobs(model, backend, arch, ids: list[int], kv_dtype=None):
+    """A model partition's next-token log-probs at every position of one token sequence: one
+    prefill over a fresh paged cache in kv_dtype (default fp32). The accuracy benchmarks and the
+    reduced-precision tests (tests/teacher_forced.py) compare formats with it."""
+    import torch
+
+    from batchinfer.engine.attention import AttentionMetadata
+
+    block = 16
+    blocks = (len(ids) + block - 1) // block
+    cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim,
+                               dtype=kv_dtype or torch.float32) for _ in range(2))
+             for _ in range(arch.num_layers)]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block,
+                                   torch.device("cpu"))
+    with torch.inference_mode():
+        hidden, residual = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, backend)
+        return torch.log_softmax(model.compute_logits(hidden, residual), -1)
+
+
 # --- vLLM's CPU build as the peer ----------------------------------------------------------------
 
 VLLM_OFFLINE = BENCHMARKS / "engine" / "vllm_offline.py"

@@ -191,7 +191,7 @@ def model_history(root: Path, model_id: str, exclude: Optional[Path] = None) -> 
 def _key_digest(record: HistoryRecord) -> bytes:
     """A record's identity (its id and prompt hash) in 8 bytes: a collision among a million
     records has odds of about 3e-8."""
-    key = f"{record.id}\0{record.prompt_sha256}".encode("utf-8", "surrogatepass")
+    key = "\0".join(record.key).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(key, digest_size=8).digest()
 
 

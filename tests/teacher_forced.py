@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.common import teacher_forced_logprobs
+
 HELD_TEXTS = [
     "The history of the Roman Empire spans more than a thousand years, from the founding of the "
     "city to the fall of Constantinople.",
@@ -32,21 +34,7 @@ def hf_logprobs(model_dir, dtypes=(torch.bfloat16, torch.float32)):
 def teacher_forced(model, backend, arch, ids, kv_dtype=torch.bfloat16) -> list[torch.Tensor]:
     """Our model's next-token log-probs at every position of each text (one prefill each, over a
     paged cache in kv_dtype)."""
-    from batchinfer.engine.attention import AttentionMetadata
-
-    block = 16
-    out = []
-    for seq in ids:
-        blocks = (len(seq) + block - 1) // block
-        cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim,
-                                   dtype=kv_dtype) for _ in range(2))
-                 for _ in range(arch.num_layers)]
-        meta = AttentionMetadata.build([len(seq)], [len(seq)], [list(range(blocks))], block,
-                                       torch.device("cpu"))
-        with torch.inference_mode():
-            hidden, residual = model(torch.tensor(seq), torch.arange(len(seq)), cache, meta, backend)
-            out.append(torch.log_softmax(model.compute_logits(hidden, residual), -1))
-    return out
+    return [teacher_forced_logprobs(model, backend, arch, seq, kv_dtype) for seq in ids]
 
 
 def agreement(ours, theirs, ids) -> tuple[float, float]:

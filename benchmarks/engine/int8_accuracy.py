@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
-from benchmarks.common import emit, host_info  # noqa: E402
+from benchmarks.common import emit, host_info, teacher_forced_logprobs  # noqa: E402
 
 # against fp32: int8 two ways, and bf16 weights (what `dtype: auto` runs on a CPU with native bf16)
 # for scale
@@ -48,23 +48,6 @@ def conversations(tokenizer, n: int, offset: int, max_len: int) -> list[tuple[li
         if len(out) == n:
             return out
     return out
-
-
-def teacher_forced(model, backend, arch, ids):
-    """Next-token log-probs at every position of one text (one prefill over an fp32 paged cache)."""
-    import torch
-
-    from batchinfer.engine.attention import AttentionMetadata
-
-    block = 16
-    blocks = (len(ids) + block - 1) // block
-    cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim) for _ in range(2))
-             for _ in range(arch.num_layers)]
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block,
-                                   torch.device("cpu"))
-    with torch.inference_mode():
-        hidden, residual = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, backend)
-        return torch.log_softmax(model.compute_logits(hidden, residual), -1)
 
 
 def compare(reference: list, ours: list, texts: list[list[int]]) -> dict:
@@ -133,7 +116,7 @@ def main() -> None:
                             quantization=quantization)
         if backend.name == "native":
             model.use_ops(NativeOps)
-        return [teacher_forced(model, backend, source.arch, ids) for ids in texts]
+        return [teacher_forced_logprobs(model, backend, source.arch, ids) for ids in texts]
 
     reference = logprobs(None)
     report = {"host": host_info(), "model": source.model_id, "conversations": len(texts),

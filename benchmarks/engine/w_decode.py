@@ -73,11 +73,12 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     graph_steps = graphs.steps if graphs else 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
-    on_cpu = engine.info["device"] == "cpu" and not engine.info.get("quantization")
+    # the CPU roofline in fp32 / bf16 GEMMs: not timed for int8 runs (no int8 roofline here)
+    cpu_roofline = engine.info["device"] == "cpu" and not engine.info.get("quantization")
     # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
     weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
-    roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype) if roofline_every and on_cpu
-                else None)
+    roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype)
+                if roofline_every and cpu_roofline else None)
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0
     steps = 0
