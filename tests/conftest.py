@@ -20,6 +20,32 @@ os.environ.setdefault("BATCHINFER_KV_HUGE_PAGES", "0")
 logging.getLogger("batchinfer").setLevel(logging.WARNING)
 
 
+def _own_cpus_per_xdist_worker() -> None:
+    """Under pytest-xdist (`-n N`), worker i keeps only its own share of the CPUs. The engine
+    sizes its threads from the CPUs a process may use (cpu_binding.allowed_cpus) and spawned
+    workers inherit the mask, so N test processes never run N x the OpenMP threads the host has
+    (oversubscribed OpenMP barriers crawl)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, count, index = sorted(os.sched_getaffinity(0)), int(count), int(worker.removeprefix("gw"))
+    share = len(cpus) // count
+    if share < 1:
+        return
+    mine = cpus[index * share:(index + 1) * share]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    try:
+        import torch
+
+        torch.set_num_threads(len(mine))
+    except ImportError:
+        pass
+
+
+_own_cpus_per_xdist_worker()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir

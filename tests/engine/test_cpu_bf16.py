@@ -14,10 +14,14 @@ from tests.greedy import greedy_tokens
 from tests.teacher_forced import HELD_TEXTS
 
 # teacher-forced against transformers in bf16 on the same CPU (measured on an AVX-512 Xeon without
-# native bf16: top-1 agreed at every position, the largest log-prob difference of the text's next
-# token was 0.33-0.36, as large as transformers' own bf16 against its fp32, 0.35)
-MIN_TOP1_AGREEMENT = 0.97
+# native bf16: the largest log-prob difference of the text's next token was 0.33-0.36, as large as
+# transformers' own bf16 against its fp32, 0.35). Top-1 against transformers' bf16 is 107 / 110
+# positions with 2 threads and 106 / 110 with 1: transformers' bf16 itself flips a near-tie with
+# its thread count (ours gives the same bits either way), so its bound leaves room for that
+MIN_TOP1_AGREEMENT_BF16 = 0.95
 MAX_LOGPROB_DIFF = 0.6
+# against transformers in fp32: 108 / 110 with 1 or 2 threads
+MIN_TOP1_AGREEMENT = 0.97
 # the same against transformers in fp32: measured 0.04 (blocked) and 0.10 (oneDNN)
 MAX_LOGPROB_DIFF_FP32 = 0.25
 # which bf16 linear kernel a host gets: the blocked kernel widening bf16 panels (no native bf16),
@@ -143,6 +147,6 @@ def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logp
     ids, reference = hf_logprobs
     ours = teacher_forced.teacher_forced(model, backend, arch, ids)
     top1, worst = teacher_forced.agreement(ours, reference[torch.bfloat16], ids)
-    assert top1 >= MIN_TOP1_AGREEMENT and worst <= MAX_LOGPROB_DIFF, (top1, worst)
+    assert top1 >= MIN_TOP1_AGREEMENT_BF16 and worst <= MAX_LOGPROB_DIFF, (top1, worst)
     top1_fp32, worst_fp32 = teacher_forced.agreement(ours, reference[torch.float32], ids)
     assert top1_fp32 >= MIN_TOP1_AGREEMENT and worst_fp32 <= MAX_LOGPROB_DIFF_FP32, (top1_fp32, worst_fp32)

@@ -55,11 +55,22 @@ def test_a_fault_at_a_seeded_random_moment_then_rerun_is_exactly_once(tmp_path, 
 @pytest.mark.slow
 def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, warm_cache):
     """SIGTERM, then kill -9, during the first kernel build; then two runs race for the cache:
-    one builds, the other waits for it, both complete, nothing is left behind."""
+    one builds, the other waits for it, both complete, nothing is left behind. The `model`
+    library comes from the warm cache, so only `exact` builds (~18 s instead of ~37 s alone on
+    2 cores): the interrupts and the race are the same for one library as for two."""
     recipe, prompts, good, bad = job
     cache = tmp_path / "cache"
     shutil.copytree(warm_cache / "gguf", cache / "gguf")   # the build, not the conversion, here
     kernels = cache / "kernels"
+    from batchinfer.engine.kernels import load_native_kernels
+
+    if not load_native_kernels():     # builds them into the session's cache when missing
+        pytest.skip("native CPU kernels unavailable")
+    warm_model_builds = [entry for entry in (warm_cache / "kernels").glob("batchinfer_model_*")
+                         if entry.is_dir()]
+    assert warm_model_builds, "the session's cache has no built model kernels"
+    for entry in warm_model_builds:
+        shutil.copytree(entry, kernels / entry.name)
 
     def start_and_wait_for_the_build(out: Path):
         run = start_run(recipe, prompts, out, run_env(cache))
@@ -90,7 +101,7 @@ def test_first_run_on_an_empty_cache_killed_in_the_kernel_build(tmp_path, job, w
     for i in range(2):
         assert exactly_once_problems(tmp_path / f"race-{i}", good, bad) == []
     logs = "".join(r.log() for r in racers)
-    assert len(re.findall(r"building the CPU kernels \(model, exact\)", logs)) == 1, logs
+    assert len(re.findall(r"building the CPU kernels \(exact\)", logs)) == 1, logs
     assert "waiting for another process" in logs
     assert not list(kernels.glob("*.tmp-*"))
 
