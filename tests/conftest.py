@@ -20,21 +20,32 @@ os.environ.setdefault("BATCHINFER_KV_HUGE_PAGES", "0")
 logging.getLogger("batchinfer").setLevel(logging.WARNING)
 
 
+ALL_CPUS_ENV = "TESTS_ALL_CPUS"      # the CPUs the suite started with, for tests that pin
+
+
 def _own_cpus_per_xdist_worker() -> None:
     """Under pytest-xdist (`-n N`), worker i keeps only its own share of the CPUs. The engine
     sizes its threads from the CPUs a process may use (cpu_binding.allowed_cpus) and spawned
-    workers inherit the mask, so N test processes never run N x the OpenMP threads the host has
-    (oversubscribed OpenMP barriers crawl)."""
+    workers inherit the mask, so N test processes do not each run as many OpenMP threads as the
+    host has cores (oversubscribed OpenMP barriers crawl). With fewer CPUs than workers, worker
+    i shares CPU i mod the count. A replacement for a crashed worker (a new id, gw2 and up)
+    takes the share of its id mod N."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker or not count or not hasattr(os, "sched_setaffinity"):
         return
-    cpus, count, index = sorted(os.sched_getaffinity(0)), int(count), int(worker.removeprefix("gw"))
-    share = len(cpus) // count
-    if share < 1:
+    try:
+        count, index = int(count), int(worker.removeprefix("gw"))
+    except ValueError:          # a worker id of another form: leave placement alone
         return
-    mine = cpus[index * share:(index + 1) * share]
+    cpus = sorted(os.sched_getaffinity(0))
+    if count < 2 or not cpus:
+        return
+    index %= count
+    lo, hi = len(cpus) * index // count, len(cpus) * (index + 1) // count
+    mine = cpus[lo:hi] or [cpus[index % len(cpus)]]
+    os.environ.setdefault(ALL_CPUS_ENV, ",".join(map(str, cpus)))
     os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))
     try:
         import torch
 

@@ -39,6 +39,9 @@ def _report_affinity(queue) -> None:
 
 def _pin_and_report(queue) -> None:
     try:
+        suite_cpus = os.environ.get("TESTS_ALL_CPUS")    # tests/conftest.py: the pre-xdist CPUs
+        if suite_cpus:      # this child may use them all again, so two threads pin to two CPUs
+            os.sched_setaffinity(0, [int(c) for c in suite_cpus.split(",")])
         import torch
 
         from batchinfer.engine import cpu_binding

@@ -173,3 +173,47 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_missing_libraries_build_together_under_their_locks_and_once(tmp_path, monkeypatch):
+    """_build_missing stages every missing library inside all their locks and compiles them in
+    one call; a library already built is left alone; a second call compiles nothing."""
+    from batchinfer.engine import kernels
+
+    calls: list[list[str]] = []
+
+    def compile_all(staged):        # as the real one: nothing staged, nothing compiled
+        if not staged:
+            return
+        for build, staging in staged:
+            assert _is_locked(lock_path(build.entry))       # every entry locked while compiling
+            (staging / f"{build.entry.name}.so").write_bytes(b"built")
+        calls.append([build.entry.name for build, _ in staged])
+
+    monkeypatch.setattr(kernels, "_compile_all", compile_all)
+    builds = [kernels.Build(tmp_path / name, [], []) for name in ("lib_a", "lib_b", "lib_c")]
+    (tmp_path / "lib_b").mkdir()
+    (tmp_path / "lib_b" / "lib_b.so").write_bytes(b"old")       # built earlier
+    kernels._build_missing(builds)
+    assert calls == [["lib_a", "lib_c"]]
+    assert all(b.is_built() for b in builds)
+    assert (tmp_path / "lib_b" / "lib_b.so").read_bytes() == b"old"
+    kernels._build_missing(builds)
+    assert calls == [["lib_a", "lib_c"]]
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def _is_locked(path: Path) -> bool:
+    """Another open file description cannot take the flock: someone holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
