@@ -204,16 +204,10 @@ def test_missing_libraries_build_together_under_their_locks_and_once(tmp_path, m
 
 
 def _is_locked(path: Path) -> bool:
-    """Another open file description cannot take the flock: someone holds it."""
-    import fcntl
-
+    """Another open file description cannot take the flock: someone holds it (closing the
+    descriptor drops a lock taken here)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
+        return not setup_cache._try_lock(fd)
     finally:
         os.close(fd)
