@@ -22,6 +22,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -67,13 +68,17 @@ def workload_rows(n: int, scale: float, workload: str, offset: int = 0,
 
 def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
                workload: str = "sharegpt", offset: int = 0, stop_at_eos: bool = False,
-               max_tokens: int = 256, lengths_path: Optional[str] = None) -> dict:
-    """One configuration, inside a fresh process."""
+               max_tokens: int = 256, lengths_path: Optional[str] = None,
+               step_times_path: Optional[str] = None) -> dict:
+    """One configuration, inside a fresh process. `step_times_path`: a step-time table TD-Pipe
+    loads instead of profiling at start-up."""
     from batchinfer.engine.engine import Engine
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
     from batchinfer.runner.predictor_setup import learn
 
+    if step_times_path and spec["strategy"].get("name") == "tdpipe":
+        spec = {**spec, "strategy": {**spec["strategy"], "step_times": step_times_path}}
     config = engine_config(spec, kv_tokens, workload)
     rows = workload_rows(n, scale, workload, offset, max_tokens if stop_at_eos else None)
     predictor = spec.get("predictor", predictor)
@@ -218,6 +223,12 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(configs), default=list(configs))
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each configuration (interleaved); medians are reported")
+    ap.add_argument("--step-times", default=None,
+                    help="a step-time table (JSON: report.json's engine.step_times, or a run's "
+                    "step_times here) that every TD-Pipe configuration loads instead of profiling")
+    ap.add_argument("--share-step-times", action="store_true",
+                    help="every TD-Pipe run after the first loads the first one's measured table, "
+                    "so an A/B of forecasts is not also an A/B of start-up profiles")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -225,7 +236,8 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
                 else configs[args.worker])
         print(json.dumps(run_config(spec, args.worker, args.requests, args.output_scale,
                                     args.kv_tokens, args.predictor, args.workload, args.offset,
-                                    args.stop_at_eos, args.max_tokens, args.lengths)))
+                                    args.stop_at_eos, args.max_tokens, args.lengths,
+                                    args.step_times)))
         return
     workload = sharegpt_path()   # generated here once, before the workers read it
     common = ["--requests", str(args.requests), "--output-scale", str(args.output_scale),
@@ -238,16 +250,21 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
         lengths_path = eos_workload.reference_lengths(script, args)
         common += ["--stop-at-eos", "--max-tokens", str(args.max_tokens),
                    "--lengths", str(lengths_path)]
+    step_times = args.step_times
     runs: dict[str, list[dict]] = {name: [] for name in args.only}
     for _ in range(args.repeat):
         for name in args.only:
-            proc = subprocess.run([sys.executable, script, "--worker", name, *common],
+            extra = ["--step-times", step_times] if step_times else []
+            proc = subprocess.run([sys.executable, script, "--worker", name, *common, *extra],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 result = {"error": proc.stderr.strip().splitlines()[-3:]}
             else:
                 result = json.loads(proc.stdout.strip().splitlines()[-1])
             runs[name].append(result)
+            if args.share_step_times and not step_times and result.get("step_times"):
+                step_times = str(Path(tempfile.mkdtemp(prefix="strategy-bench-")) / "step_times.json")
+                Path(step_times).write_text(json.dumps(result["step_times"]))
             print(json.dumps(result), file=sys.stderr, flush=True)
     results = {}
     for name, rs in runs.items():
@@ -269,5 +286,5 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
           "predictor": args.predictor, "offset": args.offset,
           **({"stop_at_eos": {"max_tokens": args.max_tokens, "reference_lengths":
                               str(lengths_path)}} if args.stop_at_eos else {}),
-          "repeat": args.repeat, "ratios": ratios,
+          "repeat": args.repeat, "step_times": step_times, "ratios": ratios,
           "results": results})

@@ -6,13 +6,16 @@ ignore_eos is the true length) unless --predictor says otherwise; tdpipe-<source
 (with --stop-at-eos replies end at EOS and the forecasts are eos_workload.py's).
 TP=2 runs a dummy-weight model of the same shape with 8 / 4 heads (SmolLM2's 9 / 3 do not split);
 `tdpipe-dummy8` is TD-Pipe on that model, for the comparison.
-Each configuration runs in a fresh process; figures follow `vllm bench throughput` (model load
+With --share-step-times every TD-Pipe run after the first loads the first run's step-time table
+instead of profiling its own (the intensity switch reads it: a forecast A/B is then not also an
+A/B of start-up profiles). Each configuration runs in a fresh process; figures follow `vllm bench throughput` (model load
 and TD-Pipe's startup profile excluded).
 
     python benchmarks/strategies/tdpipe_bench.py --requests 1000 --output-scale 0.25
     python benchmarks/strategies/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
     python benchmarks/strategies/tdpipe_bench.py --requests 120 --stop-at-eos --max-tokens 256 \
-        --only tdpipe-bert-online tdpipe-bert tdpipe-oracle tdpipe-none pp2-hb --repeat 3
+        --only tdpipe-bert-online tdpipe-bert tdpipe-oracle tdpipe-none pp2-hb --repeat 3 \
+        --share-step-times
     python benchmarks/strategies/tdpipe_bench.py --requests 500 --output-scale 0.25 --only tdpipe \
         tdpipe-occupancy-30 tdpipe-occupancy-50 tdpipe-occupancy-70 tdpipe-occupancy-90
 
