@@ -8,8 +8,8 @@ TP=2 runs a dummy-weight model of the same shape with 8 / 4 heads (SmolLM2's 9 /
 `tdpipe-dummy8` is TD-Pipe on that model, for the comparison.
 With --share-step-times every TD-Pipe run after the first loads the first run's step-time table
 instead of profiling its own (the intensity switch reads it: a forecast A/B is then not also an
-A/B of start-up profiles). Each configuration runs in a fresh process; figures follow `vllm bench throughput` (model load
-and TD-Pipe's startup profile excluded).
+A/B of start-up profiles). Each configuration runs in a fresh process; figures follow `vllm
+bench throughput` (model load and TD-Pipe's startup profile excluded).
 
     python benchmarks/strategies/tdpipe_bench.py --requests 1000 --output-scale 0.25
     python benchmarks/strategies/tdpipe_bench.py --requests 200 --only tdpipe pp2-hb --repeat 3
