@@ -253,7 +253,8 @@ def bert_from_dir(cfg: Any, path: Path, device: Optional[str]) -> LengthPredicto
     from .bert import BertLengthPredictor
 
     return BertLengthPredictor.load(path, device=device, batch_size=cfg.batch_size,
-                                    oracle_field=cfg.oracle_field)
+                                    oracle_field=cfg.oracle_field,
+                                    encoder_int8=getattr(cfg, "encoder_int8", "auto"))
 
 
 PREDICTORS["bert"] = _bert

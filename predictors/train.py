@@ -51,7 +51,8 @@ class TrainConfig:
     dropout: float = 0.1
     train_layers: int = 0           # top encoder layers fine-tuned with the head (0: head only)
     encoder_lr: float = 3e-5
-    max_length: int = 512           # BERT's limit; longer prompts are truncated
+    max_length: int = 256           # prompt tokens read (BERT's limit is 512: measured no better)
+    truncation: str = "head"        # what a longer prompt keeps: head, or head_tail (bert.py)
     pooling: str = "cls"            # cls: the paper's [CLS] state; mean: mean over tokens
     device: Optional[str] = None
     group_sizes: tuple[int, ...] = DEFAULT_GROUP_SIZES
@@ -127,8 +128,8 @@ def _fit_with_encoder(model: bert.BertLengthClassifier, tokenizer, train_texts, 
     opt = torch.optim.AdamW(params, weight_decay=cfg.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(cfg.seed)
-    train_tok = bert.Tokenized(tokenizer, train_texts, cfg.max_length)
-    val_tok = bert.Tokenized(tokenizer, val_texts, cfg.max_length)
+    train_tok = bert.Tokenized(tokenizer, train_texts, cfg.max_length, cfg.truncation)
+    val_tok = bert.Tokenized(tokenizer, val_texts, cfg.max_length, cfg.truncation)
     y = torch.as_tensor(y_train, dtype=torch.long)
     best, best_key, best_epoch, curve = None, None, 0, []
     for epoch in range(1, cfg.epochs + 1):
@@ -188,7 +189,8 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
         model.to(device)
         states = {}
         for name, part in (("train", train), ("val", val)):
-            tokens = bert.Tokenized(tokenizer, [r.prompt for r in part], cfg.max_length)
+            tokens = bert.Tokenized(tokenizer, [r.prompt for r in part], cfg.max_length,
+                                     cfg.truncation)
             states[name] = bert.pooled_states(model, tokens, cfg.batch_size, device)
         best, curve, best_epoch = _fit_head_on_states(
             model, states["train"], torch.as_tensor(labels), states["val"],
@@ -207,7 +209,8 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
         "batchinfer_version": _version(),
         "encoder": {"name": bert.ENCODER_NAME, "package": bert.ENCODER_DIST,
                     "package_version": bert.encoder_version(), "pooling": cfg.pooling,
-                    "max_length": cfg.max_length, "hidden_size": model.hidden_size,
+                    "max_length": cfg.max_length, "truncation": cfg.truncation,
+                    "hidden_size": model.hidden_size,
                     "train_layers": cfg.train_layers},
         "head": {"ffn_size": cfg.ffn_size, "num_classes": k, "dropout": cfg.dropout},
         "classes": {"percentiles": list(percentiles),
@@ -361,6 +364,13 @@ def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.2f}%"
 
 
+def _reads(enc: dict) -> str:
+    n = enc.get("max_length", 512)
+    if enc.get("truncation", "head") == "head_tail":
+        return f"a prompt's first and last {n // 2} tokens (all of a shorter one)"
+    return f"a prompt's first {n} tokens"
+
+
 def render_card(card: dict) -> str:
     enc, cls, data, tr = card["encoder"], card["classes"], card["data"], card["training"]
     test = (card.get("metrics") or {}).get("test") or {}
@@ -368,7 +378,7 @@ def render_card(card: dict) -> str:
         "# Output-length predictor (BERT classifier)", "",
         f"TD-Pipe §3.3 / μ-Serve: the {'[CLS]' if enc['pooling'] == 'cls' else 'mean-pooled'} "
         f"final-layer state of {enc['name']} ({enc['package']} "
-        f"{enc.get('package_version') or '?'}) -> two-layer FFN ({card['head']['ffn_size']} "
+        f"{enc.get('package_version') or '?'}) over {_reads(enc)} -> two-layer FFN ({card['head']['ffn_size']} "
         f"hidden) -> one of {card['head']['num_classes']} length classes; the prediction is the "
         "class's training mean, capped at the request's max_tokens.", "",
         "Use it in a recipe:", "", "    predictor:", "      name: bert",

@@ -11,7 +11,7 @@ with a cap of --max-tokens, so lengths are unknown until the replies end. Foreca
   up to floating-point ties: the share that matched is reported);
 - mean: the reference lengths' mean for every request;
 - bert: the predictor shipped for the embedded model (what `predictor: auto` picks), on the prompt
-  text as a job gives it;
+  text as a job gives it, its forecasts made inside the timed run as a job makes them;
 - bert-online: the same predictor learning from the run as it goes (`predictor.online`, the
   default for a job): refits between steps on the finished replies, re-forecasts the rest;
 - none: each request's max_tokens.
@@ -100,23 +100,25 @@ def forecasts(predictor: str, rows: list[dict], lengths: Optional[dict]) -> tupl
     return true, 0.0
 
 
-def online_predictor():
-    """The shipped predictor learning from the run (`predictor.online`, the recipe's defaults):
-    what a job with `predictor: auto` runs for the embedded model."""
+def job_predictor(online: bool):
+    """The shipped predictor as a job with `predictor: auto` builds it for the embedded model
+    (the recipe's predictor defaults), learning from the run with `online`, without otherwise.
+    Built before the timed run (a job builds it before the engine); its forecasts are made in
+    the timed run (`job_forecasts`), as a job makes them at admission."""
     from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
+    from batchinfer.predictors import make_predictor
     from batchinfer.predictors.auto import shipped_predictor
-    from batchinfer.predictors.bert import BertLengthPredictor
     from batchinfer.runner.recipe import PredictorConfig
     from batchinfer.runner.predictor_setup import wrap_online
 
-    path = shipped_predictor(DEFAULT_MODEL_ID)
-    base = BertLengthPredictor.load(path, device="cpu")
-    return wrap_online(base, PredictorConfig(name="bert", path=str(path)))
+    cfg = PredictorConfig(name="bert", path=str(shipped_predictor(DEFAULT_MODEL_ID)),
+                          online=online)
+    return wrap_online(make_predictor(cfg, device="cpu"), cfg)
 
 
-def online_forecasts(online, requests: list, rows: list[dict]) -> tuple[list, float]:
-    """The online predictor's first forecasts, set on the requests as the job sets them; the
-    prompt text is the row's, as a job gives it."""
+def job_forecasts(predictor, requests: list, rows: list[dict]) -> tuple[list, float]:
+    """`job_predictor`'s forecasts (the online one's first), set on the requests as the job
+    sets them; the prompt text is the row's, as a job gives it."""
     import time
     from types import SimpleNamespace
 
@@ -125,7 +127,7 @@ def online_forecasts(online, requests: list, rows: list[dict]) -> tuple[list, fl
     for request, row in zip(requests, rows):
         request.payload = SimpleNamespace(prompt_text=row["prompt"], predicted_tokens=None)
     t = time.perf_counter()
-    forecasts = online.forecast(requests)
+    forecasts = predictor.forecast(requests)
     for request, forecast in zip(requests, forecasts):
         apply_forecast(request, forecast)
     return [f.point for f in forecasts], time.perf_counter() - t

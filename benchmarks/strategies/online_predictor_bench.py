@@ -177,6 +177,10 @@ def main() -> None:
                     "BIG-bench prompts of predictor_corpus.py (answered there; --offset 0)")
     ap.add_argument("--predictor", type=Path, default=None, help="a predictor directory "
                     "(default: the one shipped for the embedded model)")
+    ap.add_argument("--encoder-int8", default="auto", type=lambda v: {"true": True,
+                    "false": False}.get(v, v), choices=("auto", True, False),
+                    help="the encoder's linears in int8 (auto: where the CPU has VNNI, as a job "
+                    "runs it)")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "
                     "(do not run the model for the missing ones)")
     args = ap.parse_args()
@@ -197,7 +201,7 @@ def main() -> None:
     queries = [LengthQuery(p["prompt"], max_tokens=p["max_tokens"], key=p["id"]) for p in rows]
 
     shipped = args.predictor or shipped_predictor(DEFAULT_MODEL_ID)
-    bert = BertLengthPredictor.load(shipped, device="cpu")
+    bert = BertLengthPredictor.load(shipped, device="cpu", encoder_int8=args.encoder_int8)
     train_mean = float(bert.card["classes"]["train_mean"])
 
     events = finish_order(lengths, args.concurrency, args.order, args.seed)
@@ -263,7 +267,7 @@ def main() -> None:
     online_s = details["bert+online"]["seconds"]
     emit({
         "benchmark": "online_predictor_bench",
-        "predictor": str(shipped),
+        "predictor": str(shipped), "encoder": bert.describe()["encoder"],
         "workload": {"prompts": f"ShareGPT V3 sample [{args.offset}, {args.offset + n})"
                      if args.workload == "sharegpt" else
                      f"BIG-bench, held out (predictor_corpus.py) [{args.offset}, "

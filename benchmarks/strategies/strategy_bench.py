@@ -83,8 +83,11 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     rows = workload_rows(n, scale, workload, offset, max_tokens if stop_at_eos else None)
     predictor = spec.get("predictor", predictor)
     lengths = json.loads(Path(lengths_path).read_text()) if lengths_path else None
-    online = eos_workload.online_predictor() if predictor == "bert-online" else None
-    predicted, predict_s = ([None] * len(rows), 0.0) if online else eos_workload.forecasts(
+    # the shipped predictor forecasts in the timed run, as a job's does (its cost counts)
+    job_predictor = (eos_workload.job_predictor(online=predictor == "bert-online")
+                     if predictor in ("bert", "bert-online") else None)
+    online = job_predictor if predictor == "bert-online" else None
+    predicted, predict_s = ([None] * len(rows), 0.0) if job_predictor else eos_workload.forecasts(
         predictor, rows, lengths)
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:
@@ -104,14 +107,14 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
                               arrival_index=i)
             request.predicted_output_len = predicted[i]
             requests.append(request)
-        if online is not None:      # as a job does: forecast at admission, learn after each step
-            predicted, predict_s = eos_workload.online_forecasts(online, requests, rows)
+        if job_predictor is not None:   # as a job does: forecast at admission
+            predicted, predict_s = eos_workload.job_forecasts(job_predictor, requests, rows)
         for request in requests:
             engine.add_request(request)
         outs, events = [], []
         while engine.has_unfinished():
             step_outs = engine.step()
-            if online is not None:
+            if online is not None:      # and learn after each step
                 learn(online, engine, step_outs, time.perf_counter())
             outs.extend(step_outs)
             events.extend(engine.drain_step_events())

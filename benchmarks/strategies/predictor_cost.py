@@ -1,0 +1,96 @@
+"""What the length predictor's encoder costs a job (issue 43: under 1% of the job's time), on real
+ShareGPT prompts, with each part of its input policy on and off in one invocation.
+
+    python benchmarks/strategies/predictor_cost.py --requests 120 --repeat 3
+    python benchmarks/strategies/predictor_cost.py --requests 120 --job-seconds 160
+
+Configurations (timing only, all with the shipped predictor's head; only the encoder's input
+changes):
+
+- `512, 64 rows`: the encoder reads 512 tokens, batches of 64 prompts sorted by length (before);
+- `512, padded budget`: batches bounded by their padded tokens (bert.PADDED_TOKENS_PER_BATCH);
+- `256, padded budget`: the shipped predictor's input (it reads 256 tokens), fp32;
+- `256, padded budget, int8 encoder`: as a job runs it on an AVX512-VNNI CPU
+  (`predictor.encoder_int8: auto`; skipped where the CPU lacks the instructions).
+
+Prints JSON: per configuration the median seconds over `--repeat` passes (every prompt through
+the encoder and the head, as a job's admission does), ms per request, encoder tokens and padded
+tokens; with `--job-seconds` (e.g. a TD-Pipe run's elapsed time on the same prompts) each one's
+share of that job. The host's CPU model and flags are printed beside the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
+from benchmarks.common import emit, host_info, sharegpt_rows  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--job-seconds", type=float, default=None,
+                    help="the job's time on these prompts, for the predictor's share of it")
+    args = ap.parse_args()
+
+    import torch
+
+    from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
+    from batchinfer.predictors import bert
+    from batchinfer.predictors.auto import shipped_predictor
+
+    predictor = bert.BertLengthPredictor.load(shipped_predictor(DEFAULT_MODEL_ID), device="cpu")
+    texts = [r["prompt"] for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
+    budget = bert.PADDED_TOKENS_PER_BATCH
+    shipped = budget["cpu"]
+    configs = {"512, 64 rows": (512, None, False), "512, padded budget": (512, shipped, False),
+               "256, padded budget": (256, shipped, False),
+               "256, padded budget, int8 encoder": (256, shipped, True)}
+    results = {}
+    try:
+        for name, (max_length, cpu_budget, int8) in configs.items():
+            if int8:                             # the last: the swap is one way
+                why_not = bert.encoder_int8_missing(torch.device("cpu"))
+                if why_not:
+                    results[name] = {"skipped": why_not}
+                    continue
+                bert.quantize_encoder(predictor.model)
+            predictor.max_length = max_length
+            budget["cpu"] = cpu_budget
+            runs = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                predictor.features(texts)
+                runs.append(time.perf_counter() - t)
+            tokens = bert.Tokenized(predictor.tokenizer, texts, max_length)
+            padded = sum(len(b) * int(tokens.lengths[b].max())
+                         for b in tokens.sorted_batches(predictor.batch_size, cpu_budget))
+            seconds = statistics.median(runs)
+            results[name] = {
+                "seconds_median": round(seconds, 3), "runs": [round(r, 3) for r in runs],
+                "ms_per_request": round(1e3 * seconds / len(texts), 2),
+                "encoder_tokens": int(tokens.lengths.sum()), "padded_tokens": padded,
+                **({"share_of_job": round(seconds / args.job_seconds, 4)}
+                   if args.job_seconds else {})}
+    finally:
+        budget["cpu"] = shipped
+    first = next(iter(results.values()))["seconds_median"]
+    for r in results.values():
+        if "seconds_median" in r:
+            r["speedup_vs_first"] = round(first / r["seconds_median"], 2)
+    emit({"benchmark": "predictor_cost", "host": host_info(),
+          "torch_threads": torch.get_num_threads(),
+          "workload": f"ShareGPT V3 sample [{args.offset}, {args.offset + len(texts)}), "
+                      "the prompt text as a job gives it",
+          "requests": len(texts), "repeat": args.repeat, "results": results,
+          "accuracy": "not measured here: `batchinfer predictor eval` (docs/performance.md)"})
+
+
+if __name__ == "__main__":
+    main()

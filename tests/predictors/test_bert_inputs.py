@@ -1,0 +1,157 @@
+"""What the BERT length predictor's encoder reads and how it runs (predictors/bert.py): batches
+bounded by their padded tokens, the two truncations of a long prompt (head, head_tail), and the
+encoder's linears in int8 where the CPU has VNNI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from batchinfer.predictors.bert import (PADDED_TOKENS_PER_BATCH, Tokenized, head_and_tail,
+                                        load_encoder)
+
+
+class _Lengths(Tokenized):
+    """A Tokenized with given lengths, no tokenizer (sorted_batches reads only the lengths)."""
+
+    def __init__(self, lengths):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return load_encoder()
+
+
+def test_head_and_tail_keeps_both_ends_and_the_special_tokens():
+    ids = [101, *range(1, 21), 102]                      # [CLS] 1..20 [SEP]
+    assert head_and_tail(ids, 22) == ids                 # fits: unchanged
+    assert head_and_tail(ids, 30) == ids
+    assert head_and_tail(ids, 10) == [101, 1, 2, 3, 4, 17, 18, 19, 20, 102]
+    assert head_and_tail(ids, 9) == [101, 1, 2, 3, 4, 18, 19, 20, 102]   # the start gets the odd
+    assert head_and_tail(ids, 3) == [101, 1, 102]
+    assert head_and_tail(ids, 2) == [101, 102]
+
+
+def test_sorted_batches_bound_padded_tokens_and_cover_every_row_once():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(400, 513, 10), rng.integers(5, 60, 90)])
+    rng.shuffle(lengths)
+    tokens = _Lengths(lengths)
+    batches = tokens.sorted_batches(64, 1024)
+    seen = np.concatenate(batches)
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+    assert list(lengths[seen]) == sorted(lengths, reverse=True)          # longest first
+    for batch in batches[:-1]:                         # each as full as the bounds allow
+        assert len(batch) == min(64, 1024 // lengths[batch].max())
+    assert len(batches[0]) == 2 and len(batches) < 20   # 64 rows of 512 would pad 16x more
+    fixed = tokens.sorted_batches(64)                 # no budget: rows only, as before
+    assert [len(b) for b in fixed] == [64, 36]
+    assert len(_Lengths([2000, 3]).sorted_batches(8, 1024)[0]) == 1   # one row over budget runs
+
+
+def test_batched_features_equal_one_prompt_at_a_time(encoder):
+    """Padding and the batch it lands in do not change a prompt's forecast inputs."""
+    from batchinfer.predictors.bert import BertLengthClassifier, LengthHead, pooled_states
+
+    model, tokenizer = encoder
+    torch.manual_seed(0)
+    clf = BertLengthClassifier(model, LengthHead(int(model.config.hidden_size), 3))
+    texts = ["Say yes.", "Write a poem about the sea, " * 40, "List three colours.",
+             "Explain photosynthesis step by step, in detail. " * 12, "Hi"]
+    tokens = Tokenized(tokenizer, texts, 256)
+    assert len(tokens.sorted_batches(64, PADDED_TOKENS_PER_BATCH["cpu"])) > 1
+    together = pooled_states(clf, tokens, 64, torch.device("cpu"))
+    alone = torch.cat([pooled_states(clf, Tokenized(tokenizer, [t], 256), 1,
+                                     torch.device("cpu")) for t in texts])
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_truncations_of_a_long_prompt(encoder):
+    _, tokenizer = encoder
+    long_text = "filler words here " * 200 + "summarise the above in one sentence"
+    short_text = "What colour is grass?"
+    head = Tokenized(tokenizer, [long_text, short_text], 64, "head")
+    both = Tokenized(tokenizer, [long_text, short_text], 64, "head_tail")
+    assert head.lengths[0] == both.lengths[0] == 64
+    assert head.ids[1] == both.ids[1] == tokenizer(short_text)["input_ids"]   # fits: unchanged
+    ending = tokenizer("summarise the above in one sentence", add_special_tokens=False)[
+        "input_ids"]
+    assert both.ids[0][-1 - len(ending):-1] == ending and ending[-1] not in head.ids[0]
+    assert head.ids[0][:30] == both.ids[0][:30]
+    with pytest.raises(ValueError, match="head, head_tail"):
+        Tokenized(tokenizer, [short_text], 64, "tail")
+
+
+def test_a_predictor_reads_as_its_card_says(tmp_path):
+    """The shipped predictor reads 256 tokens from the start; a card without `truncation` (made
+    before it existed) reads from the start too."""
+    from batchinfer.predictors.bert import BertLengthPredictor
+
+    shipped = SHIPPED
+    card = json.loads((shipped / "predictor.json").read_text())
+    assert card["encoder"]["max_length"] == 256 and card["encoder"]["truncation"] == "head"
+    old = tmp_path / "old"
+    old.mkdir()
+    del card["encoder"]["truncation"]
+    (old / "predictor.json").write_text(json.dumps(card))
+    (old / "weights.safetensors").write_bytes((shipped / "weights.safetensors").read_bytes())
+    predictor = BertLengthPredictor.load(old, device="cpu")
+    assert (predictor.max_length, predictor.truncation) == (256, "head")
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "predictors" / "shipped" / "smollm2-135m-instruct"
+PROMPTS = ["What colour is grass? One word.", "Write a long essay on the printing press.",
+           "Translate 'good morning' into French.", "List ten prime numbers.",
+           "Explain, step by step and in detail, how a compiler turns source code into a program, "
+           "with examples of each stage. " * 3, "Summarise the plot of Hamlet in two sentences."]
+
+
+def test_int8_encoder_stays_close_to_fp32():
+    from batchinfer.predictors.bert import BertLengthPredictor, encoder_int8_missing
+
+    why_not = encoder_int8_missing(torch.device("cpu"))
+    if why_not:
+        pytest.skip(f"int8 encoder: {why_not}")
+    fp32 = BertLengthPredictor.load(SHIPPED, device="cpu")
+    int8 = BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8=True)
+    assert not fp32.encoder_int8 and int8.encoder_int8
+    assert int8.describe()["encoder"] == "256 tokens, int8"
+    linears = [m for m in int8.model.encoder.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == []                                   # every encoder linear swapped
+    assert isinstance(int8.model.head.fc1, torch.nn.Linear)   # the head stays fp32
+    f32, p32 = fp32.features(PROMPTS)
+    f8, p8 = int8.features(PROMPTS)
+    assert np.linalg.norm(f8 - f32) / np.linalg.norm(f32) < 0.1
+    assert np.abs(p8 - p32).max() < 0.15
+    assert not np.array_equal(f8, f32)                      # it did run the int8 kernel
+
+
+def test_int8_encoder_where_the_cpu_cannot(monkeypatch):
+    from batchinfer.predictors import PredictorError
+    from batchinfer.predictors import bert
+
+    monkeypatch.setattr(bert, "encoder_int8_missing",
+                        lambda device: "this CPU lacks avx512_vnni")
+    auto = bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8="auto")
+    assert not auto.encoder_int8 and auto.describe()["encoder"] == "256 tokens, fp32"
+    with pytest.raises(PredictorError, match="encoder_int8: true, but this CPU lacks "
+                                             "avx512_vnni; set it to auto or false"):
+        bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8=True)
+
+
+def test_recipe_key_reaches_the_predictor(monkeypatch):
+    from batchinfer.predictors import bert, make_predictor
+    from batchinfer.runner.recipe import Recipe
+
+    seen = []
+    monkeypatch.setattr(bert.BertLengthPredictor, "load",
+                        classmethod(lambda cls, path, **kw: seen.append(kw["encoder_int8"])))
+    for value, expected in (("auto", "auto"), (False, False), (True, True)):
+        make_predictor(Recipe(predictor={"name": "bert", "path": str(SHIPPED),
+                                         "encoder_int8": value}).predictor)
+        assert seen[-1] == expected
+    assert Recipe(predictor={"name": "bert", "path": str(SHIPPED)}).predictor.encoder_int8 == "auto"
