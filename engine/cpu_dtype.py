@@ -3,8 +3,10 @@
 On CPU, bf16 here means bf16 *weights* for the linear layers (half the bytes to store and to
 stream) with every activation, norm, rotary, attention and sampling step in fp32; the KV cache
 follows the model's dtype (bf16) unless `cache.kv_cache_dtype` says otherwise. How the linears
-run is engine/model/fast_linear.py's `bf16_linear_kernel`: oneDNN's bf16 GEMM on CPUs with
-native bf16 arithmetic (AMX, AVX512-BF16), the blocked kernel widening bf16 panels elsewhere.
+run is engine/model/fast_linear.py's `bf16_linear_kernel`: on CPUs with native bf16 arithmetic
+the input is rounded to bf16 for the multiply and the products summed in fp32 (the project's
+vdpbf16ps kernel on AVX512-BF16, oneDNN's bf16 GEMM on AMX); elsewhere the blocked kernel widens
+bf16 panels to fp32.
 
 `auto` takes bf16 only where the CPU has native bf16 *and* a short check, the model's own decode
 GEMMs timed both ways, measures it faster; the check's result is kept in the kernel cache (per
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import envs
 from .host_cpu import cpu_identity
 
 log = logging.getLogger("batchinfer")
@@ -77,6 +80,8 @@ def resolve_cpu_dtype(choice: str, hidden: int, intermediate: int) -> DtypeChoic
         return DtypeChoice(torch.bfloat16, f"bfloat16: asked for; this CPU has no native bf16 "
                                            f"arithmetic, the model's GEMMs measured {speedup:.2f}x "
                                            "float32's speed")
+    if envs.get("BATCHINFER_CPU_AUTO_DTYPE").strip().lower() == "float32":
+        return DtypeChoice(torch.float32, "float32: auto, as BATCHINFER_CPU_AUTO_DTYPE=float32 says")
     if not native:
         return DtypeChoice(torch.float32, "float32: this CPU has no native bf16 arithmetic "
                                           f"(neither {' nor '.join(NATIVE_BF16_FLAGS)})")
@@ -116,8 +121,11 @@ def bf16_gemm_speedup(hidden: int, intermediate: int) -> float:
 
 
 def _check_key(hidden: int, intermediate: int) -> str:
+    from .model.fast_linear import bf16_linear_kernel
+
     model, flags = cpu_identity()
     return json.dumps({"cpu": model, "flags": sorted(flags), "torch": torch.__version__,
+                       "bf16_kernel": bf16_linear_kernel(),
                        "threads": torch.get_num_threads(), "shape": [CHECK_ROWS, hidden, intermediate]},
                       sort_keys=True)
 

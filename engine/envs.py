@@ -30,6 +30,13 @@ _VARS = [
     EnvVar("BATCHINFER_LINEAR_KERNEL", "auto", "fp32 CPU linears: auto, blocked (the native "
            "panel GEMM), onednn or torch; auto takes blocked where its tile fits the CPU",
            "product"),
+    EnvVar("BATCHINFER_BF16_LINEAR_KERNEL", "auto", "bf16 CPU linears: auto, dpbf16 (the native "
+           "AVX512-BF16 panel GEMM), onednn, blocked (bf16 panels widened to fp32) or torch; auto "
+           "takes dpbf16 on AVX512-BF16 CPUs without AMX, onednn on AMX ones",
+           "product"),
+    EnvVar("BATCHINFER_CPU_AUTO_DTYPE", "host", "what model.dtype auto is on CPU: host (decided "
+           "by the host, engine/cpu_dtype.py) or float32 (the test suite sets it: its parity "
+           "tests compare against transformers in fp32 on any CPU)", "developer"),
     EnvVar("BATCHINFER_BIND_THREADS", None, "auto or none: overrides the recipe's "
            "device.bind_threads (the test suite sets none: its engines share one process)",
            "developer"),

@@ -17,6 +17,9 @@ os.environ.setdefault("BATCHINFER_BIND_THREADS", "none")
 # the many small engines here skip huge-page KV (it costs start time, pays back in long runs);
 # tests/engine/test_kv_huge_pages.py turns it on
 os.environ.setdefault("BATCHINFER_KV_HUGE_PAGES", "0")
+# model.dtype auto is fp32 on every CPU here: the parity tests compare against transformers in
+# fp32, and on a CPU with native bf16 auto may pick bf16 (tests of auto itself unset this)
+os.environ.setdefault("BATCHINFER_CPU_AUTO_DTYPE", "float32")
 logging.getLogger("batchinfer").setLevel(logging.WARNING)
 
 

@@ -2,8 +2,9 @@
 
 One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up and down
 projections at M rows, plus the LM head once. Timing exactly those GEMMs (same thread count, each
-layer its own weights) with every fp32 kernel the engine has (engine/model/fast_linear.py: the
-blocked AVX2 kernel, oneDNN's packed GEMM) and keeping the fastest gives the decode throughput no
+layer its own weights) with every kernel the engine has for the weights' dtype
+(engine/model/fast_linear.py: the blocked kernel, oneDNN's packed GEMM, and for bf16 on an
+AVX512-BF16 CPU the dpbf16 kernel) and keeping the fastest gives the decode throughput no
 engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
 prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports both).
 
@@ -27,15 +28,17 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.model.fast_linear import blocked_kernel_available, onednn_available, pack_linears
+from batchinfer.engine.model.fast_linear import (bf16_dot_available, blocked_kernel_available,
+                                                 onednn_available, pack_linears)
 from batchinfer.engine.timing import median_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import emit, time_once  # noqa: E402
 
 
-def available_kernels() -> list[str]:
-    kernels = ["blocked"] if blocked_kernel_available() else []
+def available_kernels(weight_dtype: torch.dtype = torch.float32) -> list[str]:
+    kernels = ["dpbf16"] if weight_dtype == torch.bfloat16 and bf16_dot_available() else []
+    kernels += ["blocked"] if blocked_kernel_available() else []
     return kernels + (["onednn"] if onednn_available() else []) or ["torch"]
 
 
@@ -91,7 +94,8 @@ class RooflineSampler:
     def __init__(self, arch: ModelArch, batch: int, kernels: list[str] | None = None,
                  weight_dtype: torch.dtype = torch.float32):
         self.batch = batch
-        self.gemms = {k: _ModelGemms(arch, k, weight_dtype) for k in kernels or available_kernels()}
+        self.gemms = {k: _ModelGemms(arch, k, weight_dtype)
+                      for k in kernels or available_kernels(weight_dtype)}
         self.steps = {k: g.runner(batch, batch) for k, g in self.gemms.items()}
         for run in self.steps.values():
             run()  # warm-up
@@ -165,7 +169,7 @@ def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[s
     workload's: its prefill GEMMs (every prompt token through the layers, one row per request
     through the head) plus output_tokens - 1 decode steps."""
     step_ms = {}
-    for kernel in kernels or available_kernels():
+    for kernel in kernels or available_kernels(weight_dtype):
         gemms = _ModelGemms(arch, kernel, weight_dtype)
         step_ms[kernel] = (gemms.seconds(batch, batch, repeats), gemms)
     kernel = min(step_ms, key=lambda k: step_ms[k][0])
@@ -191,7 +195,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
-    ap.add_argument("--kernel", nargs="+", choices=["blocked", "onednn", "torch"], default=None,
+    ap.add_argument("--kernel", nargs="+", choices=["dpbf16", "blocked", "onednn", "torch"],
+                    default=None,
                     help="time only these kernels (default: every one available here)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the weights' dtype (bfloat16: as a bf16 model on CPU runs its linears)")

@@ -36,13 +36,16 @@
 #include <algorithm>
 #include <string>
 
+#include "panel_prefetch.h"
 #include "simd.h"
 
 namespace {
 
+using panels::LINE;
+using panels::over_k_prefetching;
+using panels::PanelPrefetch;
 constexpr int64_t P = 16;     // panel width (output columns)
 constexpr int64_t ROWS = 48;  // rows per task: 8 register tiles of 6
-constexpr int64_t LINE = 64;  // bytes per cache line: one k step of an fp32 panel
 
 #ifdef BATCHINFER_AVX2
 // 8 panel weights at p as fp32 (bf16 widened exactly: shifted into the fp32's upper half).
@@ -55,20 +58,6 @@ inline __m256 load8(const c10::BFloat16* p) {
 // Cache lines of one panel (K steps of 16 weights of type W; a bf16 step is half a line), rounded up.
 template <typename W>
 constexpr int64_t panel_lines(int64_t K) { return (K * P * int64_t(sizeof(W)) + LINE - 1) / LINE; }
-
-// A tile's pass over k: body(k) for k = 0 .. K - 1, and issue(i) for i = 0 .. lines - 1 (the
-// i-th line of the next panel to prefetch) spread evenly over the pass.
-template <typename Issue, typename Body>
-inline void over_k_prefetching(int64_t K, int64_t lines, Issue issue, Body body) {
-  const int64_t every = lines > 0 ? (K + lines - 1) / lines : K + 1;
-  int64_t issued = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += every) {
-    if (issued < lines) issue(issued++);
-    const int64_t k1 = std::min(K, k0 + every);
-    for (int64_t k = k0; k < k1; ++k) body(k);
-  }
-  while (issued < lines) issue(issued++);
-}
 
 template <int MB, typename W>
 inline void tile(const float* __restrict x, const W* __restrict panel, float* __restrict y,
@@ -108,23 +97,6 @@ inline void tile_rows(int64_t rows, const float* x, const W* panel, float* y, in
     default: break;
   }
 }
-
-// How a row block spreads the prefetch of the next panel (its panel_lines) over its tiles: the panel's
-// first row block streams the next panel in from memory while it computes. Without it a panel's
-// first pass waits on DRAM and the passes after it compute from cache: memory time plus compute
-// time instead of the larger. A block of one tile (<= tile_rows) has nothing to overlap with: the
-// hardware prefetcher streams it as well alone.
-struct PanelPrefetch {
-  const char* next;  // null: no prefetch for this row block
-  int64_t total, tiles;  // the panel's cache lines; the row block's tiles
-  PanelPrefetch(const void* next_panel, int64_t total_lines, int64_t rows, bool enabled,
-                int64_t tile_rows = 6)
-      : next(nullptr), total(total_lines), tiles((rows + tile_rows - 1) / tile_rows) {
-    if (enabled && next_panel != nullptr && tiles > 1) next = static_cast<const char*>(next_panel);
-  }
-  int64_t lines(int64_t t) const { return next ? (t + 1) * total / tiles - t * total / tiles : 0; }
-  const char* from(int64_t t) const { return next ? next + LINE * (t * total / tiles) : nullptr; }
-};
 
 #ifdef __AVX512F__
 #define BATCHINFER_AVX512 1

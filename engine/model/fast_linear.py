@@ -23,11 +23,19 @@ whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile bu
 `onednn` (engine/envs.py). On CUDA the modules are left as they are.
 
 bf16 on CPU (engine/cpu_dtype.py) keeps the activations in fp32 and only the linears' weights in
-bf16, laid out by `bf16_linear_kernel()`: where the CPU has native bf16 arithmetic (AMX or
-AVX512-BF16), oneDNN's packed bf16 GEMM (the input rounded to bf16, fp32 accumulation, the
-output rounded to bf16 and widened back); elsewhere the blocked kernel over bf16 panels, widened
-to fp32 as they are loaded (exact: the fp32 FMA chains over the rounded weights), because
-oneDNN emulates bf16 there (5x slower than fp32 on an AVX-512 Xeon, ~300x on AVX2-only CPUs).
+bf16, laid out by `bf16_linear_kernel()` (BATCHINFER_BF16_LINEAR_KERNEL overrides it):
+- `dpbf16` on CPUs with AVX512-BF16 and no AMX: kernels/bf16_linear.cpp, the weights in panels
+  of 16 columns with k in pairs, the input rounded to bf16 inside the kernel, fp32 sums by
+  vdpbf16ps, fp32 out (`PairedBf16Linear`; gate/up with SiLU-and-mul as its epilogue). On the
+  AMD EPYC (Zen 4) with AVX512-BF16, SmolLM2's decode GEMMs at 128 rows ran 1.9x the fp32
+  blocked kernel and 1.04x oneDNN's bf16 GEMM alone, more in the engine's step, where oneDNN also
+  pays the input's conversion and the output's rounding (docs/performance.md).
+- `onednn` on CPUs with AMX (whose tiles oneDNN's bf16 GEMM uses; not measured here) and for
+  widths that do not split into panels: oneDNN's packed bf16 GEMM (the input rounded to bf16,
+  fp32 accumulation, the output rounded to bf16 and widened back);
+- elsewhere (no native bf16) the blocked kernel over bf16 panels, widened to fp32 as they are
+  loaded (exact: the fp32 FMA chains over the rounded weights), because oneDNN emulates bf16
+  there (5x slower than fp32 on an AVX-512 Xeon, ~300x on AVX2-only CPUs).
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import logging
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import envs
@@ -43,6 +52,7 @@ log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 128
 PANEL = 16
 LINEAR_KERNELS = ("auto", "blocked", "onednn", "torch")
+BF16_LINEAR_KERNELS = ("auto", "dpbf16", "onednn", "blocked", "torch")
 
 
 def onednn_available() -> bool:
@@ -89,15 +99,40 @@ def linear_kernel() -> str:
     return _resolve(envs.get("BATCHINFER_LINEAR_KERNEL").strip().lower())
 
 
+def bf16_dot_available() -> bool:
+    """The native kernels are built with AVX512-BF16's dot products (kernels/bf16_linear.cpp)."""
+    return (blocked_kernel_available() and hasattr(torch.ops.batchinfer, "bf16_linear_isa")
+            and torch.ops.batchinfer.bf16_linear_isa() == "avx512_bf16")
+
+
+@lru_cache(maxsize=None)
+def _resolve_bf16(requested: str, native: tuple[str, ...]) -> str:
+    if requested not in BF16_LINEAR_KERNELS:
+        raise ValueError(f"BATCHINFER_BF16_LINEAR_KERNEL={requested!r}: expected one of "
+                         f"{', '.join(BF16_LINEAR_KERNELS)}")
+    available = {"dpbf16": bf16_dot_available(), "onednn": onednn_available(),
+                 "blocked": blocked_kernel_available(), "torch": True}
+    if requested != "auto":
+        if available[requested]:
+            return requested
+        log.warning("BATCHINFER_BF16_LINEAR_KERNEL=%s: unavailable here; choosing as auto does",
+                    requested)
+    if "avx512_bf16" in native and "amx_bf16" not in native and available["dpbf16"]:
+        return "dpbf16"
+    if native and available["onednn"]:
+        return "onednn"
+    return "blocked" if available["blocked"] else "torch"
+
+
 def bf16_linear_kernel() -> str:
-    """The kernel bf16 CPU linears use here: onednn where the CPU has native bf16 arithmetic,
-    else blocked (bf16 panels widened to fp32), else torch (fp32 over the rounded weights):
-    never oneDNN's emulated bf16 GEMM."""
+    """The kernel bf16 CPU linears use here (see the module doc): dpbf16 on AVX512-BF16 CPUs
+    without AMX, onednn where the CPU has other native bf16 arithmetic (AMX), else blocked (bf16
+    panels widened to fp32), else torch (fp32 over the rounded weights): never oneDNN's emulated
+    bf16 GEMM unless BATCHINFER_BF16_LINEAR_KERNEL asks for it."""
     from ..cpu_dtype import native_bf16_flags
 
-    if native_bf16_flags() and onednn_available():
-        return "onednn"
-    return "blocked" if blocked_kernel_available() else "torch"
+    return _resolve_bf16(envs.get("BATCHINFER_BF16_LINEAR_KERNEL").strip().lower(),
+                         native_bf16_flags())
 
 
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> str:
@@ -113,7 +148,8 @@ def linear_kernel_label(device: torch.device, dtype: torch.dtype, quantization=N
     """linear_kernel_for, naming the blocked kernel's tile, bf16 weights and int8 linears
     (report.json's engine.linear_kernel); quantization: an int8_linear.LinearQuantization."""
     kernel = linear_kernel_for(device, dtype)
-    label = f"blocked ({blocked_kernel_isa()} tile)" if kernel == "blocked" else kernel
+    label = {"blocked": f"blocked ({blocked_kernel_isa()} tile)",
+             "dpbf16": "dpbf16 (avx512_bf16 dot products, fp32 sums)"}.get(kernel, kernel)
     if device.type == "cpu" and dtype == torch.bfloat16:
         label += ", bf16 weights, fp32 activations"
     if quantization is not None:
@@ -126,6 +162,58 @@ def to_blocked(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [out / 16, in, 16] (a view): panel p holds output rows 16 p .. 16 p + 15, in-major."""
     out_features, in_features = weight.shape
     return weight.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
+
+
+def to_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[..., out, in] -> bf16 [..., out / 16, ceil(in / 2), 16, 2] (a zero past in): panel p's k
+    pair g is one 64-byte line, each 32-bit lane (w[16 p + c][2 g], w[16 p + c][2 g + 1])."""
+    *lead, out_features, in_features = weight.shape
+    pairs = -(-in_features // 2)
+    w = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * pairs - in_features))
+    w = w.reshape(*lead, out_features // PANEL, PANEL, pairs, 2)
+    return w.transpose(-3, -2).contiguous()
+
+
+def from_bf16_pairs(pairs: torch.Tensor, in_features: int) -> torch.Tensor:
+    """to_bf16_pairs' inverse: [..., out, in] bf16."""
+    *lead, panels, k_pairs, _, _ = pairs.shape
+    return pairs.transpose(-3, -2).reshape(*lead, panels * PANEL, 2 * k_pairs)[..., :in_features]
+
+
+class PairedBf16Linear(nn.Module):
+    """A Linear for kernels/bf16_linear.cpp (AVX512-BF16): bf16 weights as to_bf16_pairs lays
+    them out, fp32 in and out (the input rounded to bf16 in the kernel, the products summed in
+    fp32), the bias added in fp32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.pairs = to_bf16_pairs(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.dim() == 2
+        y = torch.ops.batchinfer.bf16_linear(x if flat else x.reshape(-1, self.in_features),
+                                             self.pairs)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def can_fuse_silu_mul(self) -> bool:
+        """A gate/up projection whose halves split into whole panels, with no bias."""
+        return self.bias is None and self.out_features % (2 * PANEL) == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
+        if x.dim() == 2:
+            return torch.ops.batchinfer.bf16_linear_silu_mul(x, self.pairs)
+        y = torch.ops.batchinfer.bf16_linear_silu_mul(x.reshape(-1, self.in_features), self.pairs)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] bf16 weight back from the pairs."""
+        return from_bf16_pairs(self.pairs, self.in_features)
 
 
 class PackedLinear(nn.Module):
@@ -231,13 +319,17 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
         return swapped
     if kernel == "blocked" and not blocked_kernel_available():    # also loads the native op
         kernel = "onednn"
+    if kernel == "dpbf16" and not (bf16 and bf16_dot_available()):
+        kernel = "onednn"
     if kernel == "torch" and not bf16:
         return swapped
     while targets:                   # popped, so each original is freed once swapped
         parent, name, child = targets.pop()
-        if kernel == "blocked" and child.out_features % PANEL == 0:
+        if kernel == "dpbf16" and child.out_features % PANEL == 0:
+            setattr(parent, name, PairedBf16Linear(child))
+        elif kernel == "blocked" and child.out_features % PANEL == 0:
             setattr(parent, name, BlockedLinear(child, weight_dtype))
-        elif bf16 and kernel != "onednn":
+        elif bf16 and kernel not in ("onednn", "dpbf16"):
             # no native bf16 (or torch asked for): oneDNN's bf16 would be emulated, 5-300x slower
             setattr(parent, name, RoundedWeightLinear(child))
         elif onednn_available() and kernel != "torch":

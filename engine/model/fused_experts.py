@@ -9,9 +9,10 @@ with none costs nothing.
 
 The experts are stacked, `gate_up` [E, 2 I, H] (each expert's gate rows, then its up rows) and
 `down` [E, H, I], so the same code runs on CUDA tensors. On CPU, `pack` lays each expert out in
-the blocked kernel's 16-wide panels (fast_linear.py) where that kernel is the linears' kernel:
-the expert's gate/up GEMM runs SiLU-and-mul as its epilogue, and bf16 weights stay bf16 (widened
-as they are loaded). Elsewhere each expert is torch's linear over its slice of the stack.
+the linears' panel kernel's layout (fast_linear.py) where the linears run one: the blocked
+kernel's 16-wide panels (fp32, or bf16 widened as they are loaded) or, for bf16 on AVX512-BF16
+CPUs, the dpbf16 kernel's panels of k pairs; the expert's gate/up GEMM runs SiLU-and-mul as its
+epilogue. Elsewhere each expert is torch's linear over its slice of the stack.
 
 The per-expert token counts (a bincount of the assignments, which the grouping needs anyway) are
 added into `load`, a [E] tensor on the model's device that the executor reads once per step
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fast_linear import PANEL, blocked_kernel_available, linear_kernel_for
+from .fast_linear import (PANEL, bf16_dot_available, blocked_kernel_available, from_bf16_pairs,
+                          linear_kernel_for, to_bf16_pairs)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool):
@@ -63,6 +65,7 @@ class StackedExperts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
         self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # set by pack()
+        self.panel_kernel: Optional[str] = None     # with panels: "blocked" or "dpbf16"
         self.load: Optional[torch.Tensor] = None    # tokens routed to each expert, since taken
 
     def pack(self, weight_dtype: torch.dtype = torch.float32) -> None:
@@ -73,9 +76,13 @@ class StackedExperts(nn.Module):
             return
         kernel = linear_kernel_for(self.gate_up.device, weight_dtype)
         fits = self.rows % PANEL == 0 and self.hidden_size % PANEL == 0
-        if kernel == "blocked" and fits and blocked_kernel_available():
+        if kernel == "dpbf16" and fits and bf16_dot_available():
+            self.panels = (to_bf16_pairs(self.gate_up), to_bf16_pairs(self.down))
+        elif kernel == "blocked" and fits and blocked_kernel_available():
             self.panels = (_to_panels(self.gate_up.detach().to(weight_dtype)),
                            _to_panels(self.down.detach().to(weight_dtype)))
+        if self.panels is not None:
+            self.panel_kernel = kernel
             empty = torch.empty(0)        # the dense stacks are not used again
             self.gate_up, self.down = nn.Parameter(empty), nn.Parameter(empty.clone())
         elif weight_dtype == torch.bfloat16:
@@ -103,11 +110,19 @@ class StackedExperts(nn.Module):
         out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
         return torch.zeros_like(x).index_add_(0, token, out)
 
+    def _linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+        if self.panel_kernel == "dpbf16":
+            return torch.ops.batchinfer.bf16_linear(x, panels)
+        return torch.ops.batchinfer.blocked_linear(x, panels)
+
     def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
         if self.panels is not None:
             gate_up, down = self.panels
-            inner = torch.ops.batchinfer.blocked_linear_silu_mul(x, gate_up[expert])
-            return torch.ops.batchinfer.blocked_linear(inner, down[expert])
+            if self.panel_kernel == "dpbf16":
+                inner = torch.ops.batchinfer.bf16_linear_silu_mul(x, gate_up[expert])
+            else:
+                inner = torch.ops.batchinfer.blocked_linear_silu_mul(x, gate_up[expert])
+            return self._linear(inner, down[expert])
         inner = ops.silu_and_mul(F.linear(x, self.gate_up[expert]))
         return F.linear(inner, self.down[expert])
 
@@ -115,6 +130,9 @@ class StackedExperts(nn.Module):
         """(gate_up [E, 2 I, H], down [E, H, I]) back from the panels where packed."""
         if self.panels is None:
             return self.gate_up.detach(), self.down.detach()
+        if self.panel_kernel == "dpbf16":
+            return (from_bf16_pairs(self.panels[0], self.hidden_size),
+                    from_bf16_pairs(self.panels[1], self.rows))
         return tuple(p.transpose(2, 3).reshape(p.shape[0], p.shape[1] * PANEL, p.shape[2])
                      for p in self.panels)
 
@@ -136,10 +154,9 @@ class BiasedExperts(StackedExperts):
     def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
         if self.panels is not None:
             gate_up, down = self.panels
-            h = torch.ops.batchinfer.blocked_linear(x, gate_up[expert])
+            h = self._linear(x, gate_up[expert])
             h += self.gate_up_bias[expert]
-            out = torch.ops.batchinfer.blocked_linear(
-                clamped_swiglu(h, self.alpha, self.limit), down[expert])
+            out = self._linear(clamped_swiglu(h, self.alpha, self.limit), down[expert])
             out += self.down_bias[expert]
             return out
         h = F.linear(x, self.gate_up[expert], self.gate_up_bias[expert])

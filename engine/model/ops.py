@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fast_linear import BlockedLinear
+from .fast_linear import BlockedLinear, PairedBf16Linear
 from .int8_linear import Int8Linear
 
 
@@ -71,10 +71,11 @@ class NativeOps:
 
     @classmethod
     def gate_up_silu_mul(cls, gate_up_proj, x):
-        """One pass where the gate/up projection is a BlockedLinear or Int8Linear that can fuse
-        (a BlockedLinear: the same bits as the two ops; an Int8Linear: the same maths, to fp32
-        rounding); else the GEMM, then silu_and_mul."""
-        if (isinstance(gate_up_proj, (BlockedLinear, Int8Linear)) and gate_up_proj.can_fuse_silu_mul
+        """One pass where the gate/up projection is a BlockedLinear, PairedBf16Linear or
+        Int8Linear that can fuse (the first two: the same bits as the two ops; an Int8Linear: the
+        same maths, to fp32 rounding); else the GEMM, then silu_and_mul."""
+        if (isinstance(gate_up_proj, (BlockedLinear, PairedBf16Linear, Int8Linear))
+                and gate_up_proj.can_fuse_silu_mul
                 and cls.fuse_silu_mul):
             return gate_up_proj.silu_mul(x)
         return cls.silu_and_mul(gate_up_proj(x))

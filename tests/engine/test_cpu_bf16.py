@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchinfer.engine import cpu_dtype
-from batchinfer.engine.model.fast_linear import BlockedLinear, PackedLinear, blocked_kernel_available
+from batchinfer.engine.model.fast_linear import (BlockedLinear, PackedLinear, PairedBf16Linear,
+                                                 bf16_dot_available, blocked_kernel_available)
 from tests import teacher_forced
 from tests.greedy import greedy_tokens
 from tests.teacher_forced import HELD_TEXTS
@@ -22,16 +23,20 @@ MIN_TOP1_AGREEMENT_BF16 = 0.95
 MAX_LOGPROB_DIFF = 0.6
 # against transformers in fp32: 108 / 110 with 1 or 2 threads
 MIN_TOP1_AGREEMENT = 0.97
-# the same against transformers in fp32: measured 0.04 (blocked) and 0.10 (oneDNN)
+# the same against transformers in fp32: measured 0.04 (blocked), 0.10 (oneDNN), 0.09 (dpbf16)
 MAX_LOGPROB_DIFF_FP32 = 0.25
-# which bf16 linear kernel a host gets: the blocked kernel widening bf16 panels (no native bf16),
-# or oneDNN's bf16 GEMM (native bf16; emulated, slower, but the same code path on this CPU)
-KERNEL_PATHS = {"blocked": (), "onednn": ("avx512_bf16",)}
+# which bf16 linear kernel a host gets, by its native bf16 flags: the blocked kernel widening bf16
+# panels (none), oneDNN's bf16 GEMM (AMX; on a CPU without it, emulated and slower but the same
+# code path) or the dpbf16 kernel (AVX512-BF16 without AMX; only where the CPU has it)
+KERNEL_PATHS = {"blocked": (), "onednn": ("amx_bf16", "avx512_bf16"), "dpbf16": ("avx512_bf16",)}
+LINEAR_CLASS = {"blocked": BlockedLinear, "onednn": PackedLinear, "dpbf16": PairedBf16Linear}
 
 
 def _skip_unless_usable(path: str) -> None:
     if path == "blocked" and not blocked_kernel_available():
         pytest.skip("native CPU kernels unavailable")
+    if path == "dpbf16" and not bf16_dot_available():
+        pytest.skip("this CPU (or the kernels' build) has no AVX512-BF16")
     if path == "onednn" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # AVX2-only: oneDNN's bf16 GEMM is its reference code there, ~300x slower than fp32
         pytest.skip("oneDNN has no vectorized bf16 GEMM on this CPU")
@@ -39,7 +44,10 @@ def _skip_unless_usable(path: str) -> None:
 
 @pytest.fixture
 def host_flags(monkeypatch):
-    """host_flags(flags): this process behaves as a CPU with these native bf16 flags."""
+    """host_flags(flags): this process behaves as a CPU with these native bf16 flags (and auto
+    decides by the host, not as the suite pins it)."""
+    monkeypatch.delenv("BATCHINFER_CPU_AUTO_DTYPE", raising=False)
+
     def pretend(flags: tuple[str, ...]) -> None:
         monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: flags)
     return pretend
@@ -87,6 +95,14 @@ def test_auto_takes_bf16_where_native_and_measured_faster_once_per_machine(host_
     assert cpu_dtype.resolve_cpu_dtype("float32", 576, 1536).dtype == torch.float32
 
 
+def test_the_suite_pins_auto_to_float32_on_any_host(host_flags, monkeypatch):
+    host_flags(("avx512_bf16",))
+    monkeypatch.setenv("BATCHINFER_CPU_AUTO_DTYPE", "float32")
+    choice = cpu_dtype.resolve_cpu_dtype("auto", 576, 1536)
+    assert choice.dtype == torch.float32 and "BATCHINFER_CPU_AUTO_DTYPE=float32" in choice.reason
+    assert cpu_dtype.resolve_cpu_dtype("bfloat16", 576, 1536).dtype == torch.bfloat16
+
+
 def test_bfloat16_without_native_bf16_runs_and_warns_with_the_measured_speed(host_flags, cache,
                                                                               caplog):
     host_flags(())
@@ -114,8 +130,9 @@ def test_a_bf16_engine_keeps_fp32_activations_and_batches_like_it_runs_alone(pat
     assert "bf16 weights, fp32 activations" in info["linear_kernel"] and path in info["linear_kernel"]
     model = _model_of(engine)
     gate_up = model.layers[0].mlp.gate_up_proj
-    assert isinstance(gate_up, BlockedLinear if path == "blocked" else PackedLinear)
-    assert (gate_up.blocked if path == "blocked" else gate_up.packed).dtype == torch.bfloat16
+    assert isinstance(gate_up, LINEAR_CLASS[path])
+    weights = {"blocked": "blocked", "onednn": "packed", "dpbf16": "pairs"}[path]
+    assert getattr(gate_up, weights).dtype == torch.bfloat16
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
     assert model.embed_tokens.weight.dtype == torch.float32
     prompts = [engine.tokenizer.encode(t) for t in HELD_TEXTS]

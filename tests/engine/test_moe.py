@@ -29,7 +29,8 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     """Sorted by expert, one GEMM chain per expert that got tokens, scattered back: the
     reference's sums, with most of 16 experts getting no token; the load counts each expert's
     tokens. `packed`: laid out for the CPU's kernel in that weight dtype (the blocked kernel's
-    panels where it is built; bf16: the reference over the rounded weights)."""
+    panels where it is built, the dpbf16 kernel's for bf16 on AVX512-BF16; bf16: the reference
+    over the rounded weights)."""
     from batchinfer.engine.model.fused_experts import StackedExperts, route
     from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel_for
     from batchinfer.engine.model.ops import TorchOps
@@ -42,8 +43,10 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     gate_up, down = experts.gate_up.detach().clone(), experts.down.detach().clone()
     if packed is not None:
         experts.pack(packed)
-        blocked = linear_kernel_for(torch.device("cpu"), packed) == "blocked"
-        assert (experts.panels is not None) == (blocked and blocked_kernel_available())
+        kernel = linear_kernel_for(torch.device("cpu"), packed)
+        panels = kernel == "dpbf16" or (kernel == "blocked" and blocked_kernel_available())
+        assert (experts.panels is not None) == panels
+        assert experts.panel_kernel == (kernel if panels else None)
         gate_up, down = (w.to(packed).float() for w in (gate_up, down))
         for ours, theirs in zip(experts.dense_weights(), (gate_up, down)):
             assert torch.equal(ours.float(), theirs)
@@ -51,8 +54,10 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     weights, ids = route(torch.randn(3, 16, generator=gen), top_k=2, normalize=True)
     with torch.inference_mode():
         out = experts(x, weights, ids, TorchOps)
+    # the dpbf16 kernel also rounds each GEMM's input to bf16 (relative 2^-9)
+    tolerance = 1e-2 if experts.panel_kernel == "dpbf16" else 1e-5
     torch.testing.assert_close(out, _reference(x, gate_up, down, weights, ids),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=tolerance, atol=tolerance)
     load = experts.load.tolist()
     assert load == torch.bincount(ids.flatten(), minlength=16).tolist()
     assert sum(load) == 6 and load.count(0) >= 10

@@ -1,0 +1,254 @@
+// bf16 linears on CPUs with AVX512-BF16 (vdpbf16ps): y = x @ w^T with x and y in fp32, the
+// weights in bf16 and the input rounded to bf16 (round to nearest even) once per call; the
+// products are summed in fp32. vdpbf16ps takes 32 bf16 products a zmm per instruction against
+// an fp32 FMA's 16, and the weights stream at half fp32's bytes.
+//
+// Layout: panels of 16 output columns, each [K2][16][2] (K2 = ceil(K / 2), a zero past K), so
+// one k pair of a panel is one 64-byte line whose 32-bit lanes each hold (w[n][2g], w[n][2g + 1])
+// of one column n; the input row's bf16 copy is read as the same pairs, one 32-bit broadcast each.
+// A register tile is up to 12 rows x two panels (24 accumulators of the 32 zmm registers); tasks
+// are (panel pair, block of 48 rows), pair-major, and each pair's first row block prefetches the
+// next pair (kernels/panel_prefetch.h). Each output is one vdpbf16ps chain over the k pairs in
+// order, so a row's result does not depend on the batch it is in, on the tile or on the threads.
+//
+// bf16_linear_silu_mul is the MLP's gate/up projection with SiLU-and-mul as its epilogue (gate
+// panels, then up panels; output [M, I]), with the fp32 kernels' SiLU code (kernels/simd.h).
+//
+// Built into the "model" library (-ffast-math): the rounding to bf16 is the instruction's own
+// (vcvtne2ps2bf16), which fast-math does not touch. Without AVX512-BF16 in the build the ops
+// refuse (bf16_linear_isa() says "none"; the engine then takes oneDNN or the blocked kernel).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "panel_prefetch.h"
+#include "simd.h"
+
+// A namespace of its own inside the anonymous one: the model library compiles its sources as
+// one translation unit (kernels/__init__.py), beside blocked_linear.cpp's P, tile, ...
+namespace {
+namespace bf16_dot {
+
+constexpr int64_t P = 16;     // output columns per panel
+constexpr int64_t ROWS = 48;  // rows per task: 4 register tiles of 12
+constexpr int64_t TILE = 12;  // rows per register tile
+
+int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
+
+void check_operands(const at::Tensor& x, const at::Tensor& w_pairs, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be fp32 [M, K]");
+  TORCH_CHECK(w_pairs.dim() == 4 && w_pairs.size(2) == P && w_pairs.size(3) == 2 &&
+                  w_pairs.scalar_type() == at::kBFloat16,
+              op, ": w_pairs must be bf16 [panels, ceil(K / 2), 16, 2]");
+  TORCH_CHECK(w_pairs.size(1) == pairs_of(x.size(1)), op, ": w_pairs was packed for another K");
+}
+
+#if defined(BATCHINFER_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512BF16__)
+#define BATCHINFER_BF16DOT 1
+using panels::LINE;
+using panels::over_k_prefetching;
+using panels::PanelPrefetch;
+
+inline __mmask16 lanes_below(int64_t k, int64_t end) {
+  return k + 16 <= end ? __mmask16(0xFFFF) : (k < end ? __mmask16((1u << (end - k)) - 1) : 0);
+}
+
+// Row x [K] fp32 -> out [2 K2] bf16, round to nearest even, zero past K.
+inline void round_row(const float* x, int64_t K, int64_t K2, uint16_t* out) {
+  const int64_t width = 2 * K2;
+  for (int64_t k = 0; k < width; k += 32) {
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes_below(k, K), x + k);
+    const __m512 hi = _mm512_maskz_loadu_ps(lanes_below(k + 16, K), x + k + 16);
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    const int64_t left = width - k;
+    const __mmask32 keep = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1);
+    _mm512_mask_storeu_epi16(out + k, keep, both);
+  }
+}
+
+// acc += the bf16 pair products of each 32-bit lane.
+inline __m512 dot_add(__m512 acc, __m512i x_pair, __m512i w_pairs) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x_pair), reinterpret_cast<__m512bh>(w_pairs));
+}
+
+inline __m512i broadcast_pair(const uint16_t* q) {
+  int32_t two;
+  std::memcpy(&two, q, sizeof two);
+  return _mm512_set1_epi32(two);
+}
+
+// MB rows x NP panels (a, and b when NP == 2) over K2 k pairs. SILU: a is a gate panel, b its up
+// panel, and the tile writes silu(a) * b; otherwise a and b are adjacent panels, side by side.
+template <int MB, int NP, bool SILU>
+inline void tile(const uint16_t* __restrict xq, int64_t ldq, const uint16_t* __restrict pa,
+                 const uint16_t* __restrict pb, float* __restrict y, int64_t ldy, int64_t K2,
+                 const char* prefetch_a, const char* prefetch_b, int64_t prefetch_lines) {
+  __m512 a[MB], b[MB];
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j) { a[j] = _mm512_setzero_ps(); b[j] = _mm512_setzero_ps(); }
+  over_k_prefetching(
+      K2, prefetch_lines,
+      [&](int64_t i) {
+        _mm_prefetch(prefetch_a + LINE * i, _MM_HINT_T0);
+        if constexpr (NP == 2) _mm_prefetch(prefetch_b + LINE * i, _MM_HINT_T0);
+      },
+      [&](int64_t g) {
+        const __m512i wa = _mm512_loadu_si512(pa + g * 2 * P);
+        const __m512i wb = NP == 2 ? _mm512_loadu_si512(pb + g * 2 * P) : wa;
+#pragma GCC unroll 16
+        for (int j = 0; j < MB; ++j) {
+          const __m512i xb = broadcast_pair(xq + j * ldq + 2 * g);
+          a[j] = dot_add(a[j], xb, wa);
+          if constexpr (NP == 2) b[j] = dot_add(b[j], xb, wb);
+        }
+      });
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j) {
+    if constexpr (SILU) {
+      alignas(64) float g[P], u[P];
+      _mm512_store_ps(g, a[j]);
+      _mm512_store_ps(u, b[j]);
+      for (int64_t c = 0; c < P; c += 8)
+        _mm256_storeu_ps(y + j * ldy + c, simd::silu_mul(_mm256_load_ps(g + c), _mm256_load_ps(u + c)));
+    } else {
+      _mm512_storeu_ps(y + j * ldy, a[j]);
+      if constexpr (NP == 2) _mm512_storeu_ps(y + j * ldy + P, b[j]);
+    }
+  }
+}
+
+template <int NP, bool SILU>
+inline void tile_rows(int64_t rows, const uint16_t* xq, int64_t ldq, const uint16_t* pa,
+                      const uint16_t* pb, float* y, int64_t ldy, int64_t K2, const char* pf_a,
+                      const char* pf_b, int64_t lines) {
+  switch (rows) {
+#define BATCHINFER_BF16_TILE(R) \
+    case R: tile<R, NP, SILU>(xq, ldq, pa, pb, y, ldy, K2, pf_a, pf_b, lines); break;
+    BATCHINFER_BF16_TILE(12) BATCHINFER_BF16_TILE(11) BATCHINFER_BF16_TILE(10)
+    BATCHINFER_BF16_TILE(9) BATCHINFER_BF16_TILE(8) BATCHINFER_BF16_TILE(7)
+    BATCHINFER_BF16_TILE(6) BATCHINFER_BF16_TILE(5) BATCHINFER_BF16_TILE(4)
+    BATCHINFER_BF16_TILE(3) BATCHINFER_BF16_TILE(2) BATCHINFER_BF16_TILE(1)
+#undef BATCHINFER_BF16_TILE
+    default: break;
+  }
+}
+
+// One task: rows [begin, end) against panels pa (and pb), prefetching the next ones (null: none).
+template <int NP, bool SILU>
+void rows_of(const uint16_t* xq, int64_t ldq, int64_t begin, int64_t end, const uint16_t* pa,
+             const uint16_t* pb, const uint16_t* pa_next, const uint16_t* pb_next, float* y,
+             int64_t ldy, int64_t K2) {
+  const int64_t lines = K2 * 2 * P * 2 / LINE;  // a panel's k pair is one line
+  const PanelPrefetch a_ahead(pa_next, lines, end - begin, true, TILE);
+  const PanelPrefetch b_ahead(pb_next, lines, end - begin, NP == 2, TILE);
+  for (int64_t m = begin, t = 0; m < end; m += TILE, ++t)
+    tile_rows<NP, SILU>(std::min(TILE, end - m), xq + m * ldq, ldq, pa, pb, y + (m - begin) * ldy,
+                        ldy, K2, a_ahead.from(t), b_ahead.from(t), a_ahead.lines(t));
+}
+
+// x [M, K] fp32 -> [M, 2 K2] bf16 (the kernel's copy of the input).
+at::Tensor rounded_input(const at::Tensor& xc) {
+  const int64_t M = xc.size(0), K = xc.size(1), K2 = pairs_of(K);
+  auto xq = at::empty({M, 2 * K2}, xc.options().dtype(at::kBFloat16));
+  const float* xp = xc.data_ptr<float>();
+  auto* qp = reinterpret_cast<uint16_t*>(xq.data_ptr<at::BFloat16>());
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+  for (int64_t m = 0; m < M; ++m) round_row(xp + m * K, K, K2, qp + m * 2 * K2);
+  return xq;
+}
+
+// Runs the tasks over `pairs` panel pairs: pair t is panels (first(t), second(t)); second < 0:
+// a lone last panel.
+template <bool SILU, typename First, typename Second>
+void run(const uint16_t* xq, int64_t ldq, const uint16_t* wp, float* yp, int64_t M, int64_t K2,
+         int64_t pairs, int64_t ldy, First first, Second second, int64_t out_cols) {
+  const int64_t panel = K2 * 2 * P;
+  const int64_t row_blocks = (M + ROWS - 1) / ROWS;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t t = 0; t < pairs; ++t) {
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t begin = rb * ROWS, end = std::min(M, begin + ROWS);
+      const uint16_t* pa = wp + first(t) * panel;
+      const bool ahead = rb == 0 && t + 1 < pairs;
+      const uint16_t* pa_next = ahead ? wp + first(t + 1) * panel : nullptr;
+      float* y = yp + begin * ldy + t * out_cols;
+      if (second(t) < 0) {
+        rows_of<1, SILU>(xq, ldq, begin, end, pa, pa, pa_next, nullptr, y, ldy, K2);
+      } else {
+        const uint16_t* pb = wp + second(t) * panel;
+        const uint16_t* pb_next = ahead && second(t + 1) >= 0 ? wp + second(t + 1) * panel : nullptr;
+        rows_of<2, SILU>(xq, ldq, begin, end, pa, pb, pa_next, pb_next, y, ldy, K2);
+      }
+    }
+  }
+}
+#endif
+
+// y = x @ w^T, [M, N], N = 16 x panels.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_pairs) {
+  check_operands(x, w_pairs, "bf16_linear");
+#ifndef BATCHINFER_BF16DOT
+  TORCH_CHECK(false, "bf16_linear needs AVX512-BF16 (this build has no avx512_bf16)");
+#else
+  const auto xc = x.contiguous();
+  const auto wc = w_pairs.contiguous();
+  const int64_t M = xc.size(0), K2 = wc.size(1), panels = wc.size(0), N = panels * P;
+  const auto xq = rounded_input(xc);
+  auto y = at::empty({M, N}, xc.options());
+  run<false>(reinterpret_cast<const uint16_t*>(xq.data_ptr<at::BFloat16>()), 2 * K2,
+             reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
+             M, K2, (panels + 1) / 2, N, [](int64_t t) { return 2 * t; },
+             [panels](int64_t t) { return 2 * t + 1 < panels ? 2 * t + 1 : int64_t(-1); }, 2 * P);
+  return y;
+#endif
+}
+
+// silu(x @ gate^T) * (x @ up^T), [M, I], over w_pairs of 2 I / 16 panels (gate's, then up's).
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& w_pairs) {
+  check_operands(x, w_pairs, "bf16_linear_silu_mul");
+  TORCH_CHECK(w_pairs.size(0) % 2 == 0,
+              "bf16_linear_silu_mul: an even number of panels (gate's, then up's)");
+#ifndef BATCHINFER_BF16DOT
+  TORCH_CHECK(false, "bf16_linear_silu_mul needs AVX512-BF16 (this build has no avx512_bf16)");
+#else
+  const auto xc = x.contiguous();
+  const auto wc = w_pairs.contiguous();
+  const int64_t M = xc.size(0), K2 = wc.size(1), pairs = wc.size(0) / 2, I = pairs * P;
+  const auto xq = rounded_input(xc);
+  auto y = at::empty({M, I}, xc.options());
+  run<true>(reinterpret_cast<const uint16_t*>(xq.data_ptr<at::BFloat16>()), 2 * K2,
+            reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
+            M, K2, pairs, I, [](int64_t t) { return t; }, [pairs](int64_t t) { return pairs + t; },
+            P);
+  return y;
+#endif
+}
+
+// Whether this build has the kernels ("avx512_bf16") or not ("none").
+std::string bf16_linear_isa() {
+#ifdef BATCHINFER_BF16DOT
+  return "avx512_bf16";
+#else
+  return "none";
+#endif
+}
+
+}  // namespace bf16_dot
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
+  m.def("bf16_linear_isa() -> str", &bf16_dot::bf16_linear_isa);
+  m.def("bf16_linear(Tensor x, Tensor w_pairs) -> Tensor");
+  m.def("bf16_linear_silu_mul(Tensor x, Tensor w_pairs) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
+  m.impl("bf16_linear", &bf16_dot::bf16_linear);
+  m.impl("bf16_linear_silu_mul", &bf16_dot::bf16_linear_silu_mul);
+}
