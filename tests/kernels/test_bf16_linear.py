@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.fast_linear import (PairedBf16Linear, bf16_dot_available,
-                                                 from_bf16_pairs, pack_linears, to_bf16_pairs)
+                                                 from_bf16_pairs, to_bf16_pairs)
 
 needs_bf16_dot = pytest.mark.skipif(not bf16_dot_available(),
                                     reason="this CPU (or the kernels' build) has no AVX512-BF16")
