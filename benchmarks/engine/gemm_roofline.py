@@ -4,7 +4,7 @@ One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up a
 projections at M rows, plus the LM head once. Timing exactly those GEMMs (same thread count, each
 layer its own weights) with every kernel the engine has for the weights' dtype
 (engine/model/fast_linear.py: the blocked kernel, oneDNN's packed GEMM, and for bf16 on an
-AVX512-BF16 CPU the dpbf16 kernel) and keeping the fastest gives the decode throughput no
+AVX512-BF16 CPU the dpbf16 kernel, on an AMX CPU the amx kernel) and keeping the fastest gives the decode throughput no
 engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
 prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports both).
 
@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from batchinfer.engine.model.arch import ModelArch
-from batchinfer.engine.model.fast_linear import (bf16_dot_available, blocked_kernel_available,
-                                                 onednn_available, pack_linears)
+from batchinfer.engine.model.fast_linear import (amx_available, bf16_dot_available,
+                                                 blocked_kernel_available, onednn_available,
+                                                 pack_linears)
 from batchinfer.engine.timing import median_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
@@ -37,7 +38,9 @@ from benchmarks.common import emit, time_once  # noqa: E402
 
 
 def available_kernels(weight_dtype: torch.dtype = torch.float32) -> list[str]:
-    kernels = ["dpbf16"] if weight_dtype == torch.bfloat16 and bf16_dot_available() else []
+    bf16 = weight_dtype == torch.bfloat16
+    kernels = ["amx"] if bf16 and amx_available() else []
+    kernels += ["dpbf16"] if bf16 and bf16_dot_available() else []
     kernels += ["blocked"] if blocked_kernel_available() else []
     return kernels + (["onednn"] if onednn_available() else []) or ["torch"]
 
@@ -195,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     ap.add_argument("--batch", type=int, nargs="+", default=[128, 256, 512])
-    ap.add_argument("--kernel", nargs="+", choices=["dpbf16", "blocked", "onednn", "torch"],
+    ap.add_argument("--kernel", nargs="+", choices=["amx", "dpbf16", "blocked", "onednn", "torch"],
                     default=None,
                     help="time only these kernels (default: every one available here)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],

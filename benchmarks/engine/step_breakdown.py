@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from benchmarks.common import W_DECODE, emit, warm_engine  # noqa: E402
 
 GEMM_OPS = ("mkldnn::_linear_pointwise", "batchinfer::blocked_linear", "batchinfer::blocked_linear_silu_mul",
-            "batchinfer::bf16_linear", "batchinfer::bf16_linear_silu_mul", "batchinfer::int8_linear",
+            "batchinfer::bf16_linear", "batchinfer::bf16_linear_silu_mul", "batchinfer::amx_linear",
+            "batchinfer::amx_linear_silu_mul", "batchinfer::int8_linear",
             "aten::addmm", "aten::mm", "aten::linear")
 ATTENTION_OPS = ("batchinfer::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 128
 PANEL = 16
 LINEAR_KERNELS = ("auto", "blocked", "onednn", "torch")
-BF16_LINEAR_KERNELS = ("auto", "dpbf16", "onednn", "blocked", "torch")
+BF16_LINEAR_KERNELS = ("auto", "amx", "dpbf16", "onednn", "blocked", "torch")
 
 
 def onednn_available() -> bool:
@@ -105,18 +105,27 @@ def bf16_dot_available() -> bool:
             and torch.ops.batchinfer.bf16_linear_isa() == "avx512_bf16")
 
 
+def amx_available() -> bool:
+    """The native kernels are built with AMX-BF16 tiles and Linux grants them (kernels/amx_linear.cpp)."""
+    return (blocked_kernel_available() and hasattr(torch.ops.batchinfer, "amx_bf16_isa")
+            and torch.ops.batchinfer.amx_bf16_isa() == "amx_bf16")
+
+
 @lru_cache(maxsize=None)
 def _resolve_bf16(requested: str, native: tuple[str, ...]) -> str:
     if requested not in BF16_LINEAR_KERNELS:
         raise ValueError(f"BATCHINFER_BF16_LINEAR_KERNEL={requested!r}: expected one of "
                          f"{', '.join(BF16_LINEAR_KERNELS)}")
-    available = {"dpbf16": bf16_dot_available(), "onednn": onednn_available(),
+    available = {"amx": amx_available(), "dpbf16": bf16_dot_available(),
+                 "onednn": onednn_available(),
                  "blocked": blocked_kernel_available(), "torch": True}
     if requested != "auto":
         if available[requested]:
             return requested
         log.warning("BATCHINFER_BF16_LINEAR_KERNEL=%s: unavailable here; choosing as auto does",
                     requested)
+    if "amx_bf16" in native and available["amx"]:
+        return "amx"
     if "avx512_bf16" in native and "amx_bf16" not in native and available["dpbf16"]:
         return "dpbf16"
     if native and available["onednn"]:
@@ -149,7 +158,8 @@ def linear_kernel_label(device: torch.device, dtype: torch.dtype, quantization=N
     (report.json's engine.linear_kernel); quantization: an int8_linear.LinearQuantization."""
     kernel = linear_kernel_for(device, dtype)
     label = {"blocked": f"blocked ({blocked_kernel_isa()} tile)",
-             "dpbf16": "dpbf16 (avx512_bf16 dot products, fp32 sums)"}.get(kernel, kernel)
+             "dpbf16": "dpbf16 (avx512_bf16 dot products, fp32 sums)",
+             "amx": "amx (amx_bf16 tiles, fp32 sums)"}.get(kernel, kernel)
     if device.type == "cpu" and dtype == torch.bfloat16:
         label += ", bf16 weights, fp32 activations"
     if quantization is not None:
@@ -164,11 +174,12 @@ def to_blocked(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2)
 
 
-def to_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """[..., out, in] -> bf16 [..., out / 16, ceil(in / 2), 16, 2] (a zero past in): panel p's k
-    pair g is one 64-byte line, each 32-bit lane (w[16 p + c][2 g], w[16 p + c][2 g + 1])."""
+def to_bf16_pairs(weight: torch.Tensor, k_multiple: int = 2) -> torch.Tensor:
+    """[..., out, in] -> bf16 [..., out / 16, Kp / 2, 16, 2], Kp = in rounded up to k_multiple
+    (zeros past in): panel p's k pair g is one 64-byte line, each 32-bit lane
+    (w[16 p + c][2 g], w[16 p + c][2 g + 1])."""
     *lead, out_features, in_features = weight.shape
-    pairs = -(-in_features // 2)
+    pairs = -(-in_features // k_multiple) * k_multiple // 2
     w = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * pairs - in_features))
     w = w.reshape(*lead, out_features // PANEL, PANEL, pairs, 2)
     return w.transpose(-3, -2).contiguous()
@@ -185,19 +196,26 @@ class PairedBf16Linear(nn.Module):
     them out, fp32 in and out (the input rounded to bf16 in the kernel, the products summed in
     fp32), the bias added in fp32."""
 
+    k_multiple = 2      # the kernel's k step: the pairs are padded (zeros) to a multiple of it
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.pairs = to_bf16_pairs(linear.weight)
+        self.pairs = to_bf16_pairs(linear.weight, self.k_multiple)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.batchinfer.bf16_linear(x, self.pairs)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _matmul_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.batchinfer.bf16_linear_silu_mul(x, self.pairs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.dim() == 2
-        y = torch.ops.batchinfer.bf16_linear(x if flat else x.reshape(-1, self.in_features),
-                                             self.pairs)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:    # the engine's [tokens, features]: no reshapes on the hot path
+            return self._matmul(x)
+        y = self._matmul(x.reshape(-1, self.in_features))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     @property
     def can_fuse_silu_mul(self) -> bool:
@@ -207,13 +225,26 @@ class PairedBf16Linear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection in one pass (see can_fuse_silu_mul)."""
         if x.dim() == 2:
-            return torch.ops.batchinfer.bf16_linear_silu_mul(x, self.pairs)
-        y = torch.ops.batchinfer.bf16_linear_silu_mul(x.reshape(-1, self.in_features), self.pairs)
+            return self._matmul_silu_mul(x)
+        y = self._matmul_silu_mul(x.reshape(-1, self.in_features))
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] bf16 weight back from the pairs."""
         return from_bf16_pairs(self.pairs, self.in_features)
+
+
+class AmxBf16Linear(PairedBf16Linear):
+    """A Linear for kernels/amx_linear.cpp (AMX-BF16 tiles): the same panels of k pairs with k
+    padded to a multiple of 32 (one tile step), the bias added in the kernel's epilogue."""
+
+    k_multiple = 32
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.batchinfer.amx_linear(x, self.pairs, self.bias)
+
+    def _matmul_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.batchinfer.amx_linear_silu_mul(x, self.pairs)
 
 
 class PackedLinear(nn.Module):
@@ -321,15 +352,19 @@ def pack_linears(model: nn.Module, kernel: str | None = None,
         kernel = "onednn"
     if kernel == "dpbf16" and not (bf16 and bf16_dot_available()):
         kernel = "onednn"
+    if kernel == "amx" and not (bf16 and amx_available()):
+        kernel = "onednn"
     if kernel == "torch" and not bf16:
         return swapped
     while targets:                   # popped, so each original is freed once swapped
         parent, name, child = targets.pop()
         if kernel == "dpbf16" and child.out_features % PANEL == 0:
             setattr(parent, name, PairedBf16Linear(child))
+        elif kernel == "amx" and child.out_features % PANEL == 0:
+            setattr(parent, name, AmxBf16Linear(child))
         elif kernel == "blocked" and child.out_features % PANEL == 0:
             setattr(parent, name, BlockedLinear(child, weight_dtype))
-        elif bf16 and kernel not in ("onednn", "dpbf16"):
+        elif bf16 and kernel not in ("onednn", "dpbf16", "amx"):
             # no native bf16 (or torch asked for): oneDNN's bf16 would be emulated, 5-300x slower
             setattr(parent, name, RoundedWeightLinear(child))
         elif onednn_available() and kernel != "torch":

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchinfer.engine import cpu_dtype
-from batchinfer.engine.model.fast_linear import (BlockedLinear, PackedLinear, PairedBf16Linear,
+from batchinfer.engine.model.fast_linear import (AmxBf16Linear, BlockedLinear, PackedLinear,
+                                                 PairedBf16Linear, amx_available,
                                                  bf16_dot_available, blocked_kernel_available)
 from tests import teacher_forced
 from tests.greedy import greedy_tokens
@@ -23,13 +24,17 @@ MIN_TOP1_AGREEMENT_BF16 = 0.95
 MAX_LOGPROB_DIFF = 0.6
 # against transformers in fp32: 108 / 110 with 1 or 2 threads
 MIN_TOP1_AGREEMENT = 0.97
-# the same against transformers in fp32: measured 0.04 (blocked), 0.10 (oneDNN), 0.09 (dpbf16)
+# the same against transformers in fp32: measured 0.04 (blocked), 0.10 (oneDNN), 0.09 (dpbf16),
+# 0.09 (amx)
 MAX_LOGPROB_DIFF_FP32 = 0.25
-# which bf16 linear kernel a host gets, by its native bf16 flags: the blocked kernel widening bf16
-# panels (none), oneDNN's bf16 GEMM (AMX; on a CPU without it, emulated and slower but the same
-# code path) or the dpbf16 kernel (AVX512-BF16 without AMX; only where the CPU has it)
-KERNEL_PATHS = {"blocked": (), "onednn": ("amx_bf16", "avx512_bf16"), "dpbf16": ("avx512_bf16",)}
-LINEAR_CLASS = {"blocked": BlockedLinear, "onednn": PackedLinear, "dpbf16": PairedBf16Linear}
+# each bf16 linear kernel (BATCHINFER_BF16_LINEAR_KERNEL) with the native bf16 flags of a host that
+# gets it by default: the blocked kernel widening bf16 panels (none), the amx kernel (AMX; only
+# where the CPU has it), oneDNN's bf16 GEMM (on a CPU without native bf16 emulated and slower, but
+# the same code path) or the dpbf16 kernel (AVX512-BF16 without AMX; only where the CPU has it)
+KERNEL_PATHS = {"blocked": (), "amx": ("amx_bf16", "avx512_bf16"),
+                "onednn": ("amx_bf16", "avx512_bf16"), "dpbf16": ("avx512_bf16",)}
+LINEAR_CLASS = {"blocked": BlockedLinear, "onednn": PackedLinear, "dpbf16": PairedBf16Linear,
+                "amx": AmxBf16Linear}
 
 
 def _skip_unless_usable(path: str) -> None:
@@ -37,6 +42,8 @@ def _skip_unless_usable(path: str) -> None:
         pytest.skip("native CPU kernels unavailable")
     if path == "dpbf16" and not bf16_dot_available():
         pytest.skip("this CPU (or the kernels' build) has no AVX512-BF16")
+    if path == "amx" and not amx_available():
+        pytest.skip("this CPU (or the kernels' build, or Linux) gives no AMX-BF16")
     if path == "onednn" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # AVX2-only: oneDNN's bf16 GEMM is its reference code there, ~300x slower than fp32
         pytest.skip("oneDNN has no vectorized bf16 GEMM on this CPU")
@@ -121,17 +128,19 @@ def _model_of(engine):
 
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
 def test_a_bf16_engine_keeps_fp32_activations_and_batches_like_it_runs_alone(path, host_flags,
-                                                                             make_engine, cache):
+                                                                             make_engine, cache,
+                                                                             monkeypatch):
     _skip_unless_usable(path)
     host_flags(KERNEL_PATHS[path])
+    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL", path)
     engine = make_engine(model={"dtype": "bfloat16", "max_model_len": 512})
     info = engine.info
     assert (info["dtype"], info["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
     assert "bf16 weights, fp32 activations" in info["linear_kernel"] and path in info["linear_kernel"]
     model = _model_of(engine)
     gate_up = model.layers[0].mlp.gate_up_proj
-    assert isinstance(gate_up, LINEAR_CLASS[path])
-    weights = {"blocked": "blocked", "onednn": "packed", "dpbf16": "pairs"}[path]
+    assert type(gate_up) is LINEAR_CLASS[path]
+    weights = {"blocked": "blocked", "onednn": "packed", "dpbf16": "pairs", "amx": "pairs"}[path]
     assert getattr(gate_up, weights).dtype == torch.bfloat16
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
     assert model.embed_tokens.weight.dtype == torch.float32
@@ -148,13 +157,14 @@ def hf_logprobs(default_model_dir):
 
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
 def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logprobs,
-                                                       default_model_dir):
+                                                       default_model_dir, monkeypatch):
     from batchinfer.engine.attention import select_backend
     from batchinfer.engine.model.loader import build_model, load_arch
     from batchinfer.engine.model.ops import NativeOps
 
     _skip_unless_usable(path)
     host_flags(KERNEL_PATHS[path])
+    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL", path)
     arch = load_arch(default_model_dir)
     cpu = torch.device("cpu")
     model = build_model(default_model_dir, arch, torch.bfloat16, cpu, 512)

@@ -1,18 +1,27 @@
-"""The dpbf16 linears (kernels/bf16_linear.cpp, fast_linear.PairedBf16Linear): AVX512-BF16 dot
-products over bf16 weights, the input rounded to bf16 in the kernel, fp32 sums. Checked against
-fp64 sums of the same rounded operands, and for the properties the engine relies on: a row's
-result does not depend on its batch, the fused SiLU epilogue equals the two ops."""
+"""The native bf16 linears: dpbf16 (kernels/bf16_linear.cpp, fast_linear.PairedBf16Linear:
+AVX512-BF16 dot products) and amx (kernels/amx_linear.cpp, fast_linear.AmxBf16Linear: AMX-BF16
+tiles), both over bf16 weights in panels of k pairs, the input rounded to bf16 in the kernel, fp32
+sums. Checked against fp64 sums of the same rounded operands, and for the properties the engine
+relies on: a row's result does not depend on its batch, the fused SiLU epilogue equals the two
+ops. Each kernel's tests run only where the CPU (and the kernels' build) has its instructions."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from batchinfer.engine.model.fast_linear import (PairedBf16Linear, bf16_dot_available,
-                                                 from_bf16_pairs, to_bf16_pairs)
+from batchinfer.engine.model.fast_linear import (AmxBf16Linear, PairedBf16Linear, amx_available,
+                                                 bf16_dot_available, from_bf16_pairs,
+                                                 to_bf16_pairs)
 
 needs_bf16_dot = pytest.mark.skipif(not bf16_dot_available(),
                                     reason="this CPU (or the kernels' build) has no AVX512-BF16")
+# each native kernel's module, skipped where the CPU or the build lacks its instructions
+KERNELS = [
+    pytest.param(PairedBf16Linear, id="dpbf16", marks=needs_bf16_dot),
+    pytest.param(AmxBf16Linear, id="amx", marks=pytest.mark.skipif(
+        not amx_available(), reason="this CPU (or the kernels' build, or Linux) gives no AMX-BF16")),
+]
 
 
 def _linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
@@ -47,18 +56,24 @@ def test_pairs_layout_round_trips_and_pads_odd_widths_with_zero(out_features, in
         assert torch.all(pairs[:, -1, :, 1] == 0)
     stacked = to_bf16_pairs(torch.stack([weight, 2 * weight]))   # MoE experts: a leading dim
     assert torch.equal(stacked[1], to_bf16_pairs(2 * weight))
+    tiles = to_bf16_pairs(weight, k_multiple=32)                  # the amx kernel's: k to 32
+    assert tiles.shape == (out_features // 16, -(-in_features // 32) * 16, 16, 2)
+    assert torch.equal(from_bf16_pairs(tiles, in_features), weight.to(torch.bfloat16))
+    assert torch.all(tiles[:, pairs.shape[1]:] == 0) and torch.equal(tiles[:, :pairs.shape[1], :, 0],
+                                                                     pairs[..., 0])
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 48, 50, 131])
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 33, 48, 50, 131])
 @pytest.mark.parametrize("out_features,in_features", [(16, 64), (48, 577), (96, 576), (960, 576)])
-def test_outputs_match_fp64_sums_of_the_rounded_operands(rows, out_features, in_features):
-    """Every tile height (1-12 rows, row blocks of 48) and an odd panel count (48: three panels)
-    and an odd K (577: a zero pads the last pair)."""
+def test_outputs_match_fp64_sums_of_the_rounded_operands(kind, rows, out_features, in_features):
+    """Every tile height (dpbf16: 1-12 rows, row blocks of 48; amx: 16 or 32 rows, padded, row
+    blocks of 128), an odd panel count (48: three panels) and an odd K (577: zeros pad the last
+    pair, or the last tile step)."""
     linear = _linear(out_features, in_features, seed=rows)
     x = _inputs(rows, in_features, seed=rows + 1)
     with torch.no_grad():
-        ours = PairedBf16Linear(linear)(x)
+        ours = kind(linear)(x)
     reference = _reference(x, linear)
     scale = reference.abs().max()
     assert ours.dtype == torch.float32 and ours.shape == (rows, out_features)
@@ -66,25 +81,25 @@ def test_outputs_match_fp64_sums_of_the_rounded_operands(rows, out_features, in_
     assert ((ours.double() - reference).abs().max() / scale) < 1e-5
 
 
-@needs_bf16_dot
-def test_bias_and_leading_dimensions():
-    linear = _linear(32, 70, seed=3, bias=True)
+@pytest.mark.parametrize("kind", KERNELS)
+def test_bias_and_leading_dimensions(kind):
+    linear = _linear(48, 70, seed=3, bias=True)      # three panels: the lone last one has bias too
     x = _inputs(6, 70, seed=4).reshape(2, 3, 70)
     with torch.no_grad():
-        ours = PairedBf16Linear(linear)(x)
-    assert ours.shape == (2, 3, 32)
-    reference = _reference(x.reshape(6, 70), linear).reshape(2, 3, 32)
+        ours = kind(linear)(x)
+    assert ours.shape == (2, 3, 48)
+    reference = _reference(x.reshape(6, 70), linear).reshape(2, 3, 48)
     assert ((ours.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
-@needs_bf16_dot
-def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread():
-    linear = PairedBf16Linear(_linear(96, 576, seed=5))
-    x = _inputs(131, 576, seed=6)
+@pytest.mark.parametrize("kind", KERNELS)
+def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread(kind):
+    linear = kind(_linear(96, 576, seed=5))
+    x = _inputs(300, 576, seed=6)
     threads = torch.get_num_threads()
     with torch.no_grad():
         batched = linear(x)
-        for row in (0, 11, 12, 47, 48, 130):
+        for row in (0, 11, 12, 15, 16, 31, 47, 48, 127, 128, 130, 299):
             assert torch.equal(linear(x[row:row + 1]), batched[row:row + 1])
         assert torch.equal(linear(x[40:60]), batched[40:60])
         torch.set_num_threads(1)
@@ -94,12 +109,12 @@ def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread():
             torch.set_num_threads(threads)
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 13, 50])
-def test_fused_silu_mul_equals_the_gemm_then_silu_and_mul(rows):
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("rows", [1, 13, 50, 140])
+def test_fused_silu_mul_equals_the_gemm_then_silu_and_mul(kind, rows):
     """The epilogue uses the fp32 kernels' SiLU (kernels/simd.h), as the native silu_and_mul op
     does: the same bits as the two ops."""
-    linear = PairedBf16Linear(_linear(2 * 96, 576, seed=7))
+    linear = kind(_linear(2 * 96, 576, seed=7))
     x = _inputs(rows, 576, seed=8)
     assert linear.can_fuse_silu_mul
     with torch.no_grad():
@@ -109,9 +124,9 @@ def test_fused_silu_mul_equals_the_gemm_then_silu_and_mul(rows):
     assert torch.equal(fused, unfused)
 
 
-@needs_bf16_dot
-def test_nan_reaches_the_outputs_it_touches():
-    linear = PairedBf16Linear(_linear(32, 64, seed=9))
+@pytest.mark.parametrize("kind", KERNELS)
+def test_nan_reaches_the_outputs_it_touches(kind):
+    linear = kind(_linear(32, 64, seed=9))
     x = _inputs(3, 64, seed=10)
     x[1, 7] = float("nan")
     with torch.no_grad():
@@ -119,34 +134,48 @@ def test_nan_reaches_the_outputs_it_touches():
     assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
 
 
-@needs_bf16_dot
-def test_pack_linears_swaps_panel_widths_and_leaves_the_rest_to_onednn(monkeypatch):
+@pytest.mark.parametrize("kind", KERNELS)
+def test_pack_linears_swaps_panel_widths_and_leaves_the_rest_to_onednn(kind, monkeypatch):
     from batchinfer.engine.model import fast_linear
 
-    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL", "dpbf16")
+    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL",
+                       "amx" if kind is AmxBf16Linear else "dpbf16")
     model = nn.ModuleDict({"panel": nn.Linear(64, 48, bias=False), "odd": nn.Linear(64, 40)})
     assert fast_linear.pack_linears(model, weight_dtype=torch.bfloat16) == 2
-    assert isinstance(model["panel"], PairedBf16Linear)
+    assert type(model["panel"]) is kind
     assert isinstance(model["odd"], fast_linear.PackedLinear) and model["odd"].weight_dtype == torch.bfloat16
 
 
 def test_an_unknown_bf16_kernel_is_refused_with_the_choices(monkeypatch):
     from batchinfer.engine.model import fast_linear
 
-    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL", "amx")
-    with pytest.raises(ValueError, match="'amx'.*auto, dpbf16, onednn, blocked, torch"):
+    monkeypatch.setenv("BATCHINFER_BF16_LINEAR_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="'tiles'.*auto, amx, dpbf16, onednn, blocked, torch"):
         fast_linear.bf16_linear_kernel()
 
 
-def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
+def test_auto_takes_amx_where_the_cpu_has_it_and_dpbf16_only_without_it(monkeypatch):
     from batchinfer.engine import cpu_dtype
     from batchinfer.engine.model import fast_linear
 
     monkeypatch.delenv("BATCHINFER_BF16_LINEAR_KERNEL", raising=False)
     monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: ("amx_bf16", "avx512_bf16"))
-    assert fast_linear.bf16_linear_kernel() in ("onednn", "torch")
+    assert fast_linear.bf16_linear_kernel() in ("amx" if amx_available() else "onednn", "torch")
     monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: ("avx512_bf16",))
     expected = "dpbf16" if bf16_dot_available() else "onednn"
     assert fast_linear.bf16_linear_kernel() in (expected, "torch")
     monkeypatch.setattr(cpu_dtype, "native_bf16_flags", lambda: ())
     assert fast_linear.bf16_linear_kernel() in ("blocked", "torch")
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.batchinfer, "amx_bf16_isa"),
+                    reason="the native kernels are not built here")
+def test_amx_refuses_pairs_packed_for_another_k():
+    """The amx kernel steps k by 32: pairs padded only to an even k (dpbf16's) are refused, on
+    any CPU (the check comes before the tiles are asked for)."""
+    weight = torch.randn(32, 70)
+    with pytest.raises(RuntimeError, match="packed for another K"):
+        torch.ops.batchinfer.amx_linear(torch.randn(2, 70), to_bf16_pairs(weight), None)
+    with pytest.raises(RuntimeError, match="x must be fp32"):
+        torch.ops.batchinfer.amx_linear(torch.randn(2, 70, dtype=torch.bfloat16),
+                                        to_bf16_pairs(weight, k_multiple=32), None)
