@@ -5,8 +5,8 @@ stream) with every activation, norm, rotary, attention and sampling step in fp32
 follows the model's dtype (bf16) unless `cache.kv_cache_dtype` says otherwise. How the linears
 run is engine/model/fast_linear.py's `bf16_linear_kernel`: on CPUs with native bf16 arithmetic
 the input is rounded to bf16 for the multiply and the products summed in fp32 (the project's
-vdpbf16ps kernel on AVX512-BF16, oneDNN's bf16 GEMM on AMX); elsewhere the blocked kernel widens
-bf16 panels to fp32.
+AMX tile kernel where AMX-BF16 is usable, its vdpbf16ps kernel on AVX512-BF16 without AMX);
+elsewhere the blocked kernel widens bf16 panels to fp32.
 
 `auto` takes bf16 only where the CPU has native bf16 *and* a short check, the model's own decode
 GEMMs timed both ways, measures it faster; the check's result is kept in the kernel cache (per

@@ -30,9 +30,10 @@ _VARS = [
     EnvVar("BATCHINFER_LINEAR_KERNEL", "auto", "fp32 CPU linears: auto, blocked (the native "
            "panel GEMM), onednn or torch; auto takes blocked where its tile fits the CPU",
            "product"),
-    EnvVar("BATCHINFER_BF16_LINEAR_KERNEL", "auto", "bf16 CPU linears: auto, dpbf16 (the native "
-           "AVX512-BF16 panel GEMM), onednn, blocked (bf16 panels widened to fp32) or torch; auto "
-           "takes dpbf16 on AVX512-BF16 CPUs without AMX, onednn on AMX ones",
+    EnvVar("BATCHINFER_BF16_LINEAR_KERNEL", "auto", "bf16 CPU linears: auto, amx (the native AMX "
+           "tile GEMM), dpbf16 (the native AVX512-BF16 panel GEMM), onednn, blocked (bf16 panels "
+           "widened to fp32) or torch; auto takes amx where AMX-BF16 is usable, dpbf16 on "
+           "AVX512-BF16 CPUs without it",
            "product"),
     EnvVar("BATCHINFER_CPU_AUTO_DTYPE", "host", "what model.dtype auto is on CPU: host (decided "
            "by the host, engine/cpu_dtype.py) or float32 (the test suite sets it: its parity "

@@ -8,9 +8,10 @@
 //
 // Layout: the weights are kernels/bf16_linear.cpp's panels of 16 output columns, [K2][16][2] bf16
 // each, with K padded to a multiple of 32 (zeros): 16 k pairs of one panel are one B tile, 16
-// rows of 64 bytes, contiguous. The input's bf16 copy is [Mp, Kp] (rows padded to 16, columns to
-// 32, zeros). A task is (row block, panel pair): for each 32 (or 16) rows it keeps four (two) C
-// tiles, rows x two panels, over the k steps in order, stores them to a small buffer and writes
+// rows of 64 bytes, contiguous. The input's bf16 copy is tile-contiguous, [Mp/16][Kp/32][16][32]
+// (rows padded to 16, columns to 32, zeros), rounded in the same parallel region as the GEMM.
+// A task is (row block, panel pair): for each 32 (or 16) rows it keeps four (two) C tiles, rows
+// x two panels, over the k steps in order, stores them to a small buffer and writes
 // the rows that exist, adding the bias or (gate/up) taking silu(gate) * up (kernels/simd.h's
 // code, as the other kernels). Each output is one TDPBF16PS chain over the k pairs in order, so a
 // row's result does not depend on the batch it is in, on the tiles or on the threads.

@@ -24,15 +24,21 @@ whose best instruction set is AVX2, or AVX-512 with the kernel's AVX-512 tile bu
 
 bf16 on CPU (engine/cpu_dtype.py) keeps the activations in fp32 and only the linears' weights in
 bf16, laid out by `bf16_linear_kernel()` (BATCHINFER_BF16_LINEAR_KERNEL overrides it):
+- `amx` on CPUs with AMX-BF16 whose tiles Linux grants: kernels/amx_linear.cpp, the same
+  panels with k padded to 32, TDPBF16PS over 16 x 32 input tiles and 32 x 16 weight tiles, fp32
+  sums, fp32 out (`AmxBf16Linear`; bias and SiLU-and-mul epilogues). On the project's AMX Xeon
+  SmolLM2's decode GEMMs ran 1.2x oneDNN's bf16 GEMM at 128 rows, 1.3x at 16 and 2.5x at one row
+  (docs/performance.md).
 - `dpbf16` on CPUs with AVX512-BF16 and no AMX: kernels/bf16_linear.cpp, the weights in panels
   of 16 columns with k in pairs, the input rounded to bf16 inside the kernel, fp32 sums by
   vdpbf16ps, fp32 out (`PairedBf16Linear`; gate/up with SiLU-and-mul as its epilogue). On the
   AMD EPYC (Zen 4) with AVX512-BF16, SmolLM2's decode GEMMs at 128 rows ran 1.9x the fp32
   blocked kernel and 1.04x oneDNN's bf16 GEMM alone, more in the engine's step, where oneDNN also
-  pays the input's conversion and the output's rounding (docs/performance.md).
-- `onednn` on CPUs with AMX (whose tiles oneDNN's bf16 GEMM uses; not measured here) and for
-  widths that do not split into panels: oneDNN's packed bf16 GEMM (the input rounded to bf16,
-  fp32 accumulation, the output rounded to bf16 and widened back);
+  pays the input's conversion and the output's rounding (docs/performance.md). On the AMX Xeon
+  vdpbf16ps measured half the fp32 FMA rate, so auto never takes it where AMX is usable.
+- `onednn` for widths that do not split into panels, and on AMX CPUs where Linux refuses the
+  tiles: oneDNN's packed bf16 GEMM (the input rounded to bf16, fp32 accumulation, the output
+  rounded to bf16 and widened back);
 - elsewhere (no native bf16) the blocked kernel over bf16 panels, widened to fp32 as they are
   loaded (exact: the fp32 FMA chains over the rounded weights), because oneDNN emulates bf16
   there (5x slower than fp32 on an AVX-512 Xeon, ~300x on AVX2-only CPUs).

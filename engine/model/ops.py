@@ -71,9 +71,9 @@ class NativeOps:
 
     @classmethod
     def gate_up_silu_mul(cls, gate_up_proj, x):
-        """One pass where the gate/up projection is a BlockedLinear, PairedBf16Linear or
-        Int8Linear that can fuse (the first two: the same bits as the two ops; an Int8Linear: the
-        same maths, to fp32 rounding); else the GEMM, then silu_and_mul."""
+        """One pass where the gate/up projection is a BlockedLinear, PairedBf16Linear (or its AMX
+        subclass) or Int8Linear that can fuse (the first two: the same bits as the two ops; an
+        Int8Linear: the same maths, to fp32 rounding); else the GEMM, then silu_and_mul."""
         if (isinstance(gate_up_proj, (BlockedLinear, PairedBf16Linear, Int8Linear))
                 and gate_up_proj.can_fuse_silu_mul
                 and cls.fuse_silu_mul):

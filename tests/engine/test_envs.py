@@ -39,3 +39,14 @@ def test_run_warns_about_a_mistyped_variable(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "BATCHINFER_KV_HUGE_PAGE (did you mean BATCHINFER_KV_HUGE_PAGES?)" in proc.stderr
+
+
+def test_the_user_manual_lists_every_variable_as_the_table_says():
+    """docs/engine.md's table is the users' copy of envs.py's; a new variable must reach it."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
+    for var in envs.ENV_VARS.values():
+        default = f"`{var.default}`" if var.default is not None else "—"
+        row = f"| `{var.name}` | {default} | {var.kind} | {var.meaning} |"
+        assert row in doc, f"docs/engine.md lacks or differs from: {row}"
