@@ -85,16 +85,22 @@ def preset_setup(recipe_model, hardware: str, devices: int, model: Optional[str]
                       "prompt_tokens": "counted with the recipe model's tokenizer"})
 
 
-def _read_on_this_machine(config):
-    """A CUDA recipe planned where torch sees no GPU (a shipped table, a preset): its model read
-    on the CPU, in the GPU's dtype (auto is bf16 there)."""
+def _read_on_this_machine(config, timed_elsewhere: bool):
+    """The recipe's model as planning reads it here: config.json and tokenizer, no weights.
+
+    A CUDA recipe planned where torch sees no GPU (a shipped table, a preset): its model read on
+    the CPU, in the GPU's dtype (auto is bf16 there). timed_elsewhere (a --table or a preset): the
+    step times come from another machine, so `model.quantization` is not checked against this
+    CPU's instructions (the table's own quantization is checked against the recipe instead)."""
     import torch
 
-    if config.device.device != "cuda" or torch.cuda.is_available():
-        return config
-    model = (config.model.model_copy(update={"dtype": "bfloat16"})
-             if config.model.dtype == "auto" else config.model)
-    device = config.device.model_copy(update={"device": "cpu", "attention_backend": "torch"})
+    model, device = config.model, config.device
+    if timed_elsewhere and model.quantization is not None:
+        model = model.model_copy(update={"quantization": None, "quantize_lm_head": False})
+    if device.device == "cuda" and not torch.cuda.is_available():
+        if model.dtype == "auto":
+            model = model.model_copy(update={"dtype": "bfloat16"})
+        device = device.model_copy(update={"device": "cpu", "attention_backend": "torch"})
     return config.model_copy(update={"model": model, "device": device})
 
 
@@ -139,7 +145,8 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
         raise ConfigError("--model names a preset model for a preset --hardware; measured "
                           "profiles time the recipe's own model")
     # config.json and tokenizer, no weights
-    recipe_model = model_setup(_read_on_this_machine(recipe.engine_config()))
+    timed_elsewhere = hardware != "measured" or table is not None
+    recipe_model = model_setup(_read_on_this_machine(recipe.engine_config(), timed_elsewhere))
     if hardware == "measured":
         setup = measured_setup(recipe, recipe_model, table, out_dir, devices, progress)
     else:

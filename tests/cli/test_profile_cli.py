@@ -87,6 +87,41 @@ def test_profile_usage_errors_exit_2_with_the_reason(tmp_path, args, message):
     assert message in result.output
 
 
+def test_an_int8_recipe_plans_from_another_machines_table_on_a_cpu_without_vnni(tmp_path,
+                                                                                monkeypatch):
+    """The table's step times were measured elsewhere, so this CPU's instructions do not matter;
+    the table's own quantization must match the recipe's."""
+    import yaml
+
+    from batchinfer.engine.model import int8_linear
+
+    monkeypatch.setattr(int8_linear, "cpu_identity",
+                        lambda: ("AVX2 Test CPU", frozenset({"avx2", "fma"})))
+    data = yaml.safe_load(RECIPE.read_text())
+    data["model"]["quantization"] = "int8"
+    recipe = tmp_path / "int8.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    plain = _smollm_table(tmp_path / "fp32.json")
+    table = json.loads(plain.read_text())
+    table["model"].update(quantization="int8", quantize_lm_head=False)
+    int8_table = tmp_path / "int8.json"
+    int8_table.write_text(json.dumps(table))
+
+    def profile(table_path):
+        return CliRunner().invoke(app, ["profile", str(recipe), "--input", str(INPUT), "--table",
+                                        str(table_path), "--out", str(tmp_path / "plan"),
+                                        "--json"])
+
+    result = profile(int8_table)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["ranking"][0]["simulated"]["output_tok_per_s"] > 0
+    assert "quantization: int8" in (tmp_path / "plan" / "best_recipe.yaml").read_text()
+    result = profile(plain)
+    assert result.exit_code == 2
+    assert "profiled with model.quantization empty" in result.output
+    assert "the recipe asks for int8" in result.output
+
+
 def test_a_table_that_is_not_one_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
