@@ -10,9 +10,10 @@ with none costs nothing.
 The experts are stacked, `gate_up` [E, 2 I, H] (each expert's gate rows, then its up rows) and
 `down` [E, H, I], so the same code runs on CUDA tensors. On CPU, `pack` lays each expert out in
 the linears' panel kernel's layout (fast_linear.py) where the linears run one: the blocked
-kernel's 16-wide panels (fp32, or bf16 widened as they are loaded) or, for bf16 on AVX512-BF16
-CPUs, the dpbf16 kernel's panels of k pairs; the expert's gate/up GEMM runs SiLU-and-mul as its
-epilogue. Elsewhere each expert is torch's linear over its slice of the stack.
+kernel's 16-wide panels (fp32, or bf16 widened as they are loaded) or, for bf16 on CPUs with
+native bf16, the panels of k pairs of the amx kernel (AMX-BF16; k padded to 32) or the dpbf16
+kernel (AVX512-BF16 without AMX); the expert's gate/up GEMM runs SiLU-and-mul as its epilogue.
+Elsewhere each expert is torch's linear over its slice of the stack.
 
 The per-expert token counts (a bincount of the assignments, which the grouping needs anyway) are
 added into `load`, a [E] tensor on the model's device that the executor reads once per step
@@ -26,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fast_linear import (PANEL, bf16_dot_available, blocked_kernel_available, from_bf16_pairs,
-                          linear_kernel_for, to_bf16_pairs)
+from .fast_linear import (PANEL, AmxBf16Linear, amx_available, bf16_dot_available,
+                          blocked_kernel_available, from_bf16_pairs, linear_kernel_for,
+                          to_bf16_pairs)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool):
@@ -65,7 +67,7 @@ class StackedExperts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
         self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # set by pack()
-        self.panel_kernel: Optional[str] = None     # with panels: "blocked" or "dpbf16"
+        self.panel_kernel: Optional[str] = None     # with panels: blocked, dpbf16 or amx
         self.load: Optional[torch.Tensor] = None    # tokens routed to each expert, since taken
 
     def pack(self, weight_dtype: torch.dtype = torch.float32) -> None:
@@ -78,6 +80,9 @@ class StackedExperts(nn.Module):
         fits = self.rows % PANEL == 0 and self.hidden_size % PANEL == 0
         if kernel == "dpbf16" and fits and bf16_dot_available():
             self.panels = (to_bf16_pairs(self.gate_up), to_bf16_pairs(self.down))
+        elif kernel == "amx" and fits and amx_available():
+            k = AmxBf16Linear.k_multiple
+            self.panels = (to_bf16_pairs(self.gate_up, k), to_bf16_pairs(self.down, k))
         elif kernel == "blocked" and fits and blocked_kernel_available():
             self.panels = (_to_panels(self.gate_up.detach().to(weight_dtype)),
                            _to_panels(self.down.detach().to(weight_dtype)))
@@ -113,6 +118,8 @@ class StackedExperts(nn.Module):
     def _linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
         if self.panel_kernel == "dpbf16":
             return torch.ops.batchinfer.bf16_linear(x, panels)
+        if self.panel_kernel == "amx":
+            return torch.ops.batchinfer.amx_linear(x, panels, None)
         return torch.ops.batchinfer.blocked_linear(x, panels)
 
     def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
@@ -120,6 +127,8 @@ class StackedExperts(nn.Module):
             gate_up, down = self.panels
             if self.panel_kernel == "dpbf16":
                 inner = torch.ops.batchinfer.bf16_linear_silu_mul(x, gate_up[expert])
+            elif self.panel_kernel == "amx":
+                inner = torch.ops.batchinfer.amx_linear_silu_mul(x, gate_up[expert])
             else:
                 inner = torch.ops.batchinfer.blocked_linear_silu_mul(x, gate_up[expert])
             return self._linear(inner, down[expert])
@@ -130,7 +139,7 @@ class StackedExperts(nn.Module):
         """(gate_up [E, 2 I, H], down [E, H, I]) back from the panels where packed."""
         if self.panels is None:
             return self.gate_up.detach(), self.down.detach()
-        if self.panel_kernel == "dpbf16":
+        if self.panel_kernel in ("dpbf16", "amx"):
             return (from_bf16_pairs(self.panels[0], self.hidden_size),
                     from_bf16_pairs(self.panels[1], self.rows))
         return tuple(p.transpose(2, 3).reshape(p.shape[0], p.shape[1] * PANEL, p.shape[2])

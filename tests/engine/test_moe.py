@@ -31,8 +31,8 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     """Sorted by expert, one GEMM chain per expert that got tokens, scattered back: the
     reference's sums, with most of 16 experts getting no token; the load counts each expert's
     tokens. `packed`: laid out for the CPU's kernel in that weight dtype (the blocked kernel's
-    panels where it is built, the dpbf16 kernel's for bf16 on AVX512-BF16; bf16: the reference
-    over the rounded weights)."""
+    panels where it is built, the amx or dpbf16 kernel's for bf16 on native-bf16 CPUs; bf16: the
+    reference over the rounded weights)."""
     from batchinfer.engine.model.fused_experts import StackedExperts, route
     from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel_for
     from batchinfer.engine.model.ops import TorchOps
@@ -46,7 +46,7 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     if packed is not None:
         experts.pack(packed)
         kernel = linear_kernel_for(torch.device("cpu"), packed)
-        panels = kernel == "dpbf16" or (kernel == "blocked" and blocked_kernel_available())
+        panels = kernel in ("dpbf16", "amx") or (kernel == "blocked" and blocked_kernel_available())
         assert (experts.panels is not None) == panels
         assert experts.panel_kernel == (kernel if panels else None)
         gate_up, down = (w.to(packed).float() for w in (gate_up, down))
@@ -56,14 +56,38 @@ def test_grouped_experts_equal_a_per_token_reference(packed):
     weights, ids = route(torch.randn(3, 16, generator=gen), top_k=2, normalize=True)
     with torch.inference_mode():
         out = experts(x, weights, ids, TorchOps)
-    # the dpbf16 kernel also rounds each GEMM's input to bf16
-    dpbf16 = experts.panel_kernel == "dpbf16"
-    expected = _reference(x, gate_up, down, weights, ids, to_bf16 if dpbf16 else (lambda v: v))
-    tolerance = 1e-4 if dpbf16 else 1e-5     # dpbf16: an input near a rounding boundary
+    # the native bf16 kernels (dpbf16, amx) also round each GEMM's input to bf16
+    rounds_input = experts.panel_kernel in ("dpbf16", "amx")
+    expected = _reference(x, gate_up, down, weights, ids,
+                          to_bf16 if rounds_input else (lambda v: v))
+    tolerance = 1e-4 if rounds_input else 1e-5     # an input near a rounding boundary
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
     load = experts.load.tolist()
     assert load == torch.bincount(ids.flatten(), minlength=16).tolist()
     assert sum(load) == 6 and load.count(0) >= 10
+
+
+def test_experts_for_the_amx_kernel_pad_k_to_a_tile_and_round_trip(monkeypatch):
+    """The layout alone (any CPU): each expert's pairs with k padded to 32, the dense stacks
+    back bit for bit in bf16. Its outputs are the test above's on a CPU with AMX."""
+    from batchinfer.engine.model import fused_experts
+    from batchinfer.engine.model.fused_experts import StackedExperts
+
+    monkeypatch.setattr(fused_experts, "linear_kernel_for", lambda device, dtype: "amx")
+    monkeypatch.setattr(fused_experts, "amx_available", lambda: True)
+    experts = StackedExperts(4, 48, 16)
+    with torch.no_grad():
+        experts.gate_up.normal_()
+        experts.down.normal_()
+    dense = [w.detach().to(torch.bfloat16) for w in (experts.gate_up, experts.down)]
+    experts.pack(torch.bfloat16)
+    assert experts.panel_kernel == "amx"
+    gate_up, down = experts.panels
+    assert gate_up.shape == (4, 2, 32, 16, 2)      # 32 rows in 2 panels, k 48 -> 64 in pairs
+    assert down.shape == (4, 3, 16, 16, 2)         # 48 rows in 3 panels, k 16 -> 32 in pairs
+    assert torch.all(gate_up[:, :, 24:] == 0) and torch.all(down[:, :, 8:] == 0)
+    for ours, theirs in zip(experts.dense_weights(), dense):
+        assert torch.equal(ours, theirs)
 
 
 def test_routing_renormalizes_only_where_the_model_does():
