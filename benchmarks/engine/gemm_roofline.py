@@ -3,9 +3,9 @@
 One decode step of a batch of M sequences runs, per layer, the qkv, o, gate_up and down
 projections at M rows, plus the LM head once. Timing exactly those GEMMs (same thread count, each
 layer its own weights) with every kernel the engine has for the weights' dtype
-(engine/model/fast_linear.py: the blocked kernel, oneDNN's packed GEMM, and for bf16 on an
-AVX512-BF16 CPU the dpbf16 kernel, on an AMX CPU the amx kernel) and keeping the fastest gives the decode throughput no
-engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
+(engine/model/fast_linear.py: the blocked kernel, oneDNN's packed GEMM, and for bf16 the dpbf16
+kernel on an AVX512-BF16 CPU, the amx kernel on an AMX one) and keeping the fastest gives the
+decode throughput no engine of ours can beat on this machine, whichever kernel it runs. A whole workload also has to
 prefill its prompts: the workload roofline adds those GEMMs (w_decode.py reports both).
 
     python benchmarks/engine/gemm_roofline.py --batch 128 256 512

@@ -134,8 +134,8 @@ inline void write_rows(const float* c, int64_t rows, int64_t width, const float*
   }
 }
 
-// 32 input rows (two 16-row blocks of A tiles, the first at xq) x panels a and b: four C tiles over the
-// k steps in order, stored to c [32][2 P].
+// 32 input rows (two 16-row blocks of A tiles, the first at xq) x panels a and b: four C tiles
+// over the k steps in order, stored to c [32][2 P].
 inline void tile_32x2(const uint16_t* xq, int64_t Kp, const uint16_t* pa, const uint16_t* pb,
                       float* c) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);

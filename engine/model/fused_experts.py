@@ -116,21 +116,12 @@ class StackedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, out)
 
     def _linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        if self.panel_kernel == "dpbf16":
-            return torch.ops.batchinfer.bf16_linear(x, panels)
-        if self.panel_kernel == "amx":
-            return torch.ops.batchinfer.amx_linear(x, panels, None)
-        return torch.ops.batchinfer.blocked_linear(x, panels)
+        return _panel_ops(self.panel_kernel)[0](x, panels)
 
     def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
         if self.panels is not None:
             gate_up, down = self.panels
-            if self.panel_kernel == "dpbf16":
-                inner = torch.ops.batchinfer.bf16_linear_silu_mul(x, gate_up[expert])
-            elif self.panel_kernel == "amx":
-                inner = torch.ops.batchinfer.amx_linear_silu_mul(x, gate_up[expert])
-            else:
-                inner = torch.ops.batchinfer.blocked_linear_silu_mul(x, gate_up[expert])
+            inner = _panel_ops(self.panel_kernel)[1](x, gate_up[expert])
             return self._linear(inner, down[expert])
         inner = ops.silu_and_mul(F.linear(x, self.gate_up[expert]))
         return F.linear(inner, self.down[expert])
@@ -171,6 +162,17 @@ class BiasedExperts(StackedExperts):
         h = F.linear(x, self.gate_up[expert], self.gate_up_bias[expert])
         return F.linear(clamped_swiglu(h, self.alpha, self.limit), self.down[expert],
                         self.down_bias[expert])
+
+
+def _panel_ops(kernel: str):
+    """(linear, linear with the SiLU-and-mul epilogue) of a panel kernel, over one expert's
+    panels (no bias)."""
+    ops = torch.ops.batchinfer
+    if kernel == "amx":
+        return lambda x, w: ops.amx_linear(x, w, None), ops.amx_linear_silu_mul
+    if kernel == "dpbf16":
+        return ops.bf16_linear, ops.bf16_linear_silu_mul
+    return ops.blocked_linear, ops.blocked_linear_silu_mul
 
 
 def _to_panels(stack: torch.Tensor) -> torch.Tensor:
