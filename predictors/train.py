@@ -81,7 +81,7 @@ def check_enough(n: int, minimum: int = MIN_RECORDS) -> None:
 
 
 # --- training -------------------------------------------------------------------------------------
-def _fit_head_on_states(model: bert.BertLengthClassifier, x_train: torch.Tensor,
+def fit_head_on_states(model: bert.BertLengthClassifier, x_train: torch.Tensor,
                         y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
                         cfg: TrainConfig, device: torch.device) -> tuple[dict, list[dict], int]:
     """Head-only training on precomputed encoder states; returns the best head state."""
@@ -192,7 +192,7 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
             tokens = bert.Tokenized(tokenizer, [r.prompt for r in part], cfg.max_length,
                                      cfg.truncation)
             states[name] = bert.pooled_states(model, tokens, cfg.batch_size, device)
-        best, curve, best_epoch = _fit_head_on_states(
+        best, curve, best_epoch = fit_head_on_states(
             model, states["train"], torch.as_tensor(labels), states["val"],
             torch.as_tensor(y_val), cfg, device)
         model.head.load_state_dict(best)
