@@ -3,13 +3,17 @@ first part of the job has finished, against the shipped BERT predictor and the m
 
     python benchmarks/strategies/online_predictor_bench.py            # replies made once, cached
     python benchmarks/strategies/online_predictor_bench.py --requests 400 --offset 1000
+    python benchmarks/strategies/online_predictor_bench.py --requests 120 --offset 0 --max-tokens 1024 --lengths eos
 
 The job: `--requests` real ShareGPT prompts (the ShareGPT V3 sample of benchmarks/common.py,
 from `--offset` on; the shipped predictor was trained on examples/predictor_prompts.jsonl only, so
 none of these is in its data), answered by the embedded SmolLM2-135M-Instruct with
 benchmarks/strategies/predictor_history.yaml's sampling (greedy, repetition_penalty 1.1, cap
 512). The replies are generated once with `batchinfer run` (resumable) and cached under the
-batchinfer cache; their history.jsonl gives each prompt's true length.
+batchinfer cache, per slice and cap; their history.jsonl gives each prompt's true length.
+`--lengths eos` takes them instead from tdpipe_bench.py --stop-at-eos's reference pass (the same
+prompts, sampling and cap through the chat template; run once and cached), so the TD-Pipe replay
+below is of that timed job.
 
 The job's timeline is replayed without the model: requests are admitted in input order into
 `--concurrency` slots (the history run's max_num_seqs), each decodes one token a step, so the
@@ -51,8 +55,8 @@ def make_replies(offset: int, n: int, max_tokens: int, generate: bool = True) ->
     """The run directory whose history holds the embedded model's reply to each prompt (run
     once with `batchinfer run`, resumed if it was cut short)."""
     base = job_dir()
-    prompts = base / f"prompts-off{offset}-n{n}.jsonl"
-    run_dir = base / f"run-off{offset}-n{n}"
+    prompts = base / f"prompts-off{offset}-n{n}-max{max_tokens}.jsonl"
+    run_dir = base / f"run-off{offset}-n{n}-max{max_tokens}"
     if not prompts.is_file():
         base.mkdir(parents=True, exist_ok=True)
         rows = sharegpt_rows()[offset:offset + n]
@@ -92,7 +96,7 @@ def model_replies(args):
         run_dir = make_replies(args.offset, args.requests, args.max_tokens,
                                not args.cached_only)
         prompts = [json.loads(line) for line in open(
-            job_dir() / f"prompts-off{args.offset}-n{args.requests}.jsonl")]
+            job_dir() / f"prompts-off{args.offset}-n{args.requests}-max{args.max_tokens}.jsonl")]
     by_id = {r.id: r for r in read_history([run_dir], need_text=True).records}
     rows = []
     for p in prompts:            # the replies cached so far: the prompts' longest finished prefix
@@ -115,6 +119,23 @@ def reference_replies(args):
     prompt_tokens = [len(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]))
                      for r in rows]
     return None, rows, lengths, prompt_tokens
+
+
+def eos_replies(args):
+    """The same prompts with the lengths of tdpipe_bench.py --stop-at-eos's reference pass
+    (eos_workload.py; run once in a fresh process if not cached): the timed EOS job's replies."""
+    from benchmarks.common import embedded_source
+    from benchmarks.strategies import eos_workload
+
+    script = str(Path(__file__).resolve().with_name("tdpipe_bench.py"))
+    reference = argparse.Namespace(requests=args.requests, offset=args.offset,
+                                   max_tokens=args.max_tokens, kv_tokens=16384)
+    by_id = json.loads(eos_workload.reference_lengths(script, reference).read_text())
+    tokenizer = embedded_source().tokenizer
+    rows = [{"id": r["id"], "prompt": r["prompt"], "max_tokens": args.max_tokens}
+            for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
+    return (None, rows, [by_id[r["id"]] for r in rows],
+            [len(eos_workload.prompt_ids(tokenizer, r["prompt"], True)) for r in rows])
 
 
 def finish_order(lengths: list[int], concurrency: int, order: str, seed: int
@@ -168,10 +189,14 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=14448, help="TD-Pipe replay: KV tokens "
                     "per pipeline (tdpipe_bench's)")
     ap.add_argument("--no-tdpipe", action="store_true", help="skip the TD-Pipe replays")
-    ap.add_argument("--lengths", choices=("model", "reference"), default="model",
+    ap.add_argument("--overdue-doubling", default=True,
+                    type=lambda v: {"true": True, "false": False}.get(v, v),
+                    choices=(True, False), help="TD-Pipe replay: the scheduler's "
+                    "overdue_doubling (false: the ablation)")
+    ap.add_argument("--lengths", choices=("model", "reference", "eos"), default="model",
                     help="model: the embedded model's replies (generated once, cached); "
                     "reference: the ShareGPT replies' own lengths (no generation; a second "
-                    "held-out workload)")
+                    "held-out workload); eos: tdpipe_bench.py --stop-at-eos's reference pass")
     ap.add_argument("--workload", choices=("sharegpt", "bigbench"), default="sharegpt",
                     help="sharegpt: the ShareGPT sample from --offset; bigbench: the held-out "
                     "BIG-bench prompts of predictor_corpus.py (answered there; --offset 0)")
@@ -195,6 +220,8 @@ def main() -> None:
 
     if args.lengths == "model":
         run_dir, rows, lengths, prompt_tokens = model_replies(args)
+    elif args.lengths == "eos":
+        run_dir, rows, lengths, prompt_tokens = eos_replies(args)
     else:
         run_dir, rows, lengths, prompt_tokens = reference_replies(args)
     n = len(rows)
@@ -272,9 +299,11 @@ def main() -> None:
                      if args.workload == "sharegpt" else
                      f"BIG-bench, held out (predictor_corpus.py) [{args.offset}, "
                      f"{args.offset + n})",
-                     "replies": "SmolLM2-135M-Instruct, predictor_history.yaml sampling"
-                     if args.lengths == "model" else
-                     f"the ShareGPT reference replies' lengths, capped at {args.max_tokens}",
+                     "replies": {"model": "SmolLM2-135M-Instruct, predictor_history.yaml sampling",
+                                 "eos": "SmolLM2-135M-Instruct, tdpipe_bench.py --stop-at-eos's "
+                                        f"reference pass, capped at {args.max_tokens}"}.get(
+                         args.lengths, f"the ShareGPT reference replies' lengths, capped at "
+                                       f"{args.max_tokens}"),
                      "requests": n, "mean_reply_tokens": round(float(np.mean(lengths)), 1),
                      "at_max_tokens": int(sum(1 for x in lengths if x >= args.max_tokens)),
                      "run_dir": None if run_dir is None else str(run_dir)},
@@ -318,6 +347,7 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                 for query, forecast in online.update(progress):
                     if query.key in live:
                         apply_forecast(live[query.key].request, forecast)
+        params = {**params, "overdue_doubling": args.overdue_doubling}
         return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
                       on_finished=hook if online is not None else None)
 
@@ -336,6 +366,7 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     for r in out.values():
         r["throughput_vs_oracle"] = round(base / r["modelled_s"], 4) if r["modelled_s"] else None
     return {"kv_tokens": args.kv_tokens, "step_times": "tdpipe_replay.DEFAULT_STEP_TIMES",
+            "overdue_doubling": args.overdue_doubling,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
                                                     "micro_batches", "preemptions",
                                                     "phase_switches", "refits") if key in r}

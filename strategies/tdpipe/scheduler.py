@@ -68,6 +68,10 @@ class TDPipeParams(StrategyParams):
     unsure_confidence: float = Field(0.5, ge=0, le=1, description="a forecast whose class "
                                      "probability is below this is unsure (the paper's "
                                      "predictors are right about half the time: 52-58%)")
+    overdue_doubling: bool = Field(True, description="a request that has outlived its forecast "
+                                   "is expected to run as long again as it has so far (at least "
+                                   "one future-point interval, at most its cap); false: one "
+                                   "more future-point interval at a time")
     kv_occupancy_ratio: float = Field(0.5, gt=0, le=1, description="ablation of greedy_prefill: "
                                       "switch once this share of the KV blocks is in use")
     # Approach 2: inter-batch work stealing (decode)
@@ -165,8 +169,11 @@ class TDPipeScheduler(BatchingScheduler):
         """Output tokens `seq` is predicted to generate from now on: the predictor's length (else
         max_tokens; its upper forecast when the predictor is unsure, `unsure_upper_forecast`)
         minus what it generated, capped by max_tokens and max_model_len. A request
-        already past its prediction still holds its KV: it is expected to run one more
-        future-point interval (it would otherwise vanish from the forecast)."""
+        already past its prediction still holds its KV, and the forecast was wrong about it:
+        with `overdue_doubling` it is expected to run as long again as it has so far (a reply
+        that outlived its forecast tends to run long: on replies stopping at EOS under a
+        1,024-token cap one interval at a time let the cache overcommit into preemptions), else
+        one more future-point interval; never past its cap."""
         request = seq.request
         generated = len(seq.output_token_ids)
         limit = self.max_model_len - seq.prompt_len
@@ -176,7 +183,9 @@ class TDPipeScheduler(BatchingScheduler):
         predicted = limit if predicted is None else min(predicted, limit)
         left = predicted - generated
         if left <= 0:
-            left = min(self.params.future_point_interval, limit - generated)
+            interval = self.params.future_point_interval
+            more = max(generated, interval) if self.params.overdue_doubling else interval
+            left = min(more, limit - generated)
         return max(left, 0)
 
     def _running_forecast(self) -> KVForecast:

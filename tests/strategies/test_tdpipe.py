@@ -177,6 +177,20 @@ def test_greedy_prefill_switches_when_the_predicted_peak_exceeds_the_capacity():
     assert decision["predicted_kv_peak"] == pytest.approx(288 / 256, abs=1e-3)
 
 
+@pytest.mark.parametrize("doubling", [True, False])
+def test_a_request_past_its_forecast_is_planned_for_as_long_again(doubling):
+    """overdue_doubling: a reply that outlived its forecast is expected to run as long again as
+    it has so far, within its cap; off: one future-point interval (8 here) at a time."""
+    sched = _scheduler(overdue_doubling=doubling)
+    seq = _seq(0, 32, 100, predicted=10)
+    seq.output_token_ids.extend([7] * 5)
+    assert sched.predicted_remaining(seq) == 5                     # inside its forecast: as told
+    seq.output_token_ids.extend([7] * 35)                           # 40 generated, 30 past it
+    assert sched.predicted_remaining(seq) == (40 if doubling else 8)
+    seq.output_token_ids.extend([7] * 40)                           # 80 of its 100
+    assert sched.predicted_remaining(seq) == (20 if doubling else 8)
+
+
 def _fill_like_the_engine(sched, depth: int) -> list:
     """The engine's _fill: launch while fewer than the scheduler's limit are in flight."""
     in_flight = []
