@@ -82,8 +82,8 @@ def check_enough(n: int, minimum: int = MIN_RECORDS) -> None:
 
 # --- training -------------------------------------------------------------------------------------
 def fit_head_on_states(model: bert.BertLengthClassifier, x_train: torch.Tensor,
-                        y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
-                        cfg: TrainConfig, device: torch.device) -> tuple[dict, list[dict], int]:
+                       y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor,
+                       cfg: TrainConfig, device: torch.device) -> tuple[dict, list[dict], int]:
     """Head-only training on precomputed encoder states; returns the best head state."""
     head = model.head.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
