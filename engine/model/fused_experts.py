@@ -32,6 +32,9 @@ from .fast_linear import (PANEL, AmxBf16Linear, amx_available, bf16_dot_availabl
                           to_bf16_pairs)
 
 
+PAIRED_KERNELS = ("dpbf16", "amx")     # panel kernels whose panels hold k in bf16 pairs
+
+
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool):
     """Softmax over the experts (in fp32), the top_k of each token, renormalized to sum to 1
     where the model does -> (weights [T, k] fp32, expert ids [T, k]). As transformers routes."""
@@ -68,6 +71,7 @@ class StackedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
         self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # set by pack()
         self.panel_kernel: Optional[str] = None     # with panels: blocked, dpbf16 or amx
+        self.panel_ops = None      # with panels: the kernel's (linear, linear_silu_mul), _panel_ops
         self.load: Optional[torch.Tensor] = None    # tokens routed to each expert, since taken
 
     def pack(self, weight_dtype: torch.dtype = torch.float32) -> None:
@@ -88,6 +92,7 @@ class StackedExperts(nn.Module):
                            _to_panels(self.down.detach().to(weight_dtype)))
         if self.panels is not None:
             self.panel_kernel = kernel
+            self.panel_ops = _panel_ops(kernel)
             empty = torch.empty(0)        # the dense stacks are not used again
             self.gate_up, self.down = nn.Parameter(empty), nn.Parameter(empty.clone())
         elif weight_dtype == torch.bfloat16:
@@ -116,12 +121,12 @@ class StackedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, out)
 
     def _linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        return _panel_ops(self.panel_kernel)[0](x, panels)
+        return self.panel_ops[0](x, panels)
 
     def _expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
         if self.panels is not None:
             gate_up, down = self.panels
-            inner = _panel_ops(self.panel_kernel)[1](x, gate_up[expert])
+            inner = self.panel_ops[1](x, gate_up[expert])
             return self._linear(inner, down[expert])
         inner = ops.silu_and_mul(F.linear(x, self.gate_up[expert]))
         return F.linear(inner, self.down[expert])
@@ -130,7 +135,7 @@ class StackedExperts(nn.Module):
         """(gate_up [E, 2 I, H], down [E, H, I]) back from the panels where packed."""
         if self.panels is None:
             return self.gate_up.detach(), self.down.detach()
-        if self.panel_kernel in ("dpbf16", "amx"):
+        if self.panel_kernel in PAIRED_KERNELS:
             return (from_bf16_pairs(self.panels[0], self.hidden_size),
                     from_bf16_pairs(self.panels[1], self.rows))
         return tuple(p.transpose(2, 3).reshape(p.shape[0], p.shape[1] * PANEL, p.shape[2])
