@@ -189,6 +189,9 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=14448, help="TD-Pipe replay: KV tokens "
                     "per pipeline (tdpipe_bench's)")
     ap.add_argument("--no-tdpipe", action="store_true", help="skip the TD-Pipe replays")
+    ap.add_argument("--step-times", type=Path, default=None, help="TD-Pipe replay: a step-time "
+                    "table (report.json's engine.step_times, or tdpipe_bench's; default: "
+                    "tdpipe_replay.DEFAULT_STEP_TIMES)")
     ap.add_argument("--overdue-doubling", default=True,
                     type=lambda v: {"true": True, "false": False}.get(v, v),
                     choices=(True, False), help="TD-Pipe replay: the scheduler's "
@@ -332,7 +335,8 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     from batchinfer.runner.predictor_setup import apply_forecast
     from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay
 
-    table = StepTimes.from_json(DEFAULT_STEP_TIMES)
+    table = (StepTimes.load(args.step_times) if args.step_times
+             else StepTimes.from_json(DEFAULT_STEP_TIMES))
     keyed = [LengthQuery(q.text, max_tokens=q.max_tokens, key=f"r{i}")
              for i, q in enumerate(queries)]
     mean = min(round(train_mean), 512)
@@ -365,7 +369,8 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     base = out["oracle"]["modelled_s"]
     for r in out.values():
         r["throughput_vs_oracle"] = round(base / r["modelled_s"], 4) if r["modelled_s"] else None
-    return {"kv_tokens": args.kv_tokens, "step_times": "tdpipe_replay.DEFAULT_STEP_TIMES",
+    return {"kv_tokens": args.kv_tokens,
+            "step_times": str(args.step_times or "tdpipe_replay.DEFAULT_STEP_TIMES"),
             "overdue_doubling": args.overdue_doubling,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
                                                     "micro_batches", "preemptions",
