@@ -192,6 +192,9 @@ def main() -> None:
     ap.add_argument("--step-times", type=Path, default=None, help="TD-Pipe replay: a step-time "
                     "table (report.json's engine.step_times, or tdpipe_bench's; default: "
                     "tdpipe_replay.DEFAULT_STEP_TIMES)")
+    ap.add_argument("--prefill-length-cost", type=float, default=0.0, help="TD-Pipe replay: "
+                    "a prefill token's extra cost per token of position (tdpipe_replay."
+                    "prefill_weight; benchmarks/engine/prefill_shape.py measures it; 0: none)")
     ap.add_argument("--overdue-doubling", default=True,
                     type=lambda v: {"true": True, "false": False}.get(v, v),
                     choices=(True, False), help="TD-Pipe replay: the scheduler's "
@@ -353,7 +356,8 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                         apply_forecast(live[query.key].request, forecast)
         params = {**params, "overdue_doubling": args.overdue_doubling}
         return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
-                      on_finished=hook if online is not None else None)
+                      on_finished=hook if online is not None else None,
+                      prefill_length_cost=args.prefill_length_cost)
 
     point = {"unsure_upper_forecast": False}
     bert_forecasts = bert.forecast(keyed)
@@ -372,6 +376,7 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     return {"kv_tokens": args.kv_tokens,
             "step_times": str(args.step_times or "tdpipe_replay.DEFAULT_STEP_TIMES"),
             "overdue_doubling": args.overdue_doubling,
+            "prefill_length_cost": args.prefill_length_cost,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
                                                     "micro_batches", "preemptions",
                                                     "phase_switches", "refits") if key in r}

@@ -7,6 +7,13 @@ report.json's engine.step_times; default: one profiled on a 2-core Xeon, PP=2, S
 
     python benchmarks/strategies/tdpipe_replay.py --requests 400 --offset 1000 --output-scale 0.25
     python benchmarks/strategies/tdpipe_replay.py --requests 80 --stop-at-eos --max-tokens 512
+    python benchmarks/strategies/tdpipe_replay.py --requests 120 --stop-at-eos --max-tokens 1024 \
+        --step-times TABLE --prefill-length-cost 6.5e-4
+
+With the run's own step table the replay takes the engine's decisions exactly (performance.md
+2026-11-29 evening); `--prefill-length-cost` also charges a long sequence's prefill (a
+preempted request's recompute) by its length, which the table, profiled on 256-token prompts,
+does not see.
 
 Prints one JSON object.
 """
@@ -31,13 +38,30 @@ CONFIGS = {"tdpipe": {}, "tdpipe-literal-forecast": {"count_ending_requests": Fa
            "tdpipe-no-prefill-ahead": {"launch_prefills_ahead": False}}
 
 
+def prefill_weight(batch, length_cost: float, profiled_len: int) -> float:
+    """How much more a prefill micro-batch costs than the table's prefill_time(tokens) says, the
+    table being profiled on `profiled_len`-token prompts: each chunk's tokens cost 1 +
+    length_cost x (twice their mean position - profiled_len) times a profiled token (attention
+    grows with the position; benchmarks/engine/prefill_shape.py measures length_cost)."""
+    if not length_cost:
+        return 1.0
+    total = weighted = 0
+    for item in batch.items:
+        start = item.seq.num_computed_tokens
+        total += item.num_tokens
+        weighted += item.num_tokens * (1 + length_cost * (2 * start + item.num_tokens
+                                                          - profiled_len))
+    return weighted / max(total, 1)
+
+
 def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
            predicted: list, kv_tokens: int, step_times, depth: int = 2,
-           on_finished=None) -> dict:
+           on_finished=None, prefill_length_cost: float = 0.0) -> dict:
     """`predicted`: per request a length, None, or a Forecast (point, upper, confidence).
     `on_finished(sched, seqs)`: called with the sequences each returned micro-batch finished
     (an online predictor learns there). `modelled_s`: the micro-batches' step times from the
-    table summed, over `depth` stages (a throughput proxy free of the machine's noise)."""
+    table summed, over `depth` stages (a throughput proxy free of the machine's noise), a
+    prefill's weighted by its sequences' lengths when `prefill_length_cost` (prefill_weight)."""
     from batchinfer.engine.kv_cache import BlockManager
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
@@ -53,6 +77,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         seq.request.predicted_confidence = getattr(guess, "confidence", None)
         sched.add(seq)
     true_len = {f"r{i}": n for i, n in enumerate(lengths)}
+    profiled_len = int(step_times.meta.get("prompt_len", 256))
     in_flight, launched, most = collections.deque(), [], 0
     while sched.has_unfinished() or in_flight:
         while len(in_flight) < sched.in_flight_limit(depth):
@@ -61,8 +86,9 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
                 break
             in_flight.extend(batches)
             most = max(most, len(in_flight))
-            launched += [(b.phase, b.num_tokens if b.phase == "prefill" else len(b))
-                         for b in batches]
+            launched += [(b.phase, b.num_tokens if b.phase == "prefill" else len(b),
+                          prefill_weight(b, prefill_length_cost, profiled_len)
+                          if b.phase == "prefill" else 1.0) for b in batches]
         if not in_flight:
             break
         batch = in_flight.popleft()
@@ -80,14 +106,15 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         if on_finished is not None and done:
             on_finished(sched, done)
     reasons = collections.Counter(d["reason"] for d in sched.drain_decisions())
-    decode = [n for phase, n in launched if phase == "decode"]
+    decode = [n for phase, n, _ in launched if phase == "decode"]
     modelled = sum(step_times.decode_time(n) if phase == "decode" else
-                   step_times.prefill_time(n) for phase, n in launched) / max(depth, 1)
+                   step_times.prefill_time(n) * weight
+                   for phase, n, weight in launched) / max(depth, 1)
     return {"modelled_s": round(modelled, 2), "micro_batches": len(launched), "preemptions": sched.num_preemptions,
             "phase_switches": sched.num_switches,
             "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
-            "prefill_tokens": sum(n for phase, n in launched if phase == "prefill"),
-            "recomputed_prefill_tokens": sum(n for p, n in launched if p == "prefill")
+            "prefill_tokens": sum(n for phase, n, _ in launched if phase == "prefill"),
+            "recomputed_prefill_tokens": sum(n for p, n, _ in launched if p == "prefill")
             - sum(prompts),
             "most_in_flight": most, "switch_reasons": dict(reasons)}
 
@@ -104,6 +131,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "none"], default="oracle")
     ap.add_argument("--step-times", type=Path, default=None)
+    ap.add_argument("--prefill-length-cost", type=float, default=0.0,
+                    help="a prefill token's extra cost per token of position (prefill_weight)")
     args = ap.parse_args()
     from batchinfer.engine.step_times import StepTimes
 
@@ -123,7 +152,8 @@ def main() -> None:
         true = [r["max_tokens"] for r in rows]
     predicted, _ = eos_workload.forecasts(args.predictor, rows, lengths)
     limits = [r["max_tokens"] for r in rows]
-    results = {name: replay(params, prompts, true, limits, predicted, args.kv_tokens, table)
+    results = {name: replay(params, prompts, true, limits, predicted, args.kv_tokens, table,
+                            prefill_length_cost=args.prefill_length_cost)
                for name, params in CONFIGS.items()}
     emit({"requests": args.requests, "offset": args.offset, "output_scale": args.output_scale,
           "stop_at_eos": args.stop_at_eos, "predictor": args.predictor,
