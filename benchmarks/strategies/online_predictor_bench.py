@@ -126,14 +126,14 @@ def eos_replies(args):
     (eos_workload.py; run once in a fresh process if not cached): the timed EOS job's replies."""
     from benchmarks.common import embedded_source
     from benchmarks.strategies import eos_workload
+    from benchmarks.strategies.strategy_bench import workload_rows
 
     script = str(Path(__file__).resolve().with_name("tdpipe_bench.py"))
     reference = argparse.Namespace(requests=args.requests, offset=args.offset,
                                    max_tokens=args.max_tokens, kv_tokens=16384)
     by_id = json.loads(eos_workload.reference_lengths(script, reference).read_text())
     tokenizer = embedded_source().tokenizer
-    rows = [{"id": r["id"], "prompt": r["prompt"], "max_tokens": args.max_tokens}
-            for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
+    rows = workload_rows(args.requests, 1.0, "sharegpt", args.offset, args.max_tokens)
     return (None, rows, [by_id[r["id"]] for r in rows],
             [len(eos_workload.prompt_ids(tokenizer, r["prompt"], True)) for r in rows])
 
