@@ -195,6 +195,10 @@ def main() -> None:
     ap.add_argument("--prefill-length-cost", type=float, default=0.0, help="TD-Pipe replay: "
                     "a prefill token's extra cost per token of position (tdpipe_replay."
                     "prefill_weight; benchmarks/engine/prefill_shape.py measures it; 0: none)")
+    ap.add_argument("--admit-within-capacity", default="auto",
+                    type=lambda v: {"true": True, "false": False}.get(v, v),
+                    choices=("auto", True, False), help="TD-Pipe replay: the scheduler's "
+                    "admit_within_capacity (false: Algorithm 1 as written)")
     ap.add_argument("--overdue-doubling", default=True,
                     type=lambda v: {"true": True, "false": False}.get(v, v),
                     choices=(True, False), help="TD-Pipe replay: the scheduler's "
@@ -354,7 +358,8 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                 for query, forecast in online.update(progress):
                     if query.key in live:
                         apply_forecast(live[query.key].request, forecast)
-        params = {**params, "overdue_doubling": args.overdue_doubling}
+        params = {**params, "overdue_doubling": args.overdue_doubling,
+                  "admit_within_capacity": args.admit_within_capacity}
         return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
                       on_finished=hook if online is not None else None,
                       prefill_length_cost=args.prefill_length_cost)
@@ -370,14 +375,17 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                                        prior_weight=args.prior_weight, time_budget=None)
         out[name] = run(online.forecast(keyed), params, online)
         out[name]["refits"] = online.refits
-    base = out["oracle"]["modelled_s"]
+    base, piped = out["oracle"]["modelled_s"], out["oracle"]["pipeline_s"]
     for r in out.values():
         r["throughput_vs_oracle"] = round(base / r["modelled_s"], 4) if r["modelled_s"] else None
+        r["pipelined_vs_oracle"] = round(piped / r["pipeline_s"], 4) if r["pipeline_s"] else None
     return {"kv_tokens": args.kv_tokens,
             "step_times": str(args.step_times or "tdpipe_replay.DEFAULT_STEP_TIMES"),
             "overdue_doubling": args.overdue_doubling,
+            "admit_within_capacity": args.admit_within_capacity,
             "prefill_length_cost": args.prefill_length_cost,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
+                                                    "pipelined_vs_oracle", "pipeline_s",
                                                     "micro_batches", "preemptions",
                                                     "phase_switches", "refits") if key in r}
                         for k, r in out.items()}}

@@ -54,6 +54,11 @@ CONFIGS = {
 # --stop-at-eos, where lengths are unknown (eos_workload.py)
 for _source in ("bert", "bert-online", "oracle", "mean", "none"):
     CONFIGS[f"tdpipe-{_source}"] = {"pp": 2, "strategy": TDPIPE, "predictor": _source}
+    # admit_within_capacity's settings (default auto): Algorithm 1 as written, where the batch
+    # that crosses the capacity is launched whole, and always holding such a prompt back
+    for _suffix, _mode in (("as-written", False), ("within", True)):
+        CONFIGS[f"tdpipe-{_source}-{_suffix}"] = {"pp": 2, "predictor": _source, "strategy": {
+            **TDPIPE, "admit_within_capacity": _mode}}
 # the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
 # the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the
 # intensity comparison)

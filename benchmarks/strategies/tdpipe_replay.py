@@ -54,6 +54,30 @@ def prefill_weight(batch, length_cost: float, profiled_len: int) -> float:
     return weighted / max(total, 1)
 
 
+class PipelineClock:
+    """When each micro-batch comes back from a pipeline of `depth` equal stages (a batch's step
+    time split evenly over them; a stage runs one batch at a time, in launch order), the
+    controller launching at the time the last batch returned. Unlike the summed step times this
+    sees the bubbles: a stage idle while the controller waits on a returning batch (a decode
+    phase with fewer than `depth` batches, the drain around a phase switch)."""
+
+    def __init__(self, depth: int):
+        self.depth = max(depth, 1)
+        self.free = [0.0] * self.depth      # when each stage finishes its last batch
+        self.now = 0.0                      # the controller's time
+
+    def launch(self, seconds: float) -> float:
+        """-> when a batch launched now returns from the last stage."""
+        ready = self.now
+        for stage in range(self.depth):
+            ready = max(ready, self.free[stage]) + seconds / self.depth
+            self.free[stage] = ready
+        return ready
+
+    def returned(self, at: float) -> None:
+        self.now = max(self.now, at)
+
+
 def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
            predicted: list, kv_tokens: int, step_times, depth: int = 2,
            on_finished=None, prefill_length_cost: float = 0.0) -> dict:
@@ -61,7 +85,8 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     `on_finished(sched, seqs)`: called with the sequences each returned micro-batch finished
     (an online predictor learns there). `modelled_s`: the micro-batches' step times from the
     table summed, over `depth` stages (a throughput proxy free of the machine's noise), a
-    prefill's weighted by its sequences' lengths when `prefill_length_cost` (prefill_weight)."""
+    prefill's weighted by its sequences' lengths when `prefill_length_cost` (prefill_weight);
+    `pipeline_s`: the same step times run through a PipelineClock (bubbles counted)."""
     from batchinfer.engine.kv_cache import BlockManager
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
@@ -79,19 +104,25 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     true_len = {f"r{i}": n for i, n in enumerate(lengths)}
     profiled_len = int(step_times.meta.get("prompt_len", 256))
     in_flight, launched, most = collections.deque(), [], 0
+    clock = PipelineClock(depth)
     while sched.has_unfinished() or in_flight:
         while len(in_flight) < sched.in_flight_limit(depth):
             batches = launch(sched)
             if not batches:
                 break
-            in_flight.extend(batches)
+            for b in batches:
+                size = b.num_tokens if b.phase == "prefill" else len(b)
+                weight = (prefill_weight(b, prefill_length_cost, profiled_len)
+                          if b.phase == "prefill" else 1.0)
+                seconds = (step_times.prefill_time(size) * weight if b.phase == "prefill"
+                           else step_times.decode_time(size))
+                in_flight.append((b, clock.launch(seconds)))
+                launched.append((b.phase, size, seconds))
             most = max(most, len(in_flight))
-            launched += [(b.phase, b.num_tokens if b.phase == "prefill" else len(b),
-                          prefill_weight(b, prefill_length_cost, profiled_len)
-                          if b.phase == "prefill" else 1.0) for b in batches]
         if not in_flight:
             break
-        batch = in_flight.popleft()
+        batch, returns_at = in_flight.popleft()
+        clock.returned(returns_at)
         done = []
         for item in batch.items:           # what the engine does with a returned micro-batch
             seq = item.seq
@@ -107,10 +138,9 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
             on_finished(sched, done)
     reasons = collections.Counter(d["reason"] for d in sched.drain_decisions())
     decode = [n for phase, n, _ in launched if phase == "decode"]
-    modelled = sum(step_times.decode_time(n) if phase == "decode" else
-                   step_times.prefill_time(n) * weight
-                   for phase, n, weight in launched) / max(depth, 1)
-    return {"modelled_s": round(modelled, 2), "micro_batches": len(launched), "preemptions": sched.num_preemptions,
+    modelled = sum(seconds for _, _, seconds in launched) / max(depth, 1)
+    return {"modelled_s": round(modelled, 2), "pipeline_s": round(clock.now, 2),
+            "micro_batches": len(launched), "preemptions": sched.num_preemptions,
             "phase_switches": sched.num_switches,
             "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
             "prefill_tokens": sum(n for phase, n, _ in launched if phase == "prefill"),

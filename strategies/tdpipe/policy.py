@@ -110,6 +110,12 @@ class KVForecast:
     def peak(self) -> int:
         return max(self.usage, default=0)
 
+    def fits(self, input_len: int, predict_len: int) -> bool:
+        """Would the predicted peak stay within the capacity with this request added?"""
+        trial = self.copy()
+        trial.update(input_len, predict_len)
+        return not trial.should_switch()
+
     def should_switch(self) -> bool:
         """CheckSwitch: some future point needs more KV than there is."""
         return self.peak() > self.capacity

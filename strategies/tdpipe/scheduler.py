@@ -7,7 +7,10 @@ The pipeline alternates long prefill-only phases and long decode-only phases:
   `launch_prefills_ahead`). After each launch the
   predicted KV usage at future decode points is updated (Algorithm 1); when its peak exceeds
   the capacity (x `kv_safety_ratio`) the phase ends (`greedy_prefill`; ablation: a fixed
-  `kv_occupancy_ratio` of the blocks in use). It also ends when the next prompt does not fit.
+  `kv_occupancy_ratio` of the blocks in use). It also ends when the next prompt does not fit,
+  or (`admit_within_capacity`, by default once the job has preempted a request) when its
+  forecast would take the peak over the capacity: that prompt waits instead of being launched
+  and preempted in decode.
 - decode phase: the running requests split into PP batches that cycle through the pipeline,
   exactly PP in flight; inter-batch work stealing keeps them even (`work_stealing`). At each
   returning batch, the spatial intensity of decoding on is compared with the temporal intensity
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -72,6 +75,14 @@ class TDPipeParams(StrategyParams):
                                    "is expected to run as long again as it has so far (at least "
                                    "one future-point interval, at most its cap); false: one "
                                    "more future-point interval at a time")
+    admit_within_capacity: Union[bool, Literal["auto"]] = Field(
+        "auto", description="true: a prompt whose forecast would push the predicted peak over "
+        "the capacity is not admitted while other requests run, and the phase switches to "
+        "decode before it; false: Algorithm 1 as written, which checks after launching a batch, "
+        "so the batch that crosses the capacity runs whole (a bet that the forecasts are long "
+        "enough to leave room for it) and its excess is preempted (recomputed) in the decode "
+        "phase when they are not; auto: as written until the job first preempts a request, "
+        "then true")
     kv_occupancy_ratio: float = Field(0.5, gt=0, le=1, description="ablation of greedy_prefill: "
                                       "switch once this share of the KV blocks is in use")
     # Approach 2: inter-batch work stealing (decode)
@@ -155,6 +166,7 @@ class TDPipeScheduler(BatchingScheduler):
         self.phase = "prefill"
         self.stealing: WorkStealing[Sequence] = WorkStealing(self.depth, params.work_stealing)
         self._forecast: Optional[KVForecast] = None      # this prefill phase's Algorithm 1 map
+        self._held_for_peak = False    # admit_within_capacity refused the queue's head
         self._decode_forecast: Optional[KVForecast] = None
         self._returned: deque[tuple[list[Sequence], int]] = deque()
         self._decode_launched = 0
@@ -198,8 +210,35 @@ class TDPipeScheduler(BatchingScheduler):
     def _prefill_done(self) -> bool:
         """Algorithm 1's CheckSwitch (or the occupancy-ratio ablation)."""
         if self.params.greedy_prefill:
-            return self._forecast.should_switch()
+            return self._held_for_peak or self._forecast.should_switch()
         return self.block_manager.usage() >= self.params.kv_occupancy_ratio
+
+    def _holds_back(self, forecast: KVForecast, seq: Sequence, predicted: int,
+                    admitted_before: bool) -> bool:
+        """admit_within_capacity: `seq` waits if, with others running (or admitted before it),
+        its forecast would take the predicted peak over the capacity."""
+        return (self.params.greedy_prefill and self._within_capacity()
+                and admitted_before and not forecast.fits(seq.num_tokens, predicted))
+
+    def _within_capacity(self) -> bool:
+        """admit_within_capacity now: `auto` holds prompts back once the job has preempted."""
+        mode = self.params.admit_within_capacity
+        return self.num_preemptions > 0 if mode == "auto" else mode
+
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """In a prefill phase each admitted request goes into Algorithm 1's map as it is
+        admitted (UpdateUsage; the map is a sum, so this equals updating after the launch), and
+        with admit_within_capacity one that would overflow it is held back."""
+        if self.phase != "prefill" or self._forecast is None:
+            return super()._admit(seq, num_tokens)
+        predicted = self.predicted_remaining(seq)
+        if self._holds_back(self._forecast, seq, predicted, bool(self.running)):
+            self._held_for_peak = True
+            return False
+        if not super()._admit(seq, num_tokens):
+            return False
+        self._forecast.update(seq.num_tokens, predicted)
+        return True
 
     # --- the Scheduler protocol -------------------------------------------------------------------
     def in_flight_limit(self, depth: int) -> int:
@@ -260,14 +299,15 @@ class TDPipeScheduler(BatchingScheduler):
             return None
         if self._forecast is None:
             self._forecast = self._running_forecast()
-        batch = self._whole_prompts()
+        self._held_for_peak = False
+        batch = self._whole_prompts()       # _admit updates the forecast
         if not batch.items:
             if self.running:
                 full = len(self.running) >= self.max_num_seqs
-                self._switch("decode", "max_num_seqs reached" if full else "KV cache full")
+                reason = ("predicted KV peak exceeds capacity" if self._held_for_peak else
+                          "max_num_seqs reached" if full else "KV cache full")
+                self._switch("decode", reason)
             return None
-        for item in batch.items:
-            self._forecast.update(item.seq.num_tokens, self.predicted_remaining(item.seq))
         if self._prefill_done():
             reason = ("predicted KV peak exceeds capacity" if self.params.greedy_prefill
                       else "KV occupancy ratio reached")
@@ -376,11 +416,15 @@ class TDPipeScheduler(BatchingScheduler):
             need = -(-seq.num_uncomputed_tokens // block)
             if need > free or len(lengths) >= room:
                 break
+            if forecast is not None:
+                predicted = self.predicted_remaining(seq)
+                if self._holds_back(forecast, seq, predicted, bool(self.running or lengths)):
+                    break
             free -= need
             used += need
             lengths.append(seq.num_uncomputed_tokens)
             if forecast is not None:
-                forecast.update(seq.num_tokens, self.predicted_remaining(seq))
+                forecast.update(seq.num_tokens, predicted)
                 if forecast.should_switch():
                     break
             elif used / self.block_manager.num_blocks >= self.params.kv_occupancy_ratio:

@@ -79,12 +79,14 @@ def test_counting_ending_requests_sees_replies_shorter_than_a_point_interval():
     assert beyond.usage == [42, 74] and beyond.copy().usage == beyond.usage
 
 
-def test_a_phase_of_short_replies_ends_on_the_forecast_not_on_a_full_cache():
+@pytest.mark.parametrize("within", [True, False])
+def test_a_phase_of_short_replies_ends_on_the_forecast_not_on_a_full_cache(within):
     """Prompts of 48 tokens with 5-token replies: literally, Algorithm 1 sees none of them (they
     end before the first point, 8) and prefills until the cache is full."""
     peaks, reasons = {}, {}
     for counted in (True, False):
-        sched = _scheduler(num_blocks=16, count_ending_requests=counted)   # 256 tokens
+        sched = _scheduler(num_blocks=16, count_ending_requests=counted,   # 256 tokens
+                           admit_within_capacity=within)
         for i in range(12):
             sched.add(_seq(i, 48, 5, predicted=5))
         while sched.phase == "prefill":
@@ -95,9 +97,11 @@ def test_a_phase_of_short_replies_ends_on_the_forecast_not_on_a_full_cache():
                 break
         decision = sched.drain_decisions()[0]
         reasons[counted], peaks[counted] = decision["reason"], decision["predicted_kv_peak"]
-    # each holds 48 + 5 tokens (4 blocks) at its end: the 5th is forecast over the 16 blocks
+    # each holds 48 + 5 tokens (4 blocks) at its end: the 5th is forecast over the 16 blocks;
+    # as written it is launched all the same, within the capacity it waits
     assert reasons == {True: "predicted KV peak exceeds capacity", False: "KV cache full"}
-    assert peaks[True] == pytest.approx(5 * 64 / 256) and peaks[False] == 0   # literally: blind
+    assert peaks[True] == pytest.approx((4 if within else 5) * 64 / 256)
+    assert peaks[False] == 0                                        # literally: blind
 
 
 # --- Approach 2: inter-batch work stealing, the paper's Fig. 9 ----------------------------------------
@@ -161,20 +165,84 @@ def _scheduler(num_blocks=64, depth=2, **params) -> TDPipeScheduler:
     return sched
 
 
-def test_greedy_prefill_switches_when_the_predicted_peak_exceeds_the_capacity():
-    sched = _scheduler(num_blocks=16)                       # 256 tokens
+@pytest.mark.parametrize("within", [True, False])
+def test_greedy_prefill_switches_when_the_predicted_peak_exceeds_the_capacity(within):
+    sched = _scheduler(num_blocks=16, admit_within_capacity=within)      # 256 tokens
     for i in range(8):                                       # 32-token prompts, 40 predicted tokens
         sched.add(_seq(i, 32, 100, predicted=40))
     first = _launch(sched)[0]
     assert first.phase == "prefill" and len(first) == 2      # 64-token budget
     assert sched.phase == "prefill"                          # 2 x (32 + 40) = 144 at point 8..40
     second = _launch(sched)[0]
-    # 4 requests: at point 8 they hold 4 x 40 = 160 tokens; at point 40, 4 x 72 = 288 > 256
-    assert len(second) == 2 and sched.phase == "decode"
+    # 4 requests: at point 8 they hold 4 x 40 = 160 tokens; at point 40, 4 x 72 = 288 > 256.
+    # Algorithm 1 as written launches the 4th and then switches; within the capacity the 4th
+    # waits for the next prefill phase
+    assert len(second) == (1 if within else 2) and sched.phase == "decode"
     decision = sched.drain_decisions()[0]
     assert decision["switch"] == "prefill->decode"
     assert decision["reason"] == "predicted KV peak exceeds capacity"
-    assert decision["predicted_kv_peak"] == pytest.approx(288 / 256, abs=1e-3)
+    assert decision["predicted_kv_peak"] == pytest.approx((216 if within else 288) / 256,
+                                                          abs=1e-3)
+    assert [s.request_id for s in sched.waiting][0] == ("r3" if within else "r4")
+
+
+def test_within_the_capacity_a_job_whose_forecasts_are_right_is_never_preempted():
+    """Exact forecasts, a cache of 10 requests' peaks: Algorithm 1 as written launches the batch
+    that crosses the capacity and preempts its excess in decode; held back, nothing is
+    preempted, and the decode -> prefill comparison is only made when the queue's head fits, so
+    the phases do not flip back and forth over a head that cannot start."""
+    preempted, switches = {}, {}
+    for within in (True, False):
+        sched = _scheduler(num_blocks=30, depth=2, admit_within_capacity=within)   # 480 tokens
+        for i in range(24):                     # 16-token prompts, 32 tokens each: 3 blocks
+            sched.add(_seq(i, 16, 32, predicted=32))
+        launched = _drive(sched, 2, stop_on_prefill=False, max_steps=2000)
+        assert not sched.running and not sched.waiting
+        assert {item.seq.request_id for b in launched for item in b.items} == \
+            {f"r{i}" for i in range(24)}
+        sched.block_manager.check_invariants()
+        preempted[within], switches[within] = sched.num_preemptions, sched.num_switches
+    assert preempted[False] > 0 and preempted[True] == 0, preempted
+    assert switches[True] <= 8, switches            # three phases of up to 10 requests each
+
+
+def test_auto_bets_on_the_forecasts_until_the_job_preempts():
+    """admit_within_capacity: auto launches the batch that crosses the capacity, as Algorithm 1
+    is written, until a request is preempted; from then on such a prompt waits."""
+    first_phase, preempted = {}, {}
+    for mode in ("auto", False, True):
+        sched = _scheduler(num_blocks=30, depth=2, admit_within_capacity=mode)
+        for i in range(36):             # exact forecasts of 16 + 32 tokens: 10 fit the cache
+            sched.add(_seq(i, 16, 32, predicted=32))
+        _drive(sched, 2, stop_on_prefill=False, max_steps=4000)
+        assert not sched.running and not sched.waiting
+        switches = [d for d in sched.drain_decisions() if d["switch"] == "prefill->decode"]
+        first_phase[mode], preempted[mode] = switches[0]["running"], sched.num_preemptions
+    assert _scheduler().params.admit_within_capacity == "auto"      # the default
+    # the first phase takes the crossing batch (12 requests) as written; held back, 10
+    assert first_phase == {"auto": 12, False: 12, True: 10}
+    # auto stops betting after its first preemptions; as written every phase overflows
+    assert 0 == preempted[True] < preempted["auto"] < preempted[False], preempted
+
+
+@pytest.mark.parametrize("within", [True, False])
+def test_the_first_request_of_a_phase_starts_whatever_its_forecast(within):
+    """With nothing running, a prompt forecast past the capacity on its own still starts (it
+    would otherwise never run); within the capacity the next one waits."""
+    sched = _scheduler(num_blocks=6, admit_within_capacity=within)      # 96 tokens
+    sched.add(_seq(0, 40, 200, predicted=200))      # 48 + 64 (the horizon) = 112 > 96
+    sched.add(_seq(1, 16, 200, predicted=4))        # fits the cache and the 64-token budget
+    batch = _launch(sched)[0]
+    assert [item.seq.request_id for item in batch.items] == (["r0"] if within else ["r0", "r1"])
+    assert sched.phase == "decode"
+
+
+def test_forecast_fits_is_a_trial_update():
+    forecast = KVForecast([32, 64], capacity_tokens=200)
+    forecast.update(input_len=50, predict_len=64)
+    before = forecast.usage
+    assert forecast.fits(10, 40) and not forecast.fits(60, 64)
+    assert forecast.usage == before                          # nothing was added
 
 
 @pytest.mark.parametrize("doubling", [True, False])

@@ -1,0 +1,38 @@
+"""benchmarks/strategies/tdpipe_replay.py: its pipeline clock, and a replay that takes the
+scheduler's decisions on given lengths."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.engine.step_times import StepTimes
+from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, PipelineClock, replay
+
+
+def test_a_full_pipeline_returns_a_batch_per_stage_time():
+    clock = PipelineClock(depth=2)
+    first, second = clock.launch(1.0), clock.launch(1.0)      # 0.5 s on each stage
+    assert (first, second) == (pytest.approx(1.0), pytest.approx(1.5))
+    clock.returned(first)
+    assert clock.launch(1.0) == pytest.approx(2.0)             # no stage waited
+    assert clock.free == [pytest.approx(1.5), pytest.approx(2.0)]
+
+
+def test_one_batch_in_flight_leaves_a_stage_idle_half_the_time():
+    clock = PipelineClock(depth=2)
+    done = 0.0
+    for _ in range(4):
+        done = clock.launch(1.0)
+        clock.returned(done)
+    assert done == pytest.approx(4.0)     # the summed step times over the stages say 2.0
+
+
+@pytest.mark.parametrize("within", [True, False])
+def test_the_replay_counts_the_bubbles_the_summed_times_miss(within):
+    table = StepTimes.from_json(DEFAULT_STEP_TIMES)
+    prompts, lengths = [200] * 24, [100, 300] * 12
+    out = replay({"admit_within_capacity": within}, prompts, lengths, [512] * 24, lengths,
+                 kv_tokens=4096, step_times=table)
+    assert out["pipeline_s"] >= out["modelled_s"] > 0
+    assert out["prefill_tokens"] >= sum(prompts)
+    # exact forecasts: held within the capacity nothing is preempted
+    assert (out["preemptions"] == 0) if within else (out["preemptions"] > 0), out
