@@ -45,6 +45,11 @@ RECIPE = Path(__file__).resolve().with_name("predictor_history.yaml")
 GROUPS = (8, 32, 128, 256)
 
 
+def _switch(value: str):
+    """A true / false / auto command-line value: the booleans as bool, anything else as given."""
+    return {"true": True, "false": False}.get(value, value)
+
+
 def job_dir() -> Path:
     from batchinfer.engine.setup_cache import cache_root
 
@@ -196,12 +201,10 @@ def main() -> None:
                     "a prefill token's extra cost per token of position (tdpipe_replay."
                     "prefill_weight; benchmarks/engine/prefill_shape.py measures it; 0: none)")
     ap.add_argument("--admit-within-capacity", default="auto",
-                    type=lambda v: {"true": True, "false": False}.get(v, v),
-                    choices=("auto", True, False), help="TD-Pipe replay: the scheduler's "
-                    "admit_within_capacity (false: Algorithm 1 as written)")
-    ap.add_argument("--overdue-doubling", default=True,
-                    type=lambda v: {"true": True, "false": False}.get(v, v),
-                    choices=(True, False), help="TD-Pipe replay: the scheduler's "
+                    type=_switch, choices=("auto", True, False), help="TD-Pipe replay: the "
+                    "scheduler's admit_within_capacity (false: Algorithm 1 as written)")
+    ap.add_argument("--overdue-doubling", default=True, type=_switch, choices=(True, False),
+                    help="TD-Pipe replay: the scheduler's "
                     "overdue_doubling (false: the ablation)")
     ap.add_argument("--lengths", choices=("model", "reference", "eos"), default="model",
                     help="model: the embedded model's replies (generated once, cached); "
@@ -212,8 +215,8 @@ def main() -> None:
                     "BIG-bench prompts of predictor_corpus.py (answered there; --offset 0)")
     ap.add_argument("--predictor", type=Path, default=None, help="a predictor directory "
                     "(default: the one shipped for the embedded model)")
-    ap.add_argument("--encoder-int8", default="auto", type=lambda v: {"true": True,
-                    "false": False}.get(v, v), choices=("auto", True, False),
+    ap.add_argument("--encoder-int8", default="auto", type=_switch,
+                    choices=("auto", True, False),
                     help="the encoder's linears in int8 (auto: where the CPU has VNNI, as a job "
                     "runs it)")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "

@@ -111,11 +111,13 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
             if not batches:
                 break
             for b in batches:
-                size = b.num_tokens if b.phase == "prefill" else len(b)
-                weight = (prefill_weight(b, prefill_length_cost, profiled_len)
-                          if b.phase == "prefill" else 1.0)
-                seconds = (step_times.prefill_time(size) * weight if b.phase == "prefill"
-                           else step_times.decode_time(size))
+                if b.phase == "prefill":
+                    size = b.num_tokens
+                    seconds = step_times.prefill_time(size) * prefill_weight(
+                        b, prefill_length_cost, profiled_len)
+                else:
+                    size = len(b)
+                    seconds = step_times.decode_time(size)
                 in_flight.append((b, clock.launch(seconds)))
                 launched.append((b.phase, size, seconds))
             most = max(most, len(in_flight))
@@ -139,13 +141,13 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     reasons = collections.Counter(d["reason"] for d in sched.drain_decisions())
     decode = [n for phase, n, _ in launched if phase == "decode"]
     modelled = sum(seconds for _, _, seconds in launched) / max(depth, 1)
+    prefill_tokens = sum(n for phase, n, _ in launched if phase == "prefill")
     return {"modelled_s": round(modelled, 2), "pipeline_s": round(clock.now, 2),
             "micro_batches": len(launched), "preemptions": sched.num_preemptions,
             "phase_switches": sched.num_switches,
             "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
-            "prefill_tokens": sum(n for phase, n, _ in launched if phase == "prefill"),
-            "recomputed_prefill_tokens": sum(n for p, n, _ in launched if p == "prefill")
-            - sum(prompts),
+            "prefill_tokens": prefill_tokens,
+            "recomputed_prefill_tokens": prefill_tokens - sum(prompts),
             "most_in_flight": most, "switch_reasons": dict(reasons)}
 
 
