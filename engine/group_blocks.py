@@ -46,6 +46,10 @@ class GroupedBlockManager(BlockManager):
         return len(self.windows)
 
     @property
+    def table_windows(self) -> tuple[int, ...]:
+        return self.windows
+
+    @property
     def capacity_tokens(self) -> int:
         """Tokens the pool holds for sequences that release nothing (every group a block per
         block_size tokens): windowed groups' releases make room for more."""

@@ -77,6 +77,11 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    @property
+    def table_windows(self) -> tuple[int, ...]:
+        """Each of a sequence's block tables' sliding window (0: it keeps the whole context)."""
+        return (self.window,)
+
     def max_concurrency(self, max_model_len: int) -> float:
         """max_model_len-token requests the pool holds at once."""
         return self.capacity_tokens / max_model_len

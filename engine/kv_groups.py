@@ -26,10 +26,13 @@ Gemma 2 (windowed and global alternating) has two groups of num_layers / 2 layer
 2): past its windows a sequence's context costs one page (4 layers) a block, where one table over
 every layer costs 26 layers a block.
 
-Only the baseline strategy's schedulers (one process, or the pipeline / tensor-parallel
-runtime) run with groups. Other strategies keep every block of a hybrid model, as before: their
-own KV arithmetic (token forecasts, tier copies, their own workers' tables) counts one table per
-sequence (`groups_for` logs why).
+The strategies whose schedulers count KV through this block manager alone run with groups
+(`StrategyParams.kv_layer_groups`): the baseline (one process, or the pipeline /
+tensor-parallel runtime), gLLM's Token Throttling (its KV_free is the pool's free share), TD-Pipe
+(its forecast counts each group's table, a windowed one up to its window: tdpipe/policy.py's
+KVForecast) and SiPipe (its plans carry the group tables as the baseline's do). Seesaw and SiDP
+keep every block of a hybrid model: Seesaw's CPU tier moves one table per sequence between
+layouts and SiDP sizes its replicas' KV by one table (`groups_for` logs why).
 """
 from __future__ import annotations
 
@@ -86,22 +89,33 @@ def blocks_per_sequence(windows: Sequence[int], tokens: int, block_size: int,
 
 
 def step_tokens(config, max_model_len: int) -> tuple[int, str]:
-    """The most tokens of one sequence a step of the baseline scheduler computes, and the
-    settings that set it: SB computes a whole prompt (up to max_model_len) in one step, HB a
-    chunk of at most chunk_size (default max_num_batched_tokens) within the token budget."""
+    """The most tokens of one sequence a step of the scheduler computes, and the settings that
+    set it: SB computes a whole prompt (up to max_model_len) in one step, HB a chunk of at most
+    chunk_size (default max_num_batched_tokens) within the token budget. A strategy's own
+    batching (its scheduler_config: TD-Pipe prefills whole prompts, gLLM chunks them within
+    MaxP) is named by its recipe keys where it has the scheduler's, else by the strategy."""
+    from .config import SchedulerConfig
+
     strategy = getattr(config, "strategy", None)
-    if strategy is not None and strategy.name == "baseline":
-        sched, prefix = strategy.scheduler_config(), "strategy"
+    own = strategy.scheduler_config() if strategy is not None else None
+    if isinstance(own, SchedulerConfig):
+        sched, keys = own, "strategy" if isinstance(strategy, SchedulerConfig) else None
     else:
-        sched, prefix = config.scheduler, "scheduler"
+        sched, keys = config.scheduler, "scheduler"
     if sched.policy == "sb":
-        return max_model_len, (f"{prefix}.policy sb computes a whole prompt, up to "
-                               f"model.max_model_len, in one step; {prefix}.policy hb with a "
-                               f"smaller {prefix}.max_num_batched_tokens computes it in chunks")
+        if keys is None:
+            return max_model_len, (f"strategy {strategy.name} prefills a whole prompt, up to "
+                                   "model.max_model_len, in one step")
+        return max_model_len, (f"{keys}.policy sb computes a whole prompt, up to "
+                               f"model.max_model_len, in one step; {keys}.policy hb with a "
+                               f"smaller {keys}.max_num_batched_tokens computes it in chunks")
     chunk = min(sched.chunk_size or sched.max_num_batched_tokens, sched.max_num_batched_tokens,
                 max_model_len)
-    return chunk, (f"{prefix}.policy hb computes up to {chunk} tokens of a prompt a step "
-                   f"({prefix}.chunk_size / {prefix}.max_num_batched_tokens)")
+    if keys is None:
+        return chunk, (f"strategy {strategy.name} computes up to {chunk} tokens of a prompt a "
+                       "step (its prefill token budget)")
+    return chunk, (f"{keys}.policy hb computes up to {chunk} tokens of a prompt a step "
+                   f"({keys}.chunk_size / {keys}.max_num_batched_tokens)")
 
 
 def group_layout(layer_windows: Sequence[int]) -> Optional[KVGroupLayout]:
@@ -129,16 +143,16 @@ def group_layout(layer_windows: Sequence[int]) -> Optional[KVGroupLayout]:
 
 def groups_for(config, arch) -> Optional[KVGroupLayout]:
     """The layout the engine runs `arch` with under `config`: None keeps one table per sequence
-    (no hybrid windows; memory.free_outside_window false, the ablation; a strategy other than
-    the baseline, logged)."""
+    (no hybrid windows; memory.free_outside_window false, the ablation; a strategy whose KV
+    arithmetic counts one table per sequence, logged)."""
     layout = group_layout(arch.layer_windows)
     if layout is None or not config.cache.free_outside_window:
         return None
     strategy = config.strategy
-    if strategy is not None and strategy.name != "baseline":
-        log.info("KV cache: strategy %s keeps every block of this model's windowed layers (its "
-                 "scheduling counts one block table per sequence; per-layer-group tables run "
-                 "with the baseline strategy)", strategy.name)
+    if strategy is not None and not strategy.kv_layer_groups:
+        log.info("KV cache: strategy %s keeps every block of this model's windowed layers (it "
+                 "moves or sizes one block table per sequence; per-layer-group tables run with "
+                 "the baseline, gllm, tdpipe and sipipe strategies)", strategy.name)
         return None
     return layout
 
@@ -160,8 +174,7 @@ def check_group_capacity(layout: Optional[KVGroupLayout], num_blocks: int, block
                           f"computing up to {tokens} tokens in a step holds up to {need} over "
                           f"its {layout.num_groups} layer groups ({setting}): raise "
                           "cache.kv_cache_memory, lower model.max_model_len or lower the "
-                          "tokens of a step (scheduler.max_num_batched_tokens / chunk_size "
-                          "under policy hb)")
+                          "tokens of a step (the settings named above)")
 
 
 def make_block_manager(layout: Optional[KVGroupLayout], num_blocks: int, block_size: int,

@@ -36,6 +36,10 @@ class StrategyParams(BaseModel):
     name: str = "baseline"
     # False: `batchinfer profile` has no model of it (an external engine) and leaves it out
     simulated: ClassVar[bool] = True
+    # True: its schedulers count KV through the standard block manager alone, so a model whose
+    # windowed layers alternate with global ones runs with a block table per layer group
+    # (engine/kv_groups.py); False: one table per sequence, every block kept
+    kv_layer_groups: ClassVar[bool] = False
 
     def scheduler_config(self) -> SchedulerConfig:
         """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""
@@ -110,6 +114,7 @@ class BaselineStrategy(StrategyParams, SchedulerConfig):
     """vLLM-style continuous batching: policy sb (separate) or hb (hybrid chunked prefill)."""
 
     name: Literal["baseline"] = "baseline"
+    kv_layer_groups: ClassVar[bool] = True
     prepare_ahead: bool = Field(False, description="pipeline workers prepare each plan's inputs "
                                 "one plan ahead on a thread (the overlap SiPipe's token-safe "
                                 "execution and gLLM's runtime have; off: inline, as vLLM)")

@@ -7,7 +7,10 @@ weights. Shapes (fp32 must fit the project's 24 GiB host):
 
 - `qwen3-0.6b`: Qwen/Qwen3-0.6B (dense, q/k norms, tied embeddings), 0.6 B parameters, 2.4 GB fp32;
 - `qwen3-moe-2l`: Qwen3-30B-A3B's layer (128 experts of 768, top 8) on 2 of its 48 layers,
-  1.8 B parameters (0.36 B active per token), 7.3 GB fp32: a mixture of experts at real width.
+  1.8 B parameters (0.36 B active per token), 7.3 GB fp32: a mixture of experts at real width;
+- `gemma3-1b-6l`: google/gemma-3-1b-pt's layers (512-key sliding windows, one kv head of 256)
+  on 6 of its 26, one period of its pattern (5 windowed layers, then a global one), with its
+  262,144-token vocabulary: 0.46 B parameters, 1.8 GB fp32 (benchmarks/engine/window_groups.py).
 
     python benchmarks/engine/model_shapes.py                 # prints {name: directory}
     python benchmarks/engine/w_decode.py --model "$(python benchmarks/engine/model_shapes.py \\
@@ -35,10 +38,23 @@ QWEN3_06B = {
 }
 
 
+GEMMA3_1B_6L = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+    "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 6,
+    "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0,
+    "sliding_window": 512, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 262144,
+    "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
+
+
 def shapes() -> dict[str, dict]:
     moe = json.loads((REPO / "examples" / "model-configs" / "qwen3-30b-a3b" / "config.json")
                      .read_text())
-    return {"qwen3-0.6b": QWEN3_06B,
+    return {"qwen3-0.6b": QWEN3_06B, "gemma3-1b-6l": GEMMA3_1B_6L,
             "qwen3-moe-2l": {**moe, "num_hidden_layers": 2, "max_window_layers": 2}}
 
 

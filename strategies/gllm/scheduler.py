@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,7 @@ class GLLMParams(StrategyParams):
     """gLLM's hyperparameters under the paper's names and defaults (§4.1), with its ablations."""
 
     name: Literal["gllm"] = "gllm"
+    kv_layer_groups: ClassVar[bool] = True
     T: int = Field(8, ge=1, description="#T: iterations to prefill every waiting token (WT)")
     MaxP: int = Field(2048, ge=1, description="#MaxP: most prefill tokens in one micro-batch")
     MinP: int = Field(32, ge=1, description="#MinP: fewest prefill tokens in one micro-batch "

@@ -63,7 +63,8 @@ def build_sipipe_engine(config, params) -> Engine:
                                                         params.sampler_threads, rank_extra)
     try:
         pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
-                             rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names)
+                             rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names,
+                             kv_groups=plan.kv_groups)
     finally:
         for end in ends:          # the children hold their own copies now
             end.close()

@@ -17,7 +17,7 @@ flight and micro-batch n + p is scheduled once n's tokens are back (§4.2).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,6 +29,7 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
     """SiPipe's switches, plus the baseline's batching knobs."""
 
     name: Literal["sipipe"] = "sipipe"
+    kv_layer_groups: ClassVar[bool] = True
     cpu_sampling: bool = Field(True, description="sample in a pool of CPU sampler processes "
                                "with column-wise incremental state (§5.1); off: on the last stage")
     samplers: Union[int, Literal["auto"]] = Field(

@@ -58,6 +58,13 @@ class KVForecast:
     request less (which, summed over a phase's requests, let the prefill overshoot into
     preemptions).
 
+    Sliding windows (`windows`: one entry per block table a sequence has, 0 for a table that
+    keeps the whole context; (0,) for a plain model): a table whose layers see only their last
+    w keys releases the blocks behind the window, so past ceil(w / block_size) + 1 blocks it holds
+    no more (kv_groups.blocks_per_sequence for a decoding sequence). Usage is then in pool
+    tokens (blocks x block_size over every table): Gemma's windowed groups count their few
+    blocks, not the context, and a model windowed on every layer its window.
+
     Read literally, Algorithm 1 sees a request only at the points it outlives: one predicted to
     end before the first point (32 steps) adds nothing, though it holds its KV until then, so a
     job of short replies prefills until the cache is physically full and its decode phase starts
@@ -67,44 +74,71 @@ class KVForecast:
     as input + that point, as in the paper)."""
 
     def __init__(self, points: Sequence[int], capacity_tokens: float, block_size: int = 1,
-                 count_ending: bool = False):
+                 count_ending: bool = False, windows: Sequence[int] = (0,)):
         self.points = list(points)
         self.capacity = float(capacity_tokens)
         self.block_size = max(int(block_size), 1)
         self.count_ending = count_ending
+        self.windows = tuple(int(w) for w in windows) or (0,)
+        self._whole_tables = sum(1 for w in self.windows if not w)
+        # the most pool tokens a decoding sequence holds in each windowed table
+        self._caps = [(-(-w // self.block_size) + 1) * self.block_size
+                      for w in self.windows if w]
         self._count = [0] * len(self.points)
         self._input = [0] * len(self.points)
+        self._held = [0] * len(self.points)      # windowed tables at their cap: constant tokens
         self._ending = [0] * len(self.points)
 
     def copy(self) -> "KVForecast":
-        other = KVForecast(self.points, self.capacity, self.block_size, self.count_ending)
+        other = KVForecast(self.points, self.capacity, self.block_size, self.count_ending,
+                           self.windows)
         other._count, other._input = list(self._count), list(self._input)
-        other._ending = list(self._ending)
+        other._held, other._ending = list(self._held), list(self._ending)
         return other
+
+    def holds(self, tokens: int) -> int:
+        """Pool tokens a decoding sequence of `tokens` tokens holds over its tables."""
+        whole = -(-tokens // self.block_size) * self.block_size
+        return self._whole_tables * whole + sum(min(whole, cap) for cap in self._caps)
 
     def update(self, input_len: int, predict_len: int) -> None:
         """UpdateUsage: a request holding `input_len` tokens that will generate `predict_len` more
         adds input_len (in whole blocks) + point at every future point up to its predicted
-        length; with count_ending, also input_len + predict_len (in whole blocks) at the first
-        point after its end."""
+        length (a windowed table no more than its cap); with count_ending, also what it holds
+        at input_len + predict_len at the first point after its end."""
         reach = bisect_right(self.points, predict_len)
-        block = self.block_size
+        rounded = -(-input_len // self.block_size) * self.block_size
         if reach:
-            self._count[reach - 1] += 1
-            self._input[reach - 1] += -(-input_len // block) * block
+            self._grow(reach, rounded, self._whole_tables)
+            for cap in self._caps:
+                # points where input + point stays under the cap grow, the rest hold the cap
+                under = min(bisect_left(self.points, cap - rounded), reach)
+                self._grow(under, rounded, 1)
+                if under < reach:
+                    self._held[reach - 1] += cap
+                    if under:
+                        self._held[under - 1] -= cap
         ends_between = reach < len(self.points) and (
             not reach or self.points[reach - 1] != predict_len)
         if self.count_ending and ends_between:
-            self._ending[reach] += -(-(input_len + predict_len) // block) * block
+            self._ending[reach] += self.holds(input_len + predict_len)
+
+    def _grow(self, end: int, rounded: int, tables: int) -> None:
+        """`tables` tables of a request holding `rounded` tokens + the point at points [0, end)
+        (the map is summed from the last point down)."""
+        if end and tables:
+            self._count[end - 1] += tables
+            self._input[end - 1] += tables * rounded
 
     @property
     def usage(self) -> list[int]:
         out = [0] * len(self.points)
-        count = total = 0
+        count = total = held = 0
         for index in range(len(self.points) - 1, -1, -1):
             count += self._count[index]
             total += self._input[index]
-            out[index] = total + count * self.points[index] + self._ending[index]
+            held += self._held[index]
+            out[index] = total + count * self.points[index] + held + self._ending[index]
         return out
 
     def peak(self) -> int:

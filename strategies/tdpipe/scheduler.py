@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -48,6 +48,7 @@ class TDPipeParams(StrategyParams):
     """TD-Pipe's parameters; each approach has a switch for the paper's ablations."""
 
     name: Literal["tdpipe"] = "tdpipe"
+    kv_layer_groups: ClassVar[bool] = True
     max_num_seqs: int = Field(1024, ge=1, description="most requests holding KV at once")
     max_num_batched_tokens: int = Field(2048, ge=16, description="prompt tokens per prefill "
                                         "micro-batch (a longer prompt goes alone)")
@@ -161,7 +162,10 @@ class TDPipeScheduler(BatchingScheduler):
         self.params = params
         self.depth = max(depth, 1)
         self.points = future_points(params.future_point_interval, params.future_point_horizon)
-        self.capacity = block_manager.capacity_tokens * params.kv_safety_ratio
+        # the forecast counts the pool's tokens over every block table of a sequence (one, or
+        # one per KV layer group: a windowed table holds its window, a global one the context)
+        self.pool_tokens = block_manager.num_blocks * block_manager.block_size
+        self.capacity = self.pool_tokens * params.kv_safety_ratio
         self.step_times: Optional[StepTimes] = None
         self.phase = "prefill"
         self.stealing: WorkStealing[Sequence] = WorkStealing(self.depth, params.work_stealing)
@@ -202,7 +206,8 @@ class TDPipeScheduler(BatchingScheduler):
 
     def _running_forecast(self) -> KVForecast:
         forecast = KVForecast(self.points, self.capacity, self.block_manager.block_size,
-                              self.params.count_ending_requests)
+                              self.params.count_ending_requests,
+                              self.block_manager.table_windows)
         for seq in self.running:
             forecast.update(seq.num_tokens, self.predicted_remaining(seq))
         return forecast
@@ -413,7 +418,7 @@ class TDPipeScheduler(BatchingScheduler):
         used = self.block_manager.num_blocks - free
         lengths: list[int] = []
         for seq in self.waiting:
-            need = -(-seq.num_uncomputed_tokens // block)
+            need = -(-seq.num_uncomputed_tokens // block) * self.block_manager.num_groups
             if need > free or len(lengths) >= room:
                 break
             if forecast is not None:
@@ -436,8 +441,7 @@ class TDPipeScheduler(BatchingScheduler):
             self.predicted_kv_usage = None
             return
         step = self._decode_launched // self.depth
-        total = self.block_manager.capacity_tokens
-        self.predicted_kv_usage = min(self._decode_forecast.at_step(step) / total, 2.0)
+        self.predicted_kv_usage = min(self._decode_forecast.at_step(step) / self.pool_tokens, 2.0)
 
     # --- phase switches ---------------------------------------------------------------------------
     def _switch(self, to: str, reason: str, **inputs) -> None:
@@ -446,7 +450,7 @@ class TDPipeScheduler(BatchingScheduler):
                   "running": len(self.running), "waiting": len(self.waiting), **inputs}
         if to == "decode":
             forecast = self._forecast or self._running_forecast()
-            record["predicted_kv_peak"] = round(forecast.peak() / self.block_manager.capacity_tokens, 4)
+            record["predicted_kv_peak"] = round(forecast.peak() / self.pool_tokens, 4)
             self._decode_forecast = forecast
             self._forecast = None
             self.stealing.reset()

@@ -249,22 +249,27 @@ def engine_config(free=True, strategy=None, **scheduler):
     return config
 
 
-def test_groups_only_with_freeing_on_and_the_baseline_strategy(caplog):
+def test_groups_only_with_freeing_on_and_strategies_counting_the_block_manager(caplog):
+    """The baseline, gLLM, TD-Pipe and SiPipe run the groups; Seesaw (its CPU tier moves one
+    table per sequence) and SiDP (its replicas' KV sized by one table) keep every block, logged."""
     import logging
     from types import SimpleNamespace
 
     from batchinfer.engine.kv_groups import groups_for
-    from batchinfer.strategies.base import BaselineStrategy
-    from batchinfer.strategies.seesaw.params import SeesawParams
+    from batchinfer.runner.recipe import strategy_class
 
     arch = SimpleNamespace(layer_windows=(16, 0))
     assert groups_for(engine_config(), arch).windows == (0, 16)
-    assert groups_for(engine_config(strategy=BaselineStrategy()), arch) is not None
+    for name in ("baseline", "gllm", "tdpipe", "sipipe"):
+        strategy = strategy_class(name).model_validate({"name": name})
+        assert groups_for(engine_config(strategy=strategy), arch).windows == (0, 16)
     assert groups_for(engine_config(free=False), arch) is None
     assert groups_for(engine_config(), SimpleNamespace(layer_windows=(16, 16))) is None
-    with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
-        assert groups_for(engine_config(strategy=SeesawParams()), arch) is None
-    assert "strategy seesaw keeps every block" in caplog.text
+    for name in ("seesaw", "sidp"):
+        strategy = strategy_class(name).model_validate({"name": name})
+        with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
+            assert groups_for(engine_config(strategy=strategy), arch) is None
+        assert f"strategy {name} keeps every block" in caplog.text
 
 
 def test_a_step_grows_every_group_before_the_window_releases():

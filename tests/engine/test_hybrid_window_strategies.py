@@ -1,0 +1,82 @@
+"""KV layer groups under the strategies whose schedulers run the standard block manager (gLLM's
+Token Throttling, TD-Pipe, SiPipe): a tiny Gemma 2 (windowed and global layers alternating, a
+16-key window) at PP=2, prompts and generations far past the window, gives transformers' greedy
+tokens with the windowed group releasing its blocks; Seesaw and SiDP keep every block (their
+KV tiers and replicas move or size one table per sequence) and say so in the log."""
+from __future__ import annotations
+
+import pytest
+
+from tests.greedy import greedy_tokens
+from tests.tiny_families import hf_model, saved_with_greedy
+from tests.window_engines import BLOCK, MAX_NEW, PROMPTS
+
+WINDOW = 16
+STRATEGIES = {
+    "gllm": {"name": "gllm", "MaxP": 48, "MinP": 8},
+    "tdpipe": {"name": "tdpipe", "profile_decode_batch_sizes": [1, 8],
+               "profile_prefill_tokens": [64], "profile_context_len": 16},   # a short profile
+    "sipipe": {"name": "sipipe"},
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory, default_model_dir):
+    """(model directory, transformers' greedy tokens for PROMPTS)."""
+    model = hf_model("gemma2", num_hidden_layers=4)
+    assert model.config.sliding_window == WINDOW
+    return saved_with_greedy(model, tmp_path_factory.mktemp("gemma2"), default_model_dir,
+                             PROMPTS, MAX_NEW)
+
+
+def strategy_config(path, spec: dict, memory: str = "4MiB", **sections):
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.runner.recipe import strategy_class
+
+    params = strategy_class(spec["name"]).model_validate(spec)
+    sections.setdefault("parallel", {"pp": 2})
+    return EngineConfig(model={"path": str(path), "max_model_len": 256},
+                        cache={"kv_cache_memory": memory, "block_size": BLOCK,
+                               "enable_prefix_caching": True},
+                        scheduler=params.scheduler_config(), strategy=params, **sections)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_the_strategy_runs_the_groups_and_gives_transformers_tokens(gemma2, strategy):
+    from batchinfer.engine.engine import Engine
+
+    path, expected = gemma2
+    with Engine.from_config(strategy_config(path, STRATEGIES[strategy])) as engine:
+        bm = engine.scheduler.block_manager
+        assert bm.windows == (0, WINDOW) and engine.info["kv_groups"]["windows"] == [0, WINDOW]
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        stats = engine.stats()
+        assert stats["kv_window_freed_blocks"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
+        assert bm.num_free_blocks == bm.num_blocks
+        bm.check_invariants()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["gllm", "tdpipe"])
+def test_kv_pressure_under_the_strategy_gives_the_same_tokens(gemma2, strategy):
+    """Eight sequences in 40 blocks (a pool that holds TD-Pipe's whole-prompt step of a
+    256-token request, 32 blocks), each holding up to 8 global blocks and a few windowed ones:
+    the strategy's KV arithmetic (gLLM's KV_free, TD-Pipe's forecast over both tables) runs into
+    the pool's bound, preempts, and the recomputed tokens equal transformers'."""
+    from batchinfer.engine.engine import Engine
+    from tests.tiny_families import TINY
+
+    path, expected = gemma2
+    # a block is a page of 2 layers' K/V (fp32); the budget is split over the PP stages' layers
+    page = 2 * 2 * TINY["num_key_value_heads"] * BLOCK * 16 * 4
+    config = strategy_config(path, STRATEGIES[strategy], memory=str(20 * page))
+    with Engine.from_config(config) as engine:
+        assert engine.scheduler.block_manager.num_blocks == 40
+        assert greedy_tokens(engine, PROMPTS * 2, batched=True, max_new=MAX_NEW) == expected * 2
+        stats = engine.stats()
+        assert stats["kv_window_freed_blocks"] > 0
+        assert stats["num_preemptions"] > 0      # the pool bound: recomputes gave the same tokens
+        global_peak, windowed_peak = engine.scheduler.block_manager.peak_group_blocks
+        assert global_peak == 8 and windowed_peak < global_peak
