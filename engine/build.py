@@ -173,7 +173,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     fused_ops = fused_ops_for(backend.name)
     if fused_ops is not None:
         model.use_ops(fused_ops)
-    groups = groups_for(config, arch)
+    groups = groups_for(config, arch, max_model_len)
     step = step_tokens(config, max_model_len)
     if device.type == "cuda":
         budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device,

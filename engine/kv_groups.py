@@ -118,34 +118,69 @@ def step_tokens(config, max_model_len: int) -> tuple[int, str]:
                    f"({keys}.chunk_size / {keys}.max_num_batched_tokens)")
 
 
-def group_layout(layer_windows: Sequence[int]) -> Optional[KVGroupLayout]:
+def group_layout(layer_windows: Sequence[int], stages: Optional[Sequence[tuple[int, int]]] = None,
+                 block_size: int = 16, max_model_len: int = 8192) -> Optional[KVGroupLayout]:
     """The groups of a model whose layers mix windowed and global attention; None for any
     other model (no window, or a window on every layer: one table as before). Layers of a kind
-    go to its groups in layer order, so a page's slots hold neighbouring layers (a pipeline
-    stage's slice of the layers uses few slots)."""
+    go to its groups in layer order, so a page's slots hold neighbouring layers.
+
+    `stages`: each pipeline stage's layer range (default: one stage). A stage stores, for every
+    block, the slots its layers use, whichever group the block serves, so a group whose layers sit
+    on one stage leaves the other stages' copies of its blocks unused (a Gemma 3 at PP=2 in pages
+    of 4 layers stored every slot on both stages, half of them idle). So each group takes up to
+    c_s layers of its kind from every stage s, in slots only stage s uses, and the page is the
+    sum of the c_s. Candidates: c_s = min(m, the stage's smallest kind) for m = 1, 2, ...; the one
+    kept costs a `max_model_len`-token request the fewest bytes on its fullest stage (slots the
+    stage stores per block x the request's blocks), and within 5% of that, has the fewest groups
+    (each is one more table per sequence to grow every step). One stage: m = the smallest kind's
+    count wins but where a smaller page packs a larger kind without a half-empty last group."""
     kinds: dict[int, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(int(window), []).append(layer)
     if 0 not in kinds or len(kinds) < 2:
         return None
-    page = min(len(layers) for layers in kinds.values())
+    stages = list(stages or [(0, len(layer_windows))])
+    per_stage = [{w: [layer for layer in layers if first <= layer < end]
+                  for w, layers in kinds.items()} for first, end in stages]
+    most = max(min(len(ls) for ls in stage.values() if ls) for stage in per_stage)
+    costs = []
+    for m in range(1, most + 1):
+        layout = _paged_by_stage(per_stage, m, len(layer_windows))
+        stored = max(len(layout.slots_of(first, end)) for first, end in stages)
+        costs.append((stored * layout.blocks_per_sequence(max_model_len, block_size), layout))
+    least = min(cost for cost, _ in costs)
+    return min(((layout.num_groups, cost, layout) for cost, layout in costs
+                if cost <= least * 1.05), key=lambda c: c[:2])[2]
+
+
+def _paged_by_stage(per_stage: list[dict[int, list[int]]], m: int,
+                    num_layers: int) -> KVGroupLayout:
+    """Groups that take up to min(m, the stage's smallest kind) layers of their kind from each
+    stage, in that stage's own slots."""
+    widths = [min(m, min(len(ls) for ls in stage.values() if ls)) for stage in per_stage]
+    offsets = [sum(widths[:s]) for s in range(len(widths))]
     windows: list[int] = []
-    layer_group = [0] * len(layer_windows)
-    layer_slot = [0] * len(layer_windows)
-    for window in sorted(kinds):               # 0 first: the global layers anchor the tables
-        layers = kinds[window]
-        for start in range(0, len(layers), page):
-            for slot, layer in enumerate(layers[start:start + page]):
-                layer_group[layer], layer_slot[layer] = len(windows), slot
+    layer_group = [0] * num_layers
+    layer_slot = [0] * num_layers
+    for window in sorted(per_stage[0]):        # 0 first: the global layers anchor the tables
+        count = max(-(-len(stage[window]) // width)
+                    for stage, width in zip(per_stage, widths))
+        for index in range(count):
+            for stage, width, offset in zip(per_stage, widths, offsets):
+                part = stage[window][index * width:(index + 1) * width]
+                for slot, layer in enumerate(part, start=offset):
+                    layer_group[layer], layer_slot[layer] = len(windows), slot
             windows.append(window)
-    return KVGroupLayout(tuple(windows), tuple(layer_group), tuple(layer_slot), page)
+    return KVGroupLayout(tuple(windows), tuple(layer_group), tuple(layer_slot), sum(widths))
 
 
-def groups_for(config, arch) -> Optional[KVGroupLayout]:
-    """The layout the engine runs `arch` with under `config`: None keeps one table per sequence
-    (no hybrid windows; memory.free_outside_window false, the ablation; a strategy whose KV
-    arithmetic counts one table per sequence, logged)."""
-    layout = group_layout(arch.layer_windows)
+def groups_for(config, arch, max_model_len: int = 8192,
+               stages: Optional[Sequence[tuple[int, int]]] = None) -> Optional[KVGroupLayout]:
+    """The layout the engine runs `arch` with under `config` (`stages`: the pipeline stages'
+    layer ranges): None keeps one table per sequence (no hybrid windows;
+    memory.free_outside_window false, the ablation; a strategy whose KV arithmetic counts one
+    table per sequence, logged)."""
+    layout = group_layout(arch.layer_windows, stages, config.cache.block_size, max_model_len)
     if layout is None or not config.cache.free_outside_window:
         return None
     strategy = config.strategy

@@ -154,6 +154,25 @@ def test_the_multi_process_runtime_runs_the_groups(make_engine, hybrid, family, 
         assert stats["kv_window_freed_blocks"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
 
 
+def test_pipeline_stages_hold_their_own_slots(make_engine, tmp_path, default_model_dir):
+    """Gemma 3's 5:1 pattern on 6 layers split 3 + 3: each windowed group pairs a stage-0 layer
+    with a stage-1 one in a page of 2 slots, each stage storing its slot only (kv_groups'
+    stage-aware layout); the tokens equal transformers' and the windowed groups release."""
+    model = hf_model("gemma3", num_hidden_layers=6,
+                     layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    path, expected = saved_with_greedy(model, tmp_path, default_model_dir, PROMPTS, MAX_NEW)
+    with make_engine(model={"path": str(path), "max_model_len": 256},
+                     cache={"kv_cache_memory": "4MiB", "block_size": BLOCK},
+                     parallel={"pp": 2, "pp_layers": [3, 3]},
+                     scheduler={"policy": "hb", "chunk_size": 16,
+                                "max_num_batched_tokens": 48}) as engine:
+        groups = engine.info["kv_groups"]
+        assert groups["windows"] == [0, WINDOW, WINDOW, WINDOW] and groups["page_layers"] == 2
+        assert groups["layers"] == [[5], [0, 3], [1, 4], [2]]
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert engine.stats()["kv_window_freed_blocks"] > 0
+
+
 def test_steps_launched_ahead_and_the_graph_decode_path(make_engine, hybrid, checked):
     """Gemma 3 under async scheduling (releases go by the host's count, a step ahead) and the
     CUDA graphs' padded decode forward (eager on CPU), each group's static tables its own."""
@@ -187,7 +206,7 @@ def test_a_pool_too_small_for_one_step_is_refused_at_start(make_engine, hybrid, 
     with pytest.raises(ConfigError) as refused:
         engine_for(make_engine, path, memory=str(18 * page_bytes()), **scheduler)
     message = str(refused.value)
-    assert f"holds 18 blocks" in message and f"holds up to {need}" in message
+    assert "holds 18 blocks" in message and f"holds up to {need}" in message
     assert "cache.kv_cache_memory" in message and "model.max_model_len" in message
     assert "max_num_batched_tokens" in message
     with pytest.raises(ConfigError):

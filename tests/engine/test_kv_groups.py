@@ -249,6 +249,36 @@ def engine_config(free=True, strategy=None, **scheduler):
     return config
 
 
+def test_pipeline_stages_store_only_the_slots_their_layers_use():
+    """A stage stores, for every block, the slots its layers use. Gemma 3 1B at PP=2 in the
+    one-stage layout uses all 4 slots on both stages (a windowed group of layers 0-3 lives on
+    stage 0, yet stage 1 stores its blocks' 4 slots for its own groups); by stage, each group takes
+    2 layers of its kind from each stage in slots only that stage uses: 2 slots per block per
+    stage, the same 7 groups, half the bytes per request. The 5:1 pattern on 6 layers split 3 + 3:
+    4 groups of one layer per stage (each windowed group pairs a stage-0 layer with a stage-1
+    one) where the one-stage layout's 6 single-layer groups cost a request 421 blocks at 4,096
+    tokens against 355."""
+    gemma3_layers = [0 if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    stages = [(0, 13), (13, 26)]
+    one, staged = group_layout(gemma3_layers), group_layout(gemma3_layers, stages)
+    assert [len(one.slots_of(*s)) for s in stages] == [4, 4]
+    assert [len(staged.slots_of(*s)) for s in stages] == [2, 2]
+    assert staged.slots_of(0, 13) == [0, 1] and staged.slots_of(13, 26) == [2, 3]
+    assert staged.windows == one.windows and staged.page_layers == 4
+    assert [staged.layer_group[layer] for layer in (5, 11, 17, 23)] == [0, 0, 0, 0]
+    for group in range(staged.num_groups):       # no two layers of a group share a slot
+        slots = [staged.layer_slot[layer] for layer in range(26)
+                 if staged.layer_group[layer] == group]
+        assert len(slots) == len(set(slots))
+    toy = [512] * 5 + [0]
+    paired = group_layout(toy, [(0, 3), (3, 6)], BS, 4096)
+    assert paired.windows == (0, 512, 512, 512) and paired.page_layers == 2
+    assert paired.layer_group == (1, 2, 3, 1, 2, 0) and paired.layer_slot == (0, 0, 0, 1, 1, 1)
+    assert paired.blocks_per_sequence(4096, BS) == 256 + 3 * 33
+    assert group_layout(toy).blocks_per_sequence(4096, BS) == 256 + 5 * 33
+    assert group_layout(toy, [(0, 6)]) == group_layout(toy)
+
+
 def test_groups_only_with_freeing_on_and_strategies_counting_the_block_manager(caplog):
     """The baseline, gLLM, TD-Pipe and SiPipe run the groups; Seesaw (its CPU tier moves one
     table per sequence) and SiDP (its replicas' KV sized by one table) keep every block, logged."""
