@@ -30,9 +30,9 @@ The strategies whose schedulers count KV through this block manager alone run wi
 (`StrategyParams.kv_layer_groups`): the baseline (one process, or the pipeline /
 tensor-parallel runtime), gLLM's Token Throttling (its KV_free is the pool's free share), TD-Pipe
 (its forecast counts each group's table, a windowed one up to its window: tdpipe/policy.py's
-KVForecast) and SiPipe (its plans carry the group tables as the baseline's do). Seesaw and SiDP
-keep every block of a hybrid model: Seesaw's CPU tier moves one table per sequence between
-layouts and SiDP sizes its replicas' KV by one table (`groups_for` logs why).
+KVForecast), SiPipe (its plans carry the group tables as the baseline's do) and SiDP (its
+replicas' KV sized in the groups' pages). Seesaw keeps every block of a hybrid model: its CPU
+tier moves one table per sequence between layouts (`groups_for` logs why).
 """
 from __future__ import annotations
 
@@ -186,8 +186,8 @@ def groups_for(config, arch, max_model_len: int = 8192,
     strategy = config.strategy
     if strategy is not None and not strategy.kv_layer_groups:
         log.info("KV cache: strategy %s keeps every block of this model's windowed layers (it "
-                 "moves or sizes one block table per sequence; per-layer-group tables run with "
-                 "the baseline, gllm, tdpipe and sipipe strategies)", strategy.name)
+                 "moves one block table per sequence; per-layer-group tables run with the "
+                 "baseline, gllm, tdpipe, sipipe and sidp strategies)", strategy.name)
         return None
     return layout
 

@@ -32,13 +32,15 @@ def freed_ffn_bytes(rank: int, owners: list[int], dp: int, layer_bytes: int,
 
 
 def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list[int],
-                    layer_bytes: int, with_slots: bool, available=None) -> int:
+                    layer_bytes: int, with_slots: bool, available=None, groups=None) -> int:
     """KV blocks per replica: plain DP's per-rank budget plus the FFN bytes each rank no longer
-    holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's)."""
+    holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's; groups: the
+    KV layer groups, whose blocks are pages of fewer layers)."""
     budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
     kv_bytes = kv_element_bytes(config, dtype_bytes)
     return min((budget + freed_ffn_bytes(r, owners, layout.dp, layer_bytes, with_slots))
-               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, kv_bytes)
+               // rank_bytes_per_block(layout, arch, r, config.cache.block_size, kv_bytes,
+                                       groups)
                for r in range(layout.world_size))
 
 
@@ -95,13 +97,13 @@ def build_sidp_engine(config, params):
                               store_dtype, blocked=blocked)
     block_size = config.cache.block_size
     num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
-                                 store.layer_bytes(), with_slots)
+                                 store.layer_bytes(), with_slots, groups=plan.kv_groups)
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
     profile = params.compute_service and params.batch_threshold is None
     spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, with_slots,
                           params.compute_service, params.gemm_fusion, profile_costs=profile)
     pool = start_workers(config, setup, layout, num_blocks, plan.threads,
-                         extension=SiDPWorker(spec))
+                         extension=SiDPWorker(spec), kv_groups=plan.kv_groups)
     threshold, costs = params.batch_threshold, None
     if profile:
         costs = pool.infos[0]["sidp_costs"]

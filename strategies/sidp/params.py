@@ -13,7 +13,7 @@ memory; the CUDA IPC path is not built.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field
 
@@ -25,6 +25,7 @@ class SiDPParams(StrategyParams, SchedulerConfig):
     """SiDP's knobs, plus the baseline's batching knobs (per replica)."""
 
     name: Literal["sidp"] = "sidp"
+    kv_layer_groups: ClassVar[bool] = True
     owners: Optional[list[int]] = Field(None, description="owner rank of each layer's FFN "
                                         "weights; default: layer l -> rank l mod dp")
     peak_shifting: bool = Field(True, description="rank r starts each dp-layer cycle's "

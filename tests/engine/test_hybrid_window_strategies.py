@@ -1,8 +1,9 @@
 """KV layer groups under the strategies whose schedulers run the standard block manager (gLLM's
-Token Throttling, TD-Pipe, SiPipe): a tiny Gemma 2 (windowed and global layers alternating, a
-16-key window) at PP=2, prompts and generations far past the window, gives transformers' greedy
-tokens with the windowed group releasing its blocks; Seesaw and SiDP keep every block (their
-KV tiers and replicas move or size one table per sequence) and say so in the log."""
+Token Throttling, TD-Pipe, SiPipe, SiDP): a tiny Gemma 2 (windowed and global layers
+alternating, a 16-key window) at PP=2, prompts and generations far past the window, gives
+transformers' greedy tokens with the windowed group releasing its blocks; SiDP (which shares
+SiLU MLPs only) on a tiny Qwen3 whose upper layers are windowed. Seesaw keeps every block (its
+CPU tier moves one table per sequence; tests/engine/test_kv_groups.py)."""
 from __future__ import annotations
 
 import pytest
@@ -91,3 +92,32 @@ def test_kv_pressure_under_the_strategy_gives_the_same_tokens(gemma2, strategy):
         assert engine.stats()["kv_window_freed_blocks"] > 0
         global_peak, windowed_peak = bm.peak_group_blocks
         assert global_peak == 8 and windowed_peak < global_peak
+
+
+@pytest.fixture(scope="module")
+def qwen3_hybrid(tmp_path_factory, default_model_dir):
+    """A tiny Qwen3 whose layers from max_window_layers on have a 16-key window (its
+    use_sliding_window), the others global: a hybrid model with SiLU MLPs, which SiDP's shared
+    FFN computes -> (model directory, transformers' greedy tokens for PROMPTS)."""
+    model = hf_model("qwen3", num_hidden_layers=4, use_sliding_window=True,
+                     sliding_window=WINDOW, max_window_layers=2)
+    assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    return saved_with_greedy(model, tmp_path_factory.mktemp("qwen3"), default_model_dir,
+                             PROMPTS, MAX_NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, parallel", [("baseline", {"pp": 1}), ("sidp", {"dp": 2})])
+def test_sidp_replicas_run_the_groups(qwen3_hybrid, strategy, parallel):
+    """SiDP's replicas (DP=2 sharing the FFN weights) size their KV by the groups' pages and
+    give transformers' tokens with the windowed group releasing; the baseline in one process
+    checks the model first."""
+    from batchinfer.engine.engine import Engine
+
+    path, expected = qwen3_hybrid
+    config = strategy_config(path, {"name": strategy}, parallel=parallel)
+    with Engine.from_config(config) as engine:
+        for replica in engine.replicas:
+            assert replica.scheduler.block_manager.windows == (0, WINDOW)
+        assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+        assert engine.stats()["kv_window_freed_blocks"] > 0
