@@ -26,13 +26,10 @@ Gemma 2 (windowed and global alternating) has two groups of num_layers / 2 layer
 2): past its windows a sequence's context costs one page (4 layers) a block, where one table over
 every layer costs 26 layers a block.
 
-The strategies whose schedulers count KV through this block manager alone run with groups
-(`StrategyParams.kv_layer_groups`): the baseline (one process, or the pipeline /
-tensor-parallel runtime), gLLM's Token Throttling (its KV_free is the pool's free share), TD-Pipe
-(its forecast counts each group's table, a windowed one up to its window: tdpipe/policy.py's
-KVForecast), SiPipe (its plans carry the group tables as the baseline's do) and SiDP (its
-replicas' KV sized in the groups' pages). Seesaw keeps every block of a hybrid model: its CPU
-tier moves one table per sequence between layouts (`groups_for` logs why).
+A strategy runs with groups where its schedulers count KV through this block manager alone (it
+says so with `StrategyParams.kv_layer_groups`; one process, or the pipeline / tensor-parallel
+runtime); one that moves a sequence's single table elsewhere (a CPU KV tier between layouts)
+keeps every block of a hybrid model (`groups_for` logs why). Which strategies do: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -92,8 +89,8 @@ def step_tokens(config, max_model_len: int) -> tuple[int, str]:
     """The most tokens of one sequence a step of the scheduler computes, and the settings that
     set it: SB computes a whole prompt (up to max_model_len) in one step, HB a chunk of at most
     chunk_size (default max_num_batched_tokens) within the token budget. A strategy's own
-    batching (its scheduler_config: TD-Pipe prefills whole prompts, gLLM chunks them within
-    MaxP) is named by its recipe keys where it has the scheduler's, else by the strategy."""
+    batching (its scheduler_config: whole prompts, or chunks within its prefill budget) is
+    named by its recipe keys where it has the scheduler's, else by the strategy."""
     from .config import SchedulerConfig
 
     strategy = getattr(config, "strategy", None)
@@ -132,8 +129,10 @@ def group_layout(layer_windows: Sequence[int], stages: Optional[Sequence[tuple[i
     sum of the c_s. Candidates: c_s = min(m, the stage's smallest kind) for m = 1, 2, ...; the one
     kept costs a `max_model_len`-token request the fewest bytes on its fullest stage (slots the
     stage stores per block x the request's blocks), and within 5% of that, has the fewest groups
-    (each is one more table per sequence to grow every step). One stage: m = the smallest kind's
-    count wins but where a smaller page packs a larger kind without a half-empty last group."""
+    (each is one more table per sequence to grow every step). With one stage the smallest kind's
+    count (vLLM's uniform page, the layout before stages) is kept unless a smaller page costs
+    over 5% less (one that spares a larger kind a half-empty last group, at a short
+    max_model_len)."""
     kinds: dict[int, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(int(window), []).append(layer)
@@ -186,8 +185,8 @@ def groups_for(config, arch, max_model_len: int = 8192,
     strategy = config.strategy
     if strategy is not None and not strategy.kv_layer_groups:
         log.info("KV cache: strategy %s keeps every block of this model's windowed layers (it "
-                 "moves one block table per sequence; per-layer-group tables run with the "
-                 "baseline, gllm, tdpipe, sipipe and sidp strategies)", strategy.name)
+                 "moves one block table per sequence; the strategies that run a table per "
+                 "layer group are listed in docs/engine.md, KV layer groups)", strategy.name)
         return None
     return layout
 

@@ -9,7 +9,8 @@ configuration runs in a fresh process; prompts are the prefill-heavy documents o
 prompts (~1,500 tokens, past the 512-key window), each generating --max-tokens (ignore_eos, so
 TD-Pipe's max_tokens forecast is exact and the two arms compute the same tokens).
 
-    python benchmarks/engine/window_groups.py --requests 24 --max-tokens 256 --kv-requests 6
+    python benchmarks/engine/window_groups.py --requests 16 --max-tokens 384 --kv-requests 4 \
+        --only tdpipe gllm       # docs/performance.md, 2026-11-29 (fortieth session)
 """
 from __future__ import annotations
 
@@ -87,11 +88,11 @@ def run_one(strategy: str, free: bool, rows: list[dict], kv_bytes: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--kv-requests", type=float, default=6.0,
-                    help="KV bytes for this many requests of the longest prompt + max_tokens "
-                         "over one table of every layer (the ablation's capacity)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--kv-requests", type=float, default=4.0,
+                    help="KV bytes for this many requests of the prompt cap (max_model_len / 2) "
+                         "+ max_tokens over one table of every layer")
     ap.add_argument("--only", nargs="+", choices=sorted(STRATEGIES), default=sorted(STRATEGIES))
     ap.add_argument("--worker", nargs=2, metavar=("STRATEGY", "FREE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
