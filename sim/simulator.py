@@ -22,7 +22,8 @@ from batchinfer.engine.build import use_async_scheduling
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError
-from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.kv_groups import (KVGroupLayout, check_group_capacity, groups_for,
+                                         make_block_manager, step_tokens)
 from batchinfer.engine.model.arch import ModelArch
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.runtime.build import num_kv_blocks
@@ -82,12 +83,17 @@ class LengthOnlyTokenizer:
 
 
 def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cost: CostModel,
-              dtype_bytes: int, max_model_len: int) -> int:
+              dtype_bytes: int, max_model_len: int,
+              groups: Optional[KVGroupLayout] = None) -> int:
     """Blocks per replica: the engine's count (engine/runtime/build.py) for the cost model's
-    device and memory."""
+    device and memory (pages of the KV layer groups' slots where the model runs groups)."""
     blocks = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
-                           cost.memory_bytes)
-    check_kv_capacity(blocks * config.cache.block_size, layout, max_model_len)
+                           cost.memory_bytes, groups=groups)
+    if groups is None:
+        check_kv_capacity(blocks * config.cache.block_size, layout, max_model_len)
+    else:
+        check_group_capacity(groups, blocks, config.cache.block_size, max_model_len,
+                             step_tokens(config, max_model_len))
     return blocks
 
 
@@ -155,7 +161,10 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     strategy = config.strategy
     replicas = strategy.simulated_replicas(setup) if strategy is not None else None
     if replicas is None:
-        num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len)
+        # windowed layers beside global ones: a table per KV layer group, as the engine runs them
+        groups = groups_for(config, arch, max_model_len,
+                            [layout.stage_range(stage) for stage in range(layout.pp)])
+        num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len, groups)
         # what the real engine's plain workers do (runtime/build.worker_extension); a strategy's
         # own options (SiPipe's) come on top
         options = {"structure_aware": config.parallel.stage_transport == "structured",
@@ -167,9 +176,10 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
             options["structure_aware"] = False
         replicas = []
         for index in range(layout.dp):
-            # a sliding window on every layer: blocks behind it released, as the engine does
-            block_manager = BlockManager(num_blocks, config.cache.block_size,
-                                         window=config.cache.kv_window(arch))
+            # blocks behind a sliding window released, as the engine does (prefix caching is not
+            # simulated)
+            block_manager = make_block_manager(groups, num_blocks, config.cache.block_size,
+                                               False, config.cache.kv_window(arch))
             scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
                                          threads, index, **options)

@@ -343,3 +343,34 @@ def test_a_windowed_model_releases_blocks_in_the_simulator_as_in_the_engine():
         runs[free] = simulate(config, work, LinearCost(), windowed, 512, 4)
     assert runs[True].output_tokens == runs[False].output_tokens == 800
     assert runs[False].preemptions > 0 and runs[True].preemptions == 0
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 1}, {"pp": 2}])
+def test_a_hybrid_window_model_runs_layer_groups_in_the_simulator_as_in_the_engine(parallel):
+    """Windowed layers alternating with global ones (Gemma 2's pattern, 32-key windows): the
+    simulator sizes the pool in the groups' pages and releases the windowed groups' blocks, as
+    the engine does: eight 400-token sequences in 40 blocks of every layer preempt each other
+    less and finish sooner than over one table of every layer (9 / 8 preemptions against 15 /
+    16 at PP=1 / 2, and 0.77x / 0.63x the time)."""
+    from dataclasses import replace
+
+    from batchinfer.engine.group_blocks import GroupedBlockManager
+    from batchinfer.sim.simulator import simulated_engine
+
+    hybrid = replace(ARCH, layer_windows=tuple(32 if i % 2 == 0 else 0
+                                               for i in range(ARCH.num_layers)))
+    work = [SimRequest(100, 300) for _ in range(8)]
+    kv_bytes = 40 * 16 * hybrid.kv_bytes_per_token(4)             # 40 blocks of every layer
+    runs = {}
+    for free in (True, False):
+        config = _config({"name": "baseline", "policy": "hb"}, pp=parallel["pp"],
+                         kv_bytes=kv_bytes // parallel["pp"])       # per rank, half the layers
+        config = config.model_copy(update={"cache": config.cache.model_copy(
+            update={"free_outside_window": free})})
+        engine = simulated_engine(config, LinearCost(), hybrid, 512, 4)
+        manager = engine.replicas[0].scheduler.block_manager
+        assert isinstance(manager, GroupedBlockManager) == free
+        runs[free] = simulate(config, work, LinearCost(), hybrid, 512, 4)
+    assert runs[True].output_tokens == runs[False].output_tokens == 2400
+    assert runs[True].preemptions < runs[False].preemptions
+    assert runs[True].elapsed_s < 0.85 * runs[False].elapsed_s
