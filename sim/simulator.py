@@ -122,8 +122,10 @@ class SimSetup:
 
     def plain_kv_blocks(self) -> int:
         """Blocks per replica the standard engine would have (no capacity check)."""
+        groups = groups_for(self.config, self.arch, self.max_model_len,
+                            [self.layout.stage_range(stage) for stage in range(self.layout.pp)])
         return num_kv_blocks(self.config, self.layout, self.arch, cost_device(self.cost),
-                             self.dtype_bytes, self.cost.memory_bytes)
+                             self.dtype_bytes, self.cost.memory_bytes, groups=groups)
 
 
 def check_simulated(config: EngineConfig) -> None:

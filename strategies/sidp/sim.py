@@ -31,7 +31,8 @@ from typing import Optional
 
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.kv_groups import (check_group_capacity, groups_for, make_block_manager,
+                                         step_tokens)
 from batchinfer.engine.scheduler import MicroBatch
 from .build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
 from .cost_profile import BATCH_SIZES
@@ -287,14 +288,19 @@ def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, la
     """The replicas of a simulated SiDP engine, and the `sidp` part of its info."""
     check_sidp_layout(config.parallel)
     group = SiDPGroup(params, arch, cost, clock, layout.dp, threads, dtype_bytes)
+    groups = groups_for(config, arch, max_model_len)     # KV layer groups, as the engine runs
     num_blocks = sidp_num_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
                                  group.owners, group.layer_bytes, group.with_slots,
-                                 cost.memory_bytes)
-    check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
+                                 cost.memory_bytes, groups=groups)
+    if groups is None:
+        check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
+    else:
+        check_group_capacity(groups, num_blocks, config.cache.block_size, max_model_len,
+                             step_tokens(config, max_model_len))
     replicas = []
     for executor in group.executors:
-        block_manager = BlockManager(num_blocks, config.cache.block_size,
-                                     window=config.cache.kv_window(arch))
+        block_manager = make_block_manager(groups, num_blocks, config.cache.block_size, False,
+                                           config.cache.kv_window(arch))
         scheduler = params.make_scheduler(block_manager, max_model_len, layout.pp)
         replicas.append(Replica(scheduler, executor))
     block_size = config.cache.block_size

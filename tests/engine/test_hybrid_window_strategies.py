@@ -121,3 +121,9 @@ def test_sidp_replicas_run_the_groups(qwen3_hybrid, strategy, parallel):
             assert replica.scheduler.block_manager.windows == (0, WINDOW)
         assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
         assert engine.stats()["kv_window_freed_blocks"] > 0
+        grouped = engine.scheduler.block_manager.num_blocks
+    one_table = config.model_copy(update={"cache": config.cache.model_copy(
+        update={"free_outside_window": False})})
+    with Engine.from_config(one_table) as engine:
+        # a block is a page of 2 layers (a global and a windowed one) instead of all 4
+        assert grouped // 2 == engine.scheduler.block_manager.num_blocks

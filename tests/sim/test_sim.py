@@ -18,10 +18,10 @@ from batchinfer.sim.profile_fit import fit_rank_compute
 from batchinfer.sim.profile_table import LinkCost, ProfileTable, RankCompute
 from batchinfer.sim.simulator import SimRequest, kv_blocks, simulate
 
-ARCH = arch_from_dict({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
-                       "intermediate_size": 128, "num_hidden_layers": 4,
-                       "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "max_position_embeddings": 4096})
+ARCH_CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 4096}
+ARCH = arch_from_dict(ARCH_CONFIG)
 
 
 class LinearCost:
@@ -345,31 +345,35 @@ def test_a_windowed_model_releases_blocks_in_the_simulator_as_in_the_engine():
     assert runs[False].preemptions > 0 and runs[True].preemptions == 0
 
 
-@pytest.mark.parametrize("parallel", [{"pp": 1}, {"pp": 2}])
-def test_a_hybrid_window_model_runs_layer_groups_in_the_simulator_as_in_the_engine(parallel):
-    """Windowed layers alternating with global ones (Gemma 2's pattern, 32-key windows): the
-    simulator sizes the pool in the groups' pages and releases the windowed groups' blocks, as
-    the engine does: eight 400-token sequences in 40 blocks of every layer preempt each other
-    less and finish sooner than over one table of every layer (9 / 8 preemptions against 15 /
-    16 at PP=1 / 2, and 0.77x / 0.63x the time)."""
+@pytest.mark.parametrize("pp, groups", [(1, (0, 32, 32, 32, 32, 32)), (2, (0, 32, 32, 32))])
+def test_a_hybrid_window_model_runs_layer_groups_in_the_simulator_as_in_the_engine(pp, groups):
+    """Gemma 3's pattern on 6 layers (5 windowed of 32 keys, then a global one): the simulator
+    takes the engine's layout (at PP=2 split 3 + 3, by stage: each windowed group a layer of each
+    stage, 4 groups instead of 6), sizes the pool in its pages and releases the windowed groups'
+    blocks, so eight 400-token sequences in 48 blocks of every layer preempt each other less and
+    finish sooner than over one table of every layer (1 / 4 preemptions against 10 / 13 at PP=1
+    / 2, 0.67x / 0.64x the time)."""
     from dataclasses import replace
 
     from batchinfer.engine.group_blocks import GroupedBlockManager
     from batchinfer.sim.simulator import simulated_engine
 
-    hybrid = replace(ARCH, layer_windows=tuple(32 if i % 2 == 0 else 0
-                                               for i in range(ARCH.num_layers)))
+    hybrid = arch_from_dict({**ARCH_CONFIG, "num_hidden_layers": 6})
+    hybrid = replace(hybrid, layer_windows=(32,) * 5 + (0,))
     work = [SimRequest(100, 300) for _ in range(8)]
-    kv_bytes = 40 * 16 * hybrid.kv_bytes_per_token(4)             # 40 blocks of every layer
+    kv_bytes = 48 * 16 * hybrid.kv_bytes_per_token(4)             # 48 blocks of every layer
     runs = {}
     for free in (True, False):
-        config = _config({"name": "baseline", "policy": "hb"}, pp=parallel["pp"],
-                         kv_bytes=kv_bytes // parallel["pp"])       # per rank, half the layers
-        config = config.model_copy(update={"cache": config.cache.model_copy(
-            update={"free_outside_window": free})})
-        engine = simulated_engine(config, LinearCost(), hybrid, 512, 4)
-        manager = engine.replicas[0].scheduler.block_manager
+        config = _config({"name": "baseline", "policy": "hb"}, pp=pp, kv_bytes=kv_bytes // pp)
+        config = config.model_copy(update={
+            "cache": config.cache.model_copy(update={"free_outside_window": free}),
+            "parallel": config.parallel.model_copy(update={"pp_layers": [3, 3] if pp == 2
+                                                            else None})})
+        manager = simulated_engine(config, LinearCost(), hybrid, 512, 4).replicas[0] \
+            .scheduler.block_manager
         assert isinstance(manager, GroupedBlockManager) == free
+        if free:
+            assert manager.windows == groups
         runs[free] = simulate(config, work, LinearCost(), hybrid, 512, 4)
     assert runs[True].output_tokens == runs[False].output_tokens == 2400
     assert runs[True].preemptions < runs[False].preemptions
