@@ -89,12 +89,19 @@ def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cos
     device and memory (pages of the KV layer groups' slots where the model runs groups)."""
     blocks = num_kv_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
                            cost.memory_bytes, groups=groups)
-    if groups is None:
-        check_kv_capacity(blocks * config.cache.block_size, layout, max_model_len)
-    else:
-        check_group_capacity(groups, blocks, config.cache.block_size, max_model_len,
-                             step_tokens(config, max_model_len))
+    check_pool(config, layout, max_model_len, blocks, groups)
     return blocks
+
+
+def check_pool(config: EngineConfig, layout: ParallelLayout, max_model_len: int,
+               num_blocks: int, groups: Optional[KVGroupLayout]) -> None:
+    """The engine's start-up checks of a replica's pool: one max_model_len request fits (with
+    KV layer groups: fits its largest step over every group)."""
+    if groups is None:
+        check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
+    else:
+        check_group_capacity(groups, num_blocks, config.cache.block_size, max_model_len,
+                             step_tokens(config, max_model_len))
 
 
 def check_kv_capacity(tokens: int, layout: ParallelLayout, max_model_len: int) -> None:

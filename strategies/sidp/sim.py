@@ -31,8 +31,7 @@ from typing import Optional
 
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.kv_groups import (check_group_capacity, groups_for, make_block_manager,
-                                         step_tokens)
+from batchinfer.engine.kv_groups import groups_for, make_block_manager
 from batchinfer.engine.scheduler import MicroBatch
 from .build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
 from .cost_profile import BATCH_SIZES
@@ -42,7 +41,7 @@ from .ownership import prefetch_order, resolve_owners, weight_slots
 
 from batchinfer.sim.cost_model import BatchShape, CostModel, cost_device
 from batchinfer.sim.executor import _EPS, SimulatedExecutor, VirtualClock, _InFlight
-from batchinfer.sim.simulator import check_kv_capacity
+from batchinfer.sim.simulator import check_pool
 
 
 class SlotReads:
@@ -292,11 +291,7 @@ def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, la
     num_blocks = sidp_num_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
                                  group.owners, group.layer_bytes, group.with_slots,
                                  cost.memory_bytes, groups=groups)
-    if groups is None:
-        check_kv_capacity(num_blocks * config.cache.block_size, layout, max_model_len)
-    else:
-        check_group_capacity(groups, num_blocks, config.cache.block_size, max_model_len,
-                             step_tokens(config, max_model_len))
+    check_pool(config, layout, max_model_len, num_blocks, groups)
     replicas = []
     for executor in group.executors:
         block_manager = make_block_manager(groups, num_blocks, config.cache.block_size, False,
