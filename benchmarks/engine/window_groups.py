@@ -37,9 +37,9 @@ STRATEGIES = {   # name -> (strategy section, pipeline stages)
 
 def kv_bytes_per_token() -> int:
     """fp32 K and V of every layer of the shape (one table over every layer)."""
-    config = shapes()[SHAPE]
-    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * \
-        config["head_dim"] * 4
+    from batchinfer.engine.model.arch import arch_from_dict
+
+    return arch_from_dict(shapes()[SHAPE]).kv_bytes_per_token(4)
 
 
 def run_one(strategy: str, free: bool, rows: list[dict], kv_bytes: int) -> dict:
