@@ -75,6 +75,9 @@ class GroupedBlockManager(BlockManager):
     def num_held_blocks(self, seq_id: Hashable) -> int:
         return sum(self.held_per_group(seq_id))
 
+    def released_slots(self, seq_id: Hashable) -> tuple[int, ...]:
+        return (0, *self._group_released.get(seq_id, [0] * (self.num_groups - 1)))
+
     def blocks_needed(self, seq_id: Hashable, total_tokens: int) -> int:
         """Blocks to add, over all groups (each adds the same number of slots)."""
         return self.num_groups * super().blocks_needed(seq_id, total_tokens)
@@ -97,6 +100,33 @@ class GroupedBlockManager(BlockManager):
         self.peak_group_blocks = [max(p, h) for p, h in zip(self.peak_group_blocks, held)]
         self.peak_seq_blocks = max(self.peak_seq_blocks, sum(held))
         return new
+
+    def adopt(self, seq_id: Hashable, slots: int, released: Sequence[int]) -> list[list[int]]:
+        """Tables of `slots` slots for every group, the first released[g] of group g released
+        (the anchor releases none): a sequence copied in from a KV tier holds only the blocks
+        its windows still need."""
+        released = list(released)
+        if len(released) != self.num_groups or released[0]:
+            raise ValueError(f"{self.num_groups} tables, the first (global) with no released "
+                             f"slot, expected; got released {released}")
+        if self._tables.get(seq_id):
+            raise ValueError(f"{seq_id!r} already has blocks")
+        need = self.blocks_for_shape(slots, released)
+        if need > self.num_free_blocks:
+            raise MemoryError(f"need {need} KV blocks, {self.num_free_blocks} free")
+        tables = []
+        for skip in released:
+            blocks = [self._take() for _ in range(slots - skip)]
+            for block in blocks:
+                self._ref[block] = 1
+            tables.append([PLACEHOLDER_BLOCK] * skip + blocks)
+        self._tables[seq_id] = tables[0]
+        self._group_tables[seq_id] = tables[1:]
+        self._group_released[seq_id] = released[1:]
+        held = self.held_per_group(seq_id)
+        self.peak_group_blocks = [max(p, h) for p, h in zip(self.peak_group_blocks, held)]
+        self.peak_seq_blocks = max(self.peak_seq_blocks, need)
+        return self.tables(seq_id)
 
     def reserve_block(self, owner: Hashable) -> Optional[int]:
         """One block, not one per group (`grow` would take num_groups): the padding rows of a

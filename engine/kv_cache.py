@@ -98,6 +98,15 @@ class BlockManager:
         """Blocks `seq_id` really holds (its table less the slots released for the window)."""
         return len(self._tables.get(seq_id, ())) - self._released.get(seq_id, 0)
 
+    def tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Every block table of `seq_id`, the first one's (block_table) first."""
+        return [self.block_table(seq_id), *self.group_tables(seq_id)]
+
+    def released_slots(self, seq_id: Hashable) -> tuple[int, ...]:
+        """Per table (as `tables` orders them): its leading slots released behind the window
+        (they hold PLACEHOLDER_BLOCK, which is also a real block id: only this count tells)."""
+        return (self._released.get(seq_id, 0),)
+
     def blocks_needed(self, seq_id: Hashable, total_tokens: int) -> int:
         """Blocks to add so that `seq_id` can hold `total_tokens` tokens."""
         have = len(self._tables.get(seq_id, ()))
@@ -120,6 +129,33 @@ class BlockManager:
         table.extend(new)
         self.peak_seq_blocks = max(self.peak_seq_blocks, self.num_held_blocks(seq_id))
         return new
+
+    def adopt(self, seq_id: Hashable, slots: int, released: Sequence[int]) -> list[list[int]]:
+        """Gives `seq_id` (which holds none) tables of `slots` slots whose first released[t]
+        slots of table t are released: the shape a copy of the sequence has in another block
+        manager over the same windows (a KV tier). -> its tables. Caller checked room
+        (`blocks_for_shape`)."""
+        (skip,) = released
+        if self._tables.get(seq_id):
+            raise ValueError(f"{seq_id!r} already has blocks")
+        if skip and not self.window:
+            raise ValueError("released slots need a block manager with a window")
+        need = slots - skip
+        if need > self.num_free_blocks:
+            raise MemoryError(f"need {need} KV blocks, {self.num_free_blocks} free")
+        new = [self._take() for _ in range(need)]
+        for block in new:
+            self._ref[block] = 1
+        self._tables[seq_id] = [PLACEHOLDER_BLOCK] * skip + new
+        if skip:
+            self._released[seq_id] = skip
+        self.peak_seq_blocks = max(self.peak_seq_blocks, need)
+        return self.tables(seq_id)
+
+    @staticmethod
+    def blocks_for_shape(slots: int, released: Sequence[int]) -> int:
+        """Blocks `adopt(seq, slots, released)` takes."""
+        return sum(slots - skip for skip in released)
 
     def reserve_block(self, owner: Hashable) -> Optional[int]:
         """One block held by `owner` (which holds none) that no sequence uses: the CUDA graphs'

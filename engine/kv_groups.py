@@ -26,10 +26,11 @@ Gemma 2 (windowed and global alternating) has two groups of num_layers / 2 layer
 2): past its windows a sequence's context costs one page (4 layers) a block, where one table over
 every layer costs 26 layers a block.
 
-A strategy runs with groups where its schedulers count KV through this block manager alone (it
-says so with `StrategyParams.kv_layer_groups`; one process, or the pipeline / tensor-parallel
-runtime); one that moves a sequence's single table elsewhere (a CPU KV tier between layouts)
-keeps every block of a hybrid model (`groups_for` logs why). Which strategies do: docs/engine.md.
+A strategy runs with groups where its schedulers count KV through this block manager (it says
+so with `StrategyParams.kv_layer_groups`); one whose KV arithmetic counts a single table per
+sequence keeps every block of a hybrid model (`groups_for` logs why). A CPU KV tier is a block
+manager over the same groups (`BlockManager.adopt` gives a sequence moved into it the same
+tables, released slots included). Which strategies do: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ class KVGroupLayout:
         """The slots the layers [layer_start, layer_end) use (a pipeline stage allocates these)."""
         return sorted({self.layer_slot[layer] for layer in range(layer_start, layer_end)})
 
+    def slot_range(self, layer_start: int, layer_end: int) -> Optional[tuple[int, int]]:
+        """slots_of(start, end) as one range [first, end), or None where they leave a gap (a
+        copy of a block's slots for these layers is then not one slice)."""
+        slots = self.slots_of(layer_start, layer_end)
+        if slots != list(range(slots[0], slots[-1] + 1)):
+            return None
+        return slots[0], slots[-1] + 1
+
     def layer_caches(self, pairs: Sequence, layer_start: int, layer_end: int) -> list:
         """Each layer's (key, value) pair among `pairs`, the tensors of slots_of(start, end)."""
         index = {slot: i for i, slot in enumerate(self.slots_of(layer_start, layer_end))}
@@ -82,6 +91,16 @@ def blocks_per_sequence(windows: Sequence[int], tokens: int, block_size: int,
     whole = -(-tokens // block_size)
     return sum(whole if not window
                else min(whole, -(-(window + step_tokens - 1) // block_size) + 1)
+               for window in windows)
+
+
+def blocks_held(windows: Sequence[int], tokens: int, block_size: int) -> int:
+    """Blocks a sequence of `tokens` computed tokens holds over tables of these windows once
+    each windowed one released what its next query cannot see (BlockManager.
+    release_outside_window at `tokens`): a global table a block per block_size tokens, a
+    windowed one from the block of position tokens - window + 1 on."""
+    whole = -(-tokens // block_size)
+    return sum(whole - (min(max(0, (tokens - window + 1) // block_size), whole) if window else 0)
                for window in windows)
 
 

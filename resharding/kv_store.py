@@ -2,7 +2,9 @@
 
 Layout [store_blocks, layers, 2 (K, V), kv_heads, block_size, head_dim]: within a block and a
 layer the heads come first (HND), so a tensor-parallel rank's heads are one contiguous run and a
-pipeline stage's layers are another. Prefill ranks push their shard (their layers, all heads)
+pipeline stage's layers are another. With KV layer groups (engine/kv_groups.py) a block is a
+page: its second axis is the page's slots, and a sequence has a store block per table slot of
+each group, as on the device. Prefill ranks push their shard (their layers, all heads)
 into it; decode ranks pull theirs (all layers, their heads): the KV is re-sharded by the copy.
 
 The tensor is made once by the controller (`allocate_store`) and handed to the spawned workers;
@@ -31,7 +33,8 @@ def allocate_store(num_blocks: int, num_layers: int, num_kv_heads: int, block_si
 @dataclass(frozen=True)
 class ShardView:
     """What a rank holds of the KV in the current layout: layers [layer_start, layer_end) of
-    the model, kv heads [head_start, head_end)."""
+    the model (with KV layer groups: page slots, as the store's second axis then counts them),
+    kv heads [head_start, head_end)."""
 
     layer_start: int
     layer_end: int

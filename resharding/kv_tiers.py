@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.kv_groups import blocks_held
 
 SWAP_OUT, SWAP_IN = "out", "in"
 
@@ -31,10 +32,18 @@ class Transfer:
 
 
 class KVTiers:
+    """With KV layer groups both tiers are block managers over the same groups' windows (a
+    block is one page: kv_groups.py), a sequence has a table per group in each, and a move pairs
+    the blocks its windows still hold: a windowed group's slots released behind the window are
+    released in the other tier too and never copied."""
+
     def __init__(self, device: BlockManager, store: BlockManager):
         if device.block_size != store.block_size:
             raise ValueError(f"the CPU store's block size ({store.block_size}) must equal the "
                              f"paged cache's ({device.block_size})")
+        if device.table_windows != store.table_windows:
+            raise ValueError(f"the CPU store's tables (windows {store.table_windows}) must be "
+                             f"the paged cache's ({device.table_windows})")
         self.device, self.store = device, store
         self.pending: dict[int, Transfer] = {}
         self._next_id = 0
@@ -43,34 +52,48 @@ class KVTiers:
         self.peak_store_blocks = 0     # the most store blocks held at once
 
     def store_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.store.block_size)
+        """Blocks (in either tier) of a sequence of `num_tokens` computed tokens, its windowed
+        tables released behind its next query."""
+        return blocks_held(self.store.table_windows, num_tokens, self.store.block_size)
 
     def can_swap_out(self, num_tokens: int, reserved_blocks: int = 0) -> bool:
         return self.store_blocks_for(num_tokens) + reserved_blocks <= self.store.num_free_blocks
 
-    def can_swap_in(self, num_tokens: int, keep_free_blocks: int = 0) -> bool:
-        return self.store_blocks_for(num_tokens) + keep_free_blocks <= self.device.num_free_blocks
+    def can_swap_in(self, num_tokens: int, keep_free_sequences: int = 0) -> bool:
+        """Room on the device for the sequence and a block of every table of
+        `keep_free_sequences` sequences (their next block_size steps cannot run out)."""
+        keep = keep_free_sequences * self.device.num_groups
+        return self.store_blocks_for(num_tokens) + keep <= self.device.num_free_blocks
 
     def swap_out(self, request_id: str, num_tokens: int) -> Transfer:
         """Starts moving the KV of `request_id` (held on the device) into the store."""
-        device_blocks = _move(self.device, "device", self.store, "CPU store", request_id,
-                              num_tokens)
-        store_blocks = self.store.grow(request_id, num_tokens)
-        self.peak_store_blocks = max(self.peak_store_blocks,
-                                     self.store.num_blocks - self.store.num_free_blocks)
-        need = self.store_blocks_for(num_tokens)
-        return self._start(SWAP_OUT, request_id, num_tokens, device_blocks[:need], store_blocks)
+        return self._move(SWAP_OUT, self.device, "device", self.store, "CPU store", request_id,
+                          num_tokens)
 
     def swap_in(self, request_id: str, num_tokens: int) -> Transfer:
         """Starts moving the KV of `request_id` (in the store) onto the device."""
-        store_blocks = _move(self.store, "CPU store", self.device, "device", request_id,
-                             num_tokens)
-        device_blocks = self.device.grow(request_id, num_tokens)
-        return self._start(SWAP_IN, request_id, num_tokens, device_blocks, store_blocks)
+        return self._move(SWAP_IN, self.store, "CPU store", self.device, "device", request_id,
+                          num_tokens)
 
-    def _start(self, kind, request_id, num_tokens, device_blocks, store_blocks) -> Transfer:
-        transfer = Transfer(self._next_id, kind, request_id, num_tokens, tuple(device_blocks),
-                            tuple(store_blocks))
+    def _move(self, kind, source: BlockManager, source_name: str, dest: BlockManager,
+              dest_name: str, request_id: str, num_tokens: int) -> Transfer:
+        """The destination takes the source's table shape for `num_tokens` tokens; the move
+        pairs their held blocks, table by table."""
+        slots = -(-num_tokens // source.block_size)
+        if len(source.block_table(request_id)) < slots:
+            raise ValueError(f"{request_id!r} holds {len(source.block_table(request_id))} "
+                             f"{source_name} blocks a table, too few for {num_tokens} tokens")
+        if dest.block_table(request_id):
+            raise ValueError(f"{request_id!r} already has {dest_name} blocks")
+        released = tuple(min(skip, slots) for skip in source.released_slots(request_id))
+        dest.adopt(request_id, slots, released)
+        if kind == SWAP_OUT:
+            self.peak_store_blocks = max(self.peak_store_blocks,
+                                         self.store.num_blocks - self.store.num_free_blocks)
+        moved = held_blocks(source, request_id, slots), held_blocks(dest, request_id, slots)
+        device_blocks, store_blocks = moved if kind == SWAP_OUT else moved[::-1]
+        transfer = Transfer(self._next_id, kind, request_id, num_tokens, device_blocks,
+                            store_blocks)
         self._next_id += 1
         self.pending[transfer.transfer_id] = transfer
         return transfer
@@ -105,18 +128,14 @@ class KVTiers:
         self.device.check_invariants()
         self.store.check_invariants()
         for transfer in self.pending.values():
-            assert tuple(self.store.block_table(transfer.request_id)) == transfer.store_blocks
-            held = self.device.block_table(transfer.request_id)
-            assert tuple(held[:len(transfer.device_blocks)]) == transfer.device_blocks
+            slots = -(-transfer.num_tokens // self.store.block_size)
+            assert held_blocks(self.store, transfer.request_id, slots) == transfer.store_blocks
+            assert held_blocks(self.device, transfer.request_id, slots) == transfer.device_blocks
 
 
-def _move(source: BlockManager, source_name: str, dest: BlockManager, dest_name: str,
-          request_id: str, num_tokens: int) -> list[int]:
-    """The source blocks of a move, checked: they hold `num_tokens`, the destination holds none."""
-    blocks = source.block_table(request_id)
-    if len(blocks) * source.block_size < num_tokens:
-        raise ValueError(f"{request_id!r} holds {len(blocks)} {source_name} blocks, too few for "
-                         f"{num_tokens} tokens")
-    if dest.block_table(request_id):
-        raise ValueError(f"{request_id!r} already has {dest_name} blocks")
-    return blocks
+def held_blocks(manager: BlockManager, request_id: str, slots: int) -> tuple[int, ...]:
+    """The blocks `request_id` holds in its first `slots` slots, table after table (released
+    slots left out): the order both tiers' halves of a move list them in."""
+    return tuple(block for table, skip in zip(manager.tables(request_id),
+                                              manager.released_slots(request_id))
+                 for block in table[skip:slots])

@@ -5,7 +5,9 @@ the same order), reads the host copy of the weights both of its partitions need,
 paged-KV buffer big enough for either layout and attaches the CPU store and the prefetcher. A
 switch (`reshard`) waits for the copies in flight, drops the old partition, builds the new one
 from the host copy and re-views the KV buffer for the new shard (its layers x its heads; the
-sequences' KV is in the CPU store across a switch, so nothing in the buffer is kept).
+sequences' KV is in the CPU store across a switch, so nothing in the buffer is kept). With KV
+layer groups a block is a page (kv_groups.py): the buffer is viewed as the page slots the shard's
+layers use, and the store's blocks hold every slot.
 """
 from __future__ import annotations
 
@@ -29,21 +31,26 @@ class LayoutSpec:
     sampling_rank: int            # fixed across layouts: the sampler's per-request state stays
     store: torch.Tensor           # the shared CPU KV store (kv_store.allocate_store)
     async_swap: bool = True
+    kv_groups: Optional[object] = None   # kv_groups.KVGroupLayout: blocks are pages of slots
 
 
-def kv_buffer_elements(layouts: dict, rank: int, arch, num_blocks: int, block_size: int) -> int:
+def kv_buffer_elements(layouts: dict, rank: int, arch, num_blocks: int, block_size: int,
+                       groups=None) -> int:
     """Elements of the paged buffer: the larger of the rank's shards over the layouts."""
     most = 0
     for layout in layouts.values():
-        view = shard_view(layout, rank, arch)
+        view = shard_view(layout, rank, arch, groups)
         layers, heads = view.layer_end - view.layer_start, view.head_end - view.head_start
         most = max(most, layers * 2 * num_blocks * heads * block_size * arch.head_dim)
     return most
 
 
-def shard_view(layout, rank: int, arch) -> ShardView:
+def shard_view(layout, rank: int, arch, groups=None) -> ShardView:
+    """The rank's layers (with KV layer groups: the page slots they use, one range) and heads."""
     info = layout.info(rank)
     start, end = layout.stage_range(info.stage)
+    if groups is not None:
+        start, end = groups.slot_range(start, end)
     heads = arch.num_kv_heads // layout.tp
     return ShardView(start, end, info.tp_rank * heads, (info.tp_rank + 1) * heads)
 
@@ -70,7 +77,8 @@ class LayoutSwitcher:
         partitions = [lay.info(rank).partition for lay in spec.layouts.values()]
         self.host = HostWeights.load(Path(wspec.model_dir), arch, partitions, dummy=wspec.dummy,
                                      seed=wspec.seed, pin=worker.device.type == "cuda")
-        numel = kv_buffer_elements(spec.layouts, rank, arch, wspec.num_blocks, wspec.block_size)
+        numel = kv_buffer_elements(spec.layouts, rank, arch, wspec.num_blocks, wspec.block_size,
+                                   spec.kv_groups)
         self.kv_buffer = torch.zeros(numel, dtype=worker.kv_dtype, device=worker.device)
         self.prefetcher = Prefetcher(spec.store, notify, threaded=spec.async_swap)
         self.current: Optional[str] = None
@@ -88,11 +96,16 @@ class LayoutSwitcher:
         model, stats = self.host.build(arch, worker.dtype, worker.device, wspec.max_model_len,
                                        partition, self.tp_groups[name], kept=kept,
                                        quantization=wspec.quantization)
-        view = shard_view(layout, wspec.rank, arch)
+        groups = self.spec.kv_groups
+        view = shard_view(layout, wspec.rank, arch, groups)
         layers, heads = view.layer_end - view.layer_start, view.head_end - view.head_start
         shape = (layers, 2, wspec.num_blocks, heads, wspec.block_size, arch.head_dim)
         paged = self.kv_buffer[: layers * 2 * wspec.num_blocks * heads * wspec.block_size
                                * arch.head_dim].view(shape)
         self.prefetcher.attach(paged, view)
         self.current, self.last_stats = name, stats
-        return layout, model, [(paged[i, 0], paged[i, 1]) for i in range(layers)]
+        caches = [(paged[i, 0], paged[i, 1]) for i in range(layers)]
+        if groups is not None:      # each layer's pair is its slot's
+            caches = groups.layer_caches(caches, partition.layer_start, partition.layer_end)
+            model.use_kv_groups(groups)
+        return layout, model, caches

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from batchinfer.engine.engine import release_outside_windows
 from batchinfer.engine.request import Request, SamplingParams, Sequence, SequenceStatus
 from batchinfer.engine.scheduler import MicroBatch
 
@@ -38,6 +39,7 @@ def complete(sched, batch: MicroBatch) -> None:
             if len(seq.output_token_ids) >= seq.request.sampling.max_tokens:
                 seq.status = SequenceStatus.FINISHED
     sched.on_result(batch)
+    release_outside_windows(sched.block_manager, batch)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 model whose windowed layers release the blocks behind their window, on long prompts in a KV
 budget that binds.
 
-`memory.free_outside_window: false` is the ablation, and what TD-Pipe, gLLM and SiPipe ran with
-before they took the groups: one block table over every layer, so a request holds its whole
+`memory.free_outside_window: false` is the ablation, and what TD-Pipe, gLLM, SiPipe and Seesaw
+ran with before they took the groups: one block table over every layer, so a request holds its whole
 context in the windowed layers too. Both arms of a strategy get the same KV bytes; each
 configuration runs in a fresh process; prompts are the prefill-heavy documents of joined ShareGPT
 prompts (~1,500 tokens, past the 512-key window), each generating --max-tokens (ignore_eos, so
@@ -32,7 +32,13 @@ STRATEGIES = {   # name -> (strategy section, pipeline stages)
     "baseline-hb": ({"name": "baseline", "policy": "hb", "max_num_batched_tokens": 512}, 1),
     "tdpipe": ({"name": "tdpipe", "max_num_batched_tokens": 2048}, 2),
     "gllm": ({"name": "gllm"}, 2),
+    # the model's one kv head rules out TP, so c_d is c_p (no re-shard): the CPU tier still
+    # takes every prompt's KV after prefill and gives it back for decode (store: STORE_RATIO x
+    # the device bytes)
+    "seesaw": ({"name": "seesaw", "decode_tp": 1, "decode_pp": 2,
+                "max_num_batched_tokens": 2048}, 2),
 }
+STORE_RATIO = 2
 
 
 def kv_bytes_per_token() -> int:
@@ -49,6 +55,8 @@ def run_one(strategy: str, free: bool, rows: list[dict], kv_bytes: int) -> dict:
     from batchinfer.runner.recipe import strategy_class
 
     spec, pp = STRATEGIES[strategy]
+    if spec["name"] == "seesaw":
+        spec = {**spec, "cpu_kv_cache_memory": STORE_RATIO * kv_bytes}
     params = strategy_class(spec["name"]).model_validate(spec)
     config = EngineConfig(model={"path": str(shape_dir(SHAPE)), "load_format": "dummy",
                                  "max_model_len": MAX_MODEL_LEN},
@@ -82,6 +90,9 @@ def run_one(strategy: str, free: bool, rows: list[dict], kv_bytes: int) -> dict:
             "max_concurrency": stats.get("max_concurrency"),
             "window_freed_blocks": stats["kv_window_freed_blocks"],
             "preemptions": stats["num_preemptions"],
+            "strategy_stats": {k: v for k, v in stats.get("strategy_stats", {}).items()
+                               if k in ("num_switches", "swapped_out_tokens",
+                                        "cpu_store_peak_tokens")} or None,
             "mean_decode_batch": round(statistics.mean(decode_batches), 1)
             if decode_batches else None}
 

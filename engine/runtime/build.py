@@ -182,11 +182,10 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
 
 
 def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout, num_blocks: int,
-                threads: int, kv_cache_bytes: int, releases_window: bool = True,
+                threads: int, kv_cache_bytes: int,
                 kv_groups: Optional[KVGroupLayout] = None) -> dict:
-    """What report.json's `engine` says of this engine. releases_window: whether its block
-    managers release blocks behind a sliding window (a strategy with its own may not);
-    kv_groups: the layer groups its block managers run with (ParallelPlan.kv_groups)."""
+    """What report.json's `engine` says of this engine. kv_groups: the layer groups its block
+    managers run with (ParallelPlan.kv_groups)."""
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
     info = {
@@ -201,7 +200,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
-        "kv_window": config.cache.kv_window(arch) if releases_window else 0,
+        "kv_window": config.cache.kv_window(arch),
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,

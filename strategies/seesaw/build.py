@@ -3,12 +3,13 @@ shared CPU store, one scheduler and the re-sharding executor."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from batchinfer.engine.build import GiB
 from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.kv_groups import KVGroupLayout, groups_for, make_block_manager, step_tokens
 from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info, model_setup,
                                              per_rank_kv_budget, rank_bytes_per_block,
                                              start_workers)
@@ -59,28 +60,62 @@ def sampling_rank(layouts: dict[str, ParallelLayout]) -> int:
     return min(common)
 
 
+def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout],
+                  max_model_len: int) -> Optional[KVGroupLayout]:
+    """The KV layer groups of a hybrid-window model under both layouts (one block manager and
+    one store serve them; None: one table). Candidates: the one-stage layout and each layout's
+    by-stage one (kv_groups.group_layout) in which every rank's slots are one range (a copy is
+    one slice of a store block); kept: the one whose max_model_len-token request costs the
+    fewest bytes on the fullest rank of either layout, then the fewest groups."""
+    stage_sets = [None] + [[lay.stage_range(s) for s in range(lay.pp)] for lay in layouts.values()]
+    candidates = {groups_for(config, arch, max_model_len, stages) for stages in stage_sets}
+    ranges = [lay.stage_range(s) for lay in layouts.values() for s in range(lay.pp)]
+    usable = [g for g in candidates
+              if g is not None and all(g.slot_range(*r) is not None for r in ranges)]
+    if not usable:
+        return None
+
+    def cost(groups: KVGroupLayout) -> tuple[int, int]:
+        most = max(rank_bytes_per_block(lay, arch, r, config.cache.block_size, 1, groups)
+                   for lay in layouts.values() for r in range(lay.world_size))
+        return (most * groups.blocks_per_sequence(max_model_len, config.cache.block_size),
+                groups.num_groups)
+
+    return min(usable, key=cost)
+
+
 def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
-                per_rank: int, dtype_bytes: int, max_model_len: int) -> tuple[int, int, int]:
+                per_rank: int, dtype_bytes: int, max_model_len: int,
+                groups: Optional[KVGroupLayout] = None) -> tuple[int, int, int]:
     """-> (device blocks, bytes of a device block, store blocks). Every rank gets the same block
-    count; a block is as big as the rank's larger shard of either layout. The store holds
-    cpu_kv_cache_memory of whole-model KV (with the tier off: what the device holds). The
-    simulator sizes its Seesaw with this too."""
+    count; a block is as big as the rank's larger shard of either layout (with KV layer groups,
+    of the page slots its layers use). The store holds cpu_kv_cache_memory of whole-model KV
+    (a store block: every layer, or with groups every page slot, of all heads; with the tier
+    off: as many blocks as the device). The simulator sizes its Seesaw with this too."""
     block_size = config.cache.block_size
-    block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes)
+    block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes, groups)
                       for lay in layouts.values() for r in range(lay.world_size))
     num_blocks = per_rank // block_bytes
-    check_capacity(num_blocks - 1, block_size, max_model_len)
-    token_bytes = arch.kv_bytes_per_token(dtype_bytes)
+    check_capacity(num_blocks - 1, block_size, max_model_len, groups,
+                   step_tokens(config, max_model_len))
     if not params.cpu_kv_tier:
         return num_blocks, block_bytes, num_blocks
-    store_blocks = int(params.cpu_kv_cache_memory) // (token_bytes * block_size)
+    store_block_bytes = store_bytes_per_block(arch, block_size, dtype_bytes, groups)
+    store_blocks = int(params.cpu_kv_cache_memory) // store_block_bytes
     if store_blocks < num_blocks:
         raise ConfigError(
             f"strategy.cpu_kv_cache_memory: {params.cpu_kv_cache_memory} bytes hold "
-            f"{store_blocks * block_size} tokens, fewer than the device cache's "
-            f"{num_blocks * block_size}; the store must take every decoding sequence at a "
-            f"switch (one token takes {token_bytes} bytes)")
+            f"{store_blocks} blocks of {block_size} tokens, fewer than the device cache's "
+            f"{num_blocks}; the store must take every decoding sequence at a switch (a block "
+            f"takes {store_block_bytes} bytes)")
     return num_blocks, block_bytes, store_blocks
+
+
+def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
+                          groups: Optional[KVGroupLayout] = None) -> int:
+    """A CPU store block: K and V of every layer (with KV layer groups, of a page's slots)."""
+    layers = groups.page_layers if groups is not None else arch.num_layers
+    return 2 * layers * arch.kv_size * block_size * dtype_bytes
 
 
 def build_seesaw_engine(config: EngineConfig, params) -> Engine:
@@ -95,34 +130,36 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     check_gpus(setup, prefill.world_size)
     per_rank = per_rank_kv_budget(config, prefill, arch, setup.device, setup.dtype_bytes)
     kv_bytes = setup.kv_dtype.itemsize
+    groups = seesaw_groups(config, arch, layouts, setup.max_model_len)
     num_blocks, block_bytes, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
-                                                        kv_bytes, setup.max_model_len)
-    token_bytes = arch.kv_bytes_per_token(kv_bytes)
-    store = allocate_store(store_blocks, arch.num_layers, arch.num_kv_heads, block_size,
-                           arch.head_dim, setup.kv_dtype)
+                                                        kv_bytes, setup.max_model_len, groups)
+    store_block_bytes = store_bytes_per_block(arch, block_size, kv_bytes, groups)
+    store = allocate_store(store_blocks, groups.page_layers if groups else arch.num_layers,
+                           arch.num_kv_heads, block_size, arch.head_dim, setup.kv_dtype)
     threads = threads_per_rank(config.parallel, prefill.world_size, config.device.num_threads)
     layout_spec = LayoutSpec(layouts, PREFILL, sampling_rank(layouts), store,
-                             async_swap=params.async_pipeline)
+                             async_swap=params.async_pipeline, kv_groups=groups)
     pool = start_workers(config, setup, prefill, num_blocks, threads,
-                         extension=SeesawWorker(layout_spec))
-    device_blocks = BlockManager(num_blocks, block_size)
-    scheduler = SeesawScheduler(device_blocks, BlockManager(store_blocks, block_size),
+                         extension=SeesawWorker(layout_spec), kv_groups=groups)
+    window = config.cache.kv_window(arch) if groups is None else 0   # every layer windowed
+    device_blocks = make_block_manager(groups, num_blocks, block_size, False, window)
+    store_tables = make_block_manager(groups, store_blocks, block_size, False, window)
+    scheduler = SeesawScheduler(device_blocks, store_tables,
                                 params.max_num_seqs, params.max_num_batched_tokens,
                                 setup.max_model_len, prefill_depth=prefill.pp,
                                 decode_depth=layouts[DECODE].pp, policy=params.schedule)
     executor = SeesawExecutor(pool, prefill, 0, device_blocks, config.parallel.step_timeout_seconds,
                               layouts=layouts, initial=PREFILL)
-    # the CPU tier moves whole block tables between layouts: no block is released behind a window
     info = engine_info(config, setup, prefill, num_blocks, threads,
-                       num_blocks * block_bytes * prefill.world_size, releases_window=False)
+                       num_blocks * block_bytes * prefill.world_size, kv_groups=groups)
     info["seesaw"] = {"prefill_layout": {"tp": prefill.tp, "pp": prefill.pp},
                       "decode_layout": {"tp": layouts[DECODE].tp, "pp": layouts[DECODE].pp},
-                      "cpu_store_tokens": store_blocks * block_size,
-                      "cpu_store_bytes": store_blocks * block_size * token_bytes,
+                      "cpu_store_tokens": store_tables.capacity_tokens,
+                      "cpu_store_bytes": store_blocks * store_block_bytes,
                       "schedule": params.schedule, "cpu_kv_tier": params.cpu_kv_tier,
                       "async_pipeline": params.async_pipeline}
     log.info("Seesaw: prefill %s, decode %s; CPU KV store %d tokens (%.2f GiB)",
-             prefill.describe(), layouts[DECODE].describe(), store_blocks * block_size,
-             store_blocks * block_size * token_bytes / GiB)
+             prefill.describe(), layouts[DECODE].describe(), store_tables.capacity_tokens,
+             store_blocks * store_block_bytes / GiB)
     return Engine([Replica(scheduler, executor)], setup.tokenizer, setup.max_model_len,
                   info["model_id"], info)

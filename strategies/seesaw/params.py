@@ -17,7 +17,7 @@ workers' main thread, between micro-batches, instead of the prefetcher thread).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import Field, PositiveInt, field_validator
 
@@ -30,6 +30,7 @@ class SeesawParams(StrategyParams):
     """Seesaw's knobs: the decode layout, the CPU store, the schedule and the ablation switches."""
 
     name: Literal["seesaw"] = "seesaw"
+    kv_layer_groups: ClassVar[bool] = True
     decode_tp: Union[Literal["auto"], PositiveInt] = Field(
         AUTO, description="tensor-parallel degree of the decode layout c_d; auto: the one the "
         "simulator predicts fastest on the job's prompts (with decode_pp given, the ranks fix it)")

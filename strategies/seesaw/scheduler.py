@@ -121,13 +121,15 @@ class SeesawScheduler(BatchingScheduler):
 
     def strategy_summary(self) -> dict:
         """Switches, the KV that moved between the tiers (tokens), the store's size and the most
-        it held at once (more than the device cache holds only with the CPU tier)."""
+        it held at once (more than the device cache holds only with the CPU tier; with KV layer
+        groups both in tokens of sequences that release nothing: blocks / groups x block_size)."""
         store = self.tiers.store
         return {"num_switches": self.num_switches,
                 "swapped_out_tokens": self.tiers.swapped_out_tokens,
                 "swapped_in_tokens": self.tiers.swapped_in_tokens,
                 "cpu_store_tokens": store.capacity_tokens,
-                "cpu_store_peak_tokens": self.tiers.peak_store_blocks * store.block_size}
+                "cpu_store_peak_tokens": (self.tiers.peak_store_blocks // store.num_groups
+                                          * store.block_size)}
 
     def take_actions(self) -> list:
         actions, self._actions = self._actions, []
@@ -187,6 +189,9 @@ class SeesawScheduler(BatchingScheduler):
         return "no prompt left" if not self.waiting else "CPU store full"
 
     def _copy_out(self, seq: Sequence) -> None:
+        # a prompt's windowed tables hold its whole context until released: what its next
+        # query cannot see is neither copied nor stored (a decoding one released after its step)
+        self.block_manager.release_outside_window(seq.request_id, seq.num_computed_tokens)
         transfer = self.tiers.swap_out(seq.request_id, seq.num_computed_tokens)
         self._start(transfer, seq)
 

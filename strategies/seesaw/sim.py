@@ -18,7 +18,7 @@ from typing import Optional
 from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.executor import Executor
-from batchinfer.engine.kv_cache import BlockManager
+from batchinfer.engine.kv_groups import make_block_manager
 from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
 from .executor import Reshard
@@ -33,7 +33,9 @@ _EPS = 1e-12
 
 class SimulatedSeesawExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost, layouts: dict[str, ParallelLayout],
-                 threads: int, weight_bytes: int, kv_bytes_per_token: int, async_copies: bool):
+                 threads: int, weight_bytes: int, kv_bytes_per_block: int, async_copies: bool):
+        """kv_bytes_per_block: a store block's bytes (every layer, or a page of KV layer
+        groups): a copy moves the blocks it pairs, all ranks' shards of them."""
         self.clock, self.cost = clock, cost
         self.layouts = layouts
         self.pipelines = {name: SimulatedExecutor(clock, cost, list(lay.layers_per_stage),
@@ -41,7 +43,7 @@ class SimulatedSeesawExecutor(Executor):
                           for name, lay in layouts.items()}
         self.current = PREFILL
         self.world = layouts[PREFILL].world_size
-        self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
+        self.weight_bytes, self.kv_bytes_per_block = weight_bytes, kv_bytes_per_block
         self.async_copies = async_copies
         self._copy_free_at = 0.0
         self._copies: dict[int, float] = {}            # transfer id -> done at
@@ -112,7 +114,7 @@ class SimulatedSeesawExecutor(Executor):
 
     def _copy(self, transfer: Transfer) -> None:
         seconds = self.cost.host_copy_seconds(
-            transfer.num_tokens * self.kv_bytes_per_token / self.world)
+            len(transfer.store_blocks) * self.kv_bytes_per_block / self.world)
         self.copy_seconds += seconds
         if self.async_copies:
             start = max(self.clock.now, self._copy_free_at)
@@ -166,7 +168,7 @@ class SimulatedSeesawExecutor(Executor):
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
                    max_model_len: int, threads: int) -> Replica:
     """The replica, sized and checked as strategies/seesaw/build.py does."""
-    from .build import resolve_layouts, tier_blocks
+    from .build import resolve_layouts, seesaw_groups, store_bytes_per_block, tier_blocks
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
@@ -174,16 +176,18 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
     per_rank = per_rank_kv_budget(config, prefill, arch, cost_device(cost), dtype_bytes,
                                   cost.memory_bytes)
     kv_bytes = kv_element_bytes(config, dtype_bytes)
+    groups = seesaw_groups(config, arch, layouts, max_model_len)
     num_blocks, _, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
-                                              kv_bytes, max_model_len)
-    device = BlockManager(num_blocks, block_size)
-    scheduler = SeesawScheduler(device, BlockManager(store_blocks, block_size),
+                                              kv_bytes, max_model_len, groups)
+    window = config.cache.kv_window(arch) if groups is None else 0   # every layer windowed
+    scheduler = SeesawScheduler(make_block_manager(groups, num_blocks, block_size, False, window),
+                                make_block_manager(groups, store_blocks, block_size, False, window),
                                 params.max_num_seqs, params.max_num_batched_tokens,
                                 max_model_len, prefill_depth=prefill.pp,
                                 decode_depth=layouts[DECODE].pp, policy=params.schedule)
     executor = SimulatedSeesawExecutor(clock, cost, layouts, threads,
                                        arch.num_params() * dtype_bytes,
-                                       arch.kv_bytes_per_token(kv_bytes),
+                                       store_bytes_per_block(arch, block_size, kv_bytes, groups),
                                        params.async_pipeline)
     return Replica(scheduler, executor)
 

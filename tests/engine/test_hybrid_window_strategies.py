@@ -2,8 +2,8 @@
 Token Throttling, TD-Pipe, SiPipe, SiDP): a tiny Gemma 2 (windowed and global layers
 alternating, a 16-key window) at PP=2, prompts and generations far past the window, gives
 transformers' greedy tokens with the windowed group releasing its blocks; SiDP (which shares
-SiLU MLPs only) on a tiny Qwen3 whose upper layers are windowed. Seesaw keeps every block (its
-CPU tier moves one table per sequence; tests/engine/test_kv_groups.py)."""
+SiLU MLPs only) on a tiny Qwen3 whose upper layers are windowed. Seesaw (its CPU tier keeps the
+groups' tables too): tests/strategies/test_seesaw_groups.py."""
 from __future__ import annotations
 
 import pytest

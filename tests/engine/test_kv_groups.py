@@ -287,25 +287,33 @@ def test_pipeline_stages_store_only_the_slots_their_layers_use():
 
 
 def test_groups_only_with_freeing_on_and_strategies_counting_the_block_manager(caplog):
-    """The baseline, gLLM, TD-Pipe, SiPipe and SiDP run the groups; Seesaw (its CPU tier moves
-    one table per sequence) keeps every block, logged."""
+    """Every strategy of the engine runs the groups (Seesaw's tiers move a table per group); a
+    strategy that says its KV arithmetic counts one table per sequence keeps every block,
+    logged."""
     import logging
     from types import SimpleNamespace
+    from typing import ClassVar, Literal
 
     from batchinfer.engine.kv_groups import groups_for
     from batchinfer.runner.recipe import strategy_class
+    from batchinfer.strategies.base import StrategyParams
 
     arch = SimpleNamespace(layer_windows=(16, 0))
     assert groups_for(engine_config(), arch).windows == (0, 16)
-    for name in ("baseline", "gllm", "tdpipe", "sipipe", "sidp"):
+    for name in ("baseline", "gllm", "tdpipe", "sipipe", "sidp", "seesaw"):
         strategy = strategy_class(name).model_validate({"name": name})
         assert groups_for(engine_config(strategy=strategy), arch).windows == (0, 16)
     assert groups_for(engine_config(free=False), arch) is None
     assert groups_for(engine_config(), SimpleNamespace(layer_windows=(16, 16))) is None
-    strategy = strategy_class("seesaw").model_validate({"name": "seesaw"})
+
+    class OneTable(StrategyParams):
+        name: Literal["one-table"] = "one-table"
+        kv_layer_groups: ClassVar[bool] = False
+
+    config = engine_config().model_copy(update={"strategy": OneTable()})
     with caplog.at_level(logging.INFO, logger="batchinfer.engine.kv_groups"):
-        assert groups_for(engine_config(strategy=strategy), arch) is None
-    assert "strategy seesaw keeps every block" in caplog.text
+        assert groups_for(config, arch) is None
+    assert "strategy one-table keeps every block" in caplog.text
 
 
 def test_a_step_grows_every_group_before_the_window_releases():
