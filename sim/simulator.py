@@ -114,8 +114,9 @@ def check_kv_capacity(tokens: int, layout: ParallelLayout, max_model_len: int) -
 @dataclass
 class SimSetup:
     """What a strategy's simulator model gets (StrategyParams.simulated_replicas): the engine
-    config, the model, the cost model, the shared virtual clock, the layout, and `info` for what
-    the simulated engine should report."""
+    config, the model, the cost model, the shared virtual clock, the layout, `info` for what
+    the simulated engine should report, and the KV layer groups the standard engine runs with
+    on this layout (groups_for by its stages; None: one table)."""
 
     config: EngineConfig
     arch: ModelArch
@@ -126,13 +127,12 @@ class SimSetup:
     max_model_len: int
     threads: int
     info: dict
+    kv_groups: Optional[KVGroupLayout] = None
 
     def plain_kv_blocks(self) -> int:
         """Blocks per replica the standard engine would have (no capacity check)."""
-        groups = groups_for(self.config, self.arch, self.max_model_len,
-                            [self.layout.stage_range(stage) for stage in range(self.layout.pp)])
         return num_kv_blocks(self.config, self.layout, self.arch, cost_device(self.cost),
-                             self.dtype_bytes, self.cost.memory_bytes, groups=groups)
+                             self.dtype_bytes, self.cost.memory_bytes, groups=self.kv_groups)
 
 
 def check_simulated(config: EngineConfig) -> None:
@@ -166,13 +166,14 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     threads = threads_per_rank(config.parallel, layout.world_size, cores)
     clock = VirtualClock()
     info: dict = {}
-    setup = SimSetup(config, arch, cost, clock, layout, dtype_bytes, max_model_len, threads, info)
+    # windowed layers beside global ones: a table per KV layer group, as the engine runs them
+    groups = groups_for(config, arch, max_model_len,
+                        [layout.stage_range(stage) for stage in range(layout.pp)])
+    setup = SimSetup(config, arch, cost, clock, layout, dtype_bytes, max_model_len, threads, info,
+                     groups)
     strategy = config.strategy
     replicas = strategy.simulated_replicas(setup) if strategy is not None else None
     if replicas is None:
-        # windowed layers beside global ones: a table per KV layer group, as the engine runs them
-        groups = groups_for(config, arch, max_model_len,
-                            [layout.stage_range(stage) for stage in range(layout.pp)])
         num_blocks = kv_blocks(config, layout, arch, cost, dtype_bytes, max_model_len, groups)
         # what the real engine's plain workers do (runtime/build.worker_extension); a strategy's
         # own options (SiPipe's) come on top

@@ -10,6 +10,7 @@ from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.cpu_binding import numa_nodes
 from batchinfer.engine.cpu_dtype import activation_dtype
 from batchinfer.engine.errors import ConfigError
+from batchinfer.engine.kv_groups import kv_capacity
 from batchinfer.engine.runtime.build import (assemble_engine, per_rank_kv_budget, plan_parallel,
                                              rank_bytes_per_block, start_workers)
 
@@ -123,12 +124,15 @@ def build_sidp_engine(config, params):
         "ffn_store_bytes": store.layer_bytes() * arch.num_layers,
         "weight_slots_per_rank": [weight_slots(r, owners, layout.dp, with_slots)
                                   for r in range(layout.dp)],
-        "kv_tokens_per_replica": num_blocks * block_size,
-        "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,
+        # in tokens of sequences that release nothing, as kv_capacity_tokens counts them
+        "kv_tokens_per_replica": kv_capacity(plan.kv_groups, num_blocks, block_size,
+                                             setup.max_model_len)[0],
+        "plain_dp_kv_tokens_per_replica": kv_capacity(plan.kv_groups, plain_blocks, block_size,
+                                                      setup.max_model_len)[0],
         "kv_capacity_vs_plain_dp": round(num_blocks / plain_blocks, 3) if plain_blocks else None}}
     log.info("SiDP: %d replicas share one FFN store (%.0f MiB); KV per replica %d tokens "
              "(plain DP: %d)", layout.dp, info["sidp"]["ffn_store_bytes"] / 2**20,
-             num_blocks * block_size, plain_blocks * block_size)
+             info["sidp"]["kv_tokens_per_replica"], info["sidp"]["plain_dp_kv_tokens_per_replica"])
     return assemble_engine(config, plan, lambda replica, block_manager: SiDPExecutor(
         pool, layout, replica, block_manager, timeout, orchestrator), extra_info=info,
         scheduler_of=lambda block_manager: params.make_scheduler(

@@ -79,7 +79,7 @@ class SiDPParams(StrategyParams, SchedulerConfig):
 
         replicas, sim.info["sidp"] = sidp_replicas(
             sim.config, self, sim.arch, sim.cost, sim.clock, sim.layout, sim.dtype_bytes,
-            sim.max_model_len, sim.threads, sim.plain_kv_blocks())
+            sim.max_model_len, sim.threads, sim.plain_kv_blocks(), sim.kv_groups)
         return replicas
 
 

@@ -31,7 +31,7 @@ from typing import Optional
 
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.kv_groups import groups_for, make_block_manager
+from batchinfer.engine.kv_groups import kv_capacity, make_block_manager
 from batchinfer.engine.scheduler import MicroBatch
 from .build import check_sidp_layout, resolve_weight_slots, sidp_num_blocks
 from .cost_profile import BATCH_SIZES
@@ -283,11 +283,11 @@ class SiDPGroup:
 
 def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, layout,
                   dtype_bytes: int, max_model_len: int, threads: int,
-                  plain_blocks: int) -> tuple[list[Replica], dict]:
-    """The replicas of a simulated SiDP engine, and the `sidp` part of its info."""
+                  plain_blocks: int, groups) -> tuple[list[Replica], dict]:
+    """The replicas of a simulated SiDP engine, and the `sidp` part of its info (`groups`: the
+    KV layer groups the engine runs, SimSetup.kv_groups)."""
     check_sidp_layout(config.parallel)
     group = SiDPGroup(params, arch, cost, clock, layout.dp, threads, dtype_bytes)
-    groups = groups_for(config, arch, max_model_len)     # KV layer groups, as the engine runs
     num_blocks = sidp_num_blocks(config, layout, arch, cost_device(cost), dtype_bytes,
                                  group.owners, group.layer_bytes, group.with_slots,
                                  cost.memory_bytes, groups=groups)
@@ -300,8 +300,10 @@ def sidp_replicas(config, params, arch, cost: CostModel, clock: VirtualClock, la
         replicas.append(Replica(scheduler, executor))
     block_size = config.cache.block_size
     info = {"owners": group.owners, "batch_threshold": group.threshold,
-            "kv_tokens_per_replica": num_blocks * block_size,
-            "plain_dp_kv_tokens_per_replica": plain_blocks * block_size,
+            "kv_tokens_per_replica": kv_capacity(groups, num_blocks, block_size,
+                                                 max_model_len)[0],
+            "plain_dp_kv_tokens_per_replica": kv_capacity(groups, plain_blocks, block_size,
+                                                          max_model_len)[0],
             "kv_capacity_vs_plain_dp": round(num_blocks / plain_blocks, 3)
             if plain_blocks > 0 else None}
     return replicas, info
