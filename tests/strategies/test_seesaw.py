@@ -48,7 +48,14 @@ moves = st.lists(st.tuples(st.sampled_from(["admit", "out", "in", "done", "finis
 @settings(max_examples=300, deadline=None)
 @given(moves)
 def test_tiers_never_leak_or_double_allocate(operations):
-    tiers = KVTiers(BlockManager(12, 4), BlockManager(20, 4))
+    exercise_tiers(KVTiers(BlockManager(12, 4), BlockManager(20, 4)), operations)
+
+
+def exercise_tiers(tiers: KVTiers, operations) -> None:
+    """Random admissions, decode steps (op "decode"), moves, completions and finishes, each
+    followed by the tiers' invariants; a block manager with windows releases behind them after
+    each step, as the engine does. At the end both tiers are empty."""
+    device_free, store_free = tiers.device.num_free_blocks, tiers.store.num_free_blocks
     tokens: dict[str, int] = {}
     for op, i, n in operations:
         rid = f"s{i}"
@@ -58,13 +65,21 @@ def test_tiers_never_leak_or_double_allocate(operations):
         if op == "admit" and not (on_device or in_store):
             if tiers.device.can_grow(rid, n):
                 tiers.device.grow(rid, n)
+                tiers.device.release_outside_window(rid, n)
                 tokens[rid] = n
+        elif op == "decode" and on_device and not in_store and not moving:
+            if tiers.device.can_grow(rid, tokens[rid] + 1):
+                tokens[rid] += 1
+                tiers.device.grow(rid, tokens[rid])
+                tiers.device.release_outside_window(rid, tokens[rid])
         elif op == "out" and on_device and not in_store and not moving:
             if tiers.can_swap_out(tokens[rid]):
-                tiers.swap_out(rid, tokens[rid])
+                transfer = tiers.swap_out(rid, tokens[rid])
+                assert len(transfer.store_blocks) == tiers.store_blocks_for(tokens[rid])
         elif op == "in" and in_store and not on_device and not moving:
             if tiers.can_swap_in(tokens[rid]):
-                tiers.swap_in(rid, tokens[rid])
+                transfer = tiers.swap_in(rid, tokens[rid])
+                assert len(transfer.device_blocks) == tiers.store_blocks_for(tokens[rid])
         elif op == "done" and tiers.pending:
             ids = sorted(tiers.pending)
             tiers.complete(ids[n % len(ids)])
@@ -80,7 +95,8 @@ def test_tiers_never_leak_or_double_allocate(operations):
     for rid in tokens:
         tiers.free(rid)
     tiers.check_invariants()
-    assert tiers.device.num_free_blocks == 12 and tiers.store.num_free_blocks == 20
+    assert tiers.device.num_free_blocks == device_free
+    assert tiers.store.num_free_blocks == store_free
 
 
 def test_a_move_holds_both_tiers_until_done():

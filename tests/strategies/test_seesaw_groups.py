@@ -14,7 +14,7 @@ from batchinfer.engine.kv_groups import blocks_held, group_layout
 from batchinfer.resharding.kv_tiers import KVTiers, held_blocks
 from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
 from batchinfer.sim.scheduler_driver import make_seq
-from tests.strategies.test_seesaw import drive
+from tests.strategies.test_seesaw import drive, exercise_tiers
 
 WINDOWS = (0, 8, 8)          # a global group and two windowed ones of 8 keys
 BS = 4
@@ -94,47 +94,7 @@ moves = st.lists(st.tuples(st.sampled_from(["admit", "decode", "out", "in", "don
 @settings(max_examples=300, deadline=None)
 @given(moves, st.booleans())
 def test_windowed_tiers_never_leak_or_double_allocate(operations, groups):
-    tiers = _tiers(groups=groups)
-    tokens: dict[str, int] = {}
-    for op, i, n in operations:
-        rid = f"s{i}"
-        moving = tiers.is_moving(rid)
-        on_device = bool(tiers.device.block_table(rid))
-        in_store = bool(tiers.store.block_table(rid))
-        if op == "admit" and not (on_device or in_store):
-            if tiers.device.can_grow(rid, n):
-                tiers.device.grow(rid, n)
-                tiers.device.release_outside_window(rid, n)
-                tokens[rid] = n
-        elif op == "decode" and on_device and not in_store and not moving:
-            if tiers.device.can_grow(rid, tokens[rid] + 1):
-                tokens[rid] += 1
-                tiers.device.grow(rid, tokens[rid])
-                tiers.device.release_outside_window(rid, tokens[rid])
-        elif op == "out" and on_device and not in_store and not moving:
-            if tiers.can_swap_out(tokens[rid]):
-                transfer = tiers.swap_out(rid, tokens[rid])
-                assert len(transfer.store_blocks) == tiers.store_blocks_for(tokens[rid])
-        elif op == "in" and in_store and not on_device and not moving:
-            if tiers.can_swap_in(tokens[rid]):
-                transfer = tiers.swap_in(rid, tokens[rid])
-                assert len(transfer.device_blocks) == tiers.store_blocks_for(tokens[rid])
-        elif op == "done" and tiers.pending:
-            ids = sorted(tiers.pending)
-            tiers.complete(ids[n % len(ids)])
-        elif op == "finish" and rid in tokens and not moving:
-            tiers.free(rid)
-            del tokens[rid]
-        tiers.check_invariants()
-        for held in tokens:
-            places = bool(tiers.device.block_table(held)) + bool(tiers.store.block_table(held))
-            assert places == (2 if tiers.is_moving(held) else 1)
-    for tid in list(tiers.pending):
-        tiers.complete(tid)
-    for rid in tokens:
-        tiers.free(rid)
-    tiers.check_invariants()
-    assert tiers.device.num_free_blocks == 30 and tiers.store.num_free_blocks == 60
+    exercise_tiers(_tiers(groups=groups), operations)
 
 
 def _workload():
