@@ -152,26 +152,42 @@ def group_layout(layer_windows: Sequence[int], stages: Optional[Sequence[tuple[i
     that, has the fewest groups (each is one more table per sequence to grow every step: Gemma
     2 9B split 23 + 19 would save 5.5% with 23 groups instead of 2), so it is never dearer than
     the one-stage layout by more than that."""
+    candidates = layout_candidates(layer_windows, stages)
+    if not candidates or stages is None or len(stages) < 2:
+        return candidates[0] if candidates else None
+    return cheapest_layout(candidates, lambda layout: max(
+        len(layout.slots_of(first, end)) for first, end in stages)
+        * layout.blocks_per_sequence(max_model_len, block_size))
+
+
+def layout_candidates(layer_windows: Sequence[int],
+                      stages: Optional[Sequence[tuple[int, int]]] = None) -> list[KVGroupLayout]:
+    """The layouts group_layout chooses among: the one-stage layout first, then, with two or
+    more `stages`, the by-stage ones for m = 1, 2, ...; none for a model without hybrid
+    windows."""
     kinds: dict[int, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(int(window), []).append(layer)
     if 0 not in kinds or len(kinds) < 2:
-        return None
+        return []
     one_stage = _paged_by_stage([kinds], min(len(layers) for layers in kinds.values()),
                                 len(layer_windows))
     if stages is None or len(stages) < 2:
-        return one_stage
+        return [one_stage]
     per_stage = [{w: [layer for layer in layers if first <= layer < end]
                   for w, layers in kinds.items()} for first, end in stages]
     most = max(min(len(ls) for ls in stage.values() if ls) for stage in per_stage)
-    candidates = [one_stage] + [_paged_by_stage(per_stage, m, len(layer_windows))
-                                for m in range(1, most + 1)]
-    costs = [(max(len(layout.slots_of(first, end)) for first, end in stages)
-              * layout.blocks_per_sequence(max_model_len, block_size), layout)
-             for layout in candidates]
-    least = min(cost for cost, _ in costs)
-    return min(((layout.num_groups, cost, layout) for cost, layout in costs
-                if cost <= least * 1.1), key=lambda c: c[:2])[2]
+    return [one_stage] + [_paged_by_stage(per_stage, m, len(layer_windows))
+                          for m in range(1, most + 1)]
+
+
+def cheapest_layout(candidates: Sequence[KVGroupLayout], cost) -> KVGroupLayout:
+    """The candidate of least `cost(layout)`, or within 10% of it the one with the fewest groups
+    (each is one more table per sequence to grow every step)."""
+    costs = [(cost(layout), layout) for layout in candidates]
+    least = min(c for c, _ in costs)
+    return min(((layout.num_groups, c, layout) for c, layout in costs if c <= least * 1.1),
+               key=lambda item: item[:2])[2]
 
 
 def _paged_by_stage(per_stage: list[dict[int, list[int]]], m: int,

@@ -9,7 +9,8 @@ from batchinfer.engine.build import GiB
 from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
-from batchinfer.engine.kv_groups import KVGroupLayout, groups_for, make_block_manager, step_tokens
+from batchinfer.engine.kv_groups import (KVGroupLayout, cheapest_layout, groups_for,
+                                         layout_candidates, make_block_manager, step_tokens)
 from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info, model_setup,
                                              per_rank_kv_budget, rank_bytes_per_block,
                                              start_workers)
@@ -63,25 +64,44 @@ def sampling_rank(layouts: dict[str, ParallelLayout]) -> int:
 def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout],
                   max_model_len: int) -> Optional[KVGroupLayout]:
     """The KV layer groups of a hybrid-window model under both layouts (one block manager and
-    one store serve them; None: one table). Candidates: the one-stage layout and each layout's
-    by-stage one (kv_groups.group_layout) in which every rank's slots are one range (a copy is
-    one slice of a store block); kept: the one whose max_model_len-token request costs the
-    fewest bytes on the fullest rank of either layout, then the fewest groups."""
-    stage_sets = [None] + [[lay.stage_range(s) for s in range(lay.pp)] for lay in layouts.values()]
-    candidates = {groups_for(config, arch, max_model_len, stages) for stages in stage_sets}
-    ranges = [lay.stage_range(s) for lay in layouts.values() for s in range(lay.pp)]
-    usable = [g for g in candidates
-              if g is not None and all(g.slot_range(*r) is not None for r in ranges)]
-    if not usable:
+    one store serve them; None: one table). Candidates: kv_groups.layout_candidates for one
+    stage, for each layout's stages and for the stages both layouts' boundaries cut, kept where every layout's stages copy apart
+    (`_copies_apart`); chosen as group_layout chooses (kv_groups.cheapest_layout): the fewest
+    bytes a max_model_len-token request costs on the fullest rank of either layout, or within
+    10% of that the fewest groups."""
+    if groups_for(config, arch, max_model_len) is None:
         return None
+    stage_sets = [None] + [[lay.stage_range(s) for s in range(lay.pp)] for lay in layouts.values()]
+    # the stages both layouts' boundaries cut the layers into: a by-stage layout over these gives
+    # every stage of either layout its own run of slots, where the two splits do not line up
+    cuts = sorted({lay.stage_range(s)[0] for lay in layouts.values() for s in range(lay.pp)}
+                  | {arch.num_layers})
+    stage_sets.append(list(zip(cuts, cuts[1:])))
+    candidates = dict.fromkeys(layout for stages in stage_sets
+                               for layout in layout_candidates(arch.layer_windows, stages))
+    usable = [g for g in candidates if all(_copies_apart(g, lay) for lay in layouts.values())]
+    if not usable:
+        log.info("KV cache: Seesaw keeps every block of this model's windowed layers (no layout "
+                 "of its layer groups gives the stages of %s disjoint page slots)",
+                 " and ".join(lay.describe() for lay in layouts.values()))
+        return None
+    block_size = config.cache.block_size
+    return cheapest_layout(usable, lambda groups: max(
+        rank_bytes_per_block(lay, arch, r, block_size, 1, groups)
+        for lay in layouts.values() for r in range(lay.world_size))
+        * groups.blocks_per_sequence(max_model_len, block_size))
 
-    def cost(groups: KVGroupLayout) -> tuple[int, int]:
-        most = max(rank_bytes_per_block(lay, arch, r, config.cache.block_size, 1, groups)
-                   for lay in layouts.values() for r in range(lay.world_size))
-        return (most * groups.blocks_per_sequence(max_model_len, config.cache.block_size),
-                groups.num_groups)
 
-    return min(usable, key=cost)
+def _copies_apart(groups: KVGroupLayout, layout: ParallelLayout) -> bool:
+    """Every stage's page slots are one range and no two stages' ranges overlap: each rank
+    copies its range of a store block in place, so two stages sharing a slot (the one-stage
+    layout under PP, where a slot holds a windowed layer of one stage and a global layer of the
+    next) would overwrite each other's K/V there."""
+    ranges = [groups.slot_range(*layout.stage_range(s)) for s in range(layout.pp)]
+    if None in ranges:
+        return False
+    ranges.sort()
+    return all(first[1] <= second[0] for first, second in zip(ranges, ranges[1:]))
 
 
 def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
@@ -96,8 +116,9 @@ def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelL
     block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes, groups)
                       for lay in layouts.values() for r in range(lay.world_size))
     num_blocks = per_rank // block_bytes
-    check_capacity(num_blocks - 1, block_size, max_model_len, groups,
-                   step_tokens(config, max_model_len))
+    # a stored sequence comes back only with a free block per table kept beside it
+    check_capacity(num_blocks - (groups.num_groups if groups else 1), block_size, max_model_len,
+                   groups, step_tokens(config, max_model_len))
     if not params.cpu_kv_tier:
         return num_blocks, block_bytes, num_blocks
     store_block_bytes = store_bytes_per_block(arch, block_size, dtype_bytes, groups)

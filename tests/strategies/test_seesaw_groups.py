@@ -126,13 +126,131 @@ def test_the_schedule_finishes_with_groups_and_decodes_more_at_once(policy):
             on_result(batch)
 
         sched.on_result = watched
+        freed_in_decode = [0]
+        release = device.release_outside_window
+
+        def counted(seq_id, first_query, release=release, sched=sched, freed=freed_in_decode):
+            released = release(seq_id, first_query)
+            freed[0] += released if sched.phase == "decode" else 0
+            return released
+
+        device.release_outside_window = counted
         switches = drive(sched)
         assert all(seq.is_finished for seq in seqs)
+        if name == "groups":    # decoding sequences release a block per 4 tokens per group
+            decoded = sum(seq.request.sampling.max_tokens for seq in seqs)
+            assert freed_in_decode[0] > decoded // BS
         assert device.num_free_blocks == device.num_blocks
         assert store.num_free_blocks == store.num_blocks
         peaks[name] = (most[0], len(switches))
     assert peaks["groups"][0] > peaks["one table"][0], peaks
     assert peaks["groups"][1] <= peaks["one table"][1], peaks
+
+
+def _layouts(prefill: tuple[int, ...], decode_tp: int, decode: tuple[int, ...]) -> dict:
+    from batchinfer.engine.runtime.layout import ParallelLayout
+
+    return {"prefill": ParallelLayout(tp=1, pp=len(prefill), dp=1, layers_per_stage=prefill),
+            "decode": ParallelLayout(tp=decode_tp, pp=len(decode), dp=1,
+                                     layers_per_stage=decode)}
+
+
+def _chosen(windows: list[int], layouts: dict, max_model_len: int = 8192):
+    from types import SimpleNamespace
+
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.strategies.seesaw.build import seesaw_groups
+    from batchinfer.strategies.seesaw.params import SeesawParams
+
+    arch = SimpleNamespace(layer_windows=windows, num_layers=len(windows), num_kv_heads=8,
+                           head_dim=16, num_attention_heads=16)
+    config = EngineConfig(cache={"block_size": 16}, strategy=SeesawParams())
+    return seesaw_groups(config, arch, layouts, max_model_len)
+
+
+def _even(layers: int, parts: int) -> tuple[int, ...]:
+    return tuple(layers // parts + (i < layers % parts) for i in range(parts))
+
+
+def test_stages_never_share_a_page_slot_of_the_store():
+    """Each rank writes its slots of a store block in place, so two stages of a layout must not
+    share a slot. The one-stage layout of Gemma 2's pattern on 6 layers at PP=2 (3 + 3) does
+    (slot 1: layer 2, windowed, on stage 0; layer 3, global, on stage 1): it is not chosen."""
+    from batchinfer.strategies.seesaw.build import _copies_apart
+
+    windows = [16 if i % 2 == 0 else 0 for i in range(6)]
+    layouts = _layouts((3, 3), 2, (6,))
+    one_stage = group_layout(windows)
+    assert [one_stage.slot_range(*r) for r in ((0, 3), (3, 6))] == [(0, 2), (1, 3)]
+    assert not _copies_apart(one_stage, layouts["prefill"])
+    groups = _chosen(windows, layouts, 256)
+    assert groups is not None and all(_copies_apart(groups, lay) for lay in layouts.values())
+
+
+@pytest.mark.parametrize("pattern", ["gemma2", "gemma3", "gpt-oss"])
+@pytest.mark.parametrize("layers", [24, 26, 42, 62])
+@pytest.mark.parametrize("prefill_pp, decode_tp, decode_pp",
+                         [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 2, 2), (8, 4, 2), (8, 8, 1)])
+def test_every_layout_pair_gets_groups_whose_stages_copy_apart(pattern, layers, prefill_pp,
+                                                               decode_tp, decode_pp):
+    """Splits that do not line up (26 layers: 7 + 7 + 6 + 6 against 13 + 13) included: the
+    stages both splits cut give every stage of either layout its own run of slots."""
+    from batchinfer.strategies.seesaw.build import _copies_apart
+
+    period = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}[pattern]
+    windows = [0 if i % period == period - 1 else 512 for i in range(layers)]
+    layouts = _layouts(_even(layers, prefill_pp), decode_tp, _even(layers, decode_pp))
+    groups = _chosen(windows, layouts)
+    assert groups is not None
+    assert all(_copies_apart(groups, lay) for lay in layouts.values())
+
+
+def test_the_device_keeps_a_block_per_table_for_a_sequence_coming_back():
+    """Gemma 2 with max_model_len = its window: a stored sequence holds its whole context in
+    both tables, and comes back only with a free block per table beside it; the device must
+    hold that beside the largest step (9 blocks did not: a 60-token sequence in the store
+    and a new prompt stalled the schedule)."""
+    from types import SimpleNamespace
+
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.strategies.seesaw.build import tier_blocks
+    from batchinfer.strategies.seesaw.params import SeesawParams
+
+    arch = SimpleNamespace(layer_windows=[64, 0], num_layers=2, num_kv_heads=1, head_dim=8,
+                           kv_size=8)
+    groups = group_layout(arch.layer_windows, None, 16, 64)
+    params = SeesawParams(cpu_kv_tier=False)
+    config = EngineConfig(cache={"block_size": 16}, strategy=params,
+                          scheduler=params.scheduler_config())
+    layouts = _layouts((2,), 1, (2,))
+    block = 2 * 1 * 8 * 16 * 4                        # a page of one layer, fp32
+    with pytest.raises(ConfigError, match="64-token request"):
+        tier_blocks(config, params, arch, layouts, 9 * block, 4, 64, groups)
+    assert tier_blocks(config, params, arch, layouts, 10 * block, 4, 64, groups)[0] == 10
+
+    device, store = (GroupedBlockManager(n, 16, groups.windows) for n in (10, 40))
+    sched = SeesawScheduler(device, store, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_model_len=64)
+    first = make_seq(0, 16, 47)
+    sched.add(first)
+    while first.num_computed_tokens < 60:
+        drive_one_step(sched)
+    sched.add(make_seq(1, 16, 4))
+    drive(sched)
+    assert device.num_free_blocks == 10
+
+
+def drive_one_step(sched: SeesawScheduler) -> None:
+    """Launches what the scheduler gives, reports its copies done, completes the batches."""
+    from batchinfer.resharding.kv_tiers import Transfer
+    from batchinfer.sim.scheduler_driver import complete, launch
+
+    batches = launch(sched)
+    done = [a.transfer_id for a in sched.take_actions() if isinstance(a, Transfer)]
+    sched.on_transfers_done(done)
+    for batch in batches:
+        complete(sched, batch)
 
 
 def test_the_layout_serves_both_layouts_with_one_slot_range_per_rank():
@@ -159,32 +277,37 @@ def test_the_layout_serves_both_layouts_with_one_slot_range_per_rank():
 
 
 @pytest.fixture(scope="module")
-def gemma3_pattern(tmp_path_factory, default_model_dir):
-    """A tiny Gemma 3 with its 5:1 pattern of windowed (16 keys) and global layers on 6 layers
-    -> (model directory, transformers' greedy tokens for the window tests' PROMPTS)."""
+def six_layer_windows(tmp_path_factory, default_model_dir):
+    """Tiny Gemma 3 (its 5:1 pattern) and Gemma 2 (windowed and global alternating), 6 layers,
+    16-key windows -> family -> (model directory, transformers' greedy tokens for the window
+    tests' PROMPTS)."""
     from tests.tiny_families import hf_model, saved_with_greedy
     from tests.window_engines import MAX_NEW, PROMPTS
 
-    model = hf_model("gemma3", num_hidden_layers=6,
-                     layer_types=["sliding_attention"] * 5 + ["full_attention"])
-    return saved_with_greedy(model, tmp_path_factory.mktemp("gemma3-pattern"),
-                             default_model_dir, PROMPTS, MAX_NEW)
+    models = {"gemma3": hf_model("gemma3", num_hidden_layers=6,
+                                 layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+              "gemma2": hf_model("gemma2", num_hidden_layers=6)}
+    return {name: saved_with_greedy(model, tmp_path_factory.mktemp(name), default_model_dir,
+                                    PROMPTS, MAX_NEW) for name, model in models.items()}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family, windows", [("gemma3", [0, 16, 16, 16]),
+                                             ("gemma2", [0, 0, 16, 16])])
 def test_seesaw_runs_the_groups_through_both_layouts_and_gives_transformers_tokens(
-        gemma3_pattern):
+        six_layer_windows, family, windows):
     """Prefill at PP=2 (3 + 3 layers), decode at TP=2, the stage layout's 4 groups in pages of
     2 slots (one per prefill stage, both on every decode rank, a head each): the prompts and
     40 tokens each run far past the 16-key window, a CPU store of 48 pages makes the layouts
-    switch several times, and every token equals transformers'."""
+    switch several times, and every token equals transformers'. Gemma 2's one-stage layout
+    would have had both prefill stages write one slot of every store block (tested apart)."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
     from batchinfer.strategies.seesaw.params import SeesawParams
     from tests.greedy import greedy_tokens
     from tests.window_engines import BLOCK, MAX_NEW, PROMPTS
 
-    path, expected = gemma3_pattern
+    path, expected = six_layer_windows[family]
     page = 2 * 2 * 2 * 16 * BLOCK * 4        # a store block: 2 slots x K, V x 2 heads x 16, fp32
     params = SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=48 * page,
                           max_num_batched_tokens=256)
@@ -196,7 +319,7 @@ def test_seesaw_runs_the_groups_through_both_layouts_and_gives_transformers_toke
                           scheduler=params.scheduler_config(), strategy=params)
     with Engine.from_config(config) as engine:
         sched = engine.scheduler
-        assert engine.info["kv_groups"]["windows"] == [0, 16, 16, 16]
+        assert engine.info["kv_groups"]["windows"] == windows
         assert engine.info["kv_groups"]["page_layers"] == 2
         assert sched.block_manager.num_blocks == 40 and sched.tiers.store.num_blocks == 48
         assert greedy_tokens(engine, PROMPTS * 2, batched=True, max_new=MAX_NEW) == expected * 2
