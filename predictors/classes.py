@@ -79,6 +79,40 @@ def class_means(lengths: Sequence[float], labels: Sequence[int], num_classes: in
     return means
 
 
+def censored_class_means(lengths: Sequence[float], labels: Sequence[int], num_classes: int,
+                         edges: Sequence[float], caps: Sequence[Optional[float]],
+                         cut: Sequence[bool]) -> tuple[list[float], Optional[dict]]:
+    """Class means when some training outputs were cut at their max_tokens (`cut`; `caps`: each
+    output's max_tokens). A cut output's length is unknown past its cap, and counted at the cap
+    it makes its class's mean a floor: the shipped history, generated with max_tokens 512, puts
+    its top class at exactly 512, so a job that allows 1,024 tokens is forecast 512 for replies
+    that, reaching 512, average far more. Past the cap the length is read as exponential
+    (memoryless) with the rate fitted by censored maximum likelihood to the outputs above the
+    last class edge below the caps, `t`: rate = (outputs that ended above t) / (tokens every
+    output spent above t, up to its end or its cap). A cut output counts as cap + 1 / rate (its
+    expected length uncapped; a request's own max_tokens caps the forecast, as every class
+    mean). -> (the means, {"cut": count, "tail_from": t, "tail_mean": 1 / rate}), or the plain
+    means and None when nothing was cut or nothing ended above t (no rate to read)."""
+    arr = np.asarray(lengths, dtype=np.float64)
+    was_cut = np.asarray(cut, dtype=bool)
+    plain = class_means(arr, labels, num_classes, edges)
+    if not was_cut.any():
+        return plain, None
+    cap_arr = np.array([np.inf if c is None else float(c) for c in caps], dtype=np.float64)
+    lowest_cap = float(cap_arr[was_cut].min())
+    below = [e for e in edges if e < lowest_cap]
+    t = float(below[-1]) if below else 0.0
+    above = arr >= t
+    ended = int((above & ~was_cut).sum())
+    exposure = float((np.minimum(arr, cap_arr)[above] - t).sum())
+    if ended == 0 or exposure <= 0:
+        return plain, None
+    tail_mean = exposure / ended
+    extended = np.where(was_cut, arr + tail_mean, arr)
+    means = class_means(extended, labels, num_classes, edges)
+    return means, {"cut": int(was_cut.sum()), "tail_from": t, "tail_mean": round(tail_mean, 3)}
+
+
 def class_counts(labels: Sequence[int], num_classes: int) -> list[int]:
     return [int(c) for c in np.bincount(np.asarray(labels, dtype=np.int64),
                                         minlength=num_classes)[:num_classes]]

@@ -47,6 +47,12 @@ class HistoryRecord:
     source: Optional[str] = None          # where the prompt came from (metadata.source), if said
 
     @property
+    def cut(self) -> bool:
+        """The output stopped at max_tokens, not at its end: its true length is longer."""
+        return self.finish_reason == "length" or (
+            self.max_tokens is not None and self.output_tokens >= self.max_tokens)
+
+    @property
     def key(self) -> tuple[str, str]:
         """Identity across run directories: the same request id with the same prompt."""
         return (self.id, self.prompt_sha256)

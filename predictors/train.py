@@ -27,8 +27,8 @@ from torch import nn
 from . import bert
 from .base import PREDICTOR_CARD, PredictorError, cap
 from .classes import (DEFAULT_GROUP_SIZES, DEFAULT_PERCENTILES, accumulated_errors, accuracy,
-                      assign_classes, check_percentiles, class_counts, class_edges, class_means,
-                      class_ranges, edge_percentiles)
+                      assign_classes, censored_class_means, check_percentiles, class_counts,
+                      class_edges, class_ranges, edge_percentiles)
 from .history import HistoryRecord
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,9 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
     edges = class_edges(lengths, percentiles)
     k = len(edges)
     labels = assign_classes(lengths, edges)
-    means = class_means(lengths, labels, k, edges)
+    # an output cut at max_tokens counts as its expected uncut length (classes.py)
+    means, tail = censored_class_means(lengths, labels, k, edges,
+                                       [r.max_tokens for r in train], [r.cut for r in train])
     y_val = assign_classes([r.output_tokens for r in val], edges)
     if k < len(percentiles):
         log.warning("%d of the %d percentiles coincide on this history (many outputs of the same "
@@ -217,7 +219,7 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
                     "edge_percentiles": edge_percentiles(lengths, percentiles), "edges": edges,
                     "ranges": class_ranges(edges), "means": [round(m, 3) for m in means],
                     "train_counts": counts, "train_mean": round(float(lengths.mean()), 3),
-                    "majority_class": int(np.argmax(counts))},
+                    "majority_class": int(np.argmax(counts)), "cut_tail": tail},
         "data": {"sources": [str(s) for s in sources], "records": len(records),
                  "prompt_sources": sorted({source_name(r) for r in train}),
                  "skipped": dict(skipped or {}),
@@ -398,7 +400,13 @@ def render_card(card: dict) -> str:
     for i, (rng, mean, n) in enumerate(zip(cls["ranges"], cls["means"], cls["train_counts"])):
         upper = f"P{pcts[i + 1]:g}" if i + 1 < len(pcts) else "inf"
         lines.append(f"| {i} | [P{pcts[i]:g}, {upper}) | {rng} | {mean:g} | {n} |")
-    lines += ["", f"Training mean: {cls['train_mean']:g} tokens.", "", "## Test metrics", ""]
+    lines += ["", f"Training mean: {cls['train_mean']:g} tokens."]
+    tail = cls.get("cut_tail")
+    if tail:
+        lines.append(f"{tail['cut']} training outputs were cut at their max_tokens; each counts "
+                     f"in its class's mean as its cap + {tail['tail_mean']:g} tokens (the "
+                     f"exponential tail fitted to the outputs above {tail['tail_from']:g}).")
+    lines += ["", "## Test metrics", ""]
     if test.get("records"):
         lines += [f"- records: {test['records']}",
                   f"- class accuracy: {_pct(test['class_accuracy'])} (majority class: "

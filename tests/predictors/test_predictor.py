@@ -18,8 +18,9 @@ from batchinfer.runner.io.records import RequestPayload
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.predictors import LengthQuery, PredictorError, make_predictor
 from batchinfer.predictors.classes import (accumulated_error, accumulated_errors, assign_classes,
-                                           check_percentiles, class_counts, class_edges,
-                                           class_means, edge_percentiles, majority_accuracy)
+                                           censored_class_means, check_percentiles, class_counts,
+                                           class_edges, class_means, edge_percentiles,
+                                           majority_accuracy)
 from batchinfer.predictors.history import read_history, sha256_text
 
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
@@ -49,6 +50,31 @@ def test_coinciding_percentiles_merge_into_fewer_classes():
     assert class_counts(labels, 3) == [10, 0, 10]
     # an empty class predicts its lower edge
     assert class_means(lengths, labels, 3, edges) == pytest.approx([5.0, 258.5, 512.0])
+
+
+def test_outputs_cut_at_max_tokens_count_as_their_expected_uncut_length():
+    """Exponential lengths of mean 300 generated with max_tokens 512: the cut ones, counted at
+    512, made the top class's mean 512 exactly; read past the cap with the rate fitted above the
+    last edge below it, they count as 512 + ~300 (memoryless), the top class near the true
+    E[L | L >= 512] = 812, and the classes below are as before."""
+    rng = np.random.default_rng(0)
+    true = rng.exponential(300.0, 20_000)
+    lengths = np.minimum(np.ceil(true), 512)
+    cut = true >= 512
+    edges = [0.0, 100.0, 300.0, 512.0]
+    labels = assign_classes(lengths, edges)
+    plain = class_means(lengths, labels, 4, edges)
+    means, tail = censored_class_means(lengths, labels, 4, edges, [512] * len(lengths), cut)
+    assert plain[3] == 512 and tail["cut"] == int(cut.sum()) and tail["tail_from"] == 300
+    assert tail["tail_mean"] == pytest.approx(300, rel=0.05)
+    assert means[3] == pytest.approx(812, rel=0.03)
+    assert means[:3] == pytest.approx(plain[:3])
+    # nothing cut, or nothing that ended above the edge: the plain means, no tail
+    assert censored_class_means(lengths, labels, 4, edges, [None] * len(lengths),
+                                [False] * len(lengths)) == (plain, None)
+    only_cut = np.full(10, 512.0)
+    assert censored_class_means(only_cut, [3] * 10, 4, edges, [512] * 10, [True] * 10) \
+        == ([0.0, 100.0, 300.0, 512.0], None)
 
 
 @pytest.mark.parametrize("bad", [[25, 50], [0, 50, 50], [0, 50, 100], [0]])
