@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from batchinfer.engine.errors import ConfigError
 
+from .classes import means_past_cap
+
 log = logging.getLogger(__name__)
 
 PREDICTOR_CARD = "predictor.json"
@@ -94,11 +96,13 @@ DEFAULT_UPPER_PERCENTILE = 75.0
 
 
 def class_forecasts(probs: Any, means: Sequence[float], edges: Sequence[float],
-                    queries: Sequence[LengthQuery], percentile: float) -> list[Forecast]:
-    """A length classifier's forecasts: the most likely class's mean (μ-Serve's rule), as upper
-    the upper edge of the class where the cumulative class probability reaches `percentile`
-    (the last class has no upper edge: max_tokens, else its mean), confidence the most likely
-    class's probability."""
+                    queries: Sequence[LengthQuery], percentile: float,
+                    tail: Optional[dict] = None) -> list[Forecast]:
+    """A length classifier's forecasts: the most likely class's mean (μ-Serve's rule; for a
+    request allowed more tokens than the training outputs that were cut, classes.means_past_cap
+    with `tail`), as upper the upper edge of the class where the cumulative class probability
+    reaches `percentile` (the last class has no upper edge: max_tokens, else its mean),
+    confidence the most likely class's probability."""
     import numpy as np
 
     probs = np.asarray(probs, dtype=np.float64)
@@ -111,7 +115,7 @@ def class_forecasts(probs: Any, means: Sequence[float], edges: Sequence[float],
             upper = float(edges[k + 1])
         else:
             upper = float(q.max_tokens) if q.max_tokens is not None else float(means[k])
-        point = cap(means[best], q.max_tokens)
+        point = cap(means_past_cap(means, tail, q.max_tokens)[best], q.max_tokens)
         out.append(Forecast(point, max(cap(upper, q.max_tokens), point), float(row[best])))
     return out
 

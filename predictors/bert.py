@@ -31,6 +31,7 @@ from torch import nn
 
 from .base import (PREDICTOR_CARD, Forecast, LengthPredictor, LengthQuery, PredictorError, cap,
                    class_forecasts)
+from .classes import means_past_cap
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +351,7 @@ class BertLengthPredictor(LengthPredictor):
         self.batch_size = batch_size
         self.means = np.asarray(card["classes"]["means"], dtype=np.float64)
         self.edges = list(card["classes"]["edges"])
+        self.cut_tail = card["classes"].get("cut_tail")     # classes.cut_tail; None: none cut
         self.max_length = int(card["encoder"]["max_length"])
         self.truncation = str(card["encoder"].get("truncation", "head"))
 
@@ -389,7 +391,8 @@ class BertLengthPredictor(LengthPredictor):
 
     def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
         classes = self.predict_class_ids([q.text for q in queries])
-        return [cap(self.means[c], q.max_tokens) for c, q in zip(classes, queries)]
+        return [cap(means_past_cap(self.means, self.cut_tail, q.max_tokens)[c], q.max_tokens)
+                for c, q in zip(classes, queries)]
 
     def features(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(pooled encoder states (n, hidden), class probabilities (n, classes)) in one encoder
@@ -402,7 +405,8 @@ class BertLengthPredictor(LengthPredictor):
 
     def forecast_queries(self, queries: Sequence[LengthQuery]) -> list[Forecast]:
         _, probs = self.features([q.text for q in queries])
-        return class_forecasts(probs, self.means, self.edges, queries, self.upper_percentile)
+        return class_forecasts(probs, self.means, self.edges, queries, self.upper_percentile,
+                               self.cut_tail)
 
     def describe(self) -> dict:
         return {"name": self.name, "classes": len(self.means), "device": str(self.device),

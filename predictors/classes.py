@@ -79,25 +79,24 @@ def class_means(lengths: Sequence[float], labels: Sequence[int], num_classes: in
     return means
 
 
-def censored_class_means(lengths: Sequence[float], labels: Sequence[int], num_classes: int,
-                         edges: Sequence[float], caps: Sequence[Optional[float]],
-                         cut: Sequence[bool]) -> tuple[list[float], Optional[dict]]:
-    """Class means when some training outputs were cut at their max_tokens (`cut`; `caps`: each
-    output's max_tokens). A cut output's length is unknown past its cap, and counted at the cap
-    it makes its class's mean a floor: the shipped history, generated with max_tokens 512, puts
-    its top class at exactly 512, so a job that allows 1,024 tokens is forecast 512 for replies
-    that, reaching 512, average far more. Past the cap the length is read as exponential
-    (memoryless) with the rate fitted by censored maximum likelihood to the outputs above the
-    last class edge below the caps, `t`: rate = (outputs that ended above t) / (tokens every
-    output spent above t, up to its end or its cap). A cut output counts as cap + 1 / rate (its
-    expected length uncapped; a request's own max_tokens caps the forecast, as every class
-    mean). -> (the means, {"cut": count, "tail_from": t, "tail_mean": 1 / rate}), or the plain
-    means and None when nothing was cut or nothing ended above t (no rate to read)."""
+def cut_tail(lengths: Sequence[float], labels: Sequence[int], num_classes: int,
+             edges: Sequence[float], caps: Sequence[Optional[float]],
+             cut: Sequence[bool]) -> Optional[dict]:
+    """What the training outputs cut at their max_tokens (`cut`; `caps`: each output's
+    max_tokens) say past the cap. Counted at the cap, a cut output makes its class's mean a floor
+    that holds only for requests capped as the training was: the shipped history, generated
+    with max_tokens 512, puts its top class at exactly 512, and a job that allows 1,024 tokens
+    was forecast 512 for replies that, reaching 512, averaged 941 there. Past the cap the length
+    is read as exponential (memoryless), its mean `tail_mean` fitted by censored maximum
+    likelihood to the outputs above the last class edge below the caps, `tail_from`: the
+    tokens every output spent above it (up to its end or its cap) over the outputs that ended
+    there. -> {"cap", "cut", "tail_from", "tail_mean", per class "cut_fraction" and
+    "uncut_mean"} (means_past_cap reads it), or None when nothing was cut or nothing ended above
+    tail_from (no rate to read)."""
     arr = np.asarray(lengths, dtype=np.float64)
     was_cut = np.asarray(cut, dtype=bool)
-    plain = class_means(arr, labels, num_classes, edges)
     if not was_cut.any():
-        return plain, None
+        return None
     cap_arr = np.array([np.inf if c is None else float(c) for c in caps], dtype=np.float64)
     lowest_cap = float(cap_arr[was_cut].min())
     below = [e for e in edges if e < lowest_cap]
@@ -106,11 +105,31 @@ def censored_class_means(lengths: Sequence[float], labels: Sequence[int], num_cl
     ended = int((above & ~was_cut).sum())
     exposure = float((np.minimum(arr, cap_arr)[above] - t).sum())
     if ended == 0 or exposure <= 0:
-        return plain, None
-    tail_mean = exposure / ended
-    extended = np.where(was_cut, arr + tail_mean, arr)
-    means = class_means(extended, labels, num_classes, edges)
-    return means, {"cut": int(was_cut.sum()), "tail_from": t, "tail_mean": round(tail_mean, 3)}
+        return None
+    lab = np.asarray(labels, dtype=np.int64)
+    fractions, uncut = [], []
+    for k in range(num_classes):
+        members = lab == k
+        fractions.append(round(float(was_cut[members].mean()) if members.any() else 0.0, 4))
+        kept = arr[members & ~was_cut]
+        uncut.append(round(float(kept.mean()), 3) if kept.size else 0.0)
+    return {"cap": lowest_cap, "cut": int(was_cut.sum()), "tail_from": t,
+            "tail_mean": round(exposure / ended, 3), "cut_fraction": fractions,
+            "uncut_mean": uncut}
+
+
+def means_past_cap(means: Sequence[float], tail: Optional[dict],
+                   max_tokens: Optional[int]) -> list[float]:
+    """The class means for a request of `max_tokens` (None: unbounded): `means` where it is
+    within the training's cap (or nothing was cut), else each class's cut share counted as
+    E[min(L, max_tokens)] for L = cap + an exponential tail of mean tail_mean
+    (cut_tail), its uncut share as its training mean."""
+    if tail is None or (max_tokens is not None and max_tokens <= tail["cap"]):
+        return [float(m) for m in means]
+    room = np.inf if max_tokens is None else float(max_tokens) - tail["cap"]
+    past = tail["cap"] + tail["tail_mean"] * -np.expm1(-room / tail["tail_mean"])
+    return [float(m) if not f else (1.0 - f) * u + f * past
+            for m, f, u in zip(means, tail["cut_fraction"], tail["uncut_mean"])]
 
 
 def class_counts(labels: Sequence[int], num_classes: int) -> list[int]:

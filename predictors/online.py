@@ -39,6 +39,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .base import Forecast, LengthPredictor, LengthQuery, cap, class_forecasts
+from .classes import means_past_cap
 from .online_fit import OnlineFit, fit_online
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class OnlineLengthPredictor(LengthPredictor):
         if upper_percentile is not None:
             self.upper_percentile = float(upper_percentile)
         self._classes = _classes_of(base)
+        self._widest_cap: Optional[int] = 0      # the largest max_tokens forecast (None: unbounded)
         self._pending: dict[str, _Pending] = {}
         self._done: deque[_Done] = deque(maxlen=self.max_examples)   # the newest finished
         self._since_fit = 0
@@ -180,10 +182,14 @@ class OnlineLengthPredictor(LengthPredictor):
         """(prior points, classes, embeddings or None, the base's forecasts), one encoder pass."""
         if self._classes is not None and hasattr(self.base, "features"):
             feats, probs = self.base.features([q.text for q in queries])
-            means, edges = self._classes
-            base = class_forecasts(probs, means, edges, queries, self.upper_percentile)
+            means, edges, tail = self._classes
+            base = class_forecasts(probs, means, edges, queries, self.upper_percentile, tail)
             cls = probs.argmax(axis=1)
-            priors = np.asarray(means, dtype=np.float64)[cls]
+            priors = np.array([means_past_cap(means, tail, q.max_tokens)[c]
+                               for q, c in zip(queries, cls)], dtype=np.float64)
+            for q in queries:
+                self._widest_cap = (None if q.max_tokens is None or self._widest_cap is None
+                                    else max(self._widest_cap, q.max_tokens))
             return priors, cls, (feats if self.head else None), base
         base = self.base.forecast_queries(queries)
         return (np.array([f.point for f in base], dtype=np.float64),
@@ -287,7 +293,9 @@ class OnlineLengthPredictor(LengthPredictor):
         feats = None
         if self.head and rows and all(r[2] is not None for r in rows):
             feats = np.stack([r[2] for r in rows])
-        means = self._classes[0] if self._classes is not None else None
+        # the classes' prior means for the job's largest max_tokens (exact for a job of one cap)
+        means = (means_past_cap(self._classes[0], self._classes[2], self._widest_cap)
+                 if self._classes is not None else None)
         censored = self.censored and any(r[5] for r in rows)
         return fit_online([r[3] for r in rows], prior, cls, means, feats, self.prior_weight,
                           percentiles=(self.upper_percentile,), use_head=self.head,
@@ -351,9 +359,10 @@ def _one_blas_thread():
         return contextlib.nullcontext()
 
 
-def _classes_of(base: LengthPredictor) -> Optional[tuple[list[float], list[float]]]:
+def _classes_of(base: LengthPredictor) -> Optional[tuple[list[float], list[float], Optional[dict]]]:
+    """(class means, edges, classes.cut_tail) of a class predictor; None for another."""
     means = getattr(base, "means", None)
     edges = getattr(base, "edges", None)
     if means is None or edges is None:
         return None
-    return [float(m) for m in means], [float(e) for e in edges]
+    return [float(m) for m in means], [float(e) for e in edges], getattr(base, "cut_tail", None)

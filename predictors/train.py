@@ -27,8 +27,8 @@ from torch import nn
 from . import bert
 from .base import PREDICTOR_CARD, PredictorError, cap
 from .classes import (DEFAULT_GROUP_SIZES, DEFAULT_PERCENTILES, accumulated_errors, accuracy,
-                      assign_classes, censored_class_means, check_percentiles, class_counts,
-                      class_edges, class_ranges, edge_percentiles)
+                      assign_classes, check_percentiles, class_counts, class_edges, class_means,
+                      class_ranges, cut_tail, edge_percentiles, means_past_cap)
 from .history import HistoryRecord
 
 log = logging.getLogger(__name__)
@@ -172,9 +172,10 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
     edges = class_edges(lengths, percentiles)
     k = len(edges)
     labels = assign_classes(lengths, edges)
-    # an output cut at max_tokens counts as its expected uncut length (classes.py)
-    means, tail = censored_class_means(lengths, labels, k, edges,
-                                       [r.max_tokens for r in train], [r.cut for r in train])
+    means = class_means(lengths, labels, k, edges)
+    # outputs cut at max_tokens: what a request allowed more tokens is forecast (classes.py)
+    tail = cut_tail(lengths, labels, k, edges, [r.max_tokens for r in train],
+                    [r.cut for r in train])
     y_val = assign_classes([r.output_tokens for r in val], edges)
     if k < len(percentiles):
         log.warning("%d of the %d percentiles coincide on this history (many outputs of the same "
@@ -269,8 +270,9 @@ def evaluate(predictor: "bert.BertLengthPredictor", records: Sequence[HistoryRec
     t = time.perf_counter()
     predicted_class = predictor.predict_class_ids([r.prompt for r in records])
     infer_s = time.perf_counter() - t
-    predicted = np.array([cap(means[c], r.max_tokens) for c, r in zip(predicted_class, records)],
-                         dtype=np.float64)
+    tail = classes.get("cut_tail")
+    predicted = np.array([cap(means_past_cap(means, tail, r.max_tokens)[c], r.max_tokens)
+                          for c, r in zip(predicted_class, records)], dtype=np.float64)
     true_class = assign_classes(actual, edges)
     k = len(edges)
     confusion = np.zeros((k, k), dtype=np.int64)
@@ -403,9 +405,10 @@ def render_card(card: dict) -> str:
     lines += ["", f"Training mean: {cls['train_mean']:g} tokens."]
     tail = cls.get("cut_tail")
     if tail:
-        lines.append(f"{tail['cut']} training outputs were cut at their max_tokens; each counts "
-                     f"in its class's mean as its cap + {tail['tail_mean']:g} tokens (the "
-                     f"exponential tail fitted to the outputs above {tail['tail_from']:g}).")
+        lines.append(f"{tail['cut']} training outputs were cut at max_tokens {tail['cap']:g}; "
+                     f"for a request allowed more, a class's cut share is forecast as the cap "
+                     f"plus an exponential tail of mean {tail['tail_mean']:g} tokens (fitted to "
+                     f"the outputs above {tail['tail_from']:g}), capped at its max_tokens.")
     lines += ["", "## Test metrics", ""]
     if test.get("records"):
         lines += [f"- records: {test['records']}",

@@ -17,10 +17,11 @@ from batchinfer.runner.recipe import Recipe, RecipeError, parse_recipe
 from batchinfer.runner.io.records import RequestPayload
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.predictors import LengthQuery, PredictorError, make_predictor
+from batchinfer.predictors.base import class_forecasts
 from batchinfer.predictors.classes import (accumulated_error, accumulated_errors, assign_classes,
-                                           censored_class_means, check_percentiles, class_counts,
-                                           class_edges, class_means, edge_percentiles,
-                                           majority_accuracy)
+                                           check_percentiles, class_counts, class_edges,
+                                           class_means, cut_tail, edge_percentiles,
+                                           majority_accuracy, means_past_cap)
 from batchinfer.predictors.history import read_history, sha256_text
 
 TINY_MODEL = {"load_format": "dummy", "max_model_len": 512, "hf_overrides": {
@@ -52,11 +53,12 @@ def test_coinciding_percentiles_merge_into_fewer_classes():
     assert class_means(lengths, labels, 3, edges) == pytest.approx([5.0, 258.5, 512.0])
 
 
-def test_outputs_cut_at_max_tokens_count_as_their_expected_uncut_length():
-    """Exponential lengths of mean 300 generated with max_tokens 512: the cut ones, counted at
-    512, made the top class's mean 512 exactly; read past the cap with the rate fitted above the
-    last edge below it, they count as 512 + ~300 (memoryless), the top class near the true
-    E[L | L >= 512] = 812, and the classes below are as before."""
+def test_a_request_allowed_more_than_the_training_cap_reads_the_cut_outputs_tail():
+    """Exponential lengths of mean 300 generated with max_tokens 512: counted at 512, the cut
+    ones make the top class's mean 512 exactly. The tail fitted above the last edge below the
+    cap (300) has a mean near 300, so a request allowed 1,024 tokens gets for the top class
+    E[min(L, 1024) | L >= 512] (about 759 here, 812 unbounded), one allowed 512 or fewer the
+    plain means."""
     rng = np.random.default_rng(0)
     true = rng.exponential(300.0, 20_000)
     lengths = np.minimum(np.ceil(true), 512)
@@ -64,17 +66,24 @@ def test_outputs_cut_at_max_tokens_count_as_their_expected_uncut_length():
     edges = [0.0, 100.0, 300.0, 512.0]
     labels = assign_classes(lengths, edges)
     plain = class_means(lengths, labels, 4, edges)
-    means, tail = censored_class_means(lengths, labels, 4, edges, [512] * len(lengths), cut)
+    tail = cut_tail(lengths, labels, 4, edges, [512] * len(lengths), cut)
     assert plain[3] == 512 and tail["cut"] == int(cut.sum()) and tail["tail_from"] == 300
+    assert tail["cap"] == 512 and tail["cut_fraction"] == pytest.approx([0, 0, 0, 1], abs=0.01)
     assert tail["tail_mean"] == pytest.approx(300, rel=0.05)
-    assert means[3] == pytest.approx(812, rel=0.03)
-    assert means[:3] == pytest.approx(plain[:3])
-    # nothing cut, or nothing that ended above the edge: the plain means, no tail
-    assert censored_class_means(lengths, labels, 4, edges, [None] * len(lengths),
-                                [False] * len(lengths)) == (plain, None)
-    only_cut = np.full(10, 512.0)
-    assert censored_class_means(only_cut, [3] * 10, 4, edges, [512] * 10, [True] * 10) \
-        == ([0.0, 100.0, 300.0, 512.0], None)
+    expected = 512 + 300 * (1 - np.exp(-512 / 300))
+    assert means_past_cap(plain, tail, 1024)[3] == pytest.approx(expected, rel=0.03)
+    assert means_past_cap(plain, tail, None)[3] == pytest.approx(812, rel=0.03)
+    assert means_past_cap(plain, tail, 1024)[:3] == plain[:3]
+    assert means_past_cap(plain, tail, 512) == plain == means_past_cap(plain, None, 1024)
+    # nothing cut, or nothing that ended above the edge: no tail
+    assert cut_tail(lengths, labels, 4, edges, [None] * len(lengths), [False] * len(lengths)) \
+        is None
+    assert cut_tail(np.full(10, 512.0), [3] * 10, 4, edges, [512] * 10, [True] * 10) is None
+    # the forecasts read it: a point past the cap for a request allowed more, as before within it
+    queries = [LengthQuery("a", max_tokens=m) for m in (256, 512, 1024, None)]
+    probs = np.tile([0.0, 0.0, 0.1, 0.9], (4, 1))
+    points = [f.point for f in class_forecasts(probs, plain, edges, queries, 75.0, tail)]
+    assert points[:2] == [256, 512] and points[2] == round(means_past_cap(plain, tail, 1024)[3])
 
 
 @pytest.mark.parametrize("bad", [[25, 50], [0, 50, 50], [0, 50, 100], [0]])
@@ -301,6 +310,9 @@ def test_train_save_reload_eval_and_use_in_a_run(tmp_path, tiny_recipe, shared_e
     assert card["classes"]["edges"] == pytest.approx(edges)
     assert card["classes"]["means"] == pytest.approx(class_means(train_lengths, labels,
                                                                  len(edges)), abs=1e-3)
+    assert card["classes"]["cut_tail"] == cut_tail(train_lengths, labels, len(edges), edges,
+                                                   [r.max_tokens for r in train],
+                                                   [r.cut for r in train])
     assert card["classes"]["train_mean"] == pytest.approx(np.mean(train_lengths), abs=1e-3)
     assert "## Classes" in (out / "README.md").read_text()
 
