@@ -359,7 +359,8 @@ def _one_blas_thread():
         return contextlib.nullcontext()
 
 
-def _classes_of(base: LengthPredictor) -> Optional[tuple[list[float], list[float], Optional[dict]]]:
+def _classes_of(base: LengthPredictor
+                ) -> Optional[tuple[list[float], list[float], Optional[dict]]]:
     """(class means, edges, classes.cut_tail) of a class predictor; None for another."""
     means = getattr(base, "means", None)
     edges = getattr(base, "edges", None)

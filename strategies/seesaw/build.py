@@ -65,10 +65,10 @@ def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout]
                   max_model_len: int) -> Optional[KVGroupLayout]:
     """The KV layer groups of a hybrid-window model under both layouts (one block manager and
     one store serve them; None: one table). Candidates: kv_groups.layout_candidates for one
-    stage, for each layout's stages and for the stages both layouts' boundaries cut, kept where every layout's stages copy apart
-    (`_copies_apart`); chosen as group_layout chooses (kv_groups.cheapest_layout): the fewest
-    bytes a max_model_len-token request costs on the fullest rank of either layout, or within
-    10% of that the fewest groups."""
+    stage, for each layout's stages and for the stages both layouts' boundaries cut, kept where
+    every layout's stages copy apart (`_copies_apart`); chosen as group_layout chooses
+    (kv_groups.cheapest_layout): the fewest bytes a max_model_len-token request costs on the
+    fullest rank of either layout, or within 10% of that the fewest groups."""
     if groups_for(config, arch, max_model_len) is None:
         return None
     stage_sets = [None] + [[lay.stage_range(s) for s in range(lay.pp)] for lay in layouts.values()]

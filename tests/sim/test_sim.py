@@ -396,7 +396,8 @@ def test_seesaw_runs_the_layer_groups_in_the_simulator():
     token = hybrid.kv_bytes_per_token(4)
     runs = {}
     for free in (True, False):
-        config = _config({"name": "seesaw", "decode_tp": 2, "cpu_kv_cache_memory": 100 * 16 * token},
+        config = _config({"name": "seesaw", "decode_tp": 2,
+                          "cpu_kv_cache_memory": 100 * 16 * token},
                          pp=2, kv_bytes=48 * 16 * token // 2)
         config = config.model_copy(update={
             "cache": config.cache.model_copy(update={"free_outside_window": free}),

@@ -26,7 +26,8 @@ def _tiers(device_blocks: int = 30, store_blocks: int = 60, groups: bool = True)
     if groups:
         return KVTiers(GroupedBlockManager(device_blocks, BS, WINDOWS),
                        GroupedBlockManager(store_blocks, BS, WINDOWS))
-    return KVTiers(BlockManager(device_blocks, BS, window=8), BlockManager(store_blocks, BS, window=8))
+    return KVTiers(BlockManager(device_blocks, BS, window=8),
+                   BlockManager(store_blocks, BS, window=8))
 
 
 def test_blocks_held_is_what_the_manager_holds_after_the_release():
@@ -361,7 +362,8 @@ def test_seesaw_keeps_a_window_of_a_model_windowed_on_every_layer(phi3_windowed)
     store_block = 2 * 2 * 2 * 16 * BLOCK * 4        # 2 layers x K, V x 2 heads x 16, fp32
     params = SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=16 * store_block)
     config = EngineConfig(model={"path": str(path), "max_model_len": 128},
-                          cache={"kv_cache_memory": str(12 * store_block // 2), "block_size": BLOCK},
+                          cache={"kv_cache_memory": str(12 * store_block // 2),
+                                 "block_size": BLOCK},
                           parallel={"pp": 2, "step_timeout_seconds": 120},
                           scheduler=params.scheduler_config(), strategy=params)
     with Engine.from_config(config) as engine:
