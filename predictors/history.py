@@ -48,9 +48,11 @@ class HistoryRecord:
 
     @property
     def cut(self) -> bool:
-        """The output stopped at max_tokens, not at its end: its true length is longer."""
-        return self.finish_reason == "length" or (
-            self.max_tokens is not None and self.output_tokens >= self.max_tokens)
+        """The output stopped before its end (finish reason `length`: max_tokens or the model's
+        length limit), so its true length is longer; without a finish reason, at max_tokens."""
+        if self.finish_reason:
+            return self.finish_reason == "length"
+        return self.max_tokens is not None and self.output_tokens >= self.max_tokens
 
     @property
     def key(self) -> tuple[str, str]:

@@ -174,8 +174,7 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
     labels = assign_classes(lengths, edges)
     means = class_means(lengths, labels, k, edges)
     # outputs cut at max_tokens: what a request allowed more tokens is forecast (classes.py)
-    tail = cut_tail(lengths, labels, k, edges, [r.max_tokens for r in train],
-                    [r.cut for r in train])
+    tail = cut_tail(lengths, labels, k, edges, [r.cut for r in train])
     y_val = assign_classes([r.output_tokens for r in val], edges)
     if k < len(percentiles):
         log.warning("%d of the %d percentiles coincide on this history (many outputs of the same "
@@ -405,8 +404,8 @@ def render_card(card: dict) -> str:
     lines += ["", f"Training mean: {cls['train_mean']:g} tokens."]
     tail = cls.get("cut_tail")
     if tail:
-        lines.append(f"{tail['cut']} training outputs were cut at max_tokens {tail['cap']:g}; "
-                     f"for a request allowed more, a class's cut share is forecast as the cap "
+        lines.append(f"{tail['cut']} training outputs were cut (the first at {tail['cap']:g} "
+                     f"tokens); for a request allowed more, each counts as where it stopped "
                      f"plus an exponential tail of mean {tail['tail_mean']:g} tokens (fitted to "
                      f"the outputs above {tail['tail_from']:g}), capped at its max_tokens.")
     lines += ["", "## Test metrics", ""]

@@ -321,6 +321,47 @@ def test_online_predictor_learns_from_finished_requests_and_reforecasts_the_rest
     assert abs(new[0].point - 300) < 40 and new[1].point == 50
 
 
+class CutFakeClassifier(FakeClassifier):
+    """FakeClassifier whose long class's 20 training outputs were all cut at 100 tokens, the
+    tail past them of mean 50 (classes.cut_tail's fields)."""
+
+    cut_tail = {"cap": 100.0, "cut": 20, "tail_from": 50.0, "tail_mean": 50.0,
+                "members": [20, 20], "uncut_mean": [10.0, 0.0], "cut_at": [[], [[100.0, 20]]]}
+
+    def forecast_queries(self, queries):
+        _, probs = self.features([q.text for q in queries])
+        return class_forecasts(probs, self.means, self.edges, queries, self.upper_percentile,
+                               self.cut_tail)
+
+
+def test_the_online_priors_read_past_the_training_cap(monkeypatch):
+    """A request allowed more than the training's cut outputs got starts from (and is refit
+    toward) its class's mean read past the cut, E[min(100 + X, 400)] = 100 + 50 (1 - e^-6), not
+    the 100 the cut outputs were counted at; one allowed 100 starts at 100."""
+    import batchinfer.predictors.online as online_module
+
+    priors_seen = []
+    fit = online_module.fit_online
+
+    def spy(actual, prior, classes, prior_means, *args, **kwargs):
+        priors_seen.append(list(prior_means))
+        return fit(actual, prior, classes, prior_means, *args, **kwargs)
+
+    monkeypatch.setattr(online_module, "fit_online", spy)
+    online = OnlineLengthPredictor(CutFakeClassifier(), refit_every=4, min_examples=4,
+                                   prior_weight=2.0)
+    past = 100 + 50 * (1 - np.exp(-6))
+    long_requests = [_req(i, 9.0, max_tokens=400) for i in range(6)]
+    capped = _req(99, 9.0, max_tokens=100)
+    forecasts = online.forecast(long_requests + [capped])
+    assert [f.point for f in forecasts] == [round(past)] * 6 + [100]
+    assert online._pending["r0"].prior == pytest.approx(past)
+    for r in long_requests[:4]:
+        online.observe(r.request_id, 150)
+    online.update({r.request_id: 120 for r in long_requests[4:]})
+    assert online.fit is not None and priors_seen == [[10.0, pytest.approx(past)]]
+
+
 def test_censored_requests_keep_the_short_ones_from_pulling_forecasts_down():
     def run(censored: bool) -> float:
         online = OnlineLengthPredictor(FakeClassifier(), refit_every=1, min_examples=1,

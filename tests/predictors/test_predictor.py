@@ -66,24 +66,49 @@ def test_a_request_allowed_more_than_the_training_cap_reads_the_cut_outputs_tail
     edges = [0.0, 100.0, 300.0, 512.0]
     labels = assign_classes(lengths, edges)
     plain = class_means(lengths, labels, 4, edges)
-    tail = cut_tail(lengths, labels, 4, edges, [512] * len(lengths), cut)
+    tail = cut_tail(lengths, labels, 4, edges, cut)
     assert plain[3] == 512 and tail["cut"] == int(cut.sum()) and tail["tail_from"] == 300
-    assert tail["cap"] == 512 and tail["cut_fraction"] == pytest.approx([0, 0, 0, 1], abs=0.01)
+    assert tail["cap"] == 512 and tail["cut_at"][3] == [[512.0, int(cut.sum())]]
     assert tail["tail_mean"] == pytest.approx(300, rel=0.05)
     expected = 512 + 300 * (1 - np.exp(-512 / 300))
     assert means_past_cap(plain, tail, 1024)[3] == pytest.approx(expected, rel=0.03)
     assert means_past_cap(plain, tail, None)[3] == pytest.approx(812, rel=0.03)
     assert means_past_cap(plain, tail, 1024)[:3] == plain[:3]
     assert means_past_cap(plain, tail, 512) == plain == means_past_cap(plain, None, 1024)
-    # nothing cut, or nothing that ended above the edge: no tail
-    assert cut_tail(lengths, labels, 4, edges, [None] * len(lengths), [False] * len(lengths)) \
-        is None
-    assert cut_tail(np.full(10, 512.0), [3] * 10, 4, edges, [512] * 10, [True] * 10) is None
+    # nothing cut, or too few outputs ending above every edge below the stops: no tail
+    assert cut_tail(lengths, labels, 4, edges, [False] * len(lengths)) is None
+    assert cut_tail(np.full(10, 512.0), [3] * 10, 4, edges, [True] * 10) is None
     # the forecasts read it: a point past the cap for a request allowed more, as before within it
     queries = [LengthQuery("a", max_tokens=m) for m in (256, 512, 1024, None)]
     probs = np.tile([0.0, 0.0, 0.1, 0.9], (4, 1))
     points = [f.point for f in class_forecasts(probs, plain, edges, queries, 75.0, tail)]
     assert points[:2] == [256, 512] and points[2] == round(means_past_cap(plain, tail, 1024)[3])
+    assert points[3] == round(means_past_cap(plain, tail, None)[3])
+
+
+def test_outputs_cut_at_different_stops_count_from_their_own():
+    """Half the history capped at 256, half at 1,024: each cut output is read on from where it
+    stopped, so a class cut at 1,024 keeps 1,024 for a request allowed up to that (capped at
+    its max_tokens), one cut at 256 is read on past it, and nothing is infinite."""
+    rng = np.random.default_rng(1)
+    true = rng.exponential(300.0, 4_000)
+    stops = np.where(np.arange(4_000) % 2 == 0, 256.0, 1024.0)
+    lengths = np.minimum(np.ceil(true), stops)
+    cut = true >= stops
+    edges = [0.0, 100.0, 200.0, 1024.0]
+    labels = assign_classes(lengths, edges)
+    plain = class_means(lengths, labels, 4, edges)
+    tail = cut_tail(lengths, labels, 4, edges, cut)
+    assert tail["cap"] == 256 and plain[3] == 1024 and tail["tail_from"] == 200
+    for limit in (600, 1024, 2048, None):
+        past = means_past_cap(plain, tail, limit)
+        assert past[3] == pytest.approx(1024 if limit in (600, 1024) else past[3])
+        assert all(p >= m - 1e-9 for p, m in zip(past, plain))
+    assert means_past_cap(plain, tail, None)[3] > 1024
+    assert means_past_cap(plain, tail, 600)[2] > plain[2]      # its outputs cut at 256 read on
+    # the stops are the outputs' own lengths (a cut by the model's length limit has no
+    # max_tokens): nothing in the card is infinite
+    json.dumps(tail, allow_nan=False)
 
 
 @pytest.mark.parametrize("bad", [[25, 50], [0, 50, 50], [0, 50, 100], [0]])
@@ -311,7 +336,6 @@ def test_train_save_reload_eval_and_use_in_a_run(tmp_path, tiny_recipe, shared_e
     assert card["classes"]["means"] == pytest.approx(class_means(train_lengths, labels,
                                                                  len(edges)), abs=1e-3)
     assert card["classes"]["cut_tail"] == cut_tail(train_lengths, labels, len(edges), edges,
-                                                   [r.max_tokens for r in train],
                                                    [r.cut for r in train])
     assert card["classes"]["train_mean"] == pytest.approx(np.mean(train_lengths), abs=1e-3)
     assert "## Classes" in (out / "README.md").read_text()
@@ -406,6 +430,18 @@ def test_shipped_predictor_tells_short_answers_from_long_ones():
         LengthQuery("Write a detailed essay of at least five paragraphs about the history of "
                     "the printing press.", max_tokens=512)])
     assert short < 100 and long_ > 200      # class means: 25 / 100 vs 280 / 457 / 512
+    # its card's cut outputs (461 at max_tokens 512): a request put in the top class is forecast
+    # 512 within that cap and read past it when allowed more
+    tail = predictor.cut_tail
+    assert tail["cap"] == 512 and tail["cut_at"][4] == [[512.0, 461]]
+    top = np.tile(np.eye(len(predictor.means))[-1], (3, 1))
+    predictor.features = lambda texts: (None, top[:len(texts)])
+    predictor.predict_class_ids = lambda texts: np.full(len(texts), len(predictor.means) - 1)
+    queries = [LengthQuery("x", max_tokens=m) for m in (512, 1024, None)]
+    past = [round(means_past_cap(predictor.means, tail, m)[-1]) for m in (1024, None)]
+    assert [f.point for f in predictor.forecast_queries(queries)] == [512, *past]
+    assert predictor.predict_queries(queries) == [512, *past]
+    assert 700 < past[0] < 1024 and past[1] > past[0]
 
 
 def test_a_run_learns_from_its_own_replies_online(tmp_path, tiny_recipe, shared_engine):
