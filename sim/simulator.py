@@ -167,8 +167,7 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     clock = VirtualClock()
     info: dict = {}
     # windowed layers beside global ones: a table per KV layer group, as the engine runs them
-    groups = groups_for(config, arch, max_model_len,
-                        [layout.stage_range(stage) for stage in range(layout.pp)])
+    groups = groups_for(config, arch, max_model_len, layout.stage_ranges())
     setup = SimSetup(config, arch, cost, clock, layout, dtype_bytes, max_model_len, threads, info,
                      groups)
     strategy = config.strategy

@@ -230,8 +230,7 @@ def plan_parallel(config: EngineConfig) -> ParallelPlan:
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
     check_gpus(setup, layout.world_size)
-    groups = groups_for(config, setup.arch, setup.max_model_len,
-                        [layout.stage_range(stage) for stage in range(layout.pp)])
+    groups = groups_for(config, setup.arch, setup.max_model_len, layout.stage_ranges())
     num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes,
                                groups=groups)
     check_capacity(num_blocks, config.cache.block_size, setup.max_model_len, groups,

@@ -112,6 +112,10 @@ class ParallelLayout:
         start = sum(self.layers_per_stage[:stage])
         return start, start + self.layers_per_stage[stage]
 
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        """Every pipeline stage's layer range, in stage order."""
+        return [self.stage_range(stage) for stage in range(self.pp)]
+
     def rank(self, replica: int, stage: int, tp_rank: int) -> int:
         return replica * self.ranks_per_replica + stage * self.tp + tp_rank
 

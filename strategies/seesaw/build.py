@@ -71,10 +71,10 @@ def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout]
     fullest rank of either layout, or within 10% of that the fewest groups."""
     if groups_for(config, arch, max_model_len) is None:
         return None
-    stage_sets = [None] + [[lay.stage_range(s) for s in range(lay.pp)] for lay in layouts.values()]
+    stage_sets = [None] + [lay.stage_ranges() for lay in layouts.values()]
     # the stages both layouts' boundaries cut the layers into: a by-stage layout over these gives
     # every stage of either layout its own run of slots, where the two splits do not line up
-    cuts = sorted({lay.stage_range(s)[0] for lay in layouts.values() for s in range(lay.pp)}
+    cuts = sorted({start for lay in layouts.values() for start, _ in lay.stage_ranges()}
                   | {arch.num_layers})
     stage_sets.append(list(zip(cuts, cuts[1:])))
     candidates = dict.fromkeys(layout for stages in stage_sets
@@ -97,7 +97,7 @@ def _copies_apart(groups: KVGroupLayout, layout: ParallelLayout) -> bool:
     copies its range of a store block in place, so two stages sharing a slot (the one-stage
     layout under PP, where a slot holds a windowed layer of one stage and a global layer of the
     next) would overwrite each other's K/V there."""
-    ranges = [groups.slot_range(*layout.stage_range(s)) for s in range(layout.pp)]
+    ranges = [groups.slot_range(*stage) for stage in layout.stage_ranges()]
     if None in ranges:
         return False
     ranges.sort()
@@ -132,6 +132,20 @@ def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelL
     return num_blocks, block_bytes, store_blocks
 
 
+def seesaw_scheduler(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
+                     groups: Optional[KVGroupLayout], num_blocks: int, store_blocks: int,
+                     max_model_len: int) -> SeesawScheduler:
+    """The scheduler over both tiers' block managers (the engine's and the simulator's): a
+    table per layer group, or one table released behind a window every layer has."""
+    window = config.cache.kv_window(arch)
+    return SeesawScheduler(
+        make_block_manager(groups, num_blocks, config.cache.block_size, False, window),
+        make_block_manager(groups, store_blocks, config.cache.block_size, False, window),
+        params.max_num_seqs, params.max_num_batched_tokens, max_model_len,
+        prefill_depth=layouts[PREFILL].pp, decode_depth=layouts[DECODE].pp,
+        policy=params.schedule)
+
+
 def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
                           groups: Optional[KVGroupLayout] = None) -> int:
     """A CPU store block: K and V of every layer (with KV layer groups, of a page's slots)."""
@@ -162,13 +176,9 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
                              async_swap=params.async_pipeline, kv_groups=groups)
     pool = start_workers(config, setup, prefill, num_blocks, threads,
                          extension=SeesawWorker(layout_spec), kv_groups=groups)
-    window = config.cache.kv_window(arch) if groups is None else 0   # every layer windowed
-    device_blocks = make_block_manager(groups, num_blocks, block_size, False, window)
-    store_tables = make_block_manager(groups, store_blocks, block_size, False, window)
-    scheduler = SeesawScheduler(device_blocks, store_tables,
-                                params.max_num_seqs, params.max_num_batched_tokens,
-                                setup.max_model_len, prefill_depth=prefill.pp,
-                                decode_depth=layouts[DECODE].pp, policy=params.schedule)
+    scheduler = seesaw_scheduler(config, params, arch, layouts, groups, num_blocks, store_blocks,
+                                 setup.max_model_len)
+    device_blocks, store_tables = scheduler.block_manager, scheduler.tiers.store
     executor = SeesawExecutor(pool, prefill, 0, device_blocks, config.parallel.step_timeout_seconds,
                               layouts=layouts, initial=PREFILL)
     info = engine_info(config, setup, prefill, num_blocks, threads,

@@ -18,12 +18,11 @@ from typing import Optional
 from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.engine import Replica
 from batchinfer.engine.executor import Executor
-from batchinfer.engine.kv_groups import make_block_manager
 from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
 from .executor import Reshard
 from batchinfer.resharding.kv_tiers import Transfer
-from .scheduler import DECODE, PREFILL, SeesawScheduler
+from .scheduler import PREFILL
 
 from batchinfer.sim.cost_model import cost_device
 from batchinfer.sim.executor import SimulatedExecutor, VirtualClock
@@ -168,7 +167,8 @@ class SimulatedSeesawExecutor(Executor):
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
                    max_model_len: int, threads: int) -> Replica:
     """The replica, sized and checked as strategies/seesaw/build.py does."""
-    from .build import resolve_layouts, seesaw_groups, store_bytes_per_block, tier_blocks
+    from .build import (resolve_layouts, seesaw_groups, seesaw_scheduler, store_bytes_per_block,
+                        tier_blocks)
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
@@ -179,12 +179,8 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
     groups = seesaw_groups(config, arch, layouts, max_model_len)
     num_blocks, _, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
                                               kv_bytes, max_model_len, groups)
-    window = config.cache.kv_window(arch) if groups is None else 0   # every layer windowed
-    scheduler = SeesawScheduler(make_block_manager(groups, num_blocks, block_size, False, window),
-                                make_block_manager(groups, store_blocks, block_size, False, window),
-                                params.max_num_seqs, params.max_num_batched_tokens,
-                                max_model_len, prefill_depth=prefill.pp,
-                                decode_depth=layouts[DECODE].pp, policy=params.schedule)
+    scheduler = seesaw_scheduler(config, params, arch, layouts, groups, num_blocks, store_blocks,
+                                 max_model_len)
     executor = SimulatedSeesawExecutor(clock, cost, layouts, threads,
                                        arch.num_params() * dtype_bytes,
                                        store_bytes_per_block(arch, block_size, kv_bytes, groups),
