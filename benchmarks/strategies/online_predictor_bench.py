@@ -206,6 +206,9 @@ def main() -> None:
     ap.add_argument("--overdue-doubling", default=True, type=_switch, choices=(True, False),
                     help="TD-Pipe replay: the scheduler's "
                     "overdue_doubling (false: the ablation)")
+    ap.add_argument("--prefix-caching", action="store_true", help="TD-Pipe replay: the block "
+                    "manager caches full blocks, so a preempted request's recompute reuses what "
+                    "is still cached of it")
     ap.add_argument("--lengths", choices=("model", "reference", "eos"), default="model",
                     help="model: the embedded model's replies (generated once, cached); "
                     "reference: the ShareGPT replies' own lengths (no generation; a second "
@@ -365,7 +368,8 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                   "admit_within_capacity": args.admit_within_capacity}
         return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
                       on_finished=hook if online is not None else None,
-                      prefill_length_cost=args.prefill_length_cost)
+                      prefill_length_cost=args.prefill_length_cost,
+                      prefix_caching=args.prefix_caching)
 
     point = {"unsure_upper_forecast": False}
     bert_forecasts = bert.forecast(keyed)
@@ -387,9 +391,11 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
             "overdue_doubling": args.overdue_doubling,
             "admit_within_capacity": args.admit_within_capacity,
             "prefill_length_cost": args.prefill_length_cost,
+            "prefix_caching": args.prefix_caching,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
                                                     "pipelined_vs_oracle", "pipeline_s",
                                                     "micro_batches", "preemptions",
+                                                    "recomputed_prefill_tokens",
                                                     "phase_switches", "refits") if key in r}
                         for k, r in out.items()}}
 

@@ -80,24 +80,30 @@ class PipelineClock:
 
 def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
            predicted: list, kv_tokens: int, step_times, depth: int = 2,
-           on_finished=None, prefill_length_cost: float = 0.0) -> dict:
+           on_finished=None, prefill_length_cost: float = 0.0,
+           prefix_caching: bool = False) -> dict:
     """`predicted`: per request a length, None, or a Forecast (point, upper, confidence).
     `on_finished(sched, seqs)`: called with the sequences each returned micro-batch finished
     (an online predictor learns there). `modelled_s`: the micro-batches' step times from the
     table summed, over `depth` stages (a throughput proxy free of the machine's noise), a
     prefill's weighted by its sequences' lengths when `prefill_length_cost` (prefill_weight);
-    `pipeline_s`: the same step times run through a PipelineClock (bubbles counted)."""
+    `pipeline_s`: the same step times run through a PipelineClock (bubbles counted).
+    `prefix_caching`: the block manager indexes full blocks, so a preempted request's recompute
+    starts from whatever of its blocks is still cached when it is admitted again."""
     from batchinfer.engine.kv_cache import BlockManager
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
     from batchinfer.sim.scheduler_driver import launch, make_seq
 
-    sched = TDPipeScheduler(BlockManager(kv_tokens // 16, 16), TDPipeParams(
+    blocks = BlockManager(kv_tokens // 16, 16, prefix_caching=prefix_caching)
+    sched = TDPipeScheduler(blocks, TDPipeParams(
         max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)
     sched.step_times = step_times
     for i, (n, limit, guess) in enumerate(zip(prompts, limits, predicted)):
         point = getattr(guess, "point", guess)
         seq = make_seq(i, n, limit, predicted=point)
+        if prefix_caching:      # every prompt its own tokens: no two share a block
+            seq.request.prompt_token_ids = [1_000 + i] * n
         seq.request.predicted_output_upper = getattr(guess, "upper", None)
         seq.request.predicted_confidence = getattr(guess, "confidence", None)
         sched.add(seq)
