@@ -32,6 +32,10 @@ def run(
                                           "the recipe's io.output_dir, else runs/<recipe>__<input>."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a run directory that "
                                 "already holds results (default). --no-resume refuses to touch one."),
+    force_resume: bool = typer.Option(False, "--force-resume", help="Resume even where the "
+                                      "input does not start with the bytes the run started "
+                                      "with, or the recipe's model differs (ids alone decide "
+                                      "what is skipped)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N input "
                                         "records (after sharding). A later run with a larger N "
                                         "continues where this one stopped."),
@@ -64,8 +68,8 @@ def run(
             out_dir = output or (Path(parsed.io.output_dir) if parsed.io.output_dir
                                  else default_output_dir(str(recipe), input))
             spec = JobSpec(recipe=parsed, input_path=input, output_dir=out_dir,
-                           recipe_path=str(recipe), resume=resume, limit=limit, shard=the_shard,
-                           progress=progress)
+                           recipe_path=str(recipe), resume=resume, force_resume=force_resume,
+                           limit=limit, shard=the_shard, progress=progress)
             if dry_run:
                 _dry_run(spec)
                 return
@@ -105,10 +109,15 @@ def _dry_run(spec) -> None:
 
     from batchinfer.runner.io.input_records import InputError
     from batchinfer.runner.io.inputs import InputReader
+    from batchinfer.runner.resume_check import check_resume
     from batchinfer.runner.run_dir import RunDir
 
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
-    run_dir.close()
+    try:
+        if (prior.num_outputs or prior.num_errors) and not spec.force_resume:
+            check_resume(run_dir, spec.recipe, spec.input_path)
+    finally:
+        run_dir.close()
     reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling, spec.shard,
                          limit=spec.limit)
     to_run, bad = 0, Counter()

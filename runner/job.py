@@ -37,6 +37,7 @@ from .recipe import Recipe
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
+from .resume_check import check_resume, fingerprint
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -64,6 +65,7 @@ class JobSpec:
     output_dir: Path
     recipe_path: Optional[str] = None
     resume: bool = True
+    force_resume: bool = False             # resume even with another input or model
     limit: Optional[int] = None
     shard: Shard = field(default_factory=Shard)
     progress: str = "auto"                 # auto | bar | lines | off
@@ -182,15 +184,19 @@ class Job:
     # --- setup ------------------------------------------------------------------------------------
     def _start_session(self) -> None:
         run_dir = self.run_dir
+        has_results = bool(self.prior.num_outputs or self.prior.num_errors)
+        if has_results and not self.spec.force_resume:
+            check_resume(run_dir, self.recipe, self.spec.input_path)    # before writing anything
         recipe_yaml = self.recipe.to_yaml()
         old_recipe = run_dir.read_text(RECIPE)
-        if old_recipe is not None and old_recipe != recipe_yaml:
+        if has_results and old_recipe is not None and old_recipe != recipe_yaml:
             log.warning("%s: the recipe differs from the one this run started with; results "
                         "already written keep the old settings", run_dir.path)
         run_dir.write_text(RECIPE, recipe_yaml)
         manifest = run_dir.read_json(MANIFEST) or {}
         input_path = str(Path(self.spec.input_path).resolve())
-        if manifest.get("input") and manifest["input"] != input_path:
+        checked = "input_fingerprint" in manifest and not self.spec.force_resume
+        if has_results and not checked and manifest.get("input") not in (None, input_path):
             log.warning("%s was started with input %s; now resuming with %s (ids decide what is "
                         "skipped)", run_dir.path, manifest["input"], input_path)
         sessions = list(manifest.get("sessions") or [])
@@ -198,6 +204,7 @@ class Job:
         sessions.append({"started_at": self.started_at, "pid": os.getpid(),
                          "host": socket.gethostname(), "argv": sys.argv})
         run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
+                                      "input_fingerprint": fingerprint(Path(input_path)),
                                       "recipe": self.spec.recipe_path,
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}

@@ -252,3 +252,55 @@ def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
         ids += [o["id"] for o in read_jsonl(part / "outputs.jsonl")]
         assert json.loads((part / "report.json").read_text())["shard"] == {"index": index, "count": 3}
     assert sorted(ids) == sorted(f"r{i}" for i in range(9))
+
+
+def test_resume_needs_the_inputs_first_bytes_and_the_same_model(tmp_path, tiny_recipe,
+                                                                 shared_engine):
+    """A file without ids numbers its lines, so another file (or an edited line) resumed into the
+    same directory would have its requests skipped as done: refused before anything is written,
+    as is another model; lines appended to the input continue the run; --force-resume skips by
+    ids as before; a directory written before the input's digest was recorded still resumes."""
+    from batchinfer.runner.run_dir import RunDirError
+
+    first = [{"prompt": f"First file, question {i}?"} for i in range(3)]
+    path = write_jsonl(tmp_path / "a.jsonl", first)
+    out = tmp_path / "run"
+    assert run(tiny_recipe, path, out, shared_engine).outputs == 3
+    before = {name: (out / name).read_bytes()
+              for name in ("outputs.jsonl", "run.json", "recipe.resolved.yaml")}
+
+    other = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"Second file {i}"} for i in range(4)])
+    edited = write_jsonl(tmp_path / "edited.jsonl", [{"prompt": "Changed?"}] + first[1:])
+    shorter = write_jsonl(tmp_path / "short.jsonl", first[:2])
+    for changed in (other, edited, shorter):
+        with pytest.raises(RunDirError, match="--force-resume"):
+            run(tiny_recipe, changed, out, shared_engine)
+    reseeded = tiny_recipe.model_copy(update={"model": tiny_recipe.model.model_copy(
+        update={"seed": 7})})
+    with pytest.raises(RunDirError, match=r"model\.seed: 0 -> 7"):
+        run(reseeded, path, out, shared_engine)
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+    grown = write_jsonl(tmp_path / "grown.jsonl", first + [{"prompt": "One more?"}])
+    resumed = run(tiny_recipe, grown, out, shared_engine)
+    assert resumed.session["requests_completed"] == 1 and resumed.outputs == 4
+
+    forced = run(tiny_recipe, other, out, shared_engine, force_resume=True)
+    assert forced.session["requests_completed"] == 0      # line-1..4 are done: ids decide
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["input"] == str(other.resolve())
+    del manifest["input_fingerprint"]                       # as an earlier version wrote it
+    (out / "run.json").write_text(json.dumps(manifest))
+    assert run(tiny_recipe, edited, out, shared_engine).exit_code == EXIT_OK
+
+
+def test_fingerprint_of_a_prefix_equals_the_prefix_files(tmp_path):
+    from batchinfer.runner.resume_check import CHUNK, fingerprint
+
+    data = bytes(range(256)) * (3 * CHUNK // 256 + 7)
+    (tmp_path / "whole").write_bytes(data)
+    cut = 2 * CHUNK + 13
+    (tmp_path / "prefix").write_bytes(data[:cut])
+    assert fingerprint(tmp_path / "whole", cut) == fingerprint(tmp_path / "prefix")
+    assert fingerprint(tmp_path / "whole")["bytes"] == len(data)
+    assert fingerprint(tmp_path / "whole", len(data) + 5) == fingerprint(tmp_path / "whole")
