@@ -78,12 +78,15 @@ class OutputProcessor:
         )
 
     def _logprobs(self, seq: Sequence) -> list[dict]:
-        tok = self.tokenizer
-        out = []
-        for token, entry in zip(seq.output_token_ids, seq.output_logprobs):
-            out.append({
-                "token_id": token, "token": tok.token_text(token), "logprob": entry["logprob"],
-                "top_logprobs": [{"token_id": t, "token": tok.token_text(t), "logprob": lp}
-                                 for t, lp in entry["top"]],
-            })
-        return out
+        return [logprob_entry(self.tokenizer, token, entry["logprob"], entry["top"])
+                for token, entry in zip(seq.output_token_ids, seq.output_logprobs)]
+
+
+def logprob_entry(tokenizer, token_id: int, logprob: float, top) -> dict:
+    """One output token's record: its id, text and bytes (Tokenizer.token_text / token_bytes),
+    log-probability, and the same for each of the `top` (token id, log-probability) pairs."""
+    def token(t: int, lp: float) -> dict:
+        return {"token_id": t, "token": tokenizer.token_text(t),
+                "bytes": list(tokenizer.token_bytes(t)), "logprob": lp}
+
+    return {**token(token_id, logprob), "top_logprobs": [token(t, lp) for t, lp in top]}

@@ -7,7 +7,10 @@ output is never re-decoded from the start each step.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -46,7 +49,47 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.hf.convert_ids_to_tokens(int(token_id))
+        """The text one token stands for, as a log-probability entry shows it: " there", not the
+        vocabulary's "Ġthere" / "▁there"; a token holding part of a multi-byte character shows
+        U+FFFD (its bytes are in token_bytes)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE
+        piece mapped back through its byte alphabet, a SentencePiece piece with its space marker
+        replaced and a byte-fallback piece ("<0xE2>") as that byte; a special or added token its
+        content; anything else what the tokenizer decodes the token alone to."""
+        token_id = int(token_id)
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        rules = self._piece_rules
+        if rules.byte_level:
+            table = _unicode_to_bytes()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        elif rules.replacements or rules.byte_fallback:
+            byte = _BYTE_PIECE.fullmatch(piece) if rules.byte_fallback else None
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            for pattern, content in rules.replacements:
+                piece = piece.replace(pattern, content)
+            return piece.encode("utf-8")
+        return self.hf.decode([token_id], skip_special_tokens=False,
+                              clean_up_tokenization_spaces=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset:
+        added = getattr(self.hf, "added_tokens_decoder", None) or {}
+        return frozenset(int(i) for i in added) | frozenset(self.hf.all_special_ids)
+
+    @functools.cached_property
+    def _piece_rules(self) -> "_PieceRules":
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        return _PieceRules.of(json.loads(decoder.__getstate__()) if decoder is not None else {})
 
     def stream(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)
@@ -66,6 +109,41 @@ class IncrementalDetokenizer:
         chunk = self._stream.step(self._backend, int(token_id)) or ""
         self.text += chunk
         return chunk
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass(frozen=True)
+class _PieceRules:
+    """How the tokenizer's decoder turns vocabulary pieces into text (its tokenizers JSON)."""
+
+    byte_level: bool = False                            # GPT-2's byte alphabet
+    byte_fallback: bool = False                         # "<0xHH>" pieces are raw bytes
+    replacements: tuple[tuple[str, str], ...] = ()      # e.g. SentencePiece's "▁" -> " "
+
+    @classmethod
+    def of(cls, decoder: dict) -> "_PieceRules":
+        parts = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+        byte_level = byte_fallback = False
+        replacements = []
+        for part in parts or []:
+            kind = part.get("type")
+            byte_level |= kind == "ByteLevel"
+            byte_fallback |= kind == "ByteFallback"
+            if kind == "Metaspace":
+                replacements.append((part.get("replacement", "\u2581"), " "))
+            elif kind == "Replace" and isinstance(part.get("pattern"), dict) \
+                    and "String" in part["pattern"]:
+                replacements.append((part["pattern"]["String"], part.get("content", "")))
+        return cls(byte_level, byte_fallback, tuple(replacements))
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: byte for byte, ch in bytes_to_unicode().items()}
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> Optional[tuple[str, int]]:

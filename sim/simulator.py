@@ -81,6 +81,9 @@ class LengthOnlyTokenizer:
     def token_text(self, token_id: int) -> str:
         return ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
 
 def kv_blocks(config: EngineConfig, layout: ParallelLayout, arch: ModelArch, cost: CostModel,
               dtype_bytes: int, max_model_len: int,

@@ -93,15 +93,18 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
     return record
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", "replace"))
+def _token_bytes(entry: dict) -> list[int]:
+    """The token's own bytes (the engine's entry has them: a token holding part of a multi-byte
+    character has no text of its own); else its text's."""
+    raw = entry.get("bytes")
+    return list(raw) if raw is not None else list(entry["token"].encode("utf-8", "replace"))
 
 
 def _chat_logprobs(entries: list[dict]) -> dict:
     return {"content": [{
-        "token": e["token"], "logprob": e["logprob"], "bytes": _token_bytes(e["token"]),
+        "token": e["token"], "logprob": e["logprob"], "bytes": _token_bytes(e),
         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
-                          "bytes": _token_bytes(t["token"])} for t in e.get("top_logprobs", [])],
+                          "bytes": _token_bytes(t)} for t in e.get("top_logprobs", [])],
     } for e in entries]}
 
 

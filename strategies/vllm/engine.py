@@ -16,6 +16,7 @@ from typing import Optional
 from batchinfer.engine.admission import check_prompt
 from batchinfer.engine.build import model_source, resolve_device
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.output import logprob_entry
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import FinishReason, Request, RequestOutput
 
@@ -140,10 +141,7 @@ class VllmEngine:
         """The worker's [id, logprob, [[id, logprob], ...]] in our engine's record format."""
         if entries is None:
             return None
-        text = self.tokenizer.token_text
-        return [{"token_id": token, "token": text(token), "logprob": logprob,
-                 "top_logprobs": [{"token_id": t, "token": text(t), "logprob": lp}
-                                  for t, lp in top]}
+        return [logprob_entry(self.tokenizer, token, logprob, top)
                 for token, logprob, top in entries]
 
     def abort_all(self) -> list[RequestOutput]:

@@ -65,3 +65,44 @@ def test_a_config_only_folder_with_dummy_weights_takes_the_embedded_tokenizer(ca
     assert tok.encode("hello world") and "embedded" in caplog.text
     with pytest.raises(Exception, match="cannot load a tokenizer"):
         load_tokenizer(ModelConfig(path=str(folder)))       # real weights need their tokenizer
+
+
+def test_a_byte_level_tokens_text_and_bytes_are_what_it_stands_for():
+    """Log-probability entries show " there", not the vocabulary's "Ġthere", and a character
+    split over tokens keeps its bytes (OpenAI's logprobs `bytes`), so joining them gives the
+    text back."""
+    from batchinfer.engine.tokenizer import Tokenizer
+
+    tok = load_tokenizer(ModelConfig())
+    text = " there’s naïve 日本"
+    ids = tok.hf.encode(text)
+    assert tok.hf.convert_ids_to_tokens(ids[0]) == "Ġthere"
+    assert tok.token_text(ids[0]) == " there" and tok.token_bytes(ids[0]) == b" there"
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    split = [i for i in ids if len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80]
+    assert split and all(tok.token_text(i) == "\ufffd" for i in split)
+    end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert tok.token_text(end) == "<|im_end|>"
+    assert isinstance(tok, Tokenizer)
+
+
+def test_a_sentencepiece_tokens_text_and_bytes_replace_the_space_marker_and_read_byte_pieces():
+    """Llama / Gemma style: "▁there" is " there"; a byte-fallback piece "<0xE6>" is that byte."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from batchinfer.engine.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁there": 3, "s": 4,
+             **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
+    tok = Tokenizer(hf, "sentencepiece-style")
+    assert tok.token_text(3) == " there" and tok.token_bytes(3) == b" there"
+    pieces = [5 + b for b in "日".encode("utf-8")]
+    assert b"".join(tok.token_bytes(i) for i in pieces) == "日".encode("utf-8")
+    assert tok.token_text(pieces[0]) == "\ufffd"
+    assert tok.token_text(2) == "</s>"

@@ -240,6 +240,33 @@ def test_logprobs_are_written(tmp_path, tiny_recipe, shared_engine):
     assert len(record["logprobs"][0]["top_logprobs"]) == 2
 
 
+def test_logprob_tokens_are_text_and_their_bytes_rebuild_the_reply(tmp_path, tiny_recipe,
+                                                                   shared_engine):
+    """The tokens' own bytes, joined, are the reply's text (special tokens aside), in the plain
+    record and in the OpenAI envelope's `bytes` alike; no entry shows a vocabulary piece."""
+    tok = shared_engine.tokenizer
+    special = {tok.token_text(i) for i in tok.hf.all_special_ids}
+    sampling = {"max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    plain = write_jsonl(tmp_path / "in.jsonl", [{"id": "lp", "prompt": "Say something long",
+                                                 "logprobs": 2, **sampling}])
+    run(tiny_recipe, plain, tmp_path / "plain", shared_engine)
+    (record,) = read_jsonl(tmp_path / "plain" / "outputs.jsonl")
+    entries = [e for e in record["logprobs"] if e["token"] not in special]
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == record["text"]
+    assert not any(ch in e["token"] for e in record["logprobs"] for ch in "Ġ▁")
+
+    batch = write_jsonl(tmp_path / "batch.jsonl", [{
+        "custom_id": "lp", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "Say something long"}],
+                 "logprobs": True, "top_logprobs": 2, **sampling}}])
+    run(tiny_recipe, batch, tmp_path / "openai", shared_engine)
+    (envelope,) = read_jsonl(tmp_path / "openai" / "outputs.jsonl")
+    choice = envelope["response"]["body"]["choices"][0]
+    content = [e for e in choice["logprobs"]["content"] if e["token"] not in special]
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") \
+        == choice["message"]["content"]
+
+
 def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
     from batchinfer.runner.io.inputs import Shard
 
