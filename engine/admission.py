@@ -26,4 +26,5 @@ def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
     check_length(len(request.prompt_token_ids), max_model_len)
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
-        raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}")
+        raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}; this "
+                           f"model's ids are 0..{vocab_size - 1}")

@@ -102,7 +102,7 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
     if budget <= 0:
         raise ConfigError(f"no memory left for the KV cache after the weights "
                           f"({available / GiB:.1f} GiB available); set "
-                          "cache.kv_cache_memory or use a smaller model")
+                          "memory.kv_cache_memory or use a smaller model")
     return budget
 
 
@@ -187,7 +187,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     if groups is None and spec.capacity_tokens < max_model_len:
         raise ConfigError(
             f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
-            f"({max_model_len}); raise cache.kv_cache_memory (one token takes "
+            f"({max_model_len}); raise memory.kv_cache_memory (one token takes "
             f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
     check_group_capacity(groups, spec.num_blocks, spec.block_size, max_model_len, step)
     block_manager = make_block_manager(groups, spec.num_blocks, spec.block_size,

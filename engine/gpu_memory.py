@@ -54,7 +54,7 @@ def kv_budget_on_gpu(memory: GpuMemory, utilization: float, asked: Optional[int]
     if asked is not None:
         fits = memory.total - memory.weights - memory.activation_peak - memory.other
         if asked > fits:
-            raise ConfigError(f"cache.kv_cache_memory {asked / GiB:.2f} GiB does not fit on the "
+            raise ConfigError(f"memory.kv_cache_memory {asked / GiB:.2f} GiB does not fit on the "
                               f"GPU: {memory.total / GiB:.1f} GiB total, less weights "
                               f"{memory.weights / GiB:.2f} GiB, activation peak "
                               f"{memory.activation_peak / GiB:.2f} GiB and memory held elsewhere "
@@ -64,7 +64,7 @@ def kv_budget_on_gpu(memory: GpuMemory, utilization: float, asked: Optional[int]
         raise ConfigError(f"the model does not fit the GPU with the KV cache it needs: "
                           f"{memory.describe(utilization)} leaves {max(room, 0) / GiB:.2f} GiB for "
                           f"the KV cache; {what_min} need {min_bytes / GiB:.2f} GiB. Raise "
-                          "memory_utilization, lower model.max_model_len or "
+                          "memory.memory_utilization, lower model.max_model_len or "
                           "scheduler.max_num_batched_tokens, or use a smaller model")
     return room
 

@@ -245,7 +245,7 @@ def check_group_capacity(layout: Optional[KVGroupLayout], num_blocks: int, block
                           f"of {layout.page_layers} layers); a {max_model_len}-token request "
                           f"computing up to {tokens} tokens in a step holds up to {need} over "
                           f"its {layout.num_groups} layer groups ({setting}): raise "
-                          "cache.kv_cache_memory, lower model.max_model_len or lower the "
+                          "memory.kv_cache_memory, lower model.max_model_len or lower the "
                           "tokens of a step (the settings named above)")
 
 

@@ -244,6 +244,10 @@ def arch_from_dict(cfg: dict, source: str = "config.json") -> ModelArch:
         raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: malformed field: {exc}") from None
+    except Exception as exc:       # transformers' own config validation (huggingface_hub's)
+        if type(exc).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
+            raise
+        raise ModelLoadError(f"{source}: transformers rejects this config: {exc}") from None
     _check(arch, source)
     return arch
 

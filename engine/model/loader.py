@@ -455,6 +455,13 @@ def load_arch(model_dir: Path, overrides: Optional[dict] = None) -> ModelArch:
     cfg = json.loads((model_dir / "config.json").read_text())
     saved_layers = cfg.get("num_hidden_layers")
     cfg.update(overrides)
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(saved_layers, int) and isinstance(layers, int) and 0 < layers < saved_layers:
+        # per-layer lists (GPT-OSS / Gemma's layer_types) follow a smaller layer count: the first
+        # layers' entries, as the checkpoint's first layers are the ones kept
+        for key, value in cfg.items():
+            if key not in overrides and isinstance(value, list) and len(value) == saved_layers:
+                cfg[key] = value[:layers]
     arch = arch_from_dict(cfg, f"{model_dir / 'config.json'} with hf_overrides")
     if isinstance(saved_layers, int) and saved_layers > arch.num_layers:
         arch = dataclasses.replace(arch, checkpoint_layers=saved_layers)

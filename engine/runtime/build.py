@@ -122,7 +122,7 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int,
         check_group_capacity(groups, num_blocks, block_size, max_model_len, step)
     elif num_blocks * block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens per replica, less "
-                          f"than max_model_len ({max_model_len}); raise cache.kv_cache_memory or "
+                          f"than max_model_len ({max_model_len}); raise memory.kv_cache_memory or "
                           "lower model.max_model_len")
 
 

@@ -155,7 +155,7 @@ def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
 
 def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     if config.cache.enable_prefix_caching:
-        raise ConfigError("cache.enable_prefix_caching: strategy seesaw moves KV between its "
+        raise ConfigError("memory.enable_prefix_caching: strategy seesaw moves KV between its "
                           "tiers by sequence and does not share cached blocks; set it to false "
                           "(supported by baseline, tdpipe, gllm, sipipe, sidp)")
     setup = model_setup(config)

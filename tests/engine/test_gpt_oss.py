@@ -311,6 +311,28 @@ def test_the_shipped_gpt_oss_config_runs_with_dummy_weights(make_engine):
     assert len(out[0]) == 2
 
 
+def test_fewer_layers_by_hf_overrides_take_the_first_layers_types():
+    """hf_overrides.num_hidden_layers alone on a config with per-layer lists (GPT-OSS's
+    layer_types) keeps the first layers' entries (transformers refused the config, and the run
+    ended in a traceback and exit 3); a config transformers still rejects is a ModelLoadError
+    (exit 2) naming the source."""
+    import json
+    from pathlib import Path
+
+    from batchinfer.engine.errors import ModelLoadError
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.model.loader import load_arch
+
+    folder = Path(__file__).resolve().parents[2] / "examples/model-configs/gpt-oss-20b"
+    arch = load_arch(folder, {"num_hidden_layers": 3})
+    assert arch.num_layers == 3 and arch.checkpoint_layers == 24
+    types = json.loads((folder / "config.json").read_text())["layer_types"]
+    assert [bool(w) for w in arch.layer_windows] == [t == "sliding_attention" for t in types[:3]]
+    cfg = {**json.loads((folder / "config.json").read_text()), "num_hidden_layers": 3}
+    with pytest.raises(ModelLoadError, match="(?s)transformers rejects this config.*layer_types"):
+        arch_from_dict(cfg, "gpt-oss-20b/config.json")
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_resharded_experts_equal_the_direct_shards(tmp_path, default_model_dir, family, request):
     """Seesaw's re-shard from the host copy (the loader's own slicing) gives a TP rank the same

@@ -207,7 +207,7 @@ def test_a_pool_too_small_for_one_step_is_refused_at_start(make_engine, hybrid, 
         engine_for(make_engine, path, memory=str(18 * page_bytes()), **scheduler)
     message = str(refused.value)
     assert "holds 18 blocks" in message and f"holds up to {need}" in message
-    assert "cache.kv_cache_memory" in message and "model.max_model_len" in message
+    assert "memory.kv_cache_memory" in message and "model.max_model_len" in message
     assert "max_num_batched_tokens" in message
     with pytest.raises(ConfigError):
         engine_for(make_engine, path, memory=str((need - 1) * page_bytes()), **scheduler)
