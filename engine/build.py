@@ -80,6 +80,31 @@ def available_memory(device: torch.device) -> int:
     return 8 * GiB
 
 
+def check_weights_fit(config: EngineConfig, arch: ModelArch, device: torch.device,
+                      dtype: torch.dtype, copies: int = 1) -> None:
+    """A ConfigError before loading when the weights (`copies` of them: one per data-parallel
+    replica) and an explicit memory.kv_cache_memory cannot fit the host's available memory: the
+    load would end in an allocator error or the OOM killer, mid-setup. CPU only (a GPU's memory
+    is sized by gpu_memory.py)."""
+    if device.type != "cpu":
+        return
+    weights = arch.num_params() * dtype.itemsize * max(copies, 1)
+    asked = config.cache.kv_cache_memory
+    need = weights + (int(asked) if asked is not None else 0)
+    available = available_memory(device)
+    if need <= available:
+        return
+    name = str(dtype).replace("torch.", "")
+    kv = f" + memory.kv_cache_memory {int(asked) / GiB:.1f} GiB" if asked is not None else ""
+    replicas = f" x {copies} replicas (parallel.dp)" if copies > 1 else ""
+    lighter = " model.dtype: bfloat16 (half the bytes)," if dtype.itemsize > 2 else ""
+    raise ConfigError(
+        f"the model's weights take {weights / GiB:.1f} GiB ({arch.num_params() / 1e9:.2f} B "
+        f"parameters in {name}{replicas}){kv}, more than the {available / GiB:.1f} GiB this host "
+        f"has available; use{lighter} fewer layers (model.hf_overrides: num_hidden_layers),"
+        f"{' fewer replicas,' if copies > 1 else ''} or a GPU")
+
+
 def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:
     """Working memory of one forward: hidden/qkv/MLP activations for the token budget, logits."""
     per_token = 4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + arch.ffn_activation_width()
@@ -165,6 +190,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
 
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
                                         device, dtype)
+    check_weights_fit(config, arch, device, dtype)
     dummy = config.model.load_format == "dummy"
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed, quantization=quantization)

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (_max_model_len, kv_budget, kv_element_bytes, resolve_device, resolve_dtype,
-                     resolve_kv_dtype, warn_unverified_on_cuda)
+from ..build import (_max_model_len, check_weights_fit, kv_budget, kv_element_bytes,
+                     resolve_device, resolve_dtype, resolve_kv_dtype, warn_unverified_on_cuda)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -102,6 +102,7 @@ def model_setup(config: EngineConfig) -> ModelSetup:
                              kv_dtype)  # builds kernels once
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
                                         device, dtype)
+    check_weights_fit(config, arch, device, dtype, copies=config.parallel.dp)
     warn_unverified_on_cuda(arch, device)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,

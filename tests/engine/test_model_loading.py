@@ -93,6 +93,34 @@ def test_kv_budget_too_small_for_max_model_len(default_model_dir):
                                         cache={"kv_cache_memory": "8MiB"}))
 
 
+def test_weights_larger_than_the_hosts_memory_are_refused_before_loading(monkeypatch):
+    """Llama 3.1 8B's shipped config in fp32 (30 GiB) on a host with 20 GiB available: a
+    ConfigError (exit 2) with the sizes and what to change, before a byte is allocated (it was
+    an allocator traceback, exit 3, or the OOM killer); the multi-process build counts one copy
+    per data-parallel replica."""
+    from pathlib import Path
+
+    from batchinfer.engine import build
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.runtime.build import model_setup
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(build, "available_memory", lambda device: 20 * 2**30)
+    monkeypatch.setattr(build, "build_model", no_load)
+    folder = Path(__file__).resolve().parents[2] / "examples/model-configs/llama-3.1-8b"
+    model = {"path": str(folder), "load_format": "dummy", "max_model_len": 256}
+    with pytest.raises(ConfigError, match=r"29\.9 GiB \(8\.03 B parameters in float32\).*"
+                                          r"20\.0 GiB.*model\.dtype: bfloat16"):
+        Engine.from_config(EngineConfig(model=model))
+    half = {**model, "dtype": "bfloat16", "hf_overrides": {"num_hidden_layers": 24}}
+    with pytest.raises(ConfigError, match=r"x 2 replicas \(parallel\.dp\).*fewer replicas"):
+        model_setup(EngineConfig(model=half, parallel={"dp": 2}))
+    setup = model_setup(EngineConfig(model=half, parallel={"dp": 1}))
+    assert setup.arch.num_layers == 24
+
+
 def test_gguf_cache_is_reused(default_model_dir):
     from batchinfer.engine.model.sources import default_model_gguf
 
