@@ -13,6 +13,7 @@ file-size limit stops the job with exit 3 and leaves every file as it was before
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -109,6 +110,7 @@ class Job:
         self._results: Optional[ResultWriter] = None
         self._last_report = 0.0
         self._last_plots = 0.0
+        self._records = None          # the input still to run (_pending_records)
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0
@@ -121,8 +123,11 @@ class Job:
         try:
             self.run_dir, self.prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume)
             self._start_session()
-            self._build_engine()
-            # no engine: a signal came before it was built (the loop then writes nothing)
+            self._records = self._pending_records()
+            if self._records is not None:
+                self._build_engine()
+            # no engine: nothing to run, or a signal came before it was built (the loop then
+            # writes nothing)
             model_id = self.engine.model_id if self.engine is not None else None
             self._results = ResultWriter(self.run_dir, self.metrics, model_id,
                                          self.reader.format == "openai", self.recipe.predictor)
@@ -247,11 +252,31 @@ class Job:
         self.recipe, self.auto_settings = resolution.recipe, resolution.record
 
     # --- the loop ---------------------------------------------------------------------------------
+    def _pending_records(self):
+        """The input's records still to run or report, or None (and a warning) when there are
+        none: an empty input, or every request already in the run directory. The model is then
+        never loaded."""
+        records = self.reader.records(self.prior.done_ids, self.prior.done_lines)
+        first = next(records, _NOTHING)
+        if first is not _NOTHING:
+            return itertools.chain([first], records)
+        if self.prior.num_outputs or self.prior.num_errors:
+            log.info("%s: every request of %s is already in this run directory; nothing to run",
+                     self.run_dir.path, self.spec.input_path)
+        else:
+            log.warning("%s holds no requests (no non-blank line or row%s); nothing to run",
+                        self.spec.input_path,
+                        f" within --limit {self.spec.limit}" if self.spec.limit else "")
+        return None
+
     def _loop(self) -> bool:
         """Runs until the input is done (True) or a signal stops it (False)."""
         engine = self.engine
         finished = False
-        records = self.reader.records(self.prior.done_ids, self.prior.done_lines)
+        records = self._records
+        if records is None:
+            self.metrics.finished_t = self.clock()
+            return self.signals.received is None
         exhausted = False
         while self.signals.received is None:
             if not exhausted:
@@ -470,6 +495,9 @@ class Job:
             log.error("could not write the final report: %s", exc)
         except Exception:
             log.exception("could not write the final report")
+
+
+_NOTHING = object()
 
 
 def _shard_dict(shard: Shard) -> Optional[dict]:

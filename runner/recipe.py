@@ -239,7 +239,8 @@ def parse_recipe(data: Any, source: str = "<recipe>", text: Optional[str] = None
         raise RecipeError(source, [f"the recipe must be a mapping of sections "
                                    f"({', '.join(SECTIONS)}), not {type(data).__name__}"])
     problems: list[str] = []
-    data = dict(data)
+    # a section whose keys are all commented out reads as null: an empty section, its defaults
+    data = {key: value for key, value in data.items() if value is not None or key not in SECTIONS}
     strategy = data.get("strategy")
     if strategy is not None:
         data["strategy"] = _validate_strategy(strategy, problems, lines)

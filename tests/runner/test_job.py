@@ -331,3 +331,27 @@ def test_fingerprint_of_a_prefix_equals_the_prefix_files(tmp_path):
     assert fingerprint(tmp_path / "whole", cut) == fingerprint(tmp_path / "prefix")
     assert fingerprint(tmp_path / "whole")["bytes"] == len(data)
     assert fingerprint(tmp_path / "whole", len(data) + 5) == fingerprint(tmp_path / "whole")
+
+
+def test_nothing_to_run_loads_no_model(tmp_path, tiny_recipe, shared_engine, caplog):
+    """An empty input (or only blank lines) warns and completes without building the engine, and
+    so does a resume that finds every request already written."""
+    def no_engine(cfg):
+        raise AssertionError("the engine was built")
+
+    def run_without_engine(path, out):
+        spec = JobSpec(recipe=tiny_recipe, input_path=path, output_dir=out, progress="off",
+                       engine_factory=no_engine)
+        return run_job(spec)
+
+    for name, content in (("empty", b""), ("blank", b"\n  \n\n")):
+        (tmp_path / f"{name}.jsonl").write_bytes(content)
+        with caplog.at_level("WARNING", logger="batchinfer"):
+            outcome = run_without_engine(tmp_path / f"{name}.jsonl", tmp_path / name)
+        assert outcome.exit_code == EXIT_OK and outcome.outputs == 0
+        assert "holds no requests" in caplog.text
+        assert json.loads((tmp_path / name / "report.json").read_text())["status"] == "completed"
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Question {i}?"} for i in range(3)])
+    assert run(tiny_recipe, path, tmp_path / "run", shared_engine).outputs == 3
+    again = run_without_engine(path, tmp_path / "run")
+    assert again.exit_code == EXIT_OK and again.outputs == 3

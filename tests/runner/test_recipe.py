@@ -43,6 +43,14 @@ def test_empty_recipe_is_all_defaults(tmp_path):
     assert recipe.engine_config().scheduler == SchedulerConfig()
 
 
+def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
+    """`model:` with nothing under it reads as null in YAML: the section's defaults (it was a
+    pydantic message naming an internal class)."""
+    recipe = _load(tmp_path, "model:\n  # path: x\nsampling:\n  max_tokens: 4\nstrategy:\n")
+    assert recipe.model == Recipe().model and recipe.sampling.max_tokens == 4
+    assert recipe.strategy.name == "baseline"
+
+
 def test_sections_compose_engine_config(tmp_path):
     recipe = _load(tmp_path, """
 model: {dtype: float32, max_model_len: 1024}
