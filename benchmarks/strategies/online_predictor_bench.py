@@ -371,13 +371,13 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
                       prefill_length_cost=args.prefill_length_cost,
                       prefix_caching=args.prefix_caching)
 
-    point = {"unsure_upper_forecast": False}
+    point, upper = {"unsure_upper_forecast": False}, {"unsure_upper_forecast": True}
     bert_forecasts = bert.forecast(keyed)
     out = {"oracle": run(lengths, {}), "none": run([None] * len(lengths), {}),
            "mean": run([min(mean, m) for m in limits], {}),
            "bert (shipped, point)": run([f.point for f in bert_forecasts], {}),
-           "bert (shipped) + unsure upper": run(bert_forecasts, {})}
-    for name, params in (("bert+online, point", point), ("bert+online + unsure upper", {})):
+           "bert (shipped) + unsure upper": run(bert_forecasts, upper)}
+    for name, params in (("bert+online, point", point), ("bert+online + unsure upper", upper)):
         online = OnlineLengthPredictor(bert, refit_every=args.refit_every,
                                        prior_weight=args.prior_weight, time_budget=None)
         out[name] = run(online.forecast(keyed), params, online)
