@@ -59,6 +59,10 @@ for _source in ("bert", "bert-online", "oracle", "mean", "none"):
     for _suffix, _mode in (("as-written", False), ("within", True)):
         CONFIGS[f"tdpipe-{_source}-{_suffix}"] = {"pp": 2, "predictor": _source, "strategy": {
             **TDPIPE, "admit_within_capacity": _mode}}
+# the upper forecast for the requests the predictor is unsure of (off by default since the
+# forty-second session's four-job replay)
+CONFIGS["tdpipe-bert-online-unsure-upper"] = {"pp": 2, "predictor": "bert-online", "strategy": {
+    **TDPIPE, "unsure_upper_forecast": True}}
 # the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
 # the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the
 # intensity comparison)
