@@ -112,6 +112,7 @@ def _dry_run(spec) -> None:
     from batchinfer.runner.resume_check import check_resume
     from batchinfer.runner.run_dir import RunDir
 
+    preflight_recipe(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
         if (prior.num_outputs or prior.num_errors) and not spec.force_resume:
@@ -135,6 +136,17 @@ def _dry_run(spec) -> None:
                    + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())))
     typer.echo("  (prompt lengths are checked when the model's tokenizer is loaded; "
                "`batchinfer validate` checks them too)")
+
+
+def preflight_recipe(recipe) -> None:
+    """The engine's refusals that the model's config decides (layout, strategy), with no
+    weights loaded."""
+    from batchinfer.engine.build import preflight
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+
+    model_dir, _ = resolve_model_dir(recipe.model.path)
+    preflight(recipe.engine_config(), load_arch(Path(model_dir), recipe.model.hf_overrides or None))
 
 
 def _summary(outcome) -> None:

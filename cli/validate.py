@@ -42,7 +42,7 @@ def validate(
         if not input.is_file():
             raise fail(f"--input {input}: no such file")
         reader = InputReader(input, parsed.io, parsed.sampling)
-        tokenizer, max_len = _tokenizer(parsed) if tokenize else (None, None)
+        tokenizer, max_len, vocab = _tokenizer(parsed) if tokenize else (None, None, 0)
 
     bad: list[dict] = []
     codes: Counter = Counter()
@@ -52,11 +52,12 @@ def validate(
             problem = {"line": item.line, "id": item.request_id, "code": item.code,
                        "message": item.message}
         elif tokenizer is not None:
-            from batchinfer.engine.admission import check_length
+            from batchinfer.engine.admission import check_prompt_ids
             from batchinfer.runner.io.admission import prompt_token_ids
 
             try:
-                check_length(len(prompt_token_ids(item, tokenizer, parsed.io.chat_template)), max_len)
+                check_prompt_ids(prompt_token_ids(item, tokenizer, parsed.io.chat_template),
+                                 max_len, vocab)
                 good += 1
                 continue
             except RequestError as exc:
@@ -88,18 +89,20 @@ def validate(
     raise typer.Exit(1 if total_bad else 0)
 
 
-def _tokenizer(recipe) -> tuple[Optional[object], Optional[int]]:
-    """The model's tokenizer and max_model_len, from its files; no weights are loaded."""
-    from batchinfer.engine.model.arch import arch_from_dict
+def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:
+    """The model's tokenizer, max_model_len and vocabulary size, from its files, after the
+    engine's refusals that need no weights (engine.build.preflight); no weights are loaded."""
+    from batchinfer.engine.build import preflight
+    from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
     from batchinfer.engine.tokenizer import load_tokenizer
 
     model_dir, model_id = resolve_model_dir(recipe.model.path)
-    config_path = Path(model_dir) / "config.json"
-    config = {**json.loads(config_path.read_text()), **(recipe.model.hf_overrides or {})}
-    arch = arch_from_dict(config, str(config_path))
+    arch = load_arch(Path(model_dir), recipe.model.hf_overrides or None)
+    preflight(recipe.engine_config(), arch)
     limit = arch.context_limit()
     max_len = recipe.model.max_model_len or limit
     if max_len > limit:
         raise fail(f"model.max_model_len {max_len} exceeds what the model supports ({limit})")
-    return load_tokenizer(recipe.model, Path(model_dir), model_id, arch.eos_token_ids), max_len
+    return (load_tokenizer(recipe.model, Path(model_dir), model_id, arch.eos_token_ids), max_len,
+            arch.vocab_size)

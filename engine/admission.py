@@ -23,8 +23,13 @@ def check_length(num_tokens: int, max_model_len: int) -> None:
 def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
     """RequestError unless the prompt fits the model: check_length's rule, and every id in the
     vocabulary (what engines check when they admit a request)."""
-    check_length(len(request.prompt_token_ids), max_model_len)
-    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+    check_prompt_ids(request.prompt_token_ids, max_model_len, vocab_size)
+
+
+def check_prompt_ids(ids, max_model_len: int, vocab_size: int) -> None:
+    """check_prompt on the token ids alone (`batchinfer validate` has no Request)."""
+    check_length(len(ids), max_model_len)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}; this "
                            f"model's ids are 0..{vocab_size - 1}")

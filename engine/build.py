@@ -131,6 +131,17 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
     return budget
 
 
+def preflight(config: EngineConfig, arch: ModelArch) -> None:
+    """What the engine build refuses that the model's config alone decides, run without loading
+    weights (`batchinfer validate`, `run --dry-run`): the parallel layout against the model's
+    heads and layers, and the strategy's own refusals (StrategyParams.check_config)."""
+    from .runtime.layout import ParallelLayout
+
+    ParallelLayout.resolve(config.parallel, arch)
+    if config.strategy is not None:
+        config.strategy.check_config(config, arch)
+
+
 def build_engine(config: EngineConfig) -> Engine:
     own = config.strategy.build_engine(config) if config.strategy is not None else None
     if own is not None:

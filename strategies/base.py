@@ -4,6 +4,7 @@ machinery) names a strategy.
 
 A strategy provides, on its parameter model:
 - its scheduler: `scheduler_config()` (the batching knobs the job reads) and `make_scheduler()`;
+- its refusals of a recipe that need only the model's config: `check_config(config, arch)`;
 - optionally an engine of its own making: `build_engine(config)` (its executor, and a
   `engine.runtime.worker_extension.WorkerExtension` its workers run: setup, execute, message,
   close), and `prepare(engine)` once the engine is built;
@@ -59,6 +60,11 @@ class StrategyParams(BaseModel):
         """An engine of the strategy's own making (Seesaw: two layouts over the same workers);
         None: the standard single- or multi-process engine."""
         return None
+
+    def check_config(self, config, arch) -> None:
+        """The strategy's refusals of a recipe that need only the model's config (the parallel
+        layout it runs in, settings it cannot honour): a ConfigError. Its engine build runs
+        them, and `batchinfer validate` / `run --dry-run` run them before any model loads."""
 
     def reads_length_forecasts(self) -> bool:
         """Whether the scheduler uses each request's predicted output length; `predictor: auto`

@@ -153,11 +153,15 @@ def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
     return 2 * layers * arch.kv_size * block_size * dtype_bytes
 
 
-def build_seesaw_engine(config: EngineConfig, params) -> Engine:
+def check_no_prefix_caching(config: EngineConfig) -> None:
     if config.cache.enable_prefix_caching:
         raise ConfigError("memory.enable_prefix_caching: strategy seesaw moves KV between its "
                           "tiers by sequence and does not share cached blocks; set it to false "
                           "(supported by baseline, tdpipe, gllm, sipipe, sidp)")
+
+
+def build_seesaw_engine(config: EngineConfig, params) -> Engine:
+    check_no_prefix_caching(config)
     setup = model_setup(config)
     arch, block_size = setup.arch, config.cache.block_size
     layouts = resolve_layouts(config, params, arch)

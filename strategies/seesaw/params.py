@@ -79,6 +79,13 @@ class SeesawParams(StrategyParams):
 
         return build_seesaw_engine(config, self)
 
+    def check_config(self, config, arch) -> None:
+        from .auto_layout import check_one_replica
+        from .build import check_no_prefix_caching
+
+        check_no_prefix_caching(config)
+        check_one_replica(config.parallel)
+
     def auto_keys(self) -> list[str]:
         keys = [k for k in ("decode_tp", "decode_pp") if getattr(self, k) == AUTO]
         if len(keys) == 1:     # the other one and the ranks fix it (build.resolve_layouts)

@@ -61,6 +61,11 @@ class SiDPParams(StrategyParams, SchedulerConfig):
 
         return build_sidp_engine(config, self)
 
+    def check_config(self, config, arch) -> None:
+        from .build import check_sidp_layout
+
+        check_sidp_layout(config.parallel)
+
 
     @classmethod
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:

@@ -78,6 +78,36 @@ def test_impossible_layout_exits_2(runner, tmp_path):
     assert "parallel.tp" in result.output and "heads" in result.output
 
 
+@pytest.mark.parametrize("recipe, fragments", [
+    ("parallel: {tp: 2}\n", ("parallel.tp", "heads")),
+    ("parallel: {pp: 31}\n", ("parallel.pp", "30 layers")),
+    ("strategy: {name: sidp}\n", ("strategy sidp", "dp >= 2")),
+    ("strategy: {name: seesaw}\nparallel: {pp: 2, dp: 2}\n", ("parallel.dp", "seesaw")),
+    ("strategy: {name: seesaw}\nparallel: {pp: 2}\nmemory: {enable_prefix_caching: true}\n",
+     ("memory.enable_prefix_caching", "seesaw")),
+])
+def test_validate_and_dry_run_refuse_what_the_engine_would(runner, tmp_path, recipe, fragments):
+    """The engine's refusals that the model's config decides (layout against heads and layers,
+    a strategy's own) come from `validate` and `run --dry-run` too, exit 2, no weights loaded
+    (validate said ok and the run then refused)."""
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe)
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for args in (["validate", str(path)], ["run", str(path), "--dry-run", "-o",
+                                           str(tmp_path / "out")]):
+        result = runner.invoke(app, args + ["--input", str(prompts)])
+        assert result.exit_code == 2, result.output
+        assert all(f in result.output for f in fragments), result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_checks_token_ids_against_the_vocabulary(runner, tiny, tmp_path):
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": [1, 2, 3]}, {"prompt": [5, 10 ** 9]}])
+    result = runner.invoke(app, ["validate", str(tiny), "--input", str(prompts)])
+    assert result.exit_code == 1, result.output
+    assert "1 valid, 1 invalid" in result.output and "line 2: [bad_token_id]" in result.output
+
+
 def test_missing_input_exits_2(runner, tiny, tmp_path):
     result = runner.invoke(app, ["run", str(tiny), "--input", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2 and "no such file" in result.output
