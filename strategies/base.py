@@ -63,8 +63,9 @@ class StrategyParams(BaseModel):
 
     def check_config(self, config, arch) -> None:
         """The strategy's refusals of a recipe that need only the model's config (the parallel
-        layout it runs in, settings it cannot honour): a ConfigError. Its engine build runs
-        them, and `batchinfer validate` / `run --dry-run` run them before any model loads."""
+        layout it runs in, settings it cannot honour): a ConfigError. A strategy that builds
+        its own engine makes the same checks there; `batchinfer validate` and `run --dry-run`
+        call this before any model loads (engine.build.preflight)."""
 
     def reads_length_forecasts(self) -> bool:
         """Whether the scheduler uses each request's predicted output length; `predictor: auto`

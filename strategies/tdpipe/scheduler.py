@@ -69,8 +69,9 @@ class TDPipeParams(StrategyParams):
                                         "upper_percentile of its length distribution) when the "
                                         "predictor is unsure of it (its class probability below "
                                         "unsure_confidence); false: always the point (the paper; "
-                                        "the default: on four EOS jobs the upper forecast cost "
-                                        "3.5-4.5% at caps of 512 and 1,024, performance.md)")
+                                        "the default: replayed on four EOS jobs the upper "
+                                        "forecast cost 3.5-4.5% at caps of 512 and 1,024; timed, "
+                                        "within the host's spread; performance.md)")
     unsure_confidence: float = Field(0.5, ge=0, le=1, description="a forecast whose class "
                                      "probability is below this is unsure (the paper's "
                                      "predictors are right about half the time: 52-58%)")
