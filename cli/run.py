@@ -55,6 +55,7 @@ def run(
         setup_logging(verbose, quiet)
         if progress not in ("auto", "bar", "lines", "off"):
             raise fail(f"--progress {progress!r}: use auto, bar, lines or off")
+        from batchinfer.runner.io.inputs import input_file_problem
         from batchinfer.runner.job import JobSpec, default_output_dir, run_job
         from batchinfer.runner.recipe import load_recipe
         from batchinfer.runner.slurm import detect_shard, parse_shard
@@ -62,8 +63,9 @@ def run(
         _warn_unknown_environment()
         with user_errors():
             parsed = load_recipe(recipe)
-            if not input.is_file():
-                raise fail(f"--input {input}: no such file")
+            problem = input_file_problem(input)
+            if problem:
+                raise fail(f"--input {input}: {problem}")
             the_shard = parse_shard(shard) if shard else detect_shard()
             out_dir = output or (Path(parsed.io.output_dir) if parsed.io.output_dir
                                  else default_output_dir(str(recipe), input))

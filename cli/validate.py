@@ -34,13 +34,14 @@ def validate(
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.engine.errors import RequestError
     from batchinfer.runner.io.input_records import InputError
-    from batchinfer.runner.io.inputs import InputReader
+    from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
 
     with user_errors():
         parsed = load_recipe(recipe)
-        if not input.is_file():
-            raise fail(f"--input {input}: no such file")
+        problem = input_file_problem(input)
+        if problem:
+            raise fail(f"--input {input}: {problem}")
         reader = InputReader(input, parsed.io, parsed.sampling)
         tokenizer, max_len, vocab = _tokenizer(parsed) if tokenize else (None, None, 0)
 

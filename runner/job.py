@@ -147,7 +147,7 @@ class Job:
             self.signals.received = self.signals.received or signal.SIGINT
         except (Exception, SystemExit) as exc:
             if self.engine is None and _is_user_error(exc):
-                self._close(restore)
+                self._close(restore, "failed")
                 raise
             if isinstance(exc, RunDirWriteError):
                 log.error("%s", exc)
@@ -163,7 +163,7 @@ class Job:
             self._progress.total = self._progress.done  # blank lines are not requests
         if self.run_dir is not None:
             self._finish(status, message)
-        self._close(restore)
+        self._close(restore, "finished" if status == "completed" else status)
         if self.signals.received is not None:
             # a signal always answers 130 / 143, also one that came during the final report
             exit_code = exit_code_for(self.signals.received)
@@ -172,7 +172,7 @@ class Job:
         return JobOutcome(status, exit_code, path, totals["outputs"], totals["errors"],
                           self._session_summary(), message)
 
-    def _close(self, restore: Callable[[], None]) -> None:
+    def _close(self, restore: Callable[[], None], outcome: str) -> None:
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
             try:
@@ -180,7 +180,7 @@ class Job:
             except Exception:  # noqa: BLE001 - the run's outcome is already decided
                 log.exception("stopping the engine failed")
         if self._progress is not None:
-            self._progress.close()
+            self._progress.close(outcome)
             self._progress = None
         if self.run_dir is not None:
             self.run_dir.close()

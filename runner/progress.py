@@ -100,9 +100,10 @@ class Progress:
               f"{self.rate():.1f} output tok/s, elapsed {_hms(elapsed)}, ETA {_hms(eta)}",
               file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """`outcome`: the last progress line's word (finished, interrupted, failed)."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
         elif self.mode == "lines":
-            self.print_line("finished")
+            self.print_line(outcome)

@@ -92,9 +92,16 @@ def _decode_line(raw: bytes, number: int) -> RawLine:
         return RawLine(number, value=json.loads(text.rstrip("\r\n")))
     except json.JSONDecodeError as exc:
         return RawLine(number, error=InputError(
-            number, "invalid_json", f"not valid JSON: {exc.msg} at column {exc.colno}"))
+            number, "invalid_json", f"not valid JSON: {exc.msg} (column {exc.colno})"))
     except RecursionError:
         return RawLine(number, error=InputError(number, "invalid_json", "JSON nested too deeply"))
+
+
+def input_file_problem(path: Path) -> Optional[str]:
+    """Why `path` cannot be an input file (None: it can)."""
+    if path.is_dir():
+        return "is a directory; give the file of prompts (JSONL, parquet, arrow, csv or json)"
+    return None if path.is_file() else "no such file"
 
 
 def sniff_jsonl(path: Path, max_line_bytes: int) -> str:
@@ -180,8 +187,9 @@ class InputReader:
     def __init__(self, path: Path, io: IOConfig, defaults: SamplingParams, shard: Shard = Shard(),
                  fmt: Optional[str] = None, limit: Optional[int] = None):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise InputFileError(f"{self.path}: no such file")
+        problem = input_file_problem(self.path)
+        if problem:
+            raise InputFileError(f"{self.path}: {problem}")
         self.io = io
         self.defaults = defaults
         self.shard = shard

@@ -111,6 +111,9 @@ def test_validate_checks_token_ids_against_the_vocabulary(runner, tiny, tmp_path
 def test_missing_input_exits_2(runner, tiny, tmp_path):
     result = runner.invoke(app, ["run", str(tiny), "--input", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2 and "no such file" in result.output
+    for command in ("run", "validate"):
+        result = runner.invoke(app, [command, str(tiny), "--input", str(tmp_path)])
+        assert result.exit_code == 2 and "is a directory" in result.output, result.output
 
 
 def test_unknown_input_format_exits_2(runner, tiny, tmp_path):

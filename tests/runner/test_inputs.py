@@ -237,6 +237,28 @@ def test_format_detection(tmp_path):
 def test_missing_input_file(tmp_path):
     with pytest.raises(InputFileError, match="no such file"):
         InputReader(tmp_path / "nope.jsonl", IOConfig(), DEFAULTS)
+    with pytest.raises(InputFileError, match="is a directory"):
+        InputReader(tmp_path, IOConfig(), DEFAULTS)
+
+
+def test_a_broken_line_says_where_once(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "unterminated}\n')
+    (item,) = _read(path)
+    assert item.code == "invalid_json"
+    assert item.message == "not valid JSON: Unterminated string starting at (column 23)"
+
+
+def test_the_last_progress_line_says_how_the_job_ended():
+    import io
+
+    from batchinfer.runner.progress import Progress
+
+    for outcome in ("finished", "interrupted"):
+        stream = io.StringIO()
+        progress = Progress(4, mode="lines", stream=stream)
+        progress.close(outcome)
+        assert f"batchinfer {outcome}: 0/4 requests" in stream.getvalue()
 
 
 @pytest.mark.parametrize("suffix", ["parquet", "csv", "json", "arrow"])
