@@ -106,11 +106,14 @@ def _render(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    import sys
+
+    # piped to a file or a log, rich would cut the table's numbers to 80 columns
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     setup, workload = result.setup, result.workload.summary()
     desc = setup.description
-    where = (f"this machine ({desc.get('device')}, {desc.get('cores')} cores; table "
-             f"{desc.get('table')})" if desc.get("hardware") == "measured" else
+    where = (f"the measured profile {desc.get('table')} ({desc.get('device')}, "
+             f"{desc.get('cores')} cores)" if desc.get("hardware") == "measured" else
              f"{desc['gpus']} x {desc['hardware']} ({desc['source']}), model {desc['model']}")
     console.print(f"[bold]Simulated[/bold] on {where}")
     console.print(f"workload: {workload['requests']} requests (mean prompt "
@@ -131,7 +134,8 @@ def _render(result) -> None:
         bubble = f"{r.bubble_ratio:.0%}" if r.bubble_ratio is not None else "-"
         grid.add_row(str(rank), cand.label, str(cand.tp), str(cand.pp), str(cand.dp),
                      f"{r.output_tok_per_s:,.1f}", f"{r.total_tok_per_s:,.1f}",
-                     f"{r.kv_capacity_tokens:,}", bubble, str(r.preemptions))
+                     f"{r.kv_capacity_tokens // max(cand.dp, 1):,}", bubble,
+                     str(r.preemptions))
     console.print(grid)
     skipped = [c for c in result.ranked if c.result is None]
     for cand in skipped:

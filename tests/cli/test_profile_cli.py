@@ -66,6 +66,24 @@ def test_profile_on_a_preset_plans_for_a_paper_model(tmp_path):
     assert any(r["label"] == "tdpipe" and "simulated" in r for r in report["ranking"])
 
 
+def test_the_rendered_table_is_whole_off_a_terminal_and_counts_kv_per_replica(tmp_path):
+    """Piped (CliRunner's output is no terminal) the numbers are not cut to 80 columns, the
+    header names the profile table (it said "this machine" for any --table), and KV/replica is
+    one replica's (it printed the sum over dp replicas)."""
+    table = _smollm_table(tmp_path / "t.json")
+    args = ["profile", str(RECIPE), "--input", str(INPUT), "--table", str(table)]
+    report = json.loads(CliRunner().invoke(app, args + ["--out", str(tmp_path / "a"),
+                                                        "--json"]).output)
+    text = CliRunner().invoke(app, args + ["--out", str(tmp_path / "b")]).output
+    assert "\u2026" not in text and f"measured profile {table}" in text
+    totals = {r["simulated"]["kv_capacity_tokens"] for r in report["ranking"]
+              if r["dp"] == 2 and "simulated" in r}
+    cells = [[c.strip() for c in line.split("\u2502")[1:-1]] for line in text.splitlines()
+             if line.count("\u2502") == 11]
+    shown = {int(c[7].replace(",", "")) for c in cells if c[4] == "2"}
+    assert totals and shown == {total // 2 for total in totals}
+
+
 def test_profile_renders_a_table(tmp_path):
     result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT),
                                       "--hardware", "a100-pcie", "--gpus", "2", "--model",
