@@ -112,13 +112,16 @@ def _dry_run(spec) -> None:
     from batchinfer.runner.io.input_records import InputError
     from batchinfer.runner.io.inputs import InputReader
     from batchinfer.runner.resume_check import check_resume
-    from batchinfer.runner.run_dir import RunDir
+    from batchinfer.runner.run_dir import MANIFEST, RECIPE, RunDir
 
-    preflight_recipe(spec.recipe)
+    from batchinfer.engine.build import model_source, preflight
+
+    preflight(spec.recipe.engine_config(), model_source(spec.recipe.model).arch)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
         if (prior.num_outputs or prior.num_errors) and not spec.force_resume:
-            check_resume(run_dir, spec.recipe, spec.input_path)
+            check_resume(run_dir.path, run_dir.read_json(MANIFEST) or {},
+                          run_dir.read_text(RECIPE), spec.recipe, spec.input_path)
     finally:
         run_dir.close()
     reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling, spec.shard,
@@ -138,17 +141,6 @@ def _dry_run(spec) -> None:
                    + ", ".join(f"{k} {v}" for k, v in sorted(bad.items())))
     typer.echo("  (prompt lengths are checked when the model's tokenizer is loaded; "
                "`batchinfer validate` checks them too)")
-
-
-def preflight_recipe(recipe) -> None:
-    """The engine's refusals that the model's config decides (layout, strategy), with no
-    weights loaded."""
-    from batchinfer.engine.build import preflight
-    from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
-
-    model_dir, _ = resolve_model_dir(recipe.model.path)
-    preflight(recipe.engine_config(), load_arch(Path(model_dir), recipe.model.hf_overrides or None))
 
 
 def _summary(outcome) -> None:

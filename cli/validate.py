@@ -91,19 +91,10 @@ def validate(
 
 
 def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:
-    """The model's tokenizer, max_model_len and vocabulary size, from its files, after the
-    engine's refusals that need no weights (engine.build.preflight); no weights are loaded."""
-    from batchinfer.engine.build import preflight
-    from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
-    from batchinfer.engine.tokenizer import load_tokenizer
+    """The model's tokenizer, max_model_len and vocabulary size as the engine reads them
+    (engine.build.model_source), after its refusals that need no weights (preflight)."""
+    from batchinfer.engine.build import model_source, preflight
 
-    model_dir, model_id = resolve_model_dir(recipe.model.path)
-    arch = load_arch(Path(model_dir), recipe.model.hf_overrides or None)
-    preflight(recipe.engine_config(), arch)
-    limit = arch.context_limit()
-    max_len = recipe.model.max_model_len or limit
-    if max_len > limit:
-        raise fail(f"model.max_model_len {max_len} exceeds what the model supports ({limit})")
-    return (load_tokenizer(recipe.model, Path(model_dir), model_id, arch.eos_token_ids), max_len,
-            arch.vocab_size)
+    source = model_source(recipe.model)
+    preflight(recipe.engine_config(), source.arch)
+    return source.tokenizer, source.max_model_len, source.arch.vocab_size

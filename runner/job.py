@@ -190,15 +190,15 @@ class Job:
     def _start_session(self) -> None:
         run_dir = self.run_dir
         has_results = bool(self.prior.num_outputs or self.prior.num_errors)
-        if has_results and not self.spec.force_resume:
-            check_resume(run_dir, self.recipe, self.spec.input_path)    # before writing anything
-        recipe_yaml = self.recipe.to_yaml()
         old_recipe = run_dir.read_text(RECIPE)
+        manifest = run_dir.read_json(MANIFEST) or {}
+        if has_results and not self.spec.force_resume:      # before writing anything
+            check_resume(run_dir.path, manifest, old_recipe, self.recipe, self.spec.input_path)
+        recipe_yaml = self.recipe.to_yaml()
         if has_results and old_recipe is not None and old_recipe != recipe_yaml:
             log.warning("%s: the recipe differs from the one this run started with; results "
                         "already written keep the old settings", run_dir.path)
         run_dir.write_text(RECIPE, recipe_yaml)
-        manifest = run_dir.read_json(MANIFEST) or {}
         input_path = str(Path(self.spec.input_path).resolve())
         checked = "input_fingerprint" in manifest and not self.spec.force_resume
         if has_results and not checked and manifest.get("input") not in (None, input_path):

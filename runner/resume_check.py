@@ -83,11 +83,10 @@ def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any) -> No
         "resume anyway")
 
 
-def check_resume(run_dir, recipe, input_path: Path) -> None:
-    """Both checks for an open RunDir that already holds results (the job and --dry-run)."""
-    from .run_dir import MANIFEST, RECIPE
-
-    manifest = run_dir.read_json(MANIFEST) or {}
-    check_model(run_dir.path, run_dir.read_text(RECIPE), recipe.model)
-    check_input(run_dir.path, manifest.get("input_fingerprint"), Path(input_path).resolve(),
+def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], recipe,
+                 input_path: Path) -> None:
+    """Both checks for a run directory that already holds results (the job and --dry-run), on
+    its run.json and recipe.resolved.yaml as read."""
+    check_model(run_dir, old_recipe_yaml, recipe.model)
+    check_input(run_dir, manifest.get("input_fingerprint"), Path(input_path).resolve(),
                 manifest.get("input"))
