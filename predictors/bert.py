@@ -32,6 +32,7 @@ from torch import nn
 from .base import (PREDICTOR_CARD, Forecast, LengthPredictor, LengthQuery, PredictorError, cap,
                    class_forecasts)
 from .classes import means_past_cap
+from .cls_encoder import cls_states, reads_cls_alone
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +124,17 @@ class BertLengthClassifier(nn.Module):
         self.encoder = encoder
         self.head = head
         self.pooling = pooling
+        # inference computes the last layer at [CLS] alone (cls_encoder.py); training that
+        # fine-tunes layers keeps transformers' forward (its dropout)
+        self.reads_cls_alone = reads_cls_alone(encoder)
 
     @property
     def hidden_size(self) -> int:
         return int(self.encoder.config.hidden_size)
 
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.pooling == "cls" and not self.training and self.reads_cls_alone:
+            return cls_states(self.encoder, input_ids, attention_mask)
         states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if self.pooling == "cls":
             return states[:, 0]
