@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 import typer
 
@@ -40,18 +41,22 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def fail(message: str, code: int = 2) -> "typer.Exit":
+def fail(message: str, code: int = 2, json_fields: Optional[dict] = None) -> "typer.Exit":
+    """The error on stderr; with `json_fields` (a command's --json) also as a JSON object on
+    stdout, those fields plus "error" and "exit_code", so a script reading stdout gets JSON."""
     typer.echo(f"error: {message}", err=True)
+    if json_fields is not None:
+        typer.echo(json.dumps({**json_fields, "error": message, "exit_code": code}, indent=2))
     return typer.Exit(code)
 
 
 @contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2."""
+def user_errors(json_fields: Optional[dict] = None) -> Iterator[None]:
+    """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2 (`fail`)."""
     from batchinfer.engine.errors import ConfigError, ModelLoadError
     from batchinfer.runner.io.inputs import InputFileError
 
     try:
         yield
     except (ConfigError, ModelLoadError, InputFileError) as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), json_fields=json_fields) from None

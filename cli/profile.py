@@ -52,18 +52,20 @@ def profile(
     from batchinfer.sim.planner import plan
 
     out_dir = out or Path(f"profile-{recipe.stem}")
-    with user_errors():
+    json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
+    with user_errors(json_fields):
         parsed = load_recipe(recipe)
         if not input.is_file():
-            raise fail(f"--input {input}: no such file")
+            raise fail(f"--input {input}: no such file", json_fields=json_fields)
         if table is not None and hardware != "measured":
-            raise fail("--table is a measured profile; it goes with --hardware measured")
+            raise fail("--table is a measured profile; it goes with --hardware measured",
+                       json_fields=json_fields)
         try:
             with _progress(as_json or quiet) as update:
                 result = plan(parsed, input, out_dir, hardware, gpus, table, model, requests,
                               history, progress=update)
         except (ValueError, FileNotFoundError, PredictorError) as exc:
-            raise fail(str(exc)) from None
+            raise fail(str(exc), json_fields=json_fields) from None
     if as_json:
         import json
 

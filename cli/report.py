@@ -30,6 +30,12 @@ def report(
     with user_errors():
         markdown = rerender(run_dir)
     if markdown is None:
+        from batchinfer.runner.run_dir import MANIFEST
+
+        if (run_dir / MANIFEST).is_file():
+            raise fail(f"{run_dir}: a run started here but has written no report.json (a run "
+                       "that failed or was stopped while setting up writes none; a running one "
+                       "writes it within seconds); rerun its command to resume it")
         raise fail(f"{run_dir}: no report.json here or in part-*/ (is it a batchinfer run "
                    "directory?)")
     if print_report:

@@ -37,11 +37,12 @@ def validate(
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
 
-    with user_errors():
+    json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
+    with user_errors(json_fields):
         parsed = load_recipe(recipe)
         problem = input_file_problem(input)
         if problem:
-            raise fail(f"--input {input}: {problem}")
+            raise fail(f"--input {input}: {problem}", json_fields=json_fields)
         reader = InputReader(input, parsed.io, parsed.sampling)
         tokenizer, max_len, vocab = _tokenizer(parsed) if tokenize else (None, None, 0)
 

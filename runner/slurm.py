@@ -34,6 +34,9 @@ def parse_shard(text: str) -> Shard:
         shard = Shard(int(index_text), int(count_text))
     except ValueError:
         raise ConfigError(f"--shard {text!r}: write it as I/N, e.g. 0/4") from None
-    if shard.count < 1 or not 0 <= shard.index < shard.count:
-        raise ConfigError(f"--shard {text!r}: I must be in 0..N-1")
+    if shard.count < 1:
+        raise ConfigError(f"--shard {text!r}: N, the number of shards, must be at least 1")
+    if not 0 <= shard.index < shard.count:
+        raise ConfigError(f"--shard {text!r}: I, this task's 0-based index, must be in "
+                          f"0..{shard.count - 1}")
     return shard

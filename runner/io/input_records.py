@@ -156,8 +156,13 @@ def _metadata(value: Any, line: int, rid: Optional[str]) -> Union[dict, None, In
 
 
 def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
-                        id_prefix: str = "line-") -> Parsed:
-    """A plain ({"prompt"}) or chat ({"messages"}) JSONL record."""
+                        id_prefix: str = "line-", columns: Optional[tuple[str, str]] = None
+                        ) -> Parsed:
+    """A plain ({"prompt"}) or chat ({"messages"}) JSONL record. `columns`: a dataset row's
+    prompt and messages columns (io.prompt_field, io.messages_field), which messages name."""
+    name = {"prompt": "'prompt'", "messages": "'messages'"} if columns is None else {
+        "prompt": f"column '{columns[0]}' (io.prompt_field)",
+        "messages": f"column '{columns[1]}' (io.messages_field)"}
     if not isinstance(record, dict):
         return InputError(line, "not_an_object", f"a request must be a JSON object, not "
                           f"{_type_name(record)}")
@@ -174,21 +179,23 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     has_prompt, has_messages = "prompt" in record, "messages" in record
     if has_prompt == has_messages:
         return err("missing_prompt" if not has_prompt else "ambiguous_request",
-                   "a request needs exactly one of 'prompt' (text) or 'messages' (chat)")
+                   f"a request needs exactly one of {name['prompt']} (text) or "
+                   f"{name['messages']} (chat)")
     spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
     if has_prompt:
         prompt = record["prompt"]
         if _is_token_ids(prompt):
             spec.prompt = list(prompt)
         elif not isinstance(prompt, str):
-            return err("invalid_type", "'prompt' must be a string or an array of token ids, "
-                       f"not {_type_name(prompt)}")
+            return err("invalid_type", f"{name['prompt']} must be a string or an array of "
+                       f"token ids, not {_type_name(prompt)}")
         elif not prompt:
-            return err("empty_prompt", "'prompt' is empty")
+            return err("empty_prompt", f"{name['prompt']} is empty")
         else:
             spec.prompt = prompt
     else:
-        problem = check_messages(record["messages"])
+        problem = check_messages(record["messages"],
+                                 "messages" if columns is None else columns[1])
         if problem:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(record["messages"])
@@ -308,7 +315,8 @@ def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_fie
         record["prompt"] = row[prompt_field]
     if metadata_fields:
         record["metadata"] = {k: row.get(k) for k in metadata_fields}
-    parsed = parse_plain_or_chat(record, line, defaults, id_prefix="row-")
+    parsed = parse_plain_or_chat(record, line, defaults, id_prefix="row-",
+                                 columns=(prompt_field, messages_field))
     if isinstance(parsed, InputError) and parsed.code == "missing_prompt":
         parsed.message = (f"the row has neither a '{prompt_field}' nor a '{messages_field}' value "
                           f"(columns: {', '.join(map(str, row))}); set io.prompt_field or "

@@ -216,6 +216,14 @@ class InputReader:
                 yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                         io.messages_field, io.id_field, io.metadata_fields)
 
+    def _id_key(self) -> str:
+        """What this format calls a request's id, as messages name it."""
+        if self.format == "openai":
+            return "custom_id"
+        if self.format == "jsonl":
+            return "id"
+        return f"{self.io.id_field} (io.id_field)"
+
     def __iter__(self) -> Iterator[Parsed]:
         return self.records()
 
@@ -228,9 +236,11 @@ class InputReader:
             already_reported = bool(done_lines) and str(item.line) in done_lines
             if isinstance(item, RequestSpec):
                 if not self.seen.add(item.request_id):
+                    key = self._id_key()
                     item = InputError(item.line, "duplicate_id",
-                                      f"id {item.request_id!r} appears on an earlier line; ids "
-                                      "must be unique", request_id=item.request_id,
+                                      f"{key} {item.request_id!r} appears on an earlier line; "
+                                      f"each request's {key} must be unique",
+                                      request_id=item.request_id,
                                       custom_id=item.custom_id, metadata=item.metadata,
                                       openai_url=item.openai_url)
                 elif done_ids is not None and item.request_id in done_ids:

@@ -307,10 +307,12 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         rows.append({"part": name, "status": rep.get("status"), "outputs": t.get("outputs"),
                      "errors": t.get("errors"), "updated_at": rep.get("updated_at"),
                      "output_tokens_per_s": (s.get("throughput") or {}).get("output_tokens_per_s")})
+    missing = sorted(set(parts) - set(present))
+    if missing:     # a task with no report yet: its records and what is left of them unknown
+        totals["input_records"] = totals["remaining"] = None
     span = (max(ends) - min(starts)) if starts else 0.0
     rate = (lambda n: round(n / span, 3) if span > 0 else None)
     statuses = {rep.get("status") for rep in present.values()}
-    missing = sorted(set(parts) - set(present))
     if missing or "failed" in statuses:
         status = "failed" if "failed" in statuses else "interrupted"
     elif statuses == {"completed"}:

@@ -8,8 +8,8 @@ from typing import Optional
 from ..io.inputs import Shard
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
-from ..run_dir import (PLOTS, REPORT_JSON, RunDir, in_use, latest_session_metrics, list_parts,
-                      read_json, report_writer)
+from ..run_dir import (PLOTS, RECIPE, REPORT_JSON, RunDir, in_use, latest_session_metrics,
+                      list_parts, read_json, report_writer)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def rerender(root: Path) -> Optional[str]:
         return None
     live = in_use(root)
     plots = None
-    if not live:
+    if not live and plots_wanted(root):
         samples = latest_session_metrics(root)
         histogram = ((report.get("session") or {}).get("batch_size") or {}).get("histogram")
         try:
@@ -68,6 +68,17 @@ def rerender(root: Path) -> Optional[str]:
     if not live:
         report_writer(root).write_report(report, markdown, plots)
     return markdown
+
+
+def plots_wanted(root: Path) -> bool:
+    """The run's `report.plots` (its recipe.resolved.yaml); True where that cannot be read."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((Path(root) / RECIPE).read_text())
+        return bool(((recipe or {}).get("report") or {}).get("plots", True))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return True
 
 
 def _expected_parts(parts: list[Path]) -> list[str]:

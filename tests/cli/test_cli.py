@@ -68,6 +68,20 @@ def test_bad_recipe_exits_2_naming_the_key(runner, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_validate_json_reports_a_bad_recipe_or_input_as_json(runner, tiny, tmp_path):
+    """With --json, stdout is JSON on every exit: a script reading it gets the error, not text."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("sampling:\n  temprature: 0.5\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for args, says in (([str(recipe), "--input", str(prompts)], "sampling.temprature"),
+                       ([str(tiny), "--input", str(tmp_path)], "is a directory")):
+        result = runner.invoke(app, ["validate", *args, "--json"])
+        assert result.exit_code == 2, result.output
+        summary = json.loads(result.stdout)
+        assert says in summary["error"] and summary["exit_code"] == 2
+        assert summary["recipe"] == args[0] and summary["input"] == args[2]
+
+
 def test_impossible_layout_exits_2(runner, tmp_path):
     # SmolLM2 has 9 attention heads and 3 kv heads: tp=2 cannot split them.
     recipe = tmp_path / "tp.yaml"
@@ -181,7 +195,13 @@ def test_run_exit_codes_and_report_command(runner, tiny, tmp_path):
     report = runner.invoke(app, ["report", str(out)])
     assert report.exit_code == 0 and "## Throughput" in report.output
     assert (out / "report.md").is_file()
+    assert not list(out.glob("plots/*.png"))          # the recipe's report.plots: false holds
     assert runner.invoke(app, ["report", str(tmp_path)]).exit_code == 2
+    started = tmp_path / "started"           # a run that failed while setting up
+    started.mkdir()
+    (started / "run.json").write_text("{}")
+    result = runner.invoke(app, ["report", str(started)])
+    assert result.exit_code == 2 and "has written no report.json" in result.output
 
 
 def test_default_run_dir_is_deterministic(runner, tiny, tmp_path, monkeypatch):

@@ -103,6 +103,7 @@ def test_duplicate_ids_after_the_first_are_errors(tmp_path):
     items = _read(path)
     assert [type(i).__name__ for i in items] == ["RequestSpec", "RequestSpec", "InputError"]
     assert items[2].code == "duplicate_id" and items[2].line == 3
+    assert items[2].message.startswith("id 'a' appears on an earlier line")
 
 
 def test_blank_lines_and_bom_are_skipped(tmp_path):
@@ -286,6 +287,24 @@ def test_dataset_files(tmp_path, suffix):
     assert items[0].request_id == "q1" and items[0].prompt == "What is 2+2?"
     assert items[0].metadata == {"topic": "math"}
     assert items[2].line == 3 and items[2].code in ("invalid_type", "missing_prompt")
+
+
+def test_dataset_row_errors_name_the_column_and_its_setting(tmp_path):
+    """A CSV's empty prompt cell or repeated id is reported by the column the user named."""
+    path = tmp_path / "d.csv"
+    path.write_text('question,qid\n"",q1\nfine,q2\nagain,q2\n')
+    items = _read(path, prompt_field="question", id_field="qid")
+    assert items[0].code in ("empty_prompt", "invalid_type")     # the CSV reader's "" or null
+    assert items[0].message.startswith("column 'question' (io.prompt_field) ")
+    assert items[2].code == "duplicate_id" and "qid (io.id_field) 'q2'" in items[2].message
+
+
+def test_duplicate_custom_ids_are_named_custom_id(tmp_path):
+    line = {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "hi"}}
+    items = _read(_write_lines(tmp_path / "batch.jsonl", [line, line]), input_format="openai")
+    assert items[1].code == "duplicate_id"
+    assert items[1].message.startswith("custom_id 'r1' appears on an earlier line")
 
 
 def test_dataset_messages_column(tmp_path):

@@ -137,6 +137,8 @@ def test_merge_reports_sums_parts():
     missing = merge_reports({"part-00000-of-00002": part(3, 1, 0, 1), "part-00001-of-00002": None},
                             "runs/x")
     assert missing["status"] == "interrupted" and "part-00001" in missing["status_detail"]
+    assert missing["totals"]["remaining"] is None and missing["totals"]["input_records"] is None
+    assert missing["totals"]["outputs"] == 3
 
 
 def test_plots_are_pngs():
@@ -192,7 +194,9 @@ def test_slurm_shard_detection():
     assert (parse_shard("3/5").index, parse_shard("3/5").count) == (3, 5)
     from batchinfer.engine.errors import ConfigError
 
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"must be in 0\.\.4"):
         parse_shard("5/5")
+    with pytest.raises(ConfigError, match="N, the number of shards, must be at least 1"):
+        parse_shard("0/0")
     with pytest.raises(ConfigError):
         detect_shard({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4", "SLURM_NTASKS": "4"})
