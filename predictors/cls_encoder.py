@@ -5,7 +5,7 @@ of its output. There the last layer needs keys and values for every token and th
 work (the query, the attention, the output projection, the feed-forward) for [CLS] alone: on
 all-MiniLM-L6-v2 five sixths of one layer in six, ~14% of the encoder's linear work. And the
 linears, norms and activations run on the batch's real tokens only (attention pads them back):
-batches sorted by length still carried ~10% padding on real prompts. Together 0.8x the
+batches sorted by length still carried ~10% padding on real prompts. Together 0.86x the
 encoder's time on 120 ShareGPT prompts (performance.md), the same [CLS] state to fp32 rounding
 (tests/predictors/test_cls_encoder.py).
 
