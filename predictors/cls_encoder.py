@@ -35,7 +35,8 @@ def reads_cls_alone(encoder: nn.Module) -> bool:
 
 def cls_states(encoder: nn.Module, input_ids: torch.Tensor,
                attention_mask: torch.Tensor) -> torch.Tensor:
-    """The last layer's [CLS] state of each row, [batch, hidden] (eval mode: no dropout)."""
+    """The last layer's [CLS] state of each row, [batch, hidden] (eval mode: no dropout). Rows are
+    padded on the right (bert.Tokenized.batch), [CLS] first, as transformers' `[:, 0]` reads it."""
     rows = _Rows(attention_mask.bool())
     heads = int(encoder.config.num_attention_heads)
     embedded = encoder.embeddings(input_ids=input_ids)   # token type 0, absolute positions
