@@ -1,6 +1,7 @@
 """`batchinfer profile RECIPE --input FILE`: measure (or take a preset), simulate, rank, pick."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +48,7 @@ def profile(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
     setup_logging(quiet=True if as_json else quiet)
+    from batchinfer.runner.io.inputs import input_file_problem
     from batchinfer.runner.recipe import load_recipe
     from batchinfer.predictors import PredictorError
     from batchinfer.sim.planner import plan
@@ -55,8 +57,9 @@ def profile(
     json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
     with user_errors(json_fields):
         parsed = load_recipe(recipe)
-        if not input.is_file():
-            raise fail(f"--input {input}: no such file", json_fields=json_fields)
+        problem = input_file_problem(input)
+        if problem:
+            raise fail(f"--input {input}: {problem}", json_fields=json_fields)
         if table is not None and hardware != "measured":
             raise fail("--table is a measured profile; it goes with --hardware measured",
                        json_fields=json_fields)
@@ -107,8 +110,6 @@ class _progress:
 def _render(result) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    import sys
 
     # piped to a file or a log, rich would cut the table's numbers to 80 columns
     console = Console() if sys.stdout.isatty() else Console(width=200)
