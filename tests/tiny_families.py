@@ -103,12 +103,29 @@ PROMPTS = [[7], [5, 17, 300, 42, 9], SHARED + [11, 12, 13], SHARED + list(range(
 
 def tiny_model(config_class: str, model_class: str, fields: dict, seed: int = 0):
     """transformers' `model_class` over TINY with `fields` changed, its weights drawn from
-    `seed`, in eval mode."""
+    `seed`, in eval mode, with eager attention: transformers' reference maths in every version
+    (5.17 picked sdpa for Gemma 2, which drops the attention soft-cap; 5.24 forces eager)."""
     import transformers
 
-    config = getattr(transformers, config_class)(**{**TINY, **fields})
+    config = getattr(transformers, config_class)(**{**TINY, **fields},
+                                                 attn_implementation="eager")
     torch.manual_seed(seed)
-    return getattr(transformers, model_class)(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
+    _swiglu_from_config(model, config)
+    return model
+
+
+def _swiglu_from_config(model, config) -> None:
+    """GPT-OSS's experts take swiglu_alpha / swiglu_limit from the config, as transformers 5.24
+    does; 5.17 hard-coded 1.702 and 7.0 (the released models' values) and so ignored the tiny
+    model's limit of 1.5, which the engine, reading config.json, applies."""
+    limit = getattr(config, "swiglu_limit", None)
+    if limit is None:
+        return
+    alpha = getattr(config, "swiglu_alpha", None) or 1.702
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.limit, module.alpha = float(limit), float(alpha)
 
 
 def hf_model(family: str, seed: int = 0, **changes):
