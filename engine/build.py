@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .attention import fused_ops_for, select_backend
+from .attention import fused_ops_for, select_backend, triton_available
 from .config import EngineConfig, ModelConfig
 from .cpu_binding import bind_compute_threads, compute_threads
 from .cpu_dtype import DtypeChoice, resolve_cpu_dtype
@@ -21,6 +21,7 @@ from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_blo
                         step_tokens)
 from .model.arch import ModelArch
 from .model.fast_linear import linear_kernel_label
+from .model.fused_experts import use_triton_experts
 from .model.int8_linear import resolve_quantization
 from .model.loader import build_model, load_arch
 from .model.sources import model_id_for, resolve_model_dir
@@ -206,10 +207,12 @@ def _build_single_process(config: EngineConfig) -> Engine:
     model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
                         dummy=dummy, seed=config.model.seed, quantization=quantization)
     backend = select_backend(config.device.attention_backend, device, dtype, arch, kv_dtype)
-    warn_unverified_on_cuda(arch, device)
     fused_ops = fused_ops_for(backend.name)
     if fused_ops is not None:
         model.use_ops(fused_ops)
+    triton_experts = use_triton_experts_for(config.device.moe_kernel, device, arch)
+    if triton_experts:
+        use_triton_experts(model)
     groups = groups_for(config, arch, max_model_len)
     step = step_tokens(config, max_model_len)
     if device.type == "cuda":
@@ -261,6 +264,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "linear_kernel": linear_kernel_label(device, dtype, quantization),
         "quantization": quantization.describe() if quantization is not None else None,
         "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
+        "moe_kernel": moe_kernel_label(arch, device, triton_experts),
         "kv_window": block_manager.window,
         **({"kv_groups": groups.describe()} if groups is not None else {}),
     }
@@ -294,15 +298,30 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                             None if asked is None else int(asked), needed, what)
 
 
-def warn_unverified_on_cuda(arch: ModelArch, device: torch.device) -> None:
-    """Attention sinks and soft-capped models (GPT-OSS, Gemma 2) gave tokens other than
-    transformers' on an H100 (tests/engine/test_cuda_families.py); until the cause is found a
-    run of one on CUDA says so."""
-    if device.type == "cuda" and (arch.attention_sinks or arch.attn_softcap):
-        log.warning("%s on CUDA: attention sinks and soft-capped models (GPT-OSS, Gemma 2) gave "
-                    "tokens other than transformers' on an H100 in this version's tests; the "
-                    "cause is not found yet (docs/engine.md, the CUDA path). Check outputs, or "
-                    "run this model on the CPU", arch.raw.get("model_type", "this model"))
+def use_triton_experts_for(choice: str, device: torch.device, arch: ModelArch) -> bool:
+    """device.moe_kernel for this model on this device: the Triton experts (triton_moe.py) for
+    a mixture of experts on CUDA unless `torch` is asked for or triton does not import (then the
+    per-expert path, with one warning); `triton` asked for off CUDA is a ConfigError."""
+    if choice == "triton" and device.type != "cuda":
+        raise ConfigError("device.moe_kernel: triton runs on CUDA; on the CPU the experts take "
+                          "the CPU's kernels (leave it auto)")
+    if arch.moe is None or device.type != "cuda" or choice == "torch":
+        return False
+    missing = triton_available()
+    if missing:
+        if choice == "triton":
+            raise ConfigError(f"device.moe_kernel: triton cannot run here ({missing})")
+        log.warning("the Triton experts can't run (%s): each expert runs its own GEMMs", missing)
+        return False
+    return True
+
+
+def moe_kernel_label(arch: ModelArch, device: torch.device, triton_experts: bool
+                     ) -> Optional[str]:
+    """What computes the experts (engine.info's moe_kernel): None for a dense model."""
+    if arch.moe is None:
+        return None
+    return "triton" if triton_experts else "torch" if device.type == "cuda" else "cpu"
 
 
 def use_async_scheduling(config: EngineConfig, device: torch.device,
@@ -321,9 +340,11 @@ def use_async_scheduling(config: EngineConfig, device: torch.device,
         why_not = f"strategy {strategy.name} schedules its own steps"
     elif config.cache.enable_prefix_caching:
         why_not = "prefix caching indexes blocks by token values the host reads a step late"
-    elif arch is not None and arch.moe is not None:
-        why_not = ("the model is a mixture of experts, whose layers read their experts' token "
-                   "counts on the host (fused_experts.py): the next step could not launch ahead")
+    elif (arch is not None and arch.moe is not None and device.type == "cuda"
+          and not use_triton_experts_for(config.device.moe_kernel, device, arch)):
+        why_not = ("the model is a mixture of experts whose experts run one by one "
+                   "(device.moe_kernel: torch), each layer reading their token counts on the "
+                   "host: the next step could not launch ahead")
     if choice and why_not:
         raise ConfigError(f"{key}: true needs one process, the baseline strategy and no prefix "
                           f"caching; here {why_not}")
@@ -334,13 +355,15 @@ def use_cuda_graphs(choice: Optional[bool], backend_name: str,
                    arch: Optional[ModelArch] = None) -> bool:
     """device.cuda_graphs: empty means on with the Triton attention (its kernel reads no padding,
     so a graph's padded block tables cost nothing); with the torch path they are opt-in. Off
-    for a mixture of experts: its grouping reads each expert's token count on the host, which a
-    graph cannot replay."""
+    for a mixture of experts: the per-expert path reads each expert's token count on the host,
+    which a graph cannot replay, and the Triton experts' steps (triton_moe.py, no host read)
+    keep their expert load in tensors a replay would not update; they run eagerly."""
     if arch is not None and arch.moe is not None:
         if choice:
             raise ConfigError("device.cuda_graphs: true cannot run a mixture-of-experts model: "
-                              "its layers read their experts' token counts on the host, which "
-                              "a CUDA graph cannot replay; leave it empty (off for this model)")
+                              "the per-expert path reads the experts' token counts on the host "
+                              "and the Triton experts' load counts are not kept in a graph; "
+                              "leave it empty (off for this model)")
         return False
     return choice if choice is not None else backend_name == "triton"
 

@@ -128,6 +128,12 @@ class DeviceConfig(_Strict):
     cuda_graphs: Optional[bool] = Field(
         None, description="CUDA, one GPU: pure-decode steps replay captured CUDA graphs "
                           "(engine/cuda_graphs.py); empty: on with the triton attention backend")
+    moe_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="a mixture of experts' experts on CUDA: triton: every expert in two "
+                            "grouped kernels, no host read (engine/triton_moe.py); torch: one "
+                            "GEMM chain per expert that got tokens (each layer reads its counts "
+                            "on the host); auto: triton where triton imports. On CPU the experts "
+                            "run the CPU's kernels")
     max_seq_len_to_capture: int = Field(
         8192, ge=1, description="CUDA graphs cover decode steps whose longest sequence is at "
                                 "most this many tokens; longer ones run eagerly (vLLM's knob)")

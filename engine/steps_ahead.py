@@ -39,6 +39,9 @@ class _Launched:
     info: Optional[dict]                  # logprob tensors, read when collected
     t_start: float
     t_launched: float
+    # a mixture of experts: (sparse layers, their tokens per expert copied to the host; read
+    # when collected)
+    expert_load: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
 
 
 class AsyncInProcessExecutor(InProcessExecutor):
@@ -81,8 +84,13 @@ class AsyncInProcessExecutor(InProcessExecutor):
                 wanted = seqs[row].request.sampling.logprobs
                 if step.info is not None and wanted is not None:
                     logprobs[index] = _row_logprobs(step.info, row, wanted)
+        expert_load = None
+        if step.expert_load is not None:
+            layers, counts = step.expert_load
+            expert_load = dict(zip(layers, counts.tolist()))
         return step.batch, StepResult(tokens, logprobs, forward_s=step.t_launched - step.t_start,
-                                      sample_s=time.perf_counter() - step.t_launched)
+                                      sample_s=time.perf_counter() - step.t_launched,
+                                      expert_load=expert_load)
 
     def close(self) -> None:
         self._launched.clear()
@@ -103,7 +111,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
             hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                           inputs.meta, self.backend)
             rows = inputs.logits_rows
-        host_ids = done = info = None
+        sampled = info = None
         self._last_sampled = None
         if plan.sample_items:
             seqs = [batch.items[i].seq for i in plan.sample_items]
@@ -111,8 +119,11 @@ class AsyncInProcessExecutor(InProcessExecutor):
                                                None if residual is None else residual[rows])
             sampled, info = self.sampler.sample(logits, self.sampler.prepare(seqs))
             self._last_sampled = sampled
-            host_ids, info, done = _to_host(sampled, info)
-        return _Launched(batch, plan.sample_items, host_ids, done, info, t0, time.perf_counter())
+        load = self.model.take_expert_load_on_device()
+        host_ids, info, host_load, done = _to_host(sampled, info,
+                                                   None if load is None else load[1])
+        return _Launched(batch, plan.sample_items, host_ids, done, info, t0, time.perf_counter(),
+                         None if load is None else (load[0], host_load))
 
     def _substitution(self, plan: StepPlan) -> Optional[Callable[[torch.Tensor], None]]:
         """Writes the previous launch's sampled ids into this step's input ids, on the device."""
@@ -129,26 +140,30 @@ class AsyncInProcessExecutor(InProcessExecutor):
         return substitute
 
 
-def _to_host(ids: torch.Tensor, info: Optional[dict]
-             ) -> tuple[torch.Tensor, Optional[dict], Optional["torch.cuda.Event"]]:
-    """`ids` (and the rows' logprob tensors, when asked for) on the host without waiting: pinned
-    copies and one event after them (CPU: themselves). The collect reads them after the event,
-    with no copy of its own."""
-    if ids.device.type != "cuda":
-        return ids, info, None
+def _to_host(ids: Optional[torch.Tensor], info: Optional[dict],
+             expert_load: Optional[torch.Tensor] = None
+             ) -> tuple[Optional[torch.Tensor], Optional[dict], Optional[torch.Tensor],
+                        Optional["torch.cuda.Event"]]:
+    """`ids` (and the rows' logprob tensors, when asked for; and a mixture of experts' tokens
+    per expert) on the host without waiting: pinned copies and one event after them (CPU:
+    themselves, no event). The collect reads them after the event, with no copy of its own."""
+    tensors = [t for t in (ids, expert_load) if t is not None]
+    if not tensors or tensors[0].device.type != "cuda":
+        return ids, info, expert_load, None
     from .host_to_device import pinned
 
-    def copy(tensor: torch.Tensor) -> torch.Tensor:
+    def copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if tensor is None:
+            return None
         host = pinned(torch.empty(tensor.shape, dtype=tensor.dtype))
         host.copy_(tensor, non_blocking=True)
         return host
 
-    host_info = None if info is None else {
-        name: None if tensor is None else copy(tensor) for name, tensor in info.items()}
-    host = copy(ids)
+    host_info = None if info is None else {name: copy(tensor) for name, tensor in info.items()}
+    host_ids, host_load = copy(ids), copy(expert_load)
     done = torch.cuda.Event()
     done.record()
-    return host, host_info, done
+    return host_ids, host_info, host_load, done
 
 
 class StepsAhead:

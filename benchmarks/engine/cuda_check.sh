@@ -31,6 +31,9 @@
 #                                            # tier: swap time hidden under compute, and
 #                                            # throughput with / without it,
 #                                            # benchmarks/strategies/seesaw_cuda_tier.py);
+#                                            # issue 42's `qwen30b` (1,000 ShareGPT requests
+#                                            # at Qwen3-30B-A3B's shapes, bf16 dummy weights,
+#                                            # the Triton experts; QWEN30B_SECONDS caps it);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -131,6 +134,12 @@ run() {
     if [[ " $parts " == *" qwen7b "* ]]; then
         "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json" || true
     fi
+    if [[ " $parts " == *" qwen30b "* ]]; then      # issue 42: Qwen3-30B-A3B's shapes, the Triton experts
+        local qwen30b=examples/model-configs/qwen3-30b-a3b
+        timeout "${QWEN30B_SECONDS:-300}" "${bench[@]}" sharegpt --model $qwen30b "${sharegpt[@]}" \
+            --requests "${QWEN30B_REQUESTS:-1000}" --events "$out/qwen30b_steps.jsonl" 2>&1 \
+            | tee "$out/qwen30b.json" || true
+    fi
     if [[ " $parts " == *" seesawtier "* ]]; then     # issue 40 item 1: Seesaw's CPU KV tier
         df -h /dev/shm | tee "$out/seesaw_tier.log"
         local tier=(python3 benchmarks/strategies/seesaw_cuda_tier.py)
@@ -149,5 +158,5 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
-            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier]" >&2; exit 2 ;;
+            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b]" >&2; exit 2 ;;
 esac

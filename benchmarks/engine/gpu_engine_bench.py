@@ -10,7 +10,7 @@ step against its roofline, and ShareGPT throughput at real model sizes. Needs a 
         each pure-decode step's time against its bound, (weights + the step's K/V) bytes over
         the copy bandwidth
     python benchmarks/engine/gpu_engine_bench.py sharegpt --model DIR --requests 1000 [--eager]
-            [--no-async]
+            [--no-async] [--moe-kernel torch]
         the first N requests of a ShareGPT V3 workload (each request's max_tokens its reference
         reply length, ignore_eos, greedy), as `vllm bench throughput` counts: output tokens and
         all tokens over the elapsed time; --eager: the torch attention path without CUDA graphs
@@ -107,6 +107,8 @@ def _engine_config(args, eager: bool, max_num_seqs: int, max_model_len=None, dev
     device = {"device": device}
     if eager:
         device.update(attention_backend="torch", cuda_graphs=False)
+    if getattr(args, "moe_kernel", None):
+        device["moe_kernel"] = args.moe_kernel
     model = {"path": str(args.model), "load_format": "dummy",
              **({"dtype": "bfloat16"} if simulated else {}),   # simulate: the GPU's auto
              **({"tokenizer": str(args.tokenizer)} if args.tokenizer else {}),
@@ -119,9 +121,18 @@ def _engine_config(args, eager: bool, max_num_seqs: int, max_model_len=None, dev
 
 
 def _engine(args, eager: bool, max_num_seqs: int, max_model_len=None):
+    import time
+
     from batchinfer.engine.engine import Engine
 
-    return Engine.from_config(_engine_config(args, eager, max_num_seqs, max_model_len))
+    start = time.perf_counter()
+    engine = Engine.from_config(_engine_config(args, eager, max_num_seqs, max_model_len))
+    info = engine.info
+    print(f"engine built in {time.perf_counter() - start:.1f} s: "
+          f"{info['attention_backend']} attention, moe_kernel {info.get('moe_kernel')}, "
+          f"graphs {info['cuda_graphs']}, async {info['async_scheduling']}",
+          file=sys.stderr, flush=True)
+    return engine
 
 
 def _card() -> str:
@@ -186,6 +197,7 @@ def sharegpt(args) -> dict:
             "attention_backend": engine.info["attention_backend"],
             "cuda_graphs": engine.info["cuda_graphs"], "max_num_seqs": args.max_num_seqs,
             "async_scheduling": engine.info["async_scheduling"],
+            "moe_kernel": engine.info.get("moe_kernel"),
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache_GiB": round(engine.info["kv_cache_bytes"] / 2**30, 1),
             "kv_cache_bytes": engine.info["kv_cache_bytes"],
@@ -280,6 +292,8 @@ def main() -> None:
                     help="the torch attention path without CUDA graphs")
     ap.add_argument("--no-async", action="store_true",
                     help="step by step: no scheduling ahead (scheduler.async_scheduling: false)")
+    ap.add_argument("--moe-kernel", choices=["auto", "triton", "torch"], default=None,
+                    help="device.moe_kernel (a mixture of experts' experts; default the engine's)")
     ap.add_argument("--out", type=Path, default=Path("profile_table.json"),
                     help="profile: where the table goes")
     ap.add_argument("--table", type=Path, help="simulate: a table from `profile`")

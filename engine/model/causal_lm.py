@@ -124,6 +124,16 @@ class CausalLM(nn.Module):
         dense model. Keyed by the layer's index in the whole model, so the stages of a pipeline
         merge without relying on the order their counts arrive in. Under TP every rank routes
         every token: any rank's count is the layer's."""
+        taken = self.take_expert_load_on_device()
+        if taken is None:
+            return None
+        layers, counts = taken
+        return dict(zip(layers, counts.tolist()))
+
+    def take_expert_load_on_device(self) -> Optional[tuple[tuple[int, ...], torch.Tensor]]:
+        """take_expert_load's counts without reading them: (the sparse layers' indices, their
+        tokens per expert [layers, experts] on the model's device), for a caller that copies
+        them to the host without waiting (async scheduling); None for a dense model."""
         layers = [layer for layer in self.layers if hasattr(layer.mlp, "experts")]
         if not layers:
             return None
@@ -134,8 +144,7 @@ class CausalLM(nn.Module):
             loads.append(torch.zeros(stack.num_experts, dtype=torch.long, device=device)
                          if stack.load is None else stack.load)
             stack.load = None
-        return dict(zip((layer.self_attn.layer_index for layer in layers),
-                        torch.stack(loads).tolist()))
+        return (tuple(layer.self_attn.layer_index for layer in layers), torch.stack(loads))
 
     def tie_weights(self) -> None:
         if self.lm_head is not None and self.arch.tie_word_embeddings:

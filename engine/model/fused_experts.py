@@ -73,6 +73,9 @@ class StackedExperts(nn.Module):
         self.panel_kernel: Optional[str] = None     # with panels: blocked, dpbf16 or amx
         self.panel_ops = None      # with panels: the kernel's (linear, linear_silu_mul), _panel_ops
         self.load: Optional[torch.Tensor] = None    # tokens routed to each expert, since taken
+        # CUDA: every expert in two grouped Triton kernels with no host read (triton_moe.py),
+        # set by use_triton_experts; False: one GEMM chain per expert that got tokens
+        self.triton_kernels = False
 
     def pack(self, weight_dtype: torch.dtype = torch.float32) -> None:
         """CPU: each expert in the blocked kernel's panels where it is the linears' kernel and
@@ -104,6 +107,13 @@ class StackedExperts(nn.Module):
                 ops) -> torch.Tensor:
         """x [T, H], the routing (route()) -> sum over each token's experts of weight x
         expert(x), [T, H] (this rank's share of it under TP: the caller all-reduces)."""
+        if self.triton_kernels:
+            from ..triton_moe import fused_experts
+
+            out, counts = fused_experts(x, weights, ids, self.gate_up, self.down,
+                                        self._activation(ops), *self._biases())
+            self.load = counts if self.load is None else self.load.add_(counts)
+            return out
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
@@ -119,6 +129,14 @@ class StackedExperts(nn.Module):
                 start += n
         out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _activation(self, ops):
+        """[rows, 2 I] (gate columns, then up) -> [rows, I], as _expert applies it."""
+        return ops.silu_and_mul
+
+    def _biases(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(gate/up bias [E, 2 I], down bias [E, H]), None where the experts have none."""
+        return None, None
 
     def _linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
         return self.panel_ops[0](x, panels)
@@ -168,13 +186,20 @@ class BiasedExperts(StackedExperts):
         return F.linear(clamped_swiglu(h, self.alpha, self.limit), self.down[expert],
                         self.down_bias[expert])
 
+    def _activation(self, ops):
+        return lambda h: clamped_swiglu(h, self.alpha, self.limit)
+
+    def _biases(self):
+        return self.gate_up_bias, self.down_bias
+
 
 def _panel_ops(kernel: str):
     """(linear, linear with the SiLU-and-mul epilogue) of a panel kernel, over one expert's
     panels (no bias)."""
     ops = torch.ops.batchinfer
-    if kernel == "amx":
-        return lambda x, w: ops.amx_linear(x, w, None), ops.amx_linear_silu_mul
+    if kernel == "amx":     # looked up at the call: a build without AMX has no such ops
+        return (lambda x, w: ops.amx_linear(x, w, None),
+                lambda x, w: ops.amx_linear_silu_mul(x, w))
     if kernel == "dpbf16":
         return ops.bf16_linear, ops.bf16_linear_silu_mul
     return ops.blocked_linear, ops.blocked_linear_silu_mul
@@ -186,6 +211,18 @@ def _to_panels(stack: torch.Tensor) -> torch.Tensor:
     experts, out_features, in_features = stack.shape
     return (stack.reshape(experts, out_features // PANEL, PANEL, in_features)
             .transpose(2, 3).contiguous())
+
+
+def use_triton_experts(model: nn.Module) -> int:
+    """Every StackedExperts of `model` (its stacks unpacked: on CUDA) computes through
+    triton_moe's grouped kernels; returns how many there were."""
+    stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    for stack in stacks:
+        if stack.panels is not None:
+            raise ValueError("the Triton experts need the dense stacks; these are packed for "
+                             "the CPU's panel kernels")
+        stack.triton_kernels = True
+    return len(stacks)
 
 
 def pack_experts(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:

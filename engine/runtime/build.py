@@ -15,7 +15,8 @@ import torch
 
 from ..attention import select_backend
 from ..build import (_max_model_len, check_weights_fit, kv_budget, kv_element_bytes,
-                     resolve_device, resolve_dtype, resolve_kv_dtype, warn_unverified_on_cuda)
+                     moe_kernel_label, resolve_device, resolve_dtype, resolve_kv_dtype,
+                     use_triton_experts_for)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -87,6 +88,7 @@ class ModelSetup:
     backend_name: str
     dtype_reason: str = ""            # why this dtype (engine/cpu_dtype.py)
     quantization: Optional[LinearQuantization] = None   # model.quantization resolved
+    triton_experts: bool = False      # device.moe_kernel resolved (build.use_triton_experts_for)
 
 
 def model_setup(config: EngineConfig) -> ModelSetup:
@@ -103,10 +105,10 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
                                         device, dtype)
     check_weights_fit(config, arch, device, dtype, copies=config.parallel.dp)
-    warn_unverified_on_cuda(arch, device)
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
                       _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
-                      dtype_choice.reason, quantization)
+                      dtype_choice.reason, quantization,
+                      use_triton_experts_for(config.device.moe_kernel, device, arch))
 
 
 def check_gpus(setup: ModelSetup, world_size: int) -> None:
@@ -171,7 +173,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
-        quantization=setup.quantization, **extra,
+        quantization=setup.quantization, triton_experts=setup.triton_experts, **extra,
         **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
@@ -193,6 +195,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
         "dtype_reason": setup.dtype_reason, "attention_backend": setup.backend_name,
+        "moe_kernel": moe_kernel_label(arch, setup.device, setup.triton_experts),
         "vocab_size": arch.vocab_size,
         "linear_kernel": linear_kernel_label(setup.device, setup.dtype, setup.quantization),
         "quantization": (setup.quantization.describe() if setup.quantization is not None

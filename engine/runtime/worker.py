@@ -62,6 +62,7 @@ class WorkerSpec:
     tp_buffers: dict = field(default_factory=dict)  # TP group's ranks -> shared all-reduce buffer
     kv_groups: Optional[object] = None  # kv_groups.KVGroupLayout: a table per layer group
     quantization: Optional[object] = None  # int8_linear.LinearQuantization (model.quantization)
+    triton_experts: bool = False  # a mixture of experts on CUDA: triton_moe's grouped kernels
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -216,13 +217,17 @@ class Worker:
                                         "attention_backend": self.backend.name, **ready_extra}))
 
     def use_fused_ops(self) -> None:
-        """The backend's fused ops (native or Triton) for the current model (after every model
-        build)."""
+        """The backend's fused ops (native or Triton) and, where the spec says, the Triton
+        experts for the current model (after every model build)."""
         from ..attention import fused_ops_for
 
         ops = fused_ops_for(self.backend.name)
         if ops is not None:
             self.model.use_ops(ops)
+        if self.spec.triton_experts:
+            from ..model.fused_experts import use_triton_experts
+
+            use_triton_experts(self.model)
 
     # --- loop -----------------------------------------------------------------------------------
     def run(self) -> None:

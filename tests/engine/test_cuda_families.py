@@ -43,6 +43,7 @@ tokenizer_files = cuda_paths.tokenizer_files
 family_dir = gpt_oss_tests.family_dir
 hybrid = hybrid_tests.hybrid
 checked = hybrid_tests.checked
+family_models = model_families.family_models    # family -> (directory, greedy tokens, model)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +70,18 @@ def gpt_oss(family_dir):
 
 def test_gpt_oss_sinks_and_windows_through_the_triton_kernel_give_transformers_tokens(
         make_engine, gpt_oss):
-    """The CUDA defaults for a mixture of experts: the Triton kernel with its SINKS and WINDOWED
-    switches, no graphs and no async scheduling (the experts' counts are read on the host).
-    Chunked prefill of up to 100-token prompts mixed with decode rows, batched and alone."""
+    """The CUDA defaults for a mixture of experts: the Triton attention with its SINKS and
+    WINDOWED switches, the Triton experts (biased, the clamped SwiGLU) and, as they read nothing
+    on the host, steps launched ahead; no graphs. Chunked prefill of up to 100-token prompts
+    mixed with decode rows, batched and alone."""
     path, expected = gpt_oss
     engine = _engine(make_engine, path, {"kv_cache_memory": "8MiB"},
                      {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 48})
     info = engine.info
     assert info["device"].startswith(DEVICE) and info["dtype"] == "float32"
     assert (info["attention_backend"] == "triton") is ON_CUDA
-    assert info["cuda_graphs"] is False and info["async_scheduling"] is False
+    assert info["cuda_graphs"] is False and info["async_scheduling"] is ON_CUDA
+    assert info["moe_kernel"] == ("triton" if ON_CUDA else "cpu")
     assert info["kv_window"] == 16
     assert greedy_tokens(engine, PROMPTS, batched=True, max_new=OSS_NEW) == expected
     alone = [PROMPTS[0], PROMPTS[-1]]                    # 1 and 100 tokens, one at a time
@@ -91,7 +94,8 @@ def test_gpt_oss_through_the_graphs_padded_decode_forward_gives_transformers_tok
         make_engine, gpt_oss):
     """The CUDA graphs' decode forward (GraphDecodeAttention: the kernel over static, padded
     tables and work lists, each layer group's own, the sinks per layer) run eagerly on the GPU:
-    the experts' host reads forbid capturing GPT-OSS, so its graph is the forward uncaptured."""
+    a mixture of experts is not captured (build.use_cuda_graphs), so its graph is the forward
+    uncaptured."""
     path, expected = gpt_oss
     engine = _engine(make_engine, path, {"kv_cache_memory": "8MiB"}, {"policy": "sb"})
     executor = engine.replicas[0].executor
@@ -101,6 +105,26 @@ def test_gpt_oss_through_the_graphs_padded_decode_forward_gives_transformers_tok
     assert greedy_tokens(engine, PROMPTS, batched=True, max_new=OSS_NEW) == expected
     assert executor.graphs.steps >= OSS_NEW - 1
     assert engine.stats()["kv_window_freed_blocks"] > 0
+
+
+def test_qwen3_moe_through_the_triton_experts_with_steps_ahead_gives_transformers_tokens(
+        make_engine, family_models):
+    """A mixture of experts without biases (Qwen3-MoE: a dense first layer, 16 experts of which
+    decode steps leave most without a token) on the CUDA defaults: the Triton experts, steps
+    launched ahead, each step's expert load read with its ids."""
+    from tests.tiny_families import MAX_NEW
+
+    path, expected, _ = family_models("qwen3_moe")
+    engine = _engine(make_engine, path, {"kv_cache_memory": "8MiB"},
+                     {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 48})
+    info = engine.info
+    assert info["moe_kernel"] == ("triton" if ON_CUDA else "cpu")
+    assert info["async_scheduling"] is ON_CUDA and info["cuda_graphs"] is False
+    engine.drain_step_events()
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    events = engine.drain_step_events()
+    assert all(sum(e["expert_tokens"]) == 2 * (e["num_prefill_tokens"] + e["num_decode_tokens"])
+               for e in events)
 
 
 # --- Gemma 2 and Gemma 3: windows and KV layer groups ------------------------------------------
@@ -259,8 +283,8 @@ def test_a_captured_decode_graph_takes_the_sinks(triton, window, softcap):
 
 # --- where a family's CUDA path leaves transformers: attention backend x element-wise ops -------
 
-family_models = model_families.family_models
-ISOLATED = ("gemma2", "gemma3", "gpt_oss", "llama3")      # llama3, gemma3: the pairs that pass
+# windows, sinks and soft-caps, and the plain Llama beside them
+ISOLATED = ("gemma2", "gemma3", "gpt_oss", "llama3")
 
 
 @pytest.mark.parametrize("ops", ["triton", "torch"], ids=["triton-ops", "torch-ops"])

@@ -6,6 +6,8 @@ and the errors: a TP size that cannot split the experts, CUDA graphs asked for, 
 whose expert tensors do not match the config."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def test_cuda_graphs_asked_for_a_mixture_of_experts_is_a_config_error():
 
     arch = tiny_arch("mixtral")
     assert use_cuda_graphs(None, "triton", arch) is False
-    with pytest.raises(ConfigError, match="mixture-of-experts.*token counts on the host"):
+    with pytest.raises(ConfigError, match="mixture-of-experts.*token counts on the host.*leave it empty"):
         use_cuda_graphs(True, "triton", arch)
 
 
@@ -306,3 +308,60 @@ def test_a_config_routing_to_more_experts_than_it_has_is_an_error():
 
     with pytest.raises(ModelLoadError, match=r"config.json: 9 experts per token of 8 experts"):
         tiny_arch("qwen2_moe", num_experts_per_tok=9)
+
+
+def test_the_experts_kernel_follows_device_moe_kernel():
+    """device.moe_kernel: the Triton experts for a mixture of experts on CUDA (auto or triton),
+    the per-expert path for torch, never for a dense model or on the CPU, where `triton` asked
+    for is a ConfigError naming the key."""
+    from batchinfer.engine.build import moe_kernel_label, use_triton_experts_for
+    from batchinfer.engine.errors import ConfigError
+
+    moe, dense = tiny_arch("mixtral"), tiny_arch("llama3")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert use_triton_experts_for("auto", cuda, moe) is has_triton
+    assert use_triton_experts_for("torch", cuda, moe) is False
+    assert use_triton_experts_for("auto", cuda, dense) is False
+    assert use_triton_experts_for("auto", cpu, moe) is False
+    with pytest.raises(ConfigError, match="device.moe_kernel: triton runs on CUDA"):
+        use_triton_experts_for("triton", cpu, moe)
+    assert moe_kernel_label(moe, cuda, True) == "triton"
+    assert moe_kernel_label(moe, cuda, False) == "torch"
+    assert moe_kernel_label(moe, cpu, False) == "cpu"
+    assert moe_kernel_label(dense, cpu, False) is None
+
+
+def test_an_engine_on_the_cpu_reports_its_experts_kernel(make_engine, qwen3_moe):
+    path, _ = qwen3_moe
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         cache={"kv_cache_memory": "8MiB"})
+    assert engine.info["moe_kernel"] == "cpu"
+    with pytest.raises(Exception, match="moe_kernel"):
+        make_engine(model={"path": str(path), "max_model_len": 256},
+                    cache={"kv_cache_memory": "8MiB"}, device={"moe_kernel": "triton"})
+
+
+def test_async_scheduling_runs_a_mixture_of_experts_and_keeps_its_expert_load(make_engine,
+                                                                              qwen3_moe):
+    """Steps launched ahead (asked for on the CPU; on CUDA the default with the Triton experts,
+    which read nothing on the host): transformers' tokens, and each step's tokens per expert,
+    taken on the device at the launch, reach its event when the step is collected."""
+    from batchinfer.engine.steps_ahead import AsyncInProcessExecutor
+
+    path, hf = qwen3_moe
+    prompts = [[7], [5, 17, 300], list(range(150, 190))]
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         cache={"kv_cache_memory": "8MiB"},
+                         scheduler={"policy": "hb", "chunk_size": 16,
+                                    "max_num_batched_tokens": 32, "async_scheduling": True})
+    assert isinstance(engine.replicas[0].executor, AsyncInProcessExecutor)
+    engine.drain_step_events()
+    assert greedy_tokens(engine, prompts, batched=True, max_new=MAX_NEW) == hf_greedy(hf, prompts)
+    events = engine.drain_step_events()
+    top_k = engine.replicas[0].executor.model.arch.moe.top_k
+    assert events and all(sum(e["expert_tokens"]) == top_k * (e["num_prefill_tokens"]
+                                                              + e["num_decode_tokens"])
+                          for e in events)
+    assert sum(engine.stats()["expert_load"]["per_expert"]) == sum(
+        sum(e["expert_tokens"]) for e in events)
