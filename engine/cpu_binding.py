@@ -63,8 +63,13 @@ def numa_nodes(cpus: Optional[list[int]] = None,
 
 
 def compute_threads(num_threads: Optional[int]) -> int:
-    """The recipe's `device.num_threads`, or every CPU this process may use."""
-    return num_threads or len(allowed_cpus())
+    """The recipe's `device.num_threads`, or every CPU this process may use that other
+    processes do not keep busy (cpu_load.py: spinning threads wait on a shared core)."""
+    if num_threads:
+        return num_threads
+    from .cpu_load import threads_beside_busy_cpus
+
+    return threads_beside_busy_cpus(allowed_cpus())
 
 
 def plan_cpus(threads: int, slot: int = 0, slots: int = 1,

@@ -41,6 +41,10 @@ _VARS = [
     EnvVar("BATCHINFER_BIND_THREADS", None, "auto or none: overrides the recipe's "
            "device.bind_threads (the test suite sets none: its engines share one process)",
            "developer"),
+    EnvVar("BATCHINFER_CPU_BUSY_CHECK", "1", "0: take every allowed CPU for threads when "
+           "device.num_threads is empty, without first measuring which ones other processes "
+           "keep busy (engine/cpu_load.py; the test suite sets 0: its two workers share the "
+           "cores)", "product"),
     EnvVar("BATCHINFER_KV_HUGE_PAGES", "1", "0: the CPU KV cache in plain pages instead of "
            "transparent huge pages (the test suite sets 0: its many small engines start faster)",
            "developer"),

@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # engines built in this process must not pin its threads (tests/engine/test_cpu_binding.py pins
 # in a child)
 os.environ.setdefault("BATCHINFER_BIND_THREADS", "none")
+os.environ.setdefault("BATCHINFER_CPU_BUSY_CHECK", "0")   # xdist's workers share the cores
 # the many small engines here skip huge-page KV (it costs start time, pays back in long runs);
 # tests/engine/test_kv_huge_pages.py turns it on
 os.environ.setdefault("BATCHINFER_KV_HUGE_PAGES", "0")
