@@ -38,7 +38,7 @@ from .recipe import Recipe
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
-from .resume_check import check_resume, fingerprint
+from .resume_check import check_resume, fingerprint, model_locations
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -211,6 +211,7 @@ class Job:
         run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
                                       "input_fingerprint": fingerprint(Path(input_path)),
                                       "recipe": self.spec.recipe_path,
+                                      "model_locations": model_locations(self.recipe.model),
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
         self._previous_sessions = list(old_report.get("previous_sessions") or [])

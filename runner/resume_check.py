@@ -6,7 +6,9 @@ directory with another file, or with an earlier line edited, would skip requests
 report the job complete; resuming with another model would mix two models' replies in one
 outputs.jsonl. The manifest therefore records the input's size and a digest of its bytes, and a
 resume needs the new input to start with exactly those bytes (lines may be appended: a grown input
-or a larger --limit continues the run) and the recipe's model to be the one the results came from.
+or a larger --limit continues the run) and the recipe's model to be the one the results came from
+(its path and tokenizer compared by where they lead, which run.json records: a relative path and
+its absolute form, or a resume from another directory, are the same model).
 `--force-resume` accepts either change (ids alone decide what is skipped, as before).
 """
 from __future__ import annotations
@@ -60,9 +62,30 @@ def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
         "to skip by ids anyway")
 
 
-def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any) -> None:
+# the model settings that name files: compared by where they lead, not how they are spelt
+LOCATIONS = ("path", "tokenizer")
+
+
+def model_locations(model: Any) -> dict:
+    """{"path": ..., "tokenizer": ...} of the recipe's ModelConfig as absolute paths where they
+    name something on this machine (as given otherwise: a hub id, empty), for run.json: a resume
+    from another directory, or with the path spelt otherwise, is the same model."""
+    return {key: _where(getattr(model, key, None)) for key in LOCATIONS}
+
+
+def _where(value: Optional[str]) -> Optional[str]:
+    """A path that exists here, made absolute; anything else as it is."""
+    if value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any,
+                recorded_locations: Optional[dict] = None) -> None:
     """RunDirError when the results were written by another model than `model` (the recipe's
-    ModelConfig) says: its path, weights or overrides differ."""
+    ModelConfig) says: its path, weights or overrides differ. `recorded_locations`: run.json's
+    model_locations of the start, so that the path and tokenizer compare by where they lead
+    (a relative path and its absolute form are one model)."""
     if not old_recipe_yaml:
         return
     try:
@@ -71,12 +94,26 @@ def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any) -> No
         return
     new = model.model_dump(mode="json")
     defaults = type(model)().model_dump(mode="json")
-    changed = [key for key in MODEL_IDENTITY
-               if old.get(key, defaults.get(key)) != new.get(key)]
+    now = model_locations(model)
+
+    located = {key for key in LOCATIONS if recorded_locations and key in recorded_locations}
+
+    def before(key: str):
+        return recorded_locations[key] if key in located else old.get(key, defaults.get(key))
+
+    def after(key: str):
+        return now[key] if key in located else new.get(key)
+
+    def same(key: str) -> bool:
+        if before(key) == after(key):
+            return True
+        # a run.json from before model_locations: the old spelling, read from here
+        return key in LOCATIONS and key not in located and _where(before(key)) == now[key]
+
+    changed = [key for key in MODEL_IDENTITY if not same(key)]
     if not changed:
         return
-    detail = "; ".join(f"model.{key}: {old.get(key, defaults.get(key))!r} -> {new.get(key)!r}"
-                       for key in changed)
+    detail = "; ".join(f"model.{key}: {before(key)!r} -> {after(key)!r}" for key in changed)
     raise RunDirError(
         f"{run_dir} holds results of another model ({detail}); resuming would mix two models' "
         "replies in one outputs.jsonl. Write to another --output, or pass --force-resume to "
@@ -87,6 +124,6 @@ def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], 
                  input_path: Path) -> None:
     """Both checks for a run directory that already holds results (the job and --dry-run), on
     its run.json and recipe.resolved.yaml as read."""
-    check_model(run_dir, old_recipe_yaml, recipe.model)
+    check_model(run_dir, old_recipe_yaml, recipe.model, manifest.get("model_locations"))
     check_input(run_dir, manifest.get("input_fingerprint"), Path(input_path).resolve(),
                 manifest.get("input"))

@@ -355,3 +355,34 @@ def test_nothing_to_run_loads_no_model(tmp_path, tiny_recipe, shared_engine, cap
     assert run(tiny_recipe, path, tmp_path / "run", shared_engine).outputs == 3
     again = run_without_engine(path, tmp_path / "run")
     assert again.exit_code == EXIT_OK and again.outputs == 3
+
+
+def test_a_resume_compares_the_model_path_by_where_it_leads(tmp_path, monkeypatch):
+    """run.json records the model's path resolved: the same model spelt relative or absolute, or
+    reached from another directory, resumes; the same spelling leading elsewhere is refused,
+    naming both places. A run.json from before the record compares the recipe's spelling, or the
+    absolute path it leads to now."""
+    import yaml
+
+    from batchinfer.engine.config import ModelConfig
+    from batchinfer.runner.resume_check import check_model, model_locations
+    from batchinfer.runner.run_dir import RunDirError
+
+    for place in ("a", "b"):
+        (tmp_path / place / "models" / "m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a")
+    relative = ModelConfig(path="models/m")
+    old_yaml = yaml.safe_dump({"model": relative.model_dump(mode="json")})
+    recorded = model_locations(relative)
+    assert recorded["path"] == str(tmp_path / "a" / "models" / "m")
+    absolute = ModelConfig(path=str(tmp_path / "a" / "models" / "m"))
+    check_model(tmp_path, old_yaml, absolute, recorded)               # same model, spelt otherwise
+    check_model(tmp_path, old_yaml, absolute, None)                   # no record: leads there
+    check_model(tmp_path, old_yaml, relative, None)                   # no record: same spelling
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(RunDirError, match=r"model\.path: '.*/a/models/m' -> '.*/b/models/m'"):
+        check_model(tmp_path, old_yaml, relative, recorded)           # same spelling, elsewhere
+    check_model(tmp_path, old_yaml, absolute, recorded)               # from another directory
+    with pytest.raises(RunDirError, match="another model"):
+        check_model(tmp_path, old_yaml, ModelConfig(path=str(tmp_path / "b" / "models" / "m")),
+                    recorded)
