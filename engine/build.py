@@ -82,28 +82,38 @@ def available_memory(device: torch.device) -> int:
 
 
 def check_weights_fit(config: EngineConfig, arch: ModelArch, device: torch.device,
-                      dtype: torch.dtype, copies: int = 1) -> None:
+                      dtype: torch.dtype, copies: int = 1,
+                      host_copy: tuple[int, str] = (0, "")) -> None:
     """A ConfigError before loading when the weights (`copies` of them: one per data-parallel
     replica) and an explicit memory.kv_cache_memory cannot fit the host's available memory: the
     load would end in an allocator error or the OOM killer, mid-setup. CPU only (a GPU's memory
-    is sized by gpu_memory.py)."""
-    if device.type != "cpu":
+    is sized by gpu_memory.py), except `host_copy`: (bytes, what keeps them) of weights held in
+    host memory beside the model's (a worker extension's host copy), counted on any device."""
+    extra, what = host_copy
+    on_host = device.type == "cpu"
+    if not on_host and not extra:
         return
-    weights = arch.num_params() * dtype.itemsize * max(copies, 1)
-    asked = config.cache.kv_cache_memory
-    need = weights + (int(asked) if asked is not None else 0)
-    available = available_memory(device)
+    weights = arch.num_params() * dtype.itemsize * max(copies, 1) if on_host else 0
+    asked = config.cache.kv_cache_memory if on_host else None
+    need = weights + (int(asked) if asked is not None else 0) + extra
+    available = available_memory(torch.device("cpu"))
     if need <= available:
         return
+    held = f" + {what} {extra / GiB:.1f} GiB" if extra else ""
+    if not on_host:
+        raise ConfigError(
+            f"{what} takes {extra / GiB:.1f} GiB of host memory, more than the "
+            f"{available / GiB:.1f} GiB this host has available; use fewer layers "
+            "(model.hf_overrides: num_hidden_layers) or a host with more memory")
     name = str(dtype).replace("torch.", "")
     kv = f" + memory.kv_cache_memory {int(asked) / GiB:.1f} GiB" if asked is not None else ""
     replicas = f" x {copies} replicas (parallel.dp)" if copies > 1 else ""
     lighter = " model.dtype: bfloat16 (half the bytes)," if dtype.itemsize > 2 else ""
     raise ConfigError(
         f"the model's weights take {weights / GiB:.1f} GiB ({arch.num_params() / 1e9:.2f} B "
-        f"parameters in {name}{replicas}){kv}, more than the {available / GiB:.1f} GiB this host "
-        f"has available; use{lighter} fewer layers (model.hf_overrides: num_hidden_layers),"
-        f"{' fewer replicas,' if copies > 1 else ''} or a GPU")
+        f"parameters in {name}{replicas}){kv}{held}, more than the {available / GiB:.1f} GiB "
+        f"this host has available; use{lighter} fewer layers (model.hf_overrides: "
+        f"num_hidden_layers),{' fewer replicas,' if copies > 1 else ''} or a GPU")
 
 
 def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_bytes: int) -> int:

@@ -64,6 +64,20 @@ def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition],
     return names
 
 
+def host_copy_bytes(arch: ModelArch, partitions: Iterable[ModelPartition]) -> int:
+    """What HostWeights.load keeps for a rank running `partitions`: the whole tensors any of
+    them reads, in fp32 (de-quantized sizes)."""
+    wanted = needed_names(arch, partitions, quantized=False)
+    total = 0
+    for name, shape in hf_tensor_shapes(arch, quantized=False):
+        if name in wanted:
+            count = 1
+            for size in shape:
+                count *= size
+            total += 4 * count
+    return total
+
+
 class ShapeOnlyGroup(TensorParallelGroup):
     """Rank and size of a partition, for building its (unfilled) modules to ask what it reads;
     the collectives are never called."""

@@ -160,6 +160,11 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
     """Spawns one worker per rank of `layout` (extra: further WorkerSpec fields, for every rank;
     rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
     extension = extra.get("extension")
+    if extension is not None:
+        host_copy = extension.host_weight_bytes(setup.arch, layout.world_size)
+        if host_copy[0]:
+            check_weights_fit(config, setup.arch, setup.device, setup.dtype,
+                              copies=config.parallel.dp, host_copy=host_copy)
     layouts = [layout, *(extension.extra_layouts() if extension is not None else ())]
     rank_extra = rank_extensions(config, layout.world_size, rank_extra, extension)
     tp_buffers = group_buffers(layouts, setup.device.type, config.parallel.tp_all_reduce)

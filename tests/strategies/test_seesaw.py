@@ -364,6 +364,47 @@ def test_resharded_weights_equal_the_direct_shards():
         assert torch.equal(ours[name], theirs[name]), name
 
 
+def test_the_host_copy_is_counted_as_the_tensors_it_keeps():
+    """host_copy_bytes equals what HostWeights.load holds for the same partitions, and a
+    rank of both layouts keeps (up to) the whole model."""
+    from batchinfer.resharding.weights import host_copy_bytes
+
+    model_dir, _ = resolve_model_dir(None)
+    arch = load_arch(Path(model_dir))
+    pp_stage = ModelPartition(0, 15)
+    tp_shard = ModelPartition(0, None, tp_rank=1, tp_size=3)
+    for partitions in ([pp_stage], [pp_stage, tp_shard]):
+        host = HostWeights.load(Path(model_dir), arch, partitions)
+        assert host_copy_bytes(arch, partitions) == host.nbytes
+    assert host_copy_bytes(arch, [pp_stage]) < host_copy_bytes(arch, [pp_stage, tp_shard])
+
+
+def test_seesaw_with_host_copies_beyond_the_hosts_memory_is_refused_before_the_workers(
+        monkeypatch):
+    """The weights fit and the ranks' host copies do not: a ConfigError that names the copies
+    and their size, before any worker starts (on a GPU the copies alone are counted)."""
+    from batchinfer.engine import build as engine_build
+    from batchinfer.engine.build import GiB, check_weights_fit
+    from batchinfer.engine.runtime import build as runtime_build
+
+    model_dir, _ = resolve_model_dir(None)
+    arch = load_arch(Path(model_dir), DUMMY8["hf_overrides"])
+    kv = 16 << 20
+    weights = arch.num_params() * 4 + kv          # fits; with two ranks' host copies it cannot
+    monkeypatch.setattr(engine_build, "available_memory", lambda device: weights + (1 << 20))
+    config = _seesaw_config(SeesawParams(decode_tp=2, decode_pp=1), {"pp": 2}, DUMMY8, str(kv))
+    started = []
+    monkeypatch.setattr(runtime_build.WorkerPool, "start", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError, match=r"\+ Seesaw's host copies of the weights .* GiB, more "
+                                          r"than the .* GiB this host has available"):
+        Engine.from_config(config)
+    assert not started
+    check_weights_fit(config, arch, torch.device("cpu"), torch.float32)     # alone: they fit
+    with pytest.raises(ConfigError, match=r"^Seesaw's copies takes 0.5 GiB of host memory"):
+        check_weights_fit(config, arch, torch.device("cuda"), torch.bfloat16,
+                          host_copy=(GiB // 2, "Seesaw's copies"))
+
+
 # --- end to end ------------------------------------------------------------------------------------
 def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
                    kv_dtype: str = "auto") -> EngineConfig:
