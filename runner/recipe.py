@@ -16,14 +16,14 @@ and in Python. Loading is yaml.safe_load plus pydantic: a recipe is data and nev
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
                       ValidationInfo, field_validator)
 
-from batchinfer.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                     SchedulerConfig, parse_size)
+from batchinfer.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
+                                      ParallelConfig, parse_size)
 from batchinfer.strategies.base import BaselineStrategy, StrategyParams
 from .recipe_errors import RecipeError, YamlLines, suggest, validation_problems
 from batchinfer.engine.request import SamplingParams
