@@ -171,8 +171,11 @@ class Engine:
                 decode = batch.num_decode_tokens
                 for item in batch.items:
                     item.seq.in_flight = True
+                context = sum(item.seq.num_computed_tokens + item.num_tokens
+                              for item in batch.items)
                 self._submitted[id(batch)] = (self.now(),
-                                              (len(batch), batch.num_tokens - decode, decode))
+                                              (len(batch), batch.num_tokens - decode, decode,
+                                               context))
                 rep.executor.submit(batch)
                 if self._ahead is not None:
                     self._ahead.launched(batch)
@@ -279,15 +282,18 @@ class Engine:
         return [results[r] for r in ids]
 
     # --- observability --------------------------------------------------------------------------
-    def _record(self, rep: Replica, replica_index: int, phase: str, shape: tuple[int, int, int],
-                result: StepResult, t_start: float) -> None:
+    def _record(self, rep: Replica, replica_index: int, phase: str,
+                shape: tuple[int, int, int, int], result: StepResult, t_start: float) -> None:
+        """shape: (sequences, prefill tokens, decode tokens, context tokens: the keys each
+        sequence's last token of the step attends, summed)."""
         self._counters["steps"] += 1
         scheduler = rep.scheduler
-        num_seqs, num_prefill, num_decode = shape
+        num_seqs, num_prefill, num_decode, num_context = shape
         event = {
             "t": round(t_start, 6), "dur": round(self.now() - t_start, 6),
             "phase": phase, "num_seqs": num_seqs,
             "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode,
+            "num_context_tokens": num_context,
             "forward_s": round(result.forward_s, 6), "sample_s": round(result.sample_s, 6),
             "kv_usage": round(scheduler.block_manager.usage(), 4),
             "num_waiting": scheduler.num_waiting,

@@ -69,9 +69,11 @@ def workload_rows(n: int, scale: float, workload: str, offset: int = 0,
 def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, predictor: str,
                workload: str = "sharegpt", offset: int = 0, stop_at_eos: bool = False,
                max_tokens: int = 256, lengths_path: Optional[str] = None,
-               step_times_path: Optional[str] = None) -> dict:
+               step_times_path: Optional[str] = None, dump: Optional[str] = None) -> dict:
     """One configuration, inside a fresh process. `step_times_path`: a step-time table TD-Pipe
-    loads instead of profiling at start-up."""
+    loads instead of profiling at start-up. `dump`: a file prefix; the engine's step events go
+    to PREFIX.steps.jsonl and the worker ranks' intervals (forward, send, ...) to
+    PREFIX.timeline.jsonl."""
     from batchinfer.engine.engine import Engine
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
@@ -126,6 +128,8 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
         timeline = (timeline_summary(engine.replicas[0].executor.timeline())
                     if spec.get("timeline") and hasattr(engine.replicas[0].executor, "timeline")
                     else None)
+        if dump:
+            _dump(dump, events, engine.replicas[0].executor)
     n_in = sum(o.num_prompt_tokens for o in outs)
     n_out = sum(o.num_output_tokens for o in outs)
     pipeline = stats.get("pipeline") or {}
@@ -162,6 +166,16 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
             "strategy_stats": stats.get("strategy_stats"),
             "step_times": stats.get("step_times"),
             **({"timeline": timeline} if timeline else {})}
+
+
+def _dump(prefix: str, events: list[dict], executor) -> None:
+    import jsonlines
+
+    with jsonlines.open(f"{prefix}.steps.jsonl", "w") as out:
+        out.write_all(events)
+    if hasattr(executor, "timeline"):
+        with jsonlines.open(f"{prefix}.timeline.jsonl", "w") as out:
+            out.write_all(executor.timeline())
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -232,6 +246,9 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
     ap.add_argument("--share-step-times", action="store_true",
                     help="every TD-Pipe run after the first loads the first one's measured table, "
                     "so an A/B of forecasts is not also an A/B of start-up profiles")
+    ap.add_argument("--dump", default=None,
+                    help="a folder: each run's step events and worker intervals as JSONL "
+                    "(NAME-RUN.steps.jsonl, NAME-RUN.timeline.jsonl)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -240,7 +257,7 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
         print(json.dumps(run_config(spec, args.worker, args.requests, args.output_scale,
                                     args.kv_tokens, args.predictor, args.workload, args.offset,
                                     args.stop_at_eos, args.max_tokens, args.lengths,
-                                    args.step_times)))
+                                    args.step_times, args.dump)))
         return
     workload = sharegpt_path()   # generated here once, before the workers read it
     common = ["--requests", str(args.requests), "--output-scale", str(args.output_scale),
@@ -255,9 +272,13 @@ def main(configs: dict, reference: str, description: str, script: str) -> None:
                    "--lengths", str(lengths_path)]
     step_times = args.step_times
     runs: dict[str, list[dict]] = {name: [] for name in args.only}
-    for _ in range(args.repeat):
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
+    for round_index in range(args.repeat):
         for name in args.only:
             extra = ["--step-times", step_times] if step_times else []
+            if args.dump:
+                extra += ["--dump", str(Path(args.dump).resolve() / f"{name}-{round_index}")]
             proc = subprocess.run([sys.executable, script, "--worker", name, *common, *extra],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
