@@ -38,7 +38,8 @@ from .recipe import Recipe
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
-from .resume_check import check_resume, fingerprint, model_locations
+from .resume_check import (check_resume, fingerprint_with_prefix, model_locations,
+                           recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -192,14 +193,19 @@ class Job:
         has_results = bool(self.prior.num_outputs or self.prior.num_errors)
         old_recipe = run_dir.read_text(RECIPE)
         manifest = run_dir.read_json(MANIFEST) or {}
-        if has_results and not self.spec.force_resume:      # before writing anything
-            check_resume(run_dir.path, manifest, old_recipe, self.recipe, self.spec.input_path)
+        input_path = str(Path(self.spec.input_path).resolve())
+        checking = has_results and not self.spec.force_resume
+        # one read of the input: the recorded prefix to check and the whole to record
+        prefix, whole = fingerprint_with_prefix(
+            Path(input_path), recorded_input_bytes(manifest) if checking else None)
+        if checking:      # before writing anything
+            check_resume(run_dir.path, manifest, old_recipe, self.recipe, self.spec.input_path,
+                         prefix)
         recipe_yaml = self.recipe.to_yaml()
         if has_results and old_recipe is not None and old_recipe != recipe_yaml:
             log.warning("%s: the recipe differs from the one this run started with; results "
                         "already written keep the old settings", run_dir.path)
         run_dir.write_text(RECIPE, recipe_yaml)
-        input_path = str(Path(self.spec.input_path).resolve())
         checked = "input_fingerprint" in manifest and not self.spec.force_resume
         if has_results and not checked and manifest.get("input") not in (None, input_path):
             log.warning("%s was started with input %s; now resuming with %s (ids decide what is "
@@ -209,7 +215,7 @@ class Job:
         sessions.append({"started_at": self.started_at, "pid": os.getpid(),
                          "host": socket.gethostname(), "argv": sys.argv})
         run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
-                                      "input_fingerprint": fingerprint(Path(input_path)),
+                                      "input_fingerprint": whole,
                                       "recipe": self.spec.recipe_path,
                                       "model_locations": model_locations(self.recipe.model),
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})

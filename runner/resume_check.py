@@ -40,13 +40,38 @@ def fingerprint(path: Path, limit: Optional[int] = None) -> dict:
     return {"bytes": size, "blake2b": digest.hexdigest()}
 
 
+def fingerprint_with_prefix(path: Path, prefix: Optional[int]) -> tuple[Optional[dict], dict]:
+    """(fingerprint of the first `prefix` bytes, or None without a prefix; fingerprint of the
+    whole file), from one read: a resume checks the recorded prefix and records the whole, and
+    a large input read twice costs its start twice."""
+    digest = hashlib.blake2b(digest_size=16)
+    size = 0
+    at_prefix = {"bytes": 0, "blake2b": digest.hexdigest()} if prefix == 0 else None
+    with open(path, "rb") as fh:
+        while True:
+            want = CHUNK if prefix is None or size >= prefix else min(CHUNK, prefix - size)
+            chunk = fh.read(want)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+            if prefix is not None and size == prefix:
+                at_prefix = {"bytes": size, "blake2b": digest.copy().hexdigest()}
+    whole = {"bytes": size, "blake2b": digest.hexdigest()}
+    if prefix is not None and at_prefix is None:      # shorter than the prefix
+        at_prefix = whole
+    return at_prefix, whole
+
+
 def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
-                recorded_path: Optional[str]) -> None:
+                recorded_path: Optional[str], now: Optional[dict] = None) -> None:
     """RunDirError unless `input_path` begins with the bytes the run recorded (nothing recorded,
-    a directory written before the record existed: nothing to check)."""
+    a directory written before the record existed: nothing to check). `now`: the input's
+    fingerprint over the recorded length, where the caller has it already."""
     if not recorded or "bytes" not in recorded:
         return
-    now = fingerprint(input_path, recorded["bytes"])
+    if now is None:
+        now = fingerprint(input_path, recorded["bytes"])
     if now == recorded:
         return
     was = recorded_path or "another file"
@@ -121,9 +146,15 @@ def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any,
 
 
 def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], recipe,
-                 input_path: Path) -> None:
+                 input_path: Path, input_prefix: Optional[dict] = None) -> None:
     """Both checks for a run directory that already holds results (the job and --dry-run), on
-    its run.json and recipe.resolved.yaml as read."""
+    its run.json and recipe.resolved.yaml as read; `input_prefix`: as check_input's `now`."""
     check_model(run_dir, old_recipe_yaml, recipe.model, manifest.get("model_locations"))
     check_input(run_dir, manifest.get("input_fingerprint"), Path(input_path).resolve(),
-                manifest.get("input"))
+                manifest.get("input"), input_prefix)
+
+
+def recorded_input_bytes(manifest: dict) -> Optional[int]:
+    """The input length run.json recorded (None: nothing recorded)."""
+    recorded = manifest.get("input_fingerprint") or {}
+    return recorded.get("bytes")

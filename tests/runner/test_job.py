@@ -333,6 +333,19 @@ def test_fingerprint_of_a_prefix_equals_the_prefix_files(tmp_path):
     assert fingerprint(tmp_path / "whole", len(data) + 5) == fingerprint(tmp_path / "whole")
 
 
+def test_one_read_gives_the_prefix_and_the_whole_fingerprint(tmp_path):
+    """fingerprint_with_prefix: the two fingerprints a resume needs, as two reads give them, at
+    a prefix inside a chunk, on a chunk's edge, past the end, empty, and none asked for."""
+    from batchinfer.runner.resume_check import CHUNK, fingerprint, fingerprint_with_prefix
+
+    path = tmp_path / "input"
+    path.write_bytes(bytes(range(256)) * (2 * CHUNK // 256 + 3))
+    whole = fingerprint(path)
+    for prefix in (0, 17, CHUNK, CHUNK + 5, whole["bytes"], whole["bytes"] + 9):
+        assert fingerprint_with_prefix(path, prefix) == (fingerprint(path, prefix), whole)
+    assert fingerprint_with_prefix(path, None) == (None, whole)
+
+
 def test_nothing_to_run_loads_no_model(tmp_path, tiny_recipe, shared_engine, caplog):
     """An empty input (or only blank lines) warns and completes without building the engine, and
     so does a resume that finds every request already written."""
