@@ -4,10 +4,11 @@ torch's CPU threads meet at a barrier after every parallel region and spin while
 another process holds one of the cores, the thread that shares it runs in slices and every other
 thread spins away its own core waiting for it: on a 2-core CI-class machine, a decode job with 2
 threads and one core busy ran 3.4x slower than on the idle machine, and at 0.53x the speed of 1
-thread beside the same neighbour (benchmarks/engine/busy_core.py, docs/performance.md). So where the recipe
-leaves `device.num_threads` empty, the engine measures the CPUs for a moment first and takes a
-thread per CPU that is free (cpu_binding.compute_threads), with a warning that names the busy
-ones. BATCHINFER_CPU_BUSY_CHECK=0 skips the measurement (every allowed CPU is taken).
+thread beside the same neighbour (benchmarks/engine/busy_core.py, docs/performance.md). So
+where the recipe leaves `device.num_threads` empty, the engine measures the CPUs for a moment
+first and takes a thread per CPU that is free (cpu_binding.compute_threads), with a warning that
+names the busy ones. BATCHINFER_CPU_BUSY_CHECK=0 skips the measurement (every allowed CPU is
+taken).
 """
 from __future__ import annotations
 

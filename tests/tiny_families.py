@@ -168,6 +168,18 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[l
     return out
 
 
+def check_against_transformers(model, backend, hf, expected: list[list[int]],
+                               device: torch.device = torch.device("cpu")) -> None:
+    """The model alone (no engine) against transformers' `hf`: every PROMPTS position's logits
+    within 1e-4 (fp32), and greedy tokens equal to `expected` (hf_greedy's for PROMPTS)."""
+    for prompt, ours in zip(PROMPTS, prefill_logits(model, backend, PROMPTS, device)):
+        with torch.inference_mode():
+            reference = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    tokens = model_greedy(model, backend, PROMPTS, MAX_NEW - 1, device=device)
+    assert tokens.tolist() == expected
+
+
 def prefill_logits(model, backend, prompts: list[list[int]],
                    device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
     """The whole model's logits at every prompt position ([len, vocab] per prompt, on the CPU),

@@ -299,7 +299,7 @@ def test_each_backend_and_ops_pair_gives_transformers_logits_and_tokens(family_m
     from batchinfer.engine.model.loader import build_model, load_arch
     from batchinfer.engine.model.ops import TorchOps
     from batchinfer.engine.torch_attention import TorchAttention
-    from tests.tiny_families import MAX_NEW, model_greedy, prefill_logits
+    from tests.tiny_families import check_against_transformers
 
     device = torch.device(DEVICE) if backend == "torch" and ops == "torch" else _kernel_device()
     path, expected, hf = family_models(family)
@@ -311,9 +311,4 @@ def test_each_backend_and_ops_pair_gives_transformers_logits_and_tokens(family_m
     else:
         model.use_ops(TorchOps)
     attention = TritonAttention() if backend == "triton" else TorchAttention()
-    for prompt, ours in zip(PROMPTS, prefill_logits(model, attention, PROMPTS, device)):
-        with torch.inference_mode():
-            reference = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
-    tokens = model_greedy(model, attention, PROMPTS, MAX_NEW - 1, device=device)
-    assert tokens.tolist() == expected
+    check_against_transformers(model, attention, hf, expected, device)

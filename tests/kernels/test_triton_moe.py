@@ -140,15 +140,9 @@ def test_each_moe_family_through_the_triton_experts_gives_transformers_logits(fa
     transformers' and its greedy tokens."""
     from batchinfer.engine.model.loader import build_model, load_arch
     from batchinfer.engine.torch_attention import TorchAttention
-    from tests.tiny_families import MAX_NEW, PROMPTS, model_greedy, prefill_logits
+    from tests.tiny_families import check_against_transformers
 
     path, expected, hf = family_models(family)
     model = build_model(path, load_arch(path), torch.float32, DEVICE, 256, pack=False)
     assert use_triton_experts(model) >= 1
-    attention = TorchAttention()
-    for prompt, ours in zip(PROMPTS, prefill_logits(model, attention, PROMPTS, DEVICE)):
-        with torch.inference_mode():
-            reference = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
-    tokens = model_greedy(model, attention, PROMPTS, MAX_NEW - 1, device=DEVICE)
-    assert tokens.tolist() == expected
+    check_against_transformers(model, TorchAttention(), hf, expected, DEVICE)
