@@ -30,7 +30,8 @@ def profile(
     hardware: str = typer.Option("measured", "--hardware", help="measured (this machine) or a "
                                  "preset: a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="Ranks a layout uses. "
-                                       "Default: 4 for a preset; the cores on a CPU host."),
+                                       "Default: 4 for a preset; the cores on a CPU host; the "
+                                       "GPUs a measured GPU table was profiled with."),
     model: Optional[str] = typer.Option(None, "--model", help="A preset model to plan for "
                                         "(with a preset --hardware)."),
     table: Optional[Path] = typer.Option(None, "--table", help="A profile table saved by an "

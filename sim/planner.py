@@ -65,8 +65,8 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
     cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
     if table.hardware.get("device") == "cpu":
         world = devices or cores
-    else:
-        world = devices or 1
+    else:       # the GPUs of the machine it was measured on (tables before the count: 1)
+        world = devices or int(table.hardware.get("gpus") or 1)
     return CostSetup(MeasuredCostModel(table), model.arch, int(table.model["dtype_bytes"]), cores,
                      world, {"hardware": "measured", "table": str(table_path),
                              "device": table.hardware.get("device"), "cores": cores})

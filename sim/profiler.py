@@ -355,7 +355,8 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     progress("point-to-point and all-reduce between two processes")
     links = profile_links(device.type, quick=quick, tp_all_reduce=config.parallel.tp_all_reduce)
     hardware = {"device": device.type, "cores": cores, "machine": platform.machine(),
-                **({"card": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
+                **({"card": torch.cuda.get_device_name(device),
+                    "gpus": torch.cuda.device_count()} if device.type == "cuda" else {}),
                 "processor": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(

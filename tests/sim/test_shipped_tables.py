@@ -49,3 +49,28 @@ def test_a_cuda_recipe_plans_on_this_machine_from_the_shipped_table(tmp_path):
     assert result.setup.description["device"] == "cuda"
     assert result.ranked and result.ranked[0].result.output_tok_per_s > 0
     assert result.best_recipe is not None
+
+
+def test_a_measured_gpu_table_plans_for_the_gpus_it_was_profiled_with(tmp_path):
+    """A table profiled on a machine of N GPUs plans layouts over N ranks unless --gpus says
+    otherwise; a table that does not say (the shipped ones, from one H100) plans for 1."""
+    import json
+
+    from batchinfer.engine.runtime.build import model_setup
+    from batchinfer.runner.recipe import load_recipe
+    from batchinfer.sim.planner import _read_on_this_machine, measured_setup
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    model = model_setup(_read_on_this_machine(recipe.engine_config(), True))
+    shipped = resolve_table(Path("h100-smollm2-135m"))
+    four = tmp_path / "four-gpus.json"
+    data = json.loads(shipped.read_text())
+    data["hardware"]["gpus"] = 4
+    four.write_text(json.dumps(data))
+
+    def ranks(table, gpus=None):
+        return measured_setup(recipe, model, table, tmp_path, gpus, lambda *a: None).devices
+
+    assert ranks(shipped) == 1
+    assert ranks(four) == 4
+    assert ranks(four, gpus=2) == 2
