@@ -34,7 +34,9 @@
 #                                            # benchmarks/strategies/seesaw_cuda_tier.py);
 #                                            # issue 42's `qwen30b` (1,000 ShareGPT requests
 #                                            # at Qwen3-30B-A3B's shapes, bf16 dummy weights,
-#                                            # the Triton experts; QWEN30B_SECONDS caps it);
+#                                            # the Triton experts; QWEN30B_SECONDS caps it) and
+#                                            # `moekernel` (one such layer's experts, Triton
+#                                            # against per expert, moe_kernel_bench.py);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -135,6 +137,9 @@ run() {
     if [[ " $parts " == *" qwen7b "* ]]; then
         "${bench[@]}" sharegpt --model $qwen "${sharegpt[@]}" --requests 1000 2>&1 | tee "$out/qwen7b.json" || true
     fi
+    if [[ " $parts " == *" moekernel "* ]]; then    # one MoE layer's experts: Triton vs per expert
+        python3 benchmarks/engine/moe_kernel_bench.py 2>&1 | tee "$out/moe_kernel.json" || true
+    fi
     if [[ " $parts " == *" qwen30b "* ]]; then      # issue 42: Qwen3-30B-A3B's shapes, the Triton experts
         local qwen30b=examples/model-configs/qwen3-30b-a3b
         timeout "${QWEN30B_SECONDS:-300}" "${bench[@]}" sharegpt --model $qwen30b "${sharegpt[@]}" \
@@ -159,5 +164,5 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
-            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b]" >&2; exit 2 ;;
+            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b] [moekernel]" >&2; exit 2 ;;
 esac
