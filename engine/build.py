@@ -308,6 +308,9 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                             None if asked is None else int(asked), needed, what)
 
 
+_warned_no_triton_experts: list[str] = []     # once per process (asked again per engine part)
+
+
 def use_triton_experts_for(choice: str, device: torch.device, arch: ModelArch) -> bool:
     """device.moe_kernel for this model on this device: the Triton experts (triton_moe.py) for
     a mixture of experts on CUDA unless `torch` is asked for or triton does not import (then the
@@ -321,7 +324,10 @@ def use_triton_experts_for(choice: str, device: torch.device, arch: ModelArch) -
     if missing:
         if choice == "triton":
             raise ConfigError(f"device.moe_kernel: triton cannot run here ({missing})")
-        log.warning("the Triton experts can't run (%s): each expert runs its own GEMMs", missing)
+        if not _warned_no_triton_experts:
+            _warned_no_triton_experts.append(missing)
+            log.warning("the Triton experts can't run (%s): each expert runs its own GEMMs",
+                        missing)
         return False
     return True
 

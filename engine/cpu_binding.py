@@ -98,7 +98,11 @@ def bind_compute_threads(mode: str, threads: int, slot: int = 0, slots: int = 1)
         return None
     if _process_cpus is None:
         _process_cpus = allowed_cpus()
-    cpus = plan_cpus(threads, slot, slots, _process_cpus)
+    from .cpu_load import known_busy
+
+    busy = known_busy(_process_cpus)        # the free CPUs first: a busy one only if needed
+    cpus = plan_cpus(threads, slot, slots, [c for c in _process_cpus if c not in busy]
+                     + [c for c in _process_cpus if c in busy])
     if cpus is None:
         log.info("compute threads not pinned: %d process(es) x %d thread(s) need more than the "
                  "%d CPU(s) this process may use", slots, threads, len(_process_cpus))

@@ -75,6 +75,13 @@ def busy_cpus(cpus: list[int]) -> dict[int, float]:
     return {cpu: share for cpu, share in _measured[key].items() if share > BUSY_FRACTION}
 
 
+def known_busy(cpus: list[int]) -> set[int]:
+    """The CPUs of `cpus` this process has already found busy (busy_cpus), without measuring
+    anew: pinning (cpu_binding) puts its threads on the free ones first."""
+    shares = _measured.get(tuple(cpus), {})
+    return {cpu for cpu, share in shares.items() if share > BUSY_FRACTION}
+
+
 def threads_beside_busy_cpus(cpus: list[int],
                              busy: Optional[dict[int, float]] = None) -> int:
     """A thread per CPU of `cpus` that no other process keeps busy (all of them when every one

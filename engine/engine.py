@@ -284,8 +284,8 @@ class Engine:
     # --- observability --------------------------------------------------------------------------
     def _record(self, rep: Replica, replica_index: int, phase: str,
                 shape: tuple[int, int, int, int], result: StepResult, t_start: float) -> None:
-        """shape: (sequences, prefill tokens, decode tokens, context tokens: the keys each
-        sequence's last token of the step attends, summed)."""
+        """shape: (sequences, prefill tokens, decode tokens, context tokens: each sequence's
+        length at the end of the step (its cached tokens and the step's), summed)."""
         self._counters["steps"] += 1
         scheduler = rep.scheduler
         num_seqs, num_prefill, num_decode, num_context = shape

@@ -103,6 +103,7 @@ def profile_step(model, backend, arch, max_tokens: int, max_seqs: int, max_model
         ordered = scaled.sort(dim=-1, descending=True)
         torch.softmax(scaled, dim=-1, dtype=torch.float64).cumsum(dim=-1)
         del ordered
+    model.take_expert_load_on_device()     # a mixture of experts: the probe's routing is no step's
     del kv
     return spec.num_blocks * spec.bytes_per_block
 

@@ -147,6 +147,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     num_pairs = tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x), torch.zeros(num_experts, dtype=torch.long, device=x.device)
     block_m = block_m_for(num_pairs, num_experts)
     pairs, tile_expert, counts = group_by_expert(ids, num_experts, block_m)
     inner = activation(_expert_gemm(x, gate_up, gate_up_bias, None, pairs, tile_expert,

@@ -64,12 +64,16 @@ def needed_names(arch: ModelArch, partitions: Iterable[ModelPartition],
     return names
 
 
-def host_copy_bytes(arch: ModelArch, partitions: Iterable[ModelPartition]) -> int:
+def host_copy_bytes(arch: ModelArch, partitions: Iterable[ModelPartition],
+                    dummy: bool = False) -> int:
     """What HostWeights.load keeps for a rank running `partitions`: the whole tensors any of
-    them reads, in fp32 (de-quantized sizes)."""
-    wanted = needed_names(arch, partitions, quantized=False)
+    them reads, each value in fp32 (an MXFP4 checkpoint's tensors as stored, packed codes and
+    scales; dummy weights de-quantized, as they are drawn)."""
+    quantized = not dummy
+    partitions = list(partitions)
+    wanted = needed_names(arch, partitions, quantized=quantized)
     total = 0
-    for name, shape in hf_tensor_shapes(arch, quantized=False):
+    for name, shape in hf_tensor_shapes(arch, quantized=quantized):
         if name in wanted:
             count = 1
             for size in shape:

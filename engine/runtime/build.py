@@ -161,7 +161,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
     rank_extra: rank -> fields for that rank) and the `helpers` processes after them."""
     extension = extra.get("extension")
     if extension is not None:
-        host_copy = extension.host_weight_bytes(setup.arch, layout.world_size)
+        host_copy = extension.host_weight_bytes(setup.arch, layout.world_size,
+                                                config.model.load_format == "dummy")
         if host_copy[0]:
             check_weights_fit(config, setup.arch, setup.device, setup.dtype,
                               copies=config.parallel.dp, host_copy=host_copy)

@@ -26,10 +26,10 @@ class WorkerExtension:
         """Layouts beyond the recipe's the workers will also run (their TP groups get buffers)."""
         return []
 
-    def host_weight_bytes(self, arch, world_size: int) -> tuple[int, str]:
+    def host_weight_bytes(self, arch, world_size: int, dummy: bool) -> tuple[int, str]:
         """(bytes, what keeps them) of weights all `world_size` ranks together hold in host
-        memory beside their partitions, checked against the host's memory before the workers
-        start; (0, "") for none."""
+        memory beside their partitions (`dummy`: model.load_format dummy), checked against the
+        host's memory before the workers start; (0, "") for none."""
         return 0, ""
 
     def roles(self, worker) -> None:

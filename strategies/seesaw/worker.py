@@ -21,12 +21,12 @@ class SeesawWorker(WorkerExtension):
     def extra_layouts(self) -> list:
         return list(self.spec.layouts.values())
 
-    def host_weight_bytes(self, arch, world_size: int) -> tuple[int, str]:
+    def host_weight_bytes(self, arch, world_size: int, dummy: bool) -> tuple[int, str]:
         """Every rank's host copy (whole fp32 tensors of what any of its layouts reads)."""
         from batchinfer.resharding.weights import host_copy_bytes
 
         layouts = list(self.spec.layouts.values())
-        total = sum(host_copy_bytes(arch, [lay.info(rank).partition for lay in layouts])
+        total = sum(host_copy_bytes(arch, [lay.info(rank).partition for lay in layouts], dummy)
                     for rank in range(world_size))
         return total, "Seesaw's host copies of the weights (whole fp32 tensors, one per rank)"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from batchinfer.engine import cpu_binding, cpu_load
 
@@ -62,3 +63,20 @@ def test_compute_threads_measures_only_when_the_recipe_leaves_it_empty(monkeypat
     assert cpu_binding.compute_threads(2) == 2                    # asked for: as asked
     monkeypatch.setenv("BATCHINFER_CPU_BUSY_CHECK", "0")
     assert cpu_binding.compute_threads(None) == 2                 # the check switched off
+
+
+def test_pinning_puts_threads_on_the_cpus_found_free(monkeypatch):
+    """The CPUs measured busy go last in the pinning plan, so one fewer thread than CPUs lands
+    on the free ones; nothing measured, the plain order."""
+    monkeypatch.setattr(cpu_load, "_measured", {(0, 1, 2, 3): {0: 0.97, 1: 0.0, 2: 0.1, 3: 0.0}})
+    assert cpu_load.known_busy([0, 1, 2, 3]) == {0}
+    assert cpu_load.known_busy([0, 1]) == set()
+    calls = []
+    monkeypatch.setattr(cpu_binding, "_process_cpus", [0, 1, 2, 3])
+    monkeypatch.setattr(cpu_binding, "plan_cpus",
+                        lambda threads, slot, slots, cpus: calls.append(cpus) or None)
+    monkeypatch.setenv("BATCHINFER_BIND_THREADS", "auto")
+    monkeypatch.setattr(cpu_binding.os, "sched_setaffinity", lambda *a: None, raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)   # this process keeps its own
+    assert cpu_binding.bind_compute_threads("auto", 3) is None
+    assert calls == [[1, 2, 3, 0]]

@@ -105,9 +105,9 @@ def test_generate_calls_on_step_after_every_step_with_what_it_finished(tiny):
 
 
 def test_each_step_event_counts_the_context_its_tokens_attend(tiny):
-    """num_context_tokens: for each sequence of the step, the keys its last token of the step
-    attends (its computed tokens plus the step's), summed: a prompt's prefill counts its length,
-    each decode step one more than the last."""
+    """num_context_tokens: each sequence's length at the end of the step (its cached tokens
+    plus the step's), summed: a prompt's prefill counts its length, each decode step one more
+    than the last."""
     prompt = tiny.tokenizer.encode("one two three four five")
     tiny.drain_step_events()
     tiny.generate([prompt], greedy(max_tokens=4, ignore_eos=True))

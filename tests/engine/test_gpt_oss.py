@@ -148,6 +148,23 @@ def test_mxfp4_experts_are_dequantized_at_load(gpt_oss_mxfp4, make_engine):
         hf_greedy(model, PROMPTS)
 
 
+def test_seesaws_host_copy_of_an_mxfp4_checkpoint_is_counted_as_it_is_held(gpt_oss_mxfp4):
+    """host_copy_bytes (Seesaw's start-up memory check) equals what HostWeights.load keeps:
+    an MXFP4 checkpoint's packed blocks and scales (as fp32), not the de-quantized experts;
+    dummy weights are drawn de-quantized."""
+    from batchinfer.engine.model.causal_lm import ModelPartition
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.resharding.weights import HostWeights, host_copy_bytes
+
+    path, plain, _ = gpt_oss_mxfp4
+    arch = load_arch(path)
+    partitions = [ModelPartition(0, 1), ModelPartition(tp_rank=1, tp_size=2)]
+    for dummy in (False, True):
+        held = HostWeights.load(path, arch, partitions, dummy=dummy).nbytes
+        assert host_copy_bytes(arch, partitions, dummy) == held
+    assert host_copy_bytes(arch, partitions) < host_copy_bytes(arch, partitions, dummy=True)
+
+
 def test_mxfp4_dequantization_equals_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

@@ -365,3 +365,20 @@ def test_async_scheduling_runs_a_mixture_of_experts_and_keeps_its_expert_load(ma
                           for e in events)
     assert sum(engine.stats()["expert_load"]["per_expert"]) == sum(
         sum(e["expert_tokens"]) for e in events)
+
+
+def test_the_gpu_memory_probe_leaves_no_expert_load_behind(make_engine, qwen3_moe):
+    """gpu_memory.profile_step runs the largest step through the model before the KV is sized
+    (on CUDA); its routing is no step's, so the first real step's expert load must not carry it."""
+    from batchinfer.engine.gpu_memory import profile_step
+
+    path, _ = qwen3_moe
+    engine = make_engine(model={"path": str(path), "max_model_len": 256},
+                         cache={"kv_cache_memory": "8MiB"})
+    executor = engine.replicas[0].executor
+    model = executor.model
+    model.take_expert_load()
+    profile_step(model, executor.backend, model.arch, max_tokens=96, max_seqs=8,
+                 max_model_len=256, block_size=16, kv_dtype=torch.float32,
+                 device=torch.device("cpu"))
+    assert all(sum(counts) == 0 for counts in model.take_expert_load().values())
