@@ -146,3 +146,15 @@ def test_each_moe_family_through_the_triton_experts_gives_transformers_logits(fa
     model = build_model(path, load_arch(path), torch.float32, DEVICE, 256, pack=False)
     assert use_triton_experts(model) >= 1
     check_against_transformers(model, TorchAttention(), hf, expected, DEVICE)
+
+
+def test_no_tokens_give_an_empty_sum_and_no_load():
+    from batchinfer.engine.triton_moe import fused_experts
+
+    experts = _experts("plain", 4, 32, 16)
+    x = torch.zeros(0, 32, device=DEVICE)
+    ids = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    out, counts = fused_experts(x, torch.zeros(0, 2, device=DEVICE), ids,
+                                experts.gate_up.to(DEVICE), experts.down.to(DEVICE),
+                                TorchOps.silu_and_mul)
+    assert out.shape == (0, 32) and counts.tolist() == [0, 0, 0, 0]
