@@ -25,23 +25,17 @@ from benchmarks.common import emit  # noqa: E402
 
 
 def _timed(fn, device, repeats: int) -> float:
-    import torch
+    """Median seconds of fn(): CUDA events on a GPU (gpu_engine_bench's), else the wall clock."""
+    if device.type == "cuda":
+        from benchmarks.engine.gpu_engine_bench import _cuda_time
 
-    fn()
+        return _cuda_time(fn, repeats)
     fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
