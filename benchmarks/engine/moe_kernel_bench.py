@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
@@ -30,13 +28,9 @@ def _timed(fn, device, repeats: int) -> float:
         from benchmarks.engine.gpu_engine_bench import _cuda_time
 
         return _cuda_time(fn, repeats)
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from batchinfer.engine.timing import median_seconds
+
+    return median_seconds(fn, repeats)
 
 
 def main() -> None:
