@@ -198,7 +198,9 @@ def _build_single_process(config: EngineConfig) -> Engine:
     device = resolve_device(config.device.device)
     source = model_source(config.model)
     model_dir, arch = source.model_dir, source.arch
-    launch_ahead = use_async_scheduling(config, device, arch)   # a bad ask fails before loading
+    # bad asks fail before loading
+    triton_experts = use_triton_experts_for(config.device.moe_kernel, device, arch)
+    launch_ahead = use_async_scheduling(config, device, arch, triton_experts)
     if device.type == "cpu":
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
@@ -220,7 +222,6 @@ def _build_single_process(config: EngineConfig) -> Engine:
     fused_ops = fused_ops_for(backend.name)
     if fused_ops is not None:
         model.use_ops(fused_ops)
-    triton_experts = use_triton_experts_for(config.device.moe_kernel, device, arch)
     if triton_experts:
         use_triton_experts(model)
     groups = groups_for(config, arch, max_model_len)
@@ -308,9 +309,6 @@ def _gpu_kv_budget(config: EngineConfig, model, backend, arch: ModelArch, max_mo
                             None if asked is None else int(asked), needed, what)
 
 
-_warned_no_triton_experts: list[str] = []     # once per process (asked again per engine part)
-
-
 def use_triton_experts_for(choice: str, device: torch.device, arch: ModelArch) -> bool:
     """device.moe_kernel for this model on this device: the Triton experts (triton_moe.py) for
     a mixture of experts on CUDA unless `torch` is asked for or triton does not import (then the
@@ -324,10 +322,7 @@ def use_triton_experts_for(choice: str, device: torch.device, arch: ModelArch) -
     if missing:
         if choice == "triton":
             raise ConfigError(f"device.moe_kernel: triton cannot run here ({missing})")
-        if not _warned_no_triton_experts:
-            _warned_no_triton_experts.append(missing)
-            log.warning("the Triton experts can't run (%s): each expert runs its own GEMMs",
-                        missing)
+        log.warning("the Triton experts can't run (%s): each expert runs its own GEMMs", missing)
         return False
     return True
 
@@ -341,9 +336,11 @@ def moe_kernel_label(arch: ModelArch, device: torch.device, triton_experts: bool
 
 
 def use_async_scheduling(config: EngineConfig, device: torch.device,
-                         arch: Optional[ModelArch] = None) -> bool:
+                         arch: Optional[ModelArch] = None,
+                         triton_experts: Optional[bool] = None) -> bool:
     """scheduler.async_scheduling (a baseline strategy's own key first): empty means on with
-    CUDA; asked for where it can't run, a ConfigError that names why."""
+    CUDA; asked for where it can't run, a ConfigError that names why. `triton_experts`:
+    use_triton_experts_for's answer where the caller has it (None: asked here)."""
     strategy = config.strategy
     if strategy is not None and strategy.name == "baseline":
         choice, key = strategy.scheduler_config().async_scheduling, "strategy.async_scheduling"
@@ -357,7 +354,8 @@ def use_async_scheduling(config: EngineConfig, device: torch.device,
     elif config.cache.enable_prefix_caching:
         why_not = "prefix caching indexes blocks by token values the host reads a step late"
     elif (arch is not None and arch.moe is not None and device.type == "cuda"
-          and not use_triton_experts_for(config.device.moe_kernel, device, arch)):
+          and not (use_triton_experts_for(config.device.moe_kernel, device, arch)
+                   if triton_experts is None else triton_experts)):
         why_not = ("the model is a mixture of experts whose experts run one by one "
                    "(device.moe_kernel: torch), each layer reading their token counts on the "
                    "host: the next step could not launch ahead")

@@ -28,28 +28,25 @@ MODEL_IDENTITY = ("path", "load_format", "hf_overrides", "tokenizer", "quantizat
 
 def fingerprint(path: Path, limit: Optional[int] = None) -> dict:
     """{"bytes": size, "blake2b": digest} of `path`'s first `limit` bytes (None: all of it)."""
-    digest = hashlib.blake2b(digest_size=16)
-    size = 0
-    with open(path, "rb") as fh:
-        while limit is None or size < limit:
-            chunk = fh.read(CHUNK if limit is None else min(CHUNK, limit - size))
-            if not chunk:
-                break
-            digest.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "blake2b": digest.hexdigest()}
+    if limit is None:
+        return fingerprint_with_prefix(path, None)[1]
+    return fingerprint_with_prefix(path, limit, whole=False)[0]
 
 
-def fingerprint_with_prefix(path: Path, prefix: Optional[int]) -> tuple[Optional[dict], dict]:
+def fingerprint_with_prefix(path: Path, prefix: Optional[int],
+                            whole: bool = True) -> tuple[Optional[dict], dict]:
     """(fingerprint of the first `prefix` bytes, or None without a prefix; fingerprint of the
     whole file), from one read: a resume checks the recorded prefix and records the whole, and
-    a large input read twice costs its start twice."""
+    a large input read twice costs its start twice. `whole` false: stop at the prefix (the
+    second fingerprint is then the prefix's too)."""
     digest = hashlib.blake2b(digest_size=16)
     size = 0
     at_prefix = {"bytes": 0, "blake2b": digest.hexdigest()} if prefix == 0 else None
     with open(path, "rb") as fh:
         while True:
             want = CHUNK if prefix is None or size >= prefix else min(CHUNK, prefix - size)
+            if not whole and prefix is not None and size >= prefix:
+                break
             chunk = fh.read(want)
             if not chunk:
                 break
@@ -57,10 +54,10 @@ def fingerprint_with_prefix(path: Path, prefix: Optional[int]) -> tuple[Optional
             size += len(chunk)
             if prefix is not None and size == prefix:
                 at_prefix = {"bytes": size, "blake2b": digest.copy().hexdigest()}
-    whole = {"bytes": size, "blake2b": digest.hexdigest()}
+    read = {"bytes": size, "blake2b": digest.hexdigest()}
     if prefix is not None and at_prefix is None:      # shorter than the prefix
-        at_prefix = whole
-    return at_prefix, whole
+        at_prefix = read
+    return at_prefix, read
 
 
 def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
