@@ -17,6 +17,7 @@ from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
 from .kv_cache import KVCacheSpec, allocate_kv_tensors
+from .kv_swap import attach_swap_space, swap_blocks_for
 from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_block_manager,
                         step_tokens)
 from .model.arch import ModelArch
@@ -130,7 +131,9 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
         return int(config.cache.kv_cache_memory)
     if available is None:
         available = available_memory(device)
-    free = available * config.cache.memory_utilization
+    # the swap area's host memory is not the KV cache's on a CPU
+    free = available * config.cache.memory_utilization - (
+        config.cache.swap_bytes if device.type == "cpu" else 0)
     budget = int(free - activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                             config.scheduler.max_num_seqs, dtype_bytes))
     if device.type == "cpu":
@@ -262,6 +265,10 @@ def _build_single_process(config: EngineConfig) -> Engine:
     if launch_ahead:
         from .steps_ahead import AsyncInProcessExecutor as executor_class
     executor = executor_class(model, kv_caches, backend, sampler, block_manager, device, graphs)
+    swap_blocks = attach_swap_space(block_manager, scheduler,
+                                    swap_blocks_for(config.cache, spec.bytes_per_block))
+    if swap_blocks:
+        executor.use_swap_area(swap_blocks)
     info = {
         "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -277,6 +284,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
         "moe_kernel": moe_kernel_label(arch, device, triton_experts),
         "kv_window": block_manager.window,
+        "preemption_mode": "swap" if swap_blocks else "recompute",
+        "kv_swap_blocks": swap_blocks,
         **({"kv_groups": groups.describe()} if groups is not None else {}),
     }
     log_kv_cache(groups, spec.num_blocks, spec.block_size, max_model_len, info["kv_cache_bytes"],

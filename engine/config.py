@@ -80,6 +80,16 @@ class CacheConfig(_Strict):
     enable_prefix_caching: bool = Field(
         False, description="automatic prefix caching: reuse the KV of full blocks a sequence "
         "shares with earlier ones, kept until their room is needed (LRU)")
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute", description="what a sequence preempted for KV room loses: recompute drops "
+        "its KV and computes its prompt and replies again when it returns (the papers' and "
+        "vLLM's default); swap copies its KV to a swap area in host memory and back (vLLM's "
+        "swap mode), where the strategy's scheduler brings swapped sequences back (the "
+        "baseline's and the temporally-disaggregated pipeline's) on models with one block "
+        "table; elsewhere it recomputes and the log says why")
+    swap_space: Union[int, str] = Field(
+        "4GiB", description="preemption_mode swap: host memory of each replica's swap area "
+        "(bytes or e.g. '4GiB'); on CPU an automatic KV budget leaves it out")
     free_outside_window: bool = Field(
         True, description="sliding-window models: release a sequence's blocks that no later "
         "query can see, so it holds about window / block_size + 1 blocks, not its whole context "
@@ -92,10 +102,15 @@ class CacheConfig(_Strict):
         """The sliding window the block manager releases blocks outside of (0: none)."""
         return arch.kv_window() if self.free_outside_window else 0
 
-    @field_validator("kv_cache_memory")
+    @field_validator("kv_cache_memory", "swap_space")
     @classmethod
     def _size(cls, v):
         return None if v is None else parse_size(v)
+
+    @property
+    def swap_bytes(self) -> int:
+        """Host bytes the swap area takes (0 unless preemption_mode is swap)."""
+        return int(self.swap_space) if self.preemption_mode == "swap" else 0
 
 
 class SchedulerConfig(_Strict):

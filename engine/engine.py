@@ -352,6 +352,7 @@ class Engine:
             **({"pipeline": pipeline} if pipeline else {}),
             **({"strategy_stats": strategy_stats} if strategy_stats else {}),
             **_prefix_cache_stats(managers),
+            **_swap_stats(managers),
             **({"expert_load": self.expert_load()} if self._expert_load is not None else {}),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
@@ -360,6 +361,14 @@ class Engine:
             "max_concurrency": sum(bm.max_concurrency(self.max_model_len) for bm in managers),
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
+
+
+def _swap_stats(managers) -> dict:
+    """The swap areas' totals over the replicas (memory.preemption_mode: swap)."""
+    areas = [bm.swap.summary() for bm in managers if bm.swap is not None]
+    if not areas:
+        return {}
+    return {"kv_swap": {key: sum(area[key] for area in areas) for key in areas[0]}}
 
 
 def release_outside_windows(block_manager, batch: MicroBatch) -> None:

@@ -21,6 +21,7 @@ import torch
 from .attention import AttentionBackend
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager
+from .kv_swap import allocate_swap_area, apply_kv_swaps
 from .model.causal_lm import CausalLM
 from .sampler import Sampler
 from .scheduler import MicroBatch
@@ -134,6 +135,10 @@ class InProcessExecutor(Executor):
         self.sampler, self.block_manager, self.device = sampler, block_manager, device
         self.graphs = graphs      # CUDA graphs for pure-decode steps (engine/cuda_graphs.py)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
+        self.swap_area: list = []  # host copies of the cache's blocks (kv_swap.py)
+
+    def use_swap_area(self, num_blocks: int) -> None:
+        self.swap_area = allocate_swap_area(self.kv_caches, num_blocks)
 
     @property
     def num_in_flight(self) -> int:
@@ -161,6 +166,7 @@ class InProcessExecutor(Executor):
     def execute(self, batch: MicroBatch) -> StepResult:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
+        apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
         graphed = self.graphs.run(plan) if self.graphs is not None else None
         if graphed is not None:
             hidden, residual, rows = graphed

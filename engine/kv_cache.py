@@ -36,6 +36,7 @@ _CHAIN_BROKEN = 1 << 40  # _indexed's count once nothing more of a sequence can 
 
 class BlockManager:
     num_groups = 1   # block tables per sequence (group_blocks.GroupedBlockManager: one per group)
+    swap = None      # kv_swap.SwapSpace where preempted sequences swap (set at engine build)
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  prefix_caching: bool = False, hash_fn: Callable[[object], int] = hash,

@@ -82,6 +82,7 @@ SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not yet admitted (or preempted: its KV was dropped)
     RUNNING = "running"      # holds KV blocks; prefilling or decoding
+    SWAPPED = "swapped"      # preempted with its KV in the swap area (memory.preemption_mode)
     FINISHED = "finished"
 
 

@@ -11,7 +11,9 @@ Baselines:
 - `HybridBatching` (HB, Sarathi-Serve / vLLM v1): every step first takes one token of every running
   decode, then fills the rest of the token budget with prefill chunks (at most `chunk_size` each).
 Both preempt by recompute when KV blocks run out: the newest running sequence loses its blocks
-and goes back to the front of the queue, to be prefilled again later. With prefix caching on in
+and goes back to the front of the queue, to be prefilled again later. With a swap area
+(memory.preemption_mode: swap, kv_swap.py) its KV is copied out instead and copied back before any
+new request is admitted, as vLLM's swap mode. With prefix caching on in
 the block manager, a sequence starts from the cached blocks of its tokens (also after a
 preemption) and its full blocks are indexed as their results come back.
 """
@@ -144,6 +146,9 @@ class BatchingScheduler(Scheduler):
     # prefix caching: the head of the queue waits for a shared prefix another sequence is
     # computing (off for schedulers whose phases an empty prefill batch would end)
     wait_for_shared_prefix = True
+    # preempted sequences go to the block manager's swap area where it has one: only for a
+    # policy that brings them back (_swap_in)
+    swaps_preempted = False
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
@@ -153,6 +158,7 @@ class BatchingScheduler(Scheduler):
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()     # preempted with their KV in the swap area
         self.num_preemptions = 0
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -161,7 +167,7 @@ class BatchingScheduler(Scheduler):
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
@@ -169,7 +175,7 @@ class BatchingScheduler(Scheduler):
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.swapped)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -203,18 +209,50 @@ class BatchingScheduler(Scheduler):
             self.running = [s for s in self.running if id(s) not in done]
 
     def abort_all(self) -> list[Sequence]:
-        seqs = list(self.running) + list(self.waiting)
+        seqs = list(self.running) + list(self.swapped) + list(self.waiting)
         for seq in self.running:
             self.block_manager.free(seq.request_id)
+        for seq in self.swapped:
+            self.block_manager.swap.discard(seq.request_id)
         self.running.clear()
+        self.swapped.clear()
         self.waiting.clear()
         return seqs
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.request_id)
+        """Swapped out where there is a swap area with room (memory.preemption_mode: swap),
+        else recomputed."""
         self.running.remove(seq)
-        requeue_for_recompute(seq, self.waiting)
         self.num_preemptions += 1
+        swap = self.block_manager.swap if self.swaps_preempted else None
+        if swap is not None and swap.can_swap_out(seq.num_computed_tokens):
+            swap.swap_out(self.block_manager, seq.request_id, seq.num_computed_tokens)
+            seq.num_preemptions += 1
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.block_manager.free(seq.request_id)
+        requeue_for_recompute(seq, self.waiting)
+
+    def _swap_in(self, admits=None) -> list[Sequence]:
+        """Brings swapped sequences back, oldest first, while the device has room for each and
+        its next token (above the watermark while others run) and `admits(seq)` (a policy's own
+        check, asked only while others run) agrees. -> those brought back (now running, last)."""
+        back: list[Sequence] = []
+        bm = self.block_manager
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not bm.can_grow(seq.request_id, seq.num_computed_tokens + 1,
+                               keep_watermark=bool(self.running)):
+                break
+            if admits is not None and self.running and not admits(seq):
+                break
+            self.swapped.popleft()
+            bm.swap.swap_in(bm, seq.request_id, seq.num_computed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            back.append(seq)
+        return back
 
     def _reserve(self, seq: Sequence, num_tokens: int, victims_from: list[Sequence]) -> bool:
         """Makes room for `num_tokens` more tokens of a running `seq`, preempting the newest
@@ -296,10 +334,14 @@ class BatchingScheduler(Scheduler):
 class SeparateBatching(BatchingScheduler):
     """SB: prefill-only steps (whole prompts) take priority; otherwise one decode step for all."""
 
+    swaps_preempted = True
+
     def schedule(self) -> list[MicroBatch]:
-        batch = self._whole_prompts()
-        if batch.items:
-            return [batch]
+        self._swap_in()
+        if not self.swapped:          # new prompts wait while swapped sequences do
+            batch = self._whole_prompts()
+            if batch.items:
+                return [batch]
         batch = MicroBatch(phase="decode")
         order = self._schedulable()
         for seq in list(order):
@@ -313,11 +355,14 @@ class SeparateBatching(BatchingScheduler):
 class HybridBatching(BatchingScheduler):
     """HB: decodes first, then prefill chunks fill the token budget (chunked prefill)."""
 
+    swaps_preempted = True
+
     def __init__(self, *args, chunk_size: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunk_size = chunk_size or self.max_num_batched_tokens
 
     def schedule(self) -> list[MicroBatch]:
+        self._swap_in()
         batch = MicroBatch(phase="mixed")
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
@@ -331,8 +376,10 @@ class HybridBatching(BatchingScheduler):
             if self._reserve(seq, want, order):
                 batch.items.append(ScheduledSeq(seq, want))
                 budget -= want
-        # As vLLM: after a preemption, admit nothing new this step (it would be evicted next).
-        while self.waiting and budget > 0 and self.num_preemptions == preemptions_before:
+        # As vLLM: after a preemption, admit nothing new this step (it would be evicted next),
+        # nor while swapped sequences wait to come back.
+        while self.waiting and budget > 0 and self.num_preemptions == preemptions_before \
+                and not self.swapped:
             seq = self.waiting[0]
             self._match_prefix(seq)
             if self._waits_for_prefix(seq):
@@ -415,6 +462,10 @@ class VirtualEngines(Scheduler):
     @property
     def num_preemptions(self) -> int:
         return sum(e.num_preemptions for e in self.engines)
+
+    @property
+    def swaps_preempted(self) -> bool:
+        return all(e.swaps_preempted for e in self.engines)
 
     @property
     def num_waiting(self) -> int:

@@ -37,6 +37,9 @@ class StepPlan:
     # KV layer groups (kv_groups.py): the block tables of groups 1.., [group][item]; block_tables
     # is group 0's. Empty with one table per sequence
     group_tables: list[list[list[int]]] = field(default_factory=list)
+    # KV copies between the cache and the swap area to carry out before this plan's forward, in
+    # order: (kind "out" | "in", source block, destination block) (kv_swap.py)
+    kv_swaps: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +84,9 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
             sample_items.append(index)
             sample_ids.append(seq.request_id)
             output_lens.append(len(seq.output_token_ids))
+    swaps = block_manager.swap.take_ops() if block_manager.swap is not None else []
     return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens,
-                    pending=pending, group_tables=groups)
+                    pending=pending, group_tables=groups, kv_swaps=swaps)
 
 
 def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:

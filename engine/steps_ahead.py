@@ -25,6 +25,7 @@ import torch
 
 from .executor import InProcessExecutor, StepResult, _row_logprobs
 from .host_to_device import to_device
+from .kv_swap import apply_kv_swaps
 from .request import PENDING_TOKEN, RequestOutput, Sequence, SequenceStatus
 from .scheduler import MicroBatch
 from .step_plan import StepPlan, model_inputs, plan_batch
@@ -100,6 +101,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
     def _launch(self, batch: MicroBatch) -> _Launched:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
+        apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
         substitute = self._substitution(plan)
         graphed = self.graphs.run(plan, substitute) if self.graphs is not None else None
         if graphed is not None:

@@ -50,7 +50,7 @@ def engine_config(spec: dict, kv_tokens: int, workload: str = "sharegpt"):
     kv_bytes = kv_tokens * kv_bytes_per_token(model) // ranks
     return EngineConfig(model={"max_model_len": 4096 if workload == "prefill-heavy" else 2048,
                                **model},
-                        cache={"kv_cache_memory": kv_bytes},
+                        cache={"kv_cache_memory": kv_bytes, **spec.get("cache", {})},
                         parallel={"pp": spec.get("pp", 1), "tp": spec.get("tp", 1),
                                   **spec.get("parallel", {})},
                         scheduler=strategy.scheduler_config(), strategy=strategy)

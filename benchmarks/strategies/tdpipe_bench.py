@@ -63,6 +63,10 @@ for _source in ("bert", "bert-online", "oracle", "mean", "none"):
 # forty-second session's four-job replay)
 CONFIGS["tdpipe-bert-online-unsure-upper"] = {"pp": 2, "predictor": "bert-online", "strategy": {
     **TDPIPE, "unsure_upper_forecast": True}}
+# preemption by swapping (memory.preemption_mode: swap) instead of the paper's recompute
+for _source in ("bert-online", "oracle"):
+    CONFIGS[f"tdpipe-{_source}-swap"] = {"pp": 2, "strategy": TDPIPE, "predictor": _source,
+                                         "cache": {"preemption_mode": "swap"}}
 # the paper's hyperparameter sweeps: Fig. 13 (switch to decode at a fixed KV occupancy instead of
 # the greedy prefill) and Fig. 16 (switch to prefill at a fixed finished share instead of the
 # intensity comparison)

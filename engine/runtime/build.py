@@ -22,6 +22,7 @@ from ..engine import Engine, Replica
 from ..errors import ConfigError
 from ..kv_groups import (KVGroupLayout, check_group_capacity, groups_for, log_kv_cache,
                          make_block_manager, step_tokens)
+from ..kv_swap import attach_swap_space, swap_blocks_for
 from ..model.fast_linear import linear_kernel_label
 from ..model.int8_linear import LinearQuantization, resolve_quantization
 from ..model.loader import load_arch
@@ -154,6 +155,18 @@ def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[
     return out
 
 
+def replica_swap_blocks(config: EngineConfig, layout: ParallelLayout, setup: ModelSetup,
+                        groups: Optional[KVGroupLayout] = None) -> int:
+    """The swap area's blocks per replica (memory.preemption_mode: swap; 0 where the block
+    tables cannot swap: kv_swap.py), each rank holding its layers and heads of them."""
+    if not config.cache.swap_bytes or groups is not None or config.cache.kv_window(setup.arch):
+        return 0
+    per_block = sum(rank_bytes_per_block(layout, setup.arch, r, config.cache.block_size,
+                                         setup.kv_dtype.itemsize)
+                    for r in layout.replica_ranks(0))
+    return swap_blocks_for(config.cache, per_block)
+
+
 def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                   num_blocks: int, threads: int, rank_extra: Optional[dict] = None,
                   helpers: tuple = (), helper_names: tuple = (), **extra) -> WorkerPool:
@@ -179,7 +192,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
-        quantization=setup.quantization, triton_experts=setup.triton_experts, **extra,
+        quantization=setup.quantization, triton_experts=setup.triton_experts,
+        swap_blocks=replica_swap_blocks(config, layout, setup, extra.get("kv_groups")), **extra,
         **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
@@ -261,6 +275,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
                                            config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
+        swap_blocks = attach_swap_space(block_manager, scheduler, replica_swap_blocks(
+            config, layout, setup, plan.kv_groups))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
     kv_element = setup.kv_dtype.itemsize
     kv_bytes = layout.dp * sum(
@@ -269,6 +285,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
         for r in layout.replica_ranks(0))
     info = engine_info(config, setup, layout, plan.num_blocks, plan.threads, kv_bytes,
                        kv_groups=plan.kv_groups)
+    info.update({"preemption_mode": "swap" if swap_blocks else "recompute",
+                 "kv_swap_blocks": swap_blocks})
     info.update(extra_info or {})
     return Engine(replicas, setup.tokenizer, setup.max_model_len, info["model_id"], info)
 

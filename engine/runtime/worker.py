@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..kv_swap import allocate_swap_area, apply_kv_swaps
 from .input_prep import TokenSafeInputs, VersionedInputs
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
@@ -63,6 +64,7 @@ class WorkerSpec:
     kv_groups: Optional[object] = None  # kv_groups.KVGroupLayout: a table per layer group
     quantization: Optional[object] = None  # int8_linear.LinearQuantization (model.quantization)
     triton_experts: bool = False  # a mixture of experts on CUDA: triton_moe's grouped kernels
+    swap_blocks: int = 0        # the swap area's blocks (memory.preemption_mode: swap)
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -112,6 +114,7 @@ class Worker:
         self.set_roles(spec.layout)
         self.events: list[dict] = []
         self.inputs = None                   # token-safe input preparation, one plan ahead
+        self.swap_area: list = []            # host copies of KV blocks (kv_swap.py)
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
@@ -278,6 +281,10 @@ class Worker:
         return inputs
 
     def execute(self, plan, received) -> None:
+        if plan.kv_swaps:          # before the forward: this rank's layers and heads
+            if not self.swap_area:      # allocated at first use (pinned on a GPU)
+                self.swap_area = allocate_swap_area(self.kv_caches, self.spec.swap_blocks)
+            apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
         if not self.ext.execute(self, plan, received):
             self.execute_plain(plan, received)
 

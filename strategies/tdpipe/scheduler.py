@@ -15,7 +15,10 @@ The pipeline alternates long prefill-only phases and long decode-only phases:
   exactly PP in flight; inter-batch work stealing keeps them even (`work_stealing`). At each
   returning batch, the spatial intensity of decoding on is compared with the temporal intensity
   of the next prefill cycle (`intensity_switch`; ablation: a fixed `finished_ratio` of the
-  phase's requests done). A request that runs out of KV is preempted and recomputed later.
+  phase's requests done). A request that runs out of KV is preempted and recomputed later
+  (the paper's choice), or with `memory.preemption_mode: swap` its KV goes to the host's swap
+  area and comes back in a decode phase once Algorithm 1's forecast of the running requests
+  leaves it room; no new prompt is admitted while one waits there.
 
 Decisions go into the report (`strategy_decisions`): every phase switch with the inputs that
 decided it, and the predicted vs actual KV usage of each decode step (paper Fig. 12).
@@ -157,6 +160,7 @@ register_strategy("tdpipe", TDPipeParams)
 class TDPipeScheduler(BatchingScheduler):
     # an empty prefill batch would end the prefill phase (Algorithm 1): no waiting for a prefix
     wait_for_shared_prefix = False
+    swaps_preempted = True      # brought back by _bring_back_swapped
 
     def __init__(self, block_manager: BlockManager, params: TDPipeParams, max_model_len: int,
                  depth: int):
@@ -207,13 +211,33 @@ class TDPipeScheduler(BatchingScheduler):
             left = min(more, limit - generated)
         return max(left, 0)
 
-    def _running_forecast(self) -> KVForecast:
+    def _running_forecast(self, swapped: bool = True) -> KVForecast:
+        """Algorithm 1's map of the running requests (and the swapped ones: they come back)."""
         forecast = KVForecast(self.points, self.capacity, self.block_manager.block_size,
                               self.params.count_ending_requests,
                               self.block_manager.table_windows)
-        for seq in self.running:
+        for seq in [*self.running, *(self.swapped if swapped else ())]:
             forecast.update(seq.num_tokens, self.predicted_remaining(seq))
         return forecast
+
+    def _bring_back_swapped(self) -> list[Sequence]:
+        """memory.preemption_mode swap: swapped requests come back, oldest first, while the
+        device has room and (greedy_prefill) Algorithm 1's forecast of the running requests
+        with it stays within the capacity; with nothing running the oldest always does."""
+        if not self.swapped:
+            return []
+        forecast = self._running_forecast(swapped=False) if self.params.greedy_prefill else None
+
+        def admits(seq: Sequence) -> bool:
+            if forecast is None:
+                return True
+            predicted = self.predicted_remaining(seq)
+            if not forecast.fits(seq.num_tokens, predicted):
+                return False
+            forecast.update(seq.num_tokens, predicted)
+            return True
+
+        return self._swap_in(admits)
 
     def _prefill_done(self) -> bool:
         """Algorithm 1's CheckSwitch (or the occupancy-ratio ablation)."""
@@ -301,6 +325,11 @@ class TDPipeScheduler(BatchingScheduler):
 
     # --- prefill phase ----------------------------------------------------------------------------
     def _prefill_batch(self) -> Optional[MicroBatch]:
+        self._bring_back_swapped()
+        if self.swapped:        # they come first: no new prompt while one waits for room
+            if self.running:
+                self._switch("decode", "swapped requests wait for KV")
+            return None
         if not self.waiting:
             if self.running:
                 self._switch("decode", "nothing waiting")
@@ -324,6 +353,7 @@ class TDPipeScheduler(BatchingScheduler):
 
     # --- decode phase -----------------------------------------------------------------------------
     def _decode_batch(self) -> Optional[MicroBatch]:
+        self.stealing.pool.extend(self._bring_back_swapped())
         tried_prefill = False
         while True:
             returned = bool(self._returned)
@@ -410,6 +440,8 @@ class TDPipeScheduler(BatchingScheduler):
     def _next_prefill_cycle(self) -> list[int]:
         """Prompt lengths the next prefill phase would take if it started now: the waiting
         requests that fit in the free KV, up to the point Algorithm 1 would switch back."""
+        if self.swapped:
+            return []      # swapped requests come back first (_prefill_batch)
         forecast = self._running_forecast() if self.params.greedy_prefill else None
         if forecast is not None and forecast.should_switch():
             return []      # the running requests alone are predicted to fill the cache
