@@ -88,7 +88,7 @@ class CacheConfig(_Strict):
         "baseline's and the temporally-disaggregated pipeline's) on models with one block "
         "table; elsewhere it recomputes and the log says why")
     swap_space: Union[int, str] = Field(
-        "4GiB", description="preemption_mode swap: host memory of each replica's swap area "
+        4 * 2**30, description="preemption_mode swap: host memory of each replica's swap area "
         "(bytes or e.g. '4GiB'); on CPU an automatic KV budget leaves it out")
     free_outside_window: bool = Field(
         True, description="sliding-window models: release a sequence's blocks that no later "
