@@ -391,6 +391,27 @@ def test_decode_preemption_never_evicts_a_reserved_member():
     sched.block_manager.check_invariants()
 
 
+def test_swapped_requests_come_back_in_decode_without_recomputing():
+    """memory.preemption_mode swap: the same full cache swaps requests out and brings them back
+    when the forecast leaves room; no prompt is computed twice and nothing new is admitted
+    while one waits in the swap area."""
+    from batchinfer.engine.kv_swap import SwapSpace
+
+    sched = _scheduler(num_blocks=10, depth=1)
+    sched.block_manager.swap = SwapSpace(64, 16)
+    for i in range(5):
+        sched.add(_seq(i, 16, 30, predicted=1))
+    launched = _drive(sched, 1, stop_on_prefill=False, max_steps=400)
+    swap = sched.block_manager.swap
+    assert sched.num_preemptions > 0 and swap.num_swap_outs == sched.num_preemptions
+    assert swap.num_swap_ins == swap.num_swap_outs
+    assert sum(b.num_tokens for b in launched if b.phase == "prefill") == 5 * 16
+    done = {id(item.seq) for b in launched for item in b.items}
+    assert len(done) == 5 and not sched.has_unfinished()
+    assert swap.store.num_free_blocks == 64
+    sched.block_manager.check_invariants()
+
+
 # --- recipe and step-time table ------------------------------------------------------------------------
 def test_recipe_validates_tdpipe_parameters():
     recipe = parse_recipe({"strategy": {"name": "tdpipe", "work_stealing": False},
@@ -444,6 +465,30 @@ def test_pp2_tdpipe_equals_the_baseline_under_memory_pressure():
     assert any("kv_predicted" in e for e in events if e["phase"] == "decode")
     sched.block_manager.check_invariants()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_pp2_tdpipe_swapping_gives_the_baseline_tokens():
+    """The same job with memory.preemption_mode swap: each stage copies its layers' KV of a
+    preempted request out and back, and no prompt is prefilled twice."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+
+    reference = [list(tokens) for tokens in tight_reference()]
+    cache = {**TIGHT["cache"], "preemption_mode": "swap", "swap_space": "32MiB"}
+    config = EngineConfig(model=TIGHT["model"], cache=cache, parallel={"pp": 2},
+                          strategy=TDPipeParams(max_num_batched_tokens=64,
+                                                profile_decode_batch_sizes=[1, 8],
+                                                profile_prefill_tokens=[32, 64],
+                                                profile_context_len=16))
+    with Engine.from_config(config) as engine:
+        outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
+        stats = engine.stats()
+        prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in E2E_PROMPTS)
+        engine.scheduler.block_manager.check_invariants()
+    assert [o.output_token_ids for o in outs] == reference
+    assert stats["kv_swap"]["swap_outs"] == stats["num_preemptions"] > 0
+    assert stats["computed_prefill_tokens"] <= prompt_tokens
 
 
 @pytest.mark.slow
