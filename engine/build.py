@@ -131,9 +131,9 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
         return int(config.cache.kv_cache_memory)
     if available is None:
         available = available_memory(device)
-    # the swap area's host memory is not the KV cache's on a CPU
+    # every replica's swap area is host memory the KV cache cannot have on a CPU
     free = available * config.cache.memory_utilization - (
-        config.cache.swap_bytes if device.type == "cpu" else 0)
+        config.cache.swap_bytes * config.parallel.dp if device.type == "cpu" else 0)
     budget = int(free - activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                             config.scheduler.max_num_seqs, dtype_bytes))
     if device.type == "cpu":

@@ -125,8 +125,9 @@ def attach_swap_space(block_manager: BlockManager, scheduler, num_blocks: int) -
 
 
 def allocate_swap_area(kv_caches: list, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Host tensors shaped as this rank's (key, value) caches with `num_blocks` blocks; pinned
-    when the cache is on a GPU. torch.empty: pages are only touched when a block is swapped."""
+    """Host tensors shaped as this rank's (key, value) caches with `num_blocks` blocks. On a CPU
+    (torch.empty) pages are only taken as blocks are swapped; for a GPU's cache the area is
+    pinned, which commits it, so the executors allocate it when the first copy comes."""
     if not kv_caches or num_blocks <= 0:
         return []
     k0 = kv_caches[0][0]

@@ -103,6 +103,11 @@ class Scheduler:
         return 0
 
     @property
+    def num_swapped(self) -> int:
+        """Preempted sequences waiting in the swap area (memory.preemption_mode: swap)."""
+        return 0
+
+    @property
     def num_waiting_tokens(self) -> int:
         return 0
 
@@ -178,6 +183,10 @@ class BatchingScheduler(Scheduler):
         return len(self.running) + len(self.swapped)
 
     @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
     def num_waiting_tokens(self) -> int:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
@@ -214,6 +223,8 @@ class BatchingScheduler(Scheduler):
             self.block_manager.free(seq.request_id)
         for seq in self.swapped:
             self.block_manager.swap.discard(seq.request_id)
+        if self.block_manager.swap is not None:
+            self.block_manager.swap.take_ops()          # copies for sequences no longer here
         self.running.clear()
         self.swapped.clear()
         self.waiting.clear()
@@ -237,7 +248,8 @@ class BatchingScheduler(Scheduler):
     def _swap_in(self, admits=None) -> list[Sequence]:
         """Brings swapped sequences back, oldest first, while the device has room for each and
         its next token (above the watermark while others run) and `admits(seq)` (a policy's own
-        check, asked only while others run) agrees. -> those brought back (now running, last)."""
+        check, asked only while others run) agrees. Each rejoins `running` in arrival order, so
+        the next preemption takes a newer one first (vLLM's FCFS). -> those brought back."""
         back: list[Sequence] = []
         bm = self.block_manager
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -250,7 +262,10 @@ class BatchingScheduler(Scheduler):
             self.swapped.popleft()
             bm.swap.swap_in(bm, seq.request_id, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            arrival = seq.request.arrival_index
+            at = next((i for i, other in enumerate(self.running)
+                       if other.request.arrival_index > arrival), len(self.running))
+            self.running.insert(at, seq)
             back.append(seq)
         return back
 
@@ -337,18 +352,22 @@ class SeparateBatching(BatchingScheduler):
     swaps_preempted = True
 
     def schedule(self) -> list[MicroBatch]:
-        self._swap_in()
         if not self.swapped:          # new prompts wait while swapped sequences do
             batch = self._whole_prompts()
             if batch.items:
                 return [batch]
         batch = MicroBatch(phase="decode")
+        preemptions_before = self.num_preemptions
         order = self._schedulable()
         for seq in list(order):
             if seq.status is not SequenceStatus.RUNNING:    # preempted by an earlier one
                 continue
             if self._reserve(seq, 1, order):
                 batch.items.append(ScheduledSeq(seq, 1))
+        if self.num_preemptions == preemptions_before:     # as vLLM: only if none was preempted
+            for seq in self._swap_in():
+                if self._reserve(seq, 1, []):
+                    batch.items.append(ScheduledSeq(seq, 1))
         return [batch] if batch.items else []
 
 
@@ -362,7 +381,6 @@ class HybridBatching(BatchingScheduler):
         self.chunk_size = chunk_size or self.max_num_batched_tokens
 
     def schedule(self) -> list[MicroBatch]:
-        self._swap_in()
         batch = MicroBatch(phase="mixed")
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
@@ -376,8 +394,14 @@ class HybridBatching(BatchingScheduler):
             if self._reserve(seq, want, order):
                 batch.items.append(ScheduledSeq(seq, want))
                 budget -= want
-        # As vLLM: after a preemption, admit nothing new this step (it would be evicted next),
-        # nor while swapped sequences wait to come back.
+        # As vLLM: swapped sequences come back only in a step that preempted none; after a
+        # preemption, or while one waits to come back, nothing new is admitted.
+        if self.num_preemptions == preemptions_before:
+            for seq in self._swap_in():
+                want = min(seq.num_uncomputed_tokens, self.chunk_size, budget)
+                if want > 0 and self._reserve(seq, want, []):
+                    batch.items.append(ScheduledSeq(seq, want))
+                    budget -= want
         while self.waiting and budget > 0 and self.num_preemptions == preemptions_before \
                 and not self.swapped:
             seq = self.waiting[0]
@@ -412,78 +436,6 @@ def phase_of(items: list[ScheduledSeq]) -> str:
     return "mixed"
 
 
-class VirtualEngines(Scheduler):
-    """Pipeline-parallel baseline as vLLM runs it: `pp` independent schedulers ("virtual engines")
-    over one block manager. A new request joins the one with the fewest unfinished sequences;
-    micro-batches come from them in turn, each only when its previous micro-batch is back, so
-    up to `pp` balanced micro-batches are in flight."""
-
-    def __init__(self, engines: list[BatchingScheduler]):
-        self.engines = engines
-        self.block_manager = engines[0].block_manager
-        self.max_num_batched_tokens = engines[0].max_num_batched_tokens
-        self._busy = [False] * len(engines)
-        self._owner: dict[int, int] = {}
-        self._next = 0
-
-    def add(self, seq: Sequence) -> None:
-        index = min(range(len(self.engines)),
-                    key=lambda i: self.engines[i].num_waiting + self.engines[i].num_running)
-        self.engines[index].add(seq)
-
-    def schedule(self) -> list[MicroBatch]:
-        n = len(self.engines)
-        for offset in range(n):
-            index = (self._next + offset) % n
-            if self._busy[index]:
-                continue
-            batches = self.engines[index].schedule()
-            if batches:
-                self._next = (index + 1) % n
-                self._busy[index] = True
-                for batch in batches:
-                    self._owner[id(batch)] = index
-                return batches
-        return []
-
-    def on_result(self, batch: MicroBatch) -> None:
-        index = self._owner.pop(id(batch))
-        self._busy[index] = False
-        self.engines[index].on_result(batch)
-
-    def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.engines)
-
-    def abort_all(self) -> list[Sequence]:
-        self._busy = [False] * len(self.engines)
-        self._owner.clear()
-        return [seq for e in self.engines for seq in e.abort_all()]
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(e.num_preemptions for e in self.engines)
-
-    @property
-    def swaps_preempted(self) -> bool:
-        return all(e.swaps_preempted for e in self.engines)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(e.num_waiting for e in self.engines)
-
-    @property
-    def num_running(self) -> int:
-        return sum(e.num_running for e in self.engines)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(e.num_waiting_tokens for e in self.engines)
-
-    @property
-    def feed_tokens(self) -> int:
-        return self.engines[0].feed_tokens
-
-
 def scheduler_from_config(cfg, block_manager: BlockManager, max_model_len: int,
                           pipeline_depth: int = 1):
     """The baseline policy a SchedulerConfig describes (one replica's scheduler)."""
@@ -497,6 +449,8 @@ def make_scheduler(policy: str, block_manager: BlockManager, max_num_seqs: int,
     """The baseline policy; with pipeline_depth > 1, one virtual engine per pipeline slot
     (max_num_seqs is the total, split between them)."""
     if pipeline_depth > 1:
+        from .virtual_engines import VirtualEngines
+
         per_engine = max(1, -(-max_num_seqs // pipeline_depth))
         return VirtualEngines([make_scheduler(policy, block_manager, per_engine,
                                               max_num_batched_tokens, max_model_len, chunk_size)

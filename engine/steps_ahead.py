@@ -25,7 +25,6 @@ import torch
 
 from .executor import InProcessExecutor, StepResult, _row_logprobs
 from .host_to_device import to_device
-from .kv_swap import apply_kv_swaps
 from .request import PENDING_TOKEN, RequestOutput, Sequence, SequenceStatus
 from .scheduler import MicroBatch
 from .step_plan import StepPlan, model_inputs, plan_batch
@@ -101,7 +100,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
     def _launch(self, batch: MicroBatch) -> _Launched:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
-        apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
+        self.run_kv_swaps(plan)
         substitute = self._substitution(plan)
         graphed = self.graphs.run(plan, substitute) if self.graphs is not None else None
         if graphed is not None:
@@ -178,10 +177,11 @@ class StepsAhead:
         self._placeholders: dict[int, list[tuple[Sequence, int]]] = {}
 
     def may_launch_ahead(self, rep) -> bool:
-        """True when the next step can't preempt and reads no token value still on the device."""
-        if self.penalised:
-            return False
+        """True when the next step can't preempt and reads no token value still on the device
+        (nor bring back swapped sequences, whose KV can take any number of blocks)."""
         scheduler = rep.scheduler
+        if self.penalised or scheduler.num_swapped:
+            return False
         bm = scheduler.block_manager
         budget_blocks = -(-scheduler.max_num_batched_tokens // bm.block_size)
         return bm.num_free_blocks >= bm.num_groups * (scheduler.num_running + budget_blocks + 1)

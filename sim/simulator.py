@@ -187,6 +187,10 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         if config.parallel.stage_transport == "metadata":
             options["structure_aware"] = False
         replicas = []
+        if config.cache.preemption_mode == "swap":
+            logging.getLogger("batchinfer").info(
+                "simulator: preempted sequences are recomputed (memory.preemption_mode swap is "
+                "not simulated)")
         for index in range(layout.dp):
             # blocks behind a sliding window released, as the engine does (prefix caching is not
             # simulated)

@@ -144,6 +144,22 @@ def test_swapped_sequences_come_back_before_new_prompts_and_keep_their_kv(policy
     assert bm.num_free_blocks == bm.num_blocks and bm.swap.store.num_free_blocks == 16
 
 
+def test_a_sequence_brought_back_rejoins_in_arrival_order():
+    bm = BlockManager(64, 4, watermark=0.0)
+    bm.swap = SwapSpace(16, 4)
+    sched = SeparateBatching(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    seqs = [seq(f"s{i}", 5) for i in range(3)]
+    for i, s in enumerate(seqs):
+        s.request.arrival_index = i
+        sched.add(s)
+    run_step(sched)                                      # all three prefilled
+    sched._preempt(seqs[0])
+    assert sched.swapped[0] is seqs[0] and sched.num_swapped == 1
+    batch = run_step(sched)[0]                           # s1, s2 decode; then s0 comes back
+    assert [i.seq for i in batch.items] == [seqs[1], seqs[2], seqs[0]]
+    assert sched.running == seqs and not sched.swapped
+
+
 def test_a_full_swap_area_falls_back_to_recompute():
     bm = BlockManager(6, 4, watermark=0.0)
     bm.swap = SwapSpace(1, 4)                            # one block: no sequence fits
@@ -169,10 +185,13 @@ def test_abort_gives_the_swap_area_back():
 
 
 @pytest.mark.parametrize("sections", [
-    {"scheduler": {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24}},
-    {"scheduler": {"policy": "sb"}, "cache": {"enable_prefix_caching": True}},
-], ids=["hb-small-chunks", "sb-prefix-caching"])
+    {"scheduler": {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24},
+     "cache": {"enable_prefix_caching": True}},
+    {"scheduler": {"policy": "hb", "async_scheduling": True}},
+], ids=["hb-small-chunks-prefix-caching", "hb-launching-ahead"])
 def test_the_engine_swapping_gives_the_recomputing_reference_tokens(sections):
+    """Launching ahead (async scheduling) waits while a sequence is swapped out: a step that
+    brings one back can take any number of blocks, and a stopped sequence must not return."""
     from batchinfer.engine.engine import Engine
 
     reference = [list(tokens) for tokens in tight_reference()]
@@ -185,8 +204,10 @@ def test_the_engine_swapping_gives_the_recomputing_reference_tokens(sections):
         stats = engine.stats()
         prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in E2E_PROMPTS)
         engine.scheduler.block_manager.check_invariants()
+    assert len(outs) == len(E2E_PROMPTS)
     assert [o.output_token_ids for o in outs] == reference
     assert engine.info["preemption_mode"] == "swap"
+    assert engine.info["async_scheduling"] == sections["scheduler"].get("async_scheduling", False)
     assert stats["num_preemptions"] > 0 and stats["kv_swap"]["swap_outs"] == stats["num_preemptions"]
     assert stats["kv_swap"]["swap_ins"] == stats["kv_swap"]["swap_outs"]
     assert stats["computed_prefill_tokens"] <= prompt_tokens        # no prompt computed twice

@@ -412,6 +412,47 @@ def test_swapped_requests_come_back_in_decode_without_recomputing():
     sched.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("depth,greedy", [(2, True), (2, False), (3, False)])
+def test_swapping_under_wrong_forecasts_never_launches_a_request_twice_or_without_kv(depth,
+                                                                                     greedy):
+    """Pipelined decode batches, work stealing, forecasts off by up to 4x: a request swapped out
+    while it waits in the stealing pool or in a returned batch, then brought back, is never
+    launched twice at once nor while swapped."""
+    import random
+
+    from batchinfer.engine.kv_swap import SwapSpace
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        sched = _scheduler(num_blocks=14, depth=depth, greedy_prefill=greedy)
+        sched.block_manager.swap = SwapSpace(256, 16)
+        for i in range(12):
+            out = rng.randint(4, 60)
+            sched.add(_seq(i, rng.randint(8, 40), out, predicted=max(1, out // rng.randint(1, 4))))
+        in_flight, prefill_tokens = [], 0
+        for _ in range(3000):
+            while len(in_flight) < sched.in_flight_limit(depth):
+                batches = sched.schedule()
+                if not batches:
+                    break
+                for batch in batches:
+                    ids = [id(item.seq) for item in batch.items]
+                    assert len(ids) == len(set(ids)), seed
+                    for item in batch.items:
+                        assert item.seq.status is SequenceStatus.RUNNING and not item.seq.in_flight
+                        assert sched.block_manager.block_table(item.seq.request_id), seed
+                        item.seq.in_flight = True
+                    prefill_tokens += batch.num_prefill_tokens
+                    in_flight.append(batch)
+            if not in_flight:
+                break
+            _complete(sched, in_flight.pop(0))
+        assert not sched.has_unfinished(), seed
+        swap = sched.block_manager.swap
+        assert swap.num_swap_ins == swap.num_swap_outs and swap.store.num_free_blocks == 256
+        sched.block_manager.check_invariants()
+
+
 # --- recipe and step-time table ------------------------------------------------------------------------
 def test_recipe_validates_tdpipe_parameters():
     recipe = parse_recipe({"strategy": {"name": "tdpipe", "work_stealing": False},
