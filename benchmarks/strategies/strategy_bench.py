@@ -157,7 +157,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
             "requests_per_s": round(len(outs) / elapsed, 3),
             "prompt_tokens": n_in, "output_tokens": n_out,
             "kv_capacity_tokens": stats["kv_capacity_tokens"],
-            "steps": stats["steps"], "preemptions": stats["num_preemptions"],
+            "steps": stats["steps"], "preemptions": stats["num_preemptions"], "kv_swap": stats.get("kv_swap"),
             "phase_switches": getattr(sched, "num_switches", None),
             "mean_decode_batch": round(statistics.mean(decode), 1) if decode else None,
             "micro_batch_seconds_by_phase": {k: round(v, 1) for k, v in phase_s.items()},
