@@ -110,7 +110,7 @@ class CacheConfig(_Strict):
     @property
     def swap_bytes(self) -> int:
         """Host bytes the swap area takes (0 unless preemption_mode is swap)."""
-        return int(self.swap_space) if self.preemption_mode == "swap" else 0
+        return parse_size(self.swap_space) if self.preemption_mode == "swap" else 0
 
 
 class SchedulerConfig(_Strict):

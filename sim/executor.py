@@ -58,7 +58,7 @@ class SimulatedExecutor(Executor):
                  tp: int = 1, threads: int = 1, replica: int = 0, register: bool = True,
                  cpu_samplers: int = 0, structure_aware: bool = True, token_safe: bool = False,
                  sampler_threads: int = 1, split_samples: bool = False,
-                 launch_ahead: bool = False):
+                 launch_ahead: bool = False, swap=None, swap_block_bytes: float = 0.0):
         """register: on the clock (False for a pipeline another executor wraps, which
         reports its events for it). Every stage prepares its inputs (cost.input_prep_seconds)
         before its forward on the rank's thread. CPU sampling (arXiv:2506.22033): `cpu_samplers` > 0 samples
@@ -74,7 +74,11 @@ class SimulatedExecutor(Executor):
         (one iteration ahead: CI == GI); the forward waits only for what is left of it.
         `launch_ahead` (the engine's async scheduling, engine/steps_ahead.py: one process, a
         GPU): the controller plans and launches a step while the previous one runs, so its
-        work delays a step only by what outlasts the step before it."""
+        work delays a step only by what outlasts the step before it. `swap` (the replica's
+        kv_swap.SwapSpace, memory.preemption_mode swap): the KV copies decided since the last
+        micro-batch ride on this one, each stage copying its layers' (and TP share's) part of
+        `swap_block_bytes` per block over the host copy bandwidth before its forward, as the
+        workers do."""
         self.clock, self.cost = clock, cost
         self.layers_per_stage = list(layers_per_stage)
         self.tp, self.threads, self.replica = tp, threads, replica
@@ -96,6 +100,7 @@ class SimulatedExecutor(Executor):
                                                               for _ in range(self.pp)]
         self._last_done = 0.0
         self.launch_ahead = launch_ahead
+        self.swap, self.swap_block_bytes = swap, swap_block_bytes
         self._host_free = 0.0           # when the controller finished launching the last step
         self.events: list[dict] = []
         self.record_events = True
@@ -127,6 +132,8 @@ class SimulatedExecutor(Executor):
         forward = sample = 0.0
         on_cpu = self.cpu_samplers > 0
         prep = self.cost.input_prep_seconds(shape)
+        copied = len(self.swap.take_ops()) if self.swap is not None else 0
+        model_layers = sum(self.layers_per_stage)
         for stage, layers in enumerate(self.layers_per_stage):
             last = stage == self.pp - 1
             if stage > 0:
@@ -141,6 +148,9 @@ class SimulatedExecutor(Executor):
             start = self._inputs_ready(stage, start, delivered, prep)
             seconds = self.cost.stage_seconds(shape, layers, last, self.tp, self.threads,
                                               sample=not on_cpu)
+            if copied:      # the plan's KV swaps, before the forward
+                seconds += self.cost.host_copy_seconds(
+                    copied * self.swap_block_bytes * layers / model_layers / self.tp)
             end = start + seconds
             self._free_at[stage] = end
             self._executing[stage].append((begins, end))

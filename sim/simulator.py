@@ -18,12 +18,13 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from batchinfer.engine.build import use_async_scheduling
+from batchinfer.engine.build import kv_element_bytes, use_async_scheduling
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.kv_groups import (KVGroupLayout, check_group_capacity, groups_for,
                                          make_block_manager, step_tokens)
+from batchinfer.engine.kv_swap import attach_swap_space, swap_blocks_for
 from batchinfer.engine.model.arch import ModelArch
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.runtime.build import num_kv_blocks
@@ -62,6 +63,7 @@ class SimResult:
     preemptions: int = 0
     phase_switches: Optional[int] = None
     strategy_stats: dict = field(default_factory=dict)
+    kv_swap: dict = field(default_factory=dict)   # memory.preemption_mode swap: its counts
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -187,18 +189,20 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
         if config.parallel.stage_transport == "metadata":
             options["structure_aware"] = False
         replicas = []
-        if config.cache.preemption_mode == "swap":
-            logging.getLogger("batchinfer").info(
-                "simulator: preempted sequences are recomputed (memory.preemption_mode swap is "
-                "not simulated)")
+        # memory.preemption_mode swap: a block's K/V over every layer, as the engine sizes the
+        # swap area (kv_element_bytes: the cache's element, cache.kv_cache_dtype resolved)
+        block_bytes = arch.kv_bytes_per_token(kv_element_bytes(config, dtype_bytes)) * \
+            config.cache.block_size
         for index in range(layout.dp):
             # blocks behind a sliding window released, as the engine does (prefix caching is not
             # simulated)
             block_manager = make_block_manager(groups, num_blocks, config.cache.block_size,
                                                False, config.cache.kv_window(arch))
             scheduler = config.make_scheduler(block_manager, max_model_len, layout.pp)
+            attach_swap_space(block_manager, scheduler, swap_blocks_for(config.cache, block_bytes))
             executor = SimulatedExecutor(clock, cost, list(layout.layers_per_stage), layout.tp,
-                                         threads, index, **options)
+                                         threads, index, swap=block_manager.swap,
+                                         swap_block_bytes=block_bytes, **options)
             replicas.append(Replica(scheduler, executor))
     info.update({"vocab_size": arch.vocab_size, "simulated": True,
             "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
@@ -287,7 +291,7 @@ def _result(config: EngineConfig, engine: Engine, stats: dict, finished: int, fa
         bubble_ratio_by_stage=by_stage, steps=stats["steps"],
         preemptions=stats["num_preemptions"],
         phase_switches=getattr(engine.scheduler, "num_switches", None),
-        strategy_stats=stats.get("strategy_stats", {}))
+        strategy_stats=stats.get("strategy_stats", {}), kv_swap=stats.get("kv_swap", {}))
 
 
 def simulate_recipe_model(config: EngineConfig, requests: list[SimRequest], cost: CostModel,

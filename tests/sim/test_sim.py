@@ -345,6 +345,26 @@ def test_a_windowed_model_releases_blocks_in_the_simulator_as_in_the_engine():
     assert runs[False].preemptions > 0 and runs[True].preemptions == 0
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_swapping_is_simulated_as_copies_instead_of_recomputed_prompts(pp):
+    """memory.preemption_mode swap in the simulator: the scheduler's swaps ride on the next
+    micro-batch and each stage pays the host copy before its forward; nothing is recomputed."""
+    work = [SimRequest(200, 100) for _ in range(8)]
+    kv_bytes = 40 * 16 * ARCH.kv_bytes_per_token(4) // pp          # 40 blocks of 16 tokens
+    runs = {}
+    for mode in ("recompute", "swap"):
+        config = _config({"name": "baseline", "policy": "hb"}, pp=pp, kv_bytes=kv_bytes)
+        config = config.model_copy(update={"cache": config.cache.model_copy(
+            update={"preemption_mode": mode, "swap_space": "64MiB"})})
+        runs[mode] = simulate(config, work, LinearCost(), ARCH, 512, 4)
+    assert runs["recompute"].output_tokens == runs["swap"].output_tokens == 800
+    assert runs["recompute"].preemptions > 0 and not runs["recompute"].kv_swap
+    swap = runs["swap"].kv_swap
+    assert swap["swap_outs"] == runs["swap"].preemptions > 0 and swap["swap_ins"] == swap["swap_outs"]
+    # a copy here costs 0.5 s a stage; recomputing a 200-token prompt costs it its prefill
+    assert runs["swap"].elapsed_s < runs["recompute"].elapsed_s
+
+
 @pytest.mark.parametrize("pp, groups", [(1, (0, 32, 32, 32, 32, 32)), (2, (0, 32, 32, 32))])
 def test_a_hybrid_window_model_runs_layer_groups_in_the_simulator_as_in_the_engine(pp, groups):
     """Gemma 3's pattern on 6 layers (5 windowed of 32 keys, then a global one): the simulator
