@@ -1,4 +1,4 @@
-"""Preemption by swapping (`cache.preemption_mode: swap`, vLLM's swap mode): a preempted
+"""Preemption by swapping (`memory.preemption_mode: swap`, vLLM's swap mode): a preempted
 sequence's KV is copied to a swap area in host memory and back, instead of being dropped and
 its prompt and replies recomputed.
 
@@ -13,7 +13,8 @@ by a swap out and taken by a swap in, a swap-area block freed by a swap in and t
 out).
 
 A sequence holding one block table over every layer swaps; with KV layer groups or a sliding
-window released behind it the engine keeps recomputing (`swap_unsupported_reason`).
+window released behind it, or under a scheduler that does not bring swapped sequences back
+(`swaps_preempted` false), the engine keeps recomputing (`swap_unsupported_reason`).
 """
 from __future__ import annotations
 
