@@ -17,7 +17,7 @@ from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
 from .kv_cache import KVCacheSpec, allocate_kv_tensors
-from .kv_swap import attach_swap_space, swap_blocks_for
+from .kv_swap import SwapArea, attach_swap_space, swap_blocks_for
 from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_block_manager,
                         step_tokens)
 from .model.arch import ModelArch
@@ -267,8 +267,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     executor = executor_class(model, kv_caches, backend, sampler, block_manager, device, graphs)
     swap_blocks = attach_swap_space(block_manager, scheduler,
                                     swap_blocks_for(config.cache, spec.bytes_per_block))
-    if swap_blocks:
-        executor.use_swap_area(swap_blocks)
+    executor.swap_area = SwapArea(swap_blocks)
     info = {
         "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),

@@ -21,7 +21,7 @@ import torch
 from .attention import AttentionBackend
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager
-from .kv_swap import allocate_swap_area, apply_kv_swaps
+from .kv_swap import SwapArea
 from .model.causal_lm import CausalLM
 from .sampler import Sampler
 from .scheduler import MicroBatch
@@ -135,18 +135,7 @@ class InProcessExecutor(Executor):
         self.sampler, self.block_manager, self.device = sampler, block_manager, device
         self.graphs = graphs      # CUDA graphs for pure-decode steps (engine/cuda_graphs.py)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
-        self.swap_area: list = []  # host copies of the cache's blocks (kv_swap.py)
-        self.swap_blocks = 0
-
-    def use_swap_area(self, num_blocks: int) -> None:
-        self.swap_blocks = num_blocks
-
-    def run_kv_swaps(self, plan) -> None:
-        """The plan's KV copies, before its forward; the swap area is allocated at first use
-        (pinned on a GPU: committed memory, so not before it is needed)."""
-        if plan.kv_swaps and not self.swap_area:
-            self.swap_area = allocate_swap_area(self.kv_caches, self.swap_blocks)
-        apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
+        self.swap_area = SwapArea()  # host copies of the cache's blocks (kv_swap.py)
 
     @property
     def num_in_flight(self) -> int:
@@ -174,7 +163,7 @@ class InProcessExecutor(Executor):
     def execute(self, batch: MicroBatch) -> StepResult:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
-        self.run_kv_swaps(plan)
+        self.swap_area.run(plan.kv_swaps, self.kv_caches)
         graphed = self.graphs.run(plan) if self.graphs is not None else None
         if graphed is not None:
             hidden, residual, rows = graphed

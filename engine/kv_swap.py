@@ -138,6 +138,22 @@ def allocate_swap_area(kv_caches: list, num_blocks: int) -> list[tuple[torch.Ten
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(len(kv_caches))]
 
 
+class SwapArea:
+    """A rank's share of the swap area, allocated when the first copy comes (pinned on a GPU,
+    which commits the memory); the in-process executors and the workers run plans' copies
+    through it."""
+
+    def __init__(self, num_blocks: int = 0):
+        self.num_blocks = num_blocks
+        self.tensors: list = []
+
+    def run(self, ops: list[tuple[str, int, int]], kv_caches: list) -> None:
+        """A plan's copies, before its forward."""
+        if ops and not self.tensors:
+            self.tensors = allocate_swap_area(kv_caches, self.num_blocks)
+        apply_kv_swaps(ops, kv_caches, self.tensors)
+
+
 def apply_kv_swaps(ops: list[tuple[str, int, int]], kv_caches: list, area: list) -> None:
     """Carries out a plan's copies on this rank's layers, in order; consecutive copies of one
     kind go together (one gather and one scatter per layer and tensor)."""
@@ -145,13 +161,13 @@ def apply_kv_swaps(ops: list[tuple[str, int, int]], kv_caches: list, area: list)
         return
     if not area:
         raise RuntimeError("a plan carries KV swaps but this rank has no swap area")
+    device = kv_caches[0][0].device
     start = 0
     while start < len(ops):
         kind = ops[start][0]
         end = start
         while end < len(ops) and ops[end][0] == kind:
             end += 1
-        device = kv_caches[0][0].device
         src = torch.tensor([op[1] for op in ops[start:end]], dtype=torch.long)
         dst = torch.tensor([op[2] for op in ops[start:end]], dtype=torch.long)
         for cache, store in zip(kv_caches, area):

@@ -100,7 +100,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
     def _launch(self, batch: MicroBatch) -> _Launched:
         t0 = time.perf_counter()
         plan = plan_batch(batch, self.block_manager)
-        self.run_kv_swaps(plan)
+        self.swap_area.run(plan.kv_swaps, self.kv_caches)
         substitute = self._substitution(plan)
         graphed = self.graphs.run(plan, substitute) if self.graphs is not None else None
         if graphed is not None:

@@ -101,6 +101,7 @@ class SimulatedExecutor(Executor):
         self._last_done = 0.0
         self.launch_ahead = launch_ahead
         self.swap, self.swap_block_bytes = swap, swap_block_bytes
+        self._model_layers = sum(self.layers_per_stage)
         self._host_free = 0.0           # when the controller finished launching the last step
         self.events: list[dict] = []
         self.record_events = True
@@ -133,7 +134,6 @@ class SimulatedExecutor(Executor):
         on_cpu = self.cpu_samplers > 0
         prep = self.cost.input_prep_seconds(shape)
         copied = len(self.swap.take_ops()) if self.swap is not None else 0
-        model_layers = sum(self.layers_per_stage)
         for stage, layers in enumerate(self.layers_per_stage):
             last = stage == self.pp - 1
             if stage > 0:
@@ -150,7 +150,7 @@ class SimulatedExecutor(Executor):
                                               sample=not on_cpu)
             if copied:      # the plan's KV swaps, before the forward
                 seconds += self.cost.host_copy_seconds(
-                    copied * self.swap_block_bytes * layers / model_layers / self.tp)
+                    copied * self.swap_block_bytes * layers / self._model_layers / self.tp)
             end = start + seconds
             self._free_at[stage] = end
             self._executing[stage].append((begins, end))

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ..kv_swap import allocate_swap_area, apply_kv_swaps
+from ..kv_swap import SwapArea
 from .input_prep import TokenSafeInputs, VersionedInputs
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
@@ -114,7 +114,7 @@ class Worker:
         self.set_roles(spec.layout)
         self.events: list[dict] = []
         self.inputs = None                   # token-safe input preparation, one plan ahead
-        self.swap_area: list = []            # host copies of KV blocks (kv_swap.py)
+        self.swap_area = SwapArea(spec.swap_blocks)   # host copies of KV blocks (kv_swap.py)
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
@@ -281,10 +281,7 @@ class Worker:
         return inputs
 
     def execute(self, plan, received) -> None:
-        if plan.kv_swaps:          # before the forward: this rank's layers and heads
-            if not self.swap_area:      # allocated at first use (pinned on a GPU)
-                self.swap_area = allocate_swap_area(self.kv_caches, self.spec.swap_blocks)
-            apply_kv_swaps(plan.kv_swaps, self.kv_caches, self.swap_area)
+        self.swap_area.run(plan.kv_swaps, self.kv_caches)   # this rank's layers and heads
         if not self.ext.execute(self, plan, received):
             self.execute_plain(plan, received)
 
