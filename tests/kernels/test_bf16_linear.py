@@ -64,12 +64,14 @@ def test_pairs_layout_round_trips_and_pads_odd_widths_with_zero(out_features, in
 
 
 @pytest.mark.parametrize("kind", KERNELS)
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 33, 48, 50, 131])
-@pytest.mark.parametrize("out_features,in_features", [(16, 64), (48, 577), (96, 576), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 8, 12, 13, 16, 17, 33, 48, 50, 131])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(16, 64), (48, 577), (96, 576), (112, 130), (960, 576)])
 def test_outputs_match_fp64_sums_of_the_rounded_operands(kind, rows, out_features, in_features):
-    """Every tile height (dpbf16: 1-12 rows, row blocks of 48; amx: 16 or 32 rows, padded, row
-    blocks of 128), an odd panel count (48: three panels) and an odd K (577: zeros pad the last
-    pair, or the last tile step)."""
+    """Every tile height (dpbf16: 6 rows x 4 panels, a last group of 3, 2 or 1 panels at 8, 12
+    or 12 rows, row blocks of 48; amx: 16 or 32 rows, padded, row blocks of 128), odd panel
+    counts (48: three; 112: four and three) and an odd K (577: zeros pad the last pair, or the
+    last tile step)."""
     linear = _linear(out_features, in_features, seed=rows)
     x = _inputs(rows, in_features, seed=rows + 1)
     with torch.no_grad():
@@ -111,16 +113,18 @@ def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread(kind):
 
 @pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("rows", [1, 13, 50, 140])
-def test_fused_silu_mul_equals_the_gemm_then_silu_and_mul(kind, rows):
+@pytest.mark.parametrize("width", [96, 48])
+def test_fused_silu_mul_equals_the_gemm_then_silu_and_mul(kind, rows, width):
     """The epilogue uses the fp32 kernels' SiLU (kernels/simd.h), as the native silu_and_mul op
-    does: the same bits as the two ops."""
-    linear = kind(_linear(2 * 96, 576, seed=7))
+    does: the same bits as the two ops. Width 48: three gate panels (dpbf16: a group of two gate
+    and two up panels, then one of each)."""
+    linear = kind(_linear(2 * width, 576, seed=7))
     x = _inputs(rows, 576, seed=8)
     assert linear.can_fuse_silu_mul
     with torch.no_grad():
         fused = linear.silu_mul(x)
         unfused = torch.ops.batchinfer.silu_and_mul(linear(x))
-    assert fused.shape == (rows, 96)
+    assert fused.shape == (rows, width)
     assert torch.equal(fused, unfused)
 
 
