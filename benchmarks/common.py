@@ -114,10 +114,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def workload_rows(path: Optional[Path], n: int) -> list[dict]:
+    """n lines of the W-decode file (default examples/w-decode.jsonl), repeated past its end."""
+    rows = read_jsonl(path or W_DECODE)
+    return [rows[i % len(rows)] for i in range(n)]
+
+
 def w_decode_prompts(path: Optional[Path], n: int) -> list[str]:
     """n prompts of the W-decode file (default examples/w-decode.jsonl), repeated past its end."""
-    rows = read_jsonl(path or W_DECODE)
-    return [rows[i % len(rows)]["prompt"] for i in range(n)]
+    return [row["prompt"] for row in workload_rows(path, n)]
 
 
 def embedded_source():
@@ -225,8 +230,10 @@ def model_section(args) -> dict:
 def warm_engine(workload: Optional[Path], n: int, policy: str = "hb", kv_cache_dtype: str = "auto",
                 model: Optional[dict] = None, device: str = "auto",
                 cuda_graphs: Optional[bool] = None,
-                max_tokens: int = 128):
-    """The engine W-decode runs on (room for all n sequences at once), warmed up on a few of the
+                max_tokens: int = 128, max_num_seqs: Optional[int] = None,
+                kv_cache_memory: Optional[str] = None):
+    """The engine W-decode runs on (room for all n sequences at once unless max_num_seqs and
+    kv_cache_memory say otherwise), warmed up on a few of the
     workload's n prompts (default workload: W_DECODE); `model` is the recipe's model section
     (default: the embedded model). With CUDA graphs, warm-up runs the whole workload once, so
     that the graphs its decode steps need are captured before the timed run (vLLM captures its
@@ -235,8 +242,11 @@ def warm_engine(workload: Optional[Path], n: int, policy: str = "hb", kv_cache_d
     from batchinfer.engine.engine import Engine
     from batchinfer.engine.request import SamplingParams
 
-    engine = Engine.from_config(EngineConfig(scheduler={"policy": policy, "max_num_seqs": max(n, 256)},
-                                             cache={"kv_cache_dtype": kv_cache_dtype},
+    engine = Engine.from_config(EngineConfig(scheduler={"policy": policy,
+                                                        "max_num_seqs": max_num_seqs or max(n, 256)},
+                                             cache={"kv_cache_dtype": kv_cache_dtype,
+                                                    **({"kv_cache_memory": kv_cache_memory}
+                                                       if kv_cache_memory else {})},
                                              model=model or {},
                                              device={"device": device, "cuda_graphs": cuda_graphs}))
     prompts = w_decode_prompts(workload, n)

@@ -32,6 +32,10 @@ and fp32 eager (`ratio_vs_peer_fp32`); without a peer only ours runs.
     python benchmarks/engine/w_decode.py --quantization none int8 int8-lm-head
         # ours also with model.quantization: int8 (LM head in the model's dtype / in int8 too),
         # each interleaved with the others and the peer; no roofline for the int8 runs
+    python benchmarks/engine/w_decode.py --sharegpt 500 --repeats 1
+        # the first 500 requests of the ShareGPT V3 sample (benchmarks/common.py), each with its
+        # reference reply length (ignore_eos), all submitted at once, 256 sequences at most and
+        # 4 GiB of KV as vLLM's CPU defaults; no roofline (the batch is not one fixed size)
     python benchmarks/engine/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
         # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
@@ -50,16 +54,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import (  # noqa: E402
     PEER_CONFIGS, REPO, W_DECODE, add_model_arguments, add_vllm_arguments, emit, kv_bytes_per_token,
-    model_section, run_json, vllm_offline_cmd, vllm_peer, w_decode_prompts, warm_engine)
+    model_section, run_json, sharegpt_rows, vllm_offline_cmd, vllm_peer, warm_engine,
+    workload_rows)
 
 
 GRAPH_CHOICES = {"auto": None, "on": True, "off": False}   # --cuda-graphs -> device.cuda_graphs
+# --sharegpt: vLLM's CPU defaults for what the engine may hold (max_num_seqs, VLLM_CPU_KVCACHE_SPACE)
+SHAREGPT_LIMITS = {"max_num_seqs": 256, "kv_cache_memory": "4GiB"}
 
 
 def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_every: int,
              kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
-             cuda_graphs: str = "auto") -> dict:
-    """Runs inside a fresh process (see --worker)."""
+             cuda_graphs: str = "auto", limits: dict | None = None) -> dict:
+    """Runs inside a fresh process (see --worker). max_tokens 0: each line's own max_tokens
+    (no roofline then: the decode batch is not one size); `limits`: max_num_seqs and
+    kv_cache_memory (default: room for all n sequences)."""
     from benchmarks.engine.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
@@ -67,18 +76,21 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
 
     import torch
 
+    rows = workload_rows(workload, n)
+    lengths = [r["max_tokens"] if max_tokens == 0 else max_tokens for r in rows]
     engine, prompts = warm_engine(workload, n, policy, kv_cache_dtype, model, device,
-                                  GRAPH_CHOICES[cuda_graphs], max_tokens)
+                                  GRAPH_CHOICES[cuda_graphs], max(lengths), **(limits or {}))
     graphs = engine.replicas[0].executor.graphs if engine.info.get("cuda_graphs") else None
     graph_steps = graphs.steps if graphs else 0
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+              for length in lengths]
     arch = load_arch(resolve_model_dir((model or {}).get("path"))[0])
     # the CPU roofline in fp32 / bf16 GEMMs: not timed for int8 runs (no int8 roofline here)
     cpu_roofline = engine.info["device"] == "cpu" and not engine.info.get("quantization")
     # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
     weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
     roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype)
-                if roofline_every and cpu_roofline else None)
+                if roofline_every and cpu_roofline and max_tokens else None)
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0
     steps = 0
@@ -137,6 +149,7 @@ def _ours_cmd(args, n: int, quantization: str = "none") -> list[str]:
             "--roofline-every", str(args.roofline_every), "--kv-cache-dtype", args.kv_cache_dtype,
             "--device", args.device, "--load-format", args.load_format, "--dtype", args.dtype,
             "--cuda-graphs", args.cuda_graphs,
+            *(["--sharegpt", str(args.sharegpt)] if args.sharegpt else []),
             *(["--model", str(args.model)] if args.model else [])]
 
 
@@ -176,6 +189,11 @@ def main() -> None:
                     help="CUDA: device.cuda_graphs (auto: the engine's default, on with the "
                          "Triton attention)")
     add_vllm_arguments(ap)
+    ap.add_argument("--sharegpt", type=int, default=0, metavar="N",
+                    help="the workload: the first N requests of the ShareGPT V3 sample, each with "
+                    "its reference reply length (replaces --workload, --max-tokens and "
+                    "--concurrency; at most 256 sequences and 4 GiB of KV, as vLLM's CPU "
+                    "defaults; no roofline)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -184,8 +202,16 @@ def main() -> None:
                                   args.roofline_every, args.kv_cache_dtype,
                                   {**model_section(args), "dtype": args.dtype,
                                    **QUANTIZATIONS[args.quantization[0]]},
-                                  args.device, args.cuda_graphs)))
+                                  args.device, args.cuda_graphs,
+                                  SHAREGPT_LIMITS if args.sharegpt else None)))
         return
+    if args.sharegpt:   # each line keeps its own reply length: max_tokens 0
+        rows = sharegpt_rows()[:args.sharegpt]
+        args.workload = REPO / "runs" / f"sharegpt-{len(rows)}.jsonl"
+        args.workload.parent.mkdir(exist_ok=True)
+        args.workload.write_text("".join(json.dumps({"prompt": r["prompt"], "max_tokens": r["max_tokens"]})
+                                         + "\n" for r in rows))
+        args.max_tokens, args.concurrency, args.roofline_every = 0, [len(rows)], 0
 
     vllm = vllm_peer(args)
     report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,
@@ -199,8 +225,10 @@ def main() -> None:
         peer = {config: [] for config in args.peer_configs}
         prompts_file = REPO / "runs" / f"w-decode-{n}.jsonl"
         prompts_file.parent.mkdir(exist_ok=True)
-        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
-                                        for p in w_decode_prompts(args.workload, n)))
+        prompts_file.write_text("".join(
+            json.dumps({"prompt": r["prompt"],
+                        **({"max_tokens": r["max_tokens"]} if not args.max_tokens else {})}) + "\n"
+            for r in workload_rows(args.workload, n)))
         for rep in range(args.repeats):  # alternate the order to cancel drift
             mine = [f"ours:{q}" for q in ours]
             order = [*mine, *peer] if rep % 2 == 0 else [*peer, *reversed(mine)]

@@ -7,8 +7,9 @@
 // one k pair of a panel is one 64-byte line whose 32-bit lanes each hold (w[n][2g], w[n][2g + 1])
 // of one column n; the input row's bf16 copy is read as the same pairs, one 32-bit broadcast each.
 // A register tile is 6 rows x four panels (24 accumulators of the 32 zmm registers; a last group
-// of 3, 2 or 1 panels takes 8, 12 or 12 rows); tasks are (group of panels, block of 48 rows),
-// group-major, and each group's first row block prefetches the next group (panel_prefetch.h). Each output is one vdpbf16ps chain over the k pairs in
+// of 3, 2 or 1 panels takes 8, 12 or 12 rows); the threads split the (group, row) pairs evenly,
+// group-major, in blocks of up to 48 rows, and a group's first block prefetches the next group
+// (panel_prefetch.h). Each output is one vdpbf16ps chain over the k pairs in
 // order, so a row's result does not depend on the batch it is in, on the tile or on the threads.
 //
 // bf16_linear_silu_mul is the MLP's gate/up projection with SiLU-and-mul as its epilogue (gate
@@ -25,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+
+#include <omp.h>
 
 #include "panel_prefetch.h"
 #include "simd.h"
@@ -159,23 +162,28 @@ inline void tile_rows(int64_t rows, const uint16_t* xq, int64_t ldq, const uint1
   }
 }
 
-// One task: rows [begin, end) against NP panels, prefetching the next task's (null: none).
+// One task: rows [begin, end) against NP panels, prefetching the next task's (null: none). The
+// rows split into as few tiles as the tile height allows, of sizes differing by at most one
+// (32 rows at 6 a tile: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2, which runs mostly loads).
 template <int NP, bool SILU>
 void rows_of(const uint16_t* xq, int64_t ldq, int64_t begin, int64_t end,
              const uint16_t* const* panel, const uint16_t* const* next_panel, float* y,
              int64_t ldy, int64_t K2) {
   constexpr int64_t tile = tile_rows_for(NP);
   const int64_t lines = K2 * 2 * P * 2 / LINE;  // a panel's k pair is one line
+  const int64_t rows = end - begin, tiles = (rows + tile - 1) / tile;
   // every next panel is streamed on the same schedule: the first one's, offset
-  const PanelPrefetch ahead(next_panel[0], lines, end - begin, true, tile);
-  for (int64_t m = begin, t = 0; m < end; m += tile, ++t) {
+  const PanelPrefetch ahead(next_panel[0], lines, rows, true, tile);
+  for (int64_t m = begin, t = 0; t < tiles; ++t) {
+    const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
     const char* next[NP];
     for (int p = 0; p < NP; ++p)
       next[p] = ahead.next != nullptr && next_panel[p] != nullptr
                     ? reinterpret_cast<const char*>(next_panel[p]) + (ahead.from(t) - ahead.next)
                     : nullptr;
-    tile_rows<NP, SILU>(std::min(tile, end - m), xq + m * ldq, ldq, panel, y + (m - begin) * ldy,
-                        ldy, K2, next, ahead.lines(t));
+    tile_rows<NP, SILU>(height, xq + m * ldq, ldq, panel, y + (m - begin) * ldy, ldy, K2, next,
+                        ahead.lines(t));
+    m += height;
   }
 }
 
@@ -205,31 +213,40 @@ int group_panels(const uint16_t* wp, int64_t panel_elems, int64_t units, int64_t
   return int(SILU ? 2 * count : count);
 }
 
-// Runs the tasks (column group, block of ROWS rows), group-major, over `units` panels (SILU:
-// gate/up panel pairs), each group's first row block prefetching the next group's panels.
+// Runs the column groups over `units` panels (SILU: gate/up panel pairs) x the M rows. Each
+// thread takes an equal share of the (group, row) pairs in group-major order, so a layer with
+// an odd number of groups (SmolLM2's o and down projections: 9) still splits evenly, in row
+// blocks of ROWS; a thread's first row block of a group prefetches the next group's panels when
+// the thread runs that group too.
 template <bool SILU>
 void run(const uint16_t* xq, int64_t ldq, const uint16_t* wp, float* yp, int64_t M, int64_t K2,
          int64_t units, int64_t ldy) {
   const int64_t panel_elems = K2 * 2 * P;
   const int64_t per = SILU ? GROUP / 2 : GROUP;
   const int64_t groups = (units + per - 1) / per;
-  const int64_t row_blocks = (M + ROWS - 1) / ROWS;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < groups; ++t) {
-    for (int64_t rb = 0; rb < row_blocks; ++rb) {
-      const int64_t begin = rb * ROWS, end = std::min(M, begin + ROWS);
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t total = groups * M, last = total * (me + 1) / threads;
+    for (int64_t pos = total * me / threads; pos < last;) {
+      const int64_t t = pos / M, from = pos % M, to = std::min(M, from + (last - pos));
       const uint16_t* panel[GROUP] = {};
-      const uint16_t* next[GROUP] = {};
       const int np = group_panels<SILU>(wp, panel_elems, units, t, panel);
-      if (rb == 0 && t + 1 < groups) group_panels<SILU>(wp, panel_elems, units, t + 1, next);
-      float* y = yp + begin * ldy + t * per * P;
-      switch (np) {
-        case 4: rows_of<4, SILU>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
-        case 2: rows_of<2, SILU>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
-        case 3: if constexpr (!SILU) rows_of<3, false>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
-        case 1: if constexpr (!SILU) rows_of<1, false>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
-        default: break;
+      for (int64_t begin = from; begin < to; begin += ROWS) {
+        const int64_t end = std::min(to, begin + ROWS);
+        const uint16_t* next[GROUP] = {};
+        if (begin == from && t + 1 < groups && (t + 1) * M < last)
+          group_panels<SILU>(wp, panel_elems, units, t + 1, next);
+        float* y = yp + begin * ldy + t * per * P;
+        switch (np) {
+          case 4: rows_of<4, SILU>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
+          case 2: rows_of<2, SILU>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
+          case 3: if constexpr (!SILU) rows_of<3, false>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
+          case 1: if constexpr (!SILU) rows_of<1, false>(xq, ldq, begin, end, panel, next, y, ldy, K2); break;
+          default: break;
+        }
       }
+      pos += to - from;
     }
   }
 }

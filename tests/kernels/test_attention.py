@@ -45,12 +45,14 @@ def test_large_scores_stay_finite():
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2)])
-def test_decode_batch_in_physical_block_order(head_dim, heads, kv_heads):
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_decode_batch_in_physical_block_order(head_dim, heads, kv_heads, block_size):
     """The decode path visits blocks in physical order across sequences: interleaved (lockstep)
     block tables, a block shared by two sequences (prefix caching) and a thread count that
-    splits the batch must all give the per-sequence answer."""
+    splits the batch must all give the per-sequence answer. Blocks of 8 and 32: the AVX-512
+    lanes' 16-token chunks half-filled and two to a block."""
     gen = torch.Generator().manual_seed(3)
-    block_size, num_seqs = 16, 37
+    num_seqs = 37
     seq_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
     width = max(-(-s // block_size) for s in seq_lens)
     # block b of sequence i at b * num_seqs + i, as an allocator serving a batch in lockstep does
