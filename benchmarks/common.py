@@ -279,10 +279,12 @@ def kv_bytes_per_token(arch, kv_cache_dtype: str) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
 
 
-def teacher_forced_logprobs(model, backend, arch, ids: list[int], kv_dtype=None):
+def teacher_forced_logprobs(model, backend, arch, ids: list[int], kv_dtype=None,
+                            decode_steps: bool = False):
     """A model partition's next-token log-probs at every position of one token sequence: one
-    prefill over a fresh paged cache in kv_dtype (default fp32). The accuracy benchmarks and the
-    reduced-precision tests (tests/teacher_forced.py) compare formats with it."""
+    prefill over a fresh paged cache in kv_dtype (default fp32), or (decode_steps) one token a
+    step, as decoding reads the cache. The accuracy benchmarks and the reduced-precision tests
+    (tests/teacher_forced.py) compare formats with it."""
     import torch
 
     from batchinfer.engine.attention import AttentionMetadata
@@ -292,11 +294,17 @@ def teacher_forced_logprobs(model, backend, arch, ids: list[int], kv_dtype=None)
     cache = [tuple(torch.zeros(blocks, arch.num_kv_heads, block, arch.head_dim,
                                dtype=kv_dtype or torch.float32) for _ in range(2))
              for _ in range(arch.num_layers)]
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block,
-                                   torch.device("cpu"))
+    cpu, table = torch.device("cpu"), [list(range(blocks))]
+    steps = ([(pos, pos + 1) for pos in range(len(ids))] if decode_steps
+             else [(0, len(ids))])
+    rows = []
     with torch.inference_mode():
-        hidden, residual = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, backend)
-        return torch.log_softmax(model.compute_logits(hidden, residual), -1)
+        for begin, end in steps:
+            meta = AttentionMetadata.build([end - begin], [end], table, block, cpu)
+            hidden, residual = model(torch.tensor(ids[begin:end]), torch.arange(begin, end),
+                                     cache, meta, backend)
+            rows.append(torch.log_softmax(model.compute_logits(hidden, residual), -1))
+    return torch.cat(rows)
 
 
 # --- vLLM's CPU build as the peer ----------------------------------------------------------------

@@ -31,10 +31,12 @@ def hf_logprobs(model_dir, dtypes=(torch.bfloat16, torch.float32)):
     return ids, out
 
 
-def teacher_forced(model, backend, arch, ids, kv_dtype=torch.bfloat16) -> list[torch.Tensor]:
-    """Our model's next-token log-probs at every position of each text (one prefill each, over a
-    paged cache in kv_dtype)."""
-    return [teacher_forced_logprobs(model, backend, arch, seq, kv_dtype) for seq in ids]
+def teacher_forced(model, backend, arch, ids, kv_dtype=torch.bfloat16,
+                   decode_steps: bool = False) -> list[torch.Tensor]:
+    """Our model's next-token log-probs at every position of each text (one prefill each, or one
+    decode step a token, over a paged cache in kv_dtype)."""
+    return [teacher_forced_logprobs(model, backend, arch, seq, kv_dtype, decode_steps)
+            for seq in ids]
 
 
 def agreement(ours, theirs, ids) -> tuple[float, float]:

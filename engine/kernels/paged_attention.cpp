@@ -9,7 +9,8 @@
 // once with an online softmax (per block: scores, running max, rescale, accumulate), reusing every
 // loaded K/V row for all the tile's queries and all query heads that share the kv head (GQA).
 // Decode rows (one query per sequence) take attend_decode_avx2 instead: a thread's share of the
-// batch in two passes over its blocks in physical order. The kernels themselves live in
+// batch in two passes over its blocks in physical order (over a bf16 cache on CPUs with
+// AVX512-BF16 and no AMX, in bf16 dot products: bf16_decode_attention()). The kernels themselves live in
 // attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype).
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 // A sliding window (`window` > 0, once some sequence is longer than it) or a logit soft-cap
@@ -24,6 +25,7 @@
 #include "attention_kernels.h"
 
 #include <algorithm>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -189,12 +191,23 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
   return out;
 }
 
+// How decode rows over a bf16 cache compute: "avx512_bf16" (bf16 dot products: the query and the
+// softmax weights rounded to bf16, fp32 sums) or "fp32" (widened to fp32, as every other cache).
+std::string bf16_decode_attention() {
+#ifdef BATCHINFER_BF16_ATTENTION
+  return "avx512_bf16";
+#else
+  return "fp32";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(batchinfer, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor query_start, Tensor seq_lens, float scale, int window=0, float softcap=0.0, "
         "Tensor? sinks=None) -> Tensor");
+  m.def("bf16_decode_attention() -> str", &bf16_decode_attention);
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -155,9 +155,13 @@ def hf_logprobs(default_model_dir):
     return teacher_forced.hf_logprobs(default_model_dir)
 
 
+@pytest.mark.parametrize("decode_steps", [False, True], ids=["prefill", "decode-steps"])
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
-def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logprobs,
+def test_bf16_matches_transformers_bf16_teacher_forced(path, decode_steps, host_flags, hf_logprobs,
                                                        default_model_dir, monkeypatch):
+    """One prefill a text, and one decode step a token: decode rows over the bf16 cache take bf16
+    dot products on AVX512-BF16 CPUs without AMX (kernels/attention_kernels.h), held to the same
+    bounds."""
     from batchinfer.engine.attention import select_backend
     from batchinfer.engine.model.loader import build_model, load_arch
     from batchinfer.engine.model.ops import NativeOps
@@ -172,7 +176,7 @@ def test_bf16_matches_transformers_bf16_teacher_forced(path, host_flags, hf_logp
     if backend.name == "native":
         model.use_ops(NativeOps)
     ids, reference = hf_logprobs
-    ours = teacher_forced.teacher_forced(model, backend, arch, ids)
+    ours = teacher_forced.teacher_forced(model, backend, arch, ids, decode_steps=decode_steps)
     top1, worst = teacher_forced.agreement(ours, reference[torch.bfloat16], ids)
     assert top1 >= MIN_TOP1_AGREEMENT_BF16 and worst <= MAX_LOGPROB_DIFF, (top1, worst)
     top1_fp32, worst_fp32 = teacher_forced.agreement(ours, reference[torch.float32], ids)

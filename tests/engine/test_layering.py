@@ -63,7 +63,8 @@ def test_every_environment_variable_is_in_the_table():
                                 "bench", "predictors", "api")
                for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".cpp", ".h")]
     compile_macros = {"BATCHINFER_AVX2", "BATCHINFER_AVX512", "BATCHINFER_TILE2", "BATCHINFER_VNNI",
-                      "BATCHINFER_BF16DOT", "BATCHINFER_BF16_TILE", "BATCHINFER_AMX"}
+                      "BATCHINFER_BF16DOT", "BATCHINFER_BF16_TILE", "BATCHINFER_AMX",
+                      "BATCHINFER_BF16_ATTENTION"}
     read = {name for p in sources for name in re.findall(r"BATCHINFER_[A-Z0-9_]+", p.read_text())}
     assert read - compile_macros - set(ENV_VARS) == set()
     direct = [str(p.relative_to(ROOT)) for p in sources if p.name != "envs.py" and re.search(

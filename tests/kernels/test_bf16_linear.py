@@ -95,8 +95,11 @@ def test_bias_and_leading_dimensions(kind):
 
 
 @pytest.mark.parametrize("kind", KERNELS)
-def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread(kind):
-    linear = kind(_linear(96, 576, seed=5))
+@pytest.mark.parametrize("out_features", [96, 144])
+def test_a_row_gives_the_same_bits_in_any_batch_and_any_thread_count(kind, out_features):
+    """144 columns: nine panels, three column groups for dpbf16, which two or three threads
+    split inside a group's rows."""
+    linear = kind(_linear(out_features, 576, seed=5))
     x = _inputs(300, 576, seed=6)
     threads = torch.get_num_threads()
     with torch.no_grad():
@@ -104,9 +107,10 @@ def test_a_row_gives_the_same_bits_in_any_batch_and_with_one_thread(kind):
         for row in (0, 11, 12, 15, 16, 31, 47, 48, 127, 128, 130, 299):
             assert torch.equal(linear(x[row:row + 1]), batched[row:row + 1])
         assert torch.equal(linear(x[40:60]), batched[40:60])
-        torch.set_num_threads(1)
         try:
-            assert torch.equal(linear(x), batched)
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(linear(x), batched)
         finally:
             torch.set_num_threads(threads)
 
