@@ -212,6 +212,9 @@ def main() -> None:
         args.workload.write_text("".join(json.dumps({"prompt": r["prompt"], "max_tokens": r["max_tokens"]})
                                          + "\n" for r in rows))
         args.max_tokens, args.concurrency, args.roofline_every = 0, [len(rows)], 0
+    elif args.max_tokens == 0 and not all("max_tokens" in row for row in workload_rows(args.workload, 1)):
+        ap.error(f"--max-tokens 0 takes each line's own max_tokens, and {args.workload}'s lines "
+                 "have none: give --max-tokens N, or --sharegpt N")
 
     vllm = vllm_peer(args)
     report: dict = {"workload": str(args.workload), "max_tokens": args.max_tokens,

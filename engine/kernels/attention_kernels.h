@@ -294,7 +294,8 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 }
 
 // Scores of a kv head's `group` query rows (row g at q + g q_stride) against one block's n keys
-// (bf16 [n, D]): row g's into sr + g s_stride, -inf past n up to `limit` (the scores' padding).
+// (bf16 [n, D]): row g's into sr + g s_stride, -inf past n up to `limit` (the scores' padding in
+// the last block; the block's own width in the others, whose neighbours may be written already).
 template <int D, typename Some>
 void bf16_dot_scores(const at::BFloat16* keys, int n, const float* q, int64_t q_stride,
                      int group, float scale, float* sr, int64_t s_stride, int limit, Some&& some) {
@@ -491,7 +492,7 @@ void attend_decode_avx2(const DecodeSeq* seqs, int count, const T* kc, const T* 
         bf16_dot_scores<D>(block + h * head_stride, n, sq.q + h * group * q_head_stride,
                            q_head_stride, group, scale,
                            scores + static_cast<size_t>(h * group) * padded + start, padded,
-                           padded - start, prefetch_some);
+                           std::min(padded - start, block_size), prefetch_some);
         continue;
       }
 #endif

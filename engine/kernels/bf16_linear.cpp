@@ -8,8 +8,8 @@
 // of one column n; the input row's bf16 copy is read as the same pairs, one 32-bit broadcast each.
 // A register tile is 6 rows x four panels (24 accumulators of the 32 zmm registers; a last group
 // of 3, 2 or 1 panels takes 8, 12 or 12 rows); the threads split the (group, row) pairs evenly,
-// group-major, in blocks of up to 48 rows, and a group's first block prefetches the next group
-// (panel_prefetch.h). Each output is one vdpbf16ps chain over the k pairs in
+// group-major, in blocks of up to 48 rows, and a thread's first block of a group prefetches the
+// next group when the thread runs that one too (panel_prefetch.h). Each output is one vdpbf16ps chain over the k pairs in
 // order, so a row's result does not depend on the batch it is in, on the tile or on the threads.
 //
 // bf16_linear_silu_mul is the MLP's gate/up projection with SiLU-and-mul as its epilogue (gate

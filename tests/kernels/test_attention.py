@@ -77,6 +77,27 @@ def test_decode_batch_in_physical_block_order(head_dim, heads, kv_heads, block_s
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 24])
+def test_decode_over_a_narrow_cache_with_blocks_in_any_order(block_size):
+    """Decode rows over a bf16 cache (bf16 dot products where the CPU has AVX512-BF16 and no AMX)
+    with every sequence's blocks shuffled across the cache, so a block's neighbours in the
+    sequence are visited before and after it, and block sizes that are not a multiple of 16:
+    each block writes only its own scores."""
+    gen = torch.Generator().manual_seed(11)
+    num_seqs, heads, kv_heads, head_dim = 9, 9, 3, 64
+    seq_lens = torch.randint(1, 120, (num_seqs,), generator=gen).tolist()
+    counts = [-(-s // block_size) for s in seq_lens]
+    ids = torch.randperm(sum(counts), generator=gen).tolist()
+    tables = [ids[sum(counts[:i]):sum(counts[:i + 1])] for i in range(num_seqs)]
+    kc = torch.randn(sum(counts), kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(sum(counts), kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    meta = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size, torch.device("cpu"))
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen)
+    got = NativeCPUAttention().attend(q, kc, vc, meta, 0.125)
+    expected = TorchAttention().attend(q, kc.float(), vc.float(), meta, 0.125)
+    torch.testing.assert_close(got, expected, rtol=0, atol=8e-3)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 8, 2, 16),
                                                                  (48, 6, 2, 5)])
