@@ -11,7 +11,9 @@
 // Decode rows (one query per sequence) take attend_decode_avx2 instead: a thread's share of the
 // batch in two passes over its blocks in physical order (over a bf16 cache on CPUs with
 // AVX512-BF16 and no AMX, in bf16 dot products: bf16_decode_attention()). The kernels themselves live in
-// attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype).
+// attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype); prefill tiles
+// over a bf16 cache on those same CPUs take attend_prefill_bf16 (attention_bf16_prefill.h). The
+// threads take the tiles costliest first from a shared counter.
 // Parallelism is torch's own thread pool (at::parallel_for), so it never fights torch's GEMMs.
 // A sliding window (`window` > 0, once some sequence is longer than it) or a logit soft-cap
 // (`softcap` > 0) sends every item through attend_item, which takes both; the AVX2 paths above
@@ -23,8 +25,11 @@
 #include <ATen/ops/empty.h>
 
 #include "attention_kernels.h"
+#include "attention_bf16_prefill.h"
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -140,9 +145,22 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
     }
 #endif
     if (items.empty()) return;
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t w = begin; w < end; ++w) {
-        const Item& it = items[w];
+    // Items differ in cost (a causal tile late in a long prompt reads all of it): the threads
+    // take them costliest first from a shared counter instead of in fixed contiguous shares.
+    std::vector<double> cost(items.size());
+    for (size_t w = 0; w < items.size(); ++w) {
+      const Item& it = items[w];
+      cost[w] = static_cast<double>(it.num_kv) * it.q_count *
+                (lp[it.seq] - (sp[it.seq + 1] - sp[it.seq]) + it.q_begin + 0.5 * it.q_count + 16);
+    }
+    std::vector<int> order(items.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost[a] > cost[b]; });
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t taken = next++; taken < static_cast<int64_t>(items.size()); taken = next++) {
+        const Item& it = items[order[taken]];
         const int nq = sp[it.seq + 1] - sp[it.seq];
         const int ctx = lp[it.seq] - nq + it.q_begin;  // cached tokens before this tile's first query
         const int tok = sp[it.seq] + it.q_begin;
@@ -164,6 +182,16 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
                            item_window, item_softcap, sink_ptr);
           continue;
         }
+#ifdef BATCHINFER_BF16_ATTENTION
+        if constexpr (kBf16Dot<T>) {
+          if (head_dim == 64 || head_dim == 128) {
+            (head_dim == 64 ? attend_prefill_bf16<64> : attend_prefill_bf16<128>)(
+                q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots, ohs,
+                block_stride, fscale, it.kv_head, it.num_kv, head_stride);
+            continue;
+          }
+        }
+#endif
 #ifdef BATCHINFER_AVX2
         if (head_dim == 64) {
           attend_item_avx2<64>(q, o, kp, vp, table, it.q_count, ctx, group, block_size, qts, qhs, ots,

@@ -105,9 +105,9 @@ def test_narrow_cache_reads_exactly_the_widened_values(cache_dtype, head_dim, he
     """A bf16 / fp16 cache (cache.kv_cache_dtype) is widened to float32 on load and all arithmetic
     stays float32: the AVX2 kernels (head sizes 64, 128) give the same bits as over the cache cast
     down and back up; the generic one (48) the same values up to float32 summation order.
-    Decode rows and prefill chunks both. The exception: decode rows over a bf16 cache on a CPU
-    with AVX512-BF16 and no AMX run bf16 dot products (the query and the softmax weights rounded
-    to bf16), within bf16's rounding of the fp32 answer; prefill rows keep the exact bits."""
+    Decode rows and prefill chunks both. The exception: over a bf16 cache on a CPU with
+    AVX512-BF16 and no AMX, decode rows and prefill chunks run bf16 dot products (the query and
+    the softmax weights rounded to bf16), within bf16's rounding of the fp32 answer."""
     query_lens = [1, 1, 7, 40, 1, 33]
     seq_lens = [1, 90, 7, 61, 17, 200]
     q, kc, vc, meta = _case(4, head_dim, heads, kv_heads, block_size, query_lens, seq_lens)
@@ -121,9 +121,9 @@ def test_narrow_cache_reads_exactly_the_widened_values(cache_dtype, head_dim, he
         starts = [0, *itertools.accumulate(query_lens)][:-1]
         decode = [start for start, count in zip(starts, query_lens) if count == 1]
         prefill = [row for row in range(got.shape[0]) if row not in decode]
-        assert torch.equal(got[prefill], expected[prefill])
-        torch.testing.assert_close(got[decode], expected[decode], rtol=0, atol=8e-3)
-        assert not torch.equal(got[decode], expected[decode])   # the bf16 path did run
+        torch.testing.assert_close(got, expected, rtol=0, atol=8e-3)
+        for rows in (decode, prefill):   # both bf16 paths ran
+            assert not torch.equal(got[rows], expected[rows])
     elif head_dim in (64, 128):
         assert torch.equal(got, expected)
     else:
@@ -143,3 +143,45 @@ def test_write_kv_rounds_like_torch(cache_dtype):
     TorchAttention.write_kv(*caches[1], k, v, meta)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert torch.equal(caches[0][0][1, :, 1], k[3].to(cache_dtype))   # position 17 of the second
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4)])
+@pytest.mark.parametrize("block_size", [16, 8, 32, 5])
+def test_prefill_over_a_bf16_cache_against_direct_softmax(head_dim, heads, kv_heads, block_size):
+    """Prefill chunks over a bf16 cache (bf16 dot products on CPUs with AVX512-BF16 and no AMX, fp32
+    arithmetic elsewhere) against a causal softmax over the cached prefix: chunks of 1-40 queries
+    from a fresh start and over cached prefixes, across the 16-query tiles and the 16-key slices,
+    blocks shuffled, at 1-3 threads. Every slot past a sequence's length is NaN, as a reused
+    block's leftovers may be: none may reach an output."""
+    query_lens = [40, 17, 16, 3, 33, 1, 25]
+    seq_lens = [40, 17, 90, 3, 61, 200, 150]
+    q, kc, vc, meta = _case(7, head_dim, heads, kv_heads, block_size, query_lens, seq_lens)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    tables = meta.block_tables
+    group = heads // kv_heads
+    expected = []
+    for i, (nq, s_len) in enumerate(zip(query_lens, seq_lens)):
+        blocks = tables[i, : -(-s_len // block_size)].long()
+        last, used = blocks[-1], s_len - (len(blocks) - 1) * block_size
+        kc[last, :, used:] = float("nan")
+        vc[last, :, used:] = float("nan")
+        k = kc[blocks].float().transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :s_len]
+        v = vc[blocks].float().transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :s_len]
+        start = sum(query_lens[:i])
+        for j in range(nq):
+            pos = s_len - nq + j
+            heads_out = []
+            for h in range(heads):
+                scores = (q[start + j, h] @ k[h // group, : pos + 1].T) * head_dim ** -0.5
+                heads_out.append(torch.softmax(scores, -1) @ v[h // group, : pos + 1])
+            expected.append(torch.stack(heads_out))
+    expected = torch.stack(expected)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = NativeCPUAttention().attend(q, kc, vc, meta, head_dim ** -0.5)
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, expected, rtol=0, atol=8e-3)
+    finally:
+        torch.set_num_threads(threads)
