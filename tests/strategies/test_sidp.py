@@ -207,6 +207,37 @@ def test_sidp_recipe_runs_out_of_the_box(tmp_path):
         assert report["engine"]["sidp"]["ffn_layout"] == "blocked"   # through its kernel
 
 
+@pytest.mark.slow
+def test_sidp_swapping_under_memory_pressure_gives_the_recomputing_tokens(make_engine):
+    """memory.preemption_mode swap on SiDP (DP=2, each replica its own swap area): requests that
+    need more KV than both replicas hold swap out and back and get the tokens the same job gets
+    recomputing, with no prompt prefilled twice. A 4-layer dummy model with a narrow FFN: SiDP
+    gives each replica the FFN weights' memory as KV, which for SmolLM2 outgrows any small job."""
+    from batchinfer.strategies.sidp.params import SiDPParams
+    from tests.strategy_e2e import E2E_PROMPTS
+
+    sidp = SiDPParams()
+    model = {"load_format": "dummy", "max_model_len": 512,
+             "hf_overrides": {"num_hidden_layers": 4, "intermediate_size": 128}}
+    params = [SamplingParams(max_tokens=150 + 10 * i, temperature=0.0, ignore_eos=True)
+              for i in range(len(E2E_PROMPTS))]
+    runs = {}
+    for mode in ("recompute", "swap"):
+        cache = {"kv_cache_memory": "4MiB", "preemption_mode": mode, "swap_space": "32MiB"}
+        with make_engine(model=model, cache=cache, parallel={"dp": 2}, strategy=sidp,
+                         scheduler=sidp.scheduler_config()) as engine:
+            outs = engine.generate(E2E_PROMPTS, params)
+            prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in E2E_PROMPTS)
+            runs[mode] = ([o.output_token_ids for o in outs], engine.stats(),
+                          engine.info["preemption_mode"])
+    (recomputed, plain, _), (swapped, stats, mode) = runs["recompute"], runs["swap"]
+    assert plain["num_preemptions"] > 0 and plain["computed_prefill_tokens"] > prompt_tokens
+    assert mode == "swap" and swapped == recomputed
+    assert stats["kv_swap"]["swap_outs"] == stats["num_preemptions"] > 0
+    assert stats["kv_swap"]["swap_ins"] == stats["kv_swap"]["swap_outs"]
+    assert stats["computed_prefill_tokens"] == prompt_tokens
+
+
 # --- the blocked layout (its kernel: tests/kernels/test_fast_linear.py) ------------------------
 def test_a_blocked_store_gives_the_plain_stores_ffn():
     from batchinfer.engine.kernels import load_native_kernels
