@@ -121,11 +121,14 @@ def bf16_gemm_speedup(hidden: int, intermediate: int) -> float:
 
 
 def _check_key(hidden: int, intermediate: int) -> str:
+    """What the measured speed-up depends on: the CPU, torch, the kernels' build (their sources:
+    a faster kernel measures again) and the shape."""
+    from .kernels import loaded_kernel_builds
     from .model.fast_linear import bf16_linear_kernel
 
     model, flags = cpu_identity()
     return json.dumps({"cpu": model, "flags": sorted(flags), "torch": torch.__version__,
-                       "bf16_kernel": bf16_linear_kernel(),
+                       "bf16_kernel": bf16_linear_kernel(), "kernel_builds": loaded_kernel_builds(),
                        "threads": torch.get_num_threads(), "shape": [CHECK_ROWS, hidden, intermediate]},
                       sort_keys=True)
 

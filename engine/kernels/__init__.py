@@ -53,6 +53,7 @@ BUILD_TIMEOUT_S = 900.0
 STOP_GRACE_S = 2.0
 _WHAT = "building the CPU kernels"   # how lock waits and messages name this work
 _loaded: Optional[bool] = None
+_loaded_builds: tuple[str, ...] = ()   # the loaded libraries' cache names (sources, flags, host)
 
 
 def _cpu_flags() -> str:
@@ -90,9 +91,16 @@ def build_name(build: str, sources: list[Path], cflags: list[str]) -> str:
     return f"batchinfer_{build}_{digest.hexdigest()[:16]}"
 
 
+def loaded_kernel_builds() -> tuple[str, ...]:
+    """The cache names of the kernel libraries loaded (empty: none); each changes with the kernels'
+    sources, so a result measured with one build (cpu_dtype's check) is not read for another."""
+    load_native_kernels()
+    return _loaded_builds
+
+
 def load_native_kernels() -> bool:
     """Builds (once) and loads torch.ops.batchinfer.*. Returns False if unavailable."""
-    global _loaded
+    global _loaded, _loaded_builds
     if _loaded is not None:
         return _loaded
     if envs.is_off("BATCHINFER_NATIVE_KERNELS"):
@@ -112,6 +120,7 @@ def load_native_kernels() -> bool:
             _load_library(build)
         _loaded = (hasattr(torch.ops.batchinfer, "paged_attention")
                    and hasattr(torch.ops.batchinfer, "sample_columns"))
+        _loaded_builds = tuple(build.entry.name for build in builds) if _loaded else ()
     except SetupTimeout:
         raise
     except Exception as exc:  # compiler missing, headers missing, ...: portable path instead

@@ -100,6 +100,13 @@ def test_auto_takes_bf16_where_native_and_measured_faster_once_per_machine(host_
     slow = cpu_dtype.resolve_cpu_dtype("auto", 640, 1536)
     assert slow.dtype == torch.float32 and "only 1.02x" in slow.reason
     assert cpu_dtype.resolve_cpu_dtype("float32", 576, 1536).dtype == torch.float32
+    # rebuilt kernels (their sources changed) measure again: a faster kernel may turn the choice
+    from batchinfer.engine import kernels
+    monkeypatch.setattr(kernels, "_loaded_builds", ("batchinfer_model_0123456789abcdef",))
+    monkeypatch.setattr(kernels, "_loaded", True)
+    measure(1.8)
+    assert cpu_dtype.resolve_cpu_dtype("auto", 640, 1536).dtype == torch.bfloat16
+    assert measured[-1] == (640, 1536) and len(measured) == 3
 
 
 def test_the_suite_pins_auto_to_float32_on_any_host(host_flags, monkeypatch):
