@@ -1,15 +1,17 @@
 // Prefill rows (a tile of a sequence's queries) over a bf16 K/V cache in bf16 dot products, on the
-// CPUs the decode kernel's bf16 path serves (attention_bf16_dot.h: AVX512-BF16, no AMX). The widening
-// kernel (attend_item_avx2) reads each key once per query row and reduces every 8 scores through a
-// horizontal sum: on a Zen 4 EPYC a ShareGPT prefill's attention ran at ~57 GFLOP/s, an eighth of
-// what vdpbf16ps does. Here a 16-token slice of a block is transposed once (lane t of word p: key
-// t's dims 2p, 2p + 1), and each query row's 16 scores are one accumulator of D / 2 dot products
-// with the row's bf16 pairs broadcast; the softmax weights (16 to a register) are rounded to bf16
-// and multiply the slice's values, interleaved in token pairs once and shared by every row. Online
-// softmax per row in fp32, as the widening kernel; the query (times the scale) and the weights are
-// rounded to bf16, as the decode path and a bf16 model's attention in transformers or vLLM do.
+// CPUs the decode kernel's bf16 path serves (attention_bf16_dot.h: AVX512-BF16, no AMX). The fp32
+// kernel (attend_item_avx2) widens each key once per query row and reduces every 8 scores through
+// a horizontal sum: on a Zen 4 EPYC a ShareGPT prefill's attention over the bf16 cache ran at
+// ~57 GFLOP/s that way, an eighth of what vdpbf16ps does. Here a 16-token slice of a block is
+// transposed once (lane t of word p: key t's dims 2p, 2p + 1), and each query row's 16 scores are
+// one accumulator of D / 2 dot products with the row's bf16 pairs broadcast; the softmax weights
+// (16 to a register) are rounded to bf16 and multiply the slice's values, interleaved in token
+// pairs once and shared by every row. Online softmax per row in fp32, as the widening kernel; the
+// query (times the scale) and the weights are rounded to bf16, as the decode path and a bf16
+// model's attention in transformers or vLLM do.
 #pragma once
 #include "attention_bf16_dot.h"
+#include "attention_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -63,6 +65,15 @@ inline void transpose16x16(__m512i* r) {
   }
 }
 
+// Into L1, one head's K and V rows of a block (`elems` elements each from `offset`).
+inline void prefetch_head_block(const at::BFloat16* kc, const at::BFloat16* vc, int64_t offset,
+                                int64_t elems) {
+  for (int64_t i = 0; i < elems; i += kLineElems<at::BFloat16>) {
+    _mm_prefetch(reinterpret_cast<const char*>(kc + offset + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(vc + offset + i), _MM_HINT_T0);
+  }
+}
+
 // attend_item_avx2's contract (kv heads [kv_head, kv_head + num_kv), num_q queries from position
 // ctx, plain causal) over a bf16 cache. D 64 or 128.
 template <int D>
@@ -87,6 +98,13 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
   l.resize(rows);
   pw.resize(static_cast<size_t>(rows) * 8);
   visible.resize(rows);
+  // the thread-locals' storage, looked up once (in a shared library each use may cost a call)
+  uint32_t* const q_words = qw.data();
+  float* const accs = acc.data();
+  float* const ms = m.data();
+  float* const ls = l.data();
+  uint32_t* const pws = pw.data();
+  int* const vis = visible.data();
   __m512i kt[W];           // the slice's keys, transposed
   __m512i vp[8 * 2 * C];   // the slice's values, token pairs interleaved
   alignas(64) float scores[kRows][16];
@@ -98,19 +116,22 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
     for (int r = 0; r < rows; ++r) {  // row r: query r / group, head h * group + r % group
       const float* src = q + (r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
       for (int c = 0; c < C; ++c)
-        _mm512_storeu_si512(qw.data() + static_cast<size_t>(r) * W + 16 * c,
+        _mm512_storeu_si512(q_words + static_cast<size_t>(r) * W + 16 * c,
                             reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                 _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c + 16), vscale),
                                 _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c), vscale))));
     }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(accs, accs + static_cast<size_t>(rows) * D, 0.f);
+    std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());
+    std::fill(ls, ls + rows, 0.f);
     for (int b = 0; b < num_blocks; ++b) {
       const int64_t base = static_cast<int64_t>(table[b]) * block_stride + h * head_stride;
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc + base);
       const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc + base);
       const int in_block = std::min(block_size, last_pos + 1 - b * block_size);
+      if (b + 1 < num_blocks)  // blocks are scattered: fetch the next one's rows of this head
+        prefetch_head_block(kc, vc, static_cast<int64_t>(table[b + 1]) * block_stride + h * head_stride,
+                            static_cast<int64_t>(block_size) * D);
       for (int t0 = 0; t0 < in_block; t0 += 16) {
         const int n = std::min(16, in_block - t0);
         const int first_key = b * block_size + t0;
@@ -133,7 +154,7 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
           // Scores of kRows rows: one accumulator each, the row's pair p broadcast against word p.
           __m512 s[kRows];
           for (int i = 0; i < kRows; ++i) s[i] = _mm512_setzero_ps();
-          const uint32_t* qr = qw.data() + static_cast<size_t>(r0) * W;
+          const uint32_t* qr = q_words + static_cast<size_t>(r0) * W;
           for (int p = 0; p < W; ++p)
             for (int i = 0; i < kRows; ++i)
               s[i] = dot_pairs(s[i], _mm512_set1_epi32(static_cast<int>(qr[i * W + p])), kt[p]);
@@ -141,19 +162,19 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
           for (int i = 0; i < kRows && r0 + i < rows; ++i) {
             const int r = r0 + i;
             const int see = std::min(n, ctx + r / group + 1 - first_key);  // causal
-            visible[r] = see;
+            vis[r] = see;
             if (see <= 0) continue;
             const __mmask16 keep = see >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << see) - 1);
             const __m512 sv = _mm512_mask_blend_ps(keep, neg_inf, _mm512_load_ps(scores[i]));
-            const float new_m = std::max(m[r], _mm512_reduce_max_ps(sv));
-            const float correction = std::exp(m[r] - new_m);
+            const float new_m = std::max(ms[r], _mm512_reduce_max_ps(sv));
+            const float correction = std::exp(ms[r] - new_m);
             const __m512 p = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_m))));
-            l[r] = l[r] * correction + _mm512_reduce_add_ps(p);
-            m[r] = new_m;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw.data() + static_cast<size_t>(r) * 8),
+            ls[r] = ls[r] * correction + _mm512_reduce_add_ps(p);
+            ms[r] = new_m;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pws + static_cast<size_t>(r) * 8),
                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
             if (correction != 1.f) {
-              float* ar = acc.data() + static_cast<size_t>(r) * D;
+              float* ar = accs + static_cast<size_t>(r) * D;
               const __m512 cv = _mm512_set1_ps(correction);
               for (int k = 0; k < D; k += 16) _mm512_storeu_ps(ar + k, _mm512_mul_ps(_mm512_loadu_ps(ar + k), cv));
             }
@@ -161,9 +182,9 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
         }
         const int npairs = (n + 1) / 2;
         for (int r = 0; r < rows; ++r) {  // acc[r] += p[r] . V, two bf16 weights a dot product
-          if (visible[r] <= 0) continue;
-          float* ar = acc.data() + static_cast<size_t>(r) * D;
-          const uint32_t* wr = pw.data() + static_cast<size_t>(r) * 8;
+          if (vis[r] <= 0) continue;
+          float* ar = accs + static_cast<size_t>(r) * D;
+          const uint32_t* wr = pws + static_cast<size_t>(r) * 8;
           __m512 o[2 * C];
           for (int k = 0; k < 2 * C; ++k) o[k] = _mm512_loadu_ps(ar + 16 * k);
           for (int j = 0; j < npairs; ++j) {
@@ -175,9 +196,9 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
       }
     }
     for (int r = 0; r < rows; ++r)
-      bf16_dot_output<D>(acc.data() + static_cast<size_t>(r) * D,
+      bf16_dot_output<D>(accs + static_cast<size_t>(r) * D,
                          out + (r / group) * out_tok_stride + (h * group + r % group) * out_head_stride,
-                         1.f / l[r]);
+                         1.f / ls[r]);
   }
 }
 

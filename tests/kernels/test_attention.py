@@ -145,18 +145,19 @@ def test_write_kv_rounds_like_torch(cache_dtype):
     assert torch.equal(caches[0][0][1, :, 1], k[3].to(cache_dtype))   # position 17 of the second
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (64, 4, 4)])
 @pytest.mark.parametrize("block_size", [16, 8, 32, 5])
-def test_prefill_over_a_bf16_cache_against_direct_softmax(head_dim, heads, kv_heads, block_size):
-    """Prefill chunks over a bf16 cache (bf16 dot products on CPUs with AVX512-BF16 and no AMX, fp32
-    arithmetic elsewhere) against a causal softmax over the cached prefix: chunks of 1-40 queries
-    from a fresh start and over cached prefixes, across the 16-query tiles and the 16-key slices,
-    blocks shuffled, at 1-3 threads. Every slot past a sequence's length is NaN, as a reused
-    block's leftovers may be: none may reach an output."""
+def test_prefill_against_direct_softmax(cache_dtype, head_dim, heads, kv_heads, block_size):
+    """Prefill chunks (over a bf16 cache on CPUs with AVX512-BF16 and no AMX, bf16 dot products;
+    fp32 arithmetic elsewhere) against a causal softmax over the cached prefix:
+    chunks of 1-40 queries from a fresh start and over cached prefixes, across the 16-query tiles
+    and the 16-key slices, blocks shuffled, at 1-3 threads. Every slot past a sequence's length is
+    NaN, as a reused block's leftovers may be: none may reach an output."""
     query_lens = [40, 17, 16, 3, 33, 1, 25]
     seq_lens = [40, 17, 90, 3, 61, 200, 150]
     q, kc, vc, meta = _case(7, head_dim, heads, kv_heads, block_size, query_lens, seq_lens)
-    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     tables = meta.block_tables
     group = heads // kv_heads
     expected = []
@@ -182,6 +183,9 @@ def test_prefill_over_a_bf16_cache_against_direct_softmax(head_dim, heads, kv_he
             torch.set_num_threads(n)
             got = NativeCPUAttention().attend(q, kc, vc, meta, head_dim ** -0.5)
             assert torch.isfinite(got).all()
-            torch.testing.assert_close(got, expected, rtol=0, atol=8e-3)
+            if cache_dtype == torch.float32:
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            else:
+                torch.testing.assert_close(got, expected, rtol=0, atol=8e-3)
     finally:
         torch.set_num_threads(threads)
