@@ -10,7 +10,8 @@ elsewhere the blocked kernel widens bf16 panels to fp32.
 
 `auto` takes bf16 only where the CPU has native bf16 *and* a short check, the model's own decode
 GEMMs timed both ways, measures it faster; the check's result is kept in the kernel cache (per
-CPU, torch version, thread count and shapes), so it runs once per machine. Everywhere else
+CPU, torch version, thread count, shapes and kernel build), so it runs once per machine and again
+after the kernels' sources change. Everywhere else
 `auto` is fp32: on AVX2-only CPUs bf16 arithmetic is emulated (~300x slower). An explicit
 `bfloat16` always runs (weights rounded to bf16, correct); on a CPU without native bf16 the log
 warns once with the measured speed against fp32.
@@ -104,8 +105,8 @@ def _warn_emulated(speedup: float) -> None:
 
 def bf16_gemm_speedup(hidden: int, intermediate: int) -> float:
     """fp32 time / bf16 time of the model's MLP GEMMs at a decode step's rows, with the kernels
-    the engine would run; measured once per machine and kept in the kernel cache (setup_cache's
-    build_once: one run measures, a concurrent one waits for its result)."""
+    the engine would run; measured once per machine and kernel build and kept in the kernel
+    cache (setup_cache's build_once: one run measures, a concurrent one waits for its result)."""
     from .setup_cache import build_once, timeout_scale
 
     key = _check_key(hidden, intermediate)

@@ -180,9 +180,11 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
             }
           }
         }
-        const int npairs = (n + 1) / 2;
         for (int r = 0; r < rows; ++r) {  // acc[r] += p[r] . V, two bf16 weights a dot product
           if (vis[r] <= 0) continue;
+          // only the pairs the row sees: later keys of the tile have zero weights, but a value
+          // there that is not finite must not reach it (the row's odd last key pairs with one)
+          const int npairs = (vis[r] + 1) / 2;
           float* ar = accs + static_cast<size_t>(r) * D;
           const uint32_t* wr = pws + static_cast<size_t>(r) * 8;
           __m512 o[2 * C];
