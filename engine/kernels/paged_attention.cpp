@@ -9,7 +9,8 @@
 // once with an online softmax (per block: scores, running max, rescale, accumulate), reusing every
 // loaded K/V row for all the tile's queries and all query heads that share the kv head (GQA).
 // Decode rows (one query per sequence) take attend_decode_avx2 instead: a thread's share of the
-// batch in two passes over its blocks in physical order (over a bf16 cache on CPUs with
+// batch in two passes, scores over its blocks in physical order, values in each sequence's order
+// (over a bf16 cache on CPUs with
 // AVX512-BF16 and no AMX, in bf16 dot products: bf16_decode_attention()). The kernels themselves live in
 // attention_kernels.h, templated on the cache's element type (cache.kv_cache_dtype); prefill tiles
 // over a bf16 cache on those same CPUs take attend_prefill_bf16 (attention_bf16_prefill.h). The
@@ -29,7 +30,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -147,20 +147,17 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
     if (items.empty()) return;
     // Items differ in cost (a causal tile late in a long prompt reads all of it): the threads
     // take them costliest first from a shared counter instead of in fixed contiguous shares.
-    std::vector<double> cost(items.size());
-    for (size_t w = 0; w < items.size(); ++w) {
-      const Item& it = items[w];
-      cost[w] = static_cast<double>(it.num_kv) * it.q_count *
-                (lp[it.seq] - (sp[it.seq + 1] - sp[it.seq]) + it.q_begin + 0.5 * it.q_count + 16);
-    }
-    std::vector<int> order(items.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost[a] > cost[b]; });
+    auto cost = [&](const Item& it) {  // keys read: the tile's queries x the context they see
+      return static_cast<int64_t>(it.num_kv) * it.q_count *
+             (2 * (lp[it.seq] - (sp[it.seq + 1] - sp[it.seq]) + it.q_begin) + it.q_count + 32);
+    };
+    std::stable_sort(items.begin(), items.end(),
+                     [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
     std::atomic<int64_t> next{0};
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       for (int64_t taken = next++; taken < static_cast<int64_t>(items.size()); taken = next++) {
-        const Item& it = items[order[taken]];
+        const Item& it = items[taken];
         const int nq = sp[it.seq + 1] - sp[it.seq];
         const int ctx = lp[it.seq] - nq + it.q_begin;  // cached tokens before this tile's first query
         const int tok = sp[it.seq] + it.q_begin;
