@@ -38,16 +38,23 @@ def prompt_ids(tokenizer, prompt: str, stop_at_eos: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def reference_path(n: int, offset: int, max_tokens: int) -> Path:
-    """Where the reference lengths are cached: per workload slice and cap, and per sampling and
-    reference engine (a change to either makes a new entry). An engine change that alters
-    greedy replies is not in the key: delete the entry (same_length_as_reference shows it)."""
+def reference_path(n: int, offset: int, max_tokens: int, kv_tokens: int) -> Path:
+    """Where the reference lengths are cached: per workload slice, cap and KV budget (in bf16 a
+    preempted reply is re-prefilled through other kernels and may end elsewhere), per sampling
+    and reference engine, and per host build: the native kernels loaded (their names change with
+    the CPU's flags and the sources) and what `dtype: auto` may resolve to. A change to any makes
+    a new entry; an engine change outside the kernels that alters greedy replies is not in the
+    key: delete the entry (same_length_as_reference shows it)."""
     import hashlib
     import json
 
+    from batchinfer.engine import envs
+    from batchinfer.engine.kernels import loaded_kernel_builds
     from batchinfer.engine.setup_cache import cache_root
 
-    key = hashlib.sha256(json.dumps([EOS_SAMPLING, REFERENCE], sort_keys=True).encode())
+    host = [sorted(loaded_kernel_builds()), envs.get("BATCHINFER_CPU_AUTO_DTYPE")]
+    key = hashlib.sha256(json.dumps([EOS_SAMPLING, REFERENCE, kv_tokens, host],
+                                    sort_keys=True).encode())
     return (cache_root() / "workloads" / f"sharegpt-eos-lengths-n{n}-off{offset}-max{max_tokens}"
             f"-{key.hexdigest()[:8]}.json")
 
@@ -55,7 +62,7 @@ def reference_path(n: int, offset: int, max_tokens: int) -> Path:
 def reference_lengths(script: str, args) -> Path:
     """The reference pass's {request id: output tokens}, run once per workload in a fresh process
     (`script --worker __reference__`) and cached."""
-    path = reference_path(args.requests, args.offset, args.max_tokens)
+    path = reference_path(args.requests, args.offset, args.max_tokens, args.kv_tokens)
     if path.is_file():
         return path
     print(f"reference pass: {args.requests} requests to EOS on one process -> {path}",

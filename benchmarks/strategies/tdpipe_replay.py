@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="eos_workload.py's lengths (its cached reference pass must exist)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--reference-kv-tokens", type=int, default=16384,
+                    help="the --kv-tokens tdpipe_bench.py's reference pass ran with (its default)")
     ap.add_argument("--predictor", choices=["oracle", "mean", "bert", "none"], default="oracle")
     ap.add_argument("--step-times", type=Path, default=None)
     ap.add_argument("--prefill-length-cost", type=float, default=0.0,
@@ -183,7 +185,8 @@ def main() -> None:
                for r in rows]
     lengths = None
     if args.stop_at_eos:
-        path = eos_workload.reference_path(args.requests, args.offset, args.max_tokens)
+        path = eos_workload.reference_path(args.requests, args.offset, args.max_tokens,
+                                           args.reference_kv_tokens)
         lengths = json.loads(path.read_text())
         true = [lengths[r["id"]] for r in rows]
     else:

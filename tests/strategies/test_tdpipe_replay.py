@@ -36,3 +36,17 @@ def test_the_replay_counts_the_bubbles_the_summed_times_miss(within):
     assert out["prefill_tokens"] >= sum(prompts)
     # exact forecasts: held within the capacity nothing is preempted
     assert (out["preemptions"] == 0) if within else (out["preemptions"] > 0), out
+
+
+def test_the_reference_lengths_are_cached_per_kv_budget_and_host_dtype(monkeypatch):
+    """A bf16 reference pass preempts (and re-prefills) by its KV budget, and its replies depend
+    on the kernels and on what dtype auto resolves to: each gets its own cache entry."""
+    from benchmarks.strategies.eos_workload import reference_path
+
+    monkeypatch.delenv("BATCHINFER_CPU_AUTO_DTYPE", raising=False)
+    base = reference_path(120, 360, 1024, 16384)
+    assert base == reference_path(120, 360, 1024, 16384)
+    assert base.name.startswith("sharegpt-eos-lengths-n120-off360-max1024-")
+    assert reference_path(120, 360, 1024, 8192) != base
+    monkeypatch.setenv("BATCHINFER_CPU_AUTO_DTYPE", "float32")
+    assert reference_path(120, 360, 1024, 16384) != base
