@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 from benchmarks.common import emit, sharegpt_rows  # noqa: E402
+from benchmarks.strategies.tdpipe_replay import add_swap_arguments  # noqa: E402
 
 RECIPE = Path(__file__).resolve().with_name("predictor_history.yaml")
 GROUPS = (8, 32, 128, 256)
@@ -209,6 +210,7 @@ def main() -> None:
     ap.add_argument("--prefix-caching", action="store_true", help="TD-Pipe replay: the block "
                     "manager caches full blocks, so a preempted request's recompute reuses what "
                     "is still cached of it")
+    add_swap_arguments(ap)
     ap.add_argument("--lengths", choices=("model", "reference", "eos"), default="model",
                     help="model: the embedded model's replies (generated once, cached); "
                     "reference: the ShareGPT replies' own lengths (no generation; a second "
@@ -346,13 +348,14 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     from batchinfer.predictors.base import LengthQuery
     from batchinfer.predictors.online import OnlineLengthPredictor
     from batchinfer.runner.predictor_setup import apply_forecast
-    from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay
+    from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay, swap_options
 
     table = (StepTimes.load(args.step_times) if args.step_times
              else StepTimes.from_json(DEFAULT_STEP_TIMES))
     keyed = [LengthQuery(q.text, max_tokens=q.max_tokens, key=f"r{i}")
              for i, q in enumerate(queries)]
     mean = min(round(train_mean), 512)
+    swap = swap_options(args)
 
     def run(forecasts, params: dict, online=None) -> dict:
         def hook(sched, seqs):
@@ -369,7 +372,7 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
         return replay(params, prompt_tokens, lengths, limits, forecasts, args.kv_tokens, table,
                       on_finished=hook if online is not None else None,
                       prefill_length_cost=args.prefill_length_cost,
-                      prefix_caching=args.prefix_caching)
+                      prefix_caching=args.prefix_caching, **swap)
 
     point, upper = {"unsure_upper_forecast": False}, {"unsure_upper_forecast": True}
     bert_forecasts = bert.forecast(keyed)
@@ -391,12 +394,13 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
             "overdue_doubling": args.overdue_doubling,
             "admit_within_capacity": args.admit_within_capacity,
             "prefill_length_cost": args.prefill_length_cost,
-            "prefix_caching": args.prefix_caching,
+            "prefix_caching": args.prefix_caching, "preemption_mode": args.preemption_mode,
             "results": {k: {key: r[key] for key in ("throughput_vs_oracle", "modelled_s",
                                                     "pipelined_vs_oracle", "pipeline_s",
                                                     "micro_batches", "preemptions",
                                                     "recomputed_prefill_tokens",
-                                                    "phase_switches", "refits") if key in r}
+                                                    "phase_switches", "refits", "kv_swap")
+                             if key in r}
                         for k, r in out.items()}}
 
 

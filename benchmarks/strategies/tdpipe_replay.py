@@ -9,6 +9,8 @@ report.json's engine.step_times; default: one profiled on a 2-core Xeon, PP=2, S
     python benchmarks/strategies/tdpipe_replay.py --requests 80 --stop-at-eos --max-tokens 512
     python benchmarks/strategies/tdpipe_replay.py --requests 120 --stop-at-eos --max-tokens 1024 \
         --step-times TABLE --prefill-length-cost 6.5e-4
+    python benchmarks/strategies/tdpipe_replay.py --requests 120 --stop-at-eos --max-tokens 1024 \
+        --preemption-mode swap --kv-dtype bfloat16      # memory.preemption_mode: swap
 
 With the run's own step table the replay takes the engine's decisions exactly (performance.md
 2026-11-29 evening); `--prefill-length-cost` also charges a long sequence's prefill (a
@@ -81,7 +83,8 @@ class PipelineClock:
 def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[int],
            predicted: list, kv_tokens: int, step_times, depth: int = 2,
            on_finished=None, prefill_length_cost: float = 0.0,
-           prefix_caching: bool = False) -> dict:
+           prefix_caching: bool = False, swap_blocks: int = 0,
+           swap_block_seconds: float = 0.0) -> dict:
     """`predicted`: per request a length, None, or a Forecast (point, upper, confidence).
     `on_finished(sched, seqs)`: called with the sequences each returned micro-batch finished
     (an online predictor learns there). `modelled_s`: the micro-batches' step times from the
@@ -89,8 +92,14 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     prefill's weighted by its sequences' lengths when `prefill_length_cost` (prefill_weight);
     `pipeline_s`: the same step times run through a PipelineClock (bubbles counted).
     `prefix_caching`: the block manager indexes full blocks, so a preempted request's recompute
-    starts from whatever of its blocks is still cached when it is admitted again."""
+    starts from whatever of its blocks is still cached when it is admitted again.
+    `swap_blocks` (memory.preemption_mode swap): a swap area of that many blocks, so a preempted
+    request's KV is copied out and back instead of recomputed; each micro-batch carries the copies
+    decided since the one before, `swap_block_seconds` a block over the whole pipeline, paid as
+    the engine pays them, each stage its share before the batch's forward (sim/executor.py).
+    0: recompute, the paper's choice."""
     from batchinfer.engine.kv_cache import BlockManager
+    from batchinfer.engine.kv_swap import attach_swap_space
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
     from batchinfer.sim.scheduler_driver import launch, make_seq
@@ -99,6 +108,8 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     sched = TDPipeScheduler(blocks, TDPipeParams(
         max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)
     sched.step_times = step_times
+    if swap_blocks and not attach_swap_space(blocks, sched, swap_blocks):
+        raise ValueError("this scheduler cannot swap (kv_swap.swap_unsupported_reason)")
     for i, (n, limit, guess) in enumerate(zip(prompts, limits, predicted)):
         point = getattr(guess, "point", guess)
         seq = make_seq(i, n, limit, predicted=point)
@@ -109,7 +120,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         sched.add(seq)
     true_len = {f"r{i}": n for i, n in enumerate(lengths)}
     profiled_len = int(step_times.meta.get("prompt_len", 256))
-    in_flight, launched, most = collections.deque(), [], 0
+    in_flight, launched, most, copied = collections.deque(), [], 0, 0
     clock = PipelineClock(depth)
     while sched.has_unfinished() or in_flight:
         while len(in_flight) < sched.in_flight_limit(depth):
@@ -124,6 +135,10 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
                 else:
                     size = len(b)
                     seconds = step_times.decode_time(size)
+                if blocks.swap is not None:     # the copies ride on this micro-batch
+                    ops = len(blocks.swap.take_ops())
+                    copied += ops
+                    seconds += ops * swap_block_seconds
                 in_flight.append((b, clock.launch(seconds)))
                 launched.append((b.phase, size, seconds))
             most = max(most, len(in_flight))
@@ -154,7 +169,47 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
             "mean_decode_batch": round(sum(decode) / max(len(decode), 1), 1),
             "prefill_tokens": prefill_tokens,
             "recomputed_prefill_tokens": prefill_tokens - sum(prompts),
-            "most_in_flight": most, "switch_reasons": dict(reasons)}
+            "most_in_flight": most, "switch_reasons": dict(reasons),
+            **({"kv_swap": {**blocks.swap.summary(), "copied_blocks": copied}}
+               if blocks.swap is not None else {})}
+
+
+def host_copy_gbps(nbytes: int = 256 << 20, rounds: int = 5) -> float:
+    """This host's memcpy bandwidth (the best of `rounds` copies of `nbytes`), what a swap's
+    copy runs at on a CPU."""
+    import time
+
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def add_swap_arguments(ap: argparse.ArgumentParser) -> None:
+    """The replay's swap options (swap_options reads them)."""
+    ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                    help="TD-Pipe replay: memory.preemption_mode (swap: a swap area of --swap-gib)")
+    ap.add_argument("--swap-gib", type=float, default=4.0, help="memory.swap_space (its default)")
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the run's KV cache element: a swapped block's bytes")
+    ap.add_argument("--swap-gbps", type=float, default=None,
+                    help="host copy bandwidth for the swaps (default: measured here, a memcpy)")
+
+
+def swap_options(args) -> dict:
+    """replay()'s swap_blocks and swap_block_seconds for --preemption-mode (SmolLM2-135M's K/V:
+    30 layers, 3 kv heads of 64, 16-token blocks)."""
+    if args.preemption_mode != "swap":
+        return {}
+    block_bytes = 30 * 2 * 3 * 64 * (4 if args.kv_dtype == "float32" else 2) * 16
+    gbps = args.swap_gbps or host_copy_gbps()
+    return {"swap_blocks": int(args.swap_gib * (1 << 30)) // block_bytes,
+            "swap_block_seconds": block_bytes / (gbps * 1e9)}
 
 
 def main() -> None:
@@ -173,6 +228,7 @@ def main() -> None:
     ap.add_argument("--step-times", type=Path, default=None)
     ap.add_argument("--prefill-length-cost", type=float, default=0.0,
                     help="a prefill token's extra cost per token of position (prefill_weight)")
+    add_swap_arguments(ap)
     args = ap.parse_args()
     from batchinfer.engine.step_times import StepTimes
 
@@ -193,13 +249,17 @@ def main() -> None:
         true = [r["max_tokens"] for r in rows]
     predicted, _ = eos_workload.forecasts(args.predictor, rows, lengths)
     limits = [r["max_tokens"] for r in rows]
+    swap = swap_options(args)
     results = {name: replay(params, prompts, true, limits, predicted, args.kv_tokens, table,
-                            prefill_length_cost=args.prefill_length_cost)
+                            prefill_length_cost=args.prefill_length_cost, **swap)
                for name, params in CONFIGS.items()}
     emit({"requests": args.requests, "offset": args.offset, "output_scale": args.output_scale,
           "stop_at_eos": args.stop_at_eos, "predictor": args.predictor,
           "kv_tokens": args.kv_tokens, "prompt_tokens": sum(prompts), "output_tokens": sum(true),
           "step_times": "default" if args.step_times is None else str(args.step_times),
+          "preemption_mode": args.preemption_mode,
+          **({"swap_block_ms": round(swap["swap_block_seconds"] * 1e3, 4),
+              "swap_blocks": swap["swap_blocks"]} if swap else {}),
           "results": results})
 
 

@@ -50,3 +50,25 @@ def test_the_reference_lengths_are_cached_per_kv_budget_and_host_dtype(monkeypat
     assert reference_path(120, 360, 1024, 8192) != base
     monkeypatch.setenv("BATCHINFER_CPU_AUTO_DTYPE", "float32")
     assert reference_path(120, 360, 1024, 16384) != base
+
+
+def test_the_replay_swaps_instead_of_recomputing_and_prices_the_copies():
+    """memory.preemption_mode swap in the replay: the preempted requests' KV goes out and comes
+    back (nothing prefilled twice), and each copied block costs what it is told, on the batch
+    that carries it."""
+    table = StepTimes.from_json(DEFAULT_STEP_TIMES)
+    prompts, lengths = [200] * 24, [100, 300] * 12
+    args = ({"admit_within_capacity": False}, prompts, lengths, [512] * 24, lengths)
+    recompute = replay(*args, kv_tokens=4096, step_times=table)
+    free = replay(*args, kv_tokens=4096, step_times=table, swap_blocks=1024)
+    priced = replay(*args, kv_tokens=4096, step_times=table, swap_blocks=1024,
+                    swap_block_seconds=0.01)
+    assert recompute["recomputed_prefill_tokens"] > 0 and "kv_swap" not in recompute
+    swap = free["kv_swap"]
+    assert free["preemptions"] > 0 and free["recomputed_prefill_tokens"] == 0, free
+    assert swap["swap_outs"] == free["preemptions"] and swap["swap_ins"] == swap["swap_outs"]
+    assert swap["copied_blocks"] > 0
+    # the same decisions, the copies' time on top
+    assert priced["kv_swap"] == swap and priced["micro_batches"] == free["micro_batches"]
+    assert priced["modelled_s"] == pytest.approx(free["modelled_s"] + swap["copied_blocks"] * 0.01 / 2,
+                                                 abs=0.02)
