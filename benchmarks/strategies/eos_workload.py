@@ -44,7 +44,8 @@ def reference_path(n: int, offset: int, max_tokens: int, kv_tokens: int) -> Path
     and reference engine, and per host build: the native kernels loaded (their names change with
     the CPU's flags and the sources) and what `dtype: auto` may resolve to. A change to any makes
     a new entry; an engine change outside the kernels that alters greedy replies is not in the
-    key: delete the entry (same_length_as_reference shows it)."""
+    key: delete the entry (same_length_as_reference shows it). Reading the kernels' names loads
+    them (building them once on a machine that has none yet)."""
     import hashlib
     import json
 
@@ -52,7 +53,8 @@ def reference_path(n: int, offset: int, max_tokens: int, kv_tokens: int) -> Path
     from batchinfer.engine.kernels import loaded_kernel_builds
     from batchinfer.engine.setup_cache import cache_root
 
-    host = [sorted(loaded_kernel_builds()), envs.get("BATCHINFER_CPU_AUTO_DTYPE")]
+    auto_dtype = (envs.get("BATCHINFER_CPU_AUTO_DTYPE") or "").strip().lower()
+    host = [sorted(loaded_kernel_builds()), auto_dtype]
     key = hashlib.sha256(json.dumps([EOS_SAMPLING, REFERENCE, kv_tokens, host],
                                     sort_keys=True).encode())
     return (cache_root() / "workloads" / f"sharegpt-eos-lengths-n{n}-off{offset}-max{max_tokens}"

@@ -136,7 +136,7 @@ def eos_replies(args):
 
     script = str(Path(__file__).resolve().with_name("tdpipe_bench.py"))
     reference = argparse.Namespace(requests=args.requests, offset=args.offset,
-                                   max_tokens=args.max_tokens, kv_tokens=16384)
+                                   max_tokens=args.max_tokens, kv_tokens=args.reference_kv_tokens)
     by_id = json.loads(eos_workload.reference_lengths(script, reference).read_text())
     tokenizer = embedded_source().tokenizer
     rows = workload_rows(args.requests, 1.0, "sharegpt", args.offset, args.max_tokens)
@@ -211,6 +211,8 @@ def main() -> None:
                     "manager caches full blocks, so a preempted request's recompute reuses what "
                     "is still cached of it")
     add_swap_arguments(ap)
+    ap.add_argument("--reference-kv-tokens", type=int, default=16384, help="--lengths eos: the "
+                    "--kv-tokens of tdpipe_bench.py's reference pass (run if not cached)")
     ap.add_argument("--lengths", choices=("model", "reference", "eos"), default="model",
                     help="model: the embedded model's replies (generated once, cached); "
                     "reference: the ShareGPT replies' own lengths (no generation; a second "
@@ -348,14 +350,14 @@ def tdpipe_replays(bert, train_mean: float, queries, prompt_tokens: list[int],
     from batchinfer.predictors.base import LengthQuery
     from batchinfer.predictors.online import OnlineLengthPredictor
     from batchinfer.runner.predictor_setup import apply_forecast
-    from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay, swap_options
+    from benchmarks.strategies.tdpipe_replay import DEFAULT_STEP_TIMES, replay, replay_swap_kwargs
 
     table = (StepTimes.load(args.step_times) if args.step_times
              else StepTimes.from_json(DEFAULT_STEP_TIMES))
     keyed = [LengthQuery(q.text, max_tokens=q.max_tokens, key=f"r{i}")
              for i, q in enumerate(queries)]
     mean = min(round(train_mean), 512)
-    swap = swap_options(args)
+    swap = replay_swap_kwargs(args)
 
     def run(forecasts, params: dict, online=None) -> dict:
         def hook(sched, seqs):

@@ -99,7 +99,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
     the engine pays them, each stage its share before the batch's forward (sim/executor.py).
     0: recompute, the paper's choice."""
     from batchinfer.engine.kv_cache import BlockManager
-    from batchinfer.engine.kv_swap import attach_swap_space
+    from batchinfer.engine.kv_swap import attach_swap_space, swap_unsupported_reason
     from batchinfer.engine.request import SequenceStatus
     from batchinfer.strategies.tdpipe.scheduler import TDPipeParams, TDPipeScheduler
     from batchinfer.sim.scheduler_driver import launch, make_seq
@@ -109,7 +109,7 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
         max_num_seqs=512, max_num_batched_tokens=2048, **params), 2048, depth=depth)
     sched.step_times = step_times
     if swap_blocks and not attach_swap_space(blocks, sched, swap_blocks):
-        raise ValueError("this scheduler cannot swap (kv_swap.swap_unsupported_reason)")
+        raise ValueError(f"the replay cannot swap: {swap_unsupported_reason(blocks, sched)}")
     for i, (n, limit, guess) in enumerate(zip(prompts, limits, predicted)):
         point = getattr(guess, "point", guess)
         seq = make_seq(i, n, limit, predicted=point)
@@ -174,42 +174,42 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
                if blocks.swap is not None else {})}
 
 
-def host_copy_gbps(nbytes: int = 256 << 20, rounds: int = 5) -> float:
-    """This host's memcpy bandwidth (the best of `rounds` copies of `nbytes`), what a swap's
-    copy runs at on a CPU."""
-    import time
-
-    import torch
-
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
 def add_swap_arguments(ap: argparse.ArgumentParser) -> None:
-    """The replay's swap options (swap_options reads them)."""
+    """The replay's swap options (replay_swap_kwargs reads them)."""
     ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
                     help="TD-Pipe replay: memory.preemption_mode (swap: a swap area of --swap-gib)")
     ap.add_argument("--swap-gib", type=float, default=4.0, help="memory.swap_space (its default)")
     ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the run's KV cache element: a swapped block's bytes")
-    ap.add_argument("--swap-gbps", type=float, default=None,
-                    help="host copy bandwidth for the swaps (default: measured here, a memcpy)")
+    ap.add_argument("--swap-gbps", type=float, default=None, help="host copy bandwidth for the "
+                    "swaps (default: measured here as the profiler does, one thread)")
 
 
-def swap_options(args) -> dict:
-    """replay()'s swap_blocks and swap_block_seconds for --preemption-mode (SmolLM2-135M's K/V:
-    30 layers, 3 kv heads of 64, 16-token blocks)."""
+def replay_swap_kwargs(args, block_size: int = 16) -> dict:
+    """replay()'s swap_blocks and swap_block_seconds for --preemption-mode: a block is the
+    embedded model's K and V over every layer (benchmarks.common.kv_bytes_per_token), copied at
+    --swap-gbps or at the host copy cost `batchinfer profile` measures (one thread, as a rank's
+    copy runs: sim/profiler.measure_host_copy)."""
     if args.preemption_mode != "swap":
         return {}
-    block_bytes = 30 * 2 * 3 * 64 * (4 if args.kv_dtype == "float32" else 2) * 16
-    gbps = args.swap_gbps or host_copy_gbps()
+    from benchmarks.common import kv_bytes_per_token
+
+    block_bytes = kv_bytes_per_token(embedded_source().arch, args.kv_dtype) * block_size
+    if args.swap_gbps:
+        seconds = block_bytes / (args.swap_gbps * 1e9)
+    else:
+        import torch
+
+        from batchinfer.sim.profiler import measure_host_copy
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            seconds = measure_host_copy(torch.device("cpu"), quick=True).seconds(block_bytes)
+        finally:
+            torch.set_num_threads(threads)
     return {"swap_blocks": int(args.swap_gib * (1 << 30)) // block_bytes,
-            "swap_block_seconds": block_bytes / (gbps * 1e9)}
+            "swap_block_seconds": seconds}
 
 
 def main() -> None:
@@ -249,7 +249,7 @@ def main() -> None:
         true = [r["max_tokens"] for r in rows]
     predicted, _ = eos_workload.forecasts(args.predictor, rows, lengths)
     limits = [r["max_tokens"] for r in rows]
-    swap = swap_options(args)
+    swap = replay_swap_kwargs(args)
     results = {name: replay(params, prompts, true, limits, predicted, args.kv_tokens, table,
                             prefill_length_cost=args.prefill_length_cost, **swap)
                for name, params in CONFIGS.items()}

@@ -38,17 +38,25 @@ def test_the_replay_counts_the_bubbles_the_summed_times_miss(within):
     assert (out["preemptions"] == 0) if within else (out["preemptions"] > 0), out
 
 
-def test_the_reference_lengths_are_cached_per_kv_budget_and_host_dtype(monkeypatch):
+def test_the_reference_lengths_are_cached_per_kv_budget_and_host_build(monkeypatch):
     """A bf16 reference pass preempts (and re-prefills) by its KV budget, and its replies depend
     on the kernels and on what dtype auto resolves to: each gets its own cache entry."""
+    import batchinfer.engine.kernels as kernels
     from benchmarks.strategies.eos_workload import reference_path
 
+    monkeypatch.setattr(kernels, "loaded_kernel_builds", lambda: ("model_aaaa", "exact_bbbb"))
     monkeypatch.delenv("BATCHINFER_CPU_AUTO_DTYPE", raising=False)
     base = reference_path(120, 360, 1024, 16384)
     assert base == reference_path(120, 360, 1024, 16384)
     assert base.name.startswith("sharegpt-eos-lengths-n120-off360-max1024-")
     assert reference_path(120, 360, 1024, 8192) != base
     monkeypatch.setenv("BATCHINFER_CPU_AUTO_DTYPE", "float32")
+    forced = reference_path(120, 360, 1024, 16384)
+    assert forced != base
+    monkeypatch.setenv("BATCHINFER_CPU_AUTO_DTYPE", " Float32 ")   # read as the engine reads it
+    assert reference_path(120, 360, 1024, 16384) == forced
+    monkeypatch.delenv("BATCHINFER_CPU_AUTO_DTYPE")
+    monkeypatch.setattr(kernels, "loaded_kernel_builds", lambda: ("model_cccc", "exact_bbbb"))
     assert reference_path(120, 360, 1024, 16384) != base
 
 
@@ -70,5 +78,24 @@ def test_the_replay_swaps_instead_of_recomputing_and_prices_the_copies():
     assert swap["copied_blocks"] > 0
     # the same decisions, the copies' time on top
     assert priced["kv_swap"] == swap and priced["micro_batches"] == free["micro_batches"]
-    assert priced["modelled_s"] == pytest.approx(free["modelled_s"] + swap["copied_blocks"] * 0.01 / 2,
-                                                 abs=0.02)
+    copies_s = swap["copied_blocks"] * 0.01
+    assert priced["modelled_s"] == pytest.approx(free["modelled_s"] + copies_s / 2, abs=0.02)
+    assert priced["pipeline_s"] > free["pipeline_s"]
+
+
+def test_the_replays_swap_area_is_the_embedded_models_blocks():
+    """--preemption-mode swap: a 16-token block of SmolLM2-135M's K and V (30 layers, 3 KV heads
+    of 64) is 368,640 bytes in bf16, so 4 GiB hold 11,650; --swap-gbps prices each."""
+    import argparse
+
+    from benchmarks.strategies.tdpipe_replay import add_swap_arguments, replay_swap_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_swap_arguments(ap)
+    assert replay_swap_kwargs(ap.parse_args([])) == {}
+    kwargs = replay_swap_kwargs(ap.parse_args(["--preemption-mode", "swap", "--kv-dtype",
+                                               "bfloat16", "--swap-gbps", "10"]))
+    assert kwargs["swap_blocks"] == (4 << 30) // 368_640 == 11_650
+    assert kwargs["swap_block_seconds"] == pytest.approx(368_640 / 10e9)
+    fp32 = replay_swap_kwargs(ap.parse_args(["--preemption-mode", "swap", "--swap-gbps", "10"]))
+    assert fp32["swap_blocks"] == (4 << 30) // 737_280
