@@ -142,8 +142,10 @@ def replay(params: dict, prompts: list[int], lengths: list[int], limits: list[in
                 in_flight.append((b, clock.launch(seconds)))
                 launched.append((b.phase, size, seconds))
             most = max(most, len(in_flight))
-        if not in_flight:
-            break
+        if not in_flight:       # nothing to wait on and nothing launchable: a stall
+            left = sched.num_waiting + sched.num_running + sched.num_swapped
+            raise RuntimeError(f"the replay stalled with {left} requests unfinished and nothing "
+                               "it could launch (a prompt longer than the KV cache holds?)")
         batch, returns_at = in_flight.popleft()
         clock.returned(returns_at)
         done = []

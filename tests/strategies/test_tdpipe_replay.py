@@ -99,3 +99,11 @@ def test_the_replays_swap_area_is_the_embedded_models_blocks():
     assert kwargs["swap_block_seconds"] == pytest.approx(368_640 / 10e9)
     fp32 = replay_swap_kwargs(ap.parse_args(["--preemption-mode", "swap", "--swap-gbps", "10"]))
     assert fp32["swap_blocks"] == (4 << 30) // 737_280
+
+
+def test_a_replay_that_cannot_go_on_says_so():
+    """A prompt the KV cache cannot hold never runs: the replay stops with an error instead of
+    reporting the others' time as the job's."""
+    table = StepTimes.from_json(DEFAULT_STEP_TIMES)
+    with pytest.raises(RuntimeError, match="stalled"):
+        replay({}, [64, 8000], [8, 8], [64, 64], [8, 8], kv_tokens=1024, step_times=table)
