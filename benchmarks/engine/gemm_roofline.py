@@ -80,12 +80,16 @@ class _ModelGemms:
         inputs = [x_h, x_q, x_h, x_i]
 
         def run():
-            for layer in self.layers:
+            for layer in self.layers if layer_rows else ():
                 for lin, x in zip(layer, inputs):
                     lin(x)
-            self.head(x_head)
+            if head_rows:
+                self.head(x_head)
 
         return run
+
+
+PREFILL_CHUNK = 2048   # rows a prefill's GEMMs are timed at (the engine's default token budget)
 
 
 class RooflineSampler:
@@ -113,9 +117,15 @@ class RooflineSampler:
 
     @torch.inference_mode()
     def prefill_seconds(self, prompt_tokens: int) -> float:
-        """Every prompt token through the layers, one row per request through the head."""
-        runs = [g.runner(prompt_tokens, self.batch) for g in self.gemms.values()]
-        self.prefill_samples.append(min(median_seconds(run, 1) for run in runs))
+        """Every prompt token through the layers, one row per request through the head. The
+        layers are timed on at most PREFILL_CHUNK rows and scaled to the prompts' tokens: an
+        engine prefills in chunks of that order (scheduler.max_num_batched_tokens), and one
+        matrix of all of a large workload's prompts (ShareGPT-500: 51,872 rows) streams its
+        input from memory once per column group, slower than any chunk."""
+        rows = min(prompt_tokens, PREFILL_CHUNK)
+        layers = min(median_seconds(g.runner(rows, 0), 1) for g in self.gemms.values())
+        head = min(median_seconds(g.runner(0, self.batch), 1) for g in self.gemms.values())
+        self.prefill_samples.append(layers * prompt_tokens / rows + head)
         return self.prefill_samples[-1]
 
     @torch.inference_mode()
@@ -162,6 +172,34 @@ class RooflineSampler:
             out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
         return out
 
+
+    def mixed_summary(self, generated: int, requests: int, elapsed_s: float,
+                      decode_kv_bytes: int = 0) -> dict:
+        """For a workload whose requests each have their own length, so the decode batch is not
+        one size (ShareGPT at its reference lengths): its GEMMs at the sampler's batch, the most
+        sequences the engine holds (every prompt token through the layers as prefill_seconds
+        times them; each later output token one row of a full decode step), the fastest the
+        hardware runs the workload's matrix products at that limit. The run's fraction of it,
+        at the median and at the fastest sample; with decode_kv_bytes, the ceiling on it for an
+        engine that also reads the decode steps' K/V once at the fastest stream rate."""
+        median_step, best_step = statistics.median(self.samples), min(self.samples)
+        prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
+        decode_rows = generated - requests        # a request's first token comes from its prefill
+        out = {"samples": len(self.samples), "batch": self.batch,
+               "step_ms_median": round(median_step * 1e3, 2), "step_ms_best": round(best_step * 1e3, 2),
+               "prefill_gemm_s": round(prefill, 3)}
+        if decode_kv_bytes and self.stream_samples:
+            gbps = max(self.stream_samples)
+            kv_s = decode_kv_bytes / gbps / 1e9
+            gemm_s = prefill + decode_rows * median_step / self.batch
+            out.update({"decode_kv_read_gb": round(decode_kv_bytes / 1e9, 2),
+                        "stream_read_gbps": round(gbps, 1), "kv_read_s_at_stream_rate": round(kv_s, 3),
+                        "workload_ceiling_with_kv_read": round(gemm_s / (gemm_s + kv_s), 3)})
+        for label, step in (("", median_step), ("_vs_best", best_step)):
+            workload_tps = generated / (prefill + decode_rows * step / self.batch)
+            out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
+            out[f"fraction_of_workload_roofline{label}"] = round(generated / elapsed_s / workload_tps, 3)
+        return out
 
 @torch.inference_mode()
 def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[str] | None = None,

@@ -35,7 +35,8 @@ and fp32 eager (`ratio_vs_peer_fp32`); without a peer only ours runs.
     python benchmarks/engine/w_decode.py --sharegpt 500 --repeats 1
         # the first 500 requests of the ShareGPT V3 sample (benchmarks/common.py), each with its
         # reference reply length (ignore_eos), all submitted at once, 256 sequences at most and
-        # 4 GiB of KV as vLLM's CPU defaults; no roofline (the batch is not one fixed size)
+        # 4 GiB of KV as vLLM's CPU defaults; the workload roofline: its prompts' GEMMs and each
+        # later output token as one row of a 256-row decode step (the batch is not one size)
     python benchmarks/engine/w_decode.py --device cuda --model DIR --load-format dummy --no-peer
         # on a GPU: the model's config and tokenizer from DIR, random weights, dtype auto (bf16);
         # the GEMM roofline is the CPU's and is left out there; --cuda-graphs: device.cuda_graphs
@@ -67,8 +68,8 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
              kv_cache_dtype: str, model: dict | None = None, device: str = "auto",
              cuda_graphs: str = "auto", limits: dict | None = None) -> dict:
     """Runs inside a fresh process (see --worker). max_tokens 0: each line's own max_tokens
-    (no roofline then: the decode batch is not one size); `limits`: max_num_seqs and
-    kv_cache_memory (default: room for all n sequences)."""
+    (the roofline then at the engine's most sequences: RooflineSampler.mixed_summary);
+    `limits`: max_num_seqs and kv_cache_memory (default: room for all n sequences)."""
     from benchmarks.engine.gemm_roofline import RooflineSampler
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import resolve_model_dir
@@ -89,8 +90,9 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     cpu_roofline = engine.info["device"] == "cpu" and not engine.info.get("quantization")
     # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
     weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
-    roofline = (RooflineSampler(arch, n, weight_dtype=weight_dtype)
-                if roofline_every and cpu_roofline and max_tokens else None)
+    rows_at_most = (limits or {}).get("max_num_seqs", n) if max_tokens == 0 else n
+    roofline = (RooflineSampler(arch, min(n, rows_at_most), weight_dtype=weight_dtype)
+                if roofline_every and cpu_roofline else None)
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0
     steps = 0
@@ -134,7 +136,8 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
         "kv_cache_dtype": engine.info["kv_cache_dtype"], "quantization": engine.info.get("quantization"),
         **({"cuda_graphs": graphs.num_graphs, "graph_steps": graphs.steps - graph_steps,
             "graph_capture_s": round(graphs.capture_seconds, 2)} if graphs else {}),
-        **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes)} if roofline else {}),
+        **({"roofline": roofline.summary(max_tokens, n_out, elapsed, kv_bytes) if max_tokens
+            else roofline.mixed_summary(n_out, len(outs), elapsed, kv_bytes)} if roofline else {}),
     }
 
 
@@ -193,7 +196,7 @@ def main() -> None:
                     help="the workload: the first N requests of the ShareGPT V3 sample, each with "
                     "its reference reply length (replaces --workload, --max-tokens and "
                     "--concurrency; at most 256 sequences and 4 GiB of KV, as vLLM's CPU "
-                    "defaults; no roofline)")
+                    "defaults; the roofline's decode steps at 256 rows)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,7 +214,7 @@ def main() -> None:
         args.workload.parent.mkdir(exist_ok=True)
         args.workload.write_text("".join(json.dumps({"prompt": r["prompt"], "max_tokens": r["max_tokens"]})
                                          + "\n" for r in rows))
-        args.max_tokens, args.concurrency, args.roofline_every = 0, [len(rows)], 0
+        args.max_tokens, args.concurrency = 0, [len(rows)]
     elif args.max_tokens == 0 and not all("max_tokens" in row for row in workload_rows(args.workload, 1)):
         ap.error(f"--max-tokens 0 takes each line's own max_tokens, and {args.workload}'s lines "
                  "have none: give --max-tokens N, or --sharegpt N")
