@@ -172,7 +172,6 @@ class RooflineSampler:
             out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
         return out
 
-
     def mixed_summary(self, generated: int, requests: int, elapsed_s: float,
                       decode_kv_bytes: int = 0) -> dict:
         """For a workload whose requests each have their own length, so the decode batch is not
@@ -200,6 +199,7 @@ class RooflineSampler:
             out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
             out[f"fraction_of_workload_roofline{label}"] = round(generated / elapsed_s / workload_tps, 3)
         return out
+
 
 @torch.inference_mode()
 def gemm_roofline(arch: ModelArch, batch: int, repeats: int = 5, kernels: list[str] | None = None,
