@@ -148,28 +148,17 @@ class RooflineSampler:
         sample. With decode_kv_bytes (the K/V the decode steps' attention reads, all layers) and
         stream samples: the ceiling on those fractions for an engine that runs only the GEMMs at
         the roofline and reads that K/V once at the fastest stream rate, nothing else."""
-        median_step = statistics.median(self.samples)
-        best_step = min(self.samples)
-        prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
-        ours = generated / elapsed_s
-        out = {"samples": len(self.samples), "step_ms_median": round(median_step * 1e3, 2),
-               "step_ms_best": round(best_step * 1e3, 2), "step_ms_worst": round(max(self.samples) * 1e3, 2),
-               "prefill_gemm_s": round(prefill, 3)}
-        if decode_kv_bytes and self.stream_samples:
-            gbps = max(self.stream_samples)
-            kv_s = decode_kv_bytes / gbps / 1e9
-            decode_s = (output_tokens - 1) * median_step
-            out.update({"decode_kv_read_gb": round(decode_kv_bytes / 1e9, 2), "stream_read_gbps": round(gbps, 1),
-                        "kv_read_s_at_stream_rate": round(kv_s, 3),
-                        "ceiling_with_kv_read": round(decode_s / (decode_s + kv_s), 3),
-                        "workload_ceiling_with_kv_read": round((prefill + decode_s) / (prefill + decode_s + kv_s), 3)})
-        for label, step in (("", median_step), ("_vs_best", best_step)):
+        out = self._workload(self.batch * output_tokens, self.batch * (output_tokens - 1),
+                             generated / elapsed_s, decode_kv_bytes)
+        if "kv_read_s_at_stream_rate" in out:
+            decode_s = (output_tokens - 1) * statistics.median(self.samples)
+            out["ceiling_with_kv_read"] = round(
+                decode_s / (decode_s + out["kv_read_s_at_stream_rate"]), 3)
+        out["step_ms_worst"] = round(max(self.samples) * 1e3, 2)
+        for label, step in (("", statistics.median(self.samples)), ("_vs_best", min(self.samples))):
             decode_tps = self.batch / step
-            workload_tps = self.batch * output_tokens / (prefill + (output_tokens - 1) * step)
             out[f"roofline_tok_per_s{label}"] = round(decode_tps, 1)
-            out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
-            out[f"fraction_of_roofline{label}"] = round(ours / decode_tps, 3)
-            out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
+            out[f"fraction_of_roofline{label}"] = round(generated / elapsed_s / decode_tps, 3)
         return out
 
     def mixed_summary(self, generated: int, requests: int, elapsed_s: float,
@@ -181,12 +170,20 @@ class RooflineSampler:
         hardware runs the workload's matrix products at that limit. The run's fraction of it,
         at the median and at the fastest sample; with decode_kv_bytes, the ceiling on it for an
         engine that also reads the decode steps' K/V once at the fastest stream rate."""
+        # a request's first token comes from its prefill
+        out = self._workload(generated, generated - requests, generated / elapsed_s,
+                             decode_kv_bytes)
+        out["batch"] = self.batch
+        return out
+
+    def _workload(self, tokens: int, decode_rows: int, ours: float, decode_kv_bytes: int) -> dict:
+        """The workload roofline both summaries report: the prompts' GEMMs (prefill_seconds) and
+        `decode_rows` rows of full decode steps for `tokens` output tokens, at the median and the
+        fastest sample; `ours` (tok/s) as a fraction of each; the K/V-read ceiling."""
         median_step, best_step = statistics.median(self.samples), min(self.samples)
         prefill = statistics.median(self.prefill_samples) if self.prefill_samples else 0.0
-        decode_rows = generated - requests        # a request's first token comes from its prefill
-        out = {"samples": len(self.samples), "batch": self.batch,
-               "step_ms_median": round(median_step * 1e3, 2), "step_ms_best": round(best_step * 1e3, 2),
-               "prefill_gemm_s": round(prefill, 3)}
+        out = {"samples": len(self.samples), "step_ms_median": round(median_step * 1e3, 2),
+               "step_ms_best": round(best_step * 1e3, 2), "prefill_gemm_s": round(prefill, 3)}
         if decode_kv_bytes and self.stream_samples:
             gbps = max(self.stream_samples)
             kv_s = decode_kv_bytes / gbps / 1e9
@@ -195,9 +192,9 @@ class RooflineSampler:
                         "stream_read_gbps": round(gbps, 1), "kv_read_s_at_stream_rate": round(kv_s, 3),
                         "workload_ceiling_with_kv_read": round(gemm_s / (gemm_s + kv_s), 3)})
         for label, step in (("", median_step), ("_vs_best", best_step)):
-            workload_tps = generated / (prefill + decode_rows * step / self.batch)
+            workload_tps = tokens / (prefill + decode_rows * step / self.batch)
             out[f"workload_roofline_tok_per_s{label}"] = round(workload_tps, 1)
-            out[f"fraction_of_workload_roofline{label}"] = round(generated / elapsed_s / workload_tps, 3)
+            out[f"fraction_of_workload_roofline{label}"] = round(ours / workload_tps, 3)
         return out
 
 

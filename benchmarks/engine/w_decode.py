@@ -90,8 +90,9 @@ def run_ours(workload: Path, n: int, max_tokens: int, policy: str, roofline_ever
     cpu_roofline = engine.info["device"] == "cpu" and not engine.info.get("quantization")
     # the roofline in the run's own weight format (bf16 on CPU: bf16 weights, fp32 activations)
     weight_dtype = torch.bfloat16 if engine.info["dtype"] == "bfloat16" else torch.float32
-    rows_at_most = (limits or {}).get("max_num_seqs", n) if max_tokens == 0 else n
-    roofline = (RooflineSampler(arch, min(n, rows_at_most), weight_dtype=weight_dtype)
+    # its decode steps at the most sequences the engine holds at once
+    roofline_rows = min(n, (limits or {}).get("max_num_seqs", n))
+    roofline = (RooflineSampler(arch, roofline_rows, weight_dtype=weight_dtype)
                 if roofline_every and cpu_roofline else None)
     prompt_tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
     paused = 0.0

@@ -65,15 +65,6 @@ inline void transpose16x16(__m512i* r) {
   }
 }
 
-// Into L1, one head's K and V rows of a block (`elems` elements each from `offset`).
-inline void prefetch_head_block(const at::BFloat16* kc, const at::BFloat16* vc, int64_t offset,
-                                int64_t elems) {
-  for (int64_t i = 0; i < elems; i += kLineElems<at::BFloat16>) {
-    _mm_prefetch(reinterpret_cast<const char*>(kc + offset + i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(vc + offset + i), _MM_HINT_T0);
-  }
-}
-
 // attend_item_avx2's contract (kv heads [kv_head, kv_head + num_kv), num_q queries from position
 // ctx, plain causal) over a bf16 cache. D 64 or 128.
 template <int D>
@@ -129,7 +120,7 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(kc + base);
       const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc + base);
       const int in_block = std::min(block_size, last_pos + 1 - b * block_size);
-      if (b + 1 < num_blocks)  // blocks are scattered: fetch the next one's rows of this head
+      if (b + 1 < num_blocks)  // the next block's rows of this head (attention_kernels.h)
         prefetch_head_block(kc, vc, static_cast<int64_t>(table[b + 1]) * block_stride + h * head_stride,
                             static_cast<int64_t>(block_size) * D);
       for (int t0 = 0; t0 < in_block; t0 += 16) {

@@ -27,6 +27,18 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 // Cache lines of T elements, for the prefetch loops.
 template <typename T>
 constexpr int64_t kLineElems = 64 / sizeof(T);
+
+// Into L1, a block's K and V rows of a head or of adjacent heads (`elems` elements each from
+// `offset`): blocks are scattered and hardware prefetchers stop at page boundaries, so the
+// kernels fetch the next block's rows while they compute on this one.
+template <typename T>
+inline void prefetch_head_block(const T* kc, const T* vc, int64_t offset, int64_t elems) {
+  for (int64_t i = 0; i < elems; i += kLineElems<T>) {
+    _mm_prefetch(reinterpret_cast<const char*>(kc + offset + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(vc + offset + i), _MM_HINT_T0);
+  }
+}
+
 // How far ahead the decode kernel prefetches, in visits (blocks), into L2. At W-decode's shape
 // (benchmarks/engine/kv_dtype_attention.py, builds alternating) 8 blocks ahead into L2, a few lines at a
 // time, ran fp32 decode attention 1.10-1.26x faster than the next block whole into L1.
@@ -179,15 +191,9 @@ void attend_item_avx2(const float* q, float* out, const T* kc, const T* vc, cons
     const int64_t block_base = static_cast<int64_t>(table[b]) * block_stride + kv_head * head_stride;
     const int start = b * block_size;
     const int n = std::min(block_size, last_pos + 1 - start);
-    if (b + 1 < num_blocks) {
-      // Blocks are scattered, and hardware prefetchers stop at page boundaries: fetch the next
-      // block's K and V while this one is computed.
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride + kv_head * head_stride;
-      for (int64_t off = 0; off < span; off += kLineElems<T>) {
-        _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
-      }
-    }
+    if (b + 1 < num_blocks)
+      prefetch_head_block(kc, vc, static_cast<int64_t>(table[b + 1]) * block_stride + kv_head * head_stride,
+                          span);
     for (int r = 0; r < rows; ++r) {
       const int visible = std::min(n, ctx + (r % per_head) / group + 1 - start);
       if (visible <= 0) continue;
