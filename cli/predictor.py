@@ -120,6 +120,10 @@ def evaluate(
     encoder_int8: bool = typer.Option(False, "--encoder-int8", help="Run the encoder's linears "
                                       "in int8 as a job on an AVX512-VNNI CPU does (recipe "
                                       "predictor.encoder_int8: auto); default fp32, as trained."),
+    encoder_bf16_attention: bool = typer.Option(
+        False, "--encoder-bf16-attention", help="Run the encoder's attention in bf16 dot products "
+        "as a job on an AVX512-BF16 CPU does (recipe predictor.encoder_bf16_attention: auto); "
+        "default fp32, as trained."),
     as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
@@ -132,7 +136,8 @@ def evaluate(
     sizes = tuple(int(n) for n in _floats(groups, "--groups"))
     with user_errors():
         predictor = BertLengthPredictor.load(predictor_dir, device=device,
-                                             encoder_int8=encoder_int8)
+                                             encoder_int8=encoder_int8,
+                                             encoder_bf16_attention=encoder_bf16_attention)
         models = predictor.card["data"].get("models") or []
         data = _read(history, models[0] if len(models) == 1 else None)
         split = load_split(predictor_dir)

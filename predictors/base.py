@@ -258,7 +258,9 @@ def bert_from_dir(cfg: Any, path: Path, device: Optional[str]) -> LengthPredicto
 
     return BertLengthPredictor.load(path, device=device, batch_size=cfg.batch_size,
                                     oracle_field=cfg.oracle_field,
-                                    encoder_int8=getattr(cfg, "encoder_int8", "auto"))
+                                    encoder_int8=getattr(cfg, "encoder_int8", "auto"),
+                                    encoder_bf16_attention=getattr(cfg, "encoder_bf16_attention",
+                                                                   "auto"))
 
 
 PREDICTORS["bert"] = _bert

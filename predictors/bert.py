@@ -32,7 +32,8 @@ from torch import nn
 from .base import (PREDICTOR_CARD, Forecast, LengthPredictor, LengthQuery, PredictorError, cap,
                    class_forecasts)
 from .classes import means_past_cap
-from .cls_encoder import cls_states, reads_cls_alone
+from .cls_encoder import (bidirectional_attention_missing, cls_states, fuse_attention_projections,
+                          reads_cls_alone)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class BertLengthClassifier(nn.Module):
         # inference computes the last layer at [CLS] alone (cls_encoder.py); training that
         # fine-tunes layers keeps transformers' forward (its dropout)
         self.reads_cls_alone = reads_cls_alone(encoder)
+        self.bf16_attention = False     # cls_states' bf16 kernel (BertLengthPredictor turns it on)
 
     @property
     def hidden_size(self) -> int:
@@ -134,7 +136,7 @@ class BertLengthClassifier(nn.Module):
 
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.pooling == "cls" and not self.training and self.reads_cls_alone:
-            return cls_states(self.encoder, input_ids, attention_mask)
+            return cls_states(self.encoder, input_ids, attention_mask, self.bf16_attention)
         states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if self.pooling == "cls":
             return states[:, 0]
@@ -327,6 +329,8 @@ def quantize_encoder(model: BertLengthClassifier) -> int:
     fp32. -> how many layers were swapped."""
     from batchinfer.engine.model.int8_linear import PANEL, Int8Linear
 
+    if model.reads_cls_alone and model.hidden_size % PANEL == 0:   # cls_states' fused q, k, v
+        fuse_attention_projections(model.encoder, Int8Linear)
     swapped = 0
     for parent in list(model.encoder.modules()):
         for name, child in list(parent.named_children()):
@@ -341,7 +345,8 @@ class BertLengthPredictor(LengthPredictor):
 
     def __init__(self, model: BertLengthClassifier, tokenizer, card: dict,
                  device: Optional[str] = None, batch_size: int = 64,
-                 oracle_field: str = "max_tokens", encoder_int8: Union[str, bool] = False):
+                 oracle_field: str = "max_tokens", encoder_int8: Union[str, bool] = False,
+                 encoder_bf16_attention: Union[str, bool] = False):
         super().__init__(oracle_field)
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
@@ -352,6 +357,14 @@ class BertLengthPredictor(LengthPredictor):
         self.encoder_int8 = bool(encoder_int8) and why_not is None
         if self.encoder_int8:
             quantize_encoder(self.model)
+        why_not = (bidirectional_attention_missing(self.model.encoder, self.device)
+                   if encoder_bf16_attention else None)
+        if self.model.pooling != "cls" and encoder_bf16_attention:
+            why_not = "it serves pooling: cls, and this predictor pools by mean"
+        if encoder_bf16_attention is True and why_not:
+            raise PredictorError(f"predictor.encoder_bf16_attention: true, but {why_not}; set it "
+                                 "to auto or false to run the encoder's attention in fp32")
+        self.model.bf16_attention = bool(encoder_bf16_attention) and why_not is None
         self.tokenizer = tokenizer
         self.card = card
         self.batch_size = batch_size
@@ -364,7 +377,8 @@ class BertLengthPredictor(LengthPredictor):
     @classmethod
     def load(cls, path: Path, device: Optional[str] = None, batch_size: int = 64,
              oracle_field: str = "max_tokens",
-             encoder_int8: Union[str, bool] = False) -> "BertLengthPredictor":
+             encoder_int8: Union[str, bool] = False,
+             encoder_bf16_attention: Union[str, bool] = False) -> "BertLengthPredictor":
         from safetensors.torch import load_file
 
         card = read_card(path)
@@ -389,7 +403,8 @@ class BertLengthPredictor(LengthPredictor):
             raise PredictorError(f"{weights_path}: does not match the card's head "
                                  f"(missing {head_missing[:3]}, unexpected {unexpected[:3]})")
         return cls(model, tokenizer, card, device=device, batch_size=batch_size,
-                   oracle_field=oracle_field, encoder_int8=encoder_int8)
+                   oracle_field=oracle_field, encoder_int8=encoder_int8,
+                   encoder_bf16_attention=encoder_bf16_attention)
 
     def predict_class_ids(self, texts: Sequence[str]) -> np.ndarray:
         tokens = Tokenized(self.tokenizer, texts, self.max_length, self.truncation)
@@ -416,4 +431,5 @@ class BertLengthPredictor(LengthPredictor):
 
     def describe(self) -> dict:
         return {"name": self.name, "classes": len(self.means), "device": str(self.device),
-                "encoder": f"{self.max_length} tokens, {'int8' if self.encoder_int8 else 'fp32'}"}
+                "encoder": f"{self.max_length} tokens, {'int8' if self.encoder_int8 else 'fp32'}"
+                           f" linears, {'bf16' if self.model.bf16_attention else 'fp32'} attention"}

@@ -67,6 +67,11 @@ class PredictorConfig(_Strict):
         "auto", description="bert: run the encoder's linear layers in int8 (the engine's "
         "AVX512-VNNI kernel; ~1.8x faster, the head still reads fp32): auto: on a CPU that has "
         "the instructions; true: required (an error names the missing flags); false: fp32")
+    encoder_bf16_attention: Union[Literal["auto"], bool] = Field(
+        "auto", description="bert: run the encoder's attention in bf16 dot products over the "
+        "prompts' own tokens, no padding (the engine's AVX512-BF16 kernel; fp32 softmax and "
+        "sums): auto: on a CPU that has the instructions (and no AMX); true: required (an error "
+        "says what is missing); false: torch's fp32 attention")
     history: bool = Field(True, description="append one history.jsonl line per finished request "
                           "(the training data of `batchinfer predictor train`)")
     history_prompts: Literal["text", "hash"] = Field(

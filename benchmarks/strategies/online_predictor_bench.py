@@ -226,6 +226,10 @@ def main() -> None:
                     choices=("auto", True, False),
                     help="the encoder's linears in int8 (auto: where the CPU has VNNI, as a job "
                     "runs it)")
+    ap.add_argument("--encoder-bf16-attention", default="auto", type=_switch,
+                    choices=("auto", True, False),
+                    help="the encoder's attention in bf16 dot products (auto: where the CPU has "
+                    "AVX512-BF16 and no AMX, as a job runs it)")
     ap.add_argument("--cached-only", action="store_true", help="use the replies cached so far "
                     "(do not run the model for the missing ones)")
     args = ap.parse_args()
@@ -248,7 +252,8 @@ def main() -> None:
     queries = [LengthQuery(p["prompt"], max_tokens=p["max_tokens"], key=p["id"]) for p in rows]
 
     shipped = args.predictor or shipped_predictor(DEFAULT_MODEL_ID)
-    bert = BertLengthPredictor.load(shipped, device="cpu", encoder_int8=args.encoder_int8)
+    bert = BertLengthPredictor.load(shipped, device="cpu", encoder_int8=args.encoder_int8,
+                                    encoder_bf16_attention=args.encoder_bf16_attention)
     train_mean = float(bert.card["classes"]["train_mean"])
 
     events = finish_order(lengths, args.concurrency, args.order, args.seed)

@@ -14,8 +14,12 @@ changes):
 - `256, padded budget, full last layer`: the shipped predictor's input (it reads 256 tokens);
 - `256, padded budget`: as a job runs it in fp32, the last layer computed at [CLS] alone
   (predictors/cls_encoder.py);
-- `256, padded budget, int8 encoder`: as a job runs it on an AVX512-VNNI CPU
-  (`predictor.encoder_int8: auto`; skipped where the CPU lacks the instructions).
+- `256, padded budget, bf16 attention`: attention in the bf16 kernel over the prompts' own tokens
+  (`predictor.encoder_bf16_attention: auto`; skipped where the CPU lacks AVX512-BF16 or has AMX);
+- `256, padded budget, int8 encoder`: the linears int8 (`predictor.encoder_int8: auto`, the GELU
+  fused into the first feed-forward linear; skipped where the CPU lacks AVX512-VNNI), attention
+  fp32;
+- `256, padded budget, int8 encoder, bf16 attention`: both, as a job runs it on a CPU with both.
 
 Prints JSON: per configuration the median seconds over `--repeat` passes (every prompt through
 the encoder and the head, as a job's admission does), ms per request, encoder tokens and padded
@@ -48,26 +52,32 @@ def main() -> None:
     from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
     from batchinfer.predictors import bert
     from batchinfer.predictors.auto import shipped_predictor
+    from batchinfer.predictors.cls_encoder import bidirectional_attention_missing
 
     predictor = bert.BertLengthPredictor.load(shipped_predictor(DEFAULT_MODEL_ID), device="cpu")
     texts = [r["prompt"] for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
     budget = bert.PADDED_TOKENS_PER_BATCH
     shipped = budget["cpu"]
-    # (tokens read, padded-token budget, int8 encoder, last layer at [CLS] alone)
-    configs = {"512, 64 rows, full last layer": (512, None, False, False),
-               "512, padded budget, full last layer": (512, shipped, False, False),
-               "256, padded budget, full last layer": (256, shipped, False, False),
-               "256, padded budget": (256, shipped, False, True),
-               "256, padded budget, int8 encoder": (256, shipped, True, True)}
+    # (tokens read, padded-token budget, int8 encoder, last layer at [CLS] alone, bf16 attention)
+    configs = {"512, 64 rows, full last layer": (512, None, False, False, False),
+               "512, padded budget, full last layer": (512, shipped, False, False, False),
+               "256, padded budget, full last layer": (256, shipped, False, False, False),
+               "256, padded budget": (256, shipped, False, True, False),
+               "256, padded budget, bf16 attention": (256, shipped, False, True, True),
+               "256, padded budget, int8 encoder": (256, shipped, True, True, False),
+               "256, padded budget, int8 encoder, bf16 attention": (256, shipped, True, True, True)}
+    no_bf16_attention = bidirectional_attention_missing(predictor.model.encoder, torch.device("cpu"))
+    no_int8 = bert.encoder_int8_missing(torch.device("cpu"))
     results = {}
     try:
-        for name, (max_length, cpu_budget, int8, cls_alone) in configs.items():
-            if int8:                             # the last: the swap is one way
-                why_not = bert.encoder_int8_missing(torch.device("cpu"))
-                if why_not:
-                    results[name] = {"skipped": why_not}
-                    continue
+        for name, (max_length, cpu_budget, int8, cls_alone, bf16_attention) in configs.items():
+            if (int8 and no_int8) or (bf16_attention and no_bf16_attention):
+                results[name] = {"skipped": no_int8 if int8 and no_int8 else no_bf16_attention}
+                continue
+            if int8 and not predictor.encoder_int8:   # int8 configurations last: one way
                 bert.quantize_encoder(predictor.model)
+                predictor.encoder_int8 = True
+            predictor.model.bf16_attention = bf16_attention
             predictor.model.reads_cls_alone = cls_alone
             predictor.max_length = max_length
             budget["cpu"] = cpu_budget

@@ -39,7 +39,7 @@ _DIR = Path(__file__).parent
 #   must round as torch's x * (127 / absmax) does. Their vector code uses intrinsics.
 _BUILDS = {
     "model": ([_DIR / "paged_attention.cpp", _DIR / "fused_ops.cpp", _DIR / "blocked_linear.cpp",
-               _DIR / "bf16_linear.cpp", _DIR / "amx_linear.cpp",
+               _DIR / "bf16_linear.cpp", _DIR / "amx_linear.cpp", _DIR / "encoder_attention.cpp",
                _DIR / "shm_allreduce.cpp", _DIR / "thread_binding.cpp"],
               ["-O3", "-ffast-math", "-fopenmp"]),
     "exact": ([_DIR / "sampling.cpp", _DIR / "sampling_columns.cpp", _DIR / "int8_linear.cpp"],

@@ -64,6 +64,49 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   });
 }
 
+// LayerNorm(x + residual) with its weight and bias, [rows, cols]: a post-norm encoder layer's two
+// residual steps (the length predictor's BERT, predictors/cls_encoder.py) in one pass, where torch's
+// add and layer_norm took two; mean and variance over the row's sums, as layer_norm's.
+at::Tensor add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          const at::Tensor& bias, double eps) {
+  check_rows(x, "add_layer_norm");
+  check_rows(residual, "add_layer_norm");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "add_layer_norm: x and residual differ in shape");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&
+                  weight.numel() == n && bias.numel() == n,
+              "add_layer_norm: weight and bias must be float32 [cols]");
+  const auto wc = weight.contiguous(), bc = bias.contiguous();
+  auto out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps), count = static_cast<float>(n);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = xp + r * xs;
+      const float* rr = rp + r * rs;
+      float* o = op + r * n;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        o[i] = xr[i] + rr[i];
+        sum += o[i];
+      }
+      const float mean = sum / count;
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < n; ++i) sq += (o[i] - mean) * (o[i] - mean);
+      const float inv = 1.f / std::sqrt(sq / count + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = (o[i] - mean) * inv * wp[i] + bp[i];
+    }
+  });
+  return out;
+}
+
 // [rows, 2I] (gate | up) -> [rows, I] silu(gate) * up
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_and_mul");
@@ -201,6 +244,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, "
@@ -212,6 +256,7 @@ TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("add_layer_norm", &add_layer_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("rotary_embedding", &rotary_embedding);

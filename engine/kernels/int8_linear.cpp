@@ -9,7 +9,8 @@
 // precomputed; exact in int32). y[m][n] = w_scale[n] x sum over blocks b of
 // x_scale[m][b] x float(acc_b[m][n] - comp[b][n]) (+ bias), the blocks folded in order with one FMA
 // each; the gate/up projection can write silu(gate) * up instead (kernels/simd.h's SiLU, the
-// [M, 2 I] intermediate never stored).
+// [M, 2 I] intermediate never stored), and a BERT feed-forward's first linear gelu(y) (simd.h's
+// exact GELU: the length predictor's encoder, whose separate GELU pass cost ~9% of its time).
 //
 // Layout: panels of 16 output columns, each [K4][16][4] (K4 = Kp / 4 with Kp, K rounded up to a
 // whole block, zeros past K), so a group of 4 k of a panel is one 64-byte load whose int32 lanes
@@ -114,6 +115,9 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
+// What a tile writes: y, silu(gate) * up (panel 0 a gate panel, panel 1 its up panel), or gelu(y).
+enum Epilogue { kPlain, kSiluMul, kGelu };
+
 struct Panels {           // what a tile reads of its one or two panels
   const int8_t* w[2];
   const float* scale[2];
@@ -121,17 +125,19 @@ struct Panels {           // what a tile reads of its one or two panels
   const float* bias[2];    // null: no bias
 };
 
-// One row's outputs of the tile's panels from its fp32 sums (SILU: silu(gate) * up instead).
-template <int NP, bool SILU>
+// One row's outputs of the tile's panels from its fp32 sums, through the epilogue.
+template <int NP, Epilogue EPI>
 inline void store_row(__m512 a, __m512 b, const Panels& p, float* y) {
   __m512 ya = _mm512_mul_ps(a, _mm512_loadu_ps(p.scale[0]));
   if (p.bias[0]) ya = _mm512_add_ps(ya, _mm512_loadu_ps(p.bias[0]));
+  if constexpr (EPI == kGelu) ya = simd::gelu16(ya);
   if constexpr (NP == 2) {
     __m512 yb = _mm512_mul_ps(b, _mm512_loadu_ps(p.scale[1]));
     if (p.bias[1]) yb = _mm512_add_ps(yb, _mm512_loadu_ps(p.bias[1]));
-    if constexpr (SILU) {
+    if constexpr (EPI == kSiluMul) {
       _mm512_storeu_ps(y, silu_mul(ya, yb));
     } else {
+      if constexpr (EPI == kGelu) yb = simd::gelu16(yb);
       _mm512_storeu_ps(y, ya);
       _mm512_storeu_ps(y + P, yb);
     }
@@ -141,9 +147,9 @@ inline void store_row(__m512 a, __m512 b, const Panels& p, float* y) {
 }
 
 // MB rows (<= 6) x NP panels: per block of 64 k, int32 sums by vpdpbusd, folded into fp32 sums;
-// then the epilogue. SILU: panel 0 is a gate panel, panel 1 its up panel. The accumulators are
-// named variables, not arrays: with arrays GCC kept them on the stack around the inline assembly.
-template <int MB, int NP, bool SILU>
+// then the epilogue. The accumulators are named variables, not arrays: with arrays GCC kept them
+// on the stack around the inline assembly.
+template <int MB, int NP, Epilogue EPI>
 inline void tile(const uint8_t* q, int64_t ldq, const float* x_scale, int64_t blocks,
                  const Panels& p, int64_t N, float* y, int64_t ldy) {
   static_assert(MB >= 1 && MB <= TILE, "a tile has 1 to 6 rows");
@@ -185,13 +191,13 @@ inline void tile(const uint8_t* q, int64_t ldq, const float* x_scale, int64_t bl
 #undef INT8_FOLD
   }
 #define INT8_OUT(j) \
-  if constexpr (MB > j) store_row<NP, SILU>(sa##j, sb##j, p, y + j * ldy);
+  if constexpr (MB > j) store_row<NP, EPI>(sa##j, sb##j, p, y + j * ldy);
   INT8_OUT(0) INT8_OUT(1) INT8_OUT(2) INT8_OUT(3) INT8_OUT(4)
   INT8_OUT(5)
 #undef INT8_OUT
 }
 
-template <int NP, bool SILU>
+template <int NP, Epilogue EPI>
 inline void rows_of(int64_t begin, int64_t end, const uint8_t* q, int64_t ldq, const float* x_scale,
                     int64_t blocks, const Panels& p, int64_t N, float* y, int64_t ldy) {
   for (int64_t m = begin; m < end; m += TILE) {
@@ -199,12 +205,12 @@ inline void rows_of(int64_t begin, int64_t end, const uint8_t* q, int64_t ldq, c
     const float* sm = x_scale + m * blocks;
     float* ym = y + m * ldy;
     switch (std::min(TILE, end - m)) {
-      case 6: tile<6, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
-      case 5: tile<5, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
-      case 4: tile<4, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
-      case 3: tile<3, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
-      case 2: tile<2, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
-      case 1: tile<1, NP, SILU>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 6: tile<6, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 5: tile<5, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 4: tile<4, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 3: tile<3, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 2: tile<2, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
+      case 1: tile<1, NP, EPI>(qm, ldq, sm, blocks, p, N, ym, ldy); break;
       default: break;
     }
   }
@@ -244,12 +250,15 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
 #endif
 }
 
-// y = x @ w^T through the int8 codes, [M, N] (silu_mul: [M, N / 2], gate panels then up panels).
+// y = x @ w^T through the int8 codes, [M, N] (silu_mul: [M, N / 2], gate panels then up panels;
+// gelu: gelu(y)).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
-                       const at::Tensor& w_comp, const c10::optional<at::Tensor>& bias, bool silu_mul) {
+                       const at::Tensor& w_comp, const c10::optional<at::Tensor>& bias, bool silu_mul,
+                       bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be fp32 [M, K]");
   check_packed(w_packed, w_scale, w_comp, x.size(1), "int8_linear");
   const int64_t panels = w_packed.size(0), N = panels * P;
+  TORCH_CHECK(!(silu_mul && gelu), "int8_linear: silu_mul or gelu, not both");
   TORCH_CHECK(!silu_mul || panels % 2 == 0, "int8_linear: silu_mul needs an even number of panels");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N),
               "int8_linear: bias must be fp32 [N]");
@@ -280,13 +289,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at
       const int64_t begin = rb * ROWS, end = std::min(M, begin + ROWS);
       if (silu_mul) {
         const Panels p = panels_at(wp, sp, cp, bp, K4, t, panels / 2 + t);
-        rows_of<2, true>(begin, end, qp, ldq, xs, blocks, p, N, yp + t * P, width);
+        rows_of<2, kSiluMul>(begin, end, qp, ldq, xs, blocks, p, N, yp + t * P, width);
       } else if (2 * t + 1 < panels) {
         const Panels p = panels_at(wp, sp, cp, bp, K4, 2 * t, 2 * t + 1);
-        rows_of<2, false>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
+        if (gelu)
+          rows_of<2, kGelu>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
+        else
+          rows_of<2, kPlain>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
       } else {
         const Panels p = panels_at(wp, sp, cp, bp, K4, 2 * t, -1);
-        rows_of<1, false>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
+        if (gelu)
+          rows_of<1, kGelu>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
+        else
+          rows_of<1, kPlain>(begin, end, qp, ldq, xs, blocks, p, N, yp + 2 * t * P, width);
       }
     }
   }
@@ -309,7 +324,7 @@ TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
   m.def("int8_linear_isa() -> str", &int8_linear_isa);
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_comp, Tensor? bias=None, "
-        "bool silu_mul=False) -> Tensor");
+        "bool silu_mul=False, bool gelu=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {

@@ -63,5 +63,49 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(lo, hi);
 }
 
+#ifdef __AVX512F__
+// e^x for 16 floats: exp's reduction and polynomial, 2^n by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// BERT's exact GELU for 16 floats, x / 2 (1 + erf(x / sqrt 2)), with erf as torch's vectorized CPU
+// erf computes it (Abramowitz and Stegun 7.1.26: 1 - t (a1 + .. + a5 t^4) e^-z^2, t = 1 / (1 + p z),
+// z = |x| / sqrt 2; absolute error below 1.5e-7), so a fused GELU stays within rounding of F.gelu.
+// t by rcp14 and one Newton step (~1e-8 relative) rather than a division, which bounded the
+// epilogue it runs in.
+inline __m512 gelu16(__m512 x) {
+  const __m512 half_x = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
+  const __m512 scaled = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+  const __m512 z = _mm512_abs_ps(scaled);
+  const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, _mm512_set1_ps(1.f));
+  __m512 t = _mm512_rcp14_ps(d);
+  t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.f)));
+  __m512 r = _mm512_set1_ps(1.061405429f);
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-1.453152027f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
+  r = _mm512_mul_ps(r, t);
+  const __m512 e = exp16(_mm512_mul_ps(z, _mm512_sub_ps(_mm512_setzero_ps(), z)));
+  const __m512 erf_abs = _mm512_fnmadd_ps(r, e, _mm512_set1_ps(1.f));
+  const __m512 erf = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(   // |erf| with x's sign
+      _mm512_castps_si512(erf_abs), _mm512_castps_si512(scaled), _mm512_set1_epi32(0x7fffffff), 0xe4));
+  return _mm512_fmadd_ps(half_x, erf, half_x);
+}
+#endif
+
 }  // namespace simd
 #endif

@@ -154,14 +154,19 @@ class Int8Linear(nn.Module):
         self.comp = block_compensation(codes)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
-    def _run(self, x: torch.Tensor, silu_mul: bool, width: int) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, silu_mul: bool, width: int, gelu: bool = False) -> torch.Tensor:
         flat = x.dim() == 2
         y = torch.ops.batchinfer.int8_linear(x if flat else x.reshape(-1, self.in_features),
-                                             self.packed, self.scale, self.comp, self.bias, silu_mul)
+                                             self.packed, self.scale, self.comp, self.bias, silu_mul,
+                                             gelu)
         return y if flat else y.reshape(*x.shape[:-1], width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, False, self.out_features)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """F.gelu(self(x)), the exact (erf) GELU, in one pass: the output leaves the kernel once."""
+        return self._run(x, False, self.out_features, gelu=True)
 
     @property
     def can_fuse_silu_mul(self) -> bool:

@@ -24,6 +24,21 @@ def test_norms(rows):
     torch.testing.assert_close(got_out, exp_out)
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 384), (300, 384), (5, 13)])
+def test_add_layer_norm_is_layer_norm_of_the_sum(rows, cols):
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(rows, 2 * cols, generator=gen)[:, :cols] * 4 + 3   # strided rows, an offset
+    residual = torch.randn(rows, cols, generator=gen)
+    norm = torch.nn.LayerNorm(cols, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.normal_(generator=gen)
+        norm.bias.normal_(generator=gen)
+        want = norm(x + residual)
+    got = torch.ops.batchinfer.add_layer_norm(x, residual, norm.weight.detach(), norm.bias.detach(),
+                                             norm.eps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("width", [1536, 13])
 def test_silu_and_mul(width):
     gate_up = torch.randn(37, 2 * width) * 6

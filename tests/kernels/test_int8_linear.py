@@ -96,6 +96,23 @@ def test_fused_silu_mul_is_silu_of_gate_times_up(bias):
 
 
 @needs_vnni
+@pytest.mark.parametrize("out_features", [1536, 48])     # whole panel pairs; a lone last panel
+def test_fused_gelu_is_the_exact_gelu_of_the_output(out_features):
+    torch.manual_seed(5)
+    linear = nn.Linear(384, out_features)
+    layer = Int8Linear(linear)
+    x = _inputs(29, 384, 6)
+    plain = layer(x)
+    assert plain.abs().max() > 6            # the erf's tails are reached, both signs
+    torch.testing.assert_close(layer.gelu(x), F.gelu(plain), rtol=2e-6, atol=3e-6)
+    torch.testing.assert_close(layer.gelu(x), F.gelu(_reference(x, linear).float()),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul or gelu"):
+        torch.ops.batchinfer.int8_linear(x, layer.packed, layer.scale, layer.comp, layer.bias,
+                                         True, True)
+
+
+@needs_vnni
 def test_a_rows_result_does_not_depend_on_its_batch():
     """Integer sums and a per-row epilogue: bitwise the same alone, in any tile or row block and
     under any thread split."""

@@ -119,7 +119,7 @@ def test_int8_encoder_stays_close_to_fp32():
     fp32 = BertLengthPredictor.load(SHIPPED, device="cpu")
     int8 = BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8=True)
     assert not fp32.encoder_int8 and int8.encoder_int8
-    assert int8.describe()["encoder"] == "256 tokens, int8"
+    assert int8.describe()["encoder"] == "256 tokens, int8 linears, fp32 attention"
     linears = [m for m in int8.model.encoder.modules() if isinstance(m, torch.nn.Linear)]
     assert linears == []                                   # every encoder linear swapped
     assert isinstance(int8.model.head.fc1, torch.nn.Linear)   # the head stays fp32
@@ -137,10 +137,42 @@ def test_int8_encoder_where_the_cpu_cannot(monkeypatch):
     monkeypatch.setattr(bert, "encoder_int8_missing",
                         lambda device: "this CPU lacks avx512_vnni")
     auto = bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8="auto")
-    assert not auto.encoder_int8 and auto.describe()["encoder"] == "256 tokens, fp32"
+    assert not auto.encoder_int8
+    assert auto.describe()["encoder"].startswith("256 tokens, fp32 linears")
     with pytest.raises(PredictorError, match="encoder_int8: true, but this CPU lacks "
                                              "avx512_vnni; set it to auto or false"):
         bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8=True)
+
+
+def test_bf16_attention_stays_close_to_fp32():
+    from batchinfer.predictors.bert import BertLengthPredictor
+    from batchinfer.predictors.cls_encoder import bidirectional_attention_missing
+
+    fp32 = BertLengthPredictor.load(SHIPPED, device="cpu")
+    why_not = bidirectional_attention_missing(fp32.model.encoder, torch.device("cpu"))
+    if why_not:
+        pytest.skip(f"bf16 encoder attention: {why_not}")
+    bf16 = BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention=True)
+    assert not fp32.model.bf16_attention and bf16.model.bf16_attention
+    assert bf16.describe()["encoder"] == "256 tokens, fp32 linears, bf16 attention"
+    f32, p32 = fp32.features(PROMPTS)
+    f16, p16 = bf16.features(PROMPTS)
+    assert np.linalg.norm(f16 - f32) / np.linalg.norm(f32) < 0.02
+    assert np.abs(p16 - p32).max() < 0.05
+    assert not np.array_equal(f16, f32)                     # it did run the bf16 kernel
+
+
+def test_bf16_attention_where_the_cpu_cannot(monkeypatch):
+    from batchinfer.predictors import PredictorError
+    from batchinfer.predictors import bert
+
+    monkeypatch.setattr(bert, "bidirectional_attention_missing",
+                        lambda encoder, device: "this CPU lacks AVX512-BF16")
+    auto = bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention="auto")
+    assert not auto.model.bf16_attention and auto.describe()["encoder"].endswith("fp32 attention")
+    with pytest.raises(PredictorError, match="encoder_bf16_attention: true, but this CPU lacks "
+                                             "AVX512-BF16; set it to auto or false"):
+        bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention=True)
 
 
 def test_recipe_key_reaches_the_predictor(monkeypatch):
@@ -148,10 +180,14 @@ def test_recipe_key_reaches_the_predictor(monkeypatch):
     from batchinfer.runner.recipe import Recipe
 
     seen = []
-    monkeypatch.setattr(bert.BertLengthPredictor, "load",
-                        classmethod(lambda cls, path, **kw: seen.append(kw["encoder_int8"])))
+    monkeypatch.setattr(bert.BertLengthPredictor, "load", classmethod(
+        lambda cls, path, **kw: seen.append((kw["encoder_int8"], kw["encoder_bf16_attention"]))))
     for value, expected in (("auto", "auto"), (False, False), (True, True)):
         make_predictor(Recipe(predictor={"name": "bert", "path": str(SHIPPED),
                                          "encoder_int8": value}).predictor)
-        assert seen[-1] == expected
-    assert Recipe(predictor={"name": "bert", "path": str(SHIPPED)}).predictor.encoder_int8 == "auto"
+        assert seen[-1] == (expected, "auto")
+        make_predictor(Recipe(predictor={"name": "bert", "path": str(SHIPPED),
+                                         "encoder_bf16_attention": value}).predictor)
+        assert seen[-1] == ("auto", expected)
+    predictor = Recipe(predictor={"name": "bert", "path": str(SHIPPED)}).predictor
+    assert predictor.encoder_int8 == "auto" and predictor.encoder_bf16_attention == "auto"

@@ -8,7 +8,8 @@ import torch
 from batchinfer.predictors import bert
 from batchinfer.predictors.bert import (BertLengthClassifier, LengthHead, Tokenized, load_encoder,
                                         pooled_states)
-from batchinfer.predictors.cls_encoder import cls_states, reads_cls_alone
+from batchinfer.predictors.cls_encoder import (cls_states, fuse_attention_projections,
+                                               reads_cls_alone)
 
 
 def _small_bert(**overrides):
@@ -53,6 +54,47 @@ def test_shipped_encoder_cls_state_equals_transformers():
     with torch.no_grad():
         got = cls_states(encoder, ids, mask)
     torch.testing.assert_close(got, _transformers_cls(encoder, ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_native_add_layer_norm_keeps_the_cls_state():
+    """With the native kernels loaded the residual steps run in one pass (add_layer_norm)."""
+    from batchinfer.engine.kernels import load_native_kernels
+
+    if not load_native_kernels():
+        pytest.skip("native kernels did not build")
+    assert hasattr(torch.ops.batchinfer, "add_layer_norm")
+    encoder = _small_bert()
+    ids, mask = _padded_batch([17, 3, 11, 1], encoder.config.vocab_size)
+    with torch.no_grad():
+        got = cls_states(encoder, ids, mask)
+    torch.testing.assert_close(got, _transformers_cls(encoder, ids, mask), atol=2e-5, rtol=2e-5)
+
+
+def test_fused_projections_give_the_three_projections():
+    """Each layer's q, k, v (and the last layer's k, v) from one stacked linear: int8 per output
+    channel and per token makes them the separate linears' bit for bit; fp32 to rounding."""
+    encoder = _small_bert()
+    ids, mask = _padded_batch([17, 3, 11, 1], encoder.config.vocab_size)
+    with torch.no_grad():
+        separate = cls_states(encoder, ids, mask)
+        fuse_attention_projections(encoder, lambda linear: linear)
+        assert all(hasattr(layer.attention.self, "fused_qkv") for layer in encoder.encoder.layer)
+        torch.testing.assert_close(cls_states(encoder, ids, mask), separate, atol=2e-5, rtol=2e-5)
+    from batchinfer.engine.model.int8_linear import Int8Linear, int8_kernel_available
+
+    if not int8_kernel_available():
+        return
+    int8 = _small_bert()
+    fuse_attention_projections(int8, Int8Linear)
+    attentions = [layer.attention.self for layer in int8.encoder.layer]
+    for attention in attentions:
+        for name in ("query", "key", "value"):
+            setattr(attention, name, Int8Linear(getattr(attention, name)))
+    with torch.no_grad():
+        fused = cls_states(int8, ids, mask)
+        for attention in attentions:
+            del attention.fused_qkv, attention.fused_kv
+        assert torch.equal(fused, cls_states(int8, ids, mask))
 
 
 def test_classifier_takes_the_cls_path_in_eval_only(monkeypatch):
