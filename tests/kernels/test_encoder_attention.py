@@ -1,6 +1,7 @@
 """The packed bidirectional attention kernel (kernels/encoder_attention.cpp) against the same
-arithmetic in torch (the query times the scale, keys, values and softmax weights rounded to bf16;
-scores, softmax and sums in fp32), and within bf16 rounding of torch's fp32 attention."""
+arithmetic in torch (the query times the scale and log2(e), keys, values and softmax weights
+rounded to bf16; scores, softmax in base 2 and sums in fp32), and within bf16 rounding of torch's
+fp32 attention."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,9 @@ needs_kernel = pytest.mark.skipif(_kernel_isa() == "none",
                                   reason="this CPU has no AVX512-BF16 (or has AMX), or no native kernels")
 
 
+LOG2E = 1.44269504088896341
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
@@ -35,8 +39,9 @@ def _reference(q, k, v, q_starts, k_starts, heads, scale, emulate_bf16):
         if not emulate_bf16:
             ctx = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
         else:
-            scores = _bf16(qh * scale) @ _bf16(kh).transpose(1, 2)
-            weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+            # the kernel's scores are in log2 units: the query times scale x log2(e), in bf16
+            scores = _bf16(qh * (scale * LOG2E)) @ _bf16(kh).transpose(1, 2)
+            weights = torch.exp2(scores - scores.amax(-1, keepdim=True))
             ctx = (_bf16(weights) @ _bf16(vh)) / weights.sum(-1, keepdim=True)
         out[qs] = ctx.transpose(0, 1).reshape(-1, heads * dim)
     return out
