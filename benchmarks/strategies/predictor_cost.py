@@ -21,8 +21,9 @@ changes):
   fp32;
 - `256, padded budget, int8 encoder, bf16 attention`: both, as a job runs it on a CPU with both.
 
-Prints JSON: per configuration the median seconds over `--repeat` passes (every prompt through
-the encoder and the head, as a job's admission does), ms per request, encoder tokens and padded
+Prints JSON: per configuration the median seconds over `--repeat` rounds, each round one pass of
+every configuration in turn (every prompt through the encoder and the head, as a job's admission
+does), ms per request, encoder tokens and padded
 tokens; with `--job-seconds` (e.g. a TD-Pipe run's elapsed time on the same prompts) each one's
 share of that job. The host's CPU model and flags are printed beside the figures.
 """
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="these configurations alone (their names as printed)")
     ap.add_argument("--job-seconds", type=float, default=None,
                     help="the job's time on these prompts, for the predictor's share of it")
     args = ap.parse_args()
@@ -54,7 +57,12 @@ def main() -> None:
     from batchinfer.predictors.auto import shipped_predictor
     from batchinfer.predictors.cls_encoder import bidirectional_attention_missing
 
-    predictor = bert.BertLengthPredictor.load(shipped_predictor(DEFAULT_MODEL_ID), device="cpu")
+    path = shipped_predictor(DEFAULT_MODEL_ID)
+    predictor = bert.BertLengthPredictor.load(path, device="cpu")
+    no_int8 = bert.encoder_int8_missing(torch.device("cpu"))
+    quantized = None if no_int8 else bert.BertLengthPredictor.load(path, device="cpu",
+                                                                     encoder_int8=True)
+    no_bf16_attention = bidirectional_attention_missing(predictor.model.encoder, torch.device("cpu"))
     texts = [r["prompt"] for r in sharegpt_rows()[args.offset:args.offset + args.requests]]
     budget = bert.PADDED_TOKENS_PER_BATCH
     shipped = budget["cpu"]
@@ -66,39 +74,44 @@ def main() -> None:
                "256, padded budget, bf16 attention": (256, shipped, False, True, True),
                "256, padded budget, int8 encoder": (256, shipped, True, True, False),
                "256, padded budget, int8 encoder, bf16 attention": (256, shipped, True, True, True)}
-    no_bf16_attention = bidirectional_attention_missing(predictor.model.encoder, torch.device("cpu"))
-    no_int8 = bert.encoder_int8_missing(torch.device("cpu"))
-    results = {}
+    configs = {k: v for k, v in configs.items() if not args.only or k in args.only}
+    results: dict[str, dict] = {}
+    runs: dict[str, list[float]] = {}
+    for name, (_, _, int8, _, bf16_attention) in configs.items():
+        if (int8 and no_int8) or (bf16_attention and no_bf16_attention):
+            results[name] = {"skipped": no_int8 if int8 and no_int8 else no_bf16_attention}
+        else:
+            runs[name] = []
     try:
-        for name, (max_length, cpu_budget, int8, cls_alone, bf16_attention) in configs.items():
-            if (int8 and no_int8) or (bf16_attention and no_bf16_attention):
-                results[name] = {"skipped": no_int8 if int8 and no_int8 else no_bf16_attention}
-                continue
-            if int8 and not predictor.encoder_int8:   # int8 configurations last: one way
-                bert.quantize_encoder(predictor.model)
-                predictor.encoder_int8 = True
-            predictor.model.bf16_attention = bf16_attention
-            predictor.model.reads_cls_alone = cls_alone
-            predictor.max_length = max_length
-            budget["cpu"] = cpu_budget
-            runs = []
-            for _ in range(args.repeat):
+        # rounds of every configuration in turn: this host's speed drifts by a quarter over
+        # minutes, which would otherwise land on whichever configuration ran then
+        for _ in range(args.repeat):
+            for name in runs:
+                max_length, cpu_budget, int8, cls_alone, bf16_attention = configs[name]
+                chosen = quantized if int8 else predictor
+                chosen.model.bf16_attention = bf16_attention
+                chosen.model.reads_cls_alone = cls_alone
+                chosen.max_length = max_length
+                budget["cpu"] = cpu_budget
                 t = time.perf_counter()
-                predictor.features(texts)
-                runs.append(time.perf_counter() - t)
-            tokens = bert.Tokenized(predictor.tokenizer, texts, max_length)
-            padded = sum(len(b) * int(tokens.lengths[b].max())
-                         for b in tokens.sorted_batches(predictor.batch_size, cpu_budget))
-            seconds = statistics.median(runs)
-            results[name] = {
-                "seconds_median": round(seconds, 3), "runs": [round(r, 3) for r in runs],
-                "ms_per_request": round(1e3 * seconds / len(texts), 2),
-                "encoder_tokens": int(tokens.lengths.sum()), "padded_tokens": padded,
-                **({"share_of_job": round(seconds / args.job_seconds, 4)}
-                   if args.job_seconds else {})}
+                chosen.features(texts)
+                runs[name].append(time.perf_counter() - t)
     finally:
         budget["cpu"] = shipped
-    first = next(iter(results.values()))["seconds_median"]
+    for name, times in runs.items():
+        max_length, cpu_budget = configs[name][:2]
+        tokens = bert.Tokenized(predictor.tokenizer, texts, max_length)
+        padded = sum(len(b) * int(tokens.lengths[b].max())
+                     for b in tokens.sorted_batches(predictor.batch_size, cpu_budget))
+        seconds = statistics.median(times)
+        results[name] = {
+            "seconds_median": round(seconds, 3), "runs": [round(r, 3) for r in times],
+            "ms_per_request": round(1e3 * seconds / len(texts), 2),
+            "encoder_tokens": int(tokens.lengths.sum()), "padded_tokens": padded,
+            **({"share_of_job": round(seconds / args.job_seconds, 4)}
+               if args.job_seconds else {})}
+    results = {name: results[name] for name in configs}
+    first = next((r["seconds_median"] for r in results.values() if "seconds_median" in r), None)
     for r in results.values():
         if "seconds_median" in r:
             r["speedup_vs_first"] = round(first / r["seconds_median"], 2)
