@@ -32,8 +32,8 @@ from torch import nn
 from .base import (PREDICTOR_CARD, Forecast, LengthPredictor, LengthQuery, PredictorError, cap,
                    class_forecasts)
 from .classes import means_past_cap
-from .cls_encoder import (bidirectional_attention_missing, cls_states, fuse_attention_projections,
-                          reads_cls_alone)
+from .cls_encoder import (EncoderKernels, add_layer_norm_missing, bidirectional_attention_missing,
+                          cls_states, fuse_attention_projections, reads_cls_alone)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class BertLengthClassifier(nn.Module):
         # inference computes the last layer at [CLS] alone (cls_encoder.py); training that
         # fine-tunes layers keeps transformers' forward (its dropout)
         self.reads_cls_alone = reads_cls_alone(encoder)
-        self.bf16_attention = False     # cls_states' bf16 kernel (BertLengthPredictor turns it on)
+        self.kernels = EncoderKernels()   # cls_states' CPU kernels (BertLengthPredictor's choice)
 
     @property
     def hidden_size(self) -> int:
@@ -136,7 +136,7 @@ class BertLengthClassifier(nn.Module):
 
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.pooling == "cls" and not self.training and self.reads_cls_alone:
-            return cls_states(self.encoder, input_ids, attention_mask, self.bf16_attention)
+            return cls_states(self.encoder, input_ids, attention_mask, self.kernels)
         states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if self.pooling == "cls":
             return states[:, 0]
@@ -329,7 +329,7 @@ def quantize_encoder(model: BertLengthClassifier) -> int:
     fp32. -> how many layers were swapped."""
     from batchinfer.engine.model.int8_linear import PANEL, Int8Linear
 
-    if model.reads_cls_alone and model.hidden_size % PANEL == 0:   # cls_states' fused q, k, v
+    if model.pooling == "cls" and model.reads_cls_alone and model.hidden_size % PANEL == 0:
         fuse_attention_projections(model.encoder, Int8Linear)
     swapped = 0
     for parent in list(model.encoder.modules()):
@@ -357,14 +357,17 @@ class BertLengthPredictor(LengthPredictor):
         self.encoder_int8 = bool(encoder_int8) and why_not is None
         if self.encoder_int8:
             quantize_encoder(self.model)
-        why_not = (bidirectional_attention_missing(self.model.encoder, self.device)
-                   if encoder_bf16_attention else None)
-        if self.model.pooling != "cls" and encoder_bf16_attention:
-            why_not = "it serves pooling: cls, and this predictor pools by mean"
+        cls_path = self.model.pooling == "cls" and self.model.reads_cls_alone
+        why_not = None
+        if encoder_bf16_attention:
+            why_not = (bidirectional_attention_missing(self.model.encoder, self.device) if cls_path
+                       else "it serves a BERT read at [CLS] (pooling: cls)")
         if encoder_bf16_attention is True and why_not:
             raise PredictorError(f"predictor.encoder_bf16_attention: true, but {why_not}; set it "
                                  "to auto or false to run the encoder's attention in fp32")
-        self.model.bf16_attention = bool(encoder_bf16_attention) and why_not is None
+        self.model.kernels = EncoderKernels(   # the fused add + LayerNorm wherever the kernels load
+            bf16_attention=bool(encoder_bf16_attention) and why_not is None,
+            add_layer_norm=cls_path and add_layer_norm_missing(self.device) is None)
         self.tokenizer = tokenizer
         self.card = card
         self.batch_size = batch_size
@@ -432,4 +435,5 @@ class BertLengthPredictor(LengthPredictor):
     def describe(self) -> dict:
         return {"name": self.name, "classes": len(self.means), "device": str(self.device),
                 "encoder": f"{self.max_length} tokens, {'int8' if self.encoder_int8 else 'fp32'}"
-                           f" linears, {'bf16' if self.model.bf16_attention else 'fp32'} attention"}
+                           f" linears, {'bf16' if self.model.kernels.bf16_attention else 'fp32'}"
+                           " attention"}

@@ -1,6 +1,6 @@
 // Bidirectional attention over packed sequences in bf16 dot products: the length predictor's BERT
-// encoder (predictors/cls_encoder.py), whose 32-wide heads torch's fp32 SDPA ran at ~90 GFLOP/s on
-// a Zen 4 EPYC, over batches padded to their longest prompt (the padding written, masked and
+// encoder (predictors/cls_encoder.py), whose 32-wide heads torch's fp32 SDPA ran at 95-116 GFLOP/s
+// on a Zen 4 EPYC (this kernel: 250-280), over batches padded to their longest prompt (the padding written, masked and
 // gathered back cost another ~6% of the encoder). Here each sequence's queries, keys and values are
 // the linears' own [tokens, heads x D] rows, no padding anywhere: q_starts / k_starts (int64,
 // [B + 1]) say where sequence b's rows are; its queries attend to all of its keys (none of
@@ -11,8 +11,10 @@
 // its values interleaved in token pairs once, both shared by the item's rows. Eight query rows at a
 // time: all their scores (one fp32 accumulator of D / 2 dot products per 16 keys), an exact softmax
 // over the whole row (no online rescaling: the row is at most a few hundred keys), the weights
-// rounded to bf16 and multiplied into the values, fp32 sums. The query (times the scale) and the
-// weights are rounded to bf16 as a bf16 model's attention in transformers or vLLM does.
+// rounded to bf16 and multiplied into the values, fp32 sums. The query (times the scale and log2 e:
+// the scores are in log2 units, the softmax base 2) and the weights are rounded to bf16 as a bf16
+// model's attention in transformers or vLLM rounds them. The last layer's one query a sequence
+// still takes a block of eight rows' work (a few percent of the encoder's attention).
 //
 // Built only for CPUs with AVX512-BF16 and no AMX (attention_bf16_dot.h's condition, where
 // vdpbf16ps runs at full rate); elsewhere encoder_attention_isa() says "none" and the encoder keeps
@@ -31,7 +33,7 @@
 #include <string>
 #include <vector>
 
-namespace encoder_attention_kernel {
+namespace {
 
 #ifdef BATCHINFER_BF16_ATTENTION
 using attention_kernels::bf16_dot_output;
@@ -43,9 +45,11 @@ constexpr int kItemRows = 64;  // query rows an item takes
 
 // 2^x for 16 floats x <= 0 (scores less their row's maximum, in log2 units): 2^n by scalef (0 below
 // the fp32 range), 2^r for r in [-1/2, 1/2] by its degree-5 Taylor polynomial (relative error
-// below 3e-6, far under the bf16 rounding of the weights it makes). No clamps: the inputs are
-// finite and <= 0, and scalef takes 2^n down through the subnormals to 0 (no slower on Zen 4).
+// below 3e-6, far under the bf16 rounding of the weights it makes). Inputs below -125 are taken
+// as -125 (a weight of 2^-125 against the row's largest, 1): no result is subnormal, which some
+// CPUs with AVX512-BF16 take slowly (Zen 4 measured no slower).
 inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558146e-3f);
@@ -201,8 +205,9 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "encoder_attention: starts must run from 0 to the row counts");
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(qsp[b + 1] >= qsp[b] && ksp[b + 1] >= ksp[b] &&
-                    (qsp[b + 1] == qsp[b] || ksp[b + 1] > ksp[b]),
-                "encoder_attention: sequence ", b, " has decreasing starts or queries without keys");
+                    (qsp[b + 1] == qsp[b] || ksp[b + 1] > ksp[b]) && ksp[b + 1] - ksp[b] <= (1 << 24),
+                "encoder_attention: sequence ", b, " has decreasing starts, queries without keys or "
+                "over 2^24 keys");
   auto out = at::empty({q.size(0), q.size(1)}, q.options());
 #ifndef BATCHINFER_BF16_ATTENTION
   TORCH_CHECK(false, "encoder_attention needs AVX512-BF16 without AMX (this build: none)");
@@ -253,14 +258,14 @@ std::string encoder_attention_isa() {
 #endif
 }
 
-}  // namespace encoder_attention_kernel
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchinfer, m) {
-  m.def("encoder_attention_isa() -> str", &encoder_attention_kernel::encoder_attention_isa);
+  m.def("encoder_attention_isa() -> str", &encoder_attention_isa);
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor q_starts, Tensor k_starts, int heads, "
         "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchinfer, CPU, m) {
-  m.impl("encoder_attention", &encoder_attention_kernel::encoder_attention);
+  m.impl("encoder_attention", &encoder_attention);
 }

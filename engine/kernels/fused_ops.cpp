@@ -1,5 +1,6 @@
-// Fused element-wise CPU kernels for the decoder layer: each replaces a chain of 3-8 torch ops
-// (each a full pass over memory plus dispatch overhead) by one pass. Float32, contiguous rows.
+// Fused element-wise CPU kernels for the decoder layer (and the length predictor's encoder:
+// add_layer_norm): each replaces a chain of 3-8 torch ops (each a full pass over memory plus
+// dispatch overhead) by one pass. Float32, contiguous rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -15,7 +15,8 @@ and vLLM's W8A8 checkpoints leave it): it is one matrix, but its logits are what
 MoE experts and routers stay unquantized (a router's int8 logits could pick other experts): a
 module that must keep its precision carries `quantizable = False`. fp16 models are refused (the
 kernel takes fp32 activations; bf16 models on CPU have them). AMX-INT8 CPUs have AVX512-VNNI,
-so they run this kernel too.
+so they run this kernel too. The length predictor's BERT encoder runs its linears here as well
+(`predictor.encoder_int8`), its feed-forward's GELU fused into the output (`Int8Linear.gelu`).
 """
 from __future__ import annotations
 

@@ -95,6 +95,24 @@ def test_strided_rows_of_a_fused_projection():
 
 
 @needs_kernel
+def test_sequences_without_queries_and_an_empty_batch():
+    """A sequence whose queries were all taken elsewhere (q_starts 0, 1, 1, 2) and B = 0."""
+    lengths = [6, 9, 4]
+    q, k, v, starts = _packed(lengths, 128, 3)
+    rows = starts[[0, 2]]                                 # the first and the last sequence's [CLS]
+    got = torch.ops.batchinfer.encoder_attention(q[rows].contiguous(), k, v,
+                                                 torch.tensor([0, 1, 1, 2]), starts, 4, 0.3)
+    full = torch.ops.batchinfer.encoder_attention(q, k, v, starts, starts, 4, 0.3)
+    assert torch.equal(got, full[rows])
+    empty = torch.ops.batchinfer.encoder_attention(q[:0], k[:0], v[:0], torch.tensor([0]),
+                                                   torch.tensor([0]), 4, 0.3)
+    assert empty.shape == (0, 128)
+
+
+needs_native = pytest.mark.skipif(not load_native_kernels(), reason="native kernels did not build")
+
+
+@needs_native
 @pytest.mark.parametrize("starts,match", [
     ([0, 5, 3], "decreasing"),
     ([0, 2], "from 0 to the row counts"),
@@ -106,7 +124,7 @@ def test_bad_starts_are_refused(starts, match):
                                                2, 1.0)
 
 
-@needs_kernel
+@needs_native
 def test_queries_without_keys_are_refused():
     q, k = torch.randn(2, 64), torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="without keys"):
@@ -114,7 +132,7 @@ def test_queries_without_keys_are_refused():
                                                torch.tensor([0, 1, 1]), 2, 1.0)
 
 
-@pytest.mark.skipif(not load_native_kernels(), reason="native kernels did not build")
+@needs_native
 def test_the_build_says_whether_it_has_the_kernel():
     from batchinfer.engine.host_cpu import cpu_identity
 

@@ -103,7 +103,7 @@ def test_fused_gelu_is_the_exact_gelu_of_the_output(out_features):
     layer = Int8Linear(linear)
     x = _inputs(29, 384, 6)
     plain = layer(x)
-    assert plain.abs().max() > 6            # the erf's tails are reached, both signs
+    assert plain.max() > 6 and plain.min() < -6       # the erf's tails are reached, both signs
     torch.testing.assert_close(layer.gelu(x), F.gelu(plain), rtol=2e-6, atol=3e-6)
     torch.testing.assert_close(layer.gelu(x), F.gelu(_reference(x, linear).float()),
                                rtol=1e-5, atol=1e-5)

@@ -153,7 +153,7 @@ def test_bf16_attention_stays_close_to_fp32():
     if why_not:
         pytest.skip(f"bf16 encoder attention: {why_not}")
     bf16 = BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention=True)
-    assert not fp32.model.bf16_attention and bf16.model.bf16_attention
+    assert not fp32.model.kernels.bf16_attention and bf16.model.kernels.bf16_attention
     assert bf16.describe()["encoder"] == "256 tokens, fp32 linears, bf16 attention"
     f32, p32 = fp32.features(PROMPTS)
     f16, p16 = bf16.features(PROMPTS)
@@ -169,10 +169,28 @@ def test_bf16_attention_where_the_cpu_cannot(monkeypatch):
     monkeypatch.setattr(bert, "bidirectional_attention_missing",
                         lambda encoder, device: "this CPU lacks AVX512-BF16")
     auto = bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention="auto")
-    assert not auto.model.bf16_attention and auto.describe()["encoder"].endswith("fp32 attention")
+    assert not auto.model.kernels.bf16_attention
+    assert auto.describe()["encoder"].endswith("fp32 attention")
     with pytest.raises(PredictorError, match="encoder_bf16_attention: true, but this CPU lacks "
                                              "AVX512-BF16; set it to auto or false"):
         bert.BertLengthPredictor.load(SHIPPED, device="cpu", encoder_bf16_attention=True)
+
+
+def test_bf16_attention_is_never_built_for_where_the_flags_rule_it_out(monkeypatch):
+    """An AVX2 or AMX host never builds the kernels for the bf16 attention; a mean-pooling
+    predictor never asks."""
+    from batchinfer.engine import host_cpu
+    from batchinfer.engine import kernels as native
+    from batchinfer.predictors.bert import load_encoder
+    from batchinfer.predictors.cls_encoder import bidirectional_attention_missing
+
+    encoder, _ = load_encoder()
+    monkeypatch.setattr(native, "load_native_kernels",
+                        lambda: pytest.fail("built the kernels for nothing"))
+    for flags in ({"avx2", "fma"}, {"avx512f", "avx512_bf16", "amx_bf16"}):
+        monkeypatch.setattr(host_cpu, "cpu_identity", lambda flags=flags: ("a CPU", frozenset(flags)))
+        assert "lacks AVX512-BF16, or has AMX" in bidirectional_attention_missing(encoder, "cpu")
+    assert "runs on CPU only" in bidirectional_attention_missing(encoder, "cuda")
 
 
 def test_recipe_key_reaches_the_predictor(monkeypatch):
