@@ -425,6 +425,9 @@ class Job:
         if self.predictor is not None:
             pred = self.predictor.stats()
             pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
+            encoder = self.predictor.describe().get("encoder")    # its arithmetic (bert)
+            if encoder:
+                pred["encoder"] = encoder
             summary["predictor"] = pred
         summary.update(self.read_ahead.summary())
         return {"started_at": self.started_at, "session": self.session_number,

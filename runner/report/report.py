@@ -175,7 +175,9 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"`{predictor.get('name')}`: {predictor.get('requests')} requests in "
                 f"{predictor.get('calls')} batches, {predictor.get('seconds')} s "
                 f"({predictor.get('ms_per_request') or 0:.3f} ms per request, "
-                f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time).", ""]
+                f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time)"
+                + (f"; its encoder: {predictor['encoder']}." if predictor.get("encoder") else "."),
+                ""]
         out += _online_lines(predictor.get("online"))
     decisions = s.get("strategy_decisions") or {}
     if decisions:

@@ -245,6 +245,9 @@ def test_a_job_learns_from_the_runs_beside_it_and_reports_the_choice(tmp_path, m
     second = run("second")
     assert (second["predictor"]["name"], second["predictor"]["source"]) == ("bert", "history")
     assert second["session"]["predictor"]["requests"] == 3
+    encoder = second["session"]["predictor"]["encoder"]      # the encoder's arithmetic, reported
+    assert encoder.endswith(" attention") and " linears, " in encoder
+    assert f"its encoder: {encoder}." in (runs / "second" / "report.md").read_text()
     history = [json.loads(x) for x in (runs / "second" / "history.jsonl").read_text().splitlines()]
     assert len(history) == 3 and all("predicted_tokens" in h for h in history)
     # the 60 records beside it and the first run's 3, not its own (a resumed run's or a part's)
