@@ -58,12 +58,25 @@ def cls_states(encoder: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     rows = _Rows(attention_mask.bool())
     heads = int(encoder.config.num_attention_heads)
     fused_gelu = getattr(encoder.config, "hidden_act", None) == "gelu"   # the exact (erf) GELU
-    embedded = encoder.embeddings(input_ids=input_ids)   # token type 0, absolute positions
-    states = embedded.reshape(-1, embedded.shape[-1])[rows.real]       # [tokens, hidden]
+    states = _embedded(encoder.embeddings, input_ids, rows, kernels)   # [tokens, hidden]
     layers = encoder.encoder.layer
     for layer in layers[:-1]:
         states = _layer(layer, states, states, rows, heads, False, kernels, fused_gelu)
     return _layer(layers[-1], states[rows.cls], states, rows, heads, True, kernels, fused_gelu)
+
+
+def _embedded(embeddings: nn.Module, input_ids: torch.Tensor, rows: "_Rows",
+              kernels: EncoderKernels) -> torch.Tensor:
+    """The real tokens' embeddings (token type 0, absolute positions): BERT's sum and LayerNorm
+    on those alone, in its order ((word + type) + position); any other embedding module through
+    its own forward on the padded batch (RoBERTa's positions, say, count from its padding id)."""
+    if type(embeddings).__name__ != "BertEmbeddings":
+        embedded = embeddings(input_ids=input_ids)
+        return embedded.reshape(-1, embedded.shape[-1])[rows.real]
+    ids = input_ids.reshape(-1)[rows.real]
+    words = embeddings.word_embeddings(ids) + embeddings.token_type_embeddings.weight[0]
+    return _add_norm(embeddings.LayerNorm, words, embeddings.position_embeddings(rows.positions),
+                     kernels.add_layer_norm)
 
 
 def bidirectional_attention_missing(encoder: nn.Module, device: torch.device) -> Optional[str]:
@@ -98,6 +111,7 @@ class _Rows:
     def __init__(self, mask: torch.Tensor):
         self.batch, self.width = mask.shape
         self.real = mask.reshape(-1).nonzero().squeeze(1)       # flat padded index of each token
+        self.positions = self.real % self.width                 # each token's place in its row
         lengths = mask.sum(1)
         self.starts = F.pad(torch.cumsum(lengths, 0), (1, 0))   # row b's tokens [starts[b], [b + 1])
         self.cls = self.starts[:-1]                             # each row's [CLS] among tokens

@@ -44,6 +44,22 @@ def test_cls_state_equals_transformers_on_padded_rows(lengths):
     torch.testing.assert_close(got, _transformers_cls(encoder, ids, mask), atol=2e-5, rtol=2e-5)
 
 
+def test_other_embeddings_take_their_own_forward():
+    """RoBERTa counts positions from its padding id: its embeddings keep their own forward."""
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(0)
+    encoder = RobertaModel(RobertaConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=96,
+                                         max_position_embeddings=70, pad_token_id=1)).eval()
+    assert reads_cls_alone(encoder)
+    ids, mask = _padded_batch([17, 3, 11], encoder.config.vocab_size)
+    ids = torch.where(mask.bool(), ids.clamp(min=2), torch.ones_like(ids))   # pad id 1
+    with torch.no_grad():
+        got = cls_states(encoder, ids, mask)
+    torch.testing.assert_close(got, _transformers_cls(encoder, ids, mask), atol=2e-5, rtol=2e-5)
+
+
 def test_shipped_encoder_cls_state_equals_transformers():
     """all-MiniLM-L6-v2 on real text, padded batch: the predictor's features are unchanged."""
     encoder, tokenizer = load_encoder()
