@@ -365,9 +365,13 @@ class BertLengthPredictor(LengthPredictor):
         if encoder_bf16_attention is True and why_not:
             raise PredictorError(f"predictor.encoder_bf16_attention: true, but {why_not}; set it "
                                  "to auto or false to run the encoder's attention in fp32")
-        self.model.kernels = EncoderKernels(   # the fused add + LayerNorm wherever the kernels load
-            bf16_attention=bool(encoder_bf16_attention) and why_not is None,
-            add_layer_norm=cls_path and add_layer_norm_missing(self.device) is None)
+        bf16_attention = bool(encoder_bf16_attention) and why_not is None
+        # the fused add + LayerNorm beside the other kernels (already built then); never a build
+        # for it alone, so an fp32 encoder stays torch's arithmetic throughout
+        self.model.kernels = EncoderKernels(
+            bf16_attention=bf16_attention,
+            add_layer_norm=(cls_path and (self.encoder_int8 or bf16_attention)
+                            and add_layer_norm_missing(self.device) is None))
         self.tokenizer = tokenizer
         self.card = card
         self.batch_size = batch_size

@@ -70,7 +70,9 @@ def _embedded(embeddings: nn.Module, input_ids: torch.Tensor, rows: "_Rows",
     """The real tokens' embeddings (token type 0, absolute positions): BERT's sum and LayerNorm
     on those alone, in its order ((word + type) + position); any other embedding module through
     its own forward on the padded batch (RoBERTa's positions, say, count from its padding id)."""
-    if type(embeddings).__name__ != "BertEmbeddings":
+    from transformers.models.bert.modeling_bert import BertEmbeddings
+
+    if type(embeddings) is not BertEmbeddings:
         embedded = embeddings(input_ids=input_ids)
         return embedded.reshape(-1, embedded.shape[-1])[rows.real]
     ids = input_ids.reshape(-1)[rows.real]

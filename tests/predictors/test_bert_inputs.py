@@ -193,6 +193,30 @@ def test_bf16_attention_is_never_built_for_where_the_flags_rule_it_out(monkeypat
     assert "runs on CPU only" in bidirectional_attention_missing(encoder, "cuda")
 
 
+def test_a_cpu_without_the_instructions_never_builds_kernels_for_the_predictor(monkeypatch):
+    """On an AVX2 host the `auto` predictor is torch's fp32 throughout: nothing is built for it."""
+    from batchinfer.engine import host_cpu
+    from batchinfer.engine import kernels as native
+    from batchinfer.engine.model import int8_linear
+    from batchinfer.predictors.bert import BertLengthPredictor
+
+    avx2 = lambda: ("an AVX2 CPU", frozenset({"avx2", "fma"}))  # noqa: E731
+    monkeypatch.setattr(host_cpu, "cpu_identity", avx2)
+    monkeypatch.setattr(int8_linear, "cpu_identity", avx2)
+    monkeypatch.setattr(native, "load_native_kernels",
+                        lambda: pytest.fail("built the kernels for nothing"))
+    auto = BertLengthPredictor.load(SHIPPED, device="cpu", encoder_int8="auto",
+                                    encoder_bf16_attention="auto")
+    assert not auto.encoder_int8
+    assert auto.model.kernels == bert_kernels_off()
+
+
+def bert_kernels_off():
+    from batchinfer.predictors.cls_encoder import EncoderKernels
+
+    return EncoderKernels(bf16_attention=False, add_layer_norm=False)
+
+
 def test_recipe_key_reaches_the_predictor(monkeypatch):
     from batchinfer.predictors import bert, make_predictor
     from batchinfer.runner.recipe import Recipe

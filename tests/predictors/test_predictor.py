@@ -269,6 +269,8 @@ def test_runs_write_history(tmp_path, tiny_recipe, shared_engine):
     assert session["predictor"]["name"] == "oracle" and session["predictor"]["requests"] == 11
     assert 0 <= session["predictor"]["share_of_job"] < 1
     assert "Output-length predictor" in (tmp_path / "run" / "report.md").read_text()
+    assert "encoder" not in session["predictor"]                 # the oracle has none
+    assert "its encoder" not in (tmp_path / "run" / "report.md").read_text()
 
     hashed = tiny_recipe.model_copy(update={"predictor": tiny_recipe.predictor.model_copy(
         update={"history_prompts": "hash"})})
