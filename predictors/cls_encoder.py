@@ -97,7 +97,6 @@ def bidirectional_attention_missing(encoder: nn.Module, device: torch.device) ->
     _, flags = cpu_identity()
     if flags and ("avx512_bf16" not in flags or "amx_bf16" in flags):
         return "this CPU lacks AVX512-BF16, or has AMX (where vdpbf16ps runs at half rate)"
-
     if not load_native_kernels() or not hasattr(torch.ops.batchinfer, "encoder_attention_isa"):
         return "the native CPU kernels are unavailable (BATCHINFER_NATIVE_KERNELS=0 or a failed build)"
     if torch.ops.batchinfer.encoder_attention_isa() == "none":
@@ -115,7 +114,7 @@ class _Rows:
         self.real = mask.reshape(-1).nonzero().squeeze(1)       # flat padded index of each token
         self.positions = self.real % self.width                 # each token's place in its row
         lengths = mask.sum(1)
-        self.starts = F.pad(torch.cumsum(lengths, 0), (1, 0))   # row b's tokens [starts[b], [b + 1])
+        self.starts = F.pad(torch.cumsum(lengths, 0), (1, 0))   # row b: [starts[b], starts[b + 1])
         self.cls = self.starts[:-1]                             # each row's [CLS] among tokens
         self.one_each = torch.arange(self.batch + 1)            # a query a row: [CLS]
         self.keys = mask[:, None, None, :]                      # attends to: True takes part
