@@ -1,10 +1,10 @@
 // Bidirectional attention over packed sequences in bf16 dot products: the length predictor's BERT
 // encoder (predictors/cls_encoder.py), whose 32-wide heads torch's fp32 SDPA ran at 95-116 GFLOP/s
-// on a Zen 4 EPYC (this kernel: 250-280), over batches padded to their longest prompt (the padding written, masked and
-// gathered back cost another ~6% of the encoder). Here each sequence's queries, keys and values are
-// the linears' own [tokens, heads x D] rows, no padding anywhere: q_starts / k_starts (int64,
-// [B + 1]) say where sequence b's rows are; its queries attend to all of its keys (none of
-// another's). The last layer's [CLS]-only queries are one row a sequence (q_starts 0, 1, .., B).
+// on a Zen 4 EPYC (this kernel: 250-280), over batches padded to their longest prompt (the padding
+// written, masked and gathered back cost another ~6% of the encoder). Here each sequence's queries,
+// keys and values are the linears' own [tokens, heads x D] rows, no padding anywhere: q_starts /
+// k_starts (int64, [B + 1]) say where sequence b's rows are; its queries attend to all of its keys
+// (none of another's). The last layer's [CLS]-only queries are one row a sequence (q_starts 0, 1, .., B).
 //
 // An item is (sequence, head, up to 64 query rows). Its keys are rounded to bf16 and transposed 16
 // at a time once (lane t of word p: key t's dims 2p, 2p + 1; attention_bf16_prefill.h's layout) and
@@ -46,8 +46,8 @@ constexpr int kItemRows = 64;  // query rows an item takes
 // 2^x for 16 floats x <= 0 (scores less their row's maximum, in log2 units): 2^n by scalef (0 below
 // the fp32 range), 2^r for r in [-1/2, 1/2] by its degree-5 Taylor polynomial (relative error
 // below 3e-6, far under the bf16 rounding of the weights it makes). Inputs below -125 are taken
-// as -125 (a weight of 2^-125 against the row's largest, 1): no result is subnormal, which some
-// CPUs with AVX512-BF16 take slowly (Zen 4 measured no slower).
+// as -125 (a weight of 2^-125 against the row's largest, 1), so no result is subnormal, which can
+// be slow on some CPUs (Zen 4 measured no slower).
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
