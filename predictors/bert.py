@@ -131,11 +131,17 @@ class BertLengthClassifier(nn.Module):
         self.kernels = EncoderKernels()   # cls_states' CPU kernels (BertLengthPredictor's choice)
 
     @property
+    def reads_cls_path(self) -> bool:
+        """Inference goes through cls_states (and may take its kernels): [CLS] pooling of a BERT
+        it describes."""
+        return self.pooling == "cls" and self.reads_cls_alone
+
+    @property
     def hidden_size(self) -> int:
         return int(self.encoder.config.hidden_size)
 
     def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        if self.pooling == "cls" and not self.training and self.reads_cls_alone:
+        if self.reads_cls_path and not self.training:
             return cls_states(self.encoder, input_ids, attention_mask, self.kernels)
         states = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if self.pooling == "cls":
@@ -329,7 +335,7 @@ def quantize_encoder(model: BertLengthClassifier) -> int:
     fp32. -> how many layers were swapped."""
     from batchinfer.engine.model.int8_linear import PANEL, Int8Linear
 
-    if model.pooling == "cls" and model.reads_cls_alone and model.hidden_size % PANEL == 0:
+    if model.reads_cls_path and model.hidden_size % PANEL == 0:
         fuse_attention_projections(model.encoder, Int8Linear)
     swapped = 0
     for parent in list(model.encoder.modules()):
@@ -357,7 +363,7 @@ class BertLengthPredictor(LengthPredictor):
         self.encoder_int8 = bool(encoder_int8) and why_not is None
         if self.encoder_int8:
             quantize_encoder(self.model)
-        cls_path = self.model.pooling == "cls" and self.model.reads_cls_alone
+        cls_path = self.model.reads_cls_path
         why_not = None
         if encoder_bf16_attention:
             why_not = (bidirectional_attention_missing(self.model.encoder, self.device) if cls_path

@@ -44,6 +44,12 @@ inline __m512 hsum16(const __m512* a) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// 32 floats times `scale` -> one zmm of 32 bf16 (element i in half-word i): a row's bf16 pairs.
+inline __m512i bf16x32(const float* x, __m512 scale) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale),
+                                                       _mm512_mul_ps(_mm512_loadu_ps(x), scale)));
+}
+
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -62,9 +68,7 @@ void bf16_dot_scores(const at::BFloat16* keys, int n, const float* q, int64_t q_
     const float* qg = q + g * q_stride;
     __m512i qp[C];
     for (int c = 0; c < C; ++c)
-      qp[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-          _mm512_mul_ps(_mm512_loadu_ps(qg + 32 * c + 16), vscale),
-          _mm512_mul_ps(_mm512_loadu_ps(qg + 32 * c), vscale)));
+      qp[c] = bf16x32(qg + 32 * c, vscale);
     float* row = sr + g * s_stride;
     for (int t0 = 0; t0 < n; t0 += 16) {
       some();

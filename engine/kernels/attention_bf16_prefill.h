@@ -92,10 +92,7 @@ void attend_prefill_bf16(const float* q, float* out, const at::BFloat16* kc, con
     for (int r = 0; r < rows; ++r) {  // row r: query r / group, head h * group + r % group
       const float* src = q + (r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
       for (int c = 0; c < C; ++c)
-        _mm512_storeu_si512(q_words + static_cast<size_t>(r) * W + 16 * c,
-                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c + 16), vscale),
-                                _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c), vscale))));
+        _mm512_storeu_si512(q_words + static_cast<size_t>(r) * W + 16 * c, bf16x32(src + 32 * c, vscale));
     }
     std::fill(accs, accs + static_cast<size_t>(rows) * D, 0.f);
     std::fill(ms, ms + rows, -std::numeric_limits<float>::infinity());

@@ -37,6 +37,7 @@ namespace {
 
 #ifdef BATCHINFER_BF16_ATTENTION
 using attention_kernels::bf16_dot_output;
+using attention_kernels::bf16x32;
 using attention_kernels::dot_pairs;
 using attention_kernels::transpose16x16;
 
@@ -59,12 +60,6 @@ inline __m512 exp2_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
-}
-
-// 32 floats (times scale) -> one zmm of 32 bf16, element i in half-word i.
-inline __m512i bf16x32(const float* x, __m512 scale) {
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale),
-                                                       _mm512_mul_ps(_mm512_loadu_ps(x), scale)));
 }
 
 // What a thread keeps between items (grown, never shrunk).
