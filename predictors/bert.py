@@ -13,8 +13,9 @@ A trained predictor is a directory:
     weights.safetensors the head (and the top encoder layers, when they were fine-tuned)
     split.json          which history records were train / val / test (so eval can hold them out)
 
-Inference is batched: texts are tokenized in one call, sorted by length, padded per batch, a
-batch bounded by its padded tokens (`PADDED_TOKENS_PER_BATCH`).
+Inference is batched: texts are tokenized in one call, inputs the encoder reads alike encoded
+once (`Tokenized.distinct`), sorted by length, padded per batch, a batch bounded by its padded
+tokens (`PADDED_TOKENS_PER_BATCH`).
 """
 from __future__ import annotations
 
@@ -215,6 +216,22 @@ class Tokenized:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def distinct(self) -> tuple["Tokenized", np.ndarray]:
+        """The distinct inputs the encoder reads, and each text's index among them. Prompts
+        that agree on what the encoder reads (a job's duplicates; under `head`, prompts that
+        share their first max_length tokens, as a few-shot preamble makes them) are encoded
+        once: the same tokens give the same state."""
+        first: dict[tuple[int, ...], int] = {}
+        inverse = np.array([first.setdefault(tuple(ids), len(first)) for ids in self.ids],
+                           dtype=np.int64)
+        if len(first) == len(self.ids):
+            return self, inverse
+        unique = object.__new__(Tokenized)
+        unique.tokenizer = self.tokenizer
+        unique.ids = [list(ids) for ids in first]
+        unique.lengths = np.array([len(x) for x in unique.ids], dtype=np.int64)
+        return unique, inverse
+
     def batch(self, index: Sequence[int], device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.ids[i] for i in index]
@@ -255,22 +272,24 @@ def pooled_states(model: BertLengthClassifier, tokens: Tokenized, batch_size: in
                   device: torch.device) -> torch.Tensor:
     """(N, hidden) pooled encoder states in input order, computed batch by batch."""
     model.eval()
+    tokens, inverse = tokens.distinct()
     out = torch.empty((len(tokens), model.hidden_size), dtype=torch.float32)
     for index in tokens.sorted_batches(batch_size, token_budget(device)):
         ids, mask = tokens.batch(index, device)
         out[torch.as_tensor(index)] = model.pooled(ids, mask).float().cpu()
-    return out
+    return out if len(tokens) == len(inverse) else out[torch.from_numpy(inverse)]
 
 
 @torch.inference_mode()
 def predict_class_ids(model: BertLengthClassifier, tokens: Tokenized, batch_size: int,
                       device: torch.device) -> np.ndarray:
     model.eval()
+    tokens, inverse = tokens.distinct()
     out = np.empty(len(tokens), dtype=np.int64)
     for index in tokens.sorted_batches(batch_size, token_budget(device)):
         ids, mask = tokens.batch(index, device)
         out[index] = model(ids, mask).argmax(-1).cpu().numpy()
-    return out
+    return out[inverse]
 
 
 # --- the predictor --------------------------------------------------------------------------------

@@ -70,6 +70,34 @@ def test_batched_features_equal_one_prompt_at_a_time(encoder):
     torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
 
 
+def test_inputs_the_encoder_reads_alike_are_encoded_once(encoder):
+    """A duplicate, and prompts whose first max_length tokens agree (a long shared preamble under
+    `head`), are one encoder row each; every text still gets its state, in input order."""
+    from batchinfer.predictors.bert import BertLengthClassifier, LengthHead, pooled_states
+
+    model, tokenizer = encoder
+    torch.manual_seed(0)
+    clf = BertLengthClassifier(model, LengthHead(int(model.config.hidden_size), 3))
+    preamble = "Answer the question as the examples do. Q: what is two and two? A: four. " * 8
+    texts = [preamble + "Q: what is the capital of France?", "Say yes.",
+             preamble + "Q: how many legs has a spider?", "Say yes.", "List three colours."]
+    tokens = Tokenized(tokenizer, texts, 64)
+    assert tokens.ids[0] == tokens.ids[2] and tokens.ids[1] == tokens.ids[3]
+    unique, inverse = tokens.distinct()
+    assert len(unique) == 3 and inverse.tolist() == [0, 1, 0, 1, 2]
+    encoded = []
+    pooled = clf.pooled
+    clf.pooled = lambda ids, mask: encoded.append(len(ids)) or pooled(ids, mask)
+    states = pooled_states(clf, tokens, 64, torch.device("cpu"))
+    assert sum(encoded) == 3 and states.shape == (5, model.config.hidden_size)
+    del clf.pooled
+    alone = torch.cat([pooled_states(clf, Tokenized(tokenizer, [t], 64), 1, torch.device("cpu"))
+                       for t in texts])
+    torch.testing.assert_close(states, alone, atol=1e-4, rtol=1e-4)
+    distinct = Tokenized(tokenizer, ["Say yes.", "List three colours."], 64)
+    assert distinct.distinct()[0] is distinct                  # nothing shared: no copy
+
+
 def test_truncations_of_a_long_prompt(encoder):
     _, tokenizer = encoder
     long_text = "filler words here " * 200 + "summarise the above in one sentence"

@@ -152,6 +152,7 @@ class _FixedBatch(Tokenized):
     def __init__(self, ids, mask):
         self.ids_, self.mask_ = ids, mask
         self.lengths = mask.sum(1).numpy()
+        self.ids = [row[:n].tolist() for row, n in zip(ids, self.lengths)]
 
     def __len__(self):
         return len(self.lengths)
