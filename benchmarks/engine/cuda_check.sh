@@ -37,6 +37,11 @@
 #                                            # the Triton experts; QWEN30B_SECONDS caps it) and
 #                                            # `moekernel` (one such layer's experts, Triton
 #                                            # against per expert, moe_kernel_bench.py);
+#                                            # issue 43's `swapcost` (preemption by
+#                                            # recomputing against swapping to pinned host
+#                                            # memory, one KV-starved engine each:
+#                                            # gpu_engine_bench.py swap, SmolLM2 and
+#                                            # Llama-3.1-8B's shapes; SWAP_SECONDS caps each);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -146,6 +151,12 @@ run() {
             --requests "${QWEN30B_REQUESTS:-1000}" --events "$out/qwen30b_steps.jsonl" 2>&1 \
             | tee "$out/qwen30b.json" || true
     fi
+    if [[ " $parts " == *" swapcost "* ]]; then       # issue 43: what a preemption costs on a GPU
+        timeout "${SWAP_SECONDS:-240}" "${bench[@]}" swap --model "$GPU_DIR/smollm2" "${sharegpt[@]}" \
+            --requests 600 --kv 96MiB --max-num-seqs 256 2>&1 | tee "$out/swap_smollm.json" || true
+        timeout "${SWAP_SECONDS:-240}" "${bench[@]}" swap --model $llama "${sharegpt[@]}" \
+            --requests 600 --kv 1GiB --max-num-seqs 256 2>&1 | tee "$out/swap_llama.json" || true
+    fi
     if [[ " $parts " == *" seesawtier "* ]]; then     # issue 40 item 1: Seesaw's CPU KV tier
         df -h /dev/shm | tee "$out/seesaw_tier.log"
         local tier=(python3 benchmarks/strategies/seesaw_cuda_tier.py)
@@ -164,5 +175,6 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
-            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b] [moekernel]" >&2; exit 2 ;;
+            "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b] [moekernel]" \
+            "[swapcost]" >&2; exit 2 ;;
 esac

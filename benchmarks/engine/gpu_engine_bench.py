@@ -16,6 +16,12 @@ step against its roofline, and ShareGPT throughput at real model sizes. Needs a 
         all tokens over the elapsed time; --eager: the torch attention path without CUDA graphs
         (the engine before the Triton kernel); the steps split into pure-decode and mixed ones,
         and the wall time outside the steps
+    python benchmarks/engine/gpu_engine_bench.py swap --model DIR --requests 600 --kv 96MiB
+        what preemption costs on the GPU (issue 43): the same requests in a KV cache too small
+        for them, preempted sequences recomputed (the default) and then swapped to pinned host
+        memory and back (`memory.preemption_mode: swap`), in one process: throughput, preemptions,
+        the blocks copied and the seconds the copies took (timed around each plan's copies, the
+        device synchronised), and whether both gave the same tokens
     python benchmarks/engine/gpu_engine_bench.py profile --model DIR --out TABLE.json
         `batchinfer profile`'s measured table for the model on this GPU (sim/profiler.py)
     python benchmarks/engine/gpu_engine_bench.py simulate --model DIR --table TABLE.json \
@@ -98,7 +104,7 @@ def kernel(args) -> dict:
 
 
 def _engine_config(args, eager: bool, max_num_seqs: int, max_model_len=None, device="cuda",
-                   kv_bytes=None):
+                   kv_bytes=None, cache=None):
     """Batching as vLLM's offline defaults on an H100 (1,024 sequences, 16,384 tokens a step),
     unless --max-num-seqs / --max-num-batched-tokens say otherwise."""
     from batchinfer.engine.config import EngineConfig
@@ -114,7 +120,8 @@ def _engine_config(args, eager: bool, max_num_seqs: int, max_model_len=None, dev
              **({"tokenizer": str(args.tokenizer)} if args.tokenizer else {}),
              **({"max_model_len": max_model_len} if max_model_len else {})}
     return EngineConfig(model=model, device=device,
-                        cache={"kv_cache_memory": kv_bytes} if kv_bytes else {},
+                        cache={**({"kv_cache_memory": kv_bytes} if kv_bytes else {}),
+                               **(cache or {})},
                         scheduler={"max_num_seqs": max_num_seqs,
                                    "max_num_batched_tokens": args.max_num_batched_tokens,
                                    "async_scheduling": False if args.no_async else None})
@@ -211,6 +218,74 @@ def sharegpt(args) -> dict:
                if graphs else {})}
 
 
+def swap(args) -> dict:
+    """The same requests preempted by recomputing and by swapping, one fresh engine each."""
+    import gc
+    import time
+
+    import torch
+
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.request import SamplingParams
+
+    rows = read_jsonl(sharegpt_path(args.workload))[:args.requests]
+    out = {"card": _card() if args.device == "cuda" else "cpu", "model": str(args.model),
+           "requests": len(rows), "kv_cache_memory": args.kv, "max_num_seqs": args.max_num_seqs,
+           "max_model_len": args.max_model_len}
+    tokens = {}
+    for mode in ("recompute", "swap"):
+        config = _engine_config(args, False, args.max_num_seqs, max_model_len=args.max_model_len,
+                                device=args.device,
+                                cache={"kv_cache_memory": args.kv, "preemption_mode": mode,
+                                       "swap_space": args.swap_space})
+        engine = Engine.from_config(config)
+        executor = engine.replicas[0].executor
+        copies = {"seconds": 0.0, "plans": 0, "blocks": 0}
+        run = executor.swap_area.run
+
+        def timed_run(ops, kv_caches, run=run, copies=copies):
+            if not ops:
+                return run(ops, kv_caches)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run(ops, kv_caches)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            copies["seconds"] += time.perf_counter() - start
+            copies["plans"] += 1
+            copies["blocks"] += len(ops)
+
+        executor.swap_area.run = timed_run
+        engine.generate([r["prompt"] for r in rows[:8]], SamplingParams(max_tokens=4, temperature=0.0))
+        engine.drain_step_events()
+        before = engine.stats()
+        outs, elapsed, n_in, n_out = timed_generate(engine, rows)
+        stats = engine.stats()
+        out[mode] = {"elapsed_s": round(elapsed, 2), "output_tokens": n_out,
+                     "prompt_tokens": n_in, "output_tok_per_s": round(n_out / elapsed, 1),
+                     "preemptions": stats["num_preemptions"] - before["num_preemptions"],
+                     "kv_capacity_tokens": stats["kv_capacity_tokens"],
+                     "preemption_mode": engine.info.get("preemption_mode"),
+                     **({"kv_swap": stats.get("kv_swap"), "blocks_copied": copies["blocks"],
+                         "copy_seconds": round(copies["seconds"], 4),
+                         "plans_with_copies": copies["plans"],
+                         "copy_ms_per_block": round(1e3 * copies["seconds"] / copies["blocks"], 4)
+                         if copies["blocks"] else None,
+                         "copy_share_of_elapsed": round(copies["seconds"] / elapsed, 4)}
+                        if mode == "swap" else {})}
+        tokens[mode] = [o.output_token_ids for o in outs]
+        del engine, executor, outs
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    out["swap_over_recompute"] = round(out["swap"]["output_tok_per_s"]
+                                       / out["recompute"]["output_tok_per_s"], 3)
+    out["same_tokens"] = round(sum(a == b for a, b in zip(tokens["recompute"], tokens["swap"]))
+                               / max(len(rows), 1), 3)
+    return out
+
+
 def step_split(events: list[dict], elapsed: float) -> dict:
     """Where the wall time went: pure-decode and mixed (prefill) steps, each its count, time,
     forward and sampling seconds and mean sequences; and the time outside every step."""
@@ -275,7 +350,8 @@ def simulate(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["kernel", "roofline", "sharegpt", "profile", "simulate"])
+    ap.add_argument("what", choices=["kernel", "roofline", "sharegpt", "swap", "profile",
+                                     "simulate"])
     ap.add_argument("--model", type=Path, help="a model directory (config.json is enough: dummy weights)")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="model.tokenizer (a config-only folder: default the embedded one's)")
@@ -299,9 +375,16 @@ def main() -> None:
     ap.add_argument("--table", type=Path, help="simulate: a table from `profile`")
     ap.add_argument("--events", type=Path, help="sharegpt: every step's event, as JSONL")
     ap.add_argument("--measured", type=Path, help="simulate: a `sharegpt` run's JSON")
+    ap.add_argument("--kv", default="96MiB", help="swap: memory.kv_cache_memory (small enough "
+                    "that the requests preempt one another)")
+    ap.add_argument("--swap-space", default="4GiB", help="swap: memory.swap_space")
+    ap.add_argument("--max-model-len", type=int, default=2048,
+                    help="swap: model.max_model_len (the cache must hold one such sequence)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="swap: where the engine runs (cpu: to try the script without a GPU)")
     args = ap.parse_args()
-    emit({"kernel": kernel, "roofline": roofline, "sharegpt": sharegpt, "profile": profile,
-          "simulate": simulate}[args.what](args))
+    emit({"kernel": kernel, "roofline": roofline, "sharegpt": sharegpt, "swap": swap,
+          "profile": profile, "simulate": simulate}[args.what](args))
 
 
 if __name__ == "__main__":
