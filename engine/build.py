@@ -17,7 +17,7 @@ from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
 from .kv_cache import KVCacheSpec, allocate_kv_tensors
-from .kv_swap import SwapArea, attach_swap_space, swap_blocks_for
+from .kv_swap import SwapArea, attach_swap_space, swap_area_used, swap_blocks_for
 from .kv_groups import (check_group_capacity, groups_for, log_kv_cache, make_block_manager,
                         step_tokens)
 from .model.arch import ModelArch
@@ -124,16 +124,18 @@ def activation_headroom(arch: ModelArch, max_tokens: int, max_seqs: int, dtype_b
 
 
 def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype_bytes: int,
-              available: Optional[int] = None) -> int:
+              available: Optional[int] = None, groups=None) -> int:
     """available: the device's free bytes (default: asked of the device; the simulator passes
-    a profiled or a preset GPU's memory)."""
+    a profiled or a preset GPU's memory). groups: the KV layer groups the model runs with (no
+    swap area with them)."""
     if config.cache.kv_cache_memory is not None:
         return int(config.cache.kv_cache_memory)
     if available is None:
         available = available_memory(device)
     # every replica's swap area is host memory the KV cache cannot have on a CPU
+    swap = device.type == "cpu" and swap_area_used(config, arch, groups)
     free = available * config.cache.memory_utilization - (
-        config.cache.swap_bytes * config.parallel.dp if device.type == "cpu" else 0)
+        config.cache.swap_bytes * config.parallel.dp if swap else 0)
     budget = int(free - activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                             config.scheduler.max_num_seqs, dtype_bytes))
     if device.type == "cpu":
@@ -233,7 +235,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         budget = _gpu_kv_budget(config, model, backend, arch, max_model_len, kv_dtype, device,
                                 groups, step)
     else:
-        budget = kv_budget(config, arch, device, dtype_bytes)
+        budget = kv_budget(config, arch, device, dtype_bytes, groups=groups)
     # with KV layer groups a block is one page of page_layers layers (kv_groups.py)
     spec = KVCacheSpec.from_budget(budget, groups.page_layers if groups else arch.num_layers,
                                    config.cache.block_size, arch.num_kv_heads, arch.head_dim,

@@ -89,7 +89,8 @@ class CacheConfig(_Strict):
         "table; elsewhere it recomputes and the log says why")
     swap_space: Union[int, str] = Field(
         4 * 2**30, description="preemption_mode swap: host memory of each replica's swap area "
-        "(bytes or e.g. '4GiB'); on CPU an automatic KV budget leaves it out")
+        "(bytes or e.g. '4GiB'); on CPU an automatic KV budget leaves it out where the job "
+        "swaps (kv_swap.swap_area_used)")
     free_outside_window: bool = Field(
         True, description="sliding-window models: release a sequence's blocks that no later "
         "query can see, so it holds about window / block_size + 1 blocks, not its whole context "

@@ -99,6 +99,17 @@ def swap_unsupported_reason(block_manager: BlockManager, scheduler) -> Optional[
     return None
 
 
+def swap_area_used(config, arch, groups=None) -> bool:
+    """Whether memory.preemption_mode: swap gets a swap area under `config` (EngineConfig) for a
+    model of `arch` run with KV layer `groups` (kv_groups.groups_for): swap_unsupported_reason's
+    checks, made from the config before the replica exists (the automatic CPU KV budget leaves
+    the area's memory out only where there will be one; a strategy says whether its scheduler
+    swaps with `StrategyParams.swaps_preempted`)."""
+    strategy = getattr(config, "strategy", None)
+    return (bool(config.cache.swap_bytes) and groups is None and not config.cache.kv_window(arch)
+            and (strategy is None or strategy.swaps_preempted))
+
+
 def swap_blocks_for(cache, bytes_per_block: int) -> int:
     """Blocks of the swap area `cache` (the CacheConfig) asks for, a block being
     `bytes_per_block` of K/V over all a replica's ranks (0: preemption_mode recompute)."""

@@ -165,6 +165,7 @@ class BatchingScheduler(Scheduler):
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()     # preempted with their KV in the swap area
         self.num_preemptions = 0
+        self.pool_sharers: Optional[Scheduler] = None   # VirtualEngines: the pool's schedulers
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -185,6 +186,12 @@ class BatchingScheduler(Scheduler):
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    def pool_has_swapped(self) -> bool:
+        """Whether a sequence of this KV pool waits in the swap area (under VirtualEngines, of
+        any scheduler sharing the pool): new prompts wait while one does."""
+        owner = self.pool_sharers if self.pool_sharers is not None else self
+        return owner.num_swapped > 0
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -252,14 +259,17 @@ class BatchingScheduler(Scheduler):
         the next preemption takes a newer one first (vLLM's FCFS). -> those brought back."""
         back: list[Sequence] = []
         bm = self.block_manager
+        next_tokens = 0     # blocks those brought back still need for their next tokens
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if not bm.can_grow(seq.request_id, seq.num_computed_tokens + 1,
-                               keep_watermark=bool(self.running)):
+            need = bm.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
+            reserve = bm.watermark_blocks if self.running else 0
+            if need + next_tokens > bm.num_free_blocks - reserve:
                 break
             if admits is not None and self.running and not admits(seq):
                 break
             self.swapped.popleft()
+            next_tokens += need - bm.blocks_needed(seq.request_id, seq.num_computed_tokens)
             bm.swap.swap_in(bm, seq.request_id, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             arrival = seq.request.arrival_index
@@ -352,7 +362,7 @@ class SeparateBatching(BatchingScheduler):
     swaps_preempted = True
 
     def schedule(self) -> list[MicroBatch]:
-        if not self.swapped:          # new prompts wait while swapped sequences do
+        if not self.pool_has_swapped():       # new prompts wait while swapped sequences do
             batch = self._whole_prompts()
             if batch.items:
                 return [batch]
@@ -403,7 +413,7 @@ class HybridBatching(BatchingScheduler):
                     batch.items.append(ScheduledSeq(seq, want))
                     budget -= want
         while self.waiting and budget > 0 and self.num_preemptions == preemptions_before \
-                and not self.swapped:
+                and not self.pool_has_swapped():
             seq = self.waiting[0]
             self._match_prefix(seq)
             if self._waits_for_prefix(seq):

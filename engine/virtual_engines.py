@@ -15,6 +15,8 @@ class VirtualEngines(Scheduler):
     def __init__(self, engines: list[BatchingScheduler]):
         self.engines = engines
         self.block_manager = engines[0].block_manager
+        for engine in engines:      # one pool: no new prompt while any waits in the swap area
+            engine.pool_sharers = self
         self.max_num_batched_tokens = engines[0].max_num_batched_tokens
         self._busy = [False] * len(engines)
         self._owner: dict[int, int] = {}

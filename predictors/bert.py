@@ -384,9 +384,12 @@ class BertLengthPredictor(LengthPredictor):
             quantize_encoder(self.model)
         cls_path = self.model.reads_cls_path
         why_not = None
-        if encoder_bf16_attention:
-            why_not = (bidirectional_attention_missing(self.model.encoder, self.device) if cls_path
-                       else "it serves a BERT read at [CLS] (pooling: cls)")
+        if encoder_bf16_attention and cls_path:
+            why_not = bidirectional_attention_missing(self.model.encoder, self.device)
+        elif encoder_bf16_attention:
+            why_not = ("the kernel serves a BERT read at [CLS] (pooling: cls); this predictor "
+                       f"pools by {self.model.pooling}" if self.model.pooling != "cls" else
+                       "the encoder is not a BERT whose [CLS] state cls_states computes")
         if encoder_bf16_attention is True and why_not:
             raise PredictorError(f"predictor.encoder_bf16_attention: true, but {why_not}; set it "
                                  "to auto or false to run the encoder's attention in fp32")

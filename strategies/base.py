@@ -41,6 +41,11 @@ class StrategyParams(BaseModel):
     # windowed layers alternate with global ones runs with a block table per layer group
     # (engine/kv_groups.py); False: one table per sequence, every block kept
     kv_layer_groups: ClassVar[bool] = False
+    # True: its scheduler brings sequences preempted to the swap area back (its scheduler's
+    # `swaps_preempted`, tests/engine/test_kv_swap.py holds the two together), so
+    # memory.preemption_mode: swap gets an area; False: it recomputes, and an automatic CPU KV
+    # budget keeps the area's memory (kv_swap.swap_area_used)
+    swaps_preempted: ClassVar[bool] = True
 
     def scheduler_config(self) -> SchedulerConfig:
         """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""

@@ -87,7 +87,8 @@ at::Tensor paged_attention(const at::Tensor& query,        // [T, Hq, D] float32
 #endif
   struct Item { int seq, kv_head, num_kv, q_begin, q_count; };
   std::vector<Item> items;
-  std::vector<int> decode_seqs;  // one query each: attend_decode_avx2, in physical block order
+  std::vector<int> decode_seqs;  // one query each: attend_decode_avx2 (scores in physical block
+                                 // order, values in each sequence's)
   for (int i = 0; i < num_seqs; ++i) {
     const int nq = sp[i + 1] - sp[i];
 #ifdef BATCHINFER_AVX2

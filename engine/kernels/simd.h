@@ -89,7 +89,8 @@ inline __m512 exp16(__m512 x) {
 inline __m512 gelu16(__m512 x) {
   const __m512 half_x = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
   const __m512 scaled = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
-  // |x| / sqrt 2 capped at 10, where erf is 1 in fp32: an infinite x stays infinite, never NaN
+  // |x| / sqrt 2 capped at 10, where erf is 1 in fp32 (+inf gives +inf; -inf gives NaN, as F.gelu
+  // does: -inf x 0.5 x (1 + erf) is -inf x 0)
   const __m512 z = _mm512_min_ps(_mm512_abs_ps(scaled), _mm512_set1_ps(10.f));
   const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, _mm512_set1_ps(1.f));
   __m512 t = _mm512_rcp14_ps(d);

@@ -49,13 +49,14 @@ def rank_bytes_per_block(layout: ParallelLayout, arch, rank: int, block_size: in
 
 
 def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, device,
-                       dtype_bytes: int, available: Optional[int] = None) -> int:
+                       dtype_bytes: int, available: Optional[int] = None,
+                       groups: Optional[KVGroupLayout] = None) -> int:
     """KV bytes of one rank: cache.kv_cache_memory, or auto (the host's budget split between the
     ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA).
-    available: as kv_budget's."""
+    available, groups: as kv_budget's."""
     if config.cache.kv_cache_memory is not None:
         return int(config.cache.kv_cache_memory)
-    total = kv_budget(config, arch, device, dtype_bytes, available)
+    total = kv_budget(config, arch, device, dtype_bytes, available, groups)
     if device.type == "cpu":
         return total // layout.world_size
     return total - arch.num_params() * dtype_bytes // layout.ranks_per_replica
@@ -67,7 +68,7 @@ def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dt
     """Blocks per replica. cache.kv_cache_memory is per rank (as vLLM's is per GPU); auto splits
     the host's budget between all ranks on CPU. Every rank of a replica gets the same count: the
     block tables are shared. available: as kv_budget's."""
-    per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
+    per_rank = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available, groups)
     block_size, kv_bytes = config.cache.block_size, kv_element_bytes(config, dtype_bytes)
     return min(per_rank // rank_bytes_per_block(layout, arch, r, block_size, kv_bytes, groups)
                for r in layout.replica_ranks(0))
@@ -155,11 +156,11 @@ def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[
     return out
 
 
-def replica_swap_blocks(config: EngineConfig, layout: ParallelLayout, setup: ModelSetup,
-                        groups: Optional[KVGroupLayout] = None) -> int:
-    """The swap area's blocks per replica (memory.preemption_mode: swap; 0 where the block
-    tables cannot swap: kv_swap.py), each rank holding its layers and heads of them."""
-    if not config.cache.swap_bytes or groups is not None or config.cache.kv_window(setup.arch):
+def replica_swap_blocks(config: EngineConfig, layout: ParallelLayout, setup: ModelSetup) -> int:
+    """The swap area's blocks per replica (memory.preemption_mode: swap), each rank holding its
+    layers and heads of them. A rank's area takes memory only when the first copy comes, so
+    where the replica cannot swap (attach_swap_space says why) it costs nothing."""
+    if not config.cache.swap_bytes:
         return 0
     per_block = sum(rank_bytes_per_block(layout, setup.arch, r, config.cache.block_size,
                                          setup.kv_dtype.itemsize)
@@ -193,7 +194,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
         quantization=setup.quantization, triton_experts=setup.triton_experts,
-        swap_blocks=replica_swap_blocks(config, layout, setup, extra.get("kv_groups")), **extra,
+        swap_blocks=replica_swap_blocks(config, layout, setup), **extra,
         **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
@@ -275,8 +276,8 @@ def assemble_engine(config: EngineConfig, plan: ParallelPlan, make_executor,
                                            config.cache.kv_window(setup.arch))
         scheduler = (scheduler_of(block_manager) if scheduler_of is not None else
                      config.make_scheduler(block_manager, setup.max_model_len, layout.pp))
-        swap_blocks = attach_swap_space(block_manager, scheduler, replica_swap_blocks(
-            config, layout, setup, plan.kv_groups))
+        swap_blocks = attach_swap_space(block_manager, scheduler,
+                                        replica_swap_blocks(config, layout, setup))
         replicas.append(Replica(scheduler, make_executor(replica, block_manager)))
     kv_element = setup.kv_dtype.itemsize
     kv_bytes = layout.dp * sum(

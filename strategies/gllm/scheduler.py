@@ -40,6 +40,7 @@ class GLLMParams(StrategyParams):
 
     name: Literal["gllm"] = "gllm"
     kv_layer_groups: ClassVar[bool] = True
+    swaps_preempted: ClassVar[bool] = False     # Token Throttling's scheduler recomputes
     T: int = Field(8, ge=1, description="#T: iterations to prefill every waiting token (WT)")
     MaxP: int = Field(2048, ge=1, description="#MaxP: most prefill tokens in one micro-batch")
     MinP: int = Field(32, ge=1, description="#MinP: fewest prefill tokens in one micro-batch "

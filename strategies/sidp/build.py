@@ -37,7 +37,7 @@ def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list
     """KV blocks per replica: plain DP's per-rank budget plus the FFN bytes each rank no longer
     holds (the simulator sizes SiDP's cache with it too; available: as kv_budget's; groups: the
     KV layer groups, whose blocks are pages of fewer layers)."""
-    budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available)
+    budget = per_rank_kv_budget(config, layout, arch, device, dtype_bytes, available, groups)
     kv_bytes = kv_element_bytes(config, dtype_bytes)
     return min((budget + freed_ffn_bytes(r, owners, layout.dp, layer_bytes, with_slots))
                // rank_bytes_per_block(layout, arch, r, config.cache.block_size, kv_bytes,

@@ -106,7 +106,8 @@ def test_the_automatic_cpu_budget_leaves_the_swap_area_out():
     from batchinfer.engine.build import kv_budget
 
     arch = type("Arch", (), {"hidden_size": 64, "q_size": 64, "kv_size": 32, "vocab_size": 100,
-                             "ffn_activation_width": lambda self: 128})()
+                             "ffn_activation_width": lambda self: 128,
+                             "kv_window": lambda self: 0})()
     base = EngineConfig(cache={"memory_utilization": 1.0})
     swapping = EngineConfig(cache={"memory_utilization": 1.0, "preemption_mode": "swap",
                                    "swap_space": "1GiB"})
@@ -114,6 +115,31 @@ def test_the_automatic_cpu_budget_leaves_the_swap_area_out():
     available = 3 * 2**30                                # under the automatic budget's cap
     assert kv_budget(base, arch, cpu, 4, available) - \
         kv_budget(swapping, arch, cpu, 4, available) == 2**30
+    # where the replica will recompute anyway, the area is not set aside
+    grouped = type("Groups", (), {})()
+    assert kv_budget(swapping, arch, cpu, 4, available, groups=grouped) == \
+        kv_budget(base, arch, cpu, 4, available)
+    from batchinfer.strategies import STRATEGIES
+
+    recomputing = swapping.model_copy(update={"strategy": STRATEGIES["gllm"]()})
+    assert kv_budget(recomputing, arch, cpu, 4, available) == kv_budget(base, arch, cpu, 4,
+                                                                          available)
+
+
+@pytest.mark.parametrize("name", ["baseline", "tdpipe", "gllm", "seesaw", "sipipe", "sidp"])
+def test_a_strategy_says_whether_its_scheduler_swaps(name):
+    """StrategyParams.swaps_preempted (what sizes the KV budget before the scheduler exists)
+    is what the scheduler it builds does."""
+    from batchinfer.strategies import STRATEGIES
+
+    params = STRATEGIES[name]()
+    if name == "seesaw":                 # built with its CPU store (strategies/seesaw/build.py)
+        from batchinfer.strategies.seesaw.scheduler import SeesawScheduler
+
+        swaps = SeesawScheduler.swaps_preempted
+    else:
+        swaps = params.make_scheduler(BlockManager(64, 16), 2048, 2).swaps_preempted
+    assert params.swaps_preempted == bool(swaps)
 
 
 @pytest.mark.parametrize("policy", ["sb", "hb"])
@@ -160,6 +186,57 @@ def test_a_sequence_brought_back_rejoins_in_arrival_order():
     assert sched.running == seqs and not sched.swapped
 
 
+def test_sequences_brought_back_together_each_keep_room_for_their_next_token():
+    """Room is counted over every sequence a step brings back: one whose next token needs a new
+    block keeps it, so the next one in line waits instead of taking that block."""
+    bm = BlockManager(4, 4, watermark=0.0)
+    bm.swap = SwapSpace(8, 4)
+    sched = SeparateBatching(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    a, b = seq("a", 4), seq("b", 3)          # a's next token starts a block, b's fits its own
+    for s, prompt in ((a, 4), (b, 3)):
+        bm.grow(s.request_id, prompt)
+        s.num_computed_tokens = prompt
+    bm.grow("filler", 8)                      # two more blocks: the device is full
+    for s in (a, b):
+        bm.swap.swap_out(bm, s.request_id, s.num_computed_tokens)
+        s.status = SequenceStatus.SWAPPED
+        sched.swapped.append(s)
+    assert bm.num_free_blocks == 2
+    assert sched._swap_in() == [a]            # a takes one block and keeps the second for later
+    assert sched.swapped[0] is b and bm.num_free_blocks == 1
+    assert bm.can_grow("a", 5)
+    bm.free("filler")
+    assert sched._swap_in() == [b]
+
+
+@pytest.mark.parametrize("policy", ["sb", "hb"])
+def test_virtual_engines_admit_no_prompt_while_one_of_them_has_a_sequence_swapped(policy):
+    """Under PP the virtual engines share one pool: a prompt that another engine admitted would
+    take the room a swapped sequence waits for."""
+    from batchinfer.engine.virtual_engines import VirtualEngines
+
+    bm = BlockManager(16, 4, watermark=0.0)
+    bm.swap = SwapSpace(16, 4)
+    cls = SeparateBatching if policy == "sb" else HybridBatching
+    engines = [cls(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+               for _ in range(2)]
+    virtual = VirtualEngines(engines)
+    first, second = engines
+    old = seq("old", 5)
+    first.add(old)
+    run_step(first)                           # prefilled
+    first._preempt(old)
+    assert old.status is SequenceStatus.SWAPPED and virtual.num_swapped == 1
+    bm.grow("filler", 4 * 15)                 # no room for it to come back yet
+    second.add(seq("new", 3))
+    assert not any(item.seq.request_id == "new" for batch in second.schedule()
+                   for item in batch.items)
+    assert second.num_waiting == 1
+    second.pool_sharers = None                # alone, the second engine would have admitted it
+    assert any(item.seq.request_id == "new" for batch in second.schedule()
+               for item in batch.items)
+
+
 def test_a_full_swap_area_falls_back_to_recompute():
     bm = BlockManager(6, 4, watermark=0.0)
     bm.swap = SwapSpace(1, 4)                            # one block: no sequence fits
@@ -188,7 +265,8 @@ def test_abort_gives_the_swap_area_back():
     {"scheduler": {"policy": "hb", "max_num_batched_tokens": 64, "chunk_size": 24},
      "cache": {"enable_prefix_caching": True}},
     {"scheduler": {"policy": "hb", "async_scheduling": True}},
-], ids=["hb-small-chunks-prefix-caching", "hb-launching-ahead"])
+    {"scheduler": {"policy": "sb"}, "cache": {"enable_prefix_caching": True}},
+], ids=["hb-small-chunks-prefix-caching", "hb-launching-ahead", "sb-prefix-caching"])
 def test_the_engine_swapping_gives_the_recomputing_reference_tokens(sections):
     """Launching ahead (async scheduling) waits while a sequence is swapped out: a step that
     brings one back can take any number of blocks, and a stopped sequence must not return."""

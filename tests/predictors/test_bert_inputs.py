@@ -219,6 +219,19 @@ def test_bf16_attention_is_never_built_for_where_the_flags_rule_it_out(monkeypat
         monkeypatch.setattr(host_cpu, "cpu_identity", lambda flags=flags: ("a CPU", frozenset(flags)))
         assert "lacks AVX512-BF16, or has AMX" in bidirectional_attention_missing(encoder, "cpu")
     assert "runs on CPU only" in bidirectional_attention_missing(encoder, "cuda")
+    from batchinfer.predictors import bert
+
+    monkeypatch.setattr(bert, "bidirectional_attention_missing",
+                        lambda *args: pytest.fail("asked for a mean-pooling predictor"))
+    mean = bert.BertLengthClassifier(encoder, bert.LengthHead(int(encoder.config.hidden_size), 2),
+                                     pooling="mean")
+    card = {"classes": {"means": [10.0, 100.0], "edges": [0, 50, 1000]},
+            "encoder": {"max_length": 64}}
+    predictor = bert.BertLengthPredictor(mean, None, card, device="cpu",
+                                         encoder_bf16_attention="auto")
+    assert predictor.model.kernels == bert.EncoderKernels()
+    with pytest.raises(bert.PredictorError, match="this predictor pools by mean"):
+        bert.BertLengthPredictor(mean, None, card, device="cpu", encoder_bf16_attention=True)
 
 
 def test_a_cpu_without_the_instructions_never_builds_kernels_for_the_predictor(monkeypatch):
