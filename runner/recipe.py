@@ -11,7 +11,8 @@
     report:   {refresh_seconds, plots, ...}
 
 The sections compose the engine's own pydantic models, so a key means the same thing in a recipe
-and in Python. Loading is yaml.safe_load plus pydantic: a recipe is data and never executes code.
+and in Python. Loading is yaml's SafeLoader (a key given twice refused) plus pydantic: a recipe is
+data and never executes code.
 """
 from __future__ import annotations
 
@@ -280,6 +281,28 @@ def _validate_strategy(raw: Any, problems: list[str], lines: Optional[YamlLines]
         return BaselineStrategy()
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last, so a
+    second `sampling:` section would drop the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}                # key -> the line it was first given on
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<`: construct_mapping merges
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (lines {first[key]} and {line}); "
+                        "give each key once", key_node.start_mark)
+                first[key] = line
+            except TypeError:           # an unhashable key: construct_mapping says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: Union[str, Path]) -> Recipe:
     """Reads and validates a recipe file; every error names the file, line and key."""
     path = Path(path)
@@ -290,7 +313,7 @@ def load_recipe(path: Union[str, Path]) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(str(path), [f"cannot read it: {exc}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)   # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

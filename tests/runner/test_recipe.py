@@ -159,6 +159,19 @@ def test_yaml_syntax_error_names_line(tmp_path):
     assert "not valid YAML" in text and "line" in text
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `sampling:` would drop the first
+    section's temperature without a word."""
+    (text,) = _problems(tmp_path, "sampling:\n  max_tokens: 4\n  temperature: 0\n"
+                                  "model: {max_model_len: 512}\nsampling:\n  max_tokens: 8\n")
+    assert "key 'sampling' given twice (lines 1 and 5)" in text
+    (text,) = _problems(tmp_path, "sampling: {max_tokens: 4, max_tokens: 9}\n")
+    assert "key 'max_tokens' given twice" in text
+    merged = _load(tmp_path, "sampling:\n  <<: {max_tokens: 4, temperature: 0}\n"
+                             "  max_tokens: 8\n")              # a merge key's override stays allowed
+    assert merged.sampling.max_tokens == 8 and merged.sampling.temperature == 0
+
+
 def test_recipe_must_be_a_mapping(tmp_path):
     (text,) = _problems(tmp_path, "- model\n- io\n")
     assert "must be a mapping of sections" in text
