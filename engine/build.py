@@ -283,6 +283,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "linear_kernel": linear_kernel_label(device, dtype, quantization),
         "quantization": quantization.describe() if quantization is not None else None,
         "cuda_graphs": graphs is not None, "async_scheduling": launch_ahead,
+        "num_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "moe_kernel": moe_kernel_label(arch, device, triton_experts),
         "kv_window": block_manager.window,
         "preemption_mode": "swap" if swap_blocks else "recompute",

@@ -66,6 +66,12 @@ def compute_threads(num_threads: Optional[int]) -> int:
     """The recipe's `device.num_threads`, or every CPU this process may use that other
     processes do not keep busy (cpu_load.py: spinning threads wait on a shared core)."""
     if num_threads:
+        usable = len(allowed_cpus())
+        if num_threads > usable:
+            log.warning("device.num_threads: %d threads on the %d CPU(s) this process may use: "
+                        "threads that share a CPU wait on each other at every barrier, which "
+                        "slows the engine several-fold; leave it unset to take the usable CPUs",
+                        num_threads, usable)
         return num_threads
     from .cpu_load import threads_beside_busy_cpus
 

@@ -49,8 +49,11 @@ log = logging.getLogger("batchinfer")
 EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 ENGINE_INFO_KEYS = ("device", "dtype", "dtype_reason", "kv_cache_dtype", "attention_backend",
                     "kv_cache_bytes", "kv_block_size", "kv_capacity_tokens", "kv_window",
-                    "kv_groups", "num_params", "max_model_len", "scheduler_policy", "strategy", "step_times", "parallel",
-                    "strategy_stats", "prefix_cache", "linear_kernel", "quantization", "expert_load")
+                    "kv_window_freed_blocks", "kv_groups", "num_params", "max_model_len",
+                    "scheduler_policy", "strategy", "step_times", "parallel", "strategy_stats",
+                    "prefix_cache", "preemption_mode", "kv_swap_blocks", "kv_swap",
+                    "linear_kernel", "quantization", "moe_kernel", "expert_load", "cuda_graphs",
+                    "async_scheduling", "num_threads")
 # ... and the key the strategy's own engine build reports under: the strategy's name
 
 

@@ -64,6 +64,9 @@ def test_grouping_dedup_and_caching_change_no_output(tmp_path):
     dedup = report["session"]["dedup"]
     assert dedup["requests"] == 12 and dedup["output_tokens_saved"] == 12 * 8
     assert report["engine"]["prefix_cache"]["hit_tokens"] > 0
+    # what the engine ran with reaches the report (docs/recipe.md promises preemption_mode)
+    assert report["engine"]["preemption_mode"] == "recompute"
+    assert report["engine"]["num_threads"] >= 1 and "async_scheduling" in report["engine"]
     grouping = report["session"]["grouping"]
     # the two system prompts alternate in the input: grouping makes each request's neighbour
     # share its system prompt
