@@ -155,15 +155,8 @@ def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[
 def count_records(path: Path, fmt: str, shard: Shard = Shard()) -> Optional[int]:
     """How many records the shard will see (lines, or rows), or None if that is costly to know."""
     if fmt in ("jsonl", "openai"):
-        lines = 0
-        last = b"\n"
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                lines += chunk.count(b"\n")
-                last = chunk[-1:]
-        if last != b"\n":
-            lines += 1
-    elif fmt == "parquet":
+        return _count_jsonl_records(path, shard)
+    if fmt == "parquet":
         try:
             import pyarrow.parquet as pq
 
@@ -173,6 +166,28 @@ def count_records(path: Path, fmt: str, shard: Shard = Shard()) -> Optional[int]
     else:
         return None
     return len(range(shard.index, lines, shard.count))
+
+
+def _count_jsonl_records(path: Path, shard: Shard) -> int:
+    """The lines iter_jsonl yields for the shard: every line but blank ones (a blank line is no
+    record, so a finished job has nothing remaining), read a megabyte at a time."""
+    count = number = 0
+    with open(path, "rb") as fh:
+        while True:
+            raw = fh.readline(1 << 20)
+            if not raw:
+                return count
+            number += 1
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            content = bool(raw.strip())
+            while not raw.endswith(b"\n"):             # the rest of a long line
+                raw = fh.readline(1 << 20)
+                if not raw:
+                    break
+                content = content or bool(raw.strip())
+            if content and shard.takes(number):
+                count += 1
 
 
 # --- records -> specs -----------------------------------------------------------------------------

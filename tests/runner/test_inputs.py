@@ -342,3 +342,19 @@ def test_recipe_sampling_defaults_flow_into_specs(tmp_path):
     path = _write_lines(tmp_path / "in.jsonl", [{"prompt": "x"}])
     (spec,) = InputReader(path, recipe.io, recipe.sampling)
     assert spec.sampling.temperature == 0.3 and spec.sampling.max_tokens == 9
+
+
+@pytest.mark.parametrize("shard", [Shard(), Shard(0, 2), Shard(1, 2)])
+def test_the_record_count_is_what_the_reader_yields(tmp_path, shard):
+    """Blank lines are no records (a finished job then has none remaining), a long line is one,
+    a BOM alone is blank; the count matches the reader's for every shard."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf\n" + b'{"id": "a", "prompt": "Hi"}\n\n   \n'
+                     + b'{"id": "b", "prompt": "' + b"x" * (3 << 20) + b'"}\n'
+                     + b'{"id": "c", "prompt": "Yo"}\n\n{"id": "d", "prompt": "no newline"}')
+    from batchinfer.runner.io.inputs import count_records
+
+    reader = InputReader(path, IOConfig(max_line_bytes=1 << 20), SamplingParams(), shard=shard)
+    assert count_records(path, "jsonl", shard) == len(list(reader)) == reader.total()
+    if shard == Shard():
+        assert reader.total() == 4
