@@ -104,6 +104,11 @@ def run_bench(configs: list[BenchConfig], workload: Path, out_dir: Path, repeats
     if baseline not in {c.name for c in configs}:
         raise ConfigError(f"--baseline {baseline!r} is not one of "
                           f"{', '.join(c.name for c in configs)}")
+    planned = [out_dir / "runs" / f"{c.name}-{rep}" for rep in range(repeats) for c in configs]
+    held = next((d for d in planned if d.is_dir() and any(d.iterdir())), None)
+    if held is not None:      # each run starts fresh: an earlier bench's results are not replaced
+        raise ConfigError(f"{held} already holds a run of an earlier bench into {out_dir}; "
+                          "give another --output (or remove that directory's runs/)")
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for rep in range(repeats):
         for config in (configs if rep % 2 == 0 else configs[::-1]):

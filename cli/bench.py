@@ -50,7 +50,9 @@ def bench(
 
     from batchinfer.bench.harness import COLUMNS, parse_configs, run_bench, table_rows
 
-    if (input is None) == (synthetic is None):
+    if input is not None and synthetic is not None:
+        raise fail("give one workload, --input FILE or --synthetic sharegpt|arxiv|fixed, not both")
+    if input is None and synthetic is None:
         raise fail("give the workload: --input FILE or --synthetic sharegpt|arxiv|fixed")
     if input is not None and not input.is_file():
         raise fail(f"{input}: no such file")
@@ -63,7 +65,7 @@ def bench(
         def on_run(name: str, rep: int, result: dict) -> None:
             console.print(f"{name} run {rep + 1}/{repeats}: " + (
                 f"failed ({result['error'][:200]})" if "error" in result
-                else f"{result['output_tok_per_s']:.1f} output tok/s"))
+                else f"{result['output_tok_per_s']:.1f} output tok/s"), markup=False)
 
         result = run_bench(configs, workload, output, repeats, baseline, on_run=on_run)
     table = Table(title=f"{workload.name}: medians of {repeats}, baseline {result['baseline']}")
@@ -76,6 +78,11 @@ def bench(
         out = Console(width=200)        # a log file: no column squeezed
     out.print(table)
     typer.echo(f"{output / 'bench.md'}, {output / 'bench.json'}")
+    failed = [row["name"] for row in result["rows"] if not row["runs"]]
+    if failed:
+        typer.echo(f"no run of {', '.join(failed)} finished (their errors are in bench.json)",
+                   err=True)
+        raise typer.Exit(1)
 
 
 def _synthetic(recipe_path: Path, kind: str, output: Path, n: int, seed: int,

@@ -117,6 +117,36 @@ def test_a_failing_configuration_is_reported_and_the_rest_go_on(tmp_path):
     assert "| broken | baseline | tp1 pp1 dp1 | failed |" in markdown
 
 
+def test_a_second_bench_into_the_same_output_is_refused_and_a_failed_one_exits_1(
+        tmp_path, monkeypatch):
+    from batchinfer.bench import harness
+
+    def runner(config: BenchConfig, workload: Path, run_dir: Path) -> dict:
+        run_dir.mkdir(parents=True)
+        (run_dir / "outputs.jsonl").write_text("")
+        if config.name == "broken":
+            return {"error": "exit 3: the run failed [see its log]"}
+        return {"output_tok_per_s": 10.0, "total_tok_per_s": 20.0, "requests_per_s": 1.0,
+                "bubble_ratio": None, "kv_capacity_tokens": 100, "generation_s": 1.0}
+
+    configs = [BenchConfig("ok", Path("ok.yaml"), "baseline", "tp1 pp1 dp1")]
+    run_bench(configs, tmp_path / "w.jsonl", tmp_path / "out", repeats=1, runner=runner)
+    table = (tmp_path / "out" / "bench.json").read_text()
+    with pytest.raises(ConfigError, match="ok-0 already holds a run of an earlier bench"):
+        run_bench(configs, tmp_path / "w.jsonl", tmp_path / "out", repeats=1, runner=runner)
+    assert (tmp_path / "out" / "bench.json").read_text() == table
+
+    real = harness.run_bench
+    monkeypatch.setattr(harness, "run_bench", lambda *args, **kw: real(*args, runner=runner, **kw))
+    recipe = _recipe(tmp_path, "broken")
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "Hi"}\n')
+    result = CliRunner().invoke(app, ["bench", f"broken={recipe}", "--input", str(workload),
+                                      "--repeats", "1", "--output", str(tmp_path / "b2")])
+    assert result.exit_code == 1 and "no run of broken finished" in result.output
+    assert "[see its log]" in result.output                  # printed as written, not as markup
+
+
 def test_bad_arguments_are_usage_errors(tmp_path):
     recipe = _recipe(tmp_path, "a")
     with pytest.raises(ConfigError, match="names must differ"):
