@@ -1,8 +1,9 @@
 """Input files read as a stream: JSONL (plain / chat / OpenAI batch) and local dataset files.
 
-Nothing here holds the file in memory: JSONL is read line by line with a byte limit per line (a
-longer line is skipped to its newline and reported, never loaded), dataset files are iterated
-through `datasets` in streaming mode. Every record keeps its 1-based line (or row) number, and a
+Nothing here holds the file in memory but a JSON array: JSONL is read line by line with a byte
+limit per line (a longer line is skipped to its newline and reported, never loaded), parquet,
+arrow and CSV files are iterated through `datasets` in streaming mode, and a JSON array is parsed
+whole by the standard library (as `datasets` would load it; its values keep their types). Every record keeps its 1-based line (or row) number, and a
 shard (Slurm task) takes the records whose number falls on it.
 """
 from __future__ import annotations
@@ -135,6 +136,31 @@ def detect_format(path: Path, io: IOConfig) -> str:
 
 
 # --- datasets ----------------------------------------------------------------------------------------
+def iter_json_rows(path: Path, max_line_bytes: int,
+                   shard: Shard = Shard()) -> Iterator[tuple[int, Any]]:
+    """(1-based element or line number, value) of a JSON file, parsed by the standard library: a
+    JSON array's elements, or (io.input_format: json on JSON Lines) each line's value, every value
+    as written. `datasets` reads JSON into typed arrow columns, which turns a column whose rows
+    differ in type (ids 1 and "b2") into JSON-encoded strings: '"b2"' came back as the id and
+    '"hi"' as the prompt. A line that is not JSON comes back as its InputError."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith(b"["):
+        for line in iter_jsonl(path, max_line_bytes, shard):
+            yield line.number, (line.error if line.error else line.value)
+        return
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read().decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputFileError(f"{path}: not a valid JSON array ({exc})") from None
+    if not isinstance(data, list):
+        raise InputFileError(f"{path}: a JSON file of requests holds an array of objects")
+    for number, row in enumerate(data, start=1):
+        if shard.takes(number):
+            yield number, row
+
+
 def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[tuple[int, dict]]:
     """(1-based row number, row) from a local dataset file, streamed by `datasets`."""
     try:
@@ -227,9 +253,18 @@ class InputReader:
                 yield line.error if line.error else parse(line.value, line.number, self.defaults)
         else:
             io = self.io
-            for number, row in iter_dataset_rows(self.path, self.format, self.shard):
-                yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
-                                        io.messages_field, io.id_field, io.metadata_fields)
+            rows = (iter_json_rows(self.path, io.max_line_bytes, self.shard)
+                    if self.format == "json" else
+                    iter_dataset_rows(self.path, self.format, self.shard))
+            for number, row in rows:
+                if isinstance(row, InputError):
+                    yield row
+                elif not isinstance(row, dict):
+                    yield InputError(number, "not_an_object", "a request must be a JSON object, "
+                                     f"not {type(row).__name__}")
+                else:
+                    yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
+                                            io.messages_field, io.id_field, io.metadata_fields)
 
     def _id_key(self) -> str:
         """What this format calls a request's id, as messages name it."""

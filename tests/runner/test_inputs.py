@@ -289,6 +289,31 @@ def test_dataset_files(tmp_path, suffix):
     assert items[2].line == 3 and items[2].code in ("invalid_type", "missing_prompt")
 
 
+def test_a_json_array_keeps_each_value_as_written(tmp_path):
+    """Ids and prompts of mixed types across rows (arrow columns turned them into JSON-encoded
+    strings); a value of the wrong type is that row's error; a non-object element is one too."""
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps([{"id": 1, "prompt": "What is 2+2?"}, {"id": "b2", "prompt": "hi"},
+                                {"id": "c3", "prompt": 5}, "just a string",
+                                {"id": "d4", "prompt": [11, 12]},
+                                {"id": "e5", "prompt": "x", "topic": {"k": 1}}]))
+    items = _read(path, metadata_fields=["topic"])
+    assert items[0].request_id == "1" and items[0].prompt == "What is 2+2?"
+    assert items[1].request_id == "b2" and items[1].prompt == "hi"
+    assert items[2].code == "invalid_type" and items[2].line == 3
+    assert items[3].code == "not_an_object" and items[3].line == 4
+    assert items[4].prompt == [11, 12]                       # token ids
+    assert items[5].metadata == {"topic": {"k": 1}}
+    lines = _write_lines(tmp_path / "lines.jsonl", [{"text": "a", "uid": 7}, b"garbage"])
+    items = _read(lines, input_format="json", prompt_field="text", id_field="uid")
+    assert items[0].prompt == "a" and items[0].request_id == "7"
+    assert items[1].code == "invalid_json" and items[1].line == 2
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "a"}, ')
+    with pytest.raises(InputFileError, match="not a valid JSON array"):
+        _read(broken)
+
+
 def test_dataset_row_errors_name_the_column_and_its_setting(tmp_path):
     """A CSV's empty prompt cell or repeated id is reported by the column the user named."""
     path = tmp_path / "d.csv"
