@@ -86,7 +86,7 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
     count = history.count
     if count >= min_records():
         built = _attempt(f"training one from the history under {root}",
-                         lambda: _from_history(cfg, history, model_id, device))
+                         lambda: _from_history(cfg, history, model_id, device, root))
         if built is not None:
             path, predictor = built
             reason = (f"trained on this model's own history: "
@@ -126,20 +126,20 @@ def _attempt(what: str, build: Callable[[], T]) -> Optional[T]:
         return None
 
 
-def _from_history(cfg: Any, history: ModelHistory, model_id: str,
-                  device: Optional[str]) -> tuple[Path, LengthPredictor]:
+def _from_history(cfg: Any, history: ModelHistory, model_id: str, device: Optional[str],
+                  root: Path) -> tuple[Path, LengthPredictor]:
     """The cached (or newly trained) predictor, loaded; a cached one that does not load is
     discarded and trained again once."""
     from batchinfer.engine.setup_cache import discard
 
-    path = trained_from_history(history, model_id, device)
+    path = trained_from_history(history, model_id, device, root)
     try:
         return path, bert_from_dir(cfg, path, device)
     except Exception as exc:  # noqa: BLE001 - whatever broke the entry, it is rebuilt
         log.warning("length predictor (auto): the cached %s does not load (%s: %s); training "
                     "it again", path, type(exc).__name__, exc)
         discard(path, "discarding a broken length predictor", TRAIN_WAIT_S)
-    path = trained_from_history(history, model_id, device)
+    path = trained_from_history(history, model_id, device, root)
     return path, bert_from_dir(cfg, path, device)
 
 
@@ -223,13 +223,15 @@ def shipped_predictor(model_id: str) -> Optional[Path]:
     return None
 
 
-def trained_from_history(history: ModelHistory, model_id: str, device: Optional[str]) -> Path:
-    """A BERT predictor trained on the newest (at most MAX_TRAIN_RECORDS) records of `history`,
-    from the setup cache when one trained on a history at least 1 / RETRAIN_GROWTH as large is
-    there."""
+def trained_from_history(history: ModelHistory, model_id: str, device: Optional[str],
+                         root: Path) -> Path:
+    """A BERT predictor trained on the newest (at most MAX_TRAIN_RECORDS) records of `history`
+    (read under `root`), from the setup cache when one trained on the history under the same
+    root at least 1 / RETRAIN_GROWTH as large is there: another project's history of the model
+    trains its own."""
     from batchinfer.engine.setup_cache import build_once, cache_root
 
-    model_dir = cache_root() / "predictors" / _slug(model_id)
+    model_dir = cache_root() / "predictors" / _slug(model_id) / _slug(str(_resolved(root)))
     used = history.newest
     cached = _cached(model_dir, history.count)
     if cached is not None:

@@ -116,7 +116,7 @@ def test_enough_history_trains_once_and_retrains_when_it_grows(tmp_path, cache):
                                          "cpu", True)
     assert (predictor.name, choice.source, choice.history_records) == ("bert", "history", 60)
     trained = Path(choice.path)
-    assert trained.parent.parent == cache / "predictors" and trained.name == "n60"
+    assert trained.parent.parent.parent == cache / "predictors" and trained.name == "n60"
     card = json.loads((trained / "predictor.json").read_text())
     assert card["data"]["records"] == 60 and card["data"]["models"] == [MODEL]
     short, long_ = predictor.predict([LengthQuery(SHORT[0].format("cat"), max_tokens=512),
@@ -129,6 +129,10 @@ def test_enough_history_trains_once_and_retrains_when_it_grows(tmp_path, cache):
     _write_history(runs / "d", MODEL, 2, start=3000)               # 84 records: retrain
     _, grown = choose_predictor(_cfg(path=str(runs)), MODEL, tmp_path, "cpu", True)
     assert Path(grown.path).name == "n84" and grown.path != choice.path
+    other = tmp_path / "other-project"                            # as many records, its own
+    _write_history(other / "a", MODEL, 14, start=5000)
+    _, theirs = choose_predictor(_cfg(path=str(other)), MODEL, tmp_path, "cpu", True)
+    assert Path(theirs.path).name == "n84" and theirs.path != grown.path
 
 
 @pytest.mark.parametrize("error", [RuntimeError, ValueError, ImportError])
