@@ -77,7 +77,12 @@ def run_once(config: BenchConfig, workload: Path, run_dir: Path,
     report_path = run_dir / "report.json"
     if proc.returncode not in (0, 1) or not report_path.is_file():
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
-    return figures(json.loads(report_path.read_text()))
+    result = figures(json.loads(report_path.read_text()))
+    if not result["requests"] or result["output_tok_per_s"] is None:
+        # per-request errors do not fail a job: a run that completed none measured nothing
+        return {"error": f"no request completed ({result['failed'] or 0} failed: "
+                         f"{run_dir / 'errors.jsonl'})"}
+    return result
 
 
 def figures(report: dict) -> dict:

@@ -147,6 +147,26 @@ def test_a_second_bench_into_the_same_output_is_refused_and_a_failed_one_exits_1
     assert "[see its log]" in result.output                  # printed as written, not as markup
 
 
+def test_a_run_that_completed_no_request_is_a_failed_run(tmp_path, monkeypatch):
+    """Every prompt refused (too long for that recipe, say): the job exits 0 with error records,
+    and bench shows the configuration as failed instead of formatting a missing rate."""
+    import subprocess
+
+    from batchinfer.bench import harness
+
+    def finished_with_errors(cmd, **kwargs):
+        run_dir = Path(cmd[cmd.index("--output") + 1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "report.json").write_text(json.dumps({"session": {
+            "requests_completed": 0, "requests_failed": 2, "throughput": {}}, "engine": {}}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(harness.subprocess, "run", finished_with_errors)
+    config = BenchConfig("small", Path("small.yaml"), "baseline", "tp1 pp1 dp1")
+    result = harness.run_once(config, tmp_path / "w.jsonl", tmp_path / "runs" / "small-0")
+    assert result["error"].startswith("no request completed (2 failed")
+
+
 def test_bad_arguments_are_usage_errors(tmp_path):
     recipe = _recipe(tmp_path, "a")
     with pytest.raises(ConfigError, match="names must differ"):
