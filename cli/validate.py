@@ -32,8 +32,6 @@ def validate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
     setup_logging(quiet=True if as_json else quiet)
-    from batchinfer.engine.errors import RequestError
-    from batchinfer.runner.io.input_records import InputError
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
 
@@ -48,6 +46,18 @@ def validate(
 
     bad: list[dict] = []
     codes: Counter = Counter()
+    with user_errors(json_fields):          # a file that breaks part way (a malformed CSV row)
+        good = _check_items(reader, tokenizer, max_len, vocab, parsed, show, bad, codes)
+    _report(as_json, recipe, input, reader, good, bad, codes, max_len)
+
+
+def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list,
+                 codes: Counter) -> int:
+    """Every record checked as a run would: the problems (the first `show`) into `bad`, their
+    codes counted; -> how many are valid."""
+    from batchinfer.engine.errors import RequestError
+    from batchinfer.runner.io.input_records import InputError
+
     good = 0
     for item in reader:
         if isinstance(item, InputError):
@@ -71,7 +81,11 @@ def validate(
         codes[problem["code"]] += 1
         if len(bad) < show:
             bad.append(problem)
+    return good
 
+
+def _report(as_json: bool, recipe: Path, input: Path, reader, good: int, bad: list,
+            codes: Counter, max_len: Optional[int]) -> None:
     total_bad = sum(codes.values())
     if as_json:
         typer.echo(json.dumps({"recipe": str(recipe), "input": str(input), "format": reader.format,

@@ -10,7 +10,7 @@ import torch
 
 from .attention import fused_ops_for, select_backend, triton_available
 from .config import EngineConfig, ModelConfig
-from .cpu_binding import bind_compute_threads, compute_threads
+from .cpu_binding import bind_compute_threads, compute_threads, warn_if_oversubscribed
 from .cpu_dtype import DtypeChoice, resolve_cpu_dtype
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine, Replica
@@ -207,6 +207,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
     triton_experts = use_triton_experts_for(config.device.moe_kernel, device, arch)
     launch_ahead = use_async_scheduling(config, device, arch, triton_experts)
     if device.type == "cpu":
+        warn_if_oversubscribed(config.device.num_threads)
         bind_compute_threads(config.device.bind_threads,
                              compute_threads(config.device.num_threads))
     max_model_len, tokenizer = source.max_model_len, source.tokenizer

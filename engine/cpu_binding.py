@@ -66,12 +66,6 @@ def compute_threads(num_threads: Optional[int]) -> int:
     """The recipe's `device.num_threads`, or every CPU this process may use that other
     processes do not keep busy (cpu_load.py: spinning threads wait on a shared core)."""
     if num_threads:
-        usable = len(allowed_cpus())
-        if num_threads > usable:
-            log.warning("device.num_threads: %d threads on the %d CPU(s) this process may use: "
-                        "threads that share a CPU wait on each other at every barrier, which "
-                        "slows the engine several-fold; leave it unset to take the usable CPUs",
-                        num_threads, usable)
         return num_threads
     from .cpu_load import threads_beside_busy_cpus
 
@@ -85,6 +79,17 @@ def plan_cpus(threads: int, slot: int = 0, slots: int = 1,
     if threads < 1 or slots * threads > len(cpus) or not 0 <= slot < slots:
         return None
     return cpus[slot * threads:(slot + 1) * threads]
+
+
+def warn_if_oversubscribed(num_threads: Optional[int]) -> None:
+    """The recipe's device.num_threads above the CPUs this process may use: said once at build
+    (threads sharing a CPU wait on each other at every barrier, several-fold slower)."""
+    usable = len(allowed_cpus())
+    if num_threads and num_threads > usable:
+        log.warning("device.num_threads: %d threads on the %d CPU(s) this process may use: "
+                    "threads that share a CPU wait on each other at every barrier, which slows "
+                    "the engine several-fold; leave it unset to take the usable CPUs",
+                    num_threads, usable)
 
 
 def bind_compute_threads(mode: str, threads: int, slot: int = 0, slots: int = 1) -> Optional[list[int]]:

@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,12 +28,11 @@ from .io.admission import build_request, prompt_token_ids
 from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
-from .io.inputs import InputReader, Shard
+from .io.inputs import InputFileError, InputReader, Shard
 from .report.metrics import SessionMetrics
 from .report.plots import render_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
-from .recipe import Recipe
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
@@ -43,49 +41,12 @@ from .resume_check import (check_resume, fingerprint_with_prefix, model_location
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
+from .job_spec import (ENGINE_INFO_KEYS, EXIT_FAILED, EXIT_OK, EXIT_REQUEST_ERRORS,
+                       EXIT_USAGE, JobOutcome, JobSpec, default_output_dir)
 
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REQUEST_ERRORS", "EXIT_USAGE", "Job", "JobOutcome",
+           "JobSpec", "default_output_dir", "run_job"]
 log = logging.getLogger("batchinfer")
-
-EXIT_OK, EXIT_REQUEST_ERRORS, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-ENGINE_INFO_KEYS = ("device", "dtype", "dtype_reason", "kv_cache_dtype", "attention_backend",
-                    "kv_cache_bytes", "kv_block_size", "kv_capacity_tokens", "kv_window",
-                    "kv_window_freed_blocks", "kv_groups", "num_params", "max_model_len",
-                    "scheduler_policy", "strategy", "step_times", "parallel", "strategy_stats",
-                    "prefix_cache", "preemption_mode", "kv_swap_blocks", "kv_swap",
-                    "linear_kernel", "quantization", "moe_kernel", "expert_load", "cuda_graphs",
-                    "async_scheduling", "num_threads")
-# ... and the key the strategy's own engine build reports under: the strategy's name
-
-
-def default_output_dir(recipe_path: Optional[str], input_path: Path) -> Path:
-    """Deterministic (no timestamp), so rerunning the same command resumes the same run."""
-    recipe_stem = Path(recipe_path).stem if recipe_path else "recipe"
-    return Path("runs") / f"{recipe_stem}__{Path(input_path).stem}"
-
-
-@dataclass
-class JobSpec:
-    recipe: Recipe
-    input_path: Path
-    output_dir: Path
-    recipe_path: Optional[str] = None
-    resume: bool = True
-    force_resume: bool = False             # resume even with another input or model
-    limit: Optional[int] = None
-    shard: Shard = field(default_factory=Shard)
-    progress: str = "auto"                 # auto | bar | lines | off
-    engine_factory: Optional[Callable] = None   # EngineConfig -> Engine; default Engine.from_config
-
-
-@dataclass
-class JobOutcome:
-    status: str                            # completed | interrupted | failed
-    exit_code: int
-    run_dir: Path
-    outputs: int
-    errors: int
-    session: dict
-    message: str = ""
 
 
 class Job:
@@ -99,6 +60,7 @@ class Job:
         self.predictor = None                  # the recipe's output-length predictor
         self.predictor_choice: Optional[dict] = None   # what predictor: auto picked, and why
         self.auto_settings: Optional[dict] = None      # what the strategy's auto settings became
+        self._input_failure: Optional[Exception] = None  # the input file broke part way
         self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
         self.run_dir: Optional[RunDir] = None
         self.prior = PriorState()
@@ -140,7 +102,13 @@ class Job:
                                       + self.prior.num_errors, mode=spec.progress,
                                       interval_s=self.recipe.report.progress_interval_seconds)
             self.signals.setting_up = False   # from here a signal stops the loop after its step
-            if self._loop():
+            finished = self._loop()
+            if finished and self._input_failure is not None:
+                log.error("%s", self._input_failure)
+                status, exit_code = "failed", EXIT_USAGE
+                message = (f"{self._input_failure}; the records before it are done: mend the "
+                           "file, then rerun to resume")
+            elif finished:
                 status, exit_code = "completed", EXIT_OK
             else:
                 status, message = "interrupted", f"stopped by {signal_name(self.signals.received)}"
@@ -161,7 +129,7 @@ class Job:
         self.signals.setting_up = False
         if self.signals.received is not None and status == "failed":
             status = "interrupted"         # a failure the signal caused (e.g. a child it killed)
-        if status != "completed":
+        if status != "completed" and exit_code != EXIT_USAGE:
             message += "; rerun to resume"
         if status == "completed" and self._progress is not None:
             self._progress.total = self._progress.done  # blank lines are not requests
@@ -325,7 +293,11 @@ class Job:
         exhausted = False
         try:
             while self._sink.pending < limit and self.signals.received is None:
-                item = next(records, None)
+                try:
+                    item = next(records, None)
+                except InputFileError as exc:   # the file breaks part way (a bad CSV row):
+                    self._input_failure = exc   # what was read runs, then the job stops
+                    item = None
                 if item is None:
                     exhausted = True
                     break
@@ -520,7 +492,7 @@ def _shard_dict(shard: Shard) -> Optional[dict]:
 def _is_user_error(exc: BaseException) -> bool:
     from batchinfer.engine.errors import ConfigError, ModelLoadError
 
-    return isinstance(exc, (ConfigError, ModelLoadError))
+    return isinstance(exc, (ConfigError, ModelLoadError, InputFileError))
 
 
 def run_job(spec: JobSpec) -> JobOutcome:

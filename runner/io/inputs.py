@@ -171,10 +171,10 @@ def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[
             if shard.takes(number):
                 yield number, row
     except (ValueError, OSError, ImportError) as exc:
-        raise InputFileError(f"{path}: cannot read it as {fmt} ({exc})") from None
+        raise InputFileError(f"{path}: cannot read it as {fmt} ({str(exc).strip()})") from None
     except Exception as exc:  # pyarrow and datasets raise their own error types
         if type(exc).__module__.split(".")[0] in ("pyarrow", "datasets"):
-            raise InputFileError(f"{path}: cannot read it as {fmt} ({exc})") from None
+            raise InputFileError(f"{path}: cannot read it as {fmt} ({str(exc).strip()})") from None
         raise
 
 
@@ -235,6 +235,10 @@ class InputReader:
         self.defaults = defaults
         self.shard = shard
         self.format = fmt or detect_format(self.path, io)
+        if self.format in ("parquet", "arrow", "csv"):
+            # an empty, corrupt or (CSV) malformed file fails here, before a model loads: the
+            # reader parses its first chunk (a CSV row past it fails the job part way, exit 2)
+            next(iter_dataset_rows(self.path, self.format), None)
         self.limit = limit
         self.seen = IdSet()
         self.records_read = 0

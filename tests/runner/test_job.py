@@ -399,3 +399,35 @@ def test_a_resume_compares_the_model_path_by_where_it_leads(tmp_path, monkeypatc
     with pytest.raises(RunDirError, match="another model"):
         check_model(tmp_path, old_yaml, ModelConfig(path=str(tmp_path / "b" / "models" / "m")),
                     recorded)
+
+
+def test_an_input_file_that_breaks_part_way_keeps_what_ran_and_exits_2(tmp_path, tiny_recipe,
+                                                                       shared_engine,
+                                                                       monkeypatch):
+    """A CSV row the reader cannot parse past its first chunk: the records before it are
+    written, the job stops with exit 2 and says to mend the file (not "rerun to resume" alone:
+    a rerun of the same file stops there again); an unreadable file stops before anything."""
+    from batchinfer.runner.io import inputs
+    from batchinfer.runner.io.inputs import InputFileError
+    from batchinfer.runner.job import EXIT_USAGE
+
+    path = tmp_path / "in.csv"
+    path.write_text("id,prompt\nr0,Hi\nr1,Yo\nr2,Hey\n")
+    real = inputs.iter_dataset_rows
+
+    def breaks_after_two(path, fmt, shard=inputs.Shard()):
+        for number, row in real(path, fmt, shard):
+            if number == 3:
+                raise InputFileError(f"{path}: cannot read it as csv (Expected 2 fields in line "
+                                     "4, saw 4)")
+            yield number, row
+
+    monkeypatch.setattr(inputs, "iter_dataset_rows", breaks_after_two)
+    outcome = run(tiny_recipe, path, tmp_path / "out", shared_engine)
+    assert outcome.status == "failed" and outcome.exit_code == EXIT_USAGE
+    assert "mend the file, then rerun to resume" in outcome.message
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out" / "outputs.jsonl")) == ["r0", "r1"]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(InputFileError, match="empty.csv: cannot read it as csv"):
+        run(tiny_recipe, empty, tmp_path / "out2", shared_engine)
