@@ -300,6 +300,9 @@ class InputReader:
                 elif done_ids is not None and item.request_id in done_ids:
                     self.skipped_done += 1
                     continue
+            elif item.request_id is not None:
+                self.seen.add(item.request_id)    # a line takes its id, valid or not: a later
+                #                                   line repeating it is a duplicate
             if already_reported:
                 self.skipped_done += 1
                 continue

@@ -383,3 +383,23 @@ def test_the_record_count_is_what_the_reader_yields(tmp_path, shard):
     assert count_records(path, "jsonl", shard) == len(list(reader)) == reader.total()
     if shard == Shard():
         assert reader.total() == 4
+
+
+def test_an_id_whose_first_line_was_invalid_is_a_duplicate_on_a_later_line(tmp_path):
+    """Ids are unique per input: the invalid line took it (its error record names it), so the
+    later line is a duplicate, not a second record of the same id in outputs."""
+    path = _write_lines(tmp_path / "in.jsonl", [{"id": "k", "prompt": ""},
+                                                {"id": "k", "prompt": "Hi there"},
+                                                {"id": "m", "prompt": "Hi"}])
+    items = _read(path)
+    assert [getattr(i, "code", "ok") for i in items] == ["empty_prompt", "duplicate_id", "ok"]
+    reader = InputReader(path, IOConfig(), DEFAULTS)     # a resume that skips the reported line
+    again = list(reader.records(done_lines=_id_set(["1"])))
+    assert [getattr(i, "code", "ok") for i in again] == ["duplicate_id", "ok"]
+
+
+def _id_set(values) -> IdSet:
+    ids = IdSet()
+    for value in values:
+        ids.add(value)
+    return ids
