@@ -8,8 +8,11 @@ outputs.jsonl. The manifest therefore records the input's size and a digest of i
 resume needs the new input to start with exactly those bytes (lines may be appended: a grown input
 or a larger --limit continues the run) and the recipe's model to be the one the results came from
 (its path and tokenizer compared by where they lead, which run.json records: a relative path and
-its absolute form, or a resume from another directory, are the same model).
-`--force-resume` accepts either change (ids alone decide what is skipped, as before).
+its absolute form, or a resume from another directory, are the same model), with the same
+sampling defaults and the same prompts made of each record (`io.chat_template`, the dataset
+columns read): two recipes of one file name share a default run directory, and the second would
+otherwise "complete" with the first one's replies.
+`--force-resume` accepts any of these changes (ids alone decide what is skipped, as before).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from .run_dir import RunDirError
 CHUNK = 1 << 20
 # the model settings that change what a request's reply is (others change how fast it comes)
 MODEL_IDENTITY = ("path", "load_format", "hf_overrides", "tokenizer", "quantization", "seed")
+# the io settings that change the prompt a record makes
+PROMPT_SETTINGS = ("chat_template", "prompt_field", "messages_field")
 
 
 def fingerprint(path: Path, limit: Optional[int] = None) -> dict:
@@ -147,8 +152,37 @@ def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], 
     """Both checks for a run directory that already holds results (the job and --dry-run), on
     its run.json and recipe.resolved.yaml as read; `input_prefix`: as check_input's `now`."""
     check_model(run_dir, old_recipe_yaml, recipe.model, manifest.get("model_locations"))
+    check_reply_settings(run_dir, old_recipe_yaml, recipe)
     check_input(run_dir, manifest.get("input_fingerprint"), Path(input_path).resolve(),
                 manifest.get("input"), input_prefix)
+
+
+def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) -> None:
+    """RunDirError when the results were written with other sampling defaults, or prompts made
+    otherwise (PROMPT_SETTINGS), than `recipe` says: a resume would mix replies of two settings
+    in one outputs.jsonl."""
+    if not old_recipe_yaml:
+        return
+    try:
+        old = yaml.safe_load(old_recipe_yaml) or {}
+    except yaml.YAMLError:
+        return
+    new = yaml.safe_load(recipe.to_yaml()) or {}
+    defaults = yaml.safe_load(type(recipe)().to_yaml()) or {}
+    keys = [("sampling", key) for key in sorted({*(old.get("sampling") or {}),
+                                                 *(new.get("sampling") or {})})]
+    keys += [("io", key) for key in PROMPT_SETTINGS]
+
+    def value(recipe_dict: dict, section: str, key: str):
+        return (recipe_dict.get(section) or {}).get(key, (defaults.get(section) or {}).get(key))
+
+    changed = [f"{section}.{key}: {value(old, section, key)!r} -> {value(new, section, key)!r}"
+               for section, key in keys if value(old, section, key) != value(new, section, key)]
+    if changed:
+        raise RunDirError(
+            f"{run_dir} holds results made with other settings ({'; '.join(changed)}); resuming "
+            "would mix replies of both in one run: give another --output (recipes of the same "
+            "file name share the default one), or --force-resume to go on anyway")
 
 
 def recorded_input_bytes(manifest: dict) -> Optional[int]:

@@ -306,6 +306,14 @@ def test_resume_needs_the_inputs_first_bytes_and_the_same_model(tmp_path, tiny_r
         update={"seed": 7})})
     with pytest.raises(RunDirError, match=r"model\.seed: 0 -> 7"):
         run(reseeded, path, out, shared_engine)
+    longer = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
+        update={"max_tokens": 9})})               # another recipe of the same file name, say
+    with pytest.raises(RunDirError, match=r"sampling\.max_tokens: 6 -> 9.*another --output"):
+        run(longer, path, out, shared_engine)
+    templated = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
+        update={"chat_template": "never"})})
+    with pytest.raises(RunDirError, match=r"io\.chat_template: 'auto' -> 'never'"):
+        run(templated, path, out, shared_engine)
     assert {name: (out / name).read_bytes() for name in before} == before
 
     grown = write_jsonl(tmp_path / "grown.jsonl", first + [{"prompt": "One more?"}])
