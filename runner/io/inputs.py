@@ -253,8 +253,13 @@ class InputReader:
     def _parsed(self) -> Iterator[Parsed]:
         if self.format in ("jsonl", "openai"):
             parse = parse_openai if self.format == "openai" else parse_plain_or_chat
+            hint = self._columns_hint()
             for line in iter_jsonl(self.path, self.io.max_line_bytes, self.shard):
-                yield line.error if line.error else parse(line.value, line.number, self.defaults)
+                item = line.error if line.error else parse(line.value, line.number, self.defaults)
+                if hint and isinstance(item, InputError) and item.code in ("unknown_key",
+                                                                           "missing_prompt"):
+                    item.message += hint
+                yield item
         else:
             io = self.io
             rows = (iter_json_rows(self.path, io.max_line_bytes, self.shard)
@@ -269,6 +274,18 @@ class InputReader:
                 else:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                             io.messages_field, io.id_field, io.metadata_fields)
+
+    def _columns_hint(self) -> str:
+        """For a JSONL line the recipe's io.*_field settings do not apply (its keys are the
+        request's own); said where a line fails and the recipe names other columns."""
+        io = self.io
+        named = [f"io.{key}: {getattr(io, key)}"
+                 for key, plain in (("prompt_field", "prompt"), ("messages_field", "messages"),
+                                    ("id_field", "id")) if getattr(io, key) != plain]
+        if self.format != "jsonl" or not named:
+            return ""
+        return (f" (the recipe's {', '.join(named)} apply to dataset files; to read JSON Lines "
+                "by those columns set io.input_format: json)")
 
     def _id_key(self) -> str:
         """What this format calls a request's id, as messages name it."""

@@ -403,3 +403,15 @@ def _id_set(values) -> IdSet:
     for value in values:
         ids.add(value)
     return ids
+
+
+def test_a_jsonl_line_failing_under_a_recipe_naming_columns_says_where_they_apply(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"uid": "a", "text": "Hello"}])
+    (err,) = _read(path, prompt_field="text", id_field="uid")
+    assert err.code == "unknown_key"
+    assert "io.prompt_field: text, io.id_field: uid apply to dataset files" in err.message
+    assert "io.input_format: json" in err.message
+    (spec,) = _read(path, prompt_field="text", id_field="uid", input_format="json")
+    assert spec.prompt == "Hello" and spec.request_id == "a"
+    (plain,) = _read(_write_lines(tmp_path / "p.jsonl", [{"prompt": "x", "bogus": 1}]))
+    assert "apply to dataset files" not in plain.message
