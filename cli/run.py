@@ -116,7 +116,8 @@ def _dry_run(spec) -> None:
 
     from batchinfer.engine.build import model_source, preflight
 
-    preflight(spec.recipe.engine_config(), model_source(spec.recipe.model).arch)
+    source = model_source(spec.recipe.model)
+    preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
         if (prior.num_outputs or prior.num_errors) and not spec.force_resume:

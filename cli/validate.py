@@ -111,5 +111,5 @@ def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:
     from batchinfer.engine.build import model_source, preflight
 
     source = model_source(recipe.model)
-    preflight(recipe.engine_config(), source.arch)
+    preflight(recipe.engine_config(), source.arch, source.max_model_len)
     return source.tokenizer, source.max_model_len, source.arch.vocab_size

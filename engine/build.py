@@ -147,15 +147,59 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
     return budget
 
 
-def preflight(config: EngineConfig, arch: ModelArch) -> None:
+def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int] = None) -> None:
     """What the engine build refuses that the model's config alone decides, run without loading
     weights (`batchinfer validate`, `run --dry-run`): the parallel layout against the model's
-    heads and layers, and the strategy's own refusals (StrategyParams.check_config)."""
+    heads and layers, the strategy's own refusals (StrategyParams.check_config), and an explicit
+    memory.kv_cache_memory that cannot hold one max_model_len sequence."""
     from .runtime.layout import ParallelLayout
 
     ParallelLayout.resolve(config.parallel, arch)
     if config.strategy is not None:
         config.strategy.check_config(config, arch)
+    if max_model_len is not None:
+        _check_explicit_kv(config, arch, max_model_len)
+
+
+def _check_explicit_kv(config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
+    """The single-process build's refusal of a cache smaller than one sequence, made before any
+    weight loads, in the most compact element the recipe allows (dtype auto may take bf16 where
+    the device has it): only a cache too small in every format is refused here. Layer groups,
+    pipelines and strategies that size the cache their own way are left to the build."""
+    from batchinfer.strategies.base import StrategyParams
+
+    strategy = config.strategy
+    if (config.cache.kv_cache_memory is None or config.parallel.multiprocess
+            or any(getattr(arch, "layer_windows", None) or ())
+            or (strategy is not None
+                and type(strategy).build_engine is not StrategyParams.build_engine)):
+        return
+    element = _smallest_kv_element(config)
+    spec = KVCacheSpec.from_budget(int(config.cache.kv_cache_memory), arch.num_layers,
+                                   config.cache.block_size, arch.num_kv_heads, arch.head_dim,
+                                   element)
+    if spec.capacity_tokens < max_model_len:
+        raise ConfigError(
+            f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
+            f"({max_model_len}); raise memory.kv_cache_memory (one token takes "
+            f"{arch.kv_bytes_per_token(element)} bytes or more) or lower model.max_model_len")
+
+
+def _smallest_kv_element(config: EngineConfig) -> int:
+    """2 where the cache may hold 16-bit elements (a 16-bit kv_cache_dtype or model dtype; auto
+    on CUDA, or on a CPU with native bf16 or flags unknown), else 4."""
+    if config.cache.kv_cache_dtype != "auto" or config.model.dtype in ("bfloat16", "float16"):
+        return 2
+    if config.model.dtype == "float32":
+        return 4
+    if config.device.device == "cuda" or (config.device.device == "auto"
+                                          and torch.cuda.is_available()):
+        return 2
+    from .cpu_dtype import NATIVE_BF16_FLAGS
+    from .host_cpu import cpu_identity
+
+    flags = cpu_identity()[1]
+    return 2 if not flags or any(flag in flags for flag in NATIVE_BF16_FLAGS) else 4
 
 
 def build_engine(config: EngineConfig) -> Engine:

@@ -99,6 +99,8 @@ def test_impossible_layout_exits_2(runner, tmp_path):
     ("strategy: {name: seesaw}\nparallel: {pp: 2, dp: 2}\n", ("parallel.dp", "seesaw")),
     ("strategy: {name: seesaw}\nparallel: {pp: 2}\nmemory: {enable_prefix_caching: true}\n",
      ("memory.enable_prefix_caching", "seesaw")),
+    ("memory: {kv_cache_memory: 8MiB}\nmodel: {dtype: float32}\n",
+     ("holds 176 tokens, less than max_model_len (8192)", "memory.kv_cache_memory")),
 ])
 def test_validate_and_dry_run_refuse_what_the_engine_would(runner, tmp_path, recipe, fragments):
     """The engine's refusals that the model's config decides (layout against heads and layers,
