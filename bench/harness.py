@@ -67,6 +67,18 @@ def _layout(recipe) -> str:
     return f"tp{p.tp} pp{p.pp} dp{p.dp}"
 
 
+def check_fresh_output(out_dir: Path) -> None:
+    """ConfigError where `out_dir` holds an earlier bench (its table or a run): every run starts
+    fresh, and the earlier results are not replaced. Called before anything is written."""
+    runs = out_dir / "runs"
+    held = [p for p in (out_dir / "bench.json", out_dir / "bench.md") if p.is_file()]
+    if runs.is_dir():
+        held += [d for d in sorted(runs.iterdir()) if d.is_dir() and any(d.iterdir())]
+    if held:
+        raise ConfigError(f"{out_dir} holds an earlier bench ({held[0]}); give another --output "
+                          "or remove it")
+
+
 def run_once(config: BenchConfig, workload: Path, run_dir: Path,
              env: Optional[dict] = None) -> dict:
     """One `batchinfer run` in a fresh process (env: its environment, default this one's) ->
@@ -109,11 +121,7 @@ def run_bench(configs: list[BenchConfig], workload: Path, out_dir: Path, repeats
     if baseline not in {c.name for c in configs}:
         raise ConfigError(f"--baseline {baseline!r} is not one of "
                           f"{', '.join(c.name for c in configs)}")
-    planned = [out_dir / "runs" / f"{c.name}-{rep}" for rep in range(repeats) for c in configs]
-    held = next((d for d in planned if d.is_dir() and any(d.iterdir())), None)
-    if held is not None:      # each run starts fresh: an earlier bench's results are not replaced
-        raise ConfigError(f"{held} already holds a run of an earlier bench into {out_dir}; "
-                          "give another --output (or remove that directory's runs/)")
+    check_fresh_output(out_dir)
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for rep in range(repeats):
         for config in (configs if rep % 2 == 0 else configs[::-1]):

@@ -20,7 +20,9 @@ Examples:
     batchinfer bench recipes/baseline.yaml recipes/tdpipe.yaml --synthetic sharegpt \\
         --num-requests 256 --repeats 3"""
 
-EPILOG = "Exit codes: 0 table written (a failed configuration is shown as failed), 2 bad arguments."
+EPILOG = ("Exit codes: 0 table written, every configuration ran; 1 table written, some "
+          "configuration finished no run (shown as failed, its errors in bench.json); 2 bad "
+          "arguments, or an --output that holds an earlier bench (nothing ran).")
 
 
 def bench(
@@ -48,7 +50,8 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from batchinfer.bench.harness import COLUMNS, parse_configs, run_bench, table_rows
+    from batchinfer.bench.harness import (COLUMNS, check_fresh_output, parse_configs, run_bench,
+                                          table_rows)
 
     if input is not None and synthetic is not None:
         raise fail("give one workload, --input FILE or --synthetic sharegpt|arxiv|fixed, not both")
@@ -58,6 +61,7 @@ def bench(
         raise fail(f"{input}: no such file")
     console = Console(stderr=True)
     with user_errors():
+        check_fresh_output(output)      # before vllm.yaml or a synthetic workload is written
         configs = parse_configs(recipes, output, vllm_python)
         workload = input or _synthetic(configs[0].recipe_path, synthetic, output, num_requests,
                                        seed, input_len, output_len)

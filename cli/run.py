@@ -34,7 +34,8 @@ def run(
                                 "already holds results (default). --no-resume refuses to touch one."),
     force_resume: bool = typer.Option(False, "--force-resume", help="Resume even where the "
                                       "input does not start with the bytes the run started "
-                                      "with, or the recipe's model differs (ids alone decide "
+                                      "with, or the recipe's model, sampling defaults or "
+                                      "prompt / id settings differ (ids alone decide "
                                       "what is skipped)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N input "
                                         "records (after sharding). A later run with a larger N "

@@ -164,11 +164,12 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
 def _check_explicit_kv(config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
     """The single-process build's refusal of a cache smaller than one sequence, made before any
     weight loads, in the most compact element the recipe allows (dtype auto may take bf16 where
-    the device has it): only a cache too small in every format is refused here. Layer groups and
-    layouts of several ranks (where some strategies size the cache their own way) are left to
-    the build."""
+    the device has it): only a cache too small in every format is refused here. Layer groups,
+    layouts of several ranks (where some strategies size the cache their own way) and another
+    engine (`external_engine`) are left to the build."""
     if (config.cache.kv_cache_memory is None or config.parallel.multiprocess
-            or any(getattr(arch, "layer_windows", None) or ())):
+            or any(getattr(arch, "layer_windows", None) or ())
+            or getattr(config.strategy, "external_engine", False)):
         return
     element = _smallest_kv_element(config)
     spec = KVCacheSpec.from_budget(int(config.cache.kv_cache_memory), arch.num_layers,

@@ -106,8 +106,10 @@ class Job:
             if finished and self._input_failure is not None:
                 log.error("%s", self._input_failure)
                 status, exit_code = "failed", EXIT_USAGE
-                message = (f"{self._input_failure}; the records before it are done: mend the "
-                           "file, then rerun to resume")
+                message = (f"{self._input_failure}; the records before it are done: mend that "
+                           "row in place (the rows' order kept) and rerun with --force-resume "
+                           "(ids then decide what is skipped), or run the mended file into "
+                           "another --output")
             elif finished:
                 status, exit_code = "completed", EXIT_OK
             else:

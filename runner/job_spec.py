@@ -33,7 +33,7 @@ class JobSpec:
     output_dir: Path
     recipe_path: Optional[str] = None
     resume: bool = True
-    force_resume: bool = False             # resume even with another input or model
+    force_resume: bool = False             # resume even with another input, model or settings
     limit: Optional[int] = None
     shard: Shard = field(default_factory=Shard)
     progress: str = "auto"                 # auto | bar | lines | off

@@ -9,9 +9,9 @@ resume needs the new input to start with exactly those bytes (lines may be appen
 or a larger --limit continues the run) and the recipe's model to be the one the results came from
 (its path and tokenizer compared by where they lead, which run.json records: a relative path and
 its absolute form, or a resume from another directory, are the same model), with the same
-sampling defaults and the same prompts made of each record (`io.chat_template`, the dataset
-columns read): two recipes of one file name share a default run directory, and the second would
-otherwise "complete" with the first one's replies.
+sampling defaults and the same prompts and ids made of each record (`io.chat_template`,
+`io.input_format`, the dataset columns read): two recipes of one file name share a default run
+directory, and the second would otherwise "complete" with the first one's replies.
 `--force-resume` accepts any of these changes (ids alone decide what is skipped, as before).
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .run_dir import RunDirError
 CHUNK = 1 << 20
 # the model settings that change what a request's reply is (others change how fast it comes)
 MODEL_IDENTITY = ("path", "load_format", "hf_overrides", "tokenizer", "quantization", "seed")
-# the io settings that change the prompt a record makes
-PROMPT_SETTINGS = ("chat_template", "prompt_field", "messages_field")
+# the io settings that change the prompt a record makes, or its id (then every record reruns)
+INPUT_SETTINGS = ("chat_template", "input_format", "prompt_field", "messages_field", "id_field")
 
 
 def fingerprint(path: Path, limit: Optional[int] = None) -> dict:
@@ -158,9 +158,9 @@ def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], 
 
 
 def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) -> None:
-    """RunDirError when the results were written with other sampling defaults, or prompts made
-    otherwise (PROMPT_SETTINGS), than `recipe` says: a resume would mix replies of two settings
-    in one outputs.jsonl."""
+    """RunDirError when the results were written with other sampling defaults, or prompts or
+    ids made otherwise (INPUT_SETTINGS), than `recipe` says: a resume would mix replies of two
+    settings in one outputs.jsonl (or, ids changed, run every record again beside them)."""
     if not old_recipe_yaml:
         return
     try:
@@ -171,7 +171,7 @@ def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) 
     defaults = yaml.safe_load(type(recipe)().to_yaml()) or {}
     keys = [("sampling", key) for key in sorted({*(old.get("sampling") or {}),
                                                  *(new.get("sampling") or {})})]
-    keys += [("io", key) for key in PROMPT_SETTINGS]
+    keys += [("io", key) for key in INPUT_SETTINGS]
 
     def value(recipe_dict: dict, section: str, key: str):
         return (recipe_dict.get(section) or {}).get(key, (defaults.get(section) or {}).get(key))

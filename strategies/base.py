@@ -46,6 +46,9 @@ class StrategyParams(BaseModel):
     # memory.preemption_mode: swap gets an area; False: it recomputes, and an automatic CPU KV
     # budget keeps the area's memory (kv_swap.swap_area_used)
     swaps_preempted: ClassVar[bool] = True
+    # True: another engine runs the job and sizes its KV cache its own way (the engine's
+    # preflight then leaves memory.kv_cache_memory to it)
+    external_engine: ClassVar[bool] = False
 
     def scheduler_config(self) -> SchedulerConfig:
         """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""

@@ -64,7 +64,7 @@ class RequestSpec:
 Parsed = Union[RequestSpec, InputError]
 
 
-def _type_name(value: Any) -> str:
+def json_type_name(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(value), type(value).__name__)
 
@@ -106,12 +106,12 @@ def _is_token_ids(prompt: Any) -> bool:
 def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
     """None if `messages` is a usable conversation, else what is wrong with it."""
     if not isinstance(messages, list):
-        return f"'{key}' must be an array of {{role, content}} objects, not {_type_name(messages)}"
+        return f"'{key}' must be an array of {{role, content}} objects, not {json_type_name(messages)}"
     if not messages:
         return f"'{key}' is empty"
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            return f"{key}[{i}] must be an object with role and content, not {_type_name(msg)}"
+            return f"{key}[{i}] must be an object with role and content, not {json_type_name(msg)}"
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not role:
             return f"{key}[{i}].role must be a non-empty string"
@@ -121,7 +121,7 @@ def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
                         and isinstance(part.get("text"), str)):
                     return f"{key}[{i}].content[{j}]: only {{type: text, text}} parts are supported"
         elif not isinstance(content, str):
-            return f"{key}[{i}].content must be a string or text parts, not {_type_name(content)}"
+            return f"{key}[{i}].content must be a string or text parts, not {json_type_name(content)}"
     return None
 
 
@@ -141,7 +141,7 @@ def _request_id(value: Any, line: int, fallback_prefix: str) -> Union[str, Input
         return f"{fallback_prefix}{line}"
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         return InputError(line, "invalid_type", f"'id' must be a string or an integer, not "
-                          f"{_type_name(value)}")
+                          f"{json_type_name(value)}")
     text = str(value)
     if not text:
         return InputError(line, "invalid_type", "'id' must not be empty")
@@ -151,7 +151,7 @@ def _request_id(value: Any, line: int, fallback_prefix: str) -> Union[str, Input
 def _metadata(value: Any, line: int, rid: Optional[str]) -> Union[dict, None, InputError]:
     if value is None or isinstance(value, dict):
         return value
-    return InputError(line, "invalid_type", f"'metadata' must be an object, not {_type_name(value)}",
+    return InputError(line, "invalid_type", f"'metadata' must be an object, not {json_type_name(value)}",
                       request_id=rid)
 
 
@@ -165,7 +165,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
         "messages": f"column '{columns[1]}' (io.messages_field)"}
     if not isinstance(record, dict):
         return InputError(line, "not_an_object", f"a request must be a JSON object, not "
-                          f"{_type_name(record)}")
+                          f"{json_type_name(record)}")
     rid = _request_id(record.get("id"), line, id_prefix)
     if isinstance(rid, InputError):
         return rid
@@ -188,7 +188,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
             spec.prompt = list(prompt)
         elif not isinstance(prompt, str):
             return err("invalid_type", f"{name['prompt']} must be a string or an array of "
-                       f"token ids, not {_type_name(prompt)}")
+                       f"token ids, not {json_type_name(prompt)}")
         elif not prompt:
             return err("empty_prompt", f"{name['prompt']} is empty")
         else:
@@ -216,7 +216,7 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     """An OpenAI Batch API input line."""
     if not isinstance(record, dict):
         return InputError(line, "not_an_object", f"a request must be a JSON object, not "
-                          f"{_type_name(record)}")
+                          f"{json_type_name(record)}")
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return InputError(line, "invalid_custom_id", "an OpenAI batch line needs 'custom_id', a "
@@ -239,7 +239,7 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
                    f"{', '.join(OPENAI_URLS)}")
     body = record.get("body")
     if not isinstance(body, dict):
-        return err("invalid_body", f"'body' must be an object, not {_type_name(body)}")
+        return err("invalid_body", f"'body' must be an object, not {json_type_name(body)}")
     chat = OPENAI_URLS[url] == "chat"
     input_key = "messages" if chat else "prompt"
     spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,

@@ -3,19 +3,21 @@
 Nothing here holds the file in memory but a JSON array: JSONL is read line by line with a byte
 limit per line (a longer line is skipped to its newline and reported, never loaded), parquet,
 arrow and CSV files are iterated through `datasets` in streaming mode, and a JSON array is parsed
-whole by the standard library (as `datasets` would load it; its values keep their types). Every record keeps its 1-based line (or row) number, and a
-shard (Slurm task) takes the records whose number falls on it.
+whole by the standard library (as `datasets` would load it; its values keep their types). Every
+record keeps its 1-based line (or row) number, and a shard (Slurm task) takes the records whose
+number falls on it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..id_set import IdSet
-from .input_records import (InputError, Parsed, RequestSpec, parse_dataset_row, parse_openai,
-                            parse_plain_or_chat)
+from .input_records import (InputError, Parsed, RequestSpec, json_type_name, parse_dataset_row,
+                            parse_openai, parse_plain_or_chat)
 from ..recipe import IOConfig
 from batchinfer.engine.request import SamplingParams
 
@@ -125,7 +127,7 @@ def detect_format(path: Path, io: IOConfig) -> str:
     if suffix == ".json":
         with open(path, "rb") as fh:
             head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-        # a JSON array goes to datasets; one object per line is JSONL with per-line errors
+        # a JSON array is a dataset (iter_json_rows); one object per line is JSONL
         return "json" if head.startswith(b"[") else sniff_jsonl(path, io.max_line_bytes)
     if suffix in DATASET_FORMATS:
         return DATASET_FORMATS[suffix]
@@ -238,7 +240,8 @@ class InputReader:
         if self.format in ("parquet", "arrow", "csv"):
             # an empty, corrupt or (CSV) malformed file fails here, before a model loads: the
             # reader parses its first chunk (a CSV row past it fails the job part way, exit 2)
-            next(iter_dataset_rows(self.path, self.format), None)
+            with contextlib.closing(iter_dataset_rows(self.path, self.format)) as probe:
+                next(probe, None)
         self.limit = limit
         self.seen = IdSet()
         self.records_read = 0
@@ -270,7 +273,7 @@ class InputReader:
                     yield row
                 elif not isinstance(row, dict):
                     yield InputError(number, "not_an_object", "a request must be a JSON object, "
-                                     f"not {type(row).__name__}")
+                                     f"not {json_type_name(row)}")
                 else:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                             io.messages_field, io.id_field, io.metadata_fields)
@@ -285,7 +288,8 @@ class InputReader:
         if self.format != "jsonl" or not named:
             return ""
         return (f" (the recipe's {', '.join(named)} apply to dataset files; to read JSON Lines "
-                "by those columns set io.input_format: json)")
+                "by those columns set io.input_format: json and run into a new --output, where "
+                "each line is a row: those columns alone are read)")
 
     def _id_key(self) -> str:
         """What this format calls a request's id, as messages name it."""

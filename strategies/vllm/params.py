@@ -42,6 +42,7 @@ class VllmParams(StrategyParams):
     name: Literal["vllm"] = "vllm"
     simulated: ClassVar[bool] = False      # vLLM's scheduler is not ours to simulate
     swaps_preempted: ClassVar[bool] = False     # vLLM's own preemption
+    external_engine: ClassVar[bool] = True      # vLLM sizes its own KV cache
     python: Optional[str] = Field(None, description="Python interpreter with vLLM installed "
                                   "(a vLLM in its own venv); default: this one")
     max_num_seqs: int = Field(256, ge=1, description="vLLM's max_num_seqs")

@@ -132,8 +132,11 @@ def test_a_second_bench_into_the_same_output_is_refused_and_a_failed_one_exits_1
     configs = [BenchConfig("ok", Path("ok.yaml"), "baseline", "tp1 pp1 dp1")]
     run_bench(configs, tmp_path / "w.jsonl", tmp_path / "out", repeats=1, runner=runner)
     table = (tmp_path / "out" / "bench.json").read_text()
-    with pytest.raises(ConfigError, match="ok-0 already holds a run of an earlier bench"):
+    with pytest.raises(ConfigError, match="holds an earlier bench"):
         run_bench(configs, tmp_path / "w.jsonl", tmp_path / "out", repeats=1, runner=runner)
+    other = [BenchConfig("renamed", Path("ok.yaml"), "baseline", "tp1 pp1 dp1")]
+    with pytest.raises(ConfigError, match="holds an earlier bench"):    # other names alike
+        run_bench(other, tmp_path / "w.jsonl", tmp_path / "out", repeats=1, runner=runner)
     assert (tmp_path / "out" / "bench.json").read_text() == table
 
     real = harness.run_bench

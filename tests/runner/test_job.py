@@ -314,6 +314,10 @@ def test_resume_needs_the_inputs_first_bytes_and_the_same_model(tmp_path, tiny_r
         update={"chat_template": "never"})})
     with pytest.raises(RunDirError, match=r"io\.chat_template: 'auto' -> 'never'"):
         run(templated, path, out, shared_engine)
+    renamed_ids = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
+        update={"id_field": "uid"})})             # every record's id would change
+    with pytest.raises(RunDirError, match=r"io\.id_field: 'id' -> 'uid'"):
+        run(renamed_ids, path, out, shared_engine)
     assert {name: (out / name).read_bytes() for name in before} == before
 
     grown = write_jsonl(tmp_path / "grown.jsonl", first + [{"prompt": "One more?"}])
@@ -433,7 +437,7 @@ def test_an_input_file_that_breaks_part_way_keeps_what_ran_and_exits_2(tmp_path,
     monkeypatch.setattr(inputs, "iter_dataset_rows", breaks_after_two)
     outcome = run(tiny_recipe, path, tmp_path / "out", shared_engine)
     assert outcome.status == "failed" and outcome.exit_code == EXIT_USAGE
-    assert "mend the file, then rerun to resume" in outcome.message
+    assert "rerun with --force-resume" in outcome.message
     assert sorted(r["id"] for r in read_jsonl(tmp_path / "out" / "outputs.jsonl")) == ["r0", "r1"]
     empty = tmp_path / "empty.csv"
     empty.write_text("")
