@@ -439,7 +439,13 @@ def test_an_input_file_that_breaks_part_way_keeps_what_ran_and_exits_2(tmp_path,
     assert outcome.status == "failed" and outcome.exit_code == EXIT_USAGE
     assert "rerun with --force-resume" in outcome.message
     assert sorted(r["id"] for r in read_jsonl(tmp_path / "out" / "outputs.jsonl")) == ["r0", "r1"]
+    monkeypatch.setattr(inputs, "iter_dataset_rows", real)
     empty = tmp_path / "empty.csv"
     empty.write_text("")
     with pytest.raises(InputFileError, match="empty.csv: cannot read it as csv"):
         run(tiny_recipe, empty, tmp_path / "out2", shared_engine)
+    malformed = tmp_path / "malformed.csv"            # within the reader's first chunk
+    malformed.write_text("id,prompt\nr0,Hi\nbad,too,many,fields\nr1,Yo\n")
+    with pytest.raises(InputFileError, match=r"malformed.csv: cannot read it as csv \(.*line 3"):
+        run(tiny_recipe, malformed, tmp_path / "out3", shared_engine)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
