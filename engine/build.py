@@ -154,6 +154,7 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
     memory.kv_cache_memory that cannot hold one max_model_len sequence."""
     from .runtime.layout import ParallelLayout
 
+    resolve_device(config.device.device)        # cuda asked for where torch sees none
     ParallelLayout.resolve(config.parallel, arch)
     if config.strategy is not None:
         config.strategy.check_config(config, arch)

@@ -37,6 +37,17 @@ class AutoResolution:
     record: dict         # what report.json keeps: the choice, every alternative, the inputs
 
 
+def check_costs_name(costs: str, key: str) -> None:
+    """ConfigError naming `key` where `costs` is neither measured, a preset nor a file (what
+    `batchinfer validate` can tell before any model loads)."""
+    from .hardware import PRESETS
+
+    if costs != "measured" and costs.lower() not in PRESETS and not Path(costs).is_file():
+        raise ConfigError(f"{key}: {costs!r} is neither measured, a hardware preset nor a profile "
+                          f"table file; allowed: measured, a path to a profile_table.json (from "
+                          f"`batchinfer profile`), or one of {', '.join(sorted(PRESETS))}")
+
+
 def cost_setup(costs: str, key: str, recipe, model, ranks: int) -> CostSetup:
     """measured | a profile table (.json / .csv) | a hardware preset -> the simulator's costs."""
     from .hardware import PRESETS
@@ -47,11 +58,8 @@ def cost_setup(costs: str, key: str, recipe, model, ranks: int) -> CostSetup:
                               ranks, lambda *args: None)
     if costs.lower() in PRESETS:
         return preset_setup(model, costs.lower(), ranks, None)
+    check_costs_name(costs, key)
     path = Path(costs)
-    if not path.is_file():
-        raise ConfigError(f"{key}: {costs!r} is neither measured, a hardware preset nor a profile "
-                          f"table file; allowed: measured, a path to a profile_table.json (from "
-                          f"`batchinfer profile`), or one of {', '.join(sorted(PRESETS))}")
     try:
         return measured_setup(recipe, model, path, Path("."), ranks, lambda *args: None)
     except (ValueError, KeyError, OSError) as exc:

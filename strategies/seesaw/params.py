@@ -86,6 +86,10 @@ class SeesawParams(StrategyParams):
 
         check_no_prefix_caching(config)
         check_one_replica(config.parallel)
+        if self.auto_keys():                 # the costs the auto layout is simulated with
+            from batchinfer.sim.auto_settings import check_costs_name
+
+            check_costs_name(self.layout_costs, "strategy.layout_costs")
 
     def auto_keys(self) -> list[str]:
         keys = [k for k in ("decode_tp", "decode_pp") if getattr(self, k) == AUTO]

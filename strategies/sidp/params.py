@@ -65,6 +65,14 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         from .build import check_sidp_layout
 
         check_sidp_layout(config.parallel)
+        from batchinfer.engine.errors import ConfigError
+
+        from .ownership import resolve_owners
+
+        try:
+            resolve_owners(self.owners, arch.num_layers, config.parallel.dp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
     @classmethod

@@ -90,6 +90,17 @@ class TDPipeParams(StrategyParams):
     def reads_length_forecasts(self) -> bool:
         return self.greedy_prefill     # Approach 1 is the one that reads the predictor
 
+    def check_config(self, config, arch) -> None:
+        """A step-time table to load that is not one (prepare would refuse it after the
+        model loads)."""
+        if self.step_times:
+            from batchinfer.engine.errors import ConfigError
+
+            try:
+                StepTimes.load(self.step_times)
+            except ConfigError as exc:
+                raise ConfigError(f"strategy.step_times: {exc}") from None
+
     def make_scheduler(self, block_manager: BlockManager, max_model_len: int,
                        pipeline_depth: int):
         from .scheduler import TDPipeScheduler

@@ -60,6 +60,9 @@ class VllmParams(StrategyParams):
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
         raise NotImplementedError("vllm schedules inside vLLM")
 
+    def check_config(self, config, arch) -> None:
+        vllm_python(self)           # an interpreter that has vLLM (else what to install)
+
     def build_engine(self, config: EngineConfig):
         from .engine import VllmEngine
 

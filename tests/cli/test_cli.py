@@ -101,6 +101,18 @@ def test_impossible_layout_exits_2(runner, tmp_path):
      ("memory.enable_prefix_caching", "seesaw")),
     ("memory: {kv_cache_memory: 8MiB}\nmodel: {dtype: float32}\n",
      ("holds 176 tokens, less than max_model_len (8192)", "memory.kv_cache_memory")),
+    ("strategy: {name: tdpipe, step_times: /nonexistent/steps.json}\nparallel: {pp: 2}\n",
+     ("strategy.step_times", "not a step-time table")),
+    ("strategy: {name: sidp, owners: [0, 1, 5]}\nparallel: {dp: 2}\n",
+     ("strategy.owners lists 3 layers; the model has 30",)),
+    ("strategy: {name: seesaw, layout_costs: h999}\nparallel: {pp: 3}\n",
+     ("strategy.layout_costs", "'h999' is neither measured")),
+    pytest.param("strategy: {name: vllm}\n", ("strategy vllm needs vLLM",),
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm")
+                                          is not None, reason="vLLM is installed here")),
+    pytest.param("device: {device: cuda}\n", ("device: cuda", "no CUDA device"),
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                          reason="a CUDA device is here")),
 ])
 def test_validate_and_dry_run_refuse_what_the_engine_would(runner, tmp_path, recipe, fragments):
     """The engine's refusals that the model's config decides (layout against heads and layers,
