@@ -350,6 +350,7 @@ class Job:
                                   ("request_error", (follower.payload, follower.request_id, exc)))
             return False
         self.metrics.on_admit(self.clock())
+        self._progress.begin()              # its rates count from here, as generation_s does
         return True
 
     def _request_error(self, spec: RequestSpec, order: int, exc: RequestError) -> None:

@@ -47,6 +47,7 @@ class Progress:
         self.total = total
         self.interval_s = interval_s
         self.start = time.monotonic()
+        self._begun = False
         self.base = already_done
         self.done = already_done
         self.failed = 0
@@ -74,6 +75,14 @@ class Progress:
         self._task = self._bar.add_task("run", total=self.total, completed=self.done,
                                         errors=0, tps="0.0")
         self._bar.start()
+
+    def begin(self) -> None:
+        """The first request reached the engine: rates count from here, as the report's
+        generation time does (reading and forecasting the first batch are setup), so the last
+        line and the summary after it give one figure."""
+        if not self._begun:
+            self._begun = True
+            self.start = time.monotonic()
 
     def rate(self) -> float:
         elapsed = time.monotonic() - self.start

@@ -250,6 +250,25 @@ def test_a_broken_line_says_where_once(tmp_path):
     assert item.message == "not valid JSON: Unterminated string starting at (column 23)"
 
 
+def test_progress_rates_count_from_the_first_request(monkeypatch):
+    """Setup before the first request (reading, forecasting) is not generation: the last line's
+    rate is the summary's, where it read 24.6 against 101.3 tok/s for one run."""
+    import io
+
+    from batchinfer.runner import progress as progress_module
+
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    progress = progress_module.Progress(4, mode="lines", stream=io.StringIO(), interval_s=1e9)
+    now[0] = 103.0                   # three seconds of setup
+    progress.begin()
+    now[0] = 104.0
+    progress.begin()                 # only the first request starts the clock
+    now[0] = 105.0
+    progress.update(4, 0, 200)
+    assert progress.rate() == 100.0  # 200 tokens over the 2 s since the first request
+
+
 def test_the_last_progress_line_says_how_the_job_ended():
     import io
 
