@@ -277,7 +277,7 @@ def pooled_states(model: BertLengthClassifier, tokens: Tokenized, batch_size: in
     for index in tokens.sorted_batches(batch_size, token_budget(device)):
         ids, mask = tokens.batch(index, device)
         out[torch.as_tensor(index)] = model.pooled(ids, mask).float().cpu()
-    return out if len(tokens) == len(inverse) else out[torch.from_numpy(inverse)]
+    return out[torch.from_numpy(inverse)]
 
 
 @torch.inference_mode()

@@ -52,27 +52,33 @@ class RawLine:
 def iter_jsonl(path: Path, max_line_bytes: int, shard: Shard = Shard()) -> Iterator[RawLine]:
     """Non-blank lines of a JSONL file, parsed; undecodable lines come back with an error."""
     with open(path, "rb") as fh:
-        number = 0
-        while True:
-            raw = fh.readline(max_line_bytes + 1)
-            if not raw:
-                return
-            number += 1
-            too_long = len(raw) > max_line_bytes and not raw.endswith(b"\n")
-            if too_long:
-                size = len(raw) + _skip_to_newline(fh)
+        for number, raw, size in _raw_lines(fh, max_line_bytes):
             if not shard.takes(number):
                 continue
-            if too_long:
+            if size:
                 yield RawLine(number, error=InputError(
                     number, "line_too_long", f"the line has {size} bytes; io.max_line_bytes is "
                     f"{max_line_bytes}"))
-                continue
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            if not raw.strip():
-                continue
-            yield _decode_line(raw, number)
+            elif raw.strip():
+                yield _decode_line(raw, number)
+
+
+def _raw_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes, int]]:
+    """(1-based number, the line's bytes (the first line's BOM removed), 0), or for a line longer
+    than `max_line_bytes` (number, b"", its size): such a line is skipped to its newline, never
+    held. What the reader yields and what the record count counts, read alike."""
+    number = 0
+    while True:
+        raw = fh.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            yield number, b"", len(raw) + _skip_to_newline(fh)
+            continue
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        yield number, raw, 0
 
 
 def _skip_to_newline(fh) -> int:
@@ -180,10 +186,12 @@ def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[
         raise
 
 
-def count_records(path: Path, fmt: str, shard: Shard = Shard()) -> Optional[int]:
-    """How many records the shard will see (lines, or rows), or None if that is costly to know."""
+def count_records(path: Path, fmt: str, shard: Shard = Shard(),
+                  max_line_bytes: int = 4 << 20) -> Optional[int]:
+    """How many records the shard will see (lines, or rows), or None if that is costly to know
+    (`max_line_bytes`: io.max_line_bytes, past which a line is one error record)."""
     if fmt in ("jsonl", "openai"):
-        return _count_jsonl_records(path, shard)
+        return _count_jsonl_records(path, shard, max_line_bytes)
     if fmt == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -196,26 +204,12 @@ def count_records(path: Path, fmt: str, shard: Shard = Shard()) -> Optional[int]
     return len(range(shard.index, lines, shard.count))
 
 
-def _count_jsonl_records(path: Path, shard: Shard) -> int:
+def _count_jsonl_records(path: Path, shard: Shard, max_line_bytes: int) -> int:
     """The lines iter_jsonl yields for the shard: every line but blank ones (a blank line is no
-    record, so a finished job has nothing remaining), read a megabyte at a time."""
-    count = number = 0
+    record, so a finished job has nothing remaining)."""
     with open(path, "rb") as fh:
-        while True:
-            raw = fh.readline(1 << 20)
-            if not raw:
-                return count
-            number += 1
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            content = bool(raw.strip())
-            while not raw.endswith(b"\n"):             # the rest of a long line
-                raw = fh.readline(1 << 20)
-                if not raw:
-                    break
-                content = content or bool(raw.strip())
-            if content and shard.takes(number):
-                count += 1
+        return sum(1 for number, raw, size in _raw_lines(fh, max_line_bytes)
+                   if shard.takes(number) and (size or raw.strip()))
 
 
 # --- records -> specs -----------------------------------------------------------------------------
@@ -248,7 +242,7 @@ class InputReader:
         self.skipped_done = 0
 
     def total(self) -> Optional[int]:
-        total = count_records(self.path, self.format, self.shard)
+        total = count_records(self.path, self.format, self.shard, self.io.max_line_bytes)
         if total is not None and self.limit is not None:
             total = min(total, self.limit)
         return total
