@@ -167,8 +167,8 @@ def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) 
         old = yaml.safe_load(old_recipe_yaml) or {}
     except yaml.YAMLError:
         return
-    new = yaml.safe_load(recipe.to_yaml()) or {}
-    defaults = yaml.safe_load(type(recipe)().to_yaml()) or {}
+    new = recipe.model_dump(mode="json")             # what recipe.to_yaml() writes
+    defaults = type(recipe)().model_dump(mode="json")
     keys = [("sampling", key) for key in sorted({*(old.get("sampling") or {}),
                                                  *(new.get("sampling") or {})})]
     keys += [("io", key) for key in INPUT_SETTINGS]
