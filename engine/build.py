@@ -152,10 +152,11 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
     weights (`batchinfer validate`, `run --dry-run`): the parallel layout against the model's
     heads and layers, the strategy's own refusals (StrategyParams.check_config), and an explicit
     memory.kv_cache_memory that cannot hold one max_model_len sequence."""
-    from .runtime.layout import ParallelLayout
+    from .runtime.layout import ParallelLayout, check_gpu_count
 
-    resolve_device(config.device.device)        # cuda asked for where torch sees none
-    ParallelLayout.resolve(config.parallel, arch)
+    device = resolve_device(config.device.device)   # cuda asked for where torch sees none
+    layout = ParallelLayout.resolve(config.parallel, arch)
+    check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
         config.strategy.check_config(config, arch)
     if max_model_len is not None:

@@ -180,6 +180,11 @@ class ParallelConfig(_Strict):
                                   "per-transfer metadata) or metadata (a metadata message "
                                   "before each transfer and a blocking receive, as vLLM's "
                                   "send_tensor_dict)")
+    gpu_transport: Literal["nccl", "host"] = Field(
+        "nccl", description="how ranks on CUDA exchange tensors: NCCL, one GPU per rank; or host "
+                            "(gloo through pinned host memory), which lets several ranks share "
+                            "a GPU (slower: a test and small-GPU configuration). CPU ranks use "
+                            "gloo either way")
     threads_per_rank: Optional[int] = Field(
         None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
     step_timeout_seconds: float = Field(

@@ -11,6 +11,7 @@
 #                                            # there (with .gpu carried): installs into /tmp/site,
 #                                            # then the parts (default all): `tests`
 #                                            # (tests/engine/test_cuda_paths.py,
+#                                            # test_gpu_transport.py (issue 40 item 4),
 #                                            # test_cuda_families.py, the Triton kernels'
 #                                            # tests), `wdecode` (W-decode at
 #                                            # 128/256/512 with CUDA graphs and eagerly, SmolLM2's
@@ -91,6 +92,7 @@ run() {
         BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py tests/engine/test_host_to_device.py \
             tests/engine/test_cuda_families.py tests/kernels/test_triton_attention.py \
             tests/kernels/test_triton_moe.py tests/strategies/test_seesaw_cuda.py \
+            tests/engine/test_gpu_transport.py \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" -k "${CUDA_TESTS_K:-not engine_gives}" \
             2>&1 | tee "$out/cuda_tests.log" || true
     fi

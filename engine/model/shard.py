@@ -165,21 +165,18 @@ class TensorParallelGroup:
         if self.shm is not None and self.shm.accepts(t):
             return self.shm.all_reduce(t)
         if self.group is not None:
-            import torch.distributed as dist
+            from ..runtime import transport
 
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            transport.all_reduce(t, group=self.group)
         return t
 
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank 0's block first."""
         if self.group is None:
             return t
-        import torch.distributed as dist
+        from ..runtime import transport
 
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(transport.all_gather(t.contiguous(), group=self.group), dim=-1)
 
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size})"

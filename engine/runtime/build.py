@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (_max_model_len, check_weights_fit, kv_budget, kv_element_bytes,
+from ..build import (_max_model_len, activation_headroom, check_weights_fit, kv_budget,
+                     kv_element_bytes,
                      moe_kernel_label, resolve_device, resolve_dtype, resolve_kv_dtype,
                      use_triton_experts_for)
 from ..config import EngineConfig
@@ -29,8 +30,9 @@ from ..model.loader import load_arch
 from ..model.sources import model_id_for, resolve_model_dir
 from ..tokenizer import load_tokenizer
 from .executor import PipelineExecutor
-from .layout import ParallelLayout, threads_per_rank
+from .layout import ParallelLayout, check_gpu_count, ranks_per_device, threads_per_rank
 from .pool import WorkerPool, start_fork_server
+from . import transport
 from .shm_allreduce import group_buffers, resolve_mode
 from .worker_extension import WorkerExtension
 from .worker import WorkerSpec, worker_main
@@ -52,14 +54,22 @@ def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, devic
                        dtype_bytes: int, available: Optional[int] = None,
                        groups: Optional[KVGroupLayout] = None) -> int:
     """KV bytes of one rank: cache.kv_cache_memory, or auto (the host's budget split between the
-    ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA).
+    ranks on CPU; a GPU's free memory less the rank's share of the weights on CUDA, split between
+    the ranks that share the GPU under gpu_transport: host).
     available, groups: as kv_budget's."""
     if config.cache.kv_cache_memory is not None:
         return int(config.cache.kv_cache_memory)
     total = kv_budget(config, arch, device, dtype_bytes, available, groups)
     if device.type == "cpu":
         return total // layout.world_size
-    return total - arch.num_params() * dtype_bytes // layout.ranks_per_replica
+    weights = arch.num_params() * dtype_bytes // layout.ranks_per_replica
+    sharing = ranks_per_device(config.parallel, device.type, layout.world_size)
+    if sharing == 1:
+        return total - weights
+    # kv_budget took one forward's working memory off the GPU; each rank on it needs its own
+    headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_num_seqs, dtype_bytes)
+    return (total + headroom) // sharing - headroom - weights
 
 
 def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int,
@@ -113,12 +123,6 @@ def model_setup(config: EngineConfig) -> ModelSetup:
                       use_triton_experts_for(config.device.moe_kernel, device, arch))
 
 
-def check_gpus(setup: ModelSetup, world_size: int) -> None:
-    if setup.device.type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ConfigError(f"parallel: {world_size} ranks need {world_size} GPUs; "
-                          f"torch sees {torch.cuda.device_count()}")
-
-
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int,
                    groups: Optional[KVGroupLayout] = None,
                    step: tuple[int, str] = (1, "decoding")) -> None:
@@ -154,6 +158,11 @@ def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[
         elif config.parallel.stage_transport == "metadata":
             ext.structure_aware = False
     return out
+
+
+def staged_transport(config: EngineConfig, device_type: str) -> bool:
+    """Whether the workers' CUDA tensors travel through host memory (transport.py)."""
+    return device_type == "cuda" and config.parallel.gpu_transport == "host"
 
 
 def replica_swap_blocks(config: EngineConfig, layout: ParallelLayout, setup: ModelSetup) -> int:
@@ -194,7 +203,8 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
         quantization=setup.quantization, triton_experts=setup.triton_experts,
-        swap_blocks=replica_swap_blocks(config, layout, setup), **extra,
+        swap_blocks=replica_swap_blocks(config, layout, setup),
+        staged_transport=staged_transport(config, setup.device.type), **extra,
         **rank_extra[r])
         for r in range(layout.world_size)]
     infos = layout.ranks()
@@ -229,7 +239,10 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,
-                     "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce)},
+                     "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce,
+                                                   staged_transport(config, setup.device.type)),
+                     "gpu_transport": transport.describe(setup.device.type,
+                                                         staged_transport(config, setup.device.type))},
     }
     if kv_groups is not None:
         info["kv_window"] = max(kv_groups.windows)
@@ -254,7 +267,7 @@ def plan_parallel(config: EngineConfig) -> ParallelPlan:
     start_fork_server()
     setup = model_setup(config)
     layout = ParallelLayout.resolve(config.parallel, setup.arch)
-    check_gpus(setup, layout.world_size)
+    check_gpu_count(config.parallel, setup.device.type, layout.world_size)
     groups = groups_for(config, setup.arch, setup.max_model_len, layout.stage_ranges())
     num_blocks = num_kv_blocks(config, layout, setup.arch, setup.device, setup.dtype_bytes,
                                groups=groups)

@@ -162,3 +162,35 @@ def threads_per_rank(config: ParallelConfig, world_size: int, num_threads: Optio
         return config.threads_per_rank
     cores = compute_threads(num_threads)
     return max(1, cores // world_size)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpu_count(config: ParallelConfig, device_type: str, world_size: int,
+                    visible: Optional[int] = None) -> None:
+    """NCCL runs one rank per GPU: a CUDA layout of more ranks than visible GPUs is refused
+    before anything loads, unless `gpu_transport: host` lets ranks share them."""
+    if device_type != "cuda" or world_size < 2 or config.gpu_transport == "host":
+        return
+    visible = visible_gpus() if visible is None else visible
+    if visible < world_size:
+        raise ConfigError(
+            f"parallel: tp={config.tp} x pp={config.pp} x dp={config.dp} is {world_size} ranks, "
+            f"one GPU each over NCCL, and torch sees {visible} GPU{'s' if visible != 1 else ''}; "
+            "lower tp / pp / dp, or set parallel.gpu_transport: host to run several ranks on a "
+            "GPU (through host memory: slower)")
+
+
+def ranks_per_device(config: ParallelConfig, device_type: str, world_size: int,
+                     visible: Optional[int] = None) -> int:
+    """How many ranks share each GPU (rank r runs on GPU r mod visible): 1 but under
+    gpu_transport: host with fewer GPUs than ranks. 1 on CPU (there the host's memory is split
+    between all ranks)."""
+    if device_type != "cuda" or config.gpu_transport != "host":
+        return 1
+    visible = visible_gpus() if visible is None else visible
+    return -(-world_size // max(visible, 1))

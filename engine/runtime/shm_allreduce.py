@@ -18,13 +18,14 @@ SLOT_FLOATS = 1 << 20   # 4 MiB per rank per set: larger tensors go through in c
 COUNTER_FLOATS = 16     # one int64 counter per 64-byte line (kernels/shm_allreduce.cpp)
 
 
-def resolve_mode(device: str, requested: str) -> str:
-    """What TP all-reduces go through: nccl on CUDA; on CPU `requested` (shm or gloo), gloo where
-    the native kernels did not build."""
+def resolve_mode(device: str, requested: str, staged: bool = False) -> str:
+    """What TP all-reduces go through: nccl on CUDA (gloo over host copies with
+    gpu_transport: host); on CPU `requested` (shm or gloo), gloo where the native kernels did
+    not build."""
     from ..kernels import load_native_kernels
 
     if device != "cpu":
-        return "nccl"
+        return "gloo" if staged else "nccl"
     return "shm" if requested == "shm" and load_native_kernels() else "gloo"
 
 

@@ -24,7 +24,8 @@ import pickle
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from . import transport
 
 MAX_TENSORS = 14           # tag slots per micro-batch: size, blob, then the tensors
 _SLOTS = MAX_TENSORS + 2
@@ -91,7 +92,7 @@ class StageSender:
         self._check(tensors)
         works = []
         for slot, t in enumerate(tensors.values(), start=2):
-            works.append(_InFlight(dist.isend(t, dst=self.peer, tag=_tag(mb_id, slot)), t))
+            works.append(_InFlight(transport.isend(t, dst=self.peer, tag=_tag(mb_id, slot)), t))
             self.counters.add_tensor(t)
         self.transfers += 1
         return works
@@ -118,12 +119,12 @@ class StageSender:
         meta = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self.device)
         size = torch.tensor([blob.numel()], dtype=torch.int64, device=self.device)
-        dist.send(size, dst=self.peer, tag=_tag(mb_id, 0))
-        dist.send(blob, dst=self.peer, tag=_tag(mb_id, 1))
+        transport.send(size, dst=self.peer, tag=_tag(mb_id, 0))
+        transport.send(blob, dst=self.peer, tag=_tag(mb_id, 1))
         self.counters.metadata_messages += 2
         self.counters.bytes += size.numel() * 8 + blob.numel()
         for slot, t in enumerate(tensors.values(), start=2):
-            dist.send(t, dst=self.peer, tag=_tag(mb_id, slot))
+            transport.send(t, dst=self.peer, tag=_tag(mb_id, slot))
             self.counters.add_tensor(t)
         self.transfers += 1
 
@@ -144,7 +145,7 @@ class PendingReceive:
         self.tensors = {}
         for slot, (key, dtype, dims) in enumerate(structure, start=2):
             t = torch.empty((self.num_tokens, *dims), dtype=dtype, device=r.device)
-            self.works.append(dist.irecv(t, src=r.peer, tag=_tag(self.mb_id, slot)))
+            self.works.append(transport.irecv(t, src=r.peer, tag=_tag(self.mb_id, slot)))
             self.tensors[key] = t
             r.counters.add_tensor(t)
         self.mode = "posted"
@@ -189,16 +190,16 @@ class StageReceiver:
 
     def _recv_full(self, handle: PendingReceive) -> dict[str, torch.Tensor]:
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, src=self.peer, tag=_tag(handle.mb_id, 0))
+        transport.recv(size, src=self.peer, tag=_tag(handle.mb_id, 0))
         blob = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(blob, src=self.peer, tag=_tag(handle.mb_id, 1))
+        transport.recv(blob, src=self.peer, tag=_tag(handle.mb_id, 1))
         self.counters.metadata_messages += 2
         self.counters.bytes += 8 + blob.numel()
         meta = pickle.loads(blob.cpu().numpy().tobytes())
         tensors = {}
         for slot, (key, dtype, shape) in enumerate(meta, start=2):
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(t, src=self.peer, tag=_tag(handle.mb_id, slot))
+            transport.recv(t, src=self.peer, tag=_tag(handle.mb_id, slot))
             tensors[key] = t
             self.counters.add_tensor(t)
         if self.structure_aware and self.structure is None:

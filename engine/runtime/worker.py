@@ -31,6 +31,7 @@ import torch
 
 from ..kv_swap import SwapArea
 from .input_prep import TokenSafeInputs, VersionedInputs
+from . import transport
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
 
@@ -65,6 +66,8 @@ class WorkerSpec:
     quantization: Optional[object] = None  # int8_linear.LinearQuantization (model.quantization)
     triton_experts: bool = False  # a mixture of experts on CUDA: triton_moe's grouped kernels
     swap_blocks: int = 0        # the swap area's blocks (memory.preemption_mode: swap)
+    staged_transport: bool = False  # parallel.gpu_transport: host (transport.py; on a CPU
+                                    # device, tests only: every tensor through a host copy)
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -170,7 +173,8 @@ class Worker:
             self.device = torch.device("cpu")
         store = dist.TCPStore("127.0.0.1", spec.store_port, None, False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
-        dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", store=store,
+        transport.configure(spec.staged_transport, stage_cpu_tensors=spec.device == "cpu")
+        dist.init_process_group(transport.backend(spec.device, spec.staged_transport), store=store,
                                 rank=spec.rank, world_size=layout.world_size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
         dtype = getattr(torch, spec.dtype)

@@ -11,10 +11,10 @@ from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.kv_groups import (KVGroupLayout, cheapest_layout, groups_for,
                                          layout_candidates, make_block_manager, step_tokens)
-from batchinfer.engine.runtime.build import (check_capacity, check_gpus, engine_info, model_setup,
+from batchinfer.engine.runtime.build import (check_capacity, engine_info, model_setup,
                                              per_rank_kv_budget, rank_bytes_per_block,
                                              start_workers)
-from batchinfer.engine.runtime.layout import ParallelLayout, threads_per_rank
+from batchinfer.engine.runtime.layout import ParallelLayout, check_gpu_count, threads_per_rank
 from .auto_layout import AUTO, allowed_decode, check_one_replica, decode_split
 from .scheduler import DECODE, PREFILL, SeesawScheduler
 
@@ -166,7 +166,7 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     arch, block_size = setup.arch, config.cache.block_size
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
-    check_gpus(setup, prefill.world_size)
+    check_gpu_count(config.parallel, setup.device.type, prefill.world_size)
     per_rank = per_rank_kv_budget(config, prefill, arch, setup.device, setup.dtype_bytes)
     kv_bytes = setup.kv_dtype.itemsize
     groups = seesaw_groups(config, arch, layouts, setup.max_model_len)

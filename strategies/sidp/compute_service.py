@@ -8,7 +8,8 @@ of them, `rows` saying how many tokens each brings; 0: a dummy that brings nothi
 - a dummy replica runs no model: it only serves the layers it owns, and only to replicas that
   bring rows (dummy skipping: no transfer, no compute for work that is not there).
 All receives of a round are posted when it begins, so transfers overlap the layers before them.
-Transfers go through torch.distributed point-to-point (gloo on CPU), tagged with the layer.
+Transfers go through the runtime's point-to-point messages (engine/runtime/transport.py: gloo
+on CPU), tagged with the layer.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from batchinfer.engine.runtime import transport
 
 from .ffn_store import FFNStore, linear
 
@@ -85,7 +87,7 @@ class ComputeService:
         if owner == self.replica:
             return self._serve(layer, x, ops)
         x = x.contiguous()
-        send = dist.isend(x, owner, tag=layer)
+        send = transport.isend(x, owner, tag=layer)
         out, work = self._outputs.pop(layer)
         send.wait()
         work.wait()
@@ -125,7 +127,7 @@ class ComputeService:
         sends = []
         for (peer, buffer, _), out in zip(incoming, returned):
             out = out.contiguous()
-            sends.append(dist.isend(out, peer, tag=layer))
+            sends.append(transport.isend(out, peer, tag=layer))
             self.stats.outputs_returned += 1
             self.stats.bytes_sent += out.numel() * out.element_size()
             self.stats.rows_served += buffer.shape[0]
@@ -135,4 +137,4 @@ class ComputeService:
 
     def _recv(self, rows: int, peer: int, layer: int) -> tuple[torch.Tensor, object]:
         buffer = torch.empty((rows, self.hidden), dtype=self.dtype, device=self.device)
-        return buffer, dist.irecv(buffer, peer, tag=layer)
+        return buffer, transport.irecv(buffer, peer, tag=layer)

@@ -11,8 +11,8 @@ rest of the layer are the same in both modes, so they are left out.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from batchinfer.engine.runtime import transport
 from batchinfer.engine.timing import median_seconds
 from .compute_service import ServiceStats, ffn
 from .weight_slots import SlotStats
@@ -54,7 +54,7 @@ def profile_modes(rank_ffn, dp: int, ops, device: torch.device, repeats: int = 3
             rows = [size] + [0] * (dp - 1)
             if replica == 0:
                 was_s[size] = median_seconds(lambda: was_pass(x), repeats)
-            dist.barrier()
+            transport.barrier()
             if replica == 0:
                 cas_s[size] = median_seconds(lambda: cas_round(x), repeats)
             else:

@@ -24,9 +24,8 @@ class SiDPWorker(WorkerExtension):
     pack_linears: bool = False       # the attention's linears are packed once the FFN's are gone
 
     def setup(self, worker) -> dict:
-        import torch.distributed as dist
-
         from batchinfer.engine.model.fast_linear import pack_linears
+        from batchinfer.engine.runtime import transport
 
         from .cost_profile import profile_modes
         from .shared_ffn import install_shared_ffn
@@ -34,7 +33,7 @@ class SiDPWorker(WorkerExtension):
         self.shared_ffn = install_shared_ffn(worker.model, self.spec, worker.info.replica,
                                              worker.device, worker.spec.timeout_s, start=False)
         pack_linears(worker.model, weight_dtype=worker.model.linear_weight_dtype)
-        dist.barrier()
+        transport.barrier()
         self.shared_ffn.start()
         costs = (profile_modes(self.shared_ffn, self.spec.dp, worker.model.ops, worker.device)
                  if self.spec.profile_costs else None)
