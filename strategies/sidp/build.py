@@ -1,5 +1,6 @@
 """Assembles a SiDP engine: d data-parallel workers sharing one FFN store, each with the KV cache
-its freed FFN memory buys (the per-replica memory budget stays plain DP's)."""
+its freed FFN memory buys (the per-replica memory budget stays plain DP's). On CUDA the replicas
+share one GPU (parallel.gpu_transport: host) and the store lives in its memory (ffn_store.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,17 +46,31 @@ def sidp_num_blocks(config, layout, arch, device, dtype_bytes: int, owners: list
                for r in range(layout.world_size))
 
 
-def resolve_weight_slots(requested: Optional[bool], device, nodes: Optional[int] = None) -> bool:
+def resolve_weight_slots(requested: Optional[bool], device, nodes: Optional[int] = None,
+                         one_gpu: bool = False) -> bool:
     """The recipe's weight_slots, or where unset: slots (the paper's WaS) when a remote read is
     slower than a local one (CUDA peers, or a CPU set over several NUMA nodes); in place when the
-    replicas share one memory, where a slot copy buys nothing and costs bandwidth and a core.
-    device: a torch.device or its type; nodes: the CPU set's NUMA nodes (default: this host's;
-    the simulator passes its host's)."""
+    replicas share one memory (one CPU memory, or `one_gpu`: replicas sharing a GPU), where a
+    slot copy buys nothing and costs bandwidth. device: a torch.device or its type; nodes: the
+    CPU set's NUMA nodes (default: this host's; the simulator passes its host's)."""
     if requested is not None:
         return requested
     if getattr(device, "type", device) != "cpu":
-        return True
+        return not one_gpu
     return (numa_nodes() if nodes is None else nodes) > 1
+
+
+def check_one_gpu(config, dp: int, visible: Optional[int] = None) -> None:
+    """SiDP on CUDA: every replica on one GPU, where the controller's FFN store lives."""
+    from batchinfer.engine.runtime.layout import ranks_per_device
+
+    if config.parallel.gpu_transport != "host":
+        raise ConfigError("strategy sidp on CUDA runs its replicas on one GPU, which holds the "
+                          "FFN store they share: set parallel.gpu_transport: host (owner "
+                          "buffers spread over several GPUs are not built)")
+    if ranks_per_device(config.parallel, "cuda", dp, visible) != dp:
+        raise ConfigError(f"strategy sidp on CUDA runs its {dp} replicas on one GPU, and torch "
+                          "sees several: make one visible (CUDA_VISIBLE_DEVICES=0)")
 
 
 def check_sidp_layout(par) -> None:
@@ -74,9 +89,8 @@ def build_sidp_engine(config, params):
         owners = resolve_owners(params.owners, arch.num_layers, layout.dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if setup.device.type != "cpu":
-        raise ConfigError("strategy sidp runs on device cpu for now (the owners' weights live in "
-                          "host shared memory; the CUDA IPC path is not built yet)")
+    if setup.device.type == "cuda":
+        check_one_gpu(config, layout.dp)
     if not params.runs_model(arch):
         raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
                           f"({arch.model_type}) has a mixture of experts: run it with another "
@@ -89,13 +103,15 @@ def build_sidp_engine(config, params):
     if arch.hidden_act != "silu":
         raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
                           f"({arch.model_type}) gates with {arch.hidden_act}")
-    with_slots = resolve_weight_slots(params.weight_slots, setup.device)
+    with_slots = resolve_weight_slots(params.weight_slots, setup.device,
+                                      one_gpu=setup.device.type == "cuda")
     # the shared FFN computes in the activations' dtype: fp32 for a bf16 model on CPU, whose
     # shared FFN weights stay fp32 (only the attention's linears get bf16 weights there)
     store_dtype = activation_dtype(setup.device, setup.dtype)
-    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, store_dtype)
+    blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, store_dtype,
+                                       setup.device.type)
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
-                              store_dtype, blocked=blocked)
+                              store_dtype, blocked=blocked, device=setup.device)
     block_size = config.cache.block_size
     num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
                                  store.layer_bytes(), with_slots, groups=plan.kv_groups)

@@ -3,8 +3,12 @@
 Layer l's gate/up and down matrices live in row l of two tensors the controller allocates once and
 hands to every data-parallel worker (torch shares the storage by file descriptor: no name to
 collide on). Only the layer's owner writes its row, at load time; the others read it into a weight
-slot when they need it (one-sided: the owner does nothing). On CUDA the paper exposes the owner's
-HBM through IPC handles instead.
+slot when they need it, or compute from it in place (one-sided: the owner does nothing).
+
+On CUDA the tensors live in the GPU's memory and torch.multiprocessing hands the workers CUDA IPC
+handles to them (the paper exposes the owners' HBM the same way). Built for replicas that share
+one GPU (parallel.gpu_transport: host): the store is one copy of every FFN on that GPU, which the
+replicas read in place. Owner buffers spread over several GPUs are not built.
 
 Layout: plain [out, in] rows, or, where the CPU kernels are built and linears are not plain
 torch (the default), blocked for kernels/blocked_linear.cpp: panels of 16 output rows, [out / 16,
@@ -22,13 +26,16 @@ from batchinfer.engine.model.fast_linear import PANEL, to_blocked
 TENSORS = ("gate_up", "down")
 
 
-def blocked_layout_available(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
-    """The blocked layout needs the native kernels, fast linears on (not BATCHINFER_LINEAR_KERNEL
-    = torch), fp32 and every output dimension a multiple of the panel width."""
+def blocked_layout_available(hidden: int, intermediate: int, dtype: torch.dtype,
+                             device_type: str = "cpu") -> bool:
+    """The blocked layout needs the CPU, its native kernels, fast linears on (not
+    BATCHINFER_LINEAR_KERNEL = torch), fp32 and every output dimension a multiple of the panel
+    width."""
     from batchinfer.engine.model.fast_linear import blocked_kernel_available, linear_kernel
 
-    return (dtype == torch.float32 and hidden % PANEL == 0 and (2 * intermediate) % PANEL == 0
-            and linear_kernel() != "torch" and blocked_kernel_available())
+    return (device_type == "cpu" and dtype == torch.float32 and hidden % PANEL == 0
+            and (2 * intermediate) % PANEL == 0 and linear_kernel() != "torch"
+            and blocked_kernel_available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -45,7 +52,10 @@ class FFNStore:
 
     @classmethod
     def allocate(cls, num_layers: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 blocked: bool = False) -> "FFNStore":
+                 blocked: bool = False, device: torch.device = torch.device("cpu")
+                 ) -> "FFNStore":
+        """Host shared memory, or on a CUDA device the allocating process's GPU memory (keep the
+        store alive while the workers use it: they map it through IPC)."""
         import torch.multiprocessing  # noqa: F401  (registers the pickling of shared tensors)
 
         if blocked:
@@ -53,7 +63,11 @@ class FFNStore:
                       (hidden // PANEL, intermediate, PANEL))
         else:
             shapes = ((2 * intermediate, hidden), (hidden, intermediate))
-        return cls(*(torch.empty((num_layers, *shape), dtype=dtype).share_memory_()
+        device = torch.device(device)
+        if device.type == "cpu":
+            return cls(*(torch.empty((num_layers, *shape), dtype=dtype).share_memory_()
+                         for shape in shapes))
+        return cls(*(torch.empty((num_layers, *shape), dtype=dtype, device=device)
                      for shape in shapes))
 
     @property

@@ -9,7 +9,8 @@ at plain DP's per-replica memory budget. Compute as a Service for the small-batc
 to the owner, GEMM fusion, dummy skipping), entered and left by the job orchestrator at the batch
 threshold B_th (profiled at startup unless given) with patience and hysteresis
 (`compute_service: false` is the paper's WaS-only, Fig. 13). Device cpu: the store is host shared
-memory; the CUDA IPC path is not built.
+memory; cuda: the replicas share one GPU (`parallel.gpu_transport: host`) and map the store in its
+memory through CUDA IPC (owner buffers over several GPUs are not built).
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                                          "d - 1 slots ahead of use (§4.2); false: compute from "
                                          "the owner's shared rows in place, no copies; default: "
                                          "slots where a remote read is slower than a local one "
-                                         "(CUDA, or CPUs over several NUMA nodes), in place on "
-                                         "one memory")
+                                         "(CPUs over several NUMA nodes), in place on one "
+                                         "memory (one CPU memory, or the one GPU the replicas "
+                                         "share)")
     compute_service: bool = Field(True, description="CaS (§4.3): below B_th the replicas run "
                                   "in rounds and send FFN inputs to each layer's owner; false: "
                                   "WaS only")
@@ -62,18 +64,19 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         return build_sidp_engine(config, self)
 
     def check_config(self, config, arch) -> None:
-        from .build import check_sidp_layout
-
-        check_sidp_layout(config.parallel)
+        from batchinfer.engine.build import resolve_device
         from batchinfer.engine.errors import ConfigError
 
+        from .build import check_one_gpu, check_sidp_layout
         from .ownership import resolve_owners
 
+        check_sidp_layout(config.parallel)
         try:
             resolve_owners(self.owners, arch.num_layers, config.parallel.dp)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-
+        if resolve_device(config.device.device).type == "cuda":
+            check_one_gpu(config, config.parallel.dp)
 
     @classmethod
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:

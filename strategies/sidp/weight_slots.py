@@ -6,6 +6,11 @@ into it and marks it ready. The forward, reaching a non-owned layer, waits for i
 already filled: a hit), computes, and releases it; the thread (the housekeeper) sees the release,
 frees the slot and fills it with the next layer in the order. The slot count bounds how far
 ahead the reads run (the lookahead window). Slots are never allocated or freed while running.
+
+On CUDA the reads run on a copy stream of their own and nothing waits on the host: a slot's
+release records an event on the compute stream, which the next read into that slot waits for
+(the forward that used it may still be running); a read records an event the forward's stream
+waits for before it computes from the slot.
 """
 from __future__ import annotations
 
@@ -47,6 +52,10 @@ class WeightSlots:
         self._closed = False
         self._error: Optional[BaseException] = None
         self._thread = None
+        cuda = torch.device(device).type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._released_at: list = [None] * num_slots   # CUDA: the compute stream's last use
+        self._filled_at: list = [None] * num_slots     # CUDA: the copy stream's read
         if start:
             self.start()
 
@@ -79,13 +88,19 @@ class WeightSlots:
             else:
                 self.stats.waits += 1
                 self.stats.wait_s += time.perf_counter() - start
+        if self._filled_at[slot] is not None:
+            torch.cuda.current_stream().wait_event(self._filled_at[slot])
         return self.slots[slot]
 
     def release(self, layer: int) -> None:
         """The forward is done with `layer`'s slot (call after its compute is issued: on CUDA the
-        next read into the slot is ordered after it on the same stream)."""
+        next read into the slot waits for it through an event)."""
         with self._cond:
-            self._free.append(self._in_use.pop(layer))
+            slot = self._in_use.pop(layer)
+            if self._copy_stream is not None:
+                self._released_at[slot] = torch.cuda.Event()
+                self._released_at[slot].record()
+            self._free.append(slot)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -116,9 +131,7 @@ class WeightSlots:
                 slot = self._free.pop()
             try:
                 with torch.inference_mode():
-                    self.store.read_into(layer, self.slots[slot])
-                    if self.slots[slot]["down"].is_cuda:
-                        torch.cuda.current_stream().synchronize()
+                    self._read(layer, slot)
             except BaseException as exc:  # noqa: BLE001 - surfaced to the forward in acquire()
                 with self._cond:
                     self._error = exc
@@ -129,3 +142,15 @@ class WeightSlots:
                 self.stats.fetches += 1
                 self.stats.bytes += layer_bytes
                 self._cond.notify_all()
+
+    def _read(self, layer: int, slot: int) -> None:
+        if self._copy_stream is None:
+            self.store.read_into(layer, self.slots[slot])
+            return
+        with torch.cuda.stream(self._copy_stream):
+            if self._released_at[slot] is not None:
+                self._copy_stream.wait_event(self._released_at[slot])
+            self.store.read_into(layer, self.slots[slot])
+            filled = torch.cuda.Event()
+            filled.record(self._copy_stream)
+        self._filled_at[slot] = filled

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from batchinfer.engine.runtime.worker_extension import WorkerExtension
 
 from .shared_ffn import SiDPWorkerSpec
@@ -33,6 +35,11 @@ class SiDPWorker(WorkerExtension):
         self.shared_ffn = install_shared_ffn(worker.model, self.spec, worker.info.replica,
                                              worker.device, worker.spec.timeout_s, start=False)
         pack_linears(worker.model, weight_dtype=worker.model.linear_weight_dtype)
+        if worker.device.type == "cuda":
+            # the owners' rows are written before any replica reads them, and the FFN weights
+            # each replica dropped go back to the GPU, which the others' KV caches share
+            torch.cuda.synchronize(worker.device)
+            torch.cuda.empty_cache()
         transport.barrier()
         self.shared_ffn.start()
         costs = (profile_modes(self.shared_ffn, self.spec.dp, worker.model.ops, worker.device)

@@ -9,7 +9,6 @@ is not tested here: the project's GPU machines lend one card.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -143,15 +142,10 @@ def test_without_staging_the_calls_are_torch_distributed_itself():
 # --- the runtime through the staged transport ---------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from tests.tiny_families import hf_model, save_model
+    from tests.tiny_families import hf_model, save_model, tokenizer_dir
 
-    folder = os.environ.get("BATCHINFER_TEST_TOKENIZER_DIR")
-    if folder is None:
-        from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
-
-        folder = gguf_to_hf_dir(default_model_gguf())
     return save_model(hf_model("llama3", num_hidden_layers=4), tmp_path_factory.mktemp("llama3"),
-                      Path(folder))
+                      tokenizer_dir())
 
 
 PROMPTS = [list(range(10 + i, 30 + 7 * i)) for i in range(6)]

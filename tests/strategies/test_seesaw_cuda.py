@@ -135,14 +135,9 @@ def test_a_swap_in_waits_for_the_kernels_still_reading_the_blocks():
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from tests.tiny_families import hf_model, save_model
+    from tests.tiny_families import hf_model, save_model, tokenizer_dir
 
-    folder = os.environ.get("BATCHINFER_TEST_TOKENIZER_DIR")
-    if folder is None:
-        from batchinfer.engine.model.sources import default_model_gguf, gguf_to_hf_dir
-
-        folder = gguf_to_hf_dir(default_model_gguf())
-    return save_model(hf_model("llama3"), tmp_path_factory.mktemp("llama3"), Path(folder))
+    return save_model(hf_model("llama3"), tmp_path_factory.mktemp("llama3"), tokenizer_dir())
 
 
 def test_one_gpu_seesaw_with_the_cpu_tier_gives_the_single_process_tokens(tiny_llama_dir):
