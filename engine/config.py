@@ -185,6 +185,10 @@ class ParallelConfig(_Strict):
                             "(gloo through pinned host memory), which lets several ranks share "
                             "a GPU (slower: a test and small-GPU configuration). CPU ranks use "
                             "gloo either way")
+    sequence_cache: bool = Field(
+        True, description="workers keep each running sequence's block tables and plans carry "
+                          "only the entries added since (SiPipe's SequenceCache); false: whole "
+                          "tables in every plan")
     threads_per_rank: Optional[int] = Field(
         None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
     step_timeout_seconds: float = Field(

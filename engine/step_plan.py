@@ -40,6 +40,9 @@ class StepPlan:
     # KV copies between the cache and the swap area to carry out before this plan's forward, in
     # order: (kind "out" | "in", source block, destination block) (kv_swap.py)
     kv_swaps: list[tuple[str, int, int]] = field(default_factory=list)
+    # on the way to a worker: the tables as changes to what it holds (runtime/plan_deltas.py;
+    # block_tables and group_tables are empty until the worker's cache fills them)
+    table_deltas: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:

@@ -210,6 +210,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
     infos = layout.ranks()
     pool = WorkerPool([i.name for i in infos] + list(helper_names), {i.rank: {"replica": i.replica, "stage": i.stage,
                                                          "tp_rank": i.tp_rank} for i in infos})
+    pool.plan_deltas = config.parallel.sequence_cache
     log.info("starting %s", layout.describe())
     pool.start(worker_main, specs, config.parallel.startup_timeout_seconds, helpers=helpers)
     return pool

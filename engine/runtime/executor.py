@@ -1,7 +1,8 @@
 """The multi-process Executor: one replica's tp x pp worker ranks, up to `pp` micro-batches in flight.
 
 `submit` turns the micro-batch into a StepPlan and sends it to every rank of the replica (each
-needs the token counts and block tables; only the first stage uses the token ids). The sampling
+needs the token counts and block tables; only the first stage uses the token ids); the tables go
+as changes to what the ranks already hold (plan_deltas.py). The sampling
 rank sees each request's prompt and parameters once (`new_requests`) and keeps its own copy of
 the tokens it sampled, so a plan carries no per-request history. Results come back in pipeline
 (FIFO) order.
@@ -18,6 +19,7 @@ from ..request import Request
 from ..scheduler import MicroBatch
 from ..step_plan import StepPlan, plan_batch
 from .layout import ParallelLayout
+from .plan_deltas import TableEncoder
 from .pool import WorkerError, WorkerPool
 
 
@@ -32,6 +34,8 @@ class PipelineExecutor(Executor):
         self._known: set[str] = set()        # requests the sampling rank already has
         self._released: list[str] = []
         self._next_mb = 0
+        # parallel.sequence_cache: the ranks keep each sequence's tables; plans carry changes
+        self.tables = TableEncoder() if getattr(pool, "plan_deltas", False) else None
 
     @property
     def max_in_flight(self) -> int:
@@ -47,7 +51,8 @@ class PipelineExecutor(Executor):
         self._next_mb += 1
         plan = self._plan(batch, mb_id)
         self._in_flight.append((mb_id, batch, plan))
-        self._dispatch(plan)
+        self._dispatch(plan if self.tables is None else
+                       self.tables.encode(plan, [item.seq.request_id for item in batch.items]))
 
     def _dispatch(self, plan: StepPlan) -> None:
         for rank in self.ranks:
@@ -113,6 +118,8 @@ class PipelineExecutor(Executor):
         if request_id in self._known:
             self._known.discard(request_id)
             self._released.append(request_id)
+        if self.tables is not None:
+            self.tables.release(request_id)
 
     def close(self) -> None:
         self.pool.close()

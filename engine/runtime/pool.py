@@ -87,6 +87,7 @@ class WorkerPool:
         self.store = None
         self.closed = False
         self._errors: list[str] = []
+        self.plan_deltas = False   # executors send block tables as changes (plan_deltas.py)
 
     def reset_timeline(self) -> None:
         """Forgets the events so far (e.g. a startup profile's micro-batches)."""

@@ -31,6 +31,7 @@ import torch
 
 from ..kv_swap import SwapArea
 from .input_prep import TokenSafeInputs, VersionedInputs
+from .plan_deltas import TableCache
 from . import transport
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
@@ -123,6 +124,7 @@ class Worker:
         self._events_lock = threading.Lock()  # the input thread records events too
         self._last_flush = time.monotonic()
         self._sends: deque = deque()
+        self.tables = TableCache()           # the replica's block tables (plan_deltas.py)
 
     def set_roles(self, layout) -> None:
         """Who this rank is in `layout`: its stage and shard, its neighbours, whether it samples
@@ -247,7 +249,7 @@ class Worker:
                     if message[0] == "stop":
                         break
                     if message[0] == "plan":
-                        pending.append(self._post_receives(message[1]))
+                        pending.append(self._post_receives(self.tables.apply(message[1])))
                     elif not self.ext.message(self, message, pending):
                         raise RuntimeError(f"rank {self.spec.rank}: unknown control message "
                                            f"{message[0]!r}")

@@ -99,6 +99,7 @@ class SiPipeExecutor(PipelineExecutor):
                 for index, col in zip(plan.sample_items, plan.sample_columns))
 
     def release(self, request_id: str) -> None:
+        super().release(request_id)
         self._seeds.pop(request_id, None)
 
     def strategy_summary(self) -> dict:
