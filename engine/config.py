@@ -173,7 +173,8 @@ class ParallelConfig(_Strict):
     tp_all_reduce: Literal["shm", "gloo"] = Field(
         "shm", description="how tensor-parallel ranks on a CPU host sum their partial results: "
                            "through shared memory, or gloo's all-reduce (loopback TCP, 0.6-2 ms "
-                           "a call); NCCL on CUDA either way")
+                           "a call); on CUDA NCCL either way (gloo over host "
+                           "copies with gpu_transport: host)")
     stage_transport: Literal["structured", "metadata"] = Field(
         "structured", description="activations between pipeline stages: structured (structure-"
                                   "aware transmission: receives posted from the plan, no "

@@ -23,18 +23,31 @@ _copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 _pinning_failed = False
 
 
+def _stop_pinning(exc: RuntimeError) -> None:
+    global _pinning_failed
+    _pinning_failed = True
+    log.warning("pinned host memory could not be allocated (%s): host-to-device copies fall "
+                "back to pageable memory, which makes the host wait for the GPU", exc)
+
+
 def pinned(cpu: torch.Tensor) -> torch.Tensor:
     """`cpu` in pinned memory (itself when pinning fails: one warning, then pageable copies)."""
-    global _pinning_failed
-    if _pinning_failed:
-        return cpu
-    try:
-        return cpu.pin_memory()
-    except RuntimeError as exc:
-        _pinning_failed = True
-        log.warning("pinned host memory could not be allocated (%s): host-to-device copies fall "
-                    "back to pageable memory, which makes the host wait for the GPU", exc)
-        return cpu
+    if not _pinning_failed:
+        try:
+            return cpu.pin_memory()
+        except RuntimeError as exc:
+            _stop_pinning(exc)
+    return cpu
+
+
+def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor in pinned memory (pageable when pinning fails: one warning)."""
+    if not _pinning_failed:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as exc:
+            _stop_pinning(exc)
+    return torch.empty(shape, dtype=dtype)
 
 
 def to_device(cpu: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,10 +14,9 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (_max_model_len, activation_headroom, check_weights_fit, kv_budget,
-                     kv_element_bytes,
-                     moe_kernel_label, resolve_device, resolve_dtype, resolve_kv_dtype,
-                     use_triton_experts_for)
+from ..build import (GiB, _max_model_len, activation_headroom, check_weights_fit, kv_budget,
+                     kv_element_bytes, moe_kernel_label, resolve_device, resolve_dtype,
+                     resolve_kv_dtype, use_triton_experts_for)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -63,13 +62,22 @@ def per_rank_kv_budget(config: EngineConfig, layout: ParallelLayout, arch, devic
     if device.type == "cpu":
         return total // layout.world_size
     weights = arch.num_params() * dtype_bytes // layout.ranks_per_replica
-    sharing = ranks_per_device(config.parallel, device.type, layout.world_size)
+    # a simulated GPU (available given) is one per rank, whatever this host has
+    sharing = (1 if available is not None
+               else ranks_per_device(config.parallel, device.type, layout.world_size))
     if sharing == 1:
         return total - weights
     # kv_budget took one forward's working memory off the GPU; each rank on it needs its own
     headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, dtype_bytes)
-    return (total + headroom) // sharing - headroom - weights
+    budget = (total + headroom) // sharing - headroom - weights
+    if budget <= 0:
+        raise ConfigError(
+            f"parallel.gpu_transport: host puts {sharing} ranks on each GPU, each with "
+            f"{weights / GiB:.2f} GiB of weights and {headroom / GiB:.2f} GiB of working memory: "
+            f"nothing is left for their KV caches in {(total + headroom) / GiB:.1f} GiB; use "
+            "fewer ranks, raise memory.memory_utilization, or give each rank a GPU (nccl)")
+    return budget
 
 
 def num_kv_blocks(config: EngineConfig, layout: ParallelLayout, arch, device, dtype_bytes: int,

@@ -88,6 +88,9 @@ class WorkerPool:
         self.closed = False
         self._errors: list[str] = []
         self.plan_deltas = False   # executors send block tables as changes (plan_deltas.py)
+        # tensors the workers map (e.g. through CUDA IPC): the controller holds them until the
+        # workers are gone
+        self.shared: list = []
 
     def reset_timeline(self) -> None:
         """Forgets the events so far (e.g. a startup profile's micro-batches)."""
@@ -232,3 +235,10 @@ class WorkerPool:
         for conn in self.conns:
             conn.close()
         self.store = None
+        if self.shared:
+            cuda = any(getattr(t, "is_cuda", False) for t in self.shared)
+            self.shared.clear()
+            if cuda:
+                import torch
+
+                torch.cuda.ipc_collect()    # memory the workers mapped goes back now

@@ -6,7 +6,8 @@ every other layout. vLLM's CPU backend all-reduces through shared memory for the
 Here the controller allocates one buffer per TP group (torch shares it with the workers by file
 descriptor: no name to collide on) and the ranks sum through it (kernels/shm_allreduce.cpp);
 process groups, barriers and every other collective stay torch.distributed's. Switch:
-`parallel.tp_all_reduce: gloo`. On CUDA, NCCL all-reduces as before.
+`parallel.tp_all_reduce: gloo`. On CUDA, NCCL all-reduces as before (gloo over host copies with
+`parallel.gpu_transport: host`, transport.py).
 """
 from __future__ import annotations
 

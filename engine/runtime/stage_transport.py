@@ -92,7 +92,9 @@ class StageSender:
         self._check(tensors)
         works = []
         for slot, t in enumerate(tensors.values(), start=2):
-            works.append(_InFlight(transport.isend(t, dst=self.peer, tag=_tag(mb_id, slot)), t))
+            work = transport.isend(t, dst=self.peer, tag=_tag(mb_id, slot))
+            # a staged send keeps its host copy; the device tensor can go
+            works.append(work if isinstance(work, transport.StagedSend) else _InFlight(work, t))
             self.counters.add_tensor(t)
         self.transfers += 1
         return works

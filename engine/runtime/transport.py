@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..host_to_device import pinned
+from ..host_to_device import pinned_empty
 
 _staged = False
 _stage_cpu_tensors = False
@@ -43,8 +43,7 @@ def _stages(t: torch.Tensor) -> bool:
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:
     """A host tensor shaped as `t` (pinned when t is on a GPU)."""
-    return (pinned(torch.empty(t.shape, dtype=t.dtype)) if t.device.type != "cpu"
-            else torch.empty_like(t))
+    return pinned_empty(t.shape, t.dtype) if t.device.type != "cpu" else torch.empty_like(t)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -53,35 +52,45 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class StagedSend:
-    """An isend of a host copy: keeps the copy alive until the message is out."""
+    """An isend of a host copy: keeps the copy alive until the message is out. `wait()` may be
+    called again (gloo's own would block)."""
 
-    def __init__(self, work, host: torch.Tensor):
+    def __init__(self, work, host: Optional[torch.Tensor]):
         self.work, self.host = work, host
+        self.done = False
 
     def wait(self, *args):
-        return self.work.wait(*args)
+        if self.done:
+            return True
+        result = self.work.wait(*args)
+        if result is not False:
+            self.done, self.host = True, None
+        return result
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return self.done or self.work.is_completed()
 
 
 class StagedReceive:
     """An irecv into a host buffer; `wait()` copies it into the tensor the caller posted (read that
-    tensor only after wait, as with any irecv)."""
+    tensor only after wait, as with any irecv). `wait()` may be called again."""
 
     def __init__(self, work, host: torch.Tensor, target: torch.Tensor):
         self.work, self.host, self.target = work, host, target
-        self.copied = False
+        self.done = False
 
     def wait(self, *args):
+        if self.done:
+            return True
         result = self.work.wait(*args)
-        if not self.copied:
+        if result is not False:
             self.target.copy_(self.host)
-            self.copied = True
+            self.done, self.host = True, None
         return result
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        """Whether wait() has delivered the values (gloo's work alone says nothing before it)."""
+        return self.done
 
 
 def isend(t: torch.Tensor, dst: int, tag: int = 0, group=None):

@@ -110,17 +110,21 @@ def build_sidp_engine(config, params):
     store_dtype = activation_dtype(setup.device, setup.dtype)
     blocked = blocked_layout_available(arch.hidden_size, arch.intermediate_size, store_dtype,
                                        setup.device.type)
+    block_size = config.cache.block_size
+    # sized before the store is allocated: the free memory measured must still include it
+    num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
+                                 FFNStore.bytes_per_layer(arch.hidden_size,
+                                                          arch.intermediate_size, store_dtype),
+                                 with_slots, groups=plan.kv_groups)
     store = FFNStore.allocate(arch.num_layers, arch.hidden_size, arch.intermediate_size,
                               store_dtype, blocked=blocked, device=setup.device)
-    block_size = config.cache.block_size
-    num_blocks = sidp_num_blocks(config, layout, arch, setup.device, setup.dtype_bytes, owners,
-                                 store.layer_bytes(), with_slots, groups=plan.kv_groups)
     plain_blocks, plan = plan.num_blocks, dataclasses.replace(plan, num_blocks=num_blocks)
     profile = params.compute_service and params.batch_threshold is None
     spec = SiDPWorkerSpec(store, owners, layout.dp, params.peak_shifting, with_slots,
                           params.compute_service, params.gemm_fusion, profile_costs=profile)
     pool = start_workers(config, setup, layout, num_blocks, plan.threads,
                          extension=SiDPWorker(spec), kv_groups=plan.kv_groups)
+    pool.shared += [store.gate_up, store.down]     # CUDA IPC: the workers map the store
     threshold, costs = params.batch_threshold, None
     if profile:
         costs = pool.infos[0]["sidp_costs"]

@@ -86,6 +86,11 @@ class FFNStore:
         return sum(getattr(self, name)[0].numel() * getattr(self, name).element_size()
                    for name in TENSORS)
 
+    @staticmethod
+    def bytes_per_layer(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
+        """A store's layer_bytes before it is allocated (either layout: gate/up and down)."""
+        return 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
+
     def view(self, layer: int) -> dict[str, torch.Tensor]:
         """The owner's tensors of `layer`, in place."""
         return {name: getattr(self, name)[layer] for name in TENSORS}

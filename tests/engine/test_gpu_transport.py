@@ -59,17 +59,21 @@ def test_ranks_share_gpus_round_robin_under_the_host_transport():
 
 def test_ranks_sharing_a_gpu_split_its_memory_each_with_its_own_working_memory(monkeypatch):
     """Two PP ranks on one GPU: each gets half the usable memory, less one forward's working
-    memory and its half of the weights; over NCCL (a GPU each) a rank gets a GPU's worth."""
+    memory and its half of the weights; over NCCL (a GPU each) a rank gets a GPU's worth, as does
+    a simulated GPU (an `available` given). Ranks that leave nothing for their KV are refused."""
+    from batchinfer.engine import build as engine_build
     from batchinfer.engine.build import activation_headroom
 
     monkeypatch.setattr(runtime_layout, "visible_gpus", lambda: 1)
+    free = {"bytes": 40 << 30}
+    monkeypatch.setattr(engine_build, "available_memory", lambda device: free["bytes"])
     arch = arch_from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                            "num_hidden_layers": 4, "num_attention_heads": 4,
                            "num_key_value_heads": 2, "vocab_size": 1000,
                            "max_position_embeddings": 512}, "test")
-    available, gpu = 40 << 30, torch.device("cuda")
+    gpu = torch.device("cuda")
 
-    def budget(**parallel):
+    def budget(available=None, **parallel):
         config = EngineConfig(parallel={"pp": 2, **parallel})
         layout = ParallelLayout.resolve(config.parallel, arch)
         return runtime_build.per_rank_kv_budget(config, layout, arch, gpu, 2, available)
@@ -77,11 +81,17 @@ def test_ranks_sharing_a_gpu_split_its_memory_each_with_its_own_working_memory(m
     config = EngineConfig()
     headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
                                    config.scheduler.max_num_seqs, 2)
-    usable, half_weights = available * config.cache.memory_utilization, arch.num_params() * 2 // 2
+    usable = free["bytes"] * config.cache.memory_utilization
+    half_weights = arch.num_params() * 2 // 2
     assert budget() == int(usable - headroom) - half_weights
-    assert budget(gpu_transport="host") == (int(usable - headroom) + headroom) // 2 - headroom \
-        - half_weights
-    assert budget(gpu_transport="host") < budget() / 2
+    shared = budget(gpu_transport="host")
+    assert shared == (int(usable - headroom) + headroom) // 2 - headroom - half_weights
+    assert shared < budget() / 2
+    assert budget(free["bytes"], gpu_transport="host") == budget()     # simulated: a GPU each
+    free["bytes"] = 1 << 30                   # room for one forward's working memory, not two
+    with pytest.raises(ConfigError, match=r"puts 2 ranks on each GPU.*nothing is left for "
+                                          r"their KV caches"):
+        budget(gpu_transport="host")
 
 
 # --- the staged messages themselves (two gloo processes) ----------------------------------------
@@ -97,6 +107,7 @@ def _exchange(rank: int, store_path: str) -> None:
             work = transport.isend(values.clone(), 1, tag=5)
             assert isinstance(work, transport.StagedSend)
             work.wait()
+            assert work.wait() and work.is_completed()     # again: no second gloo wait
             sent = values.clone()
             work = transport.isend(sent, 1, tag=6)
             sent.add_(100)           # the staged copy was taken at isend: the peer sees values
@@ -106,8 +117,10 @@ def _exchange(rank: int, store_path: str) -> None:
             posted = torch.zeros(2, 3)
             work = transport.irecv(posted, 0, tag=5)
             assert isinstance(work, transport.StagedReceive) and work.host is not posted
+            assert not work.is_completed()                  # delivered only by wait()
             work.wait()
             assert torch.equal(posted, values)
+            assert work.wait() and work.is_completed()
             later = torch.zeros(2, 3)
             transport.irecv(later, 0, tag=6).wait()
             assert torch.equal(later, values)

@@ -85,6 +85,7 @@ def reference(make_engine):
     ({"pp": 2}, {"policy": "hb", "chunk_size": 16, "max_num_batched_tokens": 64}),
     ({"pp": 2, "pp_layers": [20, 10]}, {"policy": "sb"}),
     ({"dp": 2}, {"policy": "hb"}),
+    ({"pp": 2, "sequence_cache": False}, {"policy": "sb"}),     # whole tables in every plan
 ])
 @pytest.mark.slow
 def test_multiprocess_tokens_equal_single_process(make_engine, reference, parallel, scheduler):

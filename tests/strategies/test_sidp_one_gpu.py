@@ -33,6 +33,13 @@ def test_on_cuda_the_replicas_share_one_gpu_or_are_refused():
     check_one_gpu(EngineConfig(parallel={"dp": 2, "gpu_transport": "host"}), 2, visible=1)
 
 
+def test_the_store_is_sized_before_it_is_allocated():
+    for blocked in (False, True):
+        store = FFNStore.allocate(2, 32, 48, torch.float32, blocked=blocked)
+        assert FFNStore.bytes_per_layer(32, 48, torch.float32) == store.layer_bytes()
+    assert FFNStore.bytes_per_layer(32, 48, torch.bfloat16) == 3 * 32 * 48 * 2
+
+
 def test_replicas_on_one_gpu_read_the_store_in_place_and_never_blocked():
     cuda = torch.device("cuda")
     assert not resolve_weight_slots(None, cuda, one_gpu=True)
@@ -94,11 +101,12 @@ def test_sidp_on_one_device_gives_the_single_process_tokens(tiny_llama_dir, plai
         stats, info = engine.stats(), engine.info
     assert got == expected
     served = stats["strategy_stats"]
+    slots = resolve_weight_slots(sidp.weight_slots, torch.device(DEVICE), one_gpu=DEVICE == "cuda")
+    assert info["sidp"]["weight_slots"] is slots
+    assert (served["weight_fetches"] > 0) is slots
     if sidp.compute_service:
-        assert served["compute_service"]["rounds"] > 0 and info["sidp"]["weight_slots"] is False
-    else:
-        assert served["weight_fetches"] > 0 and info["sidp"]["weight_slots"] is True
-    assert info["sidp"]["kv_capacity_vs_plain_dp"] >= 1.0
+        assert served["compute_service"]["rounds"] > 0
+    assert info["sidp"]["kv_capacity_vs_plain_dp"] > 1.0     # the FFN bytes not held
 
 
 # --- the weight slots on a GPU --------------------------------------------------------------------
@@ -125,3 +133,25 @@ def test_a_slot_is_refilled_only_after_the_forward_that_read_it():
     finally:
         slots.close()
     assert bool((seen == 1.0).all())
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_auto_sized_sidp_on_one_gpu_stays_inside_its_memory(tiny_llama_dir):
+    """The FFN store is allocated after the KV is sized (else its bytes would be taken twice),
+    and the replicas' caches, weights and store together stay inside memory_utilization."""
+    from batchinfer.engine.engine import Engine
+    from batchinfer.strategies.sidp.params import SiDPParams
+
+    free, total = torch.cuda.mem_get_info()
+    sidp = SiDPParams()
+    config = EngineConfig(model={"path": str(tiny_llama_dir), **MODEL}, device={"device": "cuda"},
+                          cache={"memory_utilization": 0.3}, strategy=sidp,
+                          parallel={"dp": 2, "gpu_transport": "host"},
+                          scheduler=sidp.scheduler_config())
+    with Engine.from_config(config) as engine:
+        left, _ = torch.cuda.mem_get_info()
+        ratio = engine.info["sidp"]["kv_capacity_vs_plain_dp"]
+    assert ratio > 1.0
+    assert free - left <= 0.3 * free + (2 << 30)     # the workers' CUDA contexts beside it
+    assert free - left >= 0.2 * free                 # ... and the caches took what they were given
