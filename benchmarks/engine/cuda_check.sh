@@ -47,7 +47,10 @@
 #                                            # issue 40's `sidpgpu` (SiDP's two replicas on one
 #                                            # GPU against plain DP=2 there, Llama-3.1-8B's
 #                                            # shapes at SIDP_MEMORY of the card: KV per replica
-#                                            # and tok/s, sidp_one_gpu.py; SIDP_SECONDS caps it);
+#                                            # and tok/s, one_gpu_bench.py; SIDP_SECONDS caps
+#                                            # it) and `sipipegpu` (SiPipe at PP=2 on one GPU,
+#                                            # every penalty on, against GPU sampling, PP=2 HB
+#                                            # and all parts off; SIPIPE_SECONDS caps it);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.
@@ -165,9 +168,14 @@ run() {
             --requests 600 --kv 1GiB --max-num-seqs 256 2>&1 | tee "$out/swap_llama.json" || true
     fi
     if [[ " $parts " == *" sidpgpu "* ]]; then        # issue 40 item 3: SiDP's replicas on one GPU
-        timeout "${SIDP_SECONDS:-300}" python3 benchmarks/strategies/sidp_one_gpu.py --model $llama \
-            "${sharegpt[@]}" --requests "${SIDP_REQUESTS:-500}" \
+        timeout "${SIDP_SECONDS:-300}" python3 benchmarks/strategies/one_gpu_bench.py sidp \
+            --model $llama "${sharegpt[@]}" --requests "${SIDP_REQUESTS:-500}" \
             --memory-utilization "${SIDP_MEMORY:-0.35}" 2>&1 | tee "$out/sidp_one_gpu.json" || true
+    fi
+    if [[ " $parts " == *" sipipegpu "* ]]; then      # issue 40 item 2: SiPipe at PP=2 on one GPU
+        timeout "${SIPIPE_SECONDS:-300}" python3 benchmarks/strategies/one_gpu_bench.py sipipe \
+            --model $llama "${sharegpt[@]}" --requests "${SIPIPE_REQUESTS:-500}" 2>&1 \
+            | tee "$out/sipipe_one_gpu.json" || true
     fi
     if [[ " $parts " == *" seesawtier "* ]]; then     # issue 40 item 1: Seesaw's CPU KV tier
         df -h /dev/shm | tee "$out/seesaw_tier.log"
@@ -188,5 +196,5 @@ case "${1:-}" in
     run) shift; run "$@" ;;
     *) echo "usage: $0 prepare | run OUT [tests] [wdecode] [sharegpt] [profile] [kernel] [smollm]" \
             "[w8b] [roofline] [qwen7b] [tables] [ablation] [seesawtier] [qwen30b] [moekernel]" \
-            "[swapcost] [sidpgpu]" >&2; exit 2 ;;
+            "[swapcost] [sidpgpu] [sipipegpu]" >&2; exit 2 ;;
 esac

@@ -10,13 +10,16 @@ micro-batch, which reads its own columns in place (sampler_pool.py). p slots are
 micro-batch n + p (the slot's next user) is only scheduled once the controller has all of
 micro-batch n's tokens, which each sampler sends after it is done with the slot; `consumed`
 (one entry per sampler state replica) records that hand-over and the producer checks it before
-writing.
+writing. On CUDA the logits cross to the slot asynchronously through pinned memory and a copy
+stream, the descriptors following the copy (cuda_logits.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from batchinfer.engine.host_to_device import to_device
 
 from .sampler_pool import PoolLayout
 
@@ -51,6 +54,7 @@ class LogitsProducer:
 
     def __init__(self, link: SamplerLink, vocab_size: int, tp_rank: int):
         self.link, self.vocab_size, self.tp_rank = link, vocab_size, tp_rank
+        self.cuda = None        # on CUDA: cuda_logits.CudaLogitsCopier, made at the first forward
 
     def publish(self, model, plan, hidden, residual, logits_rows: torch.Tensor,
                 forward_s: float) -> None:
@@ -62,15 +66,32 @@ class LogitsProducer:
                 raise RuntimeError(f"sampler {sampler} has not released logits slot "
                                    f"{plan.mb_id % link.pool.depth} for micro-batch {previous}; "
                                    f"micro-batch {plan.mb_id} would overwrite logits still read")
-        width = len(columns)
+        width, out, device_out = len(columns), None, None
+        on_cuda = hidden is not None and hidden.device.type == "cuda"
         if width:
             by_column = torch.empty(width, dtype=torch.long, device=logits_rows.device)
-            by_column[torch.tensor(columns, device=logits_rows.device)] = logits_rows
+            by_column[to_device(torch.tensor(columns), logits_rows.device)] = logits_rows
             start = model.shard.vocab_start
             out = slot_view(link.slots[plan.mb_id % link.pool.depth], self.vocab_size, width)
             out = out[start:start + model.shard.vocab_rows]
+            target = out
+            if on_cuda:     # on the GPU first; cuda_logits.py copies it over
+                target = device_out = torch.empty(out.shape, dtype=out.dtype, device=hidden.device)
             model.compute_logits_columns(hidden[by_column],
                                          residual[by_column] if residual is not None else None,
-                                         out)
-        for sampler, _ in shares:
-            link.conns[sampler].send(("logits", plan.mb_id, self.tp_rank, forward_s))
+                                         target)
+        messages = [(link.conns[sampler], ("logits", plan.mb_id, self.tp_rank, forward_s))
+                    for sampler, _ in shares]
+        if on_cuda:
+            if self.cuda is None:
+                from .cuda_logits import CudaLogitsCopier
+
+                self.cuda = CudaLogitsCopier(link.slots, hidden.device)
+            self.cuda.publish(device_out, out, messages)
+            return
+        for conn, message in messages:
+            conn.send(message)
+
+    def close(self) -> None:
+        if self.cuda is not None:
+            self.cuda.close()

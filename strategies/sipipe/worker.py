@@ -22,3 +22,7 @@ class SiPipeWorker(WorkerExtension):
             worker.logits_out = LogitsProducer(self.link, worker.spec.vocab_size,
                                                worker.info.tp_rank)
             worker.samples = False
+
+    def close(self, worker) -> None:
+        if isinstance(worker.logits_out, LogitsProducer):
+            worker.logits_out.close()

@@ -238,3 +238,30 @@ def test_a_seesaw_switch_on_one_device_gives_the_single_process_tokens(tiny_llam
     assert got == expected
     assert stats["num_switches"] >= 1 and stats["swapped_out_tokens"] > 0
     assert stats["swapped_in_tokens"] == stats["swapped_out_tokens"]
+
+
+@pytest.mark.slow
+def test_a_sipipe_pipeline_on_one_device_gives_the_single_process_tokens(tiny_llama_dir,
+                                                                         staged_on_this_host):
+    """SiPipe at PP=2 with every penalty on (the paper's setting), its CPU sampler pool reading
+    the last stage's logits (on a GPU: copied through pinned slots on a stream of their own,
+    strategies/sipipe/cuda_logits.py), both stages on one device."""
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.request import SamplingParams
+    from batchinfer.strategies.sipipe.params import SiPipeParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+    single = EngineConfig(model={"path": str(tiny_llama_dir), "dtype": "float32",
+                                 "max_model_len": 128},
+                          device={"device": DEVICE}, cache={"kv_cache_memory": "4MiB"})
+    with Engine.from_config(single) as engine:
+        expected = [o.output_token_ids for o in engine.generate(PROMPTS, params)]
+    sipipe = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=48)
+    config = _config(tiny_llama_dir, parallel={"pp": 2}, scheduler=sipipe.scheduler_config(),
+                     strategy=sipipe)
+    with Engine.from_config(config) as engine:
+        got = [o.output_token_ids for o in engine.generate(PROMPTS, params)]
+        info = engine.info
+    assert got == expected
+    assert info["sipipe"]["cpu_sampling"] and info["parallel"]["gpu_transport"].startswith("host")
