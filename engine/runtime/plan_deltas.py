@@ -4,7 +4,7 @@ transfer when sequences are repeatedly scheduled").
 
 Every plan goes to every rank of its replica over a pipe, and a decoding sequence's block table
 changes once per block_size tokens; sent whole, the tables are most of a long-context plan's
-bytes (256 sequences of 2,048 tokens: 105 of 112 KB pickled). Here the controller's encoder (one
+bytes (256 sequences of 2,048 tokens: 100 of 107 KB pickled). Here the controller's encoder (one
 per executor: all its plans reach the same ranks, in order) keeps a copy of the last table it
 sent for each sequence, under a small integer handle, and sends per item how many entries of the
 cached table stay and the entries after them: nothing at all while a table is unchanged, the new
