@@ -188,8 +188,9 @@ class ParallelConfig(_Strict):
                             "gloo either way")
     sequence_cache: bool = Field(
         True, description="workers keep each running sequence's block tables and plans carry "
-                          "only the entries added since (SiPipe's SequenceCache); false: whole "
-                          "tables in every plan")
+                          "only what changed since the last plan (the entries added, or a "
+                          "table changed otherwise, whole): the SequenceCache of arXiv:2506.22033 "
+                          "§5.2; false: whole tables in every plan")
     threads_per_rank: Optional[int] = Field(
         None, ge=1, description="CPU threads of each worker; default: the cores split evenly")
     step_timeout_seconds: float = Field(

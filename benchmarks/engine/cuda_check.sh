@@ -101,6 +101,7 @@ run() {
             tests/engine/test_cuda_families.py tests/kernels/test_triton_attention.py \
             tests/kernels/test_triton_moe.py tests/strategies/test_seesaw_cuda.py \
             tests/engine/test_gpu_transport.py tests/strategies/test_sidp_one_gpu.py \
+            tests/strategies/test_sipipe_cuda.py \
             -q -p no:cacheprovider --rootdir . -o addopts="-ra" -k "${CUDA_TESTS_K:-not engine_gives}" \
             2>&1 | tee "$out/cuda_tests.log" || true
     fi

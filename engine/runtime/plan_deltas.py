@@ -1,4 +1,4 @@
-"""Plans that carry only the block-table entries a worker does not have yet (SiPipe's SequenceCache,
+"""Plans that carry only the block-table entries a worker does not have yet (the SequenceCache of
 arXiv:2506.22033 §5.2: each sequence's cached state on the worker, "minimizing redundant data
 transfer when sequences are repeatedly scheduled").
 
@@ -116,14 +116,14 @@ class TableCache:
             rows = []
             for handle, kept, tail in zip(deltas.handles, keeps, tails):
                 old = cache.get(handle)
-                if kept and (old is None or len(old) < kept):
+                if kept and (old is None or len(old) != kept):     # the encoder keeps all or none
                     raise RuntimeError(f"plan {plan.mb_id}: a table delta keeps {kept} entries "
                                        f"of a cached table of {len(old or [])}: the "
                                        "controller's and this worker's caches disagree")
                 if old is not None and kept == len(old) and not tail:
                     table = old                  # unchanged: most decode steps
                 else:
-                    table = old[:kept] + tail if kept else tail
+                    table = old + tail if kept else tail
                 cache[handle] = table
                 rows.append(table)
             groups.append(rows)

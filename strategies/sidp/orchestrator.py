@@ -55,9 +55,10 @@ class Orchestrator:
 
     # --- from the executors ---------------------------------------------------------------------
     def submit(self, replica: int, plan: StepPlan) -> None:
+        if replica in self._held:   # its plans must reach it in the order they were made
+            raise RuntimeError(f"replica {replica} scheduled again while its CaS plan waits for "
+                               "its round")
         if self.switch.mode == CAS:
-            if replica in self._held:
-                raise RuntimeError(f"replica {replica} scheduled twice in one CaS round")
             self._held[replica] = plan
         else:
             self._send(replica, plan)

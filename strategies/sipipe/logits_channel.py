@@ -52,8 +52,10 @@ def slot_view(slot: torch.Tensor, vocab_size: int, width: int) -> torch.Tensor:
 class LogitsProducer:
     """Last-stage side: writes a micro-batch's logits into its slot and tells its samplers."""
 
-    def __init__(self, link: SamplerLink, vocab_size: int, tp_rank: int):
+    def __init__(self, link: SamplerLink, vocab_size: int, tp_rank: int, on_error=None):
+        """on_error: on CUDA, how the copier's sender thread reports a failure (cuda_logits.py)."""
         self.link, self.vocab_size, self.tp_rank = link, vocab_size, tp_rank
+        self.on_error = on_error
         self.cuda = None        # on CUDA: cuda_logits.CudaLogitsCopier, made at the first forward
 
     def publish(self, model, plan, hidden, residual, logits_rows: torch.Tensor,
@@ -86,7 +88,7 @@ class LogitsProducer:
             if self.cuda is None:
                 from .cuda_logits import CudaLogitsCopier
 
-                self.cuda = CudaLogitsCopier(link.slots, hidden.device)
+                self.cuda = CudaLogitsCopier(link.slots, hidden.device, self.on_error)
             self.cuda.publish(device_out, out, messages)
             return
         for conn, message in messages:

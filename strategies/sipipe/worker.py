@@ -19,8 +19,10 @@ class SiPipeWorker(WorkerExtension):
 
     def roles(self, worker) -> None:
         if self.link is not None and worker.is_last:
-            worker.logits_out = LogitsProducer(self.link, worker.spec.vocab_size,
-                                               worker.info.tp_rank)
+            rank = worker.spec.rank
+            worker.logits_out = LogitsProducer(
+                self.link, worker.spec.vocab_size, worker.info.tp_rank,
+                on_error=lambda detail: worker.send(("error", rank, detail)))
             worker.samples = False
 
     def close(self, worker) -> None:

@@ -28,7 +28,7 @@ def test_random_table_histories_arrive_whole_at_the_worker():
     rng = random.Random(3)
     encoder, cache = TableEncoder(), TableCache()
     live: dict[str, list[list[int]]] = {}       # seq -> [group 0 table, group 1 table]
-    next_id, next_block = 0, 1
+    next_id, next_block, peak = 0, 1, 0
     handed_out = []
     for mb_id in range(400):
         for _ in range(rng.randint(0, 2)):        # arrivals
@@ -61,9 +61,11 @@ def test_random_table_histories_arrive_whole_at_the_worker():
         assert got.group_tables == [[live[s][1] for s in chosen]]
         assert got.table_deltas is None
         handed_out.append((got.block_tables, [list(t) for t in got.block_tables]))
+        assert set(cache._tables[0]) <= set(encoder._handles.values())   # dropped: forgotten
+        peak = max(peak, len(encoder._handles))
     for tables, snapshot in handed_out:           # later plans never changed an earlier one's
         assert tables == snapshot
-    assert max(encoder._handles.values(), default=0) < next_id   # released handles are reused
+    assert max(encoder._handles.values(), default=0) < peak      # released handles are reused
 
 
 def test_an_unchanged_table_travels_as_nothing():
@@ -92,3 +94,17 @@ def test_a_worker_that_missed_a_plan_says_the_caches_disagree():
     encoder.encode(_plan(0, [[1, 2, 3]]), ["s"])              # never reaches the worker
     with pytest.raises(RuntimeError, match="caches disagree"):
         cache.apply(encoder.encode(_plan(1, [[1, 2, 3, 4]]), ["s"]))
+
+
+def test_tables_that_grow_in_place_between_plans_are_sent_as_they_grew():
+    """The block manager hands out its own lists and appends to them: the encoder must keep a
+    copy of what it sent, not the list itself, or every later block would go unsent."""
+    encoder, cache = TableEncoder(), TableCache()
+    live = [[1, 2], [3]]                      # the block manager's lists, the same objects
+    for mb_id in range(5):
+        plan = StepPlan(mb_id, [0, 0], [1, 1], [1, 1], live, [0, 1], ["a", "b"], [1, 1])
+        got = cache.apply(_over_the_pipe(encoder.encode(plan, ["a", "b"])))
+        assert got.block_tables == live
+        live[0].append(10 + mb_id)
+        if mb_id % 2:
+            live[1].append(20 + mb_id)

@@ -93,7 +93,9 @@ def test_multiprocess_tokens_equal_single_process(make_engine, reference, parall
     with make_engine(**SMALL, parallel=parallel, scheduler=scheduler) as engine:
         outs = engine.generate(prompts, params)
         stats = engine.stats()
+        encoders = [rep.executor.tables for rep in engine.replicas]
     assert [o.output_token_ids for o in outs] == expected
+    assert all((e is None) == (parallel.get("sequence_cache") is False) for e in encoders)
     ranks = stats["pipeline"]["ranks"]
     assert len(ranks) == 2 and all(r["micro_batches"] > 0 for r in ranks)
     assert all(0.0 <= r["bubble_ratio"] < 1.0 for r in ranks)

@@ -138,8 +138,9 @@ def test_a_slot_is_refilled_only_after_the_forward_that_read_it():
 @needs_cuda
 @pytest.mark.slow
 def test_auto_sized_sidp_on_one_gpu_stays_inside_its_memory(tiny_llama_dir):
-    """The FFN store is allocated after the KV is sized (else its bytes would be taken twice),
-    and the replicas' caches, weights and store together stay inside memory_utilization."""
+    """Two replicas' caches, weights and the store they map through CUDA IPC stay inside
+    memory_utilization of one GPU, and take what it allows (the sizing order is checked on any
+    host: test_the_cache_is_sized_before_the_store_takes_its_memory)."""
     from batchinfer.engine.engine import Engine
     from batchinfer.strategies.sidp.params import SiDPParams
 
@@ -155,3 +156,44 @@ def test_auto_sized_sidp_on_one_gpu_stays_inside_its_memory(tiny_llama_dir):
     assert ratio > 1.0
     assert free - left <= 0.3 * free + (2 << 30)     # the workers' CUDA contexts beside it
     assert free - left >= 0.2 * free                 # ... and the caches took what they were given
+
+
+@pytest.mark.slow
+def test_the_cache_is_sized_before_the_store_takes_its_memory(monkeypatch, tiny_llama_dir):
+    """The store commits its bytes when allocated (host shared memory, or the GPU): sized after
+    it, the KV would count them twice (gone from the free memory, and again as the FFN a replica
+    no longer holds). Here the free memory drops by the store's bytes when it is allocated."""
+    from pathlib import Path as _Path
+
+    from batchinfer.engine import build as engine_build
+    from batchinfer.engine.engine import Engine
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.runtime.layout import ParallelLayout
+    from batchinfer.strategies.sidp.build import sidp_num_blocks
+    from batchinfer.strategies.sidp.ownership import resolve_owners
+    from batchinfer.strategies.sidp.params import SiDPParams
+
+    free = {"bytes": 2 << 30}
+    monkeypatch.setattr(engine_build, "available_memory", lambda device: free["bytes"])
+    allocate = FFNStore.allocate.__func__
+
+    def allocating(cls, *args, **kwargs):
+        store = allocate(cls, *args, **kwargs)
+        free["bytes"] -= store.layer_bytes() * store.gate_up.shape[0]
+        return store
+
+    monkeypatch.setattr(FFNStore, "allocate", classmethod(allocating))
+    sidp = SiDPParams(weight_slots=False)
+    config = EngineConfig(model={"path": str(tiny_llama_dir), **MODEL}, strategy=sidp,
+                          parallel={"dp": 2}, scheduler=sidp.scheduler_config())
+    arch = load_arch(_Path(tiny_llama_dir))
+    layout = ParallelLayout.resolve(config.parallel, arch)
+    expected = sidp_num_blocks(config, layout, arch, torch.device("cpu"), 4,
+                               resolve_owners(None, arch.num_layers, 2),
+                               FFNStore.bytes_per_layer(arch.hidden_size, arch.intermediate_size,
+                                                        torch.float32),
+                               False, available=2 << 30)
+    with Engine.from_config(config) as engine:
+        tokens = engine.info["sidp"]["kv_tokens_per_replica"]
+    assert free["bytes"] < 2 << 30                       # the store was allocated ...
+    assert tokens == expected * config.cache.block_size  # ... after the cache was sized
