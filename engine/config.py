@@ -8,7 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from .strict_numbers import NumbersNotBooleans
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -33,7 +35,7 @@ def parse_size(value: Union[int, float, str]) -> int:
     return int(number * _UNITS[unit])
 
 
-class _Strict(BaseModel):
+class _Strict(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 

@@ -10,10 +10,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from .strict_numbers import NumbersNotBooleans
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(NumbersNotBooleans):
     """Per-request sampling, vLLM semantics.
 
     temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.

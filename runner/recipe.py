@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError,
+from pydantic import (ConfigDict, Field, SerializeAsAny, ValidationError,
                       ValidationInfo, field_validator)
 
+from batchinfer.engine.strict_numbers import NumbersNotBooleans
 from batchinfer.engine.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                                       ParallelConfig, parse_size)
 from batchinfer.strategies.base import BaselineStrategy, StrategyParams
@@ -30,7 +31,7 @@ from .recipe_errors import RecipeError, YamlLines, suggest, validation_problems
 from batchinfer.engine.request import SamplingParams
 
 
-class _Strict(BaseModel):
+class _Strict(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 

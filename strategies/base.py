@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from batchinfer.engine.config import SchedulerConfig
+from batchinfer.engine.strict_numbers import NumbersNotBooleans
 
 
-class StrategyParams(BaseModel):
+class StrategyParams(NumbersNotBooleans):
     """Base of every strategy's parameter model; `name` selects the strategy."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())

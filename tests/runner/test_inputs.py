@@ -50,6 +50,7 @@ BAD_LINES = [
     ({"id": "m", "prompt": "x", "top_p": 1.5}, "invalid_sampling"),
     ({"id": "n", "prompt": "x", "max_tokens": 0}, "invalid_sampling"),
     ({"id": "o", "prompt": "x", "max_tokens": "ten"}, "invalid_sampling"),
+    ({"id": "o2", "prompt": "x", "max_tokens": True}, "invalid_sampling"),   # not 1 token
     ({"id": "p", "prompt": ""}, "empty_prompt"),
     (b'{"id": "q", "prompt": "caf\xc3\x28"}', "invalid_utf8"),
 ]
