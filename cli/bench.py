@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail, setup_logging, user_errors
+from .common import fail, one_file, setup_logging, user_errors
 
 HELP = """Run one workload through several recipes (strategies, layouts, backends) and compare them.
 
@@ -27,8 +27,8 @@ EPILOG = ("Exit codes: 0 table written, every configuration ran; 1 table written
 
 def bench(
     recipes: list[str] = typer.Argument(..., help="Recipes to compare: path or name=path."),
-    input: Optional[Path] = typer.Option(None, "--input", "-i", help="Workload: a JSONL request "
-                                         "file."),
+    input: Optional[list[Path]] = typer.Option(None, "--input", "-i", metavar="FILE",
+                                               help="Workload: a JSONL request file."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Workload: sharegpt, arxiv "
                                             "or fixed (instead of --input)."),
     num_requests: int = typer.Option(256, "--num-requests", "-n", min=1,
@@ -46,6 +46,7 @@ def bench(
     output: Path = typer.Option(Path("runs/bench"), "--output", "-o", help="Directory for "
                                 "bench.json, bench.md and the run directories."),
 ) -> None:
+    input = one_file(input)
     setup_logging(quiet=True)
     from rich.console import Console
     from rich.table import Table

@@ -41,6 +41,17 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def one_file(values: Optional[list], option: str = "--input"):
+    """A file option declared repeatable (a list) so that giving it twice is an error instead of
+    click keeping the last one silently; -> the one file, or None."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise fail(f"{option} given {len(values)} times ({', '.join(map(str, values))}): give "
+                   "one file (join them into one, or run each into its own run directory)")
+    return values[0]
+
+
 def fail(message: str, code: int = 2, json_fields: Optional[dict] = None) -> "typer.Exit":
     """The error on stderr; with `json_fields` (a command's --json) also as a JSON object on
     stdout, those fields plus "error" and "exit_code", so a script reading stdout gets JSON."""

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail, setup_logging, user_errors
+from .common import fail, one_file, setup_logging, user_errors
 
 HELP = """Pick the strategy and parallel layout for a job by simulating it.
 
@@ -26,7 +26,8 @@ EPILOG = ("Every number printed is simulated. Exit codes: 0 done, 2 bad recipe, 
 
 def profile(
     recipe: Path = typer.Argument(..., help="Recipe YAML."),
-    input: Path = typer.Option(..., "--input", "-i", help="The job's prompt file."),
+    input: list[Path] = typer.Option(..., "--input", "-i", metavar="FILE",
+                                     help="The job's prompt file."),
     hardware: str = typer.Option("measured", "--hardware", help="measured (this machine) or a "
                                  "preset: a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="Ranks a layout uses. "
@@ -48,6 +49,7 @@ def profile(
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
+    input = one_file(input)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import input_file_problem
     from batchinfer.runner.recipe import load_recipe

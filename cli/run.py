@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import typer
 
-from .common import EXIT_CODES_HELP, fail, setup_logging, user_errors
+from .common import EXIT_CODES_HELP, fail, one_file, setup_logging, user_errors
 
 HELP = """Run a batch job over an input file.
 
@@ -26,8 +26,9 @@ EPILOG = EXIT_CODES_HELP
 
 def run(
     recipe: Path = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml."),
-    input: Path = typer.Option(..., "--input", "-i", help="Prompt file: JSONL (plain, chat or "
-                               "OpenAI batch lines), or a parquet / arrow / csv / json dataset."),
+    input: list[Path] = typer.Option(..., "--input", "-i", metavar="FILE",
+                                     help="Prompt file: JSONL (plain, chat or OpenAI batch "
+                                          "lines), or a parquet / arrow / csv / json dataset."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory. Default: "
                                           "the recipe's io.output_dir, else runs/<recipe>__<input>."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a run directory that "
@@ -52,6 +53,7 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
+    input = one_file(input)
     with _stop_on_signals():
         setup_logging(verbose, quiet)
         if progress not in ("auto", "bar", "lines", "off"):

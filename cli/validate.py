@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail, setup_logging, user_errors
+from .common import fail, one_file, setup_logging, user_errors
 
 HELP = """Check a recipe and every input line, without loading a model.
 
@@ -24,13 +24,15 @@ EPILOG = ("Exit codes: 0 the recipe and every line are fine, 1 some lines would 
 
 def validate(
     recipe: Path = typer.Argument(..., help="Recipe YAML."),
-    input: Path = typer.Option(..., "--input", "-i", help="Prompt file to check."),
+    input: list[Path] = typer.Option(..., "--input", "-i", metavar="FILE",
+                                     help="Prompt file to check."),
     tokenize: bool = typer.Option(True, "--tokenize/--no-tokenize", help="Load the tokenizer "
                                   "to check prompt lengths (default)."),
     show: int = typer.Option(20, "--show", min=0, help="How many bad lines to print."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
+    input = one_file(input)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe

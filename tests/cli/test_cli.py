@@ -56,6 +56,16 @@ def test_help_teaches_with_an_example(runner, command):
             assert code in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize("command", ["run", "validate", "profile", "bench"])
+def test_an_input_given_twice_is_refused_not_the_last_kept(runner, tmp_path, command):
+    first = _jsonl(tmp_path / "a.jsonl", [{"prompt": "hi"}])
+    second = _jsonl(tmp_path / "b.jsonl", [{"prompt": "bye"}])
+    result = runner.invoke(app, [command, "recipes/quickstart.yaml", "--input", str(first),
+                                 "-i", str(second)])
+    assert result.exit_code == 2, result.output
+    assert "--input given 2 times" in result.output and "a.jsonl" in result.output
+
+
 def test_bad_recipe_exits_2_naming_the_key(runner, tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("sampling:\n  temprature: 0.5\n")
