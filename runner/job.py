@@ -408,6 +408,10 @@ class Job:
                 pred["encoder"] = encoder
             summary["predictor"] = pred
         summary.update(self.read_ahead.summary())
+        saved = (summary.get("dedup") or {}).get("output_tokens_saved") or 0
+        if saved and summary["generation_s"] > 0:    # replies copied, not generated
+            summary["throughput"]["computed_output_tokens_per_s"] = round(
+                (summary["completion_tokens"] - saved) / summary["generation_s"], 3)
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 

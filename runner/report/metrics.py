@@ -25,7 +25,11 @@ DEFINITIONS = {
                     "written (or now, while running); model loading is excluded",
     "requests_per_s": "requests completed in this session / generation_s (failed ones excluded)",
     "input_tokens_per_s": "prompt tokens of the completed requests / generation_s",
-    "output_tokens_per_s": "generated tokens of the completed requests / generation_s",
+    "output_tokens_per_s": "generated tokens of the completed requests / generation_s (requests "
+                           "answered from an identical request's result count their reply too)",
+    "computed_output_tokens_per_s": "output tokens the engine generated / generation_s: "
+                                    "output_tokens_per_s without the replies copied to "
+                                    "duplicates (io.dedup); present when there were any",
     "total_tokens_per_s": "(prompt + generated tokens of the completed requests) / generation_s",
     "latency_s.e2e": "per request: from admission to the engine to its last token",
     "latency_s.ttft": "per request: from admission to the engine to its first generated token",
