@@ -29,7 +29,7 @@ from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader, Shard
-from .report.metrics import SessionMetrics
+from .report.metrics import SessionMetrics, add_computed_throughput, predictor_summary
 from .report.plots import render_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
@@ -37,7 +37,7 @@ from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
 from .resume_check import (check_resume, fingerprint_with_prefix, model_locations,
-                           recorded_input_bytes)
+                           numerics_changed, recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -70,6 +70,7 @@ class Job:
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self._previous_sessions: list[dict] = []
+        self._old_engine: Optional[dict] = None   # report.json's engine, resuming results
         self._total: Optional[int] = None
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
@@ -193,6 +194,7 @@ class Job:
                                       "model_locations": model_locations(self.recipe.model),
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
+        self._old_engine = old_report.get("engine") if self.prior.num_outputs else None
         self._previous_sessions = list(old_report.get("previous_sessions") or [])
         if old_report.get("session"):
             brief = session_brief(old_report["session"])
@@ -217,6 +219,9 @@ class Job:
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
+            changed = numerics_changed(self._old_engine, getattr(self.engine, "info", {}))
+            if changed:
+                log.warning("%s", changed)
             self.engine.drain_step_events()
             self.metrics.start(self.engine.stats(), self.clock())
         self.metrics.phases_s["load"] += time.perf_counter() - t
@@ -401,17 +406,9 @@ class Job:
             window = [round(self._wall0 + m.first_admit_t, 3),
                       round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
         if self.predictor is not None:
-            pred = self.predictor.stats()
-            pred["share_of_job"] = round(pred["seconds"] / now, 6) if now > 0 else None
-            encoder = self.predictor.describe().get("encoder")    # its arithmetic (bert)
-            if encoder:
-                pred["encoder"] = encoder
-            summary["predictor"] = pred
+            summary["predictor"] = predictor_summary(self.predictor, now)
         summary.update(self.read_ahead.summary())
-        saved = (summary.get("dedup") or {}).get("output_tokens_saved") or 0
-        if saved and summary["generation_s"] > 0:    # replies copied, not generated
-            summary["throughput"]["computed_output_tokens_per_s"] = round(
-                (summary["completion_tokens"] - saved) / summary["generation_s"], 3)
+        add_computed_throughput(summary)
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 

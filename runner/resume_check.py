@@ -189,3 +189,19 @@ def recorded_input_bytes(manifest: dict) -> Optional[int]:
     """The input length run.json recorded (None: nothing recorded)."""
     recorded = manifest.get("input_fingerprint") or {}
     return recorded.get("bytes")
+
+
+def numerics_changed(old_engine: Optional[dict], engine_info: dict) -> Optional[str]:
+    """A resumed run whose earlier results came from other arithmetic than this session's (e.g.
+    `dtype: auto` resolved on a host with native bf16 before, on one without now): the warning
+    to log, or None. The replies stay valid; they are just not from one dtype."""
+    if not old_engine:
+        return None
+    changes = [f"{key} {old_engine[key]} -> {engine_info.get(key)}"
+               for key in ("device", "dtype", "kv_cache_dtype", "quantization")
+               if key in old_engine and old_engine[key] != engine_info.get(key)]
+    if not changes:
+        return None
+    return ("this session computes in other numerics than the run's earlier results ("
+            + ", ".join(changes) + "); set model.dtype (and device.device) in the recipe to keep "
+            "one for the whole run")

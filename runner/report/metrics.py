@@ -303,3 +303,23 @@ class SessionMetrics:
                 "events": list(self.decisions),
             },
         }
+
+
+def predictor_summary(predictor, elapsed_s: float) -> dict:
+    """report.json's session.predictor: the predictor's counters, its share of the job's time
+    and (bert) its encoder's arithmetic."""
+    pred = predictor.stats()
+    pred["share_of_job"] = round(pred["seconds"] / elapsed_s, 6) if elapsed_s > 0 else None
+    encoder = predictor.describe().get("encoder")
+    if encoder:
+        pred["encoder"] = encoder
+    return pred
+
+
+def add_computed_throughput(summary: dict) -> None:
+    """throughput.computed_output_tokens_per_s where replies were copied to duplicates (the
+    session's `dedup`): those tokens were delivered, not generated."""
+    saved = (summary.get("dedup") or {}).get("output_tokens_saved") or 0
+    if saved and summary["generation_s"] > 0:
+        summary["throughput"]["computed_output_tokens_per_s"] = round(
+            (summary["completion_tokens"] - saved) / summary["generation_s"], 3)

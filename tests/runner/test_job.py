@@ -449,3 +449,23 @@ def test_an_input_file_that_breaks_part_way_keeps_what_ran_and_exits_2(tmp_path,
     with pytest.raises(InputFileError, match=r"malformed.csv: cannot read it as csv \(.*line 3"):
         run(tiny_recipe, malformed, tmp_path / "out3", shared_engine)
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_a_resume_in_other_numerics_is_said(tmp_path, tiny_recipe, shared_engine, caplog):
+    """dtype: auto resolves by host: a run resumed on a host without native bf16 computes the
+    rest in fp32. The replies stay; the log says the run now mixes two dtypes."""
+    from batchinfer.runner.resume_check import numerics_changed
+
+    lines = [{"id": f"r{i}", "prompt": f"Question {i}?"} for i in range(6)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    run(tiny_recipe, path, tmp_path / "run", shared_engine, limit=3)
+    report_path = tmp_path / "run" / "report.json"
+    report = json.loads(report_path.read_text())
+    assert numerics_changed(report["engine"], report["engine"]) is None
+    report["engine"]["dtype"] = "bfloat16"          # as an AVX512-BF16 host resolved it
+    report_path.write_text(json.dumps(report))
+    with caplog.at_level("WARNING", logger="batchinfer"):
+        second = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert second.outputs == 6
+    assert any("dtype bfloat16 -> float32" in r.getMessage() and "model.dtype" in r.getMessage()
+               for r in caplog.records)
