@@ -62,12 +62,18 @@ def fail(message: str, code: int = 2, json_fields: Optional[dict] = None) -> "ty
 
 
 @contextlib.contextmanager
-def user_errors(json_fields: Optional[dict] = None) -> Iterator[None]:
-    """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2 (`fail`)."""
+def user_errors(json_fields: Optional[dict] = None, recipe: Optional[object] = None
+                ) -> Iterator[None]:
+    """ConfigError, ModelLoadError, RecipeError, bad input file -> message and exit 2 (`fail`);
+    with `recipe` (its path) an engine error naming a recipe key also names its file and line."""
     from batchinfer.engine.errors import ConfigError, ModelLoadError
     from batchinfer.runner.io.inputs import InputFileError
+    from batchinfer.runner.recipe_errors import RecipeError, located
 
     try:
         yield
     except (ConfigError, ModelLoadError, InputFileError) as exc:
-        raise fail(str(exc), json_fields=json_fields) from None
+        message = str(exc)
+        if isinstance(exc, ConfigError) and not isinstance(exc, RecipeError) and recipe:
+            message = located(message, str(recipe))
+        raise fail(message, json_fields=json_fields) from None

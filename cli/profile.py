@@ -58,7 +58,7 @@ def profile(
 
     out_dir = out or Path(f"profile-{recipe.stem}")
     json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
-    with user_errors(json_fields):
+    with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
         problem = input_file_problem(input)
         if problem:

@@ -64,7 +64,7 @@ def run(
         from batchinfer.runner.slurm import detect_shard, parse_shard
 
         _warn_unknown_environment()
-        with user_errors():
+        with user_errors(recipe=recipe):
             parsed = load_recipe(recipe)
             problem = input_file_problem(input)
             if problem:

@@ -38,7 +38,7 @@ def validate(
     from batchinfer.runner.recipe import load_recipe
 
     json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
-    with user_errors(json_fields):
+    with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
         problem = input_file_problem(input)
         if problem:

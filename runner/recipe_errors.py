@@ -6,6 +6,8 @@ is allowed; an unknown key gets the closest valid one suggested (difflib).
 from __future__ import annotations
 
 import difflib
+import re
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import yaml
@@ -125,3 +127,21 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
         else:
             problems.append(f"{at}: {_describe(error)}")
     return problems
+
+
+_LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)\b")
+
+
+def located(message: str, recipe_path: Optional[str]) -> str:
+    """An engine error that starts with a recipe key (`parallel.pp: pp=6 ...`, raised while the
+    engine is built) with the recipe's file and the line that sets it, or the line of the nearest
+    section that is set (`parallel:`); as it is when the recipe sets neither."""
+    match = _LEADING_KEY.match(message)
+    if match is None or recipe_path is None:
+        return message
+    try:
+        text = Path(recipe_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return message
+    line = YamlLines(text).line(tuple(match.group(1).split(".")))
+    return f"{recipe_path} line {line}, {message}" if line is not None else message

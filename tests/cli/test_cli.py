@@ -66,6 +66,18 @@ def test_an_input_given_twice_is_refused_not_the_last_kept(runner, tmp_path, com
     assert "--input given 2 times" in result.output and "a.jsonl" in result.output
 
 
+def test_an_impossible_layout_names_the_recipe_line(runner, tmp_path):
+    """Found while the engine is built, not by the recipe's schema: still the file and line."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  max_model_len: 256\nparallel:\n  pp: 64\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for command in ("validate", "run"):
+        result = runner.invoke(app, [command, str(recipe), "--input", str(prompts),
+                                     *(["--dry-run"] if command == "run" else [])])
+        assert result.exit_code == 2, result.output
+        assert f"{recipe} line 4, parallel.pp: pp=64" in result.output
+
+
 def test_bad_recipe_exits_2_naming_the_key(runner, tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("sampling:\n  temprature: 0.5\n")
