@@ -34,15 +34,6 @@ def _plan(mb_id: int, tables: list[list[int]]):
                     [f"req-{i:06d}" for i in range(n)], [200] * n)
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(seqs: int, context: int, steps: int) -> dict:
     from multiprocessing.reduction import ForkingPickler
 

@@ -51,9 +51,8 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return _host_buffer(t).copy_(t)
 
 
-class StagedSend:
-    """An isend of a host copy: keeps the copy alive until the message is out. `wait()` may be
-    called again (gloo's own would block)."""
+class _StagedWork:
+    """A gloo work on a host buffer. `wait()` may be called again (gloo's own would block)."""
 
     def __init__(self, work, host: Optional[torch.Tensor]):
         self.work, self.host = work, host
@@ -64,29 +63,31 @@ class StagedSend:
             return True
         result = self.work.wait(*args)
         if result is not False:
+            self._arrived()
             self.done, self.host = True, None
         return result
+
+    def _arrived(self) -> None:
+        pass
+
+
+class StagedSend(_StagedWork):
+    """An isend of a host copy: keeps the copy alive until the message is out."""
 
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
 
 
-class StagedReceive:
+class StagedReceive(_StagedWork):
     """An irecv into a host buffer; `wait()` copies it into the tensor the caller posted (read that
-    tensor only after wait, as with any irecv). `wait()` may be called again."""
+    tensor only after wait, as with any irecv)."""
 
     def __init__(self, work, host: torch.Tensor, target: torch.Tensor):
-        self.work, self.host, self.target = work, host, target
-        self.done = False
+        super().__init__(work, host)
+        self.target = target
 
-    def wait(self, *args):
-        if self.done:
-            return True
-        result = self.work.wait(*args)
-        if result is not False:
-            self.target.copy_(self.host)
-            self.done, self.host = True, None
-        return result
+    def _arrived(self) -> None:
+        self.target.copy_(self.host)
 
     def is_completed(self) -> bool:
         """Whether wait() has delivered the values (gloo's work alone says nothing before it)."""
