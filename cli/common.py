@@ -41,14 +41,16 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def one_file(values: Optional[list], option: str = "--input"):
+def one_file(values: Optional[list], option: str = "--input",
+             json_fields: Optional[dict] = None):
     """A file option declared repeatable (a list) so that giving it twice is an error instead of
-    click keeping the last one silently; -> the one file, or None."""
+    click keeping the last one silently; -> the one file, or None. json_fields: as `fail`'s."""
     if not values:
         return None
     if len(values) > 1:
         raise fail(f"{option} given {len(values)} times ({', '.join(map(str, values))}): give "
-                   "one file (join them into one, or run each into its own run directory)")
+                   "one file (join them into one, or run each into its own run directory)",
+                   json_fields=json_fields)
     return values[0]
 
 

@@ -32,7 +32,8 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    input = one_file(input)
+    input = one_file(input, json_fields={"recipe": str(recipe), "input": [str(i) for i in input]}
+                     if as_json else None)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
@@ -44,7 +45,8 @@ def validate(
         if problem:
             raise fail(f"--input {input}: {problem}", json_fields=json_fields)
         reader = InputReader(input, parsed.io, parsed.sampling)
-        tokenizer, max_len, vocab = _tokenizer(parsed) if tokenize else (None, None, 0)
+        tokenizer, max_len, vocab = (_tokenizer(parsed) if tokenize
+                                     else _checked_without_tokenizer(parsed))
 
     bad: list[dict] = []
     codes: Counter = Counter()
@@ -105,6 +107,21 @@ def _report(as_json: bool, recipe: Path, input: Path, reader, good: int, bad: li
         if codes:
             typer.echo("  by code: " + ", ".join(f"{k} {v}" for k, v in sorted(codes.items())))
     raise typer.Exit(1 if total_bad else 0)
+
+
+def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
+    """--no-tokenize: the same refusals that need no weights (preflight: layout, device, the
+    strategy's own), from the model's config alone; no tokenizer loads."""
+    from pathlib import Path
+
+    from batchinfer.engine.build import _max_model_len, preflight
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import resolve_model_dir
+
+    model_dir, _ = resolve_model_dir(recipe.model.path)
+    arch = load_arch(Path(model_dir), recipe.model.hf_overrides or None)
+    preflight(recipe.engine_config(), arch, _max_model_len(recipe.model.max_model_len, arch))
+    return None, None, 0
 
 
 def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:

@@ -1,7 +1,8 @@
 """Number fields that refuse true / false.
 
 pydantic reads a boolean as 1 or 0 for an int or float field, so a recipe's `max_tokens: true` or an
-input line's `"temperature": false` would run with a value nobody wrote. Every settings model
+input line's `"temperature": false` would run with a value nobody wrote; so would an item of a
+list of numbers (`pp_layers: [true, true]`). Every settings model
 (recipe sections, strategy parameters, sampling parameters) derives from NumbersNotBooleans.
 """
 from __future__ import annotations
@@ -28,7 +29,13 @@ class NumbersNotBooleans(BaseModel):
     @classmethod
     def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if (isinstance(value, bool) and field is not None
-                and takes_numbers_not_booleans(field.annotation)):
+        if field is None or not takes_numbers_not_booleans(field.annotation):
+            return value
+        if isinstance(value, bool):
             raise ValueError(f"a number is needed, not {str(value).lower()}")
+        if isinstance(value, (list, tuple)):          # a list of numbers (pp_layers, owners)
+            for index, item in enumerate(value):
+                if isinstance(item, bool):
+                    raise ValueError(f"a list of numbers is needed; item {index} is "
+                                     f"{str(item).lower()}")
         return value

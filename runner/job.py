@@ -70,7 +70,8 @@ class Job:
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self._previous_sessions: list[dict] = []
-        self._old_engine: Optional[dict] = None   # report.json's engine, resuming results
+        self._old_model: Optional[str] = None     # report.json's model and engine before
+        self._old_engine: Optional[dict] = None   # this session
         self._total: Optional[int] = None
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
@@ -194,7 +195,8 @@ class Job:
                                       "model_locations": model_locations(self.recipe.model),
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
-        self._old_engine = old_report.get("engine") if self.prior.num_outputs else None
+        # what computed the results so far: kept in a report no engine rewrites (nothing to run)
+        self._old_model, self._old_engine = old_report.get("model"), old_report.get("engine")
         self._previous_sessions = list(old_report.get("previous_sessions") or [])
         if old_report.get("session"):
             brief = session_brief(old_report["session"])
@@ -219,7 +221,8 @@ class Job:
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
-            changed = numerics_changed(self._old_engine, getattr(self.engine, "info", {}))
+            changed = numerics_changed(self._old_engine if self.prior.num_outputs else None,
+                                       getattr(self.engine, "info", {}))
             if changed:
                 log.warning("%s", changed)
             self.engine.drain_step_events()
@@ -464,9 +467,9 @@ class Job:
             "input": str(self.spec.input_path),
             "input_format": self.reader.format,
             "recipe": self.spec.recipe_path,
-            "model": self.engine.model_id if self.engine is not None else None,
-            "engine": {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
-                       if k in stats},
+            "model": self.engine.model_id if self.engine is not None else self._old_model,
+            "engine": ({k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
+                        if k in stats} if self.engine is not None else self._old_engine or {}),
             "strategy": self.recipe.strategy.model_dump(mode="json"),
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "auto_settings": self.auto_settings,

@@ -64,6 +64,10 @@ def test_an_input_given_twice_is_refused_not_the_last_kept(runner, tmp_path, com
                                  "-i", str(second)])
     assert result.exit_code == 2, result.output
     assert "--input given 2 times" in result.output and "a.jsonl" in result.output
+    if command in ("validate", "profile"):           # --json: still one JSON object on stdout
+        result = runner.invoke(app, [command, "recipes/quickstart.yaml", "--input", str(first),
+                                     "-i", str(second), "--json"])
+        assert result.exit_code == 2 and '"exit_code": 2' in result.output
 
 
 def test_an_impossible_layout_names_the_recipe_line(runner, tmp_path):
@@ -71,9 +75,9 @@ def test_an_impossible_layout_names_the_recipe_line(runner, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  max_model_len: 256\nparallel:\n  pp: 64\n")
     prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
-    for command in ("validate", "run"):
-        result = runner.invoke(app, [command, str(recipe), "--input", str(prompts),
-                                     *(["--dry-run"] if command == "run" else [])])
+    for command, extra in (("validate", []), ("validate", ["--no-tokenize"]),
+                           ("run", ["--dry-run"])):
+        result = runner.invoke(app, [command, str(recipe), "--input", str(prompts), *extra])
         assert result.exit_code == 2, result.output
         assert f"{recipe} line 4, parallel.pp: pp=64" in result.output
 

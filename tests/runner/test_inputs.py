@@ -51,6 +51,7 @@ BAD_LINES = [
     ({"id": "n", "prompt": "x", "max_tokens": 0}, "invalid_sampling"),
     ({"id": "o", "prompt": "x", "max_tokens": "ten"}, "invalid_sampling"),
     ({"id": "o2", "prompt": "x", "max_tokens": True}, "invalid_sampling"),   # not 1 token
+    ({"id": "o3", "prompt": "x", "stop_token_ids": [True]}, "invalid_sampling"),   # not [1]
     ({"id": "p", "prompt": ""}, "empty_prompt"),
     (b'{"id": "q", "prompt": "caf\xc3\x28"}', "invalid_utf8"),
 ]

@@ -460,7 +460,10 @@ def test_a_resume_in_other_numerics_is_said(tmp_path, tiny_recipe, shared_engine
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     run(tiny_recipe, path, tmp_path / "run", shared_engine, limit=3)
     report_path = tmp_path / "run" / "report.json"
+    first = json.loads(report_path.read_text())
+    run(tiny_recipe, path, tmp_path / "run", shared_engine, limit=3)   # nothing left: no engine
     report = json.loads(report_path.read_text())
+    assert report["engine"] == first["engine"] and report["model"] == first["model"]   # kept
     assert numerics_changed(report["engine"], report["engine"]) is None
     report["engine"]["dtype"] = "bfloat16"          # as an AVX512-BF16 host resolved it
     report_path.write_text(json.dumps(report))

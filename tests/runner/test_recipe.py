@@ -199,8 +199,10 @@ def test_parse_recipe_from_dict():
 def test_a_boolean_is_not_a_number(tmp_path):
     """pydantic would read true as 1: one token, one pipeline stage."""
     problems = _problems(tmp_path, "sampling:\n  max_tokens: true\nparallel:\n  pp: false\n"
+                                   "  pp_layers: [true, true]\n"
                                    "strategy:\n  name: baseline\n  max_num_seqs: true\n")
     joined = "\n".join(problems)
     assert "line 2, sampling.max_tokens" in joined and "a number is needed, not true" in joined
     assert "line 4, parallel.pp" in joined and "not false" in joined
-    assert "strategy.max_num_seqs" in joined and len(problems) == 3
+    assert "line 5, parallel.pp_layers" in joined and "item 0 is true" in joined
+    assert "strategy.max_num_seqs" in joined and len(problems) == 4
