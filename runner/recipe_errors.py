@@ -99,19 +99,35 @@ def _describe(error: dict) -> str:
         message = message[len("Value error, "):]
     value = error.get("input")
     if error["type"] not in ("missing", "extra_forbidden") and not isinstance(value, (dict, list)):
-        shown = repr(value)
+        # as the recipe spells it: true, null, 'text'
+        shown = {True: "true", False: "false", None: "null"}.get(value, repr(value)) \
+            if isinstance(value, (bool, type(None))) else repr(value)
         if len(shown) > 60:
             shown = shown[:57] + "..."
-        message += f" (got {shown})"
+        if not message.endswith(f"not {shown}"):
+            message += f" (got {shown})"
     return message
+
+
+_UNION_TAG = re.compile(r"^(int|float|str|bool|none|list|dict|tuple|is-instance|json-or-python|"
+                        r"(literal|function-[a-z]+|list|dict|tuple|nullable)\[.*)$")
+
+
+def _field_path(loc: tuple) -> tuple:
+    """pydantic's location without the union member it tried (`kv_cache_memory.int`,
+    `kv_cache_memory.str`): the key the user wrote."""
+    for index, part in enumerate(loc):
+        if isinstance(part, str) and _UNION_TAG.match(part):
+            return loc[:index]
+    return loc
 
 
 def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: KeyPath = (),
                         lines: Optional[YamlLines] = None) -> list[str]:
     """One message per pydantic error: 'line N, key.path: what is wrong; what is allowed'."""
-    problems = []
+    problems, unions = [], {}
     for error in exc.errors():
-        loc = tuple(part for part in error["loc"] if part != "__root__")
+        loc = _field_path(tuple(part for part in error["loc"] if part != "__root__"))
         path = prefix + loc
         where = dotted(path)
         line = lines.line(path) if lines else None
@@ -124,7 +140,10 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
             if allowed:
                 text += f" Allowed keys: {', '.join(allowed)}"
             problems.append(text)
+        elif (at, error["input"].__class__) in unions:   # the union's other members
+            problems[unions[(at, error["input"].__class__)]] += f"; or {_describe(error)}"
         else:
+            unions[(at, error["input"].__class__)] = len(problems)
             problems.append(f"{at}: {_describe(error)}")
     return problems
 

@@ -10,6 +10,7 @@ ranges, so `batchinfer validate` runs it without a model.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -103,6 +104,16 @@ def _is_token_ids(prompt: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
+def _token_ids_problem(prompt: list, key: str) -> tuple[str, str]:
+    """(code, message) for an array prompt that is not token ids."""
+    if not prompt:
+        return "empty_prompt", f"{key} is an empty array"
+    index, item = next((i, t) for i, t in enumerate(prompt)
+                       if not isinstance(t, int) or isinstance(t, bool))
+    return "invalid_type", (f"{key} is an array, so token ids (whole numbers), but item {index} "
+                            f"is {json.dumps(item)}")
+
+
 def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
     """None if `messages` is a usable conversation, else what is wrong with it."""
     if not isinstance(messages, list):
@@ -186,6 +197,8 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
         prompt = record["prompt"]
         if _is_token_ids(prompt):
             spec.prompt = list(prompt)
+        elif isinstance(prompt, list):
+            return err(*_token_ids_problem(prompt, name["prompt"]))
         elif not isinstance(prompt, str):
             return err("invalid_type", f"{name['prompt']} must be a string or an array of "
                        f"token ids, not {json_type_name(prompt)}")
@@ -265,6 +278,9 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         prompt = body["prompt"]
         if _is_token_ids(prompt):
             spec.prompt = list(prompt)
+        elif isinstance(prompt, list) and (not prompt or not all(isinstance(p, str)
+                                                                 for p in prompt)):
+            return err(*_token_ids_problem(prompt, "body.prompt"))
         elif isinstance(prompt, str):
             if not prompt:
                 return err("empty_prompt", "body.prompt is empty")

@@ -39,6 +39,8 @@ BAD_LINES = [
     ({"id": "c", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "ambiguous_request"),
     ({"id": "d", "prompt": 42}, "invalid_type"),
     ({"id": "d2", "prompt": [1, "2"]}, "invalid_type"),
+    ({"id": "d3", "prompt": [True, 5]}, "invalid_type"),
+    ({"id": "d4", "prompt": []}, "empty_prompt"),
     ({"id": ["e"], "prompt": "x"}, "invalid_type"),
     ({"id": "f", "prompt": "x", "metadata": "nope"}, "invalid_type"),
     ({"id": "g", "messages": "hi"}, "invalid_messages"),
@@ -436,3 +438,10 @@ def test_a_jsonl_line_failing_under_a_recipe_naming_columns_says_where_they_appl
     assert spec.prompt == "Hello" and spec.request_id == "a"
     (plain,) = _read(_write_lines(tmp_path / "p.jsonl", [{"prompt": "x", "bogus": 1}]))
     assert "apply to dataset files" not in plain.message
+
+
+def test_a_bad_token_id_prompt_names_the_item(tmp_path):
+    path = _write_lines(tmp_path / "in.jsonl", [{"prompt": [1, 2.5, 3]}, {"prompt": []}])
+    first, second = _read(path)
+    assert first.message == "'prompt' is an array, so token ids (whole numbers), but item 1 is 2.5"
+    assert second.code == "empty_prompt" and "empty array" in second.message

@@ -206,3 +206,12 @@ def test_a_boolean_is_not_a_number(tmp_path):
     assert "line 4, parallel.pp" in joined and "not false" in joined
     assert "line 5, parallel.pp_layers" in joined and "item 0 is true" in joined
     assert "strategy.max_num_seqs" in joined and len(problems) == 4
+
+
+def test_a_value_no_member_of_a_union_takes_is_one_problem_at_the_key(tmp_path):
+    """pydantic reports each member it tried (`.int`, `.str`): the user wrote one key."""
+    (text,) = _problems(tmp_path, "memory:\n  kv_cache_memory: 1.5\n")
+    assert text.startswith("line 2, memory.kv_cache_memory: ") and ".int" not in text
+    assert "valid integer" in text and "valid string" in text
+    (text,) = _problems(tmp_path, "model:\n  dtype: null\n")
+    assert text.endswith("(got null)")                  # as YAML spells it, not None
