@@ -37,7 +37,7 @@ from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
 from .resume_check import (check_resume, fingerprint_with_prefix, model_locations,
-                           numerics_changed, recorded_input_bytes)
+                           numerics_changed, recipe_changes, recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -67,17 +67,14 @@ class Job:
         self.signals = StopSignals()
         self.session_number = 1
         self.started_at = now_iso()
-        self._t0 = time.perf_counter()
-        self._wall0 = time.time()
+        self._t0, self._wall0 = time.perf_counter(), time.time()
         self._previous_sessions: list[dict] = []
-        self._old_model: Optional[str] = None     # report.json's model and engine before
-        self._old_engine: Optional[dict] = None   # this session
+        self._old_model, self._old_engine = None, None   # report.json's, before this session
         self._total: Optional[int] = None
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
         self._results: Optional[ResultWriter] = None
-        self._last_report = 0.0
-        self._last_plots = 0.0
+        self._last_report = self._last_plots = 0.0
         self._records = None          # the input still to run (_pending_records)
 
     def clock(self) -> float:
@@ -178,8 +175,9 @@ class Job:
                          prefix)
         recipe_yaml = self.recipe.to_yaml()
         if has_results and old_recipe is not None and old_recipe != recipe_yaml:
-            log.warning("%s: the recipe differs from the one this run started with; results "
-                        "already written keep the old settings", run_dir.path)
+            log.warning("%s: the recipe differs from the one this run started with (%s); results "
+                        "already written keep the old settings", run_dir.path,
+                        recipe_changes(old_recipe, recipe_yaml))
         run_dir.write_text(RECIPE, recipe_yaml)
         checked = "input_fingerprint" in manifest and not self.spec.force_resume
         if has_results and not checked and manifest.get("input") not in (None, input_path):

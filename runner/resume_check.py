@@ -205,3 +205,24 @@ def numerics_changed(old_engine: Optional[dict], engine_info: dict) -> Optional[
     return ("this session computes in other numerics than the run's earlier results ("
             + ", ".join(changes) + "); set model.dtype (and device.device) in the recipe to keep "
             "one for the whole run")
+
+
+def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
+    """What a resumed run's recipe changed, key by key ('strategy.name: baseline -> gllm'), for
+    the warning that results already written keep the old settings."""
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                out.update(flat(value, f"{prefix}{key}."))
+            return out
+        return {prefix.rstrip("."): node}
+
+    try:
+        old, new = flat(yaml.safe_load(old_yaml) or {}), flat(yaml.safe_load(new_yaml) or {})
+    except yaml.YAMLError:
+        return "unreadable before"
+    changed = [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    more = f"; {len(changed) - most} more" if len(changed) > most else ""
+    return "; ".join(changed[:most]) + more

@@ -251,7 +251,8 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                      "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce,
                                                    staged_transport(config, setup.device.type)),
                      "gpu_transport": transport.describe(setup.device.type,
-                                                         staged_transport(config, setup.device.type))},
+                                                         staged_transport(config, setup.device.type)),
+                     "sequence_cache": config.parallel.sequence_cache},
     }
     if kv_groups is not None:
         info["kv_window"] = max(kv_groups.windows)

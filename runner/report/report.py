@@ -271,6 +271,11 @@ def _compute_line(engine: dict) -> list[str]:
         parts.append(f"quantization: {engine['quantization']}")
     if engine.get("kv_cache_dtype"):
         parts.append(f"KV cache: {engine['kv_cache_dtype']}")
+    layout = engine.get("parallel") or {}
+    if layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1) > 1:
+        parts.append(f"layout: tp={layout.get('tp')} pp={layout.get('pp')} dp={layout.get('dp')}"
+                     + (f" ({layout['gpu_transport']})" if layout.get("gpu_transport") else "")
+                     + ("" if layout.get("sequence_cache", True) else ", whole block tables"))
     return [f"**Compute:** {'; '.join(parts)}  "]
 
 

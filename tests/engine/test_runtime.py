@@ -96,6 +96,7 @@ def test_multiprocess_tokens_equal_single_process(make_engine, reference, parall
         encoders = [rep.executor.tables for rep in engine.replicas]
     assert [o.output_token_ids for o in outs] == expected
     assert all((e is None) == (parallel.get("sequence_cache") is False) for e in encoders)
+    assert engine.info["parallel"]["sequence_cache"] is parallel.get("sequence_cache", True)
     ranks = stats["pipeline"]["ranks"]
     assert len(ranks) == 2 and all(r["micro_batches"] > 0 for r in ranks)
     assert all(0.0 <= r["bubble_ratio"] < 1.0 for r in ranks)

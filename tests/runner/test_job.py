@@ -472,3 +472,12 @@ def test_a_resume_in_other_numerics_is_said(tmp_path, tiny_recipe, shared_engine
     assert second.outputs == 6
     assert any("dtype bfloat16 -> float32" in r.getMessage() and "model.dtype" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_recipe_change_warning_names_what_changed():
+    from batchinfer.runner.resume_check import recipe_changes
+
+    old = "strategy:\n  name: baseline\nparallel:\n  pp: 1\nsampling:\n  max_tokens: 8\n"
+    new = "strategy:\n  name: gllm\nparallel:\n  pp: 2\nsampling:\n  max_tokens: 8\n"
+    assert recipe_changes(old, new) == ("parallel.pp: 1 -> 2; strategy.name: 'baseline' -> "
+                                        "'gllm'")

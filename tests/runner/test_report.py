@@ -114,7 +114,11 @@ def test_compute_line_names_the_format_the_linears_and_the_quantization():
     plain = {**engine, "linear_kernel": "blocked (avx512 tile)", "quantization": None}
     report["engine"] = plain
     line = next(l for l in render_markdown(report).splitlines() if l.startswith("**Compute:**"))
-    assert "quantization" not in line
+    assert "quantization" not in line and "layout" not in line          # one process
+    report["engine"] = {**plain, "parallel": {"tp": 1, "pp": 2, "dp": 1, "gpu_transport": None,
+                                              "sequence_cache": False}}
+    line = next(l for l in render_markdown(report).splitlines() if l.startswith("**Compute:**"))
+    assert "layout: tp=1 pp=2 dp=1, whole block tables" in line
 
 
 def test_merge_reports_sums_parts():
