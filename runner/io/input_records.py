@@ -71,7 +71,8 @@ def json_type_name(value: Any) -> str:
 
 
 def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides: dict,
-              where: str) -> Union[SamplingParams, InputError]:
+              where: str, written: Optional[dict] = None) -> Union[SamplingParams, InputError]:
+    """written: a sampling key -> the key the line spelled it with (OpenAI's names)."""
     if not overrides:
         return defaults
     try:
@@ -80,9 +81,13 @@ def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides
         parts = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"]) or "sampling"
+            key = (written or {}).get(key, key)
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
-            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            spelled = (json.dumps(value) if value is None or isinstance(value, bool)
+                       else repr(value))                      # as JSON spells it: true, null
+            shown = ("" if isinstance(value, (dict, list)) or msg.endswith(f"not {spelled}")
+                     else f" (got {spelled})")
             parts.append(f"{where}{key}: {msg}{shown}")
         return InputError(line, "invalid_sampling", "; ".join(parts), request_id=rid)
 
@@ -288,35 +293,39 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         else:
             return err("invalid_type", "body.prompt must be a string or an array of token ids "
                        "(one prompt per line)")
-    overrides, problem = _openai_overrides(body, chat)
+    overrides, problem, written = _openai_overrides(body, chat)
     if problem:
         return err("invalid_sampling", problem)
-    sampling = _sampling(line, custom_id, defaults, overrides, "body.")
+    sampling = _sampling(line, custom_id, defaults, overrides, "body.", written)
     if isinstance(sampling, InputError):
         return err(sampling.code, sampling.message)
     spec.sampling = sampling
     return spec
 
 
-def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str]]:
+def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict]:
+    """(sampling overrides, a problem or None, sampling key -> the body key it came from where
+    the names differ)."""
     overrides = {k: body[k] for k in _OPENAI_SAMPLING if k in body}
+    written: dict[str, str] = {}
     if "n" in body:
         overrides["n"] = body["n"]
     for key in ("max_completion_tokens", "max_tokens"):
         if body.get(key) is not None:
             overrides["max_tokens"] = body[key]
+            written["max_tokens"] = key
             break
     if chat:
         if body.get("logprobs"):
-            top = body.get("top_logprobs", 0)
-            overrides["logprobs"] = top
+            overrides["logprobs"] = body.get("top_logprobs", 0)
+            written["logprobs"] = "top_logprobs"
         elif "top_logprobs" in body and body["top_logprobs"]:
-            return {}, "body.top_logprobs needs body.logprobs: true"
+            return {}, "body.top_logprobs needs body.logprobs: true", written
     elif body.get("logprobs") is not None:
         if isinstance(body["logprobs"], bool) or not isinstance(body["logprobs"], int):
-            return {}, "body.logprobs must be an integer for /v1/completions"
+            return {}, "body.logprobs must be an integer for /v1/completions", written
         overrides["logprobs"] = body["logprobs"]
-    return overrides, None
+    return overrides, None, written
 
 
 def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_field: str,

@@ -216,6 +216,14 @@ def test_openai_bad_lines(line, code):
         assert err.custom_id == "c1"
 
 
+def test_openai_errors_name_the_key_the_line_wrote():
+    err = parse_openai(_openai(max_completion_tokens=True), 1, DEFAULTS)
+    assert err.code == "invalid_sampling"
+    assert err.message == "body.max_completion_tokens: a number is needed, not true"
+    err = parse_openai(_openai(logprobs=True, top_logprobs=50), 1, DEFAULTS)
+    assert err.message.startswith("body.top_logprobs: ") and "(got 50)" in err.message
+
+
 def test_openai_unsupported_url_message_lists_supported():
     err = parse_openai(_openai(url="/v1/embeddings"), 1, DEFAULTS)
     assert "/v1/chat/completions" in err.message and "/v1/completions" in err.message
