@@ -163,11 +163,14 @@ def _steady_interval(executor, batches: list[MicroBatch], rounds: int, clock) ->
 
 
 def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: list[int],
-                       context_len: int = 128, prompt_len: int = 256, rounds: int = 2) -> StepTimes:
+                       context_len: int = 128, prompt_len: int = 256, rounds: int = 2,
+                       keys: tuple[str, str] = ("the decode batch sizes", "the prefill token "
+                                                "counts")) -> StepTimes:
     """Times decode micro-batches of each size (every sequence at `context_len` tokens of KV) and
     prefill micro-batches of each token count (prompts of `prompt_len` tokens) on replica 0.
     When the free KV blocks cannot hold every sequence, a micro-batch's sequences share one set
-    of blocks; a size that does not fit even so is skipped (logged)."""
+    of blocks; a size that does not fit even so is skipped (logged). keys: the settings that
+    give the decode sizes and the prefill token counts, for the error when none fits."""
     if engine.has_unfinished():
         raise RuntimeError("profile the step times before submitting requests")
     if min(decode_batch_sizes) < 1 or min(prefill_tokens) < 1:
@@ -215,8 +218,13 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         if reset is not None:     # the report's bubble ratios are about the job, not the profile
             reset()
     if not decode or not prefill:
-        raise ConfigError("the KV cache is too small to profile any decode or prefill micro-batch; "
-                          "lower the profiled sizes or raise memory.kv_cache_memory")
+        kind, key, smallest = (("decode batch", keys[0], f"{min(decode_batch_sizes)} sequences "
+                                f"at {context_len} tokens") if not decode else
+                               ("prefill micro-batch", keys[1], f"{min(prefill_tokens)} tokens"))
+        raise ConfigError(
+            f"{key}: the KV cache ({engine.stats().get('kv_capacity_tokens')} tokens) cannot "
+            f"hold even the smallest profiled {kind} ({smallest}, {depth} in flight at once); "
+            f"lower {key} or raise memory.kv_cache_memory")
     table = StepTimes(decode, prefill, {"context_len": context_len, "prompt_len": prompt_len,
                                         "pipeline_depth": depth, "rounds": rounds,
                                         "shared_blocks": synth.shared,

@@ -116,7 +116,9 @@ class TDPipeParams(StrategyParams):
             table = StepTimes.load(self.step_times)
         else:
             table = profile_step_times(engine, self.profile_decode_batch_sizes,
-                                       self.profile_prefill_tokens, self.profile_context_len)
+                                       self.profile_prefill_tokens, self.profile_context_len,
+                                       keys=("strategy.profile_decode_batch_sizes",
+                                             "strategy.profile_prefill_tokens"))
         engine.info["step_times"] = table.to_json()
         for rep in engine.replicas:
             rep.scheduler.step_times = table
