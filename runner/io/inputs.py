@@ -235,7 +235,12 @@ class InputReader:
             # an empty, corrupt or (CSV) malformed file fails here, before a model loads: the
             # reader parses its first chunk (a CSV row past it fails the job part way, exit 2)
             with contextlib.closing(iter_dataset_rows(self.path, self.format)) as probe:
-                next(probe, None)
+                first = next(probe, None)
+            if first is not None and not {io.prompt_field, io.messages_field} & set(first[1]):
+                raise InputFileError(     # every row would be the same error record
+                    f"{self.path}: no '{io.prompt_field}' or '{io.messages_field}' column "
+                    f"(columns: {', '.join(map(str, first[1]))}); set io.prompt_field or "
+                    "io.messages_field")
         self.limit = limit
         self.seen = IdSet()
         self.records_read = 0

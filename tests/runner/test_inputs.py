@@ -374,12 +374,20 @@ def test_dataset_messages_column(tmp_path):
 
 
 def test_dataset_missing_column_names_the_setting(tmp_path):
+    """A file with neither column is refused whole, before a model loads (every row would be
+    the same error); a row whose prompt cell is missing is that row's error."""
     import datasets
 
     path = tmp_path / "d.parquet"
-    datasets.Dataset.from_dict({"text": ["a"]}).to_parquet(str(path))
-    (err,) = _read(path)
-    assert err.code == "missing_prompt" and "io.prompt_field" in err.message and "text" in err.message
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).to_parquet(str(path))
+    with pytest.raises(InputFileError, match=r"no 'prompt' or 'messages' column \(columns: text\);"
+                                             r" set io.prompt_field"):
+        _read(path)
+    sparse = tmp_path / "s.parquet"
+    datasets.Dataset.from_dict({"prompt": ["a", None]}).to_parquet(str(sparse))
+    first, second = _read(sparse)
+    assert first.prompt == "a" and second.code in ("missing_prompt", "invalid_type")
+    assert "io.prompt_field" in second.message
 
 
 # --- id set -----------------------------------------------------------------------------------------
