@@ -49,8 +49,8 @@ def profile(
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    input = one_file(input, json_fields={"recipe": str(recipe), "input": [str(i) for i in input]}
-                     if as_json else None)
+    input = one_file(input, json_fields={"recipe": str(recipe),
+                                         "input": ", ".join(map(str, input))} if as_json else None)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import input_file_problem
     from batchinfer.runner.recipe import load_recipe

@@ -26,7 +26,7 @@ def report(
     from batchinfer.runner.report.report_files import rerender
 
     if not run_dir.is_dir():
-        raise fail(f"{run_dir}: " + ("a file; give the run directory that holds it"
+        raise fail(f"{run_dir}: " + ("not a directory; give the run directory"
                                      if run_dir.exists() else "no such directory"))
     with user_errors():
         markdown = rerender(run_dir)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -32,8 +33,8 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    input = one_file(input, json_fields={"recipe": str(recipe), "input": [str(i) for i in input]}
-                     if as_json else None)
+    input = one_file(input, json_fields={"recipe": str(recipe),
+                                         "input": ", ".join(map(str, input))} if as_json else None)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
@@ -110,16 +111,20 @@ def _report(as_json: bool, recipe: Path, input: Path, reader, good: int, bad: li
 
 
 def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
-    """--no-tokenize: the same refusals that need no weights (preflight: layout, device, the
-    strategy's own), from the model's config alone; no tokenizer loads."""
-    from pathlib import Path
-
+    """--no-tokenize: the refusals that need no weights (preflight: layout, device, the
+    strategy's own), from the model's config where it is at hand; no tokenizer loads, no GGUF is
+    converted, and a model that is not here (validating inputs on another machine) is no error."""
     from batchinfer.engine.build import _max_model_len, preflight
     from batchinfer.engine.model.loader import load_arch
-    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.model.sources import model_dir_at_hand
 
-    model_dir, _ = resolve_model_dir(recipe.model.path)
-    arch = load_arch(Path(model_dir), recipe.model.hf_overrides or None)
+    model_dir = model_dir_at_hand(recipe.model.path)
+    if model_dir is None:
+        logging.getLogger("batchinfer").warning(
+            "--no-tokenize: the model's config is not at hand (not here, or a GGUF not converted "
+            "yet): the parallel layout and the device were not checked against it")
+        return None, None, 0
+    arch = load_arch(model_dir, recipe.model.hf_overrides or None)
     preflight(recipe.engine_config(), arch, _max_model_len(recipe.model.max_model_len, arch))
     return None, None, 0
 

@@ -195,6 +195,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    copied_from: Optional[str] = None   # the identical request whose reply this is (dedup)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -222,7 +222,8 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
                                 f"at {context_len} tokens") if not decode else
                                ("prefill micro-batch", keys[1], f"{min(prefill_tokens)} tokens"))
         raise ConfigError(
-            f"{key}: the KV cache ({engine.stats().get('kv_capacity_tokens')} tokens) cannot "
+            f"{key}: the KV cache ({engine.stats().get('kv_capacity_tokens') // len(engine.replicas)}"
+            " tokens a replica) cannot "
             f"hold even the smallest profiled {kind} ({smallest}, {depth} in flight at once); "
             f"lower {key} or raise memory.kv_cache_memory")
     table = StepTimes(decode, prefill, {"context_len": context_len, "prompt_len": prompt_len,

@@ -7,7 +7,8 @@ list of numbers (`pp_layers: [true, true]`). Every settings model
 """
 from __future__ import annotations
 
-from typing import Any, get_args
+from functools import lru_cache
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationInfo, field_validator
 
@@ -24,16 +25,32 @@ def takes_numbers_not_booleans(annotation) -> bool:
     return bool(leaves & {int, float}) and bool not in leaves
 
 
+def _takes_lists(annotation) -> bool:
+    if get_origin(annotation) in (list, tuple):
+        return True
+    return any(_takes_lists(a) for a in get_args(annotation))
+
+
+@lru_cache(maxsize=None)
+def _number_field(cls: type, name: str) -> tuple[bool, bool]:
+    """(a number field that refuses booleans, one that also takes a list of them), per model
+    class and field: worked out once, not on every validation."""
+    field = cls.model_fields.get(name)
+    if field is None or not takes_numbers_not_booleans(field.annotation):
+        return False, False
+    return True, _takes_lists(field.annotation)
+
+
 class NumbersNotBooleans(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
-        field = cls.model_fields.get(info.field_name or "")
-        if field is None or not takes_numbers_not_booleans(field.annotation):
+        number, listed = _number_field(cls, info.field_name or "")
+        if not number:
             return value
         if isinstance(value, bool):
             raise ValueError(f"a number is needed, not {str(value).lower()}")
-        if isinstance(value, (list, tuple)):          # a list of numbers (pp_layers, owners)
+        if listed and isinstance(value, (list, tuple)):   # a list of numbers (pp_layers, owners)
             for index, item in enumerate(value):
                 if isinstance(item, bool):
                     raise ValueError(f"a list of numbers is needed; item {index} is "

@@ -29,7 +29,7 @@ from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader, Shard
-from .report.metrics import SessionMetrics, add_computed_throughput, predictor_summary
+from .report.metrics import SessionMetrics, predictor_summary
 from .report.plots import render_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
@@ -193,8 +193,8 @@ class Job:
                                       "model_locations": model_locations(self.recipe.model),
                                       "shard": _shard_dict(self.spec.shard), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
-        # what computed the results so far: kept in a report no engine rewrites (nothing to run)
-        self._old_model, self._old_engine = old_report.get("model"), old_report.get("engine")
+        if has_results:   # what computed them: kept in a report no engine rewrites (nothing ran)
+            self._old_model, self._old_engine = old_report.get("model"), old_report.get("engine")
         self._previous_sessions = list(old_report.get("previous_sessions") or [])
         if old_report.get("session"):
             brief = session_brief(old_report["session"])
@@ -219,8 +219,7 @@ class Job:
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
-            changed = numerics_changed(self._old_engine if self.prior.num_outputs else None,
-                                       getattr(self.engine, "info", {}))
+            changed = numerics_changed(self._old_engine, getattr(self.engine, "info", {}))
             if changed:
                 log.warning("%s", changed)
             self.engine.drain_step_events()
@@ -409,7 +408,6 @@ class Job:
         if self.predictor is not None:
             summary["predictor"] = predictor_summary(self.predictor, now)
         summary.update(self.read_ahead.summary())
-        add_computed_throughput(summary)
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 
@@ -459,15 +457,16 @@ class Job:
         from batchinfer import __version__
 
         stats = self.engine.stats() if self.engine is not None else {}
+        kept = self.engine is None and self._records is None      # nothing was left to run
         return {
             "batchinfer_version": __version__,
             "run_dir": str(self.run_dir.path),
             "input": str(self.spec.input_path),
             "input_format": self.reader.format,
             "recipe": self.spec.recipe_path,
-            "model": self.engine.model_id if self.engine is not None else self._old_model,
-            "engine": ({k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
-                        if k in stats} if self.engine is not None else self._old_engine or {}),
+            "model": self._old_model if kept else getattr(self.engine, "model_id", None),
+            "engine": (self._old_engine or {}) if kept else
+            {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name) if k in stats},
             "strategy": self.recipe.strategy.model_dump(mode="json"),
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "auto_settings": self.auto_settings,

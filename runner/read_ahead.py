@@ -159,8 +159,8 @@ class Deduplicator:
             self.stats.requests += 1
             self.stats.prompt_tokens_saved += out.num_prompt_tokens
             self.stats.output_tokens_saved += out.num_output_tokens
-        return [dataclasses.replace(out, request_id=f.request_id, payload=f.payload)
-                for f in followers]
+        return [dataclasses.replace(out, request_id=f.request_id, payload=f.payload,
+                                    copied_from=out.request_id) for f in followers]
 
     def dropped(self) -> int:
         """Followers whose leader never finished (the job stopped): not written, run on resume."""

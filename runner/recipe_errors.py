@@ -109,17 +109,17 @@ def _describe(error: dict) -> str:
     return message
 
 
-_UNION_TAG = re.compile(r"^(int|float|str|bool|none|list|dict|tuple|is-instance|json-or-python|"
-                        r"(literal|function-[a-z]+|list|dict|tuple|nullable)\[.*)$")
+_UNION_TAG = re.compile(r"^(int|float|str|bool|none|list|dict|tuple|json-or-python|"
+                        r"constrained-[a-z]+|"
+                        r"(literal|function-[a-z]+|list|dict|tuple|nullable|is-instance)\[.*)$")
 
 
-def _field_path(loc: tuple) -> tuple:
-    """pydantic's location without the union member it tried (`kv_cache_memory.int`,
-    `kv_cache_memory.str`): the key the user wrote."""
-    for index, part in enumerate(loc):
-        if isinstance(part, str) and _UNION_TAG.match(part):
-            return loc[:index]
-    return loc
+def _without_union_tags(loc: tuple) -> tuple:
+    """pydantic's location without the union members it tried (`kv_cache_memory.int`,
+    `kv_cache_memory.str`): the key the user wrote, list indices kept. No settings model has a
+    field named like a tag; an unknown key (extra_forbidden) keeps its location whole."""
+    return tuple(part for part in loc
+                 if not (isinstance(part, str) and _UNION_TAG.match(part)))
 
 
 def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: KeyPath = (),
@@ -127,7 +127,8 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
     """One message per pydantic error: 'line N, key.path: what is wrong; what is allowed'."""
     problems, unions = [], {}
     for error in exc.errors():
-        loc = _field_path(tuple(part for part in error["loc"] if part != "__root__"))
+        raw = tuple(part for part in error["loc"] if part != "__root__")
+        loc = raw if error["type"] == "extra_forbidden" else _without_union_tags(raw)
         path = prefix + loc
         where = dotted(path)
         line = lines.line(path) if lines else None
@@ -140,10 +141,11 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
             if allowed:
                 text += f" Allowed keys: {', '.join(allowed)}"
             problems.append(text)
-        elif (at, error["input"].__class__) in unions:   # the union's other members
-            problems[unions[(at, error["input"].__class__)]] += f"; or {_describe(error)}"
+        elif loc != raw and at in unions:         # another member of the same union
+            problems[unions[at]] += f"; or {_describe(error)}"
         else:
-            unions[(at, error["input"].__class__)] = len(problems)
+            if loc != raw:
+                unions[at] = len(problems)
             problems.append(f"{at}: {_describe(error)}")
     return problems
 

@@ -197,9 +197,10 @@ def numerics_changed(old_engine: Optional[dict], engine_info: dict) -> Optional[
     to log, or None. The replies stay valid; they are just not from one dtype."""
     if not old_engine:
         return None
-    changes = [f"{key} {old_engine[key]} -> {engine_info.get(key)}"
-               for key in ("device", "dtype", "kv_cache_dtype", "quantization")
-               if key in old_engine and old_engine[key] != engine_info.get(key)]
+    changes = [f"{key} {old_engine[key]} -> {engine_info[key]}"    # a key either engine does
+               for key in ("device", "dtype", "kv_cache_dtype", "quantization")   # not record:
+               if key in old_engine and key in engine_info                     # not compared
+               and old_engine[key] != engine_info[key]]
     if not changes:
         return None
     return ("this session computes in other numerics than the run's earlier results ("
@@ -208,7 +209,7 @@ def numerics_changed(old_engine: Optional[dict], engine_info: dict) -> Optional[
 
 
 def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
-    """What a resumed run's recipe changed, key by key ('strategy.name: baseline -> gllm'), for
+    """What a resumed run's recipe changed, key by key ('parallel.pp: 1 -> 2'), for
     the warning that results already written keep the old settings."""
     def flat(node, prefix=""):
         if isinstance(node, dict):
@@ -222,7 +223,14 @@ def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
         old, new = flat(yaml.safe_load(old_yaml) or {}), flat(yaml.safe_load(new_yaml) or {})
     except yaml.YAMLError:
         return "unreadable before"
-    changed = [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+    def spelled(value) -> str:                         # as the recipe writes it
+        if isinstance(value, (bool, type(None))):
+            return {True: "true", False: "false", None: "null"}[value]
+        return str(value)
+
+    changed = [f"{key}: {spelled(old.get(key))} -> {spelled(new.get(key))}"
                for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    if not changed:
+        return "its layout only"
     more = f"; {len(changed) - most} more" if len(changed) > most else ""
     return "; ".join(changed[:most]) + more

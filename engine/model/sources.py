@@ -169,6 +169,21 @@ def model_id_for(path: Optional[str], dummy: bool = False,
     return base + f" [dummy weights, hf_overrides {digest.hexdigest()[:12]}]"
 
 
+def model_dir_at_hand(path: Optional[str]) -> Optional[Path]:
+    """The model's HF-style directory where reading it costs no conversion (a directory, or a
+    GGUF already de-quantized into the cache); None otherwise (not converted yet, or missing)."""
+    try:
+        if path and Path(path).expanduser().is_dir():
+            return Path(path).expanduser()
+        gguf = default_model_gguf() if not path else Path(path).expanduser()
+        if not gguf.is_file() or not is_gguf(gguf):
+            return None
+        target = cache_root() / "gguf" / _sha256(gguf)[:20]
+        return target if _is_converted(target) else None
+    except ModelLoadError:
+        return None
+
+
 def resolve_model_dir(path: Optional[str]) -> tuple[Path, str]:
     """Model path from a recipe (None for the default) -> (HF-style directory, model id)."""
     if not path:

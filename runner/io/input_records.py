@@ -84,8 +84,7 @@ def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides
             key = (written or {}).get(key, key)
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
-            spelled = (json.dumps(value) if value is None or isinstance(value, bool)
-                       else repr(value))                      # as JSON spells it: true, null
+            spelled = json.dumps(value, default=repr)        # as JSON spells it: true, null
             shown = ("" if isinstance(value, (dict, list)) or msg.endswith(f"not {spelled}")
                      else f" (got {spelled})")
             parts.append(f"{where}{key}: {msg}{shown}")
@@ -115,8 +114,10 @@ def _token_ids_problem(prompt: list, key: str) -> tuple[str, str]:
         return "empty_prompt", f"{key} is an empty array"
     index, item = next((i, t) for i, t in enumerate(prompt)
                        if not isinstance(t, int) or isinstance(t, bool))
+    if all(isinstance(t, (list, str)) for t in prompt):
+        return "invalid_type", f"{key} holds several prompts: one prompt per line"
     return "invalid_type", (f"{key} is an array, so token ids (whole numbers), but item {index} "
-                            f"is {json.dumps(item)}")
+                            f"is {json.dumps(item, default=repr)}")
 
 
 def check_messages(messages: Any, key: str = "messages") -> Optional[str]:

@@ -103,6 +103,7 @@ class SessionMetrics:
         self.error_codes: Counter = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.copied_completion_tokens = 0
         self.preempted_requests = 0
         self.e2e = Reservoir(seed=1)
         self.ttft = Reservoir(seed=2)
@@ -192,6 +193,8 @@ class SessionMetrics:
         self.last_result_t = t
         self.prompt_tokens += out.num_prompt_tokens
         self.completion_tokens += out.num_output_tokens
+        if out.copied_from is not None:            # delivered, not generated (io.dedup)
+            self.copied_completion_tokens += out.num_output_tokens
         if out.num_preemptions:
             self.preempted_requests += 1
         if out.finish_time is not None:
@@ -274,6 +277,9 @@ class SessionMetrics:
                 "input_tokens_per_s": rate(self.prompt_tokens),
                 "output_tokens_per_s": rate(self.completion_tokens),
                 "total_tokens_per_s": rate(self.prompt_tokens + self.completion_tokens),
+                **({"computed_output_tokens_per_s":
+                    rate(self.completion_tokens - self.copied_completion_tokens)}
+                   if self.copied_completion_tokens else {}),
             },
             "latency_s": {"e2e": self.e2e.summary(), "ttft": self.ttft.summary(),
                           "tpot": self.tpot.summary()},
@@ -314,12 +320,3 @@ def predictor_summary(predictor, elapsed_s: float) -> dict:
     if encoder:
         pred["encoder"] = encoder
     return pred
-
-
-def add_computed_throughput(summary: dict) -> None:
-    """throughput.computed_output_tokens_per_s where replies were copied to duplicates (the
-    session's `dedup`): those tokens were delivered, not generated."""
-    saved = (summary.get("dedup") or {}).get("output_tokens_saved") or 0
-    if saved and summary["generation_s"] > 0:
-        summary["throughput"]["computed_output_tokens_per_s"] = round(
-            (summary["completion_tokens"] - saved) / summary["generation_s"], 3)

@@ -82,6 +82,18 @@ def test_an_impossible_layout_names_the_recipe_line(runner, tmp_path):
         assert f"{recipe} line 4, parallel.pp: pp=64" in result.output
 
 
+def test_validate_without_tokenizing_needs_no_model(runner, tmp_path):
+    """--no-tokenize checks inputs on a machine without the model: its layout check is skipped
+    (said), never an error."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: /nonexistent/model\nparallel:\n  pp: 64\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = runner.invoke(app, ["validate", str(recipe), "--input", str(prompts),
+                                 "--no-tokenize"])
+    assert result.exit_code == 0, result.output
+    assert "1 valid" in result.output
+
+
 def test_bad_recipe_exits_2_naming_the_key(runner, tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("sampling:\n  temprature: 0.5\n")

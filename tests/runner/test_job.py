@@ -479,5 +479,5 @@ def test_the_recipe_change_warning_names_what_changed():
 
     old = "strategy:\n  name: baseline\nparallel:\n  pp: 1\nsampling:\n  max_tokens: 8\n"
     new = "strategy:\n  name: gllm\nparallel:\n  pp: 2\nsampling:\n  max_tokens: 8\n"
-    assert recipe_changes(old, new) == ("parallel.pp: 1 -> 2; strategy.name: 'baseline' -> "
-                                        "'gllm'")
+    assert recipe_changes(old, new) == "parallel.pp: 1 -> 2; strategy.name: baseline -> gllm"
+    assert recipe_changes(old, old.replace("  pp: 1\n", "  pp:   1\n")) == "its layout only"

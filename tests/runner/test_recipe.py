@@ -215,3 +215,10 @@ def test_a_value_no_member_of_a_union_takes_is_one_problem_at_the_key(tmp_path):
     assert "valid integer" in text and "valid string" in text
     (text,) = _problems(tmp_path, "model:\n  dtype: null\n")
     assert text.endswith("(got null)")                  # as YAML spells it, not None
+
+
+def test_union_tags_are_dropped_but_keys_and_indices_are_not(tmp_path):
+    problems = _problems(tmp_path, "sampling:\n  str: 1\n  stop: ['a', 5]\n")
+    joined = "\n".join(problems)
+    assert "line 2, sampling.str: unknown key" in joined and "top_p" in joined   # sampling's
+    assert "sampling.stop[1]: Input should be a valid string (got 5)" in joined
