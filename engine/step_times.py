@@ -221,11 +221,11 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         kind, key, smallest = (("decode batch", keys[0], f"{min(decode_batch_sizes)} sequences "
                                 f"at {context_len} tokens") if not decode else
                                ("prefill micro-batch", keys[1], f"{min(prefill_tokens)} tokens"))
+        per_replica = engine.stats().get("kv_capacity_tokens", 0) // len(engine.replicas)
         raise ConfigError(
-            f"{key}: the KV cache ({engine.stats().get('kv_capacity_tokens') // len(engine.replicas)}"
-            " tokens a replica) cannot "
-            f"hold even the smallest profiled {kind} ({smallest}, {depth} in flight at once); "
-            f"lower {key} or raise memory.kv_cache_memory")
+            f"{key}: the KV cache ({per_replica} tokens a replica) cannot hold even the smallest "
+            f"profiled {kind} ({smallest}, {depth} in flight at once); lower {key} or raise "
+            "memory.kv_cache_memory")
     table = StepTimes(decode, prefill, {"context_len": context_len, "prompt_len": prompt_len,
                                         "pipeline_depth": depth, "rounds": rounds,
                                         "shared_blocks": synth.shared,
