@@ -67,6 +67,13 @@ def profile(
         if table is not None and hardware != "measured":
             raise fail("--table is a measured profile; it goes with --hardware measured",
                        json_fields=json_fields)
+        if hardware != "measured":      # a bad preset is refused before anything is measured
+            from batchinfer.sim.hardware import preset
+
+            try:
+                preset(hardware)
+            except ValueError as exc:
+                raise fail(f"--hardware: {exc}", json_fields=json_fields) from None
         try:
             with _progress(as_json or quiet) as update:
                 result = plan(parsed, input, out_dir, hardware, gpus, table, model, requests,

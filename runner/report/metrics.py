@@ -281,6 +281,8 @@ class SessionMetrics:
                     rate(self.completion_tokens - self.copied_completion_tokens)}
                    if self.copied_completion_tokens else {}),
             },
+            **({"copied_completion_tokens": self.copied_completion_tokens}
+               if self.copied_completion_tokens else {}),
             "latency_s": {"e2e": self.e2e.summary(), "ttft": self.ttft.summary(),
                           "tpot": self.tpot.summary()},
             "preemptions": preemptions,

@@ -293,7 +293,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
     present = {name: rep for name, rep in parts.items() if rep}
     totals: dict[str, Any] = {"input_records": 0, "outputs": 0, "errors": 0, "remaining": 0,
                               "prompt_tokens": 0, "completion_tokens": 0, "errors_by_code": {}}
-    session_tokens = {"requests": 0, "failed": 0, "prompt": 0, "completion": 0}
+    session_tokens = {"requests": 0, "failed": 0, "prompt": 0, "completion": 0, "copied": 0}
     starts, ends, rows = [], [], []
     for name, rep in sorted(present.items()):
         t = rep.get("totals") or {}
@@ -310,6 +310,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         session_tokens["failed"] += s.get("requests_failed") or 0
         session_tokens["prompt"] += s.get("prompt_tokens") or 0
         session_tokens["completion"] += s.get("completion_tokens") or 0
+        session_tokens["copied"] += s.get("copied_completion_tokens") or 0
         window = s.get("generation_window")
         if window and window[0] is not None and window[1] is not None:
             starts.append(window[0])
@@ -342,7 +343,10 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         "throughput": {"requests_per_s": rate(session_tokens["requests"]),
                        "input_tokens_per_s": rate(session_tokens["prompt"]),
                        "output_tokens_per_s": rate(session_tokens["completion"]),
-                       "total_tokens_per_s": rate(session_tokens["prompt"] + session_tokens["completion"])},
+                       "total_tokens_per_s": rate(session_tokens["prompt"] + session_tokens["completion"]),
+                       **({"computed_output_tokens_per_s": rate(session_tokens["completion"]
+                                                                 - session_tokens["copied"])}
+                          if session_tokens["copied"] else {})},
     }
     detail = f"no report yet from {', '.join(missing)}" if missing else None
     report = build_report(status=status, meta={**meta, "run_dir": root, "shard": None},

@@ -66,6 +66,14 @@ def test_profile_on_a_preset_plans_for_a_paper_model(tmp_path):
     assert any(r["label"] == "tdpipe" and "simulated" in r for r in report["ranking"])
 
 
+def test_an_unknown_preset_is_refused_before_anything_is_measured(tmp_path):
+    result = CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT),
+                                      "--hardware", "h999", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--hardware: unknown hardware preset 'h999'; known: a10" in result.output
+    assert not any(tmp_path.iterdir())               # nothing measured or written
+
+
 def test_the_rendered_table_is_whole_off_a_terminal_and_counts_kv_per_replica(tmp_path):
     """Piped (CliRunner's output is no terminal) the numbers are not cut to 80 columns, the
     header names the profile table (it said "this machine" for any --table), and KV/replica is

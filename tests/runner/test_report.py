@@ -137,7 +137,13 @@ def test_merge_reports_sums_parts():
     assert merged["totals"]["errors_by_code"] == {"invalid_json": 1}
     assert merged["session"]["generation_s"] == 20.0
     assert merged["session"]["throughput"]["output_tokens_per_s"] == 8.0  # 160 tokens / 20 s
+    assert "computed_output_tokens_per_s" not in merged["session"]["throughput"]
     assert "## Parts" in render_markdown(merged)
+    copied = part(5, 0, 102.0, 120.0)
+    copied["session"]["copied_completion_tokens"] = 40          # two replies copied (io.dedup)
+    merged = merge_reports({"part-00000-of-00002": part(3, 1, 100.0, 110.0),
+                            "part-00001-of-00002": copied}, "runs/x")
+    assert merged["session"]["throughput"]["computed_output_tokens_per_s"] == 6.0   # 120 / 20
     missing = merge_reports({"part-00000-of-00002": part(3, 1, 0, 1), "part-00001-of-00002": None},
                             "runs/x")
     assert missing["status"] == "interrupted" and "part-00001" in missing["status_detail"]
