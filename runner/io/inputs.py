@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -171,6 +172,8 @@ def iter_json_rows(path: Path, max_line_bytes: int,
 
 def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[tuple[int, dict]]:
     """(1-based row number, row) from a local dataset file, streamed by `datasets`."""
+    # its readers log a failure before raising it; the InputFileError below says it once
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
     try:
         from datasets import load_dataset
 
