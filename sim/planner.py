@@ -53,8 +53,12 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
         table.save(table_path)
     if int(table.model["num_layers"]) != model.arch.num_layers or \
             int(table.model["hidden_size"]) != model.arch.hidden_size:
-        raise ConfigError(f"{table_path}: profiled for {table.model['model_id']}, not the recipe's "
-                          f"model ({model.model_id}); profile again without --table")
+        overrides = " with model.hf_overrides" if config.model.hf_overrides else ""
+        raise ConfigError(
+            f"{table_path}: profiled for {table.model['model_id']} ({table.model['num_layers']} "
+            f"layers, hidden {table.model['hidden_size']}), not the recipe's model "
+            f"({model.model_id}{overrides}: {model.arch.num_layers} layers, hidden "
+            f"{model.arch.hidden_size}); profile again without --table")
     measured = (table.model.get("quantization"), bool(table.model.get("quantize_lm_head")))
     asked = (config.model.quantization, config.model.quantize_lm_head)
     if measured != asked:
