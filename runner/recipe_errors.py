@@ -150,15 +150,24 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
     return problems
 
 
-_LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)\b")
+_LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)(?=[: ])")
 
 
 def located(message: str, recipe_path: Optional[str]) -> str:
     """An engine error that starts with a recipe key (`parallel.pp: pp=6 ...`, raised while the
     engine is built) with the recipe's file and the line that sets it, or the line of the nearest
     section that is set (`parallel:`); as it is when the recipe sets neither."""
+    from .recipe import Recipe        # (recipe.py imports this module)
+
     match = _LEADING_KEY.match(message)
     if match is None or recipe_path is None:
+        return message
+    section, key = match.group(1).split(".")[:2]
+    field = Recipe.model_fields.get(section)
+    owner = getattr(field, "annotation", None)
+    known = (field is not None and (section == "strategy" or not hasattr(owner, "model_fields")
+                                    or key in owner.model_fields))
+    if not known:                     # not a recipe key (a file name, say)
         return message
     try:
         text = Path(recipe_path).read_text(encoding="utf-8")

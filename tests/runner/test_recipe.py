@@ -222,3 +222,15 @@ def test_union_tags_are_dropped_but_keys_and_indices_are_not(tmp_path):
     joined = "\n".join(problems)
     assert "line 2, sampling.str: unknown key" in joined and "top_p" in joined   # sampling's
     assert "sampling.stop[1]: Input should be a valid string (got 5)" in joined
+
+
+def test_engine_errors_get_the_recipe_line_only_for_recipe_keys(tmp_path):
+    from batchinfer.runner.recipe_errors import located
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: x\nparallel:\n  pp: 6\n")
+    assert (located("parallel.pp: pp=6 stages", str(recipe))
+            == f"{recipe} line 4, parallel.pp: pp=6 stages")
+    assert located("parallel.tp: heads", str(recipe)).startswith(f"{recipe} line 3, ")  # its section
+    for other in ("model.v2 already holds results", "step_times.json: not a table"):
+        assert located(other, str(recipe)) == other          # a file name, not a key
