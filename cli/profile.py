@@ -49,8 +49,9 @@ def profile(
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    input = one_file(input, json_fields={"recipe": str(recipe),
-                                         "input": ", ".join(map(str, input))} if as_json else None)
+    json_fields = ({"recipe": str(recipe), "input": ", ".join(map(str, input))} if as_json
+                   else None)       # one --input (one_file refuses more): its path
+    input = one_file(input, json_fields=json_fields)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import input_file_problem
     from batchinfer.runner.recipe import load_recipe
@@ -58,7 +59,6 @@ def profile(
     from batchinfer.sim.planner import plan
 
     out_dir = out or Path(f"profile-{recipe.stem}")
-    json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
     with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
         problem = input_file_problem(input)

@@ -33,13 +33,13 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    input = one_file(input, json_fields={"recipe": str(recipe),
-                                         "input": ", ".join(map(str, input))} if as_json else None)
+    json_fields = ({"recipe": str(recipe), "input": ", ".join(map(str, input))} if as_json
+                   else None)       # one --input (one_file refuses more): its path
+    input = one_file(input, json_fields=json_fields)
     setup_logging(quiet=True if as_json else quiet)
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
 
-    json_fields = {"recipe": str(recipe), "input": str(input)} if as_json else None
     with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
         problem = input_file_problem(input)

@@ -92,6 +92,13 @@ def _model_at(model: type[BaseModel], path: KeyPath) -> Optional[type[BaseModel]
     return None
 
 
+def yaml_spelling(value: Any, other=str) -> str:
+    """`value` as a recipe writes it: true, false, null; anything else through `other`."""
+    if isinstance(value, (bool, type(None))):
+        return {True: "true", False: "false", None: "null"}[value]
+    return other(value)
+
+
 def _describe(error: dict) -> str:
     """pydantic's message plus the offending value, minus its internal wording."""
     message = error["msg"]
@@ -99,9 +106,7 @@ def _describe(error: dict) -> str:
         message = message[len("Value error, "):]
     value = error.get("input")
     if error["type"] not in ("missing", "extra_forbidden") and not isinstance(value, (dict, list)):
-        # as the recipe spells it: true, null, 'text'
-        shown = {True: "true", False: "false", None: "null"}.get(value, repr(value)) \
-            if isinstance(value, (bool, type(None))) else repr(value)
+        shown = yaml_spelling(value, repr)
         if len(shown) > 60:
             shown = shown[:57] + "..."
         if not message.endswith(f"not {shown}"):

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
+from .recipe_errors import yaml_spelling
 from .run_dir import RunDirError
 
 CHUNK = 1 << 20
@@ -223,12 +224,7 @@ def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
         old, new = flat(yaml.safe_load(old_yaml) or {}), flat(yaml.safe_load(new_yaml) or {})
     except yaml.YAMLError:
         return "unreadable before"
-    def spelled(value) -> str:                         # as the recipe writes it
-        if isinstance(value, (bool, type(None))):
-            return {True: "true", False: "false", None: "null"}[value]
-        return str(value)
-
-    changed = [f"{key}: {spelled(old.get(key))} -> {spelled(new.get(key))}"
+    changed = [f"{key}: {yaml_spelling(old.get(key))} -> {yaml_spelling(new.get(key))}"
                for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
     if not changed:
         return "its layout only"

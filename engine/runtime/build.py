@@ -231,6 +231,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
     managers run with (ParallelPlan.kv_groups)."""
     dummy = config.model.load_format == "dummy"
     arch, block_size = setup.arch, config.cache.block_size
+    staged = staged_transport(config, setup.device.type)
     info = {
         "model_id": model_id_for(config.model.path, dummy, config.model.hf_overrides),
         "device": str(setup.device), "dtype": str(setup.dtype).replace("torch.", ""),
@@ -249,9 +250,8 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,
                      "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce,
-                                                   staged_transport(config, setup.device.type)),
-                     "gpu_transport": transport.describe(setup.device.type,
-                                                         staged_transport(config, setup.device.type)),
+                                                   staged),
+                     "gpu_transport": transport.describe(setup.device.type, staged),
                      "sequence_cache": config.parallel.sequence_cache},
     }
     if kv_groups is not None:

@@ -132,10 +132,8 @@ def detect_format(path: Path, io: IOConfig) -> str:
     if suffix in JSONL_SUFFIXES:
         return sniff_jsonl(path, io.max_line_bytes)
     if suffix == ".json":
-        with open(path, "rb") as fh:
-            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         # a JSON array is a dataset (iter_json_rows); one object per line is JSONL
-        return "json" if head.startswith(b"[") else sniff_jsonl(path, io.max_line_bytes)
+        return "json" if _holds_json_array(path) else sniff_jsonl(path, io.max_line_bytes)
     if suffix in DATASET_FORMATS:
         return DATASET_FORMATS[suffix]
     raise InputFileError(
@@ -145,6 +143,12 @@ def detect_format(path: Path, io: IOConfig) -> str:
 
 
 # --- datasets ----------------------------------------------------------------------------------------
+def _holds_json_array(path: Path) -> bool:
+    """Whether the file's first value is a JSON array (a BOM and white space before it allowed)."""
+    with open(path, "rb") as fh:
+        return fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
 def iter_json_rows(path: Path, max_line_bytes: int,
                    shard: Shard = Shard()) -> Iterator[tuple[int, Any]]:
     """(1-based element or line number, value) of a JSON file, parsed by the standard library: a
@@ -152,9 +156,7 @@ def iter_json_rows(path: Path, max_line_bytes: int,
     as written. `datasets` reads JSON into typed arrow columns, which turns a column whose rows
     differ in type (ids 1 and "b2") into JSON-encoded strings: '"b2"' came back as the id and
     '"hi"' as the prompt. A line that is not JSON comes back as its InputError."""
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    if not head.startswith(b"["):
+    if not _holds_json_array(path):
         for line in iter_jsonl(path, max_line_bytes, shard):
             yield line.number, (line.error if line.error else line.value)
         return
