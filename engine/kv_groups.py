@@ -74,6 +74,43 @@ class KVGroupLayout:
     def blocks_per_sequence(self, tokens: int, block_size: int, step_tokens: int = 1) -> int:
         return blocks_per_sequence(self.windows, tokens, block_size, step_tokens)
 
+    @property
+    def store_slot(self) -> tuple[int, ...]:
+        """Per layer: its place among its group's layers (in layer order), the slot it takes in
+        a page of a store that holds each block's own group's layers only (Seesaw's CPU
+        store): a block serves one group, so its page needs that group's layers, not every
+        slot a stage stores."""
+        seen = [0] * self.num_groups
+        slots = []
+        for group in self.layer_group:
+            slots.append(seen[group])
+            seen[group] += 1
+        return tuple(slots)
+
+    @property
+    def store_page_layers(self) -> int:
+        """Layers of the largest group: a store page (at most page_layers; fewer where no group
+        has a layer in every slot, as a by-stage layout whose groups each sit on one stage)."""
+        return max(self.layer_group.count(group) for group in range(self.num_groups))
+
+    def copy_slots(self, layer_start: int, layer_end: int
+                   ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """Per group: the slots its layers in [layer_start, layer_end) use, counted from the
+        range's first slot (slot_range; the index into a stage's paged cache), and those
+        layers' store slots. A copy of a block of group g between the paged cache and a store
+        page moves these pairs only, so stages that share a page slot for different groups
+        never write the same store slot."""
+        first = self.slot_range(layer_start, layer_end)
+        if first is None:
+            raise ValueError(f"the slots of layers [{layer_start}, {layer_end}) are not one range")
+        store = self.store_slot
+        pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.num_groups)]
+        for layer in range(layer_start, layer_end):
+            device, stored = pairs[self.layer_group[layer]]
+            device.append(self.layer_slot[layer] - first[0])
+            stored.append(store[layer])
+        return tuple((tuple(device), tuple(stored)) for device, stored in pairs)
+
     def describe(self) -> dict:
         """report.json's engine.kv_groups."""
         layers = [[layer for layer, g in enumerate(self.layer_group) if g == group]

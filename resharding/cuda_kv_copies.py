@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from batchinfer.engine.host_to_device import pinned
 
-from .kv_store import ShardView
+from .kv_store import ShardView, block_groups, slot_pairs
 
 log = logging.getLogger("batchinfer")
 
@@ -54,14 +54,16 @@ class CudaKvCopier:
 
     def swap_out(self, store: torch.Tensor, paged: torch.Tensor, view: ShardView,
                  device_blocks: list[int], store_blocks: list[int],
-                 after: Optional[torch.cuda.Event]) -> None:
+                 after: Optional[torch.cuda.Event], table_blocks: Sequence[int] = ()) -> None:
         """paged [layers, 2, blocks, heads, bs, D] blocks -> the store's slice, chunk by chunk:
         chunk i's device-to-host copy is in flight while chunk i-1 goes from staging to the
-        store."""
+        store (with KV layer groups only each block's group's slots: kv_store.py)."""
         self._wait(after)
         shape = _block_shape(paged)
+        groups = _groups(view, device_blocks, table_blocks)
         landed: Optional[tuple] = None
-        for i, (dev, sto) in enumerate(self._chunks(paged, device_blocks, store_blocks)):
+        for i, (dev, sto, grp) in enumerate(self._chunks(paged, device_blocks, store_blocks,
+                                                         groups)):
             slot = i % 2
             staged = self._staging(slot, len(dev), shape, paged.dtype)
             with torch.cuda.stream(self.stream):
@@ -72,24 +74,28 @@ class CudaKvCopier:
                 done.record(self.stream)
             self._in_use[slot] = done
             if landed is not None:
-                _to_store(store, view, *landed)
-            landed = (done, staged, sto)
+                landed[0].synchronize()
+                to_store(store, view, *landed[1:])
+            landed = (done, staged, sto, grp)
         if landed is not None:
-            _to_store(store, view, *landed)
+            landed[0].synchronize()
+            to_store(store, view, *landed[1:])
 
     def swap_in(self, store: torch.Tensor, paged: torch.Tensor, view: ShardView,
                 device_blocks: list[int], store_blocks: list[int],
-                after: Optional[torch.cuda.Event]) -> None:
+                after: Optional[torch.cuda.Event], table_blocks: Sequence[int] = ()) -> None:
         """The store's slice -> paged blocks: the host fills one staging buffer while the other's
         host-to-device copy runs; returns once the last copy has landed (the copy stream's event,
-        not a device sync)."""
+        not a device sync). With KV layer groups a block's slots its group does not use on this
+        rank get whatever the staging row held: no layer reads them for this block."""
         self._wait(after)
         shape = _block_shape(paged)
-        for i, (dev, sto) in enumerate(self._chunks(paged, device_blocks, store_blocks)):
+        groups = _groups(view, device_blocks, table_blocks)
+        for i, (dev, sto, grp) in enumerate(self._chunks(paged, device_blocks, store_blocks,
+                                                         groups)):
             slot = i % 2
             staged = self._staging(slot, len(dev), shape, paged.dtype)
-            for row, block in enumerate(sto):     # one pass, straight into the staging buffer
-                staged[row].copy_(_shard(store, view, block))
+            from_store(store, view, staged, sto, grp)    # one pass, straight into staging
             with torch.cuda.stream(self.stream):
                 moved = staged.to(self.device, non_blocking=True)     # [n, L, 2, H, bs, D]
                 paged.index_copy_(2, _device_index(dev, self.device), moved.permute(1, 2, 0, 3, 4, 5))
@@ -104,12 +110,14 @@ class CudaKvCopier:
         if after is not None:
             self.stream.wait_event(after)
 
-    def _chunks(self, paged: torch.Tensor, device_blocks: list[int], store_blocks: list[int]):
+    def _chunks(self, paged: torch.Tensor, device_blocks: list[int], store_blocks: list[int],
+                groups: list[int]):
         block_bytes = paged[:, :, 0].numel() * paged.element_size()
         per_chunk = max(1, self.staging_bytes // block_bytes)
         for start in range(0, len(device_blocks), per_chunk):
             self.chunks += 1
-            yield (device_blocks[start:start + per_chunk], store_blocks[start:start + per_chunk])
+            end = start + per_chunk
+            yield device_blocks[start:end], store_blocks[start:end], groups[start:end]
 
     def _staging(self, slot: int, blocks: int, block_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """Staging buffer `slot` viewed as [blocks, *block_shape] of dtype, once the copy that last
@@ -134,16 +142,34 @@ class CudaKvCopier:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _to_store(store: torch.Tensor, view: ShardView, done: torch.cuda.Event,
-              staged: torch.Tensor, store_blocks: list[int]) -> None:
-    done.synchronize()
-    for row, block in enumerate(store_blocks):
-        _shard(store, view, block).copy_(staged[row])
+def to_store(store: torch.Tensor, view: ShardView, staged: torch.Tensor,
+             store_blocks: list[int], groups: list[int]) -> None:
+    """Staged blocks [n, the rank's slots, 2, heads, bs, D] (landed) -> their store blocks, each
+    block's group's slots only (host work, run while the next chunk's copy is in flight)."""
+    heads = slice(view.head_start, view.head_end)
+    for row, (block, group) in enumerate(zip(store_blocks, groups)):
+        for stored, device in slot_pairs(view, group):
+            store[block, stored, :, heads].copy_(staged[row, device])
 
 
-def _shard(store: torch.Tensor, view: ShardView, block: int) -> torch.Tensor:
-    """The rank's part of one store block: [its layers, 2, its heads, bs, D]."""
-    return store[block, view.layer_start:view.layer_end, :, view.head_start:view.head_end]
+def from_store(store: torch.Tensor, view: ShardView, staged: torch.Tensor,
+               store_blocks: list[int], groups: list[int]) -> None:
+    """The store blocks' slots this rank holds -> staging rows (to_store's inverse)."""
+    heads = slice(view.head_start, view.head_end)
+    for row, (block, group) in enumerate(zip(store_blocks, groups)):
+        for stored, device in slot_pairs(view, group):
+            staged[row, device].copy_(store[block, stored, :, heads])
+
+
+def _groups(view: ShardView, device_blocks: list[int], table_blocks: Sequence[int]) -> list[int]:
+    """Each block's layer group (0 for all without groups)."""
+    if view.group_slots is None:
+        return [0] * len(device_blocks)
+    groups = block_groups(table_blocks)
+    if len(groups) != len(device_blocks):
+        raise ValueError(f"a transfer of {len(device_blocks)} blocks lists {len(groups)} by "
+                         "table")
+    return groups
 
 
 def _block_shape(paged: torch.Tensor) -> tuple:

@@ -29,6 +29,7 @@ class Transfer:
     num_tokens: int
     device_blocks: tuple[int, ...]
     store_blocks: tuple[int, ...]
+    table_blocks: tuple[int, ...] = ()     # the blocks of each table, in the order listed
 
 
 class KVTiers:
@@ -92,8 +93,10 @@ class KVTiers:
                                          self.store.num_blocks - self.store.num_free_blocks)
         moved = held_blocks(source, request_id, slots), held_blocks(dest, request_id, slots)
         device_blocks, store_blocks = moved if kind == SWAP_OUT else moved[::-1]
+        per_table = tuple(len(table[skip:slots]) for table, skip in
+                          zip(source.tables(request_id), source.released_slots(request_id)))
         transfer = Transfer(self._next_id, kind, request_id, num_tokens, device_blocks,
-                            store_blocks)
+                            store_blocks, per_table)
         self._next_id += 1
         self.pending[transfer.transfer_id] = transfer
         return transfer
@@ -131,6 +134,7 @@ class KVTiers:
             slots = -(-transfer.num_tokens // self.store.block_size)
             assert held_blocks(self.store, transfer.request_id, slots) == transfer.store_blocks
             assert held_blocks(self.device, transfer.request_id, slots) == transfer.device_blocks
+            assert sum(transfer.table_blocks) == len(transfer.device_blocks)
 
 
 def held_blocks(manager: BlockManager, request_id: str, slots: int) -> tuple[int, ...]:

@@ -52,10 +52,14 @@ class Prefetcher:
         if paged.is_cuda and self.copier is None:
             self.copier = CudaKvCopier(paged.device)
 
-    def submit(self, transfer_id: int, kind: str, device_blocks, store_blocks) -> None:
+    def submit(self, transfer_id: int, kind: str, device_blocks, store_blocks,
+               table_blocks=()) -> None:
+        """Queues one transfer's copy (`table_blocks`: its blocks per table, which tells each
+        block's layer group)."""
         self.raise_error()
         after = self.copier.mark() if self.copier is not None else None
-        task = (transfer_id, kind, list(device_blocks), list(store_blocks), after)
+        task = (transfer_id, kind, list(device_blocks), list(store_blocks), tuple(table_blocks),
+                after)
         if self._thread is None:
             self._run([task])
         else:
@@ -106,13 +110,15 @@ class Prefetcher:
     def _run(self, tasks: list) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for _tid, kind, device_blocks, store_blocks, after in tasks:
+            for _tid, kind, device_blocks, store_blocks, table_blocks, after in tasks:
                 if self.copier is not None:
                     copy = self.copier.swap_out if kind == "out" else self.copier.swap_in
-                    copy(self.store, self.paged, self.view, device_blocks, store_blocks, after)
+                    copy(self.store, self.paged, self.view, device_blocks, store_blocks, after,
+                         table_blocks)
                 else:
                     copy = swap_out if kind == "out" else swap_in
-                    copy(self.store, self.paged, self.view, device_blocks, store_blocks)
+                    copy(self.store, self.paged, self.view, device_blocks, store_blocks,
+                         table_blocks)
         spent = time.perf_counter() - t0
         self.busy_s += spent
         self.notify([t[0] for t in tasks], spent, threading.current_thread().name)

@@ -7,7 +7,7 @@ switch (`reshard`) waits for the copies in flight, drops the old partition, buil
 from the host copy and re-views the KV buffer for the new shard (its layers x its heads; the
 sequences' KV is in the CPU store across a switch, so nothing in the buffer is kept). With KV
 layer groups a block is a page (kv_groups.py): the buffer is viewed as the page slots the shard's
-layers use, and the store's blocks hold every slot.
+layers use, and a store block holds its own group's layers (kv_store.py).
 """
 from __future__ import annotations
 
@@ -46,13 +46,16 @@ def kv_buffer_elements(layouts: dict, rank: int, arch, num_blocks: int, block_si
 
 
 def shard_view(layout, rank: int, arch, groups=None) -> ShardView:
-    """The rank's layers (with KV layer groups: the page slots they use, one range) and heads."""
+    """The rank's layers (with KV layer groups: the page slots they use, one range, and each
+    group's pairs of paged-cache and store slots) and heads."""
     info = layout.info(rank)
-    start, end = layout.stage_range(info.stage)
-    if groups is not None:
-        start, end = groups.slot_range(start, end)
+    first, end = layout.stage_range(info.stage)
     heads = arch.num_kv_heads // layout.tp
-    return ShardView(start, end, info.tp_rank * heads, (info.tp_rank + 1) * heads)
+    head_range = (info.tp_rank * heads, (info.tp_rank + 1) * heads)
+    if groups is None:
+        return ShardView(first, end, *head_range)
+    return ShardView(*groups.slot_range(first, end), *head_range,
+                     group_slots=groups.copy_slots(first, end))
 
 
 class LayoutSwitcher:

@@ -66,9 +66,11 @@ def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout]
     """The KV layer groups of a hybrid-window model under both layouts (one block manager and
     one store serve them; None: one table). Candidates: kv_groups.layout_candidates for one
     stage, for each layout's stages and for the stages both layouts' boundaries cut, kept where
-    every layout's stages copy apart (`_copies_apart`); chosen as group_layout chooses
-    (kv_groups.cheapest_layout): the fewest bytes a max_model_len-token request costs on the
-    fullest rank of either layout, or within 10% of that the fewest groups."""
+    every rank's page slots are one range in both layouts (`_one_slot_range`: a rank's paged
+    cache is viewed as that range); chosen as group_layout chooses (kv_groups.cheapest_layout):
+    the fewest bytes a max_model_len-token request costs on the fullest rank of either layout,
+    or within 10% of that the fewest groups. Stages may share page slots: a copy moves each
+    block's own group's layers to their own store slots (kv_store.py)."""
     if groups_for(config, arch, max_model_len) is None:
         return None
     stage_sets = [None] + [lay.stage_ranges() for lay in layouts.values()]
@@ -79,10 +81,10 @@ def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout]
     stage_sets.append(list(zip(cuts, cuts[1:])))
     candidates = dict.fromkeys(layout for stages in stage_sets
                                for layout in layout_candidates(arch.layer_windows, stages))
-    usable = [g for g in candidates if all(_copies_apart(g, lay) for lay in layouts.values())]
+    usable = [g for g in candidates if all(_one_slot_range(g, lay) for lay in layouts.values())]
     if not usable:
         log.info("KV cache: Seesaw keeps every block of this model's windowed layers (no layout "
-                 "of its layer groups gives the stages of %s disjoint page slots)",
+                 "of its layer groups gives each stage of %s one range of page slots)",
                  " and ".join(lay.describe() for lay in layouts.values()))
         return None
     block_size = config.cache.block_size
@@ -92,16 +94,9 @@ def seesaw_groups(config: EngineConfig, arch, layouts: dict[str, ParallelLayout]
         * groups.blocks_per_sequence(max_model_len, block_size))
 
 
-def _copies_apart(groups: KVGroupLayout, layout: ParallelLayout) -> bool:
-    """Every stage's page slots are one range and no two stages' ranges overlap: each rank
-    copies its range of a store block in place, so two stages sharing a slot (the one-stage
-    layout under PP, where a slot holds a windowed layer of one stage and a global layer of the
-    next) would overwrite each other's K/V there."""
-    ranges = [groups.slot_range(*stage) for stage in layout.stage_ranges()]
-    if None in ranges:
-        return False
-    ranges.sort()
-    return all(first[1] <= second[0] for first, second in zip(ranges, ranges[1:]))
+def _one_slot_range(groups: KVGroupLayout, layout: ParallelLayout) -> bool:
+    """Every stage's page slots are one range (its paged cache is that slice of a page)."""
+    return all(groups.slot_range(*stage) is not None for stage in layout.stage_ranges())
 
 
 def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelLayout],
@@ -110,8 +105,8 @@ def tier_blocks(config: EngineConfig, params, arch, layouts: dict[str, ParallelL
     """-> (device blocks, bytes of a device block, store blocks). Every rank gets the same block
     count; a block is as big as the rank's larger shard of either layout (with KV layer groups,
     of the page slots its layers use). The store holds cpu_kv_cache_memory of whole-model KV
-    (a store block: every layer, or with groups every page slot, of all heads; with the tier
-    off: as many blocks as the device). The simulator sizes its Seesaw with this too."""
+    (a store block: every layer, or with groups its group's layers, of all heads; with the
+    tier off: as many blocks as the device). The simulator sizes its Seesaw with this too."""
     block_size = config.cache.block_size
     block_bytes = max(rank_bytes_per_block(lay, arch, r, block_size, dtype_bytes, groups)
                       for lay in layouts.values() for r in range(lay.world_size))
@@ -148,8 +143,9 @@ def seesaw_scheduler(config: EngineConfig, params, arch, layouts: dict[str, Para
 
 def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
                           groups: Optional[KVGroupLayout] = None) -> int:
-    """A CPU store block: K and V of every layer (with KV layer groups, of a page's slots)."""
-    layers = groups.page_layers if groups is not None else arch.num_layers
+    """A CPU store block: K and V of every layer (with KV layer groups, of the largest group's
+    layers: a block holds its own group's)."""
+    layers = groups.store_page_layers if groups is not None else arch.num_layers
     return 2 * layers * arch.kv_size * block_size * dtype_bytes
 
 
@@ -173,7 +169,7 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     num_blocks, block_bytes, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
                                                         kv_bytes, setup.max_model_len, groups)
     store_block_bytes = store_bytes_per_block(arch, block_size, kv_bytes, groups)
-    store = allocate_store(store_blocks, groups.page_layers if groups else arch.num_layers,
+    store = allocate_store(store_blocks, groups.store_page_layers if groups else arch.num_layers,
                            arch.num_kv_heads, block_size, arch.head_dim, setup.kv_dtype)
     threads = threads_per_rank(config.parallel, prefill.world_size, config.device.num_threads)
     layout_spec = LayoutSpec(layouts, PREFILL, sampling_rank(layouts), store,
@@ -191,6 +187,8 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
                       "decode_layout": {"tp": layouts[DECODE].tp, "pp": layouts[DECODE].pp},
                       "cpu_store_tokens": store_tables.capacity_tokens,
                       "cpu_store_bytes": store_blocks * store_block_bytes,
+                      "cpu_store_page_layers": (groups.store_page_layers if groups
+                                                else arch.num_layers),
                       "schedule": params.schedule, "cpu_kv_tier": params.cpu_kv_tier,
                       "async_pipeline": params.async_pipeline}
     log.info("Seesaw: prefill %s, decode %s; CPU KV store %d tokens (%.2f GiB)",

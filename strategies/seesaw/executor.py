@@ -81,7 +81,7 @@ class SeesawExecutor(PipelineExecutor):
             elif isinstance(action, Transfer):
                 self._reports[action.transfer_id] = 0
                 message = ("swap", action.transfer_id, action.kind, action.device_blocks,
-                           action.store_blocks)
+                           action.store_blocks, action.table_blocks)
             else:
                 raise TypeError(f"unknown executor action {action!r}")
             for rank in self.ranks:

@@ -33,8 +33,8 @@ _EPS = 1e-12
 class SimulatedSeesawExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost, layouts: dict[str, ParallelLayout],
                  threads: int, weight_bytes: int, kv_bytes_per_block: int, async_copies: bool):
-        """kv_bytes_per_block: a store block's bytes (every layer, or a page of KV layer
-        groups): a copy moves the blocks it pairs, all ranks' shards of them."""
+        """kv_bytes_per_block: a store block's bytes (every layer, or with KV layer groups the
+        largest group's layers): a copy moves the blocks it pairs, all ranks' shards of them."""
         self.clock, self.cost = clock, cost
         self.layouts = layouts
         self.pipelines = {name: SimulatedExecutor(clock, cost, list(lay.layers_per_stage),

@@ -173,37 +173,40 @@ def _even(layers: int, parts: int) -> tuple[int, ...]:
     return tuple(layers // parts + (i < layers % parts) for i in range(parts))
 
 
-def test_stages_never_share_a_page_slot_of_the_store():
-    """Each rank writes its slots of a store block in place, so two stages of a layout must not
-    share a slot. The one-stage layout of Gemma 2's pattern on 6 layers at PP=2 (3 + 3) does
-    (slot 1: layer 2, windowed, on stage 0; layer 3, global, on stage 1): it is not chosen."""
-    from batchinfer.strategies.seesaw.build import _copies_apart
-
+def test_stages_may_share_a_page_slot_now_that_a_copy_moves_its_group_only():
+    """The one-stage layout of Gemma 2's pattern on 6 layers at PP=2 (3 + 3) gives two stages
+    slot 1 (layer 2, windowed, on stage 0; layer 3, global, on stage 1). A copy writes only a
+    block's own group's layers, each to its own store slot (tests/strategies/
+    test_seesaw_store_slots.py), so the layout is usable, and at the by-stage layouts' cost
+    with fewer groups it is the one kept."""
     windows = [16 if i % 2 == 0 else 0 for i in range(6)]
     layouts = _layouts((3, 3), 2, (6,))
     one_stage = group_layout(windows)
     assert [one_stage.slot_range(*r) for r in ((0, 3), (3, 6))] == [(0, 2), (1, 3)]
-    assert not _copies_apart(one_stage, layouts["prefill"])
-    groups = _chosen(windows, layouts, 256)
-    assert groups is not None and all(_copies_apart(groups, lay) for lay in layouts.values())
+    assert _chosen(windows, layouts, 256) == one_stage
 
 
 @pytest.mark.parametrize("pattern", ["gemma2", "gemma3", "gpt-oss"])
 @pytest.mark.parametrize("layers", [24, 26, 42, 62])
 @pytest.mark.parametrize("prefill_pp, decode_tp, decode_pp",
                          [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 2, 2), (8, 4, 2), (8, 8, 1)])
-def test_every_layout_pair_gets_groups_whose_stages_copy_apart(pattern, layers, prefill_pp,
-                                                               decode_tp, decode_pp):
-    """Splits that do not line up (26 layers: 7 + 7 + 6 + 6 against 13 + 13) included: the
-    stages both splits cut give every stage of either layout its own run of slots."""
-    from batchinfer.strategies.seesaw.build import _copies_apart
-
+def test_every_layout_pair_gets_groups_with_one_slot_range_per_stage(pattern, layers, prefill_pp,
+                                                                     decode_tp, decode_pp):
+    """Splits that do not line up (26 layers: 7 + 7 + 6 + 6 against 13 + 13) included: every
+    stage of either layout views its paged cache as one range of page slots, and each group's
+    layers take distinct store slots within a page of the largest group."""
     period = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}[pattern]
     windows = [0 if i % period == period - 1 else 512 for i in range(layers)]
     layouts = _layouts(_even(layers, prefill_pp), decode_tp, _even(layers, decode_pp))
     groups = _chosen(windows, layouts)
     assert groups is not None
-    assert all(_copies_apart(groups, lay) for lay in layouts.values())
+    assert all(groups.slot_range(*stage) is not None
+               for lay in layouts.values() for stage in lay.stage_ranges())
+    for group in range(groups.num_groups):
+        slots = [groups.store_slot[layer] for layer in range(layers)
+                 if groups.layer_group[layer] == group]
+        assert sorted(slots) == list(range(len(slots)))
+        assert len(slots) <= groups.store_page_layers <= groups.page_layers
 
 
 def test_the_device_keeps_a_block_per_table_for_a_sequence_coming_back():
@@ -293,15 +296,21 @@ def six_layer_windows(tmp_path_factory, default_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, windows", [("gemma3", [0, 16, 16, 16]),
-                                             ("gemma2", [0, 0, 16, 16])])
+@pytest.mark.parametrize("family, split, windows, page, store_page, units, blocks", [
+    ("gemma3", (3, 3), [0, 16, 16, 16], 2, 2, 2, (40, 48)),
+    ("gemma3", (5, 1), [0, 16, 16, 16, 16, 16], 1, 1, 2, (54, 54)),
+    ("gemma2", (3, 3), [0, 16], 3, 3, 4, (20, 20))])
 def test_seesaw_runs_the_groups_through_both_layouts_and_gives_transformers_tokens(
-        six_layer_windows, family, windows):
-    """Prefill at PP=2 (3 + 3 layers), decode at TP=2, the stage layout's 4 groups in pages of
-    2 slots (one per prefill stage, both on every decode rank, a head each): the prompts and
-    40 tokens each run far past the 16-key window, a CPU store of 48 pages makes the layouts
-    switch several times, and every token equals transformers'. Gemma 2's one-stage layout
-    would have had both prefill stages write one slot of every store block (tested apart)."""
+        six_layer_windows, family, split, windows, page, store_page, units, blocks):
+    """Prefill at PP=2, decode at TP=2 (a head each). Gemma 3 at 3 + 3: the stage layout's 4
+    groups in pages of 2 slots, one per prefill stage, both on every decode rank. Gemma 3 at
+    5 + 1: 6 groups of one layer, so a store page holds one layer. Gemma 2: the one-stage
+    layout's 2 groups in pages of 3 slots, slot 1 shared by a windowed layer of stage 0 and a
+    global one of stage 1 (each writes its group's blocks only). The prompts and 40 tokens
+    each run far past the 16-key window, a small CPU store makes the layouts switch several
+    times, and every token equals transformers'. `units`: slots x heads of a rank's device
+    block in its larger shard; `blocks`: the device's and the store's (a 128-token prompt's
+    step takes 8 slots of each table)."""
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.engine import Engine
     from batchinfer.strategies.seesaw.params import SeesawParams
@@ -309,26 +318,27 @@ def test_seesaw_runs_the_groups_through_both_layouts_and_gives_transformers_toke
     from tests.window_engines import BLOCK, MAX_NEW, PROMPTS
 
     path, expected = six_layer_windows[family]
-    page = 2 * 2 * 2 * 16 * BLOCK * 4        # a store block: 2 slots x K, V x 2 heads x 16, fp32
-    params = SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=48 * page,
+    slot = 2 * 16 * BLOCK * 4                 # K and V of one head of one layer, fp32
+    params = SeesawParams(decode_tp=2, decode_pp=1,
+                          cpu_kv_cache_memory=blocks[1] * store_page * 2 * slot,
                           max_num_batched_tokens=256)
-    # 40 device blocks of a rank's half page (its slot of every head, or both slots of its
-    # head): a 128-token prompt's step takes 8 slots in each of the 4 tables
     config = EngineConfig(model={"path": str(path), "max_model_len": 128},
-                          cache={"kv_cache_memory": str(40 * page // 2), "block_size": BLOCK},
-                          parallel={"pp": 2, "pp_balance": "layers", "step_timeout_seconds": 120},
+                          cache={"kv_cache_memory": str(blocks[0] * units * slot),
+                                 "block_size": BLOCK},
+                          parallel={"pp": 2, "pp_layers": list(split),
+                                    "step_timeout_seconds": 120},
                           scheduler=params.scheduler_config(), strategy=params)
     with Engine.from_config(config) as engine:
         sched = engine.scheduler
         assert engine.info["kv_groups"]["windows"] == windows
-        assert engine.info["kv_groups"]["page_layers"] == 2
-        assert sched.block_manager.num_blocks == 40 and sched.tiers.store.num_blocks == 48
+        assert engine.info["kv_groups"]["page_layers"] == page
+        assert engine.info["seesaw"]["cpu_store_page_layers"] == store_page
+        assert (sched.block_manager.num_blocks, sched.tiers.store.num_blocks) == blocks
         assert greedy_tokens(engine, PROMPTS * 2, batched=True, max_new=MAX_NEW) == expected * 2
         events = engine.drain_step_events()
         stats = engine.stats()
         sched.check_invariants()
-        assert sched.tiers.store.num_free_blocks == 48
-        assert sched.block_manager.num_free_blocks == 40
+        assert (sched.block_manager.num_free_blocks, sched.tiers.store.num_free_blocks) == blocks
     switches = [d for e in events for d in e.get("decisions", ())]
     assert len(switches) >= 3, switches
     assert stats["kv_window_freed_blocks"] > 0
