@@ -29,7 +29,7 @@ import torch
 
 from batchinfer.engine.host_to_device import pinned
 
-from .kv_store import ShardView, block_groups, slot_pairs
+from .kv_store import ShardView, block_groups, covers_shard, slot_pairs
 
 log = logging.getLogger("batchinfer")
 
@@ -87,7 +87,7 @@ class CudaKvCopier:
         """The store's slice -> paged blocks: the host fills one staging buffer while the other's
         host-to-device copy runs; returns once the last copy has landed (the copy stream's event,
         not a device sync). With KV layer groups a block's slots its group does not use on this
-        rank get whatever the staging row held: no layer reads them for this block."""
+        rank get zeros (`from_store`)."""
         self._wait(after)
         shape = _block_shape(paged)
         groups = _groups(view, device_blocks, table_blocks)
@@ -154,9 +154,14 @@ def to_store(store: torch.Tensor, view: ShardView, staged: torch.Tensor,
 
 def from_store(store: torch.Tensor, view: ShardView, staged: torch.Tensor,
                store_blocks: list[int], groups: list[int]) -> None:
-    """The store blocks' slots this rank holds -> staging rows (to_store's inverse)."""
+    """The store blocks' slots this rank holds -> staging rows (to_store's inverse). A row's
+    slots its block's group does not use here are zeroed: the whole row lands in the paged
+    cache, and a slot the block serves once it is another group's must not read leftover bytes
+    of the pinned buffer (NaN patterns survive the attention's mask as 0 x NaN)."""
     heads = slice(view.head_start, view.head_end)
     for row, (block, group) in enumerate(zip(store_blocks, groups)):
+        if not covers_shard(view, group, staged.shape[1]):
+            staged[row].zero_()
         for stored, device in slot_pairs(view, group):
             staged[row, device].copy_(store[block, stored, :, heads])
 

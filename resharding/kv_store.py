@@ -57,14 +57,24 @@ def block_groups(table_blocks: Sequence[int]) -> list[int]:
     return [group for group, count in enumerate(table_blocks) for _ in range(count)]
 
 
-def slot_pairs(view: ShardView, group: int) -> list[tuple]:
-    """(store slots, paged-cache slots) that a block of `group` moves on this rank: the
-    whole shard without groups, else its group's pairs (none where the group has no layer
-    here)."""
+def slot_pairs(view: ShardView, group: int) -> list[tuple[slice, slice]]:
+    """(store slots, paged-cache slots) that a block of `group` moves on this rank, as runs of
+    consecutive slots on both sides: the whole shard without groups, else its group's pairs
+    (none where the group has no layer here)."""
     if view.group_slots is None:
         return [(slice(view.layer_start, view.layer_end), slice(None))]
-    device, stored = view.group_slots[group]
-    return list(zip(stored, device))
+    runs: list[list[int]] = []            # [first store slot, first paged slot, length]
+    for device, stored in zip(*view.group_slots[group]):
+        if runs and (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]) == (stored, device):
+            runs[-1][2] += 1
+        else:
+            runs.append([stored, device, 1])
+    return [(slice(s, s + n), slice(d, d + n)) for s, d, n in runs]
+
+
+def covers_shard(view: ShardView, group: int, slots: int) -> bool:
+    """Whether a block of `group` moves every one of the rank's `slots` paged slots."""
+    return view.group_slots is None or len(view.group_slots[group][0]) == slots
 
 
 def swap_out(store: torch.Tensor, paged: torch.Tensor, view: ShardView,
@@ -75,7 +85,9 @@ def swap_out(store: torch.Tensor, paged: torch.Tensor, view: ShardView,
     the transfer's blocks per table (with groups)."""
     heads = slice(view.head_start, view.head_end)
     for rows, device, stored in _by_group(view, device_blocks, store_blocks, table_blocks):
-        src = paged[device][:, :, _index(rows[0], paged.device)]     # [L, 2, n, H, bs, D]
+        src = paged.index_select(2, _index(rows[0], paged.device))    # [L, 2, n, H, bs, D]
+        if not isinstance(device, slice):
+            src = src.index_select(0, _index(device, paged.device))
         src = src.permute(2, 0, 1, 3, 4, 5).to("cpu")
         store_rows = _index(rows[1], store.device)
         if isinstance(stored, slice):

@@ -34,9 +34,10 @@ class Transfer:
 
 class KVTiers:
     """With KV layer groups both tiers are block managers over the same groups' windows (a
-    block is one page: kv_groups.py), a sequence has a table per group in each, and a move pairs
-    the blocks its windows still hold: a windowed group's slots released behind the window are
-    released in the other tier too and never copied."""
+    block serves one group: kv_groups.py, kv_store.py), a sequence has a table per group in
+    each, and a move pairs the blocks its windows still hold, listing how many each table has
+    (`Transfer.table_blocks`: which group each block's layers are): a windowed group's slots
+    released behind the window are released in the other tier too and never copied."""
 
     def __init__(self, device: BlockManager, store: BlockManager):
         if device.block_size != store.block_size:

@@ -17,6 +17,7 @@ from typing import Optional
 
 from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.engine import Replica
+from batchinfer.engine.kv_groups import KVGroupLayout
 from batchinfer.engine.executor import Executor
 from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
@@ -32,9 +33,11 @@ _EPS = 1e-12
 
 class SimulatedSeesawExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost, layouts: dict[str, ParallelLayout],
-                 threads: int, weight_bytes: int, kv_bytes_per_block: int, async_copies: bool):
-        """kv_bytes_per_block: a store block's bytes (every layer, or with KV layer groups the
-        largest group's layers): a copy moves the blocks it pairs, all ranks' shards of them."""
+                 threads: int, weight_bytes: int, block_bytes_per_table: tuple[int, ...],
+                 async_copies: bool):
+        """block_bytes_per_table: the bytes a copy moves per block of each table, all ranks'
+        shards (every layer; with KV layer groups the table's group's layers): a copy moves
+        the blocks it pairs."""
         self.clock, self.cost = clock, cost
         self.layouts = layouts
         self.pipelines = {name: SimulatedExecutor(clock, cost, list(lay.layers_per_stage),
@@ -42,7 +45,7 @@ class SimulatedSeesawExecutor(Executor):
                           for name, lay in layouts.items()}
         self.current = PREFILL
         self.world = layouts[PREFILL].world_size
-        self.weight_bytes, self.kv_bytes_per_block = weight_bytes, kv_bytes_per_block
+        self.weight_bytes, self.block_bytes_per_table = weight_bytes, block_bytes_per_table
         self.async_copies = async_copies
         self._copy_free_at = 0.0
         self._copies: dict[int, float] = {}            # transfer id -> done at
@@ -112,8 +115,9 @@ class SimulatedSeesawExecutor(Executor):
         self.reshard_seconds += seconds
 
     def _copy(self, transfer: Transfer) -> None:
+        per_table = transfer.table_blocks or (len(transfer.store_blocks),)
         seconds = self.cost.host_copy_seconds(
-            len(transfer.store_blocks) * self.kv_bytes_per_block / self.world)
+            sum(n * b for n, b in zip(per_table, self.block_bytes_per_table)) / self.world)
         self.copy_seconds += seconds
         if self.async_copies:
             start = max(self.clock.now, self._copy_free_at)
@@ -167,8 +171,7 @@ class SimulatedSeesawExecutor(Executor):
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
                    max_model_len: int, threads: int) -> Replica:
     """The replica, sized and checked as strategies/seesaw/build.py does."""
-    from .build import (resolve_layouts, seesaw_groups, seesaw_scheduler, store_bytes_per_block,
-                        tier_blocks)
+    from .build import resolve_layouts, seesaw_groups, seesaw_scheduler, tier_blocks
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
@@ -183,7 +186,16 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
                                  max_model_len)
     executor = SimulatedSeesawExecutor(clock, cost, layouts, threads,
                                        arch.num_params() * dtype_bytes,
-                                       store_bytes_per_block(arch, block_size, kv_bytes, groups),
+                                       copy_bytes_per_table(arch, block_size, kv_bytes, groups),
                                        params.async_pipeline)
     return Replica(scheduler, executor)
 
+
+def copy_bytes_per_table(arch, block_size: int, dtype_bytes: int,
+                         groups: Optional[KVGroupLayout]) -> tuple[int, ...]:
+    """What a copy moves per block of each table: K and V of every layer, or with KV layer
+    groups of the table's group's layers (a store page holds the largest group's)."""
+    per_layer = 2 * arch.kv_size * block_size * dtype_bytes
+    if groups is None:
+        return (per_layer * arch.num_layers,)
+    return tuple(per_layer * groups.layer_group.count(group) for group in range(groups.num_groups))

@@ -193,8 +193,8 @@ def test_stages_may_share_a_page_slot_now_that_a_copy_moves_its_group_only():
 def test_every_layout_pair_gets_groups_with_one_slot_range_per_stage(pattern, layers, prefill_pp,
                                                                      decode_tp, decode_pp):
     """Splits that do not line up (26 layers: 7 + 7 + 6 + 6 against 13 + 13) included: every
-    stage of either layout views its paged cache as one range of page slots, and each group's
-    layers take distinct store slots within a page of the largest group."""
+    stage of either layout views its paged cache as one range of page slots (the copies between
+    such layouts: tests/strategies/test_seesaw_store_slots.py)."""
     period = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}[pattern]
     windows = [0 if i % period == period - 1 else 512 for i in range(layers)]
     layouts = _layouts(_even(layers, prefill_pp), decode_tp, _even(layers, decode_pp))
@@ -202,11 +202,6 @@ def test_every_layout_pair_gets_groups_with_one_slot_range_per_stage(pattern, la
     assert groups is not None
     assert all(groups.slot_range(*stage) is not None
                for lay in layouts.values() for stage in lay.stage_ranges())
-    for group in range(groups.num_groups):
-        slots = [groups.store_slot[layer] for layer in range(layers)
-                 if groups.layer_group[layer] == group]
-        assert sorted(slots) == list(range(len(slots)))
-        assert len(slots) <= groups.store_page_layers <= groups.page_layers
 
 
 def test_the_device_keeps_a_block_per_table_for_a_sequence_coming_back():

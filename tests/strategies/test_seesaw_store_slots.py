@@ -32,59 +32,74 @@ def _value(layer: int, block: int) -> torch.Tensor:
     return base + 1000 * layer + 100000 * block
 
 
-def _transfer(groups, rng: random.Random, blocks_per_table: int):
-    """A move's halves as kv_tiers lists them: table after table, a few blocks each."""
-    counts = tuple(rng.randint(0, blocks_per_table) for _ in range(groups.num_groups))
+def _transfer(groups, rng: random.Random):
+    """A move's halves as kv_tiers lists them: table after table, 1-3 blocks each."""
+    counts = tuple(rng.randint(1, 3) for _ in range(groups.num_groups))
     total = sum(counts)
     return (rng.sample(range(DEVICE_BLOCKS), total), rng.sample(range(2 * total + 1), total),
             counts)
 
 
-def _paged(groups, arch, layout, rank, device_blocks, counts, fill: float = float("nan")):
-    """The rank's paged cache, its slots of every block of the move holding their group's
-    layers' values (what the rank's model wrote), every other slot `fill`."""
+def _paged(groups, arch, layout, rank, fill: float):
+    """(the rank's ShardView, its paged cache with every slot `fill`)."""
     view = shard_view(layout, rank, arch, groups)
-    heads = slice(view.head_start, view.head_end)
-    paged = torch.full((view.layer_end - view.layer_start, 2, DEVICE_BLOCKS,
-                        view.head_end - view.head_start, BS, DIM), fill)
-    return view, heads, paged
+    return view, torch.full((view.layer_end - view.layer_start, 2, DEVICE_BLOCKS,
+                             view.head_end - view.head_start, BS, DIM), fill)
 
 
-def _expected(groups, counts):
-    """(order in the move, group) of each block, table after table."""
+def _block_groups(counts) -> list[int]:
+    """Each block's group, in the move's order (table after table)."""
     return [group for group, count in enumerate(counts) for _ in range(count)]
 
 
-def _check_rank(groups, arch, layout, rank, paged, view, device_blocks, counts):
-    """Every layer of the rank holds, in each block of its group, that block's values (the
-    rank's heads)."""
+def _rank_layers(groups, layout, rank, view) -> dict[int, int]:
+    """The rank's paged slot (from its first) -> the layer of each group in it:
+    {(slot, group): layer}."""
     first, end = layout.stage_range(layout.info(rank).stage)
+    return {(groups.layer_slot[layer] - view.layer_start, groups.layer_group[layer]): layer
+            for layer in range(first, end)}
+
+
+def _check_rank(groups, layout, rank, paged, view, device_blocks, counts, other: float):
+    """In each block of the move, each paged slot that holds a layer of the block's group holds
+    that layer's values (the rank's heads), and every other slot `other`; blocks outside the
+    move are untouched (-1)."""
     heads = slice(view.head_start, view.head_end)
-    block_group = _expected(groups, counts)
-    for layer in range(first, end):
-        slot = groups.layer_slot[layer] - view.layer_start
-        for order, (block, group) in enumerate(zip(device_blocks, block_group)):
-            if group == groups.layer_group[layer]:
-                torch.testing.assert_close(paged[slot, :, block], _value(layer, order)[:, heads])
+    layers = _rank_layers(groups, layout, rank, view)
+    moved = dict(zip(device_blocks, enumerate(_block_groups(counts))))
+    for block in range(DEVICE_BLOCKS):
+        for slot in range(paged.shape[0]):
+            if block not in moved:
+                assert (paged[slot, :, block] == -1).all(), (block, slot)
+                continue
+            order, group = moved[block]
+            if (slot, group) in layers:
+                torch.testing.assert_close(paged[slot, :, block],
+                                           _value(layers[slot, group], order)[:, heads])
+            else:
+                assert (paged[slot, :, block] == other).all(), (block, slot, other)
 
 
 def _round_trip(groups, arch, prefill: ParallelLayout, decode: ParallelLayout, seed: int,
                 copier: str) -> None:
     """Every prefill rank copies its blocks of a move out, every decode rank copies them in
-    (other device blocks): each decode rank's layers read what the prefill ranks' layers wrote."""
+    (other device blocks): each decode rank's layers read what the prefill ranks' layers
+    wrote, each store block holds its group's layers and nothing else, and a swap-in leaves a
+    block's other slots as they were (CPU) or zeroed (the CUDA copier lands whole staging rows,
+    so it zeroes what the row does not carry; its pinned staging starts as leftovers: NaN
+    here)."""
     rng = random.Random(seed)
-    device_out, store_blocks, counts = _transfer(groups, rng, 3)
+    device_out, store_blocks, counts = _transfer(groups, rng)
     store = allocate_store(len(store_blocks) * 2 + 1, groups.store_page_layers, HEADS, BS, DIM,
                            torch.float32).fill_(float("nan"))     # a slot nobody wrote shows
-    block_group = _expected(groups, counts)
+    block_group = _block_groups(counts)
     for rank in range(prefill.world_size):
-        view, heads, paged = _paged(groups, arch, prefill, rank, device_out, counts)
-        first, end = prefill.stage_range(prefill.info(rank).stage)
-        for layer in range(first, end):
-            for order, (block, group) in enumerate(zip(device_out, block_group)):
-                if group == groups.layer_group[layer]:
-                    paged[groups.layer_slot[layer] - view.layer_start, :, block] = \
-                        _value(layer, order)[:, heads]
+        view, paged = _paged(groups, arch, prefill, rank, float("nan"))
+        heads = slice(view.head_start, view.head_end)
+        for (slot, group), layer in _rank_layers(groups, prefill, rank, view).items():
+            for order, (block, block_group_) in enumerate(zip(device_out, block_group)):
+                if block_group_ == group:
+                    paged[slot, :, block] = _value(layer, order)[:, heads]
         if copier == "cpu":
             swap_out(store, paged, view, device_out, store_blocks, counts)
         else:        # the CUDA copier's host side: staged rows of the rank's whole block
@@ -99,14 +114,15 @@ def _round_trip(groups, arch, prefill: ParallelLayout, decode: ParallelLayout, s
                 assert store[block, slot].isnan().all(), (block, slot)
     device_in = rng.sample(range(DEVICE_BLOCKS), len(device_out))
     for rank in range(decode.world_size):
-        view, _, paged = _paged(groups, arch, decode, rank, device_in, counts, fill=-1.0)
+        view, paged = _paged(groups, arch, decode, rank, -1.0)
         if copier == "cpu":
             swap_in(store, paged, view, device_in, store_blocks, counts)
         else:
-            staged = paged[:, :, device_in].permute(2, 0, 1, 3, 4, 5).contiguous()
+            staged = torch.full((len(device_in), *paged[:, :, 0].shape), float("nan"))
             from_store(store, view, staged, store_blocks, block_group)
             paged[:, :, device_in] = staged.permute(1, 2, 0, 3, 4, 5)
-        _check_rank(groups, arch, decode, rank, paged, view, device_in, counts)
+        _check_rank(groups, decode, rank, paged, view, device_in, counts,
+                    -1.0 if copier == "cpu" else 0.0)
 
 
 def _layout(tp: int, split: tuple[int, ...]) -> ParallelLayout:
@@ -114,21 +130,22 @@ def _layout(tp: int, split: tuple[int, ...]) -> ParallelLayout:
 
 
 @pytest.mark.parametrize("copier", ["cpu", "cuda-host"])
-@pytest.mark.parametrize("windows, prefill_split, decode_tp, decode_split", [
-    ([4 if i % 2 == 0 else 0 for i in range(6)], (3, 3), 2, (6,)),     # Gemma 2 on 6 layers
-    ([4] * 5 + [0], (5, 1), 2, (6,)),                                   # Gemma 3, 5 + 1
-    ([4] * 5 + [0], (3, 3), 1, (4, 2)),
-    ([0 if i % 6 == 5 else 4 for i in range(12)], (4, 4, 4), 1, (7, 5)),
+@pytest.mark.parametrize("windows, prefill_tp, prefill_split, decode_tp, decode_split", [
+    ([4 if i % 2 == 0 else 0 for i in range(6)], 1, (3, 3), 2, (6,)),     # Gemma 2, 6 layers
+    ([4] * 5 + [0], 1, (5, 1), 2, (6,)),                                  # Gemma 3, 5 + 1
+    ([4] * 5 + [0], 1, (3, 3), 1, (4, 2)),
+    ([4 if i % 2 == 0 else 0 for i in range(6)], 2, (6,), 1, (3, 3)),     # heads split out
+    ([0 if i % 6 == 5 else 4 for i in range(12)], 1, (4, 4, 4), 1, (7, 5)),
 ])
 def test_every_candidate_layout_moves_each_layer_to_the_ranks_of_the_other_layout(
-        windows, prefill_split, decode_tp, decode_split, copier):
+        windows, prefill_tp, prefill_split, decode_tp, decode_split, copier):
     """Each candidate whose stages' slots are one range, the one-stage layout included where
     two prefill stages share a slot for layers of different groups (Gemma 2 at 3 + 3: slot 1
     holds layer 2, windowed, on stage 0 and layer 3, global, on stage 1): every decode rank's
     layers read back what the prefill ranks' layers wrote, block by block, and no store slot
     holds a stage's write for another group (the store starts as NaN)."""
     arch = _arch(windows)
-    prefill, decode = _layout(1, prefill_split), _layout(decode_tp, decode_split)
+    prefill, decode = _layout(prefill_tp, prefill_split), _layout(decode_tp, decode_split)
     stage_sets = [None, prefill.stage_ranges(), decode.stage_ranges()]
     candidates = {g for stages in stage_sets for g in layout_candidates(windows, stages)
                   if all(g.slot_range(*r) is not None
@@ -136,6 +153,45 @@ def test_every_candidate_layout_moves_each_layer_to_the_ranks_of_the_other_layou
     assert candidates
     for seed, groups in enumerate(sorted(candidates, key=repr)):
         _round_trip(groups, arch, prefill, decode, seed, copier)
+
+
+def test_a_move_lists_its_blocks_per_table_as_the_tiers_hold_them():
+    """`Transfer.table_blocks` tells the ranks each block's group: a prompt whose windowed
+    tables released their first slots moves fewer blocks of those tables, and the count per
+    table is what each table holds of the move, in the order the move lists them."""
+    from batchinfer.engine.group_blocks import GroupedBlockManager
+    from batchinfer.resharding.kv_store import block_groups
+    from batchinfer.resharding.kv_tiers import KVTiers
+
+    tiers = KVTiers(GroupedBlockManager(40, 4, (0, 8, 8)), GroupedBlockManager(80, 4, (0, 8, 8)))
+    tiers.device.grow("a", 40)                           # 10 slots a table
+    tiers.device.release_outside_window("a", 40)
+    assert tiers.device.released_slots("a") == (0, 8, 8)
+    out = tiers.swap_out("a", 36)                        # 9 slots: fewer than a table holds
+    assert out.table_blocks == (9, 1, 1)
+    tables = tiers.device.tables("a")
+    assert [next(g for g, table in enumerate(tables) if block in table)
+            for block in out.device_blocks] == block_groups(out.table_blocks)
+    tiers.check_invariants()
+    tiers.complete(out.transfer_id)
+    back = tiers.swap_in("a", 36)
+    assert back.table_blocks == out.table_blocks
+    tiers.check_invariants()
+
+
+def test_the_simulator_prices_a_copy_by_each_blocks_group():
+    """A block of a group of one layer costs a quarter of one of four layers (Gemma 3 1B's
+    one-stage layout: 4-layer groups and a last windowed one of 2)."""
+    from types import SimpleNamespace
+
+    from batchinfer.strategies.seesaw.sim import copy_bytes_per_table
+
+    arch = SimpleNamespace(kv_size=16, num_layers=26)
+    groups = group_layout([0 if i % 6 == 5 else 512 for i in range(26)])
+    per_table = copy_bytes_per_table(arch, 16, 4, groups)
+    per_layer = 2 * 16 * 16 * 4
+    assert per_table == (4 * per_layer,) * 6 + (2 * per_layer,)
+    assert copy_bytes_per_table(arch, 16, 4, None) == (26 * per_layer,)
 
 
 def test_a_store_page_is_the_largest_group():
