@@ -69,6 +69,42 @@ def test_copies_round_trip_in_chunks_through_both_staging_buffers(dtype):
 
 
 @needs_cuda
+def test_grouped_copies_equal_the_cpu_copies():
+    """KV layer groups (Gemma 2's pattern on 6 layers, the one-stage layout, stage 3-6 of a
+    PP=2 split, whose slots 1-2 it shares with stage 0): the CUDA copier moves each block's
+    group's slots to the same store slots as the CPU copy, in chunks of 2 blocks, and a swap-in
+    gives the same paged blocks (the slots a block's group does not use here zeroed)."""
+    from batchinfer.engine.kv_groups import group_layout
+    from batchinfer.resharding.kv_store import swap_in, swap_out
+
+    groups = group_layout([16 if i % 2 == 0 else 0 for i in range(6)])
+    first, end = groups.slot_range(3, 6)
+    view = ShardView(first, end, 0, HEADS, group_slots=groups.copy_slots(3, 6))
+    paged = torch.randn(end - first, 2, BLOCKS, HEADS, BLOCK, DIM, device="cuda")
+    table_blocks, source, slots = (3, 4), [3, 17, 0, 9, 22, 5, 11], [6, 5, 4, 3, 2, 1, 0]
+    on_gpu, on_cpu = (allocate_store(8, groups.store_page_layers, HEADS, BLOCK, DIM,
+                                     torch.float32) for _ in range(2))
+    prefetcher, reports = _prefetcher(on_gpu, paged, view,
+                                      2 * paged[:, :, 0].numel() * paged.element_size())
+    back = torch.zeros_like(paged)
+    target = [2, 4, 6, 8, 10, 12, 13]
+    try:
+        prefetcher.submit(1, "out", source, slots, table_blocks)
+        prefetcher.drain()
+        prefetcher.attach(back, view)
+        prefetcher.submit(2, "in", target, slots, table_blocks)
+        prefetcher.drain()
+    finally:
+        prefetcher.close()
+    swap_out(on_cpu, paged.cpu(), view, source, slots, table_blocks)
+    expected = torch.zeros_like(back, device="cpu")
+    swap_in(on_cpu, expected, view, target, slots, table_blocks)
+    assert reports == [1, 2]
+    assert torch.equal(on_gpu, on_cpu)
+    assert torch.equal(back.cpu(), expected)
+
+
+@needs_cuda
 def test_without_pinned_memory_the_copies_go_through_pageable_staging(monkeypatch, caplog):
     """Pinned allocation fails: one warning, pageable staging, the same round trip."""
     real_empty = torch.empty
