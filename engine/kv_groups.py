@@ -77,9 +77,9 @@ class KVGroupLayout:
     @property
     def store_slot(self) -> tuple[int, ...]:
         """Per layer: its place among its group's layers (in layer order), the slot it takes in
-        a page of a store that holds each block's own group's layers only (Seesaw's CPU
-        store): a block serves one group, so its page needs that group's layers, not every
-        slot a stage stores."""
+        a page of a store that holds each block's own group's layers only (a CPU KV tier
+        shared by the stages): a block serves one group, so its page needs that group's
+        layers, not every slot a stage stores."""
         seen = [0] * self.num_groups
         slots = []
         for group in self.layer_group:
