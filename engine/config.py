@@ -208,6 +208,11 @@ class ParallelConfig(_Strict):
     def multiprocess(self) -> bool:
         return self.world_size > 1
 
+    def stages_through_host(self, device_type: str) -> bool:
+        """Whether ranks on this device exchange tensors through host memory, so several may
+        share a GPU (gpu_transport: host on CUDA; engine/runtime/transport.py)."""
+        return device_type == "cuda" and self.gpu_transport == "host"
+
 
 class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -177,7 +177,10 @@ def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) 
     def value(recipe_dict: dict, section: str, key: str):
         return (recipe_dict.get(section) or {}).get(key, (defaults.get(section) or {}).get(key))
 
-    changed = [f"{section}.{key}: {value(old, section, key)!r} -> {value(new, section, key)!r}"
+    def spelled(recipe_dict: dict, section: str, key: str) -> str:
+        return yaml_spelling(value(recipe_dict, section, key))
+
+    changed = [f"{section}.{key}: {spelled(old, section, key)} -> {spelled(new, section, key)}"
                for section, key in keys if value(old, section, key) != value(new, section, key)]
     if changed:
         raise RunDirError(

@@ -170,7 +170,7 @@ def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[
 
 def staged_transport(config: EngineConfig, device_type: str) -> bool:
     """Whether the workers' CUDA tensors travel through host memory (transport.py)."""
-    return device_type == "cuda" and config.parallel.gpu_transport == "host"
+    return config.parallel.stages_through_host(device_type)
 
 
 def replica_swap_blocks(config: EngineConfig, layout: ParallelLayout, setup: ModelSetup) -> int:

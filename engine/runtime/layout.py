@@ -174,7 +174,7 @@ def check_gpu_count(config: ParallelConfig, device_type: str, world_size: int,
                     visible: Optional[int] = None) -> None:
     """NCCL runs one rank per GPU: a CUDA layout of more ranks than visible GPUs is refused
     before anything loads, unless `gpu_transport: host` lets ranks share them."""
-    if device_type != "cuda" or world_size < 2 or config.gpu_transport == "host":
+    if device_type != "cuda" or world_size < 2 or config.stages_through_host(device_type):
         return
     visible = visible_gpus() if visible is None else visible
     if visible < world_size:
@@ -190,7 +190,7 @@ def ranks_per_device(config: ParallelConfig, device_type: str, world_size: int,
     """How many ranks share each GPU (rank r runs on GPU r mod visible): 1 but under
     gpu_transport: host with fewer GPUs than ranks. 1 on CPU (there the host's memory is split
     between all ranks)."""
-    if device_type != "cuda" or config.gpu_transport != "host":
+    if not config.stages_through_host(device_type):
         return 1
     visible = visible_gpus() if visible is None else visible
     return -(-world_size // max(visible, 1))

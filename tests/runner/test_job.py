@@ -312,11 +312,11 @@ def test_resume_needs_the_inputs_first_bytes_and_the_same_model(tmp_path, tiny_r
         run(longer, path, out, shared_engine)
     templated = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
         update={"chat_template": "never"})})
-    with pytest.raises(RunDirError, match=r"io\.chat_template: 'auto' -> 'never'"):
+    with pytest.raises(RunDirError, match=r"io\.chat_template: auto -> never"):
         run(templated, path, out, shared_engine)
     renamed_ids = tiny_recipe.model_copy(update={"io": tiny_recipe.io.model_copy(
         update={"id_field": "uid"})})             # every record's id would change
-    with pytest.raises(RunDirError, match=r"io\.id_field: 'id' -> 'uid'"):
+    with pytest.raises(RunDirError, match=r"io\.id_field: id -> uid"):
         run(renamed_ids, path, out, shared_engine)
     assert {name: (out / name).read_bytes() for name in before} == before
 
