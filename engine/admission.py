@@ -6,6 +6,8 @@ error records and goes on.
 """
 from __future__ import annotations
 
+import numbers
+
 from .errors import RequestError
 from .request import Request
 
@@ -28,6 +30,12 @@ def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
 
 def check_prompt_ids(ids, max_model_len: int, vocab_size: int) -> None:
     """check_prompt on the token ids alone (`batchinfer validate` has no Request)."""
+    kinds = set(map(type, ids))            # one pass that a tokenizer's output (ints) passes
+    if kinds - {int} and any(kind is bool or not issubclass(kind, numbers.Integral)
+                             for kind in kinds):
+        not_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        raise RequestError("bad_token_id", f"prompt token ids must be integers; got "
+                           f"{', '.join(repr(t) for t in not_ids[:5])}")
     check_length(len(ids), max_model_len)
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = [t for t in ids if not 0 <= t < vocab_size]

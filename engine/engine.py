@@ -83,6 +83,9 @@ class Engine:
         takes it when it has room)."""
         if request.request_id in self._seqs:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
+        if not isinstance(request.sampling, SamplingParams):
+            raise TypeError(f"request {request.request_id!r}: sampling must be a SamplingParams, "
+                            f"not {type(request.sampling).__name__}")
         check_prompt(request, self.max_model_len,
                      self.info.get("vocab_size") or self.tokenizer.vocab_size)
         if replica is not None and not 0 <= replica < len(self.replicas):
@@ -260,18 +263,42 @@ class Engine:
     def generate(self, prompts: Iterable[Union[str, list[int]]],
                  sampling: Union[SamplingParams, list[SamplingParams], None] = None,
                  on_step: Optional[Callable[[list[RequestOutput]], None]] = None) -> list[RequestOutput]:
-        """Runs prompts (text or token ids) to completion; results in input order. `on_step`, if
-        given, is called after every step with the requests that step finished."""
-        prompts = list(prompts)
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
-        ids = []
+        """Runs prompts (one text, or a list of texts or of token-id lists) to completion;
+        results in input order. `sampling`: one SamplingParams for all, or one per prompt.
+        Every prompt is checked before any is added, so a bad one leaves nothing behind.
+        `on_step`, if given, is called after every step with the requests that step finished."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise TypeError("prompts is a list of ints: give token-id prompts as a list of lists "
+                            "([[1, 2, 3]])")
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts and {len(sampling)} sampling params: "
+                                 "give one SamplingParams for all, or one per prompt")
+            params = list(sampling)
+        else:
+            params = [sampling or SamplingParams()] * len(prompts)
+        requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            if not isinstance(prompt, (str, list, tuple)):
+                raise TypeError(f"prompt {i}: a text or a list of token ids, not "
+                                f"{type(prompt).__name__}")
             tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self._generate_calls += 1
-            rid = f"generate-{self._generate_calls}"
-            self.add_request(Request(rid, tokens, sp, prompt=prompt if isinstance(prompt, str) else None,
-                                     arrival_index=i))
-            ids.append(rid)
+            request = Request(f"generate-{self._generate_calls + i + 1}", tokens, sp,
+                              prompt=prompt if isinstance(prompt, str) else None, arrival_index=i)
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling params of prompt {i}: a SamplingParams, not "
+                                f"{type(sp).__name__}")
+            try:
+                check_prompt(request, self.max_model_len,
+                             self.info.get("vocab_size") or self.tokenizer.vocab_size)
+            except RequestError as exc:
+                raise RequestError(exc.code, f"prompt {i}: {exc.message}") from None
+            requests.append(request)
+        self._generate_calls += len(requests)
+        for request in requests:
+            self.add_request(request)
+        ids = [request.request_id for request in requests]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             finished = self.step()

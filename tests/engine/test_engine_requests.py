@@ -113,3 +113,37 @@ def test_each_step_event_counts_the_context_its_tokens_attend(tiny):
     tiny.generate([prompt], greedy(max_tokens=4, ignore_eos=True))
     events = tiny.drain_step_events()
     assert [e["num_context_tokens"] for e in events] == [len(prompt) + i for i in range(4)]
+
+
+def test_generate_takes_one_text_as_one_prompt(tiny):
+    """A string is one prompt (as vLLM's LLM.generate takes it), not one per character."""
+    outs = tiny.generate("Once upon a time", greedy(max_tokens=3, ignore_eos=True))
+    assert len(outs) == 1
+    assert outs[0].prompt_token_ids == tiny.tokenizer.encode("Once upon a time")
+
+
+@pytest.mark.parametrize("prompts, sampling, error, match", [
+    (["a", "b", "c"], [greedy(max_tokens=2)], ValueError, "3 prompts and 1 sampling params"),
+    (["a"], [{"max_tokens": 4}], TypeError, "a SamplingParams, not dict"),
+    (["a"], {"max_tokens": 4}, TypeError, "a SamplingParams, not dict"),
+    ([None], None, TypeError, "prompt 0: a text or a list of token ids, not NoneType"),
+    ([[1.5, 2]], None, RequestError, "must be integers; got 1.5"),
+    ([[True, 2]], None, RequestError, "must be integers; got True"),
+    ([1, 2, 3], None, TypeError, "a list of lists"),
+    (["fine", ""], None, RequestError, "prompt 1: the prompt has no tokens"),
+])
+def test_a_bad_generate_call_is_refused_whole_and_leaves_the_engine_usable(
+        tiny, prompts, sampling, error, match):
+    """Every prompt and its params are checked before any is added: a bad one names itself and
+    leaves no request of the call behind (one left would run, unseen, in the next call, or with
+    params it cannot read stall the engine)."""
+    with pytest.raises(error, match=match):
+        tiny.generate(prompts, sampling)
+    assert tiny.num_unfinished == 0 and not tiny.has_unfinished()
+    assert len(tiny.generate(["again"], (greedy(max_tokens=2),))) == 1
+
+
+def test_add_request_refuses_params_it_cannot_read_before_taking_the_request(tiny):
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams, not dict"):
+        tiny.add_request(Request("r-dict", [1, 2, 3], {"max_tokens": 4}))
+    assert tiny.num_unfinished == 0 and not tiny.has_unfinished()
