@@ -28,7 +28,7 @@ from .io.admission import build_request, prompt_token_ids
 from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
-from .io.inputs import InputFileError, InputReader, Shard
+from .io.inputs import InputFileError, InputReader
 from .report.metrics import SessionMetrics, predictor_summary
 from .report.plots import render_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
@@ -36,8 +36,8 @@ from .progress import Progress
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
-from .resume_check import (check_resume, fingerprint_with_prefix, model_locations,
-                           numerics_changed, recipe_changes, recorded_input_bytes)
+from .resume_check import (check_other_parts, check_resume, fingerprint_with_prefix,
+                           model_locations, numerics_changed, recipe_changes, recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -173,6 +173,8 @@ class Job:
         if checking:      # before writing anything
             check_resume(run_dir.path, manifest, old_recipe, self.recipe, self.spec.input_path,
                          prefix)
+        if self.spec.shard.count > 1 and not self.spec.force_resume:   # report merges parts
+            check_other_parts(run_dir.path, self.recipe, Path(input_path), whole)
         recipe_yaml = self.recipe.to_yaml()
         if has_results and old_recipe is not None and old_recipe != recipe_yaml:
             log.warning("%s: the recipe differs from the one this run started with (%s); results "
@@ -191,7 +193,7 @@ class Job:
                                       "input_fingerprint": whole,
                                       "recipe": self.spec.recipe_path,
                                       "model_locations": model_locations(self.recipe.model),
-                                      "shard": _shard_dict(self.spec.shard), "sessions": sessions})
+                                      "shard": self.spec.shard.as_record(), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
         if has_results:   # what computed them: kept in a report no engine rewrites (nothing ran)
             self._old_model, self._old_engine = old_report.get("model"), old_report.get("engine")
@@ -470,7 +472,7 @@ class Job:
             "strategy": self.recipe.strategy.model_dump(mode="json"),
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "auto_settings": self.auto_settings,
-            "shard": _shard_dict(self.spec.shard),
+            "shard": self.spec.shard.as_record(),
         }
 
     def _finish(self, status: str, message: str) -> None:
@@ -487,10 +489,6 @@ class Job:
 
 
 _NOTHING = object()
-
-
-def _shard_dict(shard: Shard) -> Optional[dict]:
-    return {"index": shard.index, "count": shard.count} if shard.count > 1 else None
 
 
 def _is_user_error(exc: BaseException) -> bool:

@@ -17,6 +17,7 @@ directory, and the second would otherwise "complete" with the first one's replie
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -187,6 +188,35 @@ def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) 
             f"{run_dir} holds results made with other settings ({'; '.join(changed)}); resuming "
             "would mix replies of both in one run: give another --output (recipes of the same "
             "file name share the default one), or --force-resume to go on anyway")
+
+
+def check_other_parts(part_dir: Path, recipe, input_path: Path, whole: dict) -> None:
+    """RunDirError when another part of this Slurm run (a sibling part-*-of-* directory that
+    started) was made from another input, model or reply settings than this part is about to
+    use: `batchinfer report` merges the parts into one run, so each part is held to what a
+    resume of it would be. `whole`: this input's fingerprint; a part recorded over fewer bytes
+    is compared over those (an input grown between the parts' starts), each length read once."""
+    from .run_dir import MANIFEST, RECIPE, list_parts
+
+    prefixes: dict[int, dict] = {}
+    for other in list_parts(part_dir.parent):
+        if other.name == part_dir.name or not (other / MANIFEST).is_file():
+            continue
+        try:
+            manifest = json.loads((other / MANIFEST).read_text())
+            old_recipe = (other / RECIPE).read_text() if (other / RECIPE).is_file() else None
+        except (OSError, ValueError):
+            continue          # a part whose files cannot be read is its own resume's concern
+        recorded = manifest.get("input_fingerprint") or {}
+        now = whole
+        if "bytes" in recorded and recorded["bytes"] < whole["bytes"]:
+            if recorded["bytes"] not in prefixes:
+                prefixes[recorded["bytes"]] = fingerprint(input_path, recorded["bytes"])
+            now = prefixes[recorded["bytes"]]
+        try:
+            check_resume(other, manifest, old_recipe, recipe, input_path, now)
+        except RunDirError as exc:
+            raise RunDirError(f"another part of this Slurm run: {exc}") from None
 
 
 def recorded_input_bytes(manifest: dict) -> Optional[int]:

@@ -41,6 +41,10 @@ class Shard:
     def takes(self, number: int) -> bool:
         return self.count == 1 or (number - 1) % self.count == self.index
 
+    def as_record(self) -> Optional[dict]:
+        """run.json's and report.json's "shard" (None for an unsharded run)."""
+        return {"index": self.index, "count": self.count} if self.count > 1 else None
+
 
 @dataclass
 class RawLine:

@@ -281,6 +281,34 @@ def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
     assert sorted(ids) == sorted(f"r{i}" for i in range(9))
 
 
+def test_a_part_must_match_the_parts_already_in_its_run(tmp_path, tiny_recipe, shared_engine):
+    """`report` merges a Slurm run's parts into one, so a part started with another input,
+    model or sampling than a part already there is refused before it writes anything, naming
+    that part; the same input grown between the parts' starts is one input; --force-resume
+    lets it run."""
+    from batchinfer.runner.io.inputs import Shard
+    from batchinfer.runner.run_dir import RunDirError
+
+    rows = [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(6)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "run"
+    run(tiny_recipe, path, out, shared_engine, shard=Shard(0, 2))
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": "x", "prompt": "other"}])
+    with pytest.raises(RunDirError, match=r"another part of this Slurm run: .*part-00000-of-00002"
+                                          r" holds results for .*in\.jsonl"):
+        run(tiny_recipe, other, out, shared_engine, shard=Shard(1, 2))
+    longer = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
+        update={"max_tokens": 9})})
+    with pytest.raises(RunDirError, match=r"sampling\.max_tokens: 6 -> 9"):
+        run(longer, path, out, shared_engine, shard=Shard(1, 2))
+    assert not (out / "part-00001-of-00002").exists() or not any(
+        (out / "part-00001-of-00002").glob("outputs.jsonl"))
+    grown = write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "r6", "prompt": "Q6"}])
+    assert run(tiny_recipe, grown, out, shared_engine, shard=Shard(1, 2)).outputs == 3
+    forced = run(longer, grown, out, shared_engine, shard=Shard(0, 2), force_resume=True)
+    assert forced.session["requests_completed"] == 1      # r6, the grown line of part 0
+
+
 def test_resume_needs_the_inputs_first_bytes_and_the_same_model(tmp_path, tiny_recipe,
                                                                  shared_engine):
     """A file without ids numbers its lines, so another file (or an edited line) resumed into the
