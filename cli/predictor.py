@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -91,6 +92,7 @@ def train(
         raise fail(f"--pooling {pooling!r}: use cls or mean")
     if truncation not in ("head", "head_tail"):
         raise fail(f"--truncation {truncation!r}: use head or head_tail")
+    _check_out(out)
     from batchinfer.predictors.train import TrainConfig, train_predictor
 
     cfg = TrainConfig(percentiles=_floats(percentiles, "--percentiles"), seed=seed, epochs=epochs,
@@ -104,6 +106,21 @@ def train(
         typer.echo(json.dumps(card, indent=2))
         return
     _print_card(card, out)
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a directory this can write, checked before hours of training: a file
+    there (or a path that cannot be made) is refused; a predictor there is replaced, said."""
+    if out.exists() and not out.is_dir():
+        raise fail(f"--out {out}: a file is there; give a directory for the predictor")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot make the directory ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK):
+        raise fail(f"--out {out}: the directory is not writable")
+    if any(out.iterdir()):
+        typer.echo(f"note: {out} is not empty; the predictor's files there are replaced", err=True)
 
 
 @app.command("eval", help=EVAL_HELP)
@@ -133,7 +150,7 @@ def evaluate(
     from batchinfer.predictors.train import (evaluate_by_source, held_out, load_split,
                                              source_name, training_sources)
 
-    sizes = tuple(int(n) for n in _floats(groups, "--groups"))
+    sizes = _group_sizes(groups)
     with user_errors():
         predictor = BertLengthPredictor.load(predictor_dir, device=device,
                                              encoder_int8=encoder_int8,
@@ -141,7 +158,12 @@ def evaluate(
         models = predictor.card["data"].get("models") or []
         data = _read(history, models[0] if len(models) == 1 else None)
         split = load_split(predictor_dir)
-        records = data.records if all_records else held_out(data.records, split)
+        if split is None and not all_records:
+            typer.echo(f"note: {predictor_dir} has no readable split.json, so the records it "
+                       "trained on are unknown: every record is evaluated", err=True)
+        held_out_only = not all_records and split is not None
+        split = split or {}
+        records = held_out(data.records, split) if held_out_only else data.records
         if not records:
             raise fail(f"no held-out records in {', '.join(map(str, history))} (every one was used "
                        "for training or validation); pass other history or --all")
@@ -151,12 +173,12 @@ def evaluate(
         if len(sources) > 1 or (trained_on is not None and not sources <= trained_on):
             metrics["by_source"] = evaluate_by_source(predictor, records, trained_on, sizes,
                                                       rounds, seed)
-    metrics["held_out_only"] = not all_records
+    metrics["held_out_only"] = held_out_only
     if as_json:
         typer.echo(json.dumps(metrics, indent=2))
         return
     _print_metrics(metrics, f"{predictor_dir} on {metrics['records']} "
-                   f"{'records' if all_records else 'held-out records'}")
+                   f"{'held-out records' if held_out_only else 'records'}")
     by_source = metrics.get("by_source")
     if by_source:
         for label in ("in_distribution", "out_of_distribution"):
@@ -169,6 +191,18 @@ def evaluate(
             where = {True: "in distribution", False: "out of distribution"}.get(
                 m.get("in_distribution"), "distribution unknown")
             _print_metrics(m, f"source {name} ({where}): {m['records']} records")
+
+
+def _group_sizes(text: str) -> tuple[int, ...]:
+    """--groups: whole numbers of at least 1, comma-separated."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise fail(f"--groups {text!r}: give group sizes as whole numbers of at least 1, "
+                   "comma-separated (e.g. 1,8,32,128,256)")
+    return sizes
 
 
 def _pct(v) -> str:

@@ -342,12 +342,14 @@ def _rounded(errors: dict) -> dict:
     return {n: (None if v is None else round(v, 5)) for n, v in errors.items()}
 
 
-def load_split(path: Path) -> dict[str, set[tuple[str, str]]]:
+def load_split(path: Path) -> Optional[dict[str, set[tuple[str, str]]]]:
+    """The records a predictor trained and validated on (split.json); None where the file is
+    missing or unreadable: which records it saw is then unknown."""
     try:
         raw = json.loads((Path(path) / SPLIT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return {name: {tuple(k) for k in keys} for name, keys in raw.items()}
+        return {name: {tuple(k) for k in keys} for name, keys in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def held_out(records: Sequence[HistoryRecord], split: dict) -> list[HistoryRecord]:

@@ -3,6 +3,7 @@ the mean / oracle / none baselines, and the BERT classifier trained, saved, relo
 from __future__ import annotations
 
 import json
+import shutil
 import logging
 from pathlib import Path
 
@@ -364,6 +365,19 @@ def test_train_save_reload_eval_and_use_in_a_run(tmp_path, tiny_recipe, shared_e
     assert metrics["class_accuracy"] == card["metrics"]["test"]["class_accuracy"]
     assert metrics["accumulated_error"] == card["metrics"]["test"]["accumulated_error"]
     assert metrics["accumulated_error"]["256"] is None                  # 12 records: no group
+    unsplit = tmp_path / "unsplit"               # which records it trained on is unknown
+    shutil.copytree(out, unsplit)
+    (unsplit / "split.json").unlink()
+    result = CliRunner().invoke(app, ["predictor", "eval", str(unsplit), "--history",
+                                      str(history_dir), "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "no readable split.json" in result.output
+    metrics = json.loads(result.output[result.output.index("{"):])
+    assert metrics["records"] == 60 and not metrics["held_out_only"]
+    for groups in ("0", "-3", "2.7", ""):
+        result = CliRunner().invoke(app, ["predictor", "eval", str(out), "--history",
+                                          str(history_dir), "--groups", groups])
+        assert result.exit_code == 2 and "whole numbers of at least 1" in result.output, groups
 
     # a run with predictor: bert predicts every request before scheduling
     path = tmp_path / "in.jsonl"
@@ -395,6 +409,11 @@ def test_cli_train_on_too_little_history_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["predictor", "train", "--history", str(tmp_path / "nope"),
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "no such run directory" in result.output
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")        # refused before any history is read or training runs
+    result = CliRunner().invoke(app, ["predictor", "train", "--history", str(tmp_path / "nope"),
+                                      "--out", str(a_file)])
+    assert result.exit_code == 2 and "a file is there" in result.output
 
 
 def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):
