@@ -42,6 +42,11 @@ def parse_configs(specs: list[str], out_dir: Path,
         if not sep:
             name, path = Path(spec).stem, spec
         recipe = load_recipe(path)
+        model_path = recipe.model.path
+        if model_path and not Path(model_path).expanduser().exists():
+            raise ConfigError(f"{path}: model.path {model_path!r} does not exist; give a Hugging "
+                              "Face model directory, a .gguf file, or leave it empty for the "
+                              "embedded default")
         configs.append(BenchConfig(name, Path(path), recipe.strategy.name, _layout(recipe)))
     if vllm_python:
         if not configs:
@@ -111,16 +116,22 @@ def figures(report: dict) -> dict:
             "generation_s": session.get("generation_s")}
 
 
+def check_baseline(configs: list[BenchConfig], baseline: Optional[str]) -> str:
+    """The configuration the others are compared with (--baseline; default the first)."""
+    baseline = baseline or configs[0].name
+    if baseline not in {c.name for c in configs}:
+        raise ConfigError(f"--baseline {baseline!r} is not one of "
+                          f"{', '.join(c.name for c in configs)}")
+    return baseline
+
+
 def run_bench(configs: list[BenchConfig], workload: Path, out_dir: Path, repeats: int = 3,
               baseline: Optional[str] = None,
               runner: Callable[[BenchConfig, Path, Path], dict] = run_once,
               on_run: Callable[[str, int, dict], None] = lambda *_: None) -> dict:
     if repeats < 1:
         raise ConfigError("--repeats must be at least 1")
-    baseline = baseline or configs[0].name
-    if baseline not in {c.name for c in configs}:
-        raise ConfigError(f"--baseline {baseline!r} is not one of "
-                          f"{', '.join(c.name for c in configs)}")
+    baseline = check_baseline(configs, baseline)
     check_fresh_output(out_dir)
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for rep in range(repeats):

@@ -51,8 +51,8 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from batchinfer.bench.harness import (COLUMNS, check_fresh_output, parse_configs, run_bench,
-                                          table_rows)
+    from batchinfer.bench.harness import (COLUMNS, check_baseline, check_fresh_output,
+                                          parse_configs, run_bench, table_rows)
 
     if input is not None and synthetic is not None:
         raise fail("give one workload, --input FILE or --synthetic sharegpt|arxiv|fixed, not both")
@@ -64,6 +64,7 @@ def bench(
     with user_errors():
         check_fresh_output(output)      # before vllm.yaml or a synthetic workload is written
         configs = parse_configs(recipes, output, vllm_python)
+        check_baseline(configs, baseline)     # before a synthetic workload is written
         workload = input or _synthetic(configs[0].recipe_path, synthetic, output, num_requests,
                                        seed, input_len, output_len)
 

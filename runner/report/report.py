@@ -321,6 +321,8 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
     missing = sorted(set(parts) - set(present))
     if missing:     # a task with no report yet: its records and what is left of them unknown
         totals["input_records"] = totals["remaining"] = None
+        rows = sorted(rows + [{"part": name, "status": "no report yet"} for name in missing],
+                      key=lambda row: row["part"])
     span = (max(ends) - min(starts)) if starts else 0.0
     rate = (lambda n: round(n / span, 3) if span > 0 else None)
     statuses = {rep.get("status") for rep in present.values()}
@@ -337,6 +339,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
                                       "recipe", "strategy", "predictor", "auto_settings",
                                       "engine")}
     session = {
+        **_merged_engine([rep.get("session") or {} for rep in present.values()]),
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
         "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],
         "generation_s": round(span, 3),
@@ -357,3 +360,36 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
                              "divides the parts' latest-session tokens by the span from the "
                              "earliest part start to the latest part end (tasks run in parallel)"}
     return report
+
+
+def _merged_engine(sessions: list[dict]) -> dict:
+    """The Engine table's figures over the parts' latest sessions (each task its own engine):
+    KV capacity and preemptions and steps summed, usage and batch size means weighted by the
+    parts' steps, maxima the largest; a figure no part has is left out."""
+    def weighted(section: str, key: str, weight_of) -> Optional[float]:
+        pairs = [((s.get(section) or {}).get(key), weight_of(s)) for s in sessions]
+        pairs = [(v, w) for v, w in pairs if v is not None and w]
+        total = sum(w for _, w in pairs)
+        return round(sum(v * w for v, w in pairs) / total, 4) if total else None
+
+    def steps(s: dict) -> int:
+        return (s.get("batch_size") or {}).get("steps") or 0
+
+    def summed(values) -> Optional[float]:
+        values = [v for v in values if v is not None]
+        return sum(values) if values else None
+
+    def largest(values) -> Optional[float]:
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    kv = {"capacity_tokens": summed((s.get("kv") or {}).get("capacity_tokens") for s in sessions),
+          "usage_mean": weighted("kv", "usage_mean", steps),
+          "usage_max": largest((s.get("kv") or {}).get("usage_max") for s in sessions)}
+    batch = {"steps": summed(steps(s) or None for s in sessions),
+             "mean": weighted("batch_size", "mean", steps),
+             "max": largest((s.get("batch_size") or {}).get("max") for s in sessions)}
+    out = {"kv": {k: v for k, v in kv.items() if v is not None},
+           "batch_size": {k: v for k, v in batch.items() if v is not None},
+           "preemptions": summed(s.get("preemptions") for s in sessions)}
+    return {k: v for k, v in out.items() if v not in (None, {})}

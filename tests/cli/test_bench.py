@@ -179,6 +179,16 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     assert both.exit_code == 2 and "--input FILE or --synthetic" in both.output
     missing = runner.invoke(app, ["bench", str(tmp_path / "nope.yaml"), "--synthetic", "fixed"])
     assert missing.exit_code == 2 and "nope.yaml" in missing.output
+    out = tmp_path / "out"      # refused before the synthetic workload is written
+    unknown = runner.invoke(app, ["bench", recipe, "--synthetic", "fixed", "-n", "2",
+                                  "--baseline", "nope", "--output", str(out)])
+    assert unknown.exit_code == 2 and "--baseline 'nope' is not one of a" in unknown.output
+    assert not out.exists() or not any(out.iterdir())
+    no_model = tmp_path / "no-model.yaml"
+    no_model.write_text(f"model:\n  path: {tmp_path / 'missing-model'}\n")
+    with pytest.raises(ConfigError, match="no-model.yaml: model.path .*missing-model.* does not "
+                                          "exist"):
+        parse_configs([recipe, str(no_model)], tmp_path)
 
 
 def test_vllm_configuration_is_the_first_recipe_under_vllm(tmp_path):

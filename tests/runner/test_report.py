@@ -149,6 +149,29 @@ def test_merge_reports_sums_parts():
     assert missing["status"] == "interrupted" and "part-00001" in missing["status_detail"]
     assert missing["totals"]["remaining"] is None and missing["totals"]["input_records"] is None
     assert missing["totals"]["outputs"] == 3
+    assert [(r["part"], r["status"]) for r in missing["parts"]] == [
+        ("part-00000-of-00002", "completed"), ("part-00001-of-00002", "no report yet")]
+
+
+def test_a_merged_report_shows_the_parts_engines():
+    """Each task runs its own engine: the merged Engine table sums capacity, steps and
+    preemptions, weights the means by each part's steps and takes the largest maxima."""
+    def part(capacity, usage_mean, usage_max, steps, mean, biggest, preemptions):
+        return {"status": "completed", "totals": {"outputs": 1}, "session": {
+            "kv": {"capacity_tokens": capacity, "usage_mean": usage_mean, "usage_max": usage_max},
+            "batch_size": {"steps": steps, "mean": mean, "max": biggest},
+            "preemptions": preemptions, "generation_window": [0.0, 1.0]}}
+    merged = merge_reports({"part-00000-of-00002": part(1000, 0.2, 0.5, 10, 4.0, 6, 1),
+                            "part-00001-of-00002": part(1000, 0.5, 0.9, 30, 8.0, 12, 2)},
+                           "runs/x")
+    session = merged["session"]
+    assert session["kv"] == {"capacity_tokens": 2000, "usage_mean": 0.425, "usage_max": 0.9}
+    assert session["batch_size"] == {"steps": 40, "mean": 7.0, "max": 12}
+    assert session["preemptions"] == 3
+    engine_rows = render_markdown(merged).split("## Engine")[1].split("##")[0]
+    assert "| 2,000 | 42.5% | 90.0% | 3 | 40 | 7.00 | 12 |" in engine_rows
+    bare = merge_reports({"part-00000-of-00001": {"status": "completed", "session": {}}}, "x")
+    assert "kv" not in bare["session"] and "preemptions" not in bare["session"]
 
 
 def test_plots_are_pngs():
