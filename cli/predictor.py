@@ -109,17 +109,19 @@ def train(
 
 
 def _check_out(out: Path) -> None:
-    """--out must be a directory this can write, checked before hours of training: a file
-    there (or a path that cannot be made) is refused; a predictor there is replaced, said."""
+    """--out must be a directory this can write, checked before hours of training (and made
+    only when the predictor is saved): a file there, or on the way to it, or a directory that
+    is not writable is refused; files already there are replaced, said."""
     if out.exists() and not out.is_dir():
         raise fail(f"--out {out}: a file is there; give a directory for the predictor")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise fail(f"--out {out}: cannot make the directory ({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK):
-        raise fail(f"--out {out}: the directory is not writable")
-    if any(out.iterdir()):
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise fail(f"--out {out}: {existing} is a file, so the directory cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise fail(f"--out {out}: {existing} is not writable")
+    if out.is_dir() and any(out.iterdir()):
         typer.echo(f"note: {out} is not empty; the predictor's files there are replaced", err=True)
 
 
@@ -166,7 +168,9 @@ def evaluate(
         records = held_out(data.records, split) if held_out_only else data.records
         if not records:
             raise fail(f"no held-out records in {', '.join(map(str, history))} (every one was used "
-                       "for training or validation); pass other history or --all")
+                       "for training or validation); pass other history or --all"
+                       if held_out_only else
+                       f"no records in {', '.join(map(str, history))}")
         metrics = run_eval(predictor, records, sizes, rounds, seed)
         trained_on = training_sources(predictor.card, data.records, split)
         sources = {source_name(r) for r in records}

@@ -114,7 +114,7 @@ def _dry_run(spec) -> None:
 
     from batchinfer.runner.io.input_records import InputError
     from batchinfer.runner.io.inputs import InputReader
-    from batchinfer.runner.resume_check import check_other_parts, check_resume, fingerprint
+    from batchinfer.runner.resume_check import check_other_parts, check_resume
     from batchinfer.runner.run_dir import MANIFEST, RECIPE, RunDir
 
     from batchinfer.engine.build import model_source, preflight
@@ -127,8 +127,7 @@ def _dry_run(spec) -> None:
             check_resume(run_dir.path, run_dir.read_json(MANIFEST) or {},
                           run_dir.read_text(RECIPE), spec.recipe, spec.input_path)
         if spec.shard.count > 1 and not spec.force_resume:
-            input_path = Path(spec.input_path).resolve()
-            check_other_parts(run_dir.path, spec.recipe, input_path, fingerprint(input_path))
+            check_other_parts(run_dir.path, spec.recipe, Path(spec.input_path).resolve())
     finally:
         run_dir.close()
     reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling, spec.shard,

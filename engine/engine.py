@@ -280,12 +280,16 @@ class Engine:
             params = [sampling or SamplingParams()] * len(prompts)
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            if not isinstance(prompt, (str, list, tuple)):
-                raise TypeError(f"prompt {i}: a text or a list of token ids, not "
+            if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
+                raise TypeError(f"prompt {i}: a text or a sequence of token ids, not "
                                 f"{type(prompt).__name__}")
-            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                      else [t.item() if hasattr(t, "item") else t for t in prompt])
             request = Request(f"generate-{self._generate_calls + i + 1}", tokens, sp,
                               prompt=prompt if isinstance(prompt, str) else None, arrival_index=i)
+            if request.request_id in self._seqs:
+                raise RequestError("duplicate_id", f"request id {request.request_id!r} (which "
+                                   "generate names its requests) is already running")
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling params of prompt {i}: a SamplingParams, not "
                                 f"{type(sp).__name__}")

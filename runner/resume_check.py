@@ -27,6 +27,15 @@ from .recipe_errors import yaml_spelling
 from .run_dir import RunDirError
 
 CHUNK = 1 << 20
+
+
+class MadeOtherwise(RunDirError):
+    """A run directory's results were made otherwise than this start would make them;
+    `detail` says how (the input, the model's settings, the sampling ones)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
 # the model settings that change what a request's reply is (others change how fast it comes)
 MODEL_IDENTITY = ("path", "load_format", "hf_overrides", "tokenizer", "quantization", "seed")
 # the io settings that change the prompt a record makes, or its id (then every record reruns)
@@ -83,12 +92,14 @@ def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
         change = f"it is shorter ({now['bytes']:,} bytes) than the input this run started with"
     else:
         change = "its first lines differ from the input this run started with"
-    raise RunDirError(
+    raise MadeOtherwise(
         f"{run_dir} holds results for {was} ({recorded['bytes']:,} bytes); --input {input_path}: "
         f"{change}, so the ids already written may name other requests there (a file without "
         "ids numbers its lines) and resuming would skip requests that never ran. Resume with the "
         "same input (lines may be appended), write to another --output, or pass --force-resume "
-        "to skip by ids anyway")
+        "to skip by ids anyway",
+        f"another input: {was} ({recorded['bytes']:,} bytes), where --input {input_path} "
+        + ("is shorter" if now["bytes"] < recorded["bytes"] else "differs in its first lines"))
 
 
 # the model settings that name files: compared by where they lead, not how they are spelt
@@ -143,10 +154,10 @@ def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any,
     if not changed:
         return
     detail = "; ".join(f"model.{key}: {before(key)!r} -> {after(key)!r}" for key in changed)
-    raise RunDirError(
+    raise MadeOtherwise(
         f"{run_dir} holds results of another model ({detail}); resuming would mix two models' "
         "replies in one outputs.jsonl. Write to another --output, or pass --force-resume to "
-        "resume anyway")
+        "resume anyway", f"another model ({detail})")
 
 
 def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], recipe,
@@ -184,29 +195,38 @@ def check_reply_settings(run_dir: Path, old_recipe_yaml: Optional[str], recipe) 
     changed = [f"{section}.{key}: {spelled(old, section, key)} -> {spelled(new, section, key)}"
                for section, key in keys if value(old, section, key) != value(new, section, key)]
     if changed:
-        raise RunDirError(
+        raise MadeOtherwise(
             f"{run_dir} holds results made with other settings ({'; '.join(changed)}); resuming "
             "would mix replies of both in one run: give another --output (recipes of the same "
-            "file name share the default one), or --force-resume to go on anyway")
+            "file name share the default one), or --force-resume to go on anyway",
+            f"other settings ({'; '.join(changed)})")
 
 
-def check_other_parts(part_dir: Path, recipe, input_path: Path, whole: dict) -> None:
+def check_other_parts(part_dir: Path, recipe, input_path: Path,
+                      whole: Optional[dict] = None) -> None:
     """RunDirError when another part of this Slurm run (a sibling part-*-of-* directory that
-    started) was made from another input, model or reply settings than this part is about to
-    use: `batchinfer report` merges the parts into one run, so each part is held to what a
-    resume of it would be. `whole`: this input's fingerprint; a part recorded over fewer bytes
-    is compared over those (an input grown between the parts' starts), each length read once."""
-    from .run_dir import MANIFEST, RECIPE, list_parts
+    holds results) was made from another input, model or reply settings than this part is
+    about to use: `batchinfer report` merges the parts into one run. A part with no results
+    yet (a start that stopped before any request ran) constrains nothing, as it would not on
+    its own resume. `whole`: this input's fingerprint (read here, once, if a part needs it); a
+    part recorded over fewer bytes is compared over those (an input grown between the parts'
+    starts), each length read once."""
+    from .run_dir import ERRORS, MANIFEST, OUTPUTS, RECIPE, list_parts
 
     prefixes: dict[int, dict] = {}
     for other in list_parts(part_dir.parent):
         if other.name == part_dir.name or not (other / MANIFEST).is_file():
+            continue
+        if not any((other / name).is_file() and (other / name).stat().st_size
+                   for name in (OUTPUTS, ERRORS)):
             continue
         try:
             manifest = json.loads((other / MANIFEST).read_text())
             old_recipe = (other / RECIPE).read_text() if (other / RECIPE).is_file() else None
         except (OSError, ValueError):
             continue          # a part whose files cannot be read is its own resume's concern
+        if whole is None:
+            whole = fingerprint(input_path)
         recorded = manifest.get("input_fingerprint") or {}
         now = whole
         if "bytes" in recorded and recorded["bytes"] < whole["bytes"]:
@@ -215,8 +235,12 @@ def check_other_parts(part_dir: Path, recipe, input_path: Path, whole: dict) -> 
             now = prefixes[recorded["bytes"]]
         try:
             check_resume(other, manifest, old_recipe, recipe, input_path, now)
-        except RunDirError as exc:
-            raise RunDirError(f"another part of this Slurm run: {exc}") from None
+        except MadeOtherwise as exc:
+            raise RunDirError(
+                f"{other} (another part of this Slurm run) holds results made from {exc.detail}; "
+                "`batchinfer report` would merge both into one run. Give every task the same "
+                "input and recipe, write to another --output, or pass --force-resume to run "
+                "anyway") from None
 
 
 def recorded_input_bytes(manifest: dict) -> Optional[int]:

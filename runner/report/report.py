@@ -364,8 +364,9 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
 
 def _merged_engine(sessions: list[dict]) -> dict:
     """The Engine table's figures over the parts' latest sessions (each task its own engine):
-    KV capacity and preemptions and steps summed, usage and batch size means weighted by the
-    parts' steps, maxima the largest; a figure no part has is left out."""
+    KV capacity and preemptions and steps summed, the KV usage mean (a time average) weighted
+    by each part's generation time and the batch size mean (per step) by its steps, maxima the
+    largest; a figure no part has is left out."""
     def weighted(section: str, key: str, weight_of) -> Optional[float]:
         pairs = [((s.get(section) or {}).get(key), weight_of(s)) for s in sessions]
         pairs = [(v, w) for v, w in pairs if v is not None and w]
@@ -374,6 +375,10 @@ def _merged_engine(sessions: list[dict]) -> dict:
 
     def steps(s: dict) -> int:
         return (s.get("batch_size") or {}).get("steps") or 0
+
+    def seconds(s: dict) -> float:
+        window = s.get("generation_window") or (None, None)
+        return (window[1] - window[0]) if None not in window else 0.0
 
     def summed(values) -> Optional[float]:
         values = [v for v in values if v is not None]
@@ -384,7 +389,7 @@ def _merged_engine(sessions: list[dict]) -> dict:
         return max(values) if values else None
 
     kv = {"capacity_tokens": summed((s.get("kv") or {}).get("capacity_tokens") for s in sessions),
-          "usage_mean": weighted("kv", "usage_mean", steps),
+          "usage_mean": weighted("kv", "usage_mean", seconds),
           "usage_max": largest((s.get("kv") or {}).get("usage_max") for s in sessions)}
     batch = {"steps": summed(steps(s) or None for s in sessions),
              "mean": weighted("batch_size", "mean", steps),

@@ -1,6 +1,7 @@
 """Engine behaviour per request: stop conditions, seeds, logprobs, per-request errors."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from batchinfer.engine.errors import RequestError
@@ -126,7 +127,8 @@ def test_generate_takes_one_text_as_one_prompt(tiny):
     (["a", "b", "c"], [greedy(max_tokens=2)], ValueError, "3 prompts and 1 sampling params"),
     (["a"], [{"max_tokens": 4}], TypeError, "a SamplingParams, not dict"),
     (["a"], {"max_tokens": 4}, TypeError, "a SamplingParams, not dict"),
-    ([None], None, TypeError, "prompt 0: a text or a list of token ids, not NoneType"),
+    ([None], None, TypeError, "prompt 0: a text or a sequence of token ids, not NoneType"),
+    ([np.array([1.5, 2.0])], None, RequestError, "must be integers; got 1.5"),
     ([[1.5, 2]], None, RequestError, "must be integers; got 1.5"),
     ([[True, 2]], None, RequestError, "must be integers; got True"),
     ([1, 2, 3], None, TypeError, "a list of lists"),
@@ -141,6 +143,15 @@ def test_a_bad_generate_call_is_refused_whole_and_leaves_the_engine_usable(
         tiny.generate(prompts, sampling)
     assert tiny.num_unfinished == 0 and not tiny.has_unfinished()
     assert len(tiny.generate(["again"], (greedy(max_tokens=2),))) == 1
+
+
+def test_generate_takes_token_ids_in_any_sequence(tiny):
+    """A numpy array or a tuple of ids is a token prompt as a list is (numpy ints read as
+    ints), as before the checks."""
+    ids = tiny.tokenizer.encode("Once upon a time")
+    outs = tiny.generate([ids, tuple(ids), np.array(ids)], greedy(max_tokens=3, ignore_eos=True))
+    assert outs[0].output_token_ids == outs[1].output_token_ids == outs[2].output_token_ids
+    assert outs[2].prompt_token_ids == ids and type(outs[2].prompt_token_ids[0]) is int
 
 
 def test_add_request_refuses_params_it_cannot_read_before_taking_the_request(tiny):

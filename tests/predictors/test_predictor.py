@@ -414,6 +414,10 @@ def test_cli_train_on_too_little_history_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["predictor", "train", "--history", str(tmp_path / "nope"),
                                       "--out", str(a_file)])
     assert result.exit_code == 2 and "a file is there" in result.output
+    result = CliRunner().invoke(app, ["predictor", "train", "--history", str(tmp_path / "nope"),
+                                      "--out", str(a_file / "predictor")])
+    assert result.exit_code == 2 and "is a file, so the directory cannot be made" in result.output
+    assert not (tmp_path / "out").exists()      # nothing made for a train that did not run
 
 
 def test_fine_tuned_top_layer_is_saved_and_reloaded(tmp_path):

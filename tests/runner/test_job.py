@@ -283,29 +283,46 @@ def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
 
 def test_a_part_must_match_the_parts_already_in_its_run(tmp_path, tiny_recipe, shared_engine):
     """`report` merges a Slurm run's parts into one, so a part started with another input,
-    model or sampling than a part already there is refused before it writes anything, naming
-    that part; the same input grown between the parts' starts is one input; --force-resume
-    lets it run."""
+    model or sampling than a part that holds results is refused before it writes its files,
+    naming that part (--dry-run too); a part with no results yet constrains nothing (a first
+    start that stopped before any request, corrected); the same input grown between the
+    parts' starts is one input; --force-resume lets it run."""
+    from typer.testing import CliRunner
+
+    from batchinfer.cli.main import app
     from batchinfer.runner.io.inputs import Shard
     from batchinfer.runner.run_dir import RunDirError
 
     rows = [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(6)]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "run"
-    run(tiny_recipe, path, out, shared_engine, shard=Shard(0, 2))
-    other = write_jsonl(tmp_path / "other.jsonl", [{"id": "x", "prompt": "other"}])
-    with pytest.raises(RunDirError, match=r"another part of this Slurm run: .*part-00000-of-00002"
-                                          r" holds results for .*in\.jsonl"):
-        run(tiny_recipe, other, out, shared_engine, shard=Shard(1, 2))
     longer = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
         update={"max_tokens": 9})})
-    with pytest.raises(RunDirError, match=r"sampling\.max_tokens: 6 -> 9"):
-        run(longer, path, out, shared_engine, shard=Shard(1, 2))
-    assert not (out / "part-00001-of-00002").exists() or not any(
-        (out / "part-00001-of-00002").glob("outputs.jsonl"))
+    run(longer, path, out, shared_engine, shard=Shard(0, 2), limit=0)   # started, ran nothing
+    assert (out / "part-00000-of-00002" / "run.json").is_file()
+    run(tiny_recipe, path, out, shared_engine, shard=Shard(1, 2))       # the corrected recipe
+    run(tiny_recipe, path, out, shared_engine, shard=Shard(0, 2))
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": "x", "prompt": "other"}])
+    fresh = tmp_path / "fresh"
+    run(tiny_recipe, path, fresh, shared_engine, shard=Shard(0, 2))
+    with pytest.raises(RunDirError, match=r"part-00000-of-00002 \(another part of this Slurm "
+                                          r"run\) holds results made from another input: .*in"
+                                          r"\.jsonl .*report. would merge"):
+        run(tiny_recipe, other, fresh, shared_engine, shard=Shard(1, 2))
+    with pytest.raises(RunDirError, match=r"made from other settings \(sampling\.max_tokens: "
+                                          r"6 -> 9\)"):
+        run(longer, path, fresh, shared_engine, shard=Shard(1, 2))
+    refused = fresh / "part-00001-of-00002"
+    assert not any((refused / name).exists() for name in ("run.json", "recipe.resolved.yaml",
+                                                          "outputs.jsonl"))
+    recipe = tmp_path / "longer.yaml"
+    recipe.write_text(longer.to_yaml())
+    result = CliRunner().invoke(app, ["run", str(recipe), "--input", str(path), "--output",
+                                      str(fresh), "--shard", "1/2", "--dry-run"])
+    assert result.exit_code == 2 and "another part of this Slurm run" in result.output
     grown = write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "r6", "prompt": "Q6"}])
-    assert run(tiny_recipe, grown, out, shared_engine, shard=Shard(1, 2)).outputs == 3
-    forced = run(longer, grown, out, shared_engine, shard=Shard(0, 2), force_resume=True)
+    assert run(tiny_recipe, grown, fresh, shared_engine, shard=Shard(1, 2)).outputs == 3
+    forced = run(longer, grown, fresh, shared_engine, shard=Shard(0, 2), force_resume=True)
     assert forced.session["requests_completed"] == 1      # r6, the grown line of part 0
 
 

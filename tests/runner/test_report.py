@@ -156,20 +156,22 @@ def test_merge_reports_sums_parts():
 def test_a_merged_report_shows_the_parts_engines():
     """Each task runs its own engine: the merged Engine table sums capacity, steps and
     preemptions, weights the means by each part's steps and takes the largest maxima."""
-    def part(capacity, usage_mean, usage_max, steps, mean, biggest, preemptions):
+    def part(capacity, usage_mean, usage_max, steps, mean, biggest, preemptions, seconds):
         return {"status": "completed", "totals": {"outputs": 1}, "session": {
             "kv": {"capacity_tokens": capacity, "usage_mean": usage_mean, "usage_max": usage_max},
             "batch_size": {"steps": steps, "mean": mean, "max": biggest},
-            "preemptions": preemptions, "generation_window": [0.0, 1.0]}}
-    merged = merge_reports({"part-00000-of-00002": part(1000, 0.2, 0.5, 10, 4.0, 6, 1),
-                            "part-00001-of-00002": part(1000, 0.5, 0.9, 30, 8.0, 12, 2)},
+            "preemptions": preemptions, "generation_window": [10.0, 10.0 + seconds]}}
+    # usage is a time average: weighted by each part's generation time (1 s and 3 s), the
+    # batch size mean by its steps (30 and 10)
+    merged = merge_reports({"part-00000-of-00002": part(1000, 0.2, 0.5, 30, 4.0, 6, 1, 1.0),
+                            "part-00001-of-00002": part(1000, 0.5, 0.9, 10, 8.0, 12, 2, 3.0)},
                            "runs/x")
     session = merged["session"]
     assert session["kv"] == {"capacity_tokens": 2000, "usage_mean": 0.425, "usage_max": 0.9}
-    assert session["batch_size"] == {"steps": 40, "mean": 7.0, "max": 12}
+    assert session["batch_size"] == {"steps": 40, "mean": 5.0, "max": 12}
     assert session["preemptions"] == 3
     engine_rows = render_markdown(merged).split("## Engine")[1].split("##")[0]
-    assert "| 2,000 | 42.5% | 90.0% | 3 | 40 | 7.00 | 12 |" in engine_rows
+    assert "| 2,000 | 42.5% | 90.0% | 3 | 40 | 5.00 | 12 |" in engine_rows
     bare = merge_reports({"part-00000-of-00001": {"status": "completed", "session": {}}}, "x")
     assert "kv" not in bare["session"] and "preemptions" not in bare["session"]
 
