@@ -35,7 +35,7 @@ import copy
 import logging
 import time
 from bisect import bisect_left
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -135,12 +135,24 @@ class _Graph:
         return self.outputs
 
 
+class GraphStep(NamedTuple):
+    """A step staged into a graph's static inputs (DecodeGraphs.stage): replay runs it."""
+
+    graph: "_Graph"
+    rows: torch.Tensor              # the logits rows: the step's own, before the padding
+
+
 class DecodeGraphs:
-    """Runs pure-decode steps of a single-device model through captured CUDA graphs."""
+    """Runs pure-decode steps of a single-device model through captured CUDA graphs.
+
+    `share_pool_with`: another DecodeGraphs over the same model whose graphs' memory pool these
+    graphs share (a worker's two input versions, runtime/worker_graphs.py): safe while steps
+    replay one at a time on one stream and each step's outputs are read before the next."""
 
     def __init__(self, model, kv_caches: list, block_manager: BlockManager, device: torch.device,
                  max_batch: int, max_seq_len_to_capture: int, capture: bool = True,
-                 triton_attention: bool = False):
+                 triton_attention: bool = False,
+                 share_pool_with: Optional["DecodeGraphs"] = None):
         self.model, self.kv_caches, self.block_manager = model, kv_caches, block_manager
         self.device, self.capture = device, capture
         self.block_size = block_manager.block_size
@@ -160,7 +172,8 @@ class DecodeGraphs:
         self._work = torch.stack([self._rows, torch.zeros_like(self._rows)], 1).to(torch.int32)
         self._query_start = torch.arange(biggest + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool = None
+        # [the memory pool of the first graph captured], shared with `share_pool_with`
+        self._pool: list = share_pool_with._pool if share_pool_with is not None else [None]
         self._pad_block: Optional[int] = None
         self.attention = GraphDecodeAttention(triton_attention)
         self.steps = 0              # steps run through a graph
@@ -174,6 +187,16 @@ class DecodeGraphs:
         """-> (hidden, residual, logits rows) for a pure-decode plan that fits a graph, else None
         (the caller runs the step eagerly). substitute(input ids): writes the ids still on the
         device into the static buffer (async scheduling), after the host's copy."""
+        step = self.stage(plan)
+        if step is None:
+            return None
+        if substitute is not None:
+            substitute(self._ints[0, :len(step.rows)])
+        return (*self.replay(step), step.rows)
+
+    def stage(self, plan: StepPlan) -> Optional[GraphStep]:
+        """Writes a pure-decode plan that fits a graph into the static inputs (capturing its
+        graph first if it has none yet); None: the step runs eagerly."""
         n = len(plan.query_lens)
         if n == 0 or n > self.sizes[-1] or len(plan.sample_items) != n:
             return None
@@ -188,11 +211,13 @@ class DecodeGraphs:
         batch = self.sizes[bisect_left(self.sizes, n)]
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         self._fill(plan, batch, blocks if self.attention.triton else width)
-        if substitute is not None:
-            substitute(self._ints[0, :batch])
-        hidden, residual = graph.replay()
+        return GraphStep(graph, self._rows[:n])
+
+    def replay(self, step: GraphStep):
+        """-> (hidden, residual) of a staged step: the graph's static outputs."""
+        hidden, residual = step.graph.replay()
         self.steps += 1
-        return hidden, residual, self._rows[:n]
+        return hidden, residual
 
     # --- inputs ---------------------------------------------------------------------------------
     def _reserve_padding_block(self) -> bool:
@@ -275,9 +300,9 @@ class DecodeGraphs:
                     forward()
             torch.cuda.current_stream(self.device).wait_stream(side)
             cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self._pool):
+            with torch.cuda.graph(cuda_graph, pool=self._pool[0]):
                 outputs = forward()
-            self._pool = cuda_graph.pool()
+            self._pool[0] = cuda_graph.pool()
             graph = _Graph(forward, cuda_graph, outputs)
         self._graphs[(batch, width)] = graph
         seconds = time.perf_counter() - start

@@ -168,6 +168,22 @@ def rank_extensions(config: EngineConfig, world_size: int, rank_extra: Optional[
     return out
 
 
+def decode_graph_spec(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
+                      token_safe: bool, max_num_seqs: int):
+    """worker_graphs.WorkerGraphSpec where the workers run their decode steps through two CUDA
+    graphs per batch size (token-safe inputs, a rank that holds the whole model, CUDA with the
+    Triton attention, device.cuda_graphs not off: worker_graphs.py); None elsewhere."""
+    from ..build import use_cuda_graphs
+    from .worker_graphs import WorkerGraphSpec
+
+    if not (token_safe and setup.device.type == "cuda" and layout.tp == 1 and layout.pp == 1
+            and setup.backend_name == "triton"
+            and use_cuda_graphs(config.device.cuda_graphs, setup.backend_name, setup.arch)):
+        return None
+    return WorkerGraphSpec(max_num_seqs, min(config.device.max_seq_len_to_capture,
+                                             setup.max_model_len))
+
+
 def staged_transport(config: EngineConfig, device_type: str) -> bool:
     """Whether the workers' CUDA tensors travel through host memory (transport.py)."""
     return config.parallel.stages_through_host(device_type)

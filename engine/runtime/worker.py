@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import threading
@@ -30,11 +31,14 @@ from typing import Optional
 import torch
 
 from ..kv_swap import SwapArea
+from ..step_plan import ModelInputs
 from .input_prep import TokenSafeInputs, VersionedInputs
 from .plan_deltas import TableCache
 from . import transport
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
+
+log = logging.getLogger("batchinfer")
 
 EVENT_FLUSH_S = 0.5
 MAX_PENDING_SENDS = 8
@@ -69,6 +73,7 @@ class WorkerSpec:
     swap_blocks: int = 0        # the swap area's blocks (memory.preemption_mode: swap)
     staged_transport: bool = False  # parallel.gpu_transport: host (transport.py; on a CPU
                                     # device, tests only: every tensor through a host copy)
+    decode_graphs: Optional[object] = None  # worker_graphs.WorkerGraphSpec: two graphs per size
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -118,6 +123,7 @@ class Worker:
         self.set_roles(spec.layout)
         self.events: list[dict] = []
         self.inputs = None                   # token-safe input preparation, one plan ahead
+        self.graphs = None                   # decode graphs per input version (worker_graphs.py)
         self.swap_area = SwapArea(spec.swap_blocks)   # host copies of KV blocks (kv_swap.py)
         self.sender = self.receiver = None
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
@@ -205,8 +211,10 @@ class Worker:
             ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
             start, end = self.model.partition.layer_start, self.model.partition.layer_end
             groups = spec.kv_groups          # with layer groups: the page slots its layers use
+            # with decode graphs one block past the scheduler's pool takes the padding rows' K/V
             kv_spec = KVCacheSpec(len(groups.slots_of(start, end)) if groups else end - start,
-                                  spec.num_blocks, spec.block_size,
+                                  spec.num_blocks + (spec.decode_graphs is not None),
+                                  spec.block_size,
                                   self.model.num_local_kv_heads, arch.head_dim,
                                   self.kv_dtype.itemsize)
             self.kv_caches = allocate_kv_tensors(kv_spec, self.kv_dtype, self.device)
@@ -215,8 +223,10 @@ class Worker:
                 self.model.use_kv_groups(groups)
         self.open_channels()
         if self.ext.token_safe_inputs:
-            versioned = VersionedInputs(spec.block_size, self.device)
-            self.inputs = TokenSafeInputs(versioned.fill, self._prepared)
+            prepare = VersionedInputs(spec.block_size, self.device).fill
+            if spec.decode_graphs is not None:
+                prepare = self._graphed(prepare)
+            self.inputs = TokenSafeInputs(prepare, self._prepared)
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
@@ -224,6 +234,24 @@ class Worker:
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,
                                         "attention_backend": self.backend.name, **ready_extra}))
+
+    def _graphed(self, eager):
+        """Token-safe preparation through two decode graphs per batch size (worker_graphs.py),
+        captured now; eager where the graphs cannot run here (said once)."""
+        from .worker_graphs import WorkerGraphs
+
+        spec = self.spec
+        triton = self.backend.name == "triton"
+        if spec.decode_graphs.capture and not triton:
+            log.warning("rank %d: decode graphs need the Triton attention (graphs captured at "
+                        "start); this rank runs %s, so its steps run eagerly", spec.rank,
+                        self.backend.name)
+            return eager
+        groups = spec.kv_groups.num_groups if spec.kv_groups is not None else 1
+        self.graphs = WorkerGraphs(spec.decode_graphs, self.model, self.kv_caches, self.device,
+                                   spec.block_size, groups, spec.num_blocks, triton)
+        self.graphs.capture_all()
+        return self.graphs.preparer(eager)
 
     def use_fused_ops(self) -> None:
         """The backend's fused ops (native or Triton) and, where the spec says, the Triton
@@ -300,10 +328,15 @@ class Worker:
             hidden, residual = tensors["hidden"], tensors["residual"]
         inputs = self._model_inputs(plan)
         t0 = time.time()
-        hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                      inputs.meta, self.backend, hidden, residual)
+        graphed = {}
+        if self.graphs is not None and not isinstance(inputs, ModelInputs):
+            hidden, residual = self.graphs.forward(inputs)      # a staged decode graph
+            graphed = {"graph": inputs.version}                 # on the forward's event
+        else:
+            hidden, residual = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                          inputs.meta, self.backend, hidden, residual)
         if not self.is_last:
-            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens, **graphed)
             self._send_expert_load(plan.mb_id)     # before the hidden states: ahead of the result
             t1 = time.time()
             works = self.sender.send(plan.mb_id, {"hidden": hidden, "residual": residual})
@@ -315,7 +348,7 @@ class Worker:
             self._send_expert_load(plan.mb_id)
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
                                     forward_s)
-            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+            self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens, **graphed)
             return
         self._forget(plan.released)
         tokens, logprobs = [], []
@@ -327,7 +360,7 @@ class Worker:
                                                else None)
             if self.samples:
                 tokens, logprobs = self._sample(plan, logits)
-        self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens)
+        self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens, **graphed)
         if self.samples:
             result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                       "forward_s": forward_s, "sample_s": time.time() - t1,

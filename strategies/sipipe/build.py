@@ -7,7 +7,8 @@ import logging
 import multiprocessing as mp
 
 from batchinfer.engine.engine import Engine
-from batchinfer.engine.runtime.build import assemble_engine, plan_parallel, start_workers
+from batchinfer.engine.runtime.build import (assemble_engine, decode_graph_spec, plan_parallel,
+                                             start_workers)
 from batchinfer.engine.runtime.executor import PipelineExecutor
 from batchinfer.engine.runtime.layout import ParallelLayout
 
@@ -61,10 +62,12 @@ def build_sipipe_engine(config, params) -> Engine:
     if params.cpu_sampling:
         helpers, names, sampler_ranks, ends = _samplers(setup, layout, pool_layout,
                                                         params.sampler_threads, rank_extra)
+    graphs = decode_graph_spec(config, setup, layout, params.token_safe_execution,
+                               params.scheduler_config().max_num_seqs)
     try:
         pool = start_workers(config, setup, layout, plan.num_blocks, plan.threads,
                              rank_extra=rank_extra, helpers=tuple(helpers), helper_names=names,
-                             kv_groups=plan.kv_groups)
+                             kv_groups=plan.kv_groups, decode_graphs=graphs)
     finally:
         for end in ends:          # the children hold their own copies now
             end.close()
@@ -83,6 +86,8 @@ def build_sipipe_engine(config, params) -> Engine:
                        "sampler_columns": pool_layout.capacity,
                        "sampler_state_replicas": pool_layout.replicas,
                        "token_safe_execution": params.token_safe_execution,
+                       "decode_graphs": ("two per batch size, one per input version"
+                                         if graphs is not None else "off"),
                        "structure_aware_transmission": params.structure_aware_transmission}}
     log.info("SiPipe: CPU sampling %s (%d samplers per replica, %s, %d threads each), "
              "token-safe execution %s, structure-aware transmission %s",
