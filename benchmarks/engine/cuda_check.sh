@@ -50,7 +50,9 @@
 #                                            # and tok/s, one_gpu_bench.py; SIDP_SECONDS caps
 #                                            # it) and `sipipegpu` (SiPipe at PP=2 on one GPU,
 #                                            # every penalty on, against GPU sampling, PP=2 HB
-#                                            # and all parts off; SIPIPE_SECONDS caps it);
+#                                            # and all parts off; on one rank with its two
+#                                            # decode graphs per batch size and without, against
+#                                            # the baseline; SIPIPE_SECONDS caps it);
 #                                            # logs and JSON land in OUT
 #
 # The GPU machine's python keeps its own torch and transformers; only what it lacks travels.

@@ -9,7 +9,10 @@ outside the timed window, output tok/s over the first --requests ShareGPT rows:
 - `sipipe`: SiPipe at PP=2 with every penalty on (the paper's sampling: temperature 0.8, top-k 50,
   top-p 0.9, min-p 0.05, repetition / frequency / presence penalties, seeded per request) against
   the same pipeline sampling on the GPU (`cpu_sampling: false`), the PP=2 baseline and SiPipe
-  with all its parts off.
+  with all its parts off; and on one rank (the whole model in one worker, CPU samplers) with
+  its decode steps through two CUDA graphs per batch size (one per token-safe input version)
+  and without them (`device.cuda_graphs: false`), against the single-process baseline (GPU
+  sampling, graphs).
 
     python benchmarks/strategies/one_gpu_bench.py sidp --model examples/model-configs/llama-3.1-8b \
         --tokenizer DIR --workload sharegpt.jsonl --requests 500 --memory-utilization 0.35
@@ -32,7 +35,7 @@ from benchmarks.common import (SIPIPE_SAMPLING, emit, host_info, read_jsonl,  # 
                                sharegpt_path)
 
 
-def _config(args, strategy, parallel: dict):
+def _config(args, strategy, parallel: dict, device: dict):
     from batchinfer.engine.config import EngineConfig
 
     model = {"path": str(args.model), "load_format": "dummy",
@@ -40,7 +43,7 @@ def _config(args, strategy, parallel: dict):
              **({"max_model_len": args.max_model_len} if args.max_model_len else {})}
     cache = ({"kv_cache_memory": args.kv} if args.kv
              else {"memory_utilization": args.memory_utilization})
-    return EngineConfig(model=model, device={"device": args.device}, cache=cache,
+    return EngineConfig(model=model, device={"device": args.device, **device}, cache=cache,
                         parallel={**parallel, "gpu_transport": "host"},
                         scheduler=strategy.scheduler_config(), strategy=strategy)
 
@@ -79,10 +82,11 @@ def _run(args, config, rows: list[dict], sampling: dict) -> dict:
     out = {"build_s": round(built, 1), "elapsed_s": round(elapsed, 2),
            "prompt_tokens": n_in, "output_tokens": n_out,
            "output_tok_per_s": round(n_out / elapsed, 1),
-           "kv_tokens_per_replica": stats["kv_capacity_tokens"] // info["parallel"]["dp"],
+           "kv_tokens_per_replica": (stats["kv_capacity_tokens"]
+                                     // (info.get("parallel") or {}).get("dp", 1)),
            "kv_cache_bytes": info.get("kv_cache_bytes"),
            "preemptions": stats["num_preemptions"] - before["num_preemptions"],
-           "gpu_transport": info["parallel"].get("gpu_transport")}
+           "gpu_transport": (info.get("parallel") or {}).get("gpu_transport")}
     if "sidp" in info:
         out.update({key: info["sidp"][key] for key in (
             "weight_slots", "ffn_store_bytes", "kv_capacity_vs_plain_dp", "batch_threshold")})
@@ -100,22 +104,27 @@ def _run(args, config, rows: list[dict], sampling: dict) -> dict:
 
 
 def configurations(args) -> dict:
-    """name -> (strategy params, parallel section, sampling) of the chosen comparison."""
+    """name -> (strategy params, parallel section, sampling, device settings) of the chosen
+    comparison."""
     from batchinfer.runner.recipe import strategy_class
 
     seqs = {"max_num_seqs": args.max_num_seqs}
     if args.mechanism == "sidp":
-        return {"dp2": (strategy_class("baseline")(**seqs), {"dp": 2}, {}),
-                "sidp": (strategy_class("sidp")(**seqs), {"dp": 2}, {})}
+        return {"dp2": (strategy_class("baseline")(**seqs), {"dp": 2}, {}, {}),
+                "sidp": (strategy_class("sidp")(**seqs), {"dp": 2}, {}, {})}
     batching = {"policy": "hb", **seqs}
     sipipe = strategy_class("sipipe")
-    return {"sipipe": (sipipe(**batching), {"pp": 2}, SIPIPE_SAMPLING),
+    return {"sipipe": (sipipe(**batching), {"pp": 2}, SIPIPE_SAMPLING, {}),
             "sipipe-gpu-sampling": (sipipe(**batching, cpu_sampling=False), {"pp": 2},
-                                    SIPIPE_SAMPLING),
-            "pp2-hb": (strategy_class("baseline")(**batching), {"pp": 2}, SIPIPE_SAMPLING),
+                                    SIPIPE_SAMPLING, {}),
+            "pp2-hb": (strategy_class("baseline")(**batching), {"pp": 2}, SIPIPE_SAMPLING, {}),
             "sipipe-all-off": (sipipe(**batching, cpu_sampling=False, token_safe_execution=False,
                                       structure_aware_transmission=False), {"pp": 2},
-                               SIPIPE_SAMPLING)}
+                               SIPIPE_SAMPLING, {}),
+            "sipipe-1rank": (sipipe(**batching), {}, SIPIPE_SAMPLING, {}),
+            "sipipe-1rank-no-graphs": (sipipe(**batching), {}, SIPIPE_SAMPLING,
+                                       {"cuda_graphs": False}),
+            "baseline-1gpu": (strategy_class("baseline")(**batching), {}, SIPIPE_SAMPLING, {})}
 
 
 def main() -> None:
@@ -147,17 +156,19 @@ def main() -> None:
            "kv_cache_memory": args.kv}
     configs = configurations(args)
     for name in args.only or list(configs):
-        strategy, parallel, sampling = configs[name]
+        strategy, parallel, sampling, device = configs[name]
         print(f"{name} ...", file=sys.stderr, flush=True)
         try:
-            out[name] = _run(args, _config(args, strategy, parallel), rows, sampling)
+            out[name] = _run(args, _config(args, strategy, parallel, device), rows, sampling)
         except Exception as exc:  # noqa: BLE001 - one configuration's failure is its result
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     reference = args.mechanism              # its tok/s (and KV per replica) over each other's
-    for name in configs:
-        mine, theirs = out.get(reference, {}), out.get(name, {})
-        if name != reference and "output_tok_per_s" in mine and "output_tok_per_s" in theirs:
-            out[f"{reference}_over_{name}"] = {
+    pairs = [(reference, name) for name in configs if name != reference]
+    pairs += [("sipipe-1rank", "sipipe-1rank-no-graphs"), ("sipipe-1rank", "baseline-1gpu")]
+    for first, second in pairs:
+        mine, theirs = out.get(first, {}), out.get(second, {})
+        if "output_tok_per_s" in mine and "output_tok_per_s" in theirs:
+            out[f"{first}_over_{second}"] = {
                 key: round(mine[key] / theirs[key], 3)
                 for key in ("output_tok_per_s", "kv_tokens_per_replica") if theirs.get(key)}
     emit(out)

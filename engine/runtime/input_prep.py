@@ -12,8 +12,10 @@ each has taken up; both start at -1):
 So when the CPU writes version v for iteration i + 1, the forward has started iteration i (the
 other version) and has finished iteration i - 1 (the forward loop is sequential; on CUDA the
 copies into the buffers are stream-ordered after it): a buffer is never overwritten while read.
-On CUDA the paper binds two captured graphs per batch size to the two versions; here (eager
-execution) the forward reads views of the version's buffers.
+On CUDA the paper binds two captured graphs per batch size to the two versions: so does a
+worker that holds the whole model on CUDA (worker_graphs.py: a pure-decode plan is staged into
+its version's graph inputs); other steps, and other workers, read views of the version's
+buffers in an eager forward.
 """
 from __future__ import annotations
 
