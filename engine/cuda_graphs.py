@@ -16,8 +16,9 @@ A graph fixes every shape and every address, so:
   torch_attention's decode rows (`decode_attention`) over the padded tables, with the mask built
   inside the graph from the lengths;
 - padding rows write their K/V into one block reserved for them (held in the block manager under
-  PADDING_OWNER, one block even with layer groups: every group's padding K/V goes there), never
-  into a sequence's block;
+  PADDING_OWNER, one block even with layer groups: every group's padding K/V goes there; in a
+  worker process the block past the scheduler's pool, runtime/worker_graphs.py), never into a
+  sequence's block;
 - with KV layer groups (kv_groups.py) each group after the first has its own static slot blocks
   and tables, and its layers attend through them (`StaticDecodeMeta.groups`).
 
@@ -152,9 +153,11 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches: list, block_manager: BlockManager, device: torch.device,
                  max_batch: int, max_seq_len_to_capture: int, capture: bool = True,
                  triton_attention: bool = False,
-                 share_pool_with: Optional["DecodeGraphs"] = None):
+                 share_pool_with: Optional["DecodeGraphs"] = None, lazy: bool = True):
         self.model, self.kv_caches, self.block_manager = model, kv_caches, block_manager
         self.device, self.capture = device, capture
+        self.lazy = lazy        # false: a shape not captured yet runs eagerly (never captured
+                                # here: stage may run on a thread beside the forward's)
         self.block_size = block_manager.block_size
         self.sizes = batch_sizes_up_to(max_batch)
         self.max_width = width_bucket(max(1, max_seq_len_to_capture // self.block_size))
@@ -209,7 +212,11 @@ class DecodeGraphs:
         if blocks > self.max_width or not self._reserve_padding_block():
             return None
         batch = self.sizes[bisect_left(self.sizes, n)]
-        graph = self._graphs.get((batch, width)) or self._capture(batch, width)
+        graph = self._graphs.get((batch, width))
+        if graph is None:
+            if self.capture and not self.lazy:
+                return None
+            graph = self._capture(batch, width)
         self._fill(plan, batch, blocks if self.attention.triton else width)
         return GraphStep(graph, self._rows[:n])
 

@@ -48,6 +48,9 @@ _VARS = [
     EnvVar("BATCHINFER_KV_HUGE_PAGES", "1", "0: the CPU KV cache in plain pages instead of "
            "transparent huge pages (the test suite sets 0: its many small engines start faster)",
            "developer"),
+    EnvVar("BATCHINFER_EVENT_FLUSH_S", "0.5", "seconds between a worker's sends of its timeline "
+           "events (forward, receive, sample...) to the controller; 0: after every step (tests "
+           "that read every step's events)", "developer"),
     EnvVar("BATCHINFER_TEST_DEVICE", None, "tests: the device the CUDA-path tests run on", "developer"),
     EnvVar("BATCHINFER_TEST_TOKENIZER_DIR", None, "tests: a tokenizer directory to test against",
            "developer"),

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .. import envs
 from ..kv_swap import SwapArea
 from ..step_plan import ModelInputs
 from .input_prep import TokenSafeInputs, VersionedInputs
@@ -40,7 +41,6 @@ from .worker_extension import WorkerExtension
 
 log = logging.getLogger("batchinfer")
 
-EVENT_FLUSH_S = 0.5
 MAX_PENDING_SENDS = 8
 
 
@@ -129,6 +129,8 @@ class Worker:
         self._send_lock = threading.Lock()   # the prefetcher thread reports on the same pipe
         self._events_lock = threading.Lock()  # the input thread records events too
         self._last_flush = time.monotonic()
+        # read here, in the worker: the fork server imported this module with its own environment
+        self._flush_s = float(envs.get("BATCHINFER_EVENT_FLUSH_S"))
         self._sends: deque = deque()
         self.tables = TableCache()           # the replica's block tables (plan_deltas.py)
 
@@ -227,6 +229,7 @@ class Worker:
             if spec.decode_graphs is not None:
                 prepare = self._graphed(prepare)
             self.inputs = TokenSafeInputs(prepare, self._prepared)
+        ready_extra["decode_graphs"] = self.graphs is not None
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
                                 native_kernels=self.backend.name == "native")
@@ -443,5 +446,5 @@ class Worker:
         return events
 
     def flush_events(self, force: bool = False) -> None:
-        if self.events and (force or time.monotonic() - self._last_flush >= EVENT_FLUSH_S):
+        if self.events and (force or time.monotonic() - self._last_flush >= self._flush_s):
             self.send(("events", self.spec.rank, self._take_events()))

@@ -16,14 +16,19 @@ Where graphs run: a worker that holds the whole model (one rank: no stage input 
 tensor-parallel collective inside the graph), with token-safe inputs, on CUDA with the Triton
 attention (every graph is captured at start, at the one widest block table, as the
 single-process engine does; the torch path's graphs are captured lazily, which would happen
-on the preparation thread) and `device.cuda_graphs` not off. Steps with prefill, and batches
-larger than the largest captured size, run eagerly. The padding rows write their K/V into one
+on the preparation thread: a shape not captured at start runs eagerly, `lazy=False`) and
+`device.cuda_graphs` not off. Steps with prefill, batches larger than the largest captured
+size and contexts past `device.max_seq_len_to_capture` run eagerly. The staging copies go on
+the stream the forward runs on (taken when the graphs are built), whichever stream the
+preparation thread would otherwise use. Each version keeps its own graphs' static outputs, so
+the graphs' memory beside the KV cache is about twice the single-process engine's. The padding rows write their K/V into one
 block past the scheduler's pool (the worker allocates num_blocks + 1), so the controller's
 block manager is untouched. `capture: false` (tests) runs the same padded forward eagerly on
 CPU.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,10 +75,13 @@ class WorkerGraphs:
                  block_size: int, num_groups: int, padding_block: int, triton: bool):
         padding = _PaddingBlock(block_size, num_groups, padding_block)
         first = DecodeGraphs(model, kv_caches, padding, device, spec.max_batch, spec.max_seq_len,
-                             capture=spec.capture, triton_attention=triton)
+                             capture=spec.capture, triton_attention=triton, lazy=False)
         self.versions = (first, DecodeGraphs(model, kv_caches, padding, device, spec.max_batch,
                                              spec.max_seq_len, capture=spec.capture,
-                                             triton_attention=triton, share_pool_with=first))
+                                             triton_attention=triton, share_pool_with=first,
+                                             lazy=False))
+        # the forward's stream: the staging copies are ordered on it after the replays before
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def capture_all(self) -> None:
         """Both versions' graphs, every batch size (the Triton path; no-op otherwise)."""
@@ -86,8 +94,10 @@ class WorkerGraphs:
         is staged into that version's graph inputs, any other goes to `eager` (the versioned
         buffers of the eager forward)."""
         def prepare(version: int, plan: StepPlan):
-            step = self.versions[version].stage(plan)
-            return GraphInputs(version, step) if step is not None else eager(version, plan)
+            with (torch.cuda.stream(self.stream) if self.stream is not None
+                  else contextlib.nullcontext()):
+                step = self.versions[version].stage(plan)
+                return GraphInputs(version, step) if step is not None else eager(version, plan)
         return prepare
 
     def forward(self, inputs: GraphInputs):

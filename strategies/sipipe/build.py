@@ -87,7 +87,8 @@ def build_sipipe_engine(config, params) -> Engine:
                        "sampler_state_replicas": pool_layout.replicas,
                        "token_safe_execution": params.token_safe_execution,
                        "decode_graphs": ("two per batch size, one per input version"
-                                         if graphs is not None else "off"),
+                                         if pool.infos and pool.infos[0].get("decode_graphs")
+                                         else "off"),
                        "structure_aware_transmission": params.structure_aware_transmission}}
     log.info("SiPipe: CPU sampling %s (%d samplers per replica, %s, %d threads each), "
              "token-safe execution %s, structure-aware transmission %s",

@@ -28,6 +28,7 @@ def test_decode_steps_run_through_both_versions_graphs_with_the_eager_tokens(mak
     from batchinfer.strategies.sipipe import build
     from batchinfer.strategies.sipipe.params import SiPipeParams
 
+    monkeypatch.setenv("BATCHINFER_EVENT_FLUSH_S", "0")    # every step's events reach us
     params = _e2e_params()
     model = {"max_model_len": 512}
     engine_args = dict(model=model, cache={"kv_cache_memory": "64MiB"},
