@@ -42,7 +42,7 @@ from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWr
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
 from .job_spec import (ENGINE_INFO_KEYS, EXIT_FAILED, EXIT_OK, EXIT_REQUEST_ERRORS,
-                       EXIT_USAGE, JobOutcome, JobSpec, default_output_dir)
+                       EXIT_USAGE, JobOutcome, JobSpec, default_output_dir, is_user_error)
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REQUEST_ERRORS", "EXIT_USAGE", "Job", "JobOutcome",
            "JobSpec", "default_output_dir", "run_job"]
@@ -119,7 +119,7 @@ class Job:
             status, message = "interrupted", "interrupted"
             self.signals.received = self.signals.received or signal.SIGINT
         except (Exception, SystemExit) as exc:
-            if self.engine is None and _is_user_error(exc):
+            if self.engine is None and is_user_error(exc):
                 self._close(restore, "failed")
                 raise
             if isinstance(exc, RunDirWriteError):
@@ -177,10 +177,12 @@ class Job:
             check_other_parts(run_dir.path, self.recipe, Path(input_path), whole)
         recipe_yaml = self.recipe.to_yaml()
         if has_results and old_recipe is not None and old_recipe != recipe_yaml:
-            log.warning("%s: the recipe differs from the one this run started with (%s); results "
-                        "already written keep the old settings", run_dir.path,
+            log.warning("%s: the recipe differs from the one this run's results were first made "
+                        "with (%s); results already written keep their settings", run_dir.path,
                         recipe_changes(old_recipe, recipe_yaml))
-        run_dir.write_text(RECIPE, recipe_yaml)
+        # kept while results exist: what they were first made with (unless forced past it)
+        if not has_results or old_recipe is None or self.spec.force_resume:
+            run_dir.write_text(RECIPE, recipe_yaml)
         checked = "input_fingerprint" in manifest and not self.spec.force_resume
         if has_results and not checked and manifest.get("input") not in (None, input_path):
             log.warning("%s was started with input %s; now resuming with %s (ids decide what is "
@@ -188,7 +190,8 @@ class Job:
         sessions = list(manifest.get("sessions") or [])
         self.session_number = len(sessions) + 1
         sessions.append({"started_at": self.started_at, "pid": os.getpid(),
-                         "host": socket.gethostname(), "argv": sys.argv})
+                         "host": socket.gethostname(), "argv": sys.argv,
+                         "strategy": self.recipe.strategy.name})
         run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
                                       "input_fingerprint": whole,
                                       "recipe": self.spec.recipe_path,
@@ -489,12 +492,6 @@ class Job:
 
 
 _NOTHING = object()
-
-
-def _is_user_error(exc: BaseException) -> bool:
-    from batchinfer.engine.errors import ConfigError, ModelLoadError
-
-    return isinstance(exc, (ConfigError, ModelLoadError, InputFileError))
 
 
 def run_job(spec: JobSpec) -> JobOutcome:

@@ -49,3 +49,12 @@ class JobOutcome:
     errors: int
     session: dict
     message: str = ""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """A bad recipe, model or input file (exit 2, nothing ran), not a failure of the run."""
+    from batchinfer.engine.errors import ConfigError, ModelLoadError
+
+    from .io.inputs import InputFileError
+
+    return isinstance(exc, (ConfigError, ModelLoadError, InputFileError))

@@ -281,8 +281,11 @@ def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
         old, new = flat(yaml.safe_load(old_yaml) or {}), flat(yaml.safe_load(new_yaml) or {})
     except yaml.YAMLError:
         return "unreadable before"
+    # the strategy (and any section's name) first, then the layout, then the rest by name
+    order = sorted(old.keys() | new.keys(),
+                   key=lambda key: (not key.endswith(".name"), not key.startswith("parallel."), key))
     changed = [f"{key}: {yaml_spelling(old.get(key))} -> {yaml_spelling(new.get(key))}"
-               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+               for key in order if old.get(key) != new.get(key)]
     if not changed:
         return "its layout only"
     more = f"; {len(changed) - most} more" if len(changed) > most else ""

@@ -524,5 +524,29 @@ def test_the_recipe_change_warning_names_what_changed():
 
     old = "strategy:\n  name: baseline\nparallel:\n  pp: 1\nsampling:\n  max_tokens: 8\n"
     new = "strategy:\n  name: gllm\nparallel:\n  pp: 2\nsampling:\n  max_tokens: 8\n"
-    assert recipe_changes(old, new) == "parallel.pp: 1 -> 2; strategy.name: baseline -> gllm"
+    assert recipe_changes(old, new) == "strategy.name: baseline -> gllm; parallel.pp: 1 -> 2"
     assert recipe_changes(old, old.replace("  pp: 1\n", "  pp:   1\n")) == "its layout only"
+
+
+def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_recipe,
+                                                               shared_engine, caplog):
+    """A session that adds no result (nothing left to run, or stopped before its first) does
+    not replace recipe.resolved.yaml: a later resume's warning compares with the recipe the
+    results were made with and names the strategy change first; run.json names each session's
+    strategy."""
+    rows = [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(4)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "run"
+    assert run(tiny_recipe, path, out, shared_engine, limit=2).outputs == 2
+    made_with = (out / "recipe.resolved.yaml").read_text()
+    other = {name: Recipe(**{**tiny_recipe.model_dump(), "strategy": {"name": name}})
+             for name in ("tdpipe", "gllm")}
+    run(other["tdpipe"], path, out, shared_engine, limit=2)      # nothing left: no result added
+    assert (out / "recipe.resolved.yaml").read_text() == made_with
+    with caplog.at_level("WARNING", logger="batchinfer"):
+        assert run(other["gllm"], path, out, shared_engine).outputs == 4
+    warning = [r.getMessage() for r in caplog.records if "recipe differs" in r.getMessage()][-1]
+    assert "(strategy.name: baseline -> gllm;" in warning
+    assert (out / "recipe.resolved.yaml").read_text() == made_with
+    sessions = json.loads((out / "run.json").read_text())["sessions"]
+    assert [s["strategy"] for s in sessions] == ["baseline", "tdpipe", "gllm"]
