@@ -42,6 +42,9 @@ def validate(
 
     with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
+        note = parsed.strategy.layout_note(parsed.parallel)
+        if note:
+            logging.getLogger("batchinfer").warning("%s", note)
         problem = input_file_problem(input)
         if problem:
             raise fail(f"--input {input}: {problem}", json_fields=json_fields)

@@ -202,6 +202,9 @@ def _smallest_kv_element(config: EngineConfig) -> int:
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    note = config.strategy.layout_note(config.parallel) if config.strategy is not None else None
+    if note:
+        log.warning("%s", note)
     own = config.strategy.build_engine(config) if config.strategy is not None else None
     if own is not None:
         engine = own

@@ -103,6 +103,11 @@ class StrategyParams(NumbersNotBooleans):
         """Whether the strategy means anything on this layout (profile skips it otherwise)."""
         return True
 
+    def layout_note(self, parallel) -> Optional[str]:
+        """A warning for a layout the strategy runs on but where its mechanism has nothing to
+        do (`batchinfer validate` prints it, the engine logs it); None where it does."""
+        return None
+
     @classmethod
     def runs_model(cls, arch) -> bool:
         """Whether the strategy can run this model at all (profile skips it otherwise)."""

@@ -46,6 +46,8 @@ def resolve_layouts(config: EngineConfig, params, arch) -> dict[str, ParallelLay
             pp_balance=par.pp_balance), arch)
     except ConfigError as exc:
         reason = str(exc).split(": ", 1)[-1] if str(exc).startswith("parallel.") else str(exc)
+        if str(exc).startswith("parallel.pp_layers"):
+            raise ConfigError(f"strategy.decode_pp_layers: {reason}") from None
         raise ConfigError(f"strategy.decode_tp / decode_pp: {reason}; "
                           f"{allowed_decode(ranks, arch)}") from None
     return {PREFILL: prefill, DECODE: decode}

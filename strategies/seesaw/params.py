@@ -90,6 +90,10 @@ class SeesawParams(StrategyParams):
             from batchinfer.sim.auto_settings import check_costs_name
 
             check_costs_name(self.layout_costs, "strategy.layout_costs")
+        else:                                # both layouts are given: the build's refusals
+            from .build import resolve_layouts
+
+            resolve_layouts(config, self, arch)
 
     def auto_keys(self) -> list[str]:
         keys = [k for k in ("decode_tp", "decode_pp") if getattr(self, k) == AUTO]

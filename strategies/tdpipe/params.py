@@ -127,6 +127,13 @@ class TDPipeParams(StrategyParams):
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
         return pp >= 2          # a pipeline mechanism: nothing to do without stages
 
+    def layout_note(self, parallel) -> Optional[str]:
+        if parallel.pp >= 2:
+            return None
+        return (f"strategy {self.name} at parallel.pp {parallel.pp}: its mechanism works between "
+                "pipeline stages (parallel.pp >= 2); on one stage it only schedules (docs/"
+                f"strategies/{self.name}.md); set parallel.pp, or use strategy baseline")
+
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         return [("tdpipe", {"name": "tdpipe", **batching(knobs)})]

@@ -82,6 +82,22 @@ def test_an_impossible_layout_names_the_recipe_line(runner, tmp_path):
         assert f"{recipe} line 4, parallel.pp: pp=64" in result.output
 
 
+@pytest.mark.parametrize("strategy", ["tdpipe", "gllm"])
+def test_a_pipeline_strategy_on_one_stage_is_run_with_a_warning(runner, tmp_path, strategy):
+    """TD-Pipe and gLLM work between pipeline stages: at pp 1 validate says so (a warning,
+    not an error: the run schedules as asked); at pp 2 nothing is said."""
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for pp, warned in ((1, True), (2, False)):
+        recipe = tmp_path / f"{strategy}-{pp}.yaml"
+        recipe.write_text(f"model:\n  max_model_len: 256\nstrategy:\n  name: {strategy}\n"
+                          f"parallel:\n  pp: {pp}\n")
+        result = runner.invoke(app, ["validate", str(recipe), "--input", str(prompts),
+                                     "--no-tokenize"])
+        assert result.exit_code == 0, result.output
+        assert (f"strategy {strategy} at parallel.pp 1: its mechanism works between pipeline "
+                "stages" in result.output) == warned
+
+
 def test_validate_without_tokenizing_needs_no_model(runner, tmp_path):
     """--no-tokenize checks inputs on a machine without the model: its layout check is skipped
     (said), never an error."""

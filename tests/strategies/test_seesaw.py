@@ -495,3 +495,21 @@ def test_a_layout_the_model_cannot_take_is_a_clear_error():
     small = SeesawParams(decode_tp=1, decode_pp=2, cpu_kv_cache_memory="1MiB")
     with pytest.raises(ConfigError, match="strategy.cpu_kv_cache_memory"):
         Engine.from_config(_seesaw_config(small, {"pp": 2}, SMOL, "5MiB"))
+
+
+def test_validate_refuses_the_layouts_the_build_refuses(default_model_dir):
+    """engine.build.preflight (`batchinfer validate`, `run --dry-run`) runs the layout
+    refusals above before any model loads, and a bad decode_pp_layers names that key."""
+    from batchinfer.engine.build import preflight
+    from batchinfer.engine.model.loader import load_arch
+
+    arch = load_arch(default_model_dir)
+    with pytest.raises(ConfigError, match="strategy.decode_tp: 2 does not divide .* 3 rank"):
+        preflight(_seesaw_config(SeesawParams(decode_tp=2, decode_pp=1), {"pp": 3}, SMOL,
+                                 "5MiB"), arch)
+    with pytest.raises(ConfigError, match=r"strategy.decode_pp_layers: \[10, 10, 5\] must list"):
+        preflight(_seesaw_config(SeesawParams(decode_tp=1, decode_pp=3,
+                                              decode_pp_layers=[10, 10, 5]), {"pp": 3}, SMOL,
+                                 "5MiB"), arch)
+    preflight(_seesaw_config(SeesawParams(decode_tp=3, decode_pp=1), {"pp": 3}, SMOL, "5MiB"),
+              arch)
