@@ -268,6 +268,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
                      "tp_all_reduce": resolve_mode(setup.device.type, config.parallel.tp_all_reduce,
                                                    staged),
                      "gpu_transport": transport.describe(setup.device.type, staged),
+                     "stage_transport": config.parallel.stage_transport,
                      "sequence_cache": config.parallel.sequence_cache},
     }
     if kv_groups is not None:

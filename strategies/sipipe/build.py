@@ -80,11 +80,12 @@ def build_sipipe_engine(config, params) -> Engine:
         return PipelineExecutor(pool, layout, replica, block_manager, timeout)
 
     samplers = pool_layout.samplers if params.cpu_sampling else 0
+    pool_only = params.cpu_sampling or None     # the sampler pool's figures: none without it
     info = {"sipipe": {"cpu_sampling": params.cpu_sampling, "samplers_per_replica": samplers,
-                       "split_columns": params.split_columns,
-                       "sampler_threads": params.sampler_threads,
-                       "sampler_columns": pool_layout.capacity,
-                       "sampler_state_replicas": pool_layout.replicas,
+                       "split_columns": pool_only and params.split_columns,
+                       "sampler_threads": pool_only and params.sampler_threads,
+                       "sampler_columns": pool_only and pool_layout.capacity,
+                       "sampler_state_replicas": pool_only and pool_layout.replicas,
                        "token_safe_execution": params.token_safe_execution,
                        "decode_graphs": ("two per batch size, one per input version"
                                          if pool.infos and pool.infos[0].get("decode_graphs")

@@ -224,7 +224,7 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
                      strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
         outs = eng.generate(E2E, params)
         events = eng.replicas[0].executor.timeline()
-        info = eng.info["sipipe"]
+        info, parallel_info = eng.info["sipipe"], eng.info["parallel"]
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
     for got, want in zip(outs, reference):
         if want.logprobs:
@@ -233,6 +233,9 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     kinds = {e["kind"] for e in events}
     assert "prepare" in kinds and "forward" in kinds
     assert ("sample" in kinds) == info["cpu_sampling"] == switches.get("cpu_sampling", True)
+    assert parallel_info["stage_transport"] == "structured"
+    if not info["cpu_sampling"]:         # no pool: none of its figures
+        assert info["samplers_per_replica"] == 0 and info["sampler_columns"] is None
     if info["cpu_sampling"]:
         _check_the_pool(events, info, parallel.get("pp", 1))
 
