@@ -121,6 +121,9 @@ def _dry_run(spec) -> None:
 
     source = model_source(spec.recipe.model)
     preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
+    note = spec.recipe.strategy.layout_note(spec.recipe.parallel)
+    if note:
+        typer.echo(f"warning: {note}", err=True)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
         if (prior.num_outputs or prior.num_errors) and not spec.force_resume:

@@ -191,7 +191,8 @@ class Job:
         self.session_number = len(sessions) + 1
         sessions.append({"started_at": self.started_at, "pid": os.getpid(),
                          "host": socket.gethostname(), "argv": sys.argv,
-                         "strategy": self.recipe.strategy.name})
+                         "strategy": self.recipe.strategy.name,
+                         "plots": self.recipe.report.plots})
         run_dir.write_json(MANIFEST, {"input": input_path, "input_format": self.reader.format,
                                       "input_fingerprint": whole,
                                       "recipe": self.spec.recipe_path,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -162,8 +163,11 @@ def main() -> None:
             out[name] = _run(args, _config(args, strategy, parallel, device), rows, sampling)
         except Exception as exc:  # noqa: BLE001 - one configuration's failure is its result
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        # each arm as it lands: a time limit that stops the script keeps the ones before
+        print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
     reference = args.mechanism              # its tok/s (and KV per replica) over each other's
-    pairs = [(reference, name) for name in configs if name != reference]
+    pairs = [(reference, name) for name in configs    # the one-rank arms are compared apart
+             if name != reference and configs[name][1] == configs[reference][1]]
     pairs += [("sipipe-1rank", "sipipe-1rank-no-graphs"), ("sipipe-1rank", "baseline-1gpu")]
     for first, second in pairs:
         mine, theirs = out.get(first, {}), out.get(second, {})

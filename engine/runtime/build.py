@@ -176,8 +176,11 @@ def decode_graph_spec(config: EngineConfig, setup: ModelSetup, layout: ParallelL
     from ..build import use_cuda_graphs
     from .worker_graphs import WorkerGraphSpec
 
-    if not (token_safe and setup.device.type == "cuda" and layout.tp == 1 and layout.pp == 1
-            and setup.backend_name == "triton"
+    one_rank = token_safe and setup.device.type == "cuda" and layout.tp == 1 and layout.pp == 1
+    if one_rank and config.device.cuda_graphs and setup.backend_name != "triton":
+        log.warning("device.cuda_graphs: the workers capture their decode graphs at start, which "
+                    "needs the Triton attention; with %s they run eagerly", setup.backend_name)
+    if not (one_rank and setup.backend_name == "triton"
             and use_cuda_graphs(config.device.cuda_graphs, setup.backend_name, setup.arch)):
         return None
     return WorkerGraphSpec(max_num_seqs, min(config.device.max_seq_len_to_capture,

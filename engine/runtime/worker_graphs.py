@@ -16,7 +16,8 @@ Where graphs run: a worker that holds the whole model (one rank: no stage input 
 tensor-parallel collective inside the graph), with token-safe inputs, on CUDA with the Triton
 attention (every graph is captured at start, at the one widest block table, as the
 single-process engine does; the torch path's graphs are captured lazily, which would happen
-on the preparation thread: a shape not captured at start runs eagerly, `lazy=False`) and
+on the preparation thread: a shape not captured at start runs eagerly, `lazy=False`)
+and
 `device.cuda_graphs` not off. Steps with prefill, batches larger than the largest captured
 size and contexts past `device.max_seq_len_to_capture` run eagerly. The staging copies go on
 the stream the forward runs on (taken when the graphs are built), whichever stream the

@@ -8,7 +8,7 @@ from typing import Optional
 from ..io.inputs import Shard
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
-from ..run_dir import (PLOTS, RECIPE, REPORT_JSON, RunDir, in_use, latest_session_metrics,
+from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, RunDir, in_use, latest_session_metrics,
                       list_parts, read_json, report_writer)
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,19 @@ def rerender(root: Path) -> Optional[str]:
 
 
 def plots_wanted(root: Path) -> bool:
-    """The run's `report.plots` (its recipe.resolved.yaml); True where that cannot be read."""
+    """The run's `report.plots`: its latest session's (run.json), else its recipe's
+    (recipe.resolved.yaml keeps the one the first results were made with); True where neither
+    can be read."""
+    import json
+
     import yaml
 
+    try:
+        sessions = json.loads((Path(root) / MANIFEST).read_text()).get("sessions") or []
+        if sessions and "plots" in sessions[-1]:
+            return bool(sessions[-1]["plots"])
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         recipe = yaml.safe_load((Path(root) / RECIPE).read_text())
         return bool(((recipe or {}).get("report") or {}).get("plots", True))

@@ -80,6 +80,9 @@ def build_sipipe_engine(config, params) -> Engine:
         return PipelineExecutor(pool, layout, replica, block_manager, timeout)
 
     samplers = pool_layout.samplers if params.cpu_sampling else 0
+    # what the workers send with: parallel.stage_transport metadata holds for SiPipe's too
+    structured = (params.structure_aware_transmission
+                  and config.parallel.stage_transport == "structured")
     pool_only = params.cpu_sampling or None     # the sampler pool's figures: none without it
     info = {"sipipe": {"cpu_sampling": params.cpu_sampling, "samplers_per_replica": samplers,
                        "split_columns": pool_only and params.split_columns,
@@ -90,7 +93,7 @@ def build_sipipe_engine(config, params) -> Engine:
                        "decode_graphs": ("two per batch size, one per input version"
                                          if pool.infos and pool.infos[0].get("decode_graphs")
                                          else "off"),
-                       "structure_aware_transmission": params.structure_aware_transmission}}
+                       "structure_aware_transmission": structured}}
     log.info("SiPipe: CPU sampling %s (%d samplers per replica, %s, %d threads each), "
              "token-safe execution %s, structure-aware transmission %s",
              "on" if params.cpu_sampling else "off", samplers,
@@ -98,6 +101,8 @@ def build_sipipe_engine(config, params) -> Engine:
              else "one per micro-batch", params.sampler_threads,
              "on" if params.token_safe_execution else "off",
              "on" if params.structure_aware_transmission else "off")
-    return assemble_engine(config, plan, make_executor, extra_info=info,
-                           scheduler_of=lambda block_manager: params.make_scheduler(
-                               block_manager, setup.max_model_len, layout.pp))
+    engine = assemble_engine(config, plan, make_executor, extra_info=info,
+                             scheduler_of=lambda block_manager: params.make_scheduler(
+                                 block_manager, setup.max_model_len, layout.pp))
+    engine.info["parallel"]["stage_transport"] = "structured" if structured else "metadata"
+    return engine

@@ -91,11 +91,12 @@ def test_a_pipeline_strategy_on_one_stage_is_run_with_a_warning(runner, tmp_path
         recipe = tmp_path / f"{strategy}-{pp}.yaml"
         recipe.write_text(f"model:\n  max_model_len: 256\nstrategy:\n  name: {strategy}\n"
                           f"parallel:\n  pp: {pp}\n")
-        result = runner.invoke(app, ["validate", str(recipe), "--input", str(prompts),
-                                     "--no-tokenize"])
-        assert result.exit_code == 0, result.output
-        assert (f"strategy {strategy} at parallel.pp 1: its mechanism works between pipeline "
-                "stages" in result.output) == warned
+        for command in (["validate", "--no-tokenize"], ["run", "--dry-run"]):
+            result = runner.invoke(app, [command[0], str(recipe), "--input", str(prompts),
+                                         command[1]])
+            assert result.exit_code == 0, result.output
+            assert (f"strategy {strategy} at parallel.pp 1: its mechanism works between "
+                    "pipeline stages" in result.output) == warned, command
 
 
 def test_validate_without_tokenizing_needs_no_model(runner, tmp_path):

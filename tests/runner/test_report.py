@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -235,3 +236,18 @@ def test_slurm_shard_detection():
         parse_shard("0/0")
     with pytest.raises(ConfigError):
         detect_shard({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4", "SLURM_NTASKS": "4"})
+
+
+def test_report_follows_the_latest_sessions_plots_setting(tmp_path):
+    """recipe.resolved.yaml keeps the recipe the first results were made with, so `batchinfer
+    report` reads report.plots from the newest session in run.json (the recipe where run.json
+    has none)."""
+    from batchinfer.runner.report.report_files import plots_wanted
+
+    (tmp_path / "recipe.resolved.yaml").write_text("report:\n  plots: true\n")
+    assert plots_wanted(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"sessions": [{"plots": True},
+                                                                {"plots": False}]}))
+    assert not plots_wanted(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"sessions": [{"pid": 1}]}))
+    assert plots_wanted(tmp_path)

@@ -233,7 +233,9 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     kinds = {e["kind"] for e in events}
     assert "prepare" in kinds and "forward" in kinds
     assert ("sample" in kinds) == info["cpu_sampling"] == switches.get("cpu_sampling", True)
-    assert parallel_info["stage_transport"] == "structured"
+    structured = switches.get("structure_aware_transmission", True)
+    assert parallel_info["stage_transport"] == ("structured" if structured else "metadata")
+    assert info["structure_aware_transmission"] == structured
     if not info["cpu_sampling"]:         # no pool: none of its figures
         assert info["samplers_per_replica"] == 0 and info["sampler_columns"] is None
     if info["cpu_sampling"]:
