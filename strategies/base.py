@@ -105,8 +105,17 @@ class StrategyParams(NumbersNotBooleans):
 
     def layout_note(self, parallel) -> Optional[str]:
         """A warning for a layout the strategy runs on but where its mechanism has nothing to
-        do (`batchinfer validate` prints it, the engine logs it); None where it does."""
+        do (`batchinfer validate` and `run --dry-run` print it, the engine logs it); None where
+        it does."""
         return None
+
+    def pipeline_only_note(self, parallel) -> Optional[str]:
+        """layout_note of a mechanism that works between pipeline stages: said at pp 1."""
+        if parallel.pp >= 2:
+            return None
+        return (f"strategy {self.name} at parallel.pp {parallel.pp}: its mechanism works between "
+                "pipeline stages (parallel.pp >= 2); on one stage it only schedules (docs/"
+                f"strategies/{self.name}.md); set parallel.pp, or use strategy baseline")
 
     @classmethod
     def runs_model(cls, arch) -> bool:

@@ -83,11 +83,7 @@ class GLLMParams(StrategyParams):
         return pp >= 2          # a pipeline mechanism: nothing to do without stages
 
     def layout_note(self, parallel) -> Optional[str]:
-        if parallel.pp >= 2:
-            return None
-        return (f"strategy {self.name} at parallel.pp {parallel.pp}: its mechanism works between "
-                "pipeline stages (parallel.pp >= 2); on one stage it only schedules (docs/"
-                f"strategies/{self.name}.md); set parallel.pp, or use strategy baseline")
+        return self.pipeline_only_note(parallel)
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
