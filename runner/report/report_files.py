@@ -8,8 +8,8 @@ from typing import Optional
 from ..io.inputs import Shard
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
-from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, RunDir, in_use, latest_session_metrics,
-                      list_parts, read_json, report_writer)
+from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, RunDir, in_use,
+                       latest_session_metrics, list_parts, read_json, report_writer)
 
 log = logging.getLogger(__name__)
 

@@ -100,7 +100,7 @@ def build_sipipe_engine(config, params) -> Engine:
              "each micro-batch's columns split across them" if params.split_columns
              else "one per micro-batch", params.sampler_threads,
              "on" if params.token_safe_execution else "off",
-             "on" if params.structure_aware_transmission else "off")
+             "on" if structured else "off")
     engine = assemble_engine(config, plan, make_executor, extra_info=info,
                              scheduler_of=lambda block_manager: params.make_scheduler(
                                  block_manager, setup.max_model_len, layout.pp))
