@@ -155,7 +155,7 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
     return problems
 
 
-_LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)(?=[: ])")
+_LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)(?=[: \[])")   # [: an item of a list
 
 
 def located(message: str, recipe_path: Optional[str]) -> str:

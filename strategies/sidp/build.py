@@ -75,9 +75,10 @@ def check_one_gpu(config, dp: int, visible: Optional[int] = None) -> None:
 
 def check_sidp_layout(par) -> None:
     if par.tp != 1 or par.pp != 1 or par.dp < 2:
-        raise ConfigError(f"parallel: strategy sidp shares FFN weights between data-parallel "
-                          f"replicas of one rank each; needs tp: 1, pp: 1, dp >= 2 (got tp: "
-                          f"{par.tp}, pp: {par.pp}, dp: {par.dp})")
+        key = "tp" if par.tp != 1 else "pp" if par.pp != 1 else "dp"    # the line to point at
+        raise ConfigError(f"parallel.{key}: strategy sidp shares FFN weights between "
+                          f"data-parallel replicas of one rank each; needs tp: 1, pp: 1, "
+                          f"dp >= 2 (got tp: {par.tp}, pp: {par.pp}, dp: {par.dp})")
 
 
 def build_sidp_engine(config, params):

@@ -99,6 +99,23 @@ def test_a_pipeline_strategy_on_one_stage_is_run_with_a_warning(runner, tmp_path
                     "pipeline stages" in result.output) == warned, command
 
 
+def test_sidp_layout_and_owner_errors_name_the_recipe_line(runner, tmp_path):
+    """SiDP's refusals made while its engine would be built name the key's line too: the
+    layout key that is wrong, and an item of strategy.owners."""
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    owners = [0, 5] + [0] * 28                      # SmolLM2's 30 layers; rank 5 of 2
+    cases = {"dp": ("strategy:\n  name: sidp\nparallel:\n  dp: 1\n",      # dp: line 6
+                    "line 6, parallel.dp: strategy sidp shares"),
+             "owners": (f"strategy:\n  name: sidp\n  owners: {owners}\nparallel:\n  dp: 2\n",
+                        "line 5, strategy.owners[1] = 5: owners are data-parallel ranks 0..1")}
+    for name, (text, expected) in cases.items():
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text("model:\n  max_model_len: 256\n" + text)
+        result = runner.invoke(app, ["validate", str(recipe), "--input", str(prompts)])
+        assert result.exit_code == 2, result.output
+        assert f"{recipe} {expected}" in result.output, result.output
+
+
 def test_validate_without_tokenizing_needs_no_model(runner, tmp_path):
     """--no-tokenize checks inputs on a machine without the model: its layout check is skipped
     (said), never an error."""
