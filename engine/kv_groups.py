@@ -88,10 +88,15 @@ class KVGroupLayout:
         return tuple(slots)
 
     @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """Per group: its layers."""
+        return tuple(self.layer_group.count(group) for group in range(self.num_groups))
+
+    @property
     def store_page_layers(self) -> int:
         """Layers of the largest group: a store page (at most page_layers; fewer where no group
         has a layer in every slot, as a by-stage layout whose groups each sit on one stage)."""
-        return max(self.layer_group.count(group) for group in range(self.num_groups))
+        return max(self.group_sizes)
 
     def copy_slots(self, layer_start: int, layer_end: int
                    ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:

@@ -29,7 +29,7 @@ import torch
 
 from batchinfer.engine.host_to_device import pinned
 
-from .kv_store import ShardView, block_groups, covers_shard, slot_pairs
+from .kv_store import ShardView, covers_shard, groups_of_blocks, slot_pairs
 
 log = logging.getLogger("batchinfer")
 
@@ -60,7 +60,7 @@ class CudaKvCopier:
         store (with KV layer groups only each block's group's slots: kv_store.py)."""
         self._wait(after)
         shape = _block_shape(paged)
-        groups = _groups(view, device_blocks, table_blocks)
+        groups = groups_of_blocks(view, device_blocks, table_blocks)
         landed: Optional[tuple] = None
         for i, (dev, sto, grp) in enumerate(self._chunks(paged, device_blocks, store_blocks,
                                                          groups)):
@@ -90,7 +90,7 @@ class CudaKvCopier:
         rank get zeros (`from_store`)."""
         self._wait(after)
         shape = _block_shape(paged)
-        groups = _groups(view, device_blocks, table_blocks)
+        groups = groups_of_blocks(view, device_blocks, table_blocks)
         for i, (dev, sto, grp) in enumerate(self._chunks(paged, device_blocks, store_blocks,
                                                          groups)):
             slot = i % 2
@@ -164,17 +164,6 @@ def from_store(store: torch.Tensor, view: ShardView, staged: torch.Tensor,
             staged[row].zero_()
         for stored, device in slot_pairs(view, group):
             staged[row, device].copy_(store[block, stored, :, heads])
-
-
-def _groups(view: ShardView, device_blocks: list[int], table_blocks: Sequence[int]) -> list[int]:
-    """Each block's layer group (0 for all without groups)."""
-    if view.group_slots is None:
-        return [0] * len(device_blocks)
-    groups = block_groups(table_blocks)
-    if len(groups) != len(device_blocks):
-        raise ValueError(f"a transfer of {len(device_blocks)} blocks lists {len(groups)} by "
-                         "table")
-    return groups
 
 
 def _block_shape(paged: torch.Tensor) -> tuple:

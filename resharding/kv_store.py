@@ -17,6 +17,7 @@ torch shares its storage through a file descriptor, so there is no shared-memory
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -57,19 +58,33 @@ def block_groups(table_blocks: Sequence[int]) -> list[int]:
     return [group for group, count in enumerate(table_blocks) for _ in range(count)]
 
 
-def slot_pairs(view: ShardView, group: int) -> list[tuple[slice, slice]]:
+def groups_of_blocks(view: ShardView, device_blocks: Sequence[int],
+                     table_blocks: Sequence[int]) -> list[int]:
+    """block_groups of a transfer on this rank, checked against its blocks (0 for every block
+    without groups)."""
+    if view.group_slots is None:
+        return [0] * len(device_blocks)
+    groups = block_groups(table_blocks)
+    if len(groups) != len(device_blocks):
+        raise ValueError(f"a transfer of {len(device_blocks)} blocks lists {len(groups)} by "
+                         "table")
+    return groups
+
+
+@functools.lru_cache(maxsize=1024)
+def slot_pairs(view: ShardView, group: int) -> tuple[tuple[slice, slice], ...]:
     """(store slots, paged-cache slots) that a block of `group` moves on this rank, as runs of
     consecutive slots on both sides: the whole shard without groups, else its group's pairs
     (none where the group has no layer here)."""
     if view.group_slots is None:
-        return [(slice(view.layer_start, view.layer_end), slice(None))]
+        return ((slice(view.layer_start, view.layer_end), slice(None)),)
     runs: list[list[int]] = []            # [first store slot, first paged slot, length]
     for device, stored in zip(*view.group_slots[group]):
         if runs and (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]) == (stored, device):
             runs[-1][2] += 1
         else:
             runs.append([stored, device, 1])
-    return [(slice(s, s + n), slice(d, d + n)) for s, d, n in runs]
+    return tuple((slice(s, s + n), slice(d, d + n)) for s, d, n in runs)
 
 
 def covers_shard(view: ShardView, group: int, slots: int) -> bool:
@@ -121,10 +136,7 @@ def _by_group(view: ShardView, device_blocks: list[int], store_blocks: list[int]
     if view.group_slots is None:
         yield (device_blocks, store_blocks), slice(None), slice(view.layer_start, view.layer_end)
         return
-    groups = block_groups(table_blocks)
-    if len(groups) != len(device_blocks):
-        raise ValueError(f"a transfer of {len(device_blocks)} blocks lists {len(groups)} by "
-                         "table")
+    groups = groups_of_blocks(view, device_blocks, table_blocks)
     for group, (device, stored) in enumerate(view.group_slots):
         rows = [i for i, g in enumerate(groups) if g == group]
         if device and rows:

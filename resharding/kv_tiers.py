@@ -92,12 +92,11 @@ class KVTiers:
         if kind == SWAP_OUT:
             self.peak_store_blocks = max(self.peak_store_blocks,
                                          self.store.num_blocks - self.store.num_free_blocks)
-        moved = held_blocks(source, request_id, slots), held_blocks(dest, request_id, slots)
+        held = held_tables(source, request_id, slots)
+        moved = _flat(held), held_blocks(dest, request_id, slots)
         device_blocks, store_blocks = moved if kind == SWAP_OUT else moved[::-1]
-        per_table = tuple(len(table[skip:slots]) for table, skip in
-                          zip(source.tables(request_id), source.released_slots(request_id)))
         transfer = Transfer(self._next_id, kind, request_id, num_tokens, device_blocks,
-                            store_blocks, per_table)
+                            store_blocks, tuple(len(table) for table in held))
         self._next_id += 1
         self.pending[transfer.transfer_id] = transfer
         return transfer
@@ -138,9 +137,17 @@ class KVTiers:
             assert sum(transfer.table_blocks) == len(transfer.device_blocks)
 
 
+def held_tables(manager: BlockManager, request_id: str, slots: int) -> list[list[int]]:
+    """Per table, the blocks `request_id` holds in its first `slots` slots (released slots
+    left out)."""
+    return [table[skip:slots] for table, skip in zip(manager.tables(request_id),
+                                                     manager.released_slots(request_id))]
+
+
 def held_blocks(manager: BlockManager, request_id: str, slots: int) -> tuple[int, ...]:
-    """The blocks `request_id` holds in its first `slots` slots, table after table (released
-    slots left out): the order both tiers' halves of a move list them in."""
-    return tuple(block for table, skip in zip(manager.tables(request_id),
-                                              manager.released_slots(request_id))
-                 for block in table[skip:slots])
+    """held_tables, table after table: the order both tiers' halves of a move list them in."""
+    return _flat(held_tables(manager, request_id, slots))
+
+
+def _flat(tables: list[list[int]]) -> tuple[int, ...]:
+    return tuple(block for table in tables for block in table)

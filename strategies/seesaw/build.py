@@ -147,8 +147,16 @@ def store_bytes_per_block(arch, block_size: int, dtype_bytes: int,
                           groups: Optional[KVGroupLayout] = None) -> int:
     """A CPU store block: K and V of every layer (with KV layer groups, of the largest group's
     layers: a block holds its own group's)."""
-    layers = groups.store_page_layers if groups is not None else arch.num_layers
-    return 2 * layers * arch.kv_size * block_size * dtype_bytes
+    return max(copy_bytes_per_table(arch, block_size, dtype_bytes, groups))
+
+
+def copy_bytes_per_table(arch, block_size: int, dtype_bytes: int,
+                         groups: Optional[KVGroupLayout] = None) -> tuple[int, ...]:
+    """What a copy moves per block of each table: K and V of every layer, or with KV layer
+    groups of the table's group's layers."""
+    per_layer = 2 * arch.kv_size * block_size * dtype_bytes
+    sizes = groups.group_sizes if groups is not None else (arch.num_layers,)
+    return tuple(per_layer * layers for layers in sizes)
 
 
 def check_no_prefix_caching(config: EngineConfig) -> None:

@@ -17,7 +17,6 @@ from typing import Optional
 
 from batchinfer.engine.build import kv_element_bytes
 from batchinfer.engine.engine import Replica
-from batchinfer.engine.kv_groups import KVGroupLayout
 from batchinfer.engine.executor import Executor
 from batchinfer.engine.runtime.build import per_rank_kv_budget
 from batchinfer.engine.runtime.layout import ParallelLayout
@@ -171,7 +170,8 @@ class SimulatedSeesawExecutor(Executor):
 def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes: int,
                    max_model_len: int, threads: int) -> Replica:
     """The replica, sized and checked as strategies/seesaw/build.py does."""
-    from .build import resolve_layouts, seesaw_groups, seesaw_scheduler, tier_blocks
+    from .build import (copy_bytes_per_table, resolve_layouts, seesaw_groups, seesaw_scheduler,
+                        tier_blocks)
 
     layouts = resolve_layouts(config, params, arch)
     prefill = layouts[PREFILL]
@@ -190,12 +190,3 @@ def seesaw_replica(config, params, arch, cost, clock: VirtualClock, dtype_bytes:
                                        params.async_pipeline)
     return Replica(scheduler, executor)
 
-
-def copy_bytes_per_table(arch, block_size: int, dtype_bytes: int,
-                         groups: Optional[KVGroupLayout]) -> tuple[int, ...]:
-    """What a copy moves per block of each table: K and V of every layer, or with KV layer
-    groups of the table's group's layers (a store page holds the largest group's)."""
-    per_layer = 2 * arch.kv_size * block_size * dtype_bytes
-    if groups is None:
-        return (per_layer * arch.num_layers,)
-    return tuple(per_layer * groups.layer_group.count(group) for group in range(groups.num_groups))

@@ -184,7 +184,7 @@ def test_the_simulator_prices_a_copy_by_each_blocks_group():
     one-stage layout: 4-layer groups and a last windowed one of 2)."""
     from types import SimpleNamespace
 
-    from batchinfer.strategies.seesaw.sim import copy_bytes_per_table
+    from batchinfer.strategies.seesaw.build import copy_bytes_per_table
 
     arch = SimpleNamespace(kv_size=16, num_layers=26)
     groups = group_layout([0 if i % 6 == 5 else 512 for i in range(26)])
