@@ -41,6 +41,14 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def warn_layout_note(recipe) -> None:
+    """The strategy's warning for a layout where its mechanism has nothing to do
+    (StrategyParams.layout_note), as validate and run --dry-run give it."""
+    note = recipe.strategy.layout_note(recipe.parallel)
+    if note:
+        logging.getLogger("batchinfer").warning("%s", note)
+
+
 def one_file(values: Optional[list], option: str = "--input",
              json_fields: Optional[dict] = None):
     """A file option declared repeatable (a list) so that giving it twice is an error instead of

@@ -9,7 +9,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from .common import EXIT_CODES_HELP, fail, one_file, setup_logging, user_errors
+from .common import (EXIT_CODES_HELP, fail, one_file, setup_logging, user_errors,
+                     warn_layout_note)
 
 HELP = """Run a batch job over an input file.
 
@@ -121,9 +122,7 @@ def _dry_run(spec) -> None:
 
     source = model_source(spec.recipe.model)
     preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
-    note = spec.recipe.strategy.layout_note(spec.recipe.parallel)
-    if note:
-        typer.echo(f"warning: {note}", err=True)
+    warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
         if (prior.num_outputs or prior.num_errors) and not spec.force_resume:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail, one_file, setup_logging, user_errors
+from .common import fail, one_file, setup_logging, user_errors, warn_layout_note
 
 HELP = """Check a recipe and every input line, without loading a model.
 
@@ -42,9 +42,7 @@ def validate(
 
     with user_errors(json_fields, recipe=recipe):
         parsed = load_recipe(recipe)
-        note = parsed.strategy.layout_note(parsed.parallel)
-        if note:
-            logging.getLogger("batchinfer").warning("%s", note)
+        warn_layout_note(parsed)
         problem = input_file_problem(input)
         if problem:
             raise fail(f"--input {input}: {problem}", json_fields=json_fields)

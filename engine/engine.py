@@ -81,6 +81,13 @@ class Engine:
     def add_request(self, request: Request, replica: Optional[int] = None) -> None:
         """replica: pin the request to that data-parallel replica (default: the least loaded
         takes it when it has room)."""
+        self._check(request)
+        if replica is not None and not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
+        self._admit(request, replica)
+
+    def _check(self, request: Request) -> None:
+        """What a request must be before the engine takes it (RequestError / TypeError)."""
         if request.request_id in self._seqs:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
         if not isinstance(request.sampling, SamplingParams):
@@ -88,8 +95,8 @@ class Engine:
                             f"not {type(request.sampling).__name__}")
         check_prompt(request, self.max_model_len,
                      self.info.get("vocab_size") or self.tokenizer.vocab_size)
-        if replica is not None and not 0 <= replica < len(self.replicas):
-            raise ValueError(f"replica {replica}: the engine has {len(self.replicas)}")
+
+    def _admit(self, request: Request, replica: Optional[int] = None) -> None:
         seq = Sequence(request=request, arrival_time=self.now())
         self._seqs[request.request_id] = seq
         if self._ahead is not None and request.sampling.uses_penalties:
@@ -285,23 +292,19 @@ class Engine:
                                 f"{type(prompt).__name__}")
             tokens = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                       else [t.item() if hasattr(t, "item") else t for t in prompt])
-            request = Request(f"generate-{self._generate_calls + i + 1}", tokens, sp,
-                              prompt=prompt if isinstance(prompt, str) else None, arrival_index=i)
-            if request.request_id in self._seqs:
-                raise RequestError("duplicate_id", f"request id {request.request_id!r} (which "
-                                   "generate names its requests) is already running")
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling params of prompt {i}: a SamplingParams, not "
                                 f"{type(sp).__name__}")
+            request = Request(f"generate-{self._generate_calls + i + 1}", tokens, sp,
+                              prompt=prompt if isinstance(prompt, str) else None, arrival_index=i)
             try:
-                check_prompt(request, self.max_model_len,
-                             self.info.get("vocab_size") or self.tokenizer.vocab_size)
+                self._check(request)
             except RequestError as exc:
                 raise RequestError(exc.code, f"prompt {i}: {exc.message}") from None
             requests.append(request)
         self._generate_calls += len(requests)
-        for request in requests:
-            self.add_request(request)
+        for request in requests:         # every one checked: none fails half-way
+            self._admit(request)
         ids = [request.request_id for request in requests]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):

@@ -17,7 +17,6 @@ directory, and the second would otherwise "complete" with the first one's replie
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -88,7 +87,8 @@ def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
     if now == recorded:
         return
     was = recorded_path or "another file"
-    if now["bytes"] < recorded["bytes"]:
+    shorter = now["bytes"] < recorded["bytes"]
+    if shorter:
         change = f"it is shorter ({now['bytes']:,} bytes) than the input this run started with"
     else:
         change = "its first lines differ from the input this run started with"
@@ -99,7 +99,7 @@ def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
         "same input (lines may be appended), write to another --output, or pass --force-resume "
         "to skip by ids anyway",
         f"another input: {was} ({recorded['bytes']:,} bytes), where --input {input_path} "
-        + ("is shorter" if now["bytes"] < recorded["bytes"] else "differs in its first lines"))
+        + ("is shorter" if shorter else "differs in its first lines"))
 
 
 # the model settings that name files: compared by where they lead, not how they are spelt
@@ -211,7 +211,7 @@ def check_other_parts(part_dir: Path, recipe, input_path: Path,
     its own resume. `whole`: this input's fingerprint (read here, once, if a part needs it); a
     part recorded over fewer bytes is compared over those (an input grown between the parts'
     starts), each length read once."""
-    from .run_dir import ERRORS, MANIFEST, OUTPUTS, RECIPE, list_parts
+    from .run_dir import ERRORS, MANIFEST, OUTPUTS, RECIPE, list_parts, read_json
 
     prefixes: dict[int, dict] = {}
     for other in list_parts(part_dir.parent):
@@ -220,10 +220,12 @@ def check_other_parts(part_dir: Path, recipe, input_path: Path,
         if not any((other / name).is_file() and (other / name).stat().st_size
                    for name in (OUTPUTS, ERRORS)):
             continue
+        manifest = read_json(other / MANIFEST)
         try:
-            manifest = json.loads((other / MANIFEST).read_text())
             old_recipe = (other / RECIPE).read_text() if (other / RECIPE).is_file() else None
-        except (OSError, ValueError):
+        except OSError:
+            old_recipe = None
+        if not isinstance(manifest, dict):
             continue          # a part whose files cannot be read is its own resume's concern
         if whole is None:
             whole = fingerprint(input_path)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import logging
 import os
 import signal
 import threading
@@ -38,8 +37,6 @@ from .plan_deltas import TableCache
 from . import transport
 from .stage_transport import StageReceiver, StageSender
 from .worker_extension import WorkerExtension
-
-log = logging.getLogger("batchinfer")
 
 MAX_PENDING_SENDS = 8
 
@@ -240,16 +237,12 @@ class Worker:
 
     def _graphed(self, eager):
         """Token-safe preparation through two decode graphs per batch size (worker_graphs.py),
-        captured now; eager where the graphs cannot run here (said once)."""
+        captured now (the controller asks for them only with the Triton attention:
+        runtime/build.decode_graph_spec)."""
         from .worker_graphs import WorkerGraphs
 
         spec = self.spec
         triton = self.backend.name == "triton"
-        if spec.decode_graphs.capture and not triton:
-            log.warning("rank %d: decode graphs need the Triton attention (graphs captured at "
-                        "start); this rank runs %s, so its steps run eagerly", spec.rank,
-                        self.backend.name)
-            return eager
         groups = spec.kv_groups.num_groups if spec.kv_groups is not None else 1
         self.graphs = WorkerGraphs(spec.decode_graphs, self.model, self.kv_caches, self.device,
                                    spec.block_size, groups, spec.num_blocks, triton)

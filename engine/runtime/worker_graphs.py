@@ -105,7 +105,3 @@ class WorkerGraphs:
         """-> (hidden, residual): the staged version's graph replayed (its static outputs, read
         before the next replay on the stream)."""
         return self.versions[inputs.version].replay(inputs.step)
-
-    @property
-    def steps_by_version(self) -> tuple[int, int]:
-        return tuple(graphs.steps for graphs in self.versions)

@@ -74,16 +74,12 @@ def plots_wanted(root: Path) -> bool:
     """The run's `report.plots`: its latest session's (run.json), else its recipe's
     (recipe.resolved.yaml keeps the one the first results were made with); True where neither
     can be read."""
-    import json
-
     import yaml
 
-    try:
-        sessions = json.loads((Path(root) / MANIFEST).read_text()).get("sessions") or []
-        if sessions and "plots" in sessions[-1]:
-            return bool(sessions[-1]["plots"])
-    except (OSError, ValueError, AttributeError):
-        pass
+    manifest = read_json(Path(root) / MANIFEST)
+    sessions = (manifest.get("sessions") if isinstance(manifest, dict) else None) or []
+    if sessions and isinstance(sessions[-1], dict) and "plots" in sessions[-1]:
+        return bool(sessions[-1]["plots"])
     try:
         recipe = yaml.safe_load((Path(root) / RECIPE).read_text())
         return bool(((recipe or {}).get("report") or {}).get("plots", True))
