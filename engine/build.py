@@ -164,24 +164,48 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
 
 
 def _check_explicit_kv(config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
-    """The single-process build's refusal of a cache smaller than one sequence, made before any
-    weight loads, in the most compact element the recipe allows (dtype auto may take bf16 where
-    the device has it): only a cache too small in every format is refused here. Layer groups,
-    layouts of several ranks (where some strategies size the cache their own way) and another
-    engine (`external_engine`) are left to the build."""
-    if (config.cache.kv_cache_memory is None or config.parallel.multiprocess
-            or any(getattr(arch, "layer_windows", None) or ())
-            or getattr(config.strategy, "external_engine", False)):
+    """The build's refusal of a cache smaller than one sequence, made before any weight loads,
+    with the build's own sizing (one process, the workers' per-rank blocks, KV layer groups, or
+    the strategy's: StrategyParams.check_kv_budget) in the most compact element the recipe
+    allows (dtype auto may take bf16 where the device has it): only a cache too small in every
+    format is refused here. Only an explicit memory.kv_cache_memory: an automatic one depends on
+    the memory of the host that runs the job; another engine (`external_engine`) sizes its own."""
+    strategy = config.strategy
+    if config.cache.kv_cache_memory is None or getattr(strategy, "external_engine", False):
         return
     element = _smallest_kv_element(config)
-    spec = KVCacheSpec.from_budget(int(config.cache.kv_cache_memory), arch.num_layers,
+    if strategy is not None and strategy.check_kv_budget(config, arch, max_model_len, element):
+        return
+    step = step_tokens(config, max_model_len)
+    if config.parallel.multiprocess:
+        from .runtime.build import check_capacity, num_kv_blocks
+        from .runtime.layout import ParallelLayout
+
+        layout = ParallelLayout.resolve(config.parallel, arch)
+        groups = groups_for(config, arch, max_model_len, layout.stage_ranges())
+        check_capacity(num_kv_blocks(config, layout, arch, torch.device("cpu"), element,
+                                     groups=groups),
+                       config.cache.block_size, max_model_len, groups, step)
+        return
+    one_process_cache_spec(config, arch, int(config.cache.kv_cache_memory),
+                           groups_for(config, arch, max_model_len), element, max_model_len, step)
+
+
+def one_process_cache_spec(config: EngineConfig, arch: ModelArch, budget: int, groups,
+                           kv_bytes: int, max_model_len: int,
+                           step: tuple[int, str]) -> KVCacheSpec:
+    """The one-process engine's cache in `budget` bytes (with KV layer groups a block is one page
+    of page_layers layers: kv_groups.py), refused where one max_model_len sequence cannot run."""
+    spec = KVCacheSpec.from_budget(budget, groups.page_layers if groups else arch.num_layers,
                                    config.cache.block_size, arch.num_kv_heads, arch.head_dim,
-                                   element)
-    if spec.capacity_tokens < max_model_len:
+                                   kv_bytes)
+    if groups is None and spec.capacity_tokens < max_model_len:
         raise ConfigError(
             f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
             f"({max_model_len}); raise memory.kv_cache_memory (one token takes "
-            f"{arch.kv_bytes_per_token(element)} bytes or more) or lower model.max_model_len")
+            f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
+    check_group_capacity(groups, spec.num_blocks, spec.block_size, max_model_len, step)
+    return spec
 
 
 def _smallest_kv_element(config: EngineConfig) -> int:
@@ -283,16 +307,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
                                 groups, step)
     else:
         budget = kv_budget(config, arch, device, dtype_bytes, groups=groups)
-    # with KV layer groups a block is one page of page_layers layers (kv_groups.py)
-    spec = KVCacheSpec.from_budget(budget, groups.page_layers if groups else arch.num_layers,
-                                   config.cache.block_size, arch.num_kv_heads, arch.head_dim,
-                                   kv_bytes)
-    if groups is None and spec.capacity_tokens < max_model_len:
-        raise ConfigError(
-            f"the KV cache holds {spec.capacity_tokens} tokens, less than max_model_len "
-            f"({max_model_len}); raise memory.kv_cache_memory (one token takes "
-            f"{arch.kv_bytes_per_token(kv_bytes)} bytes) or lower model.max_model_len")
-    check_group_capacity(groups, spec.num_blocks, spec.block_size, max_model_len, step)
+    spec = one_process_cache_spec(config, arch, budget, groups, kv_bytes, max_model_len, step)
     block_manager = make_block_manager(groups, spec.num_blocks, spec.block_size,
                                        config.cache.enable_prefix_caching,
                                        config.cache.kv_window(arch))

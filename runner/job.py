@@ -120,6 +120,8 @@ class Job:
             self.signals.received = self.signals.received or signal.SIGINT
         except (Exception, SystemExit) as exc:
             if self.engine is None and is_user_error(exc):
+                if self.run_dir is not None and self._results is None:
+                    self.run_dir.abandon()      # a refused start leaves no run behind
                 self._close(restore, "failed")
                 raise
             if isinstance(exc, RunDirWriteError):

@@ -45,6 +45,7 @@ OUTPUTS, ERRORS, METRICS, HISTORY = ("outputs.jsonl", "errors.jsonl", "metrics.j
                                      "history.jsonl")
 REPORT_JSON, REPORT_MD, RECIPE, MANIFEST, PLOTS, LOCK = (
     "report.json", "report.md", "recipe.resolved.yaml", "run.json", "plots", ".lock")
+_SESSION_FILES = (RECIPE, MANIFEST)   # what a start writes before any request runs
 PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})$")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -166,11 +167,14 @@ def _dumps(obj: Any) -> str:
 class RunDir:
     """An open, locked run directory (or one Slurm part of it)."""
 
-    def __init__(self, root: Path, path: Path, shard: Shard, lock_fd: Optional[int]):
+    def __init__(self, root: Path, path: Path, shard: Shard, lock_fd: Optional[int],
+                 created: tuple[Path, ...] = ()):
         self.root = root
         self.path = path
         self.shard = shard
         self._lock_fd = lock_fd
+        self._created = created          # lock file and directories this open made
+        self._replaced: dict[str, Optional[bytes]] = {}   # session files as they were before
         self._writers: dict[str, jsonlines.Writer] = {}
         self._files: dict[str, Any] = {}
 
@@ -186,6 +190,10 @@ class RunDir:
             raise RunDirError(f"{path} already holds results and --no-resume was given; rerun "
                               "with --resume to continue it, or pick another --output")
         lock_fd = None
+        # what this open makes (directories innermost first, the lock file): a refused start
+        # removes them again (abandon)
+        created = tuple(d for d in (path / LOCK, path, *path.parents) if not d.exists()) \
+            if not read_only else ()
         if not read_only:
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -197,7 +205,7 @@ class RunDir:
                 raise RunDirError(f"the run directory {path} cannot be written "
                                   f"({exc.strerror or exc}); pick another --output (or "
                                   "io.output_dir) or fix its permissions") from None
-        run_dir = cls(root, path, shard, lock_fd)
+        run_dir = cls(root, path, shard, lock_fd, created)
         try:
             prior = run_dir._load_prior(repair=not read_only)
         except BaseException:
@@ -293,6 +301,13 @@ class RunDir:
     def write_bytes(self, name: str, data: bytes) -> None:
         """Atomically replaces `name` (relative to this run dir)."""
         target = self.path / name
+        if name in _SESSION_FILES and name not in self._replaced:
+            try:
+                self._replaced[name] = target.read_bytes()
+            except FileNotFoundError:
+                self._replaced[name] = None
+            except OSError:
+                pass      # unreadable: the write below reports it
         tmp = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -329,6 +344,30 @@ class RunDir:
             self.write_bytes(f"{PLOTS}/{name}", png)
         self.write_json(REPORT_JSON, report)
         self.write_text(REPORT_MD, markdown)
+
+    def abandon(self) -> None:
+        """Undoes a start refused before any request ran (a usage error at setup): the recipe and
+        run.json go back to what they were, and directories this open made are removed again, so
+        the refused command leaves no run behind. Then closes."""
+        replaced, self._replaced = self._replaced, {}
+        for name, before in replaced.items():
+            try:
+                if before is None:
+                    (self.path / name).unlink(missing_ok=True)
+                else:
+                    self.write_bytes(name, before)
+            except (OSError, RunDirWriteError) as exc:
+                log.warning("could not put %s back as it was: %s", self.path / name, exc)
+        self._replaced.clear()
+        self.close()
+        try:
+            for made in self._created:
+                if made.name == LOCK and made.parent == self.path:
+                    made.unlink(missing_ok=True)
+                else:
+                    made.rmdir()               # only while empty: anything else stays
+        except OSError:
+            pass
 
     def close(self) -> None:
         for writer in self._writers.values():

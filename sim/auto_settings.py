@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
@@ -46,6 +46,27 @@ def check_costs_name(costs: str, key: str) -> None:
         raise ConfigError(f"{key}: {costs!r} is neither measured, a hardware preset nor a profile "
                           f"table file; allowed: measured, a path to a profile_table.json (from "
                           f"`batchinfer profile`), or one of {', '.join(sorted(PRESETS))}")
+
+
+def check_some_alternative_runs(config, arch, check: Callable[[object], None]) -> None:
+    """Before the simulation (`batchinfer validate`, `run --dry-run`): a ConfigError, as the run
+    would give after simulating, where `check` (the build's refusals, given an alternative's
+    engine config) refuses every alternative the strategy's auto settings leave open."""
+    from .search import Candidate, candidate_config
+
+    strategy = config.strategy
+    search = strategy.auto_search(config.parallel, arch)
+    refused = []
+    for alt in search.alternatives:
+        cand = Candidate(alt.label, alt.strategy.model_dump(mode="json"), alt.tp, alt.pp,
+                         config.parallel.dp)
+        try:
+            check(candidate_config(config, cand))
+            return
+        except ConfigError as exc:
+            refused.append(f"{alt.label}: {str(exc).splitlines()[0]}")
+    named = ", ".join(f"strategy.{k}" for k in strategy.auto_keys())
+    raise ConfigError(f"{named}: auto found no alternative that can run: " + "; ".join(refused))
 
 
 def cost_setup(costs: str, key: str, recipe, model, ranks: int) -> CostSetup:

@@ -76,6 +76,12 @@ class StrategyParams(NumbersNotBooleans):
         its own engine makes the same checks there; `batchinfer validate` and `run --dry-run`
         call this before any model loads (engine.build.preflight)."""
 
+    def check_kv_budget(self, config, arch, max_model_len: int, kv_bytes: int) -> bool:
+        """For an explicit memory.kv_cache_memory, before any weight loads: a strategy that sizes
+        its cache its own way raises the ConfigError its build would for kv_bytes-byte elements
+        and returns True; False: the engine's own sizing applies (engine.build.preflight)."""
+        return False
+
     def reads_length_forecasts(self) -> bool:
         """Whether the scheduler uses each request's predicted output length; `predictor: auto`
         builds a predictor only for strategies that do."""

@@ -82,7 +82,7 @@ class SeesawParams(StrategyParams):
 
     def check_config(self, config, arch) -> None:
         from .auto_layout import check_one_replica
-        from .build import check_no_prefix_caching
+        from .build import check_no_prefix_caching, resolve_layouts
 
         check_no_prefix_caching(config)
         check_one_replica(config.parallel)
@@ -90,10 +90,29 @@ class SeesawParams(StrategyParams):
             from batchinfer.sim.auto_settings import check_costs_name
 
             check_costs_name(self.layout_costs, "strategy.layout_costs")
-        else:                                # both layouts are given: the build's refusals
-            from .build import resolve_layouts
+        self._each_layout(config, arch, lambda cfg: resolve_layouts(cfg, cfg.strategy, arch))
 
-            resolve_layouts(config, self, arch)
+    def check_kv_budget(self, config, arch, max_model_len: int, kv_bytes: int) -> bool:
+        """The device cache and the CPU store as the build sizes them (build.tier_blocks)."""
+        from .build import resolve_layouts, seesaw_groups, tier_blocks
+
+        def check(cfg) -> None:
+            layouts = resolve_layouts(cfg, cfg.strategy, arch)
+            tier_blocks(cfg, cfg.strategy, arch, layouts, int(cfg.cache.kv_cache_memory),
+                        kv_bytes, max_model_len, seesaw_groups(cfg, arch, layouts, max_model_len))
+
+        self._each_layout(config, arch, check)
+        return True
+
+    def _each_layout(self, config, arch, check) -> None:
+        """`check` on the recipe's layouts; with layouts left to auto, a ConfigError only where
+        it refuses every alternative the simulation would choose between."""
+        if not self.auto_keys():
+            check(config)
+            return
+        from batchinfer.sim.auto_settings import check_some_alternative_runs
+
+        check_some_alternative_runs(config, arch, check)
 
     def auto_keys(self) -> list[str]:
         keys = [k for k in ("decode_tp", "decode_pp") if getattr(self, k) == AUTO]

@@ -173,6 +173,12 @@ def test_impossible_layout_exits_2(runner, tmp_path):
      ("memory.enable_prefix_caching", "seesaw")),
     ("memory: {kv_cache_memory: 8MiB}\nmodel: {dtype: float32}\n",
      ("holds 176 tokens, less than max_model_len (8192)", "memory.kv_cache_memory")),
+    ("parallel: {pp: 2}\nmemory: {kv_cache_memory: 1MiB}\nmodel: {dtype: float32, "
+     "max_model_len: 2048}\n", ("holds 32 tokens per replica, less than max_model_len (2048)",
+                                "memory.kv_cache_memory")),
+    ("strategy: {name: seesaw, decode_tp: 1, decode_pp: 2, cpu_kv_cache_memory: 1MiB}\n"
+     "parallel: {pp: 2}\nmemory: {kv_cache_memory: 16MiB}\nmodel: {max_model_len: 128}\n",
+     ("strategy.cpu_kv_cache_memory", "fewer than the device cache")),
     ("strategy: {name: tdpipe, step_times: /nonexistent/steps.json}\nparallel: {pp: 2}\n",
      ("strategy.step_times", "not a step-time table")),
     ("strategy: {name: sidp, owners: [0, 1, 5]}\nparallel: {dp: 2}\n",

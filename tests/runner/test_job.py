@@ -550,3 +550,34 @@ def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_re
     assert (out / "recipe.resolved.yaml").read_text() == made_with
     sessions = json.loads((out / "run.json").read_text())["sessions"]
     assert [s["strategy"] for s in sessions] == ["baseline", "tdpipe", "gllm"]
+
+
+def test_a_start_refused_at_engine_build_leaves_the_run_as_it_was(tmp_path, tiny_recipe,
+                                                                   shared_engine):
+    """A usage error while the engine is built (e.g. a KV cache the layout cannot hold) exits 2
+    and leaves no run behind: a new run directory is removed again, and an existing run keeps
+    its recipe.resolved.yaml and run.json as they were (no session recorded for the refusal)."""
+    from batchinfer.engine.errors import ConfigError
+
+    def refused(cfg):
+        raise ConfigError("memory.kv_cache_memory: too small for one sequence")
+
+    def start(out):
+        spec = JobSpec(recipe=tiny_recipe, input_path=path, output_dir=out, progress="off",
+                       engine_factory=refused)
+        with pytest.raises(ConfigError, match="too small"):
+            run_job(spec)
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(3)])
+    start(tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    start(tmp_path / "kept")
+    assert list((tmp_path / "kept").iterdir()) == []       # a directory it did not make stays
+    out = tmp_path / "run"
+    assert run(tiny_recipe, path, out, shared_engine, limit=2).outputs == 2
+    before = {name: (out / name).read_bytes() for name in ("recipe.resolved.yaml", "run.json")}
+    start(out)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert run(tiny_recipe, path, out, shared_engine).outputs == 3
+    assert len(json.loads((out / "run.json").read_text())["sessions"]) == 2

@@ -513,3 +513,35 @@ def test_validate_refuses_the_layouts_the_build_refuses(default_model_dir):
                                  "5MiB"), arch)
     preflight(_seesaw_config(SeesawParams(decode_tp=3, decode_pp=1), {"pp": 3}, SMOL, "5MiB"),
               arch)
+
+
+def test_validate_sizes_the_tiers_and_the_auto_alternatives_as_the_build_does(default_model_dir):
+    """With an explicit memory.kv_cache_memory, preflight sizes Seesaw's device cache and CPU
+    store as build.tier_blocks does (a store smaller than the device cache is refused before any
+    model loads); with prefill_layout: auto, the decode sizes given are checked against every
+    alternative the simulation would choose between, and refused only where none can run."""
+    from batchinfer.engine.build import preflight
+    from batchinfer.engine.model.loader import load_arch
+
+    arch = load_arch(default_model_dir)
+    small = SeesawParams(decode_tp=1, decode_pp=2, cpu_kv_cache_memory="1MiB")
+    with pytest.raises(ConfigError, match="strategy.cpu_kv_cache_memory: .* fewer than the "
+                       "device cache"):
+        preflight(_seesaw_config(small, {"pp": 2}, SMOL, "5MiB"), arch, 128)
+    preflight(_seesaw_config(small, {"pp": 2}, SMOL, "5MiB"), arch)    # no length: not sized
+    preflight(_seesaw_config(small.model_copy(update={"cpu_kv_cache_memory": 64 << 20}),
+                             {"pp": 2}, SMOL, "5MiB"), arch, 128)
+    auto = {"prefill_layout": "auto", "layout_costs": "h100"}
+    with pytest.raises(ConfigError, match="strategy.prefill_layout: auto found no alternative "
+                       r"that can run: prefill PP=2 -> decode TP=2: strategy.decode_tp / "
+                       "decode_pp: .*9 attention heads"):
+        preflight(_seesaw_config(SeesawParams(decode_tp=2, **auto), {"pp": 2}, SMOL, "5MiB"),
+                  arch, 128)
+    with pytest.raises(ConfigError, match="strategy.decode_tp: 3 does not divide"):
+        preflight(_seesaw_config(SeesawParams(decode_tp=3, **auto), {"pp": 2}, SMOL, "5MiB"),
+                  arch)
+    with pytest.raises(ConfigError, match="auto found no alternative .*cpu_kv_cache_memory"):
+        preflight(_seesaw_config(small.model_copy(update=auto), {"pp": 2}, SMOL, "5MiB"),
+                  arch, 128)
+    preflight(_seesaw_config(SeesawParams(decode_pp=2, **auto), {"pp": 2}, SMOL, "5MiB"),
+              arch, 128)
