@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -115,7 +116,8 @@ def _dry_run(spec) -> None:
 
     from batchinfer.runner.io.input_records import InputError
     from batchinfer.runner.io.inputs import InputReader
-    from batchinfer.runner.resume_check import check_other_parts, check_resume
+    from batchinfer.runner.resume_check import (check_other_parts, check_resume,
+                                                recipe_change_warning)
     from batchinfer.runner.run_dir import MANIFEST, RECIPE, RunDir
 
     from batchinfer.engine.build import model_source, preflight
@@ -125,9 +127,15 @@ def _dry_run(spec) -> None:
     warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
-        if (prior.num_outputs or prior.num_errors) and not spec.force_resume:
-            check_resume(run_dir.path, run_dir.read_json(MANIFEST) or {},
-                          run_dir.read_text(RECIPE), spec.recipe, spec.input_path)
+        has_results = bool(prior.num_outputs or prior.num_errors)
+        old_recipe = run_dir.read_text(RECIPE)
+        if has_results and not spec.force_resume:
+            check_resume(run_dir.path, run_dir.read_json(MANIFEST) or {}, old_recipe,
+                         spec.recipe, spec.input_path)
+        changed = recipe_change_warning(run_dir.path, old_recipe, spec.recipe.to_yaml(),
+                                        has_results)
+        if changed:
+            logging.getLogger("batchinfer").warning("%s", changed)
         if spec.shard.count > 1 and not spec.force_resume:
             check_other_parts(run_dir.path, spec.recipe, Path(spec.input_path).resolve())
     finally:

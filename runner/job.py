@@ -37,7 +37,8 @@ from .result_writer import ResultWriter
 from .io.records import RequestPayload
 from .report.report import build_report, now_iso, render_markdown, session_brief
 from .resume_check import (check_other_parts, check_resume, fingerprint_with_prefix,
-                           model_locations, numerics_changed, recipe_changes, recorded_input_bytes)
+                           model_locations, numerics_changed, recipe_change_warning,
+                           recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
@@ -178,10 +179,9 @@ class Job:
         if self.spec.shard.count > 1 and not self.spec.force_resume:   # report merges parts
             check_other_parts(run_dir.path, self.recipe, Path(input_path), whole)
         recipe_yaml = self.recipe.to_yaml()
-        if has_results and old_recipe is not None and old_recipe != recipe_yaml:
-            log.warning("%s: the recipe differs from the one this run's results were first made "
-                        "with (%s); results already written keep their settings", run_dir.path,
-                        recipe_changes(old_recipe, recipe_yaml))
+        changed = recipe_change_warning(run_dir.path, old_recipe, recipe_yaml, has_results)
+        if changed:
+            log.warning("%s", changed)
         # kept while results exist: what they were first made with (unless forced past it)
         if not has_results or old_recipe is None or self.spec.force_resume:
             run_dir.write_text(RECIPE, recipe_yaml)

@@ -268,6 +268,17 @@ def numerics_changed(old_engine: Optional[dict], engine_info: dict) -> Optional[
             "one for the whole run")
 
 
+def recipe_change_warning(run_path: Path, old_yaml: Optional[str], new_yaml: str,
+                          has_results: bool) -> Optional[str]:
+    """The warning a resume with another recipe gets (`run`, and `run --dry-run` beforehand);
+    None where nothing was written yet or the recipe is the same."""
+    if not has_results or old_yaml is None or old_yaml == new_yaml:
+        return None
+    return (f"{run_path}: the recipe differs from the one this run's results were first made "
+            f"with ({recipe_changes(old_yaml, new_yaml)}); results already written keep their "
+            "settings")
+
+
 def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
     """What a resumed run's recipe changed, key by key ('parallel.pp: 1 -> 2'), for
     the warning that results already written keep the old settings."""

@@ -283,6 +283,13 @@ def test_run_exit_codes_and_report_command(runner, tiny, tmp_path):
     refused = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out),
                                   "--no-resume"])
     assert refused.exit_code == 2 and "--no-resume" in refused.output
+    # a dry run of a resume with another recipe says what the run would warn
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(tiny.read_text() + "strategy: {name: gllm}\n")
+    dry = runner.invoke(app, ["run", str(changed), "-i", str(prompts), "-o", str(out),
+                              "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "recipe differs" in dry.output and "strategy.name: baseline -> gllm" in dry.output
     (out / "report.md").unlink()
     report = runner.invoke(app, ["report", str(out)])
     assert report.exit_code == 0 and "## Throughput" in report.output
