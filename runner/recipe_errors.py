@@ -64,6 +64,18 @@ class YamlLines:
                 self._lines[path + (index,)] = item.start_mark.line + 1
                 self._walk(item, path + (index,))
 
+    def key_named_in(self, section: KeyPath, message: str) -> Optional[KeyPath]:
+        """The key of `section` set in the file that `message` names first (a check of two keys
+        together, e.g. 'MinP (64) must not exceed MaxP (32)', reported at its first key)."""
+        first = None
+        for path in self._lines:
+            if len(path) == len(section) + 1 and path[:-1] == section \
+                    and isinstance(path[-1], str):
+                found = re.search(rf"(?<!\w){re.escape(path[-1])}(?!\w)", message)
+                if found and (first is None or found.start() < first[0]):
+                    first = (found.start(), path)
+        return first[1] if first else None
+
     def line(self, path: KeyPath) -> Optional[int]:
         """Line of the deepest prefix of `path` that appears in the file."""
         for end in range(len(path), 0, -1):
@@ -135,6 +147,8 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
         raw = tuple(part for part in error["loc"] if part != "__root__")
         loc = raw if error["type"] == "extra_forbidden" else _without_union_tags(raw)
         path = prefix + loc
+        if lines and isinstance(error.get("input"), dict) and error["type"] == "value_error":
+            path = lines.key_named_in(path, error["msg"]) or path   # a check across its keys
         where = dotted(path)
         line = lines.line(path) if lines else None
         at = f"line {line}, {where}" if line else where

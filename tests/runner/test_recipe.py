@@ -119,6 +119,19 @@ def test_strategy_must_be_a_mapping(tmp_path):
     assert "strategy: must be a mapping" in text
 
 
+def test_a_check_of_two_keys_points_at_the_first_key_it_names(tmp_path):
+    """A section's check across its keys (pydantic model validators) is located at the line of
+    the first key its message names, not at the section's line."""
+    (text,) = _problems(tmp_path, "strategy:\n  name: gllm\n  # the bounds\n  MaxP: 32\n"
+                                  "  MinP: 64\n")
+    assert text == "line 5, strategy.MinP: MinP (64) must not exceed MaxP (32)"
+    (text,) = _problems(tmp_path, "sampling:\n  max_tokens: 4\n  min_tokens: 9\n")
+    assert text.startswith("line 3, sampling.min_tokens: min_tokens (9) must be <=")
+    (text,) = _problems(tmp_path, "strategy:\n  name: tdpipe\n  future_point_interval: 9\n"
+                                  "  future_point_horizon: 4\n")
+    assert text.startswith("line 4, strategy.future_point_horizon: future_point_horizon must")
+
+
 def test_strategy_as_plain_name(tmp_path):
     assert _load(tmp_path, "strategy: baseline\n").strategy.name == "baseline"
 
