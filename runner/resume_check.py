@@ -147,6 +147,9 @@ def check_model(run_dir: Path, old_recipe_yaml: Optional[str], model: Any,
     def same(key: str) -> bool:
         if before(key) == after(key):
             return True
+        if key in LOCATIONS and old.get(key) == new.get(key) and new.get(key) \
+                and Path(new[key]).expanduser().is_absolute():
+            return True       # one absolute path (a link to node-local storage leads elsewhere)
         # a run.json from before model_locations: the old spelling, read from here
         return key in LOCATIONS and key not in located and _where(before(key)) == now[key]
 
@@ -209,8 +212,8 @@ def check_other_parts(part_dir: Path, recipe, input_path: Path,
     about to use: `batchinfer report` merges the parts into one run. A part with no results
     yet (a start that stopped before any request ran) constrains nothing, as it would not on
     its own resume. `whole`: this input's fingerprint (read here, once, if a part needs it); a
-    part recorded over fewer bytes is compared over those (an input grown between the parts'
-    starts), each length read once."""
+    part recorded over another length is compared over its length (an input grown between or
+    during the parts' starts), each length read once."""
     from .run_dir import ERRORS, MANIFEST, OUTPUTS, RECIPE, list_parts, read_json
 
     prefixes: dict[int, dict] = {}
@@ -231,7 +234,9 @@ def check_other_parts(part_dir: Path, recipe, input_path: Path,
             whole = fingerprint(input_path)
         recorded = manifest.get("input_fingerprint") or {}
         now = whole
-        if "bytes" in recorded and recorded["bytes"] < whole["bytes"]:
+        # over the bytes the part recorded: fewer (the input grew since), or more (it grew
+        # while the parts started, after this one read it: read again now)
+        if "bytes" in recorded and recorded["bytes"] != whole["bytes"]:
             if recorded["bytes"] not in prefixes:
                 prefixes[recorded["bytes"]] = fingerprint(input_path, recorded["bytes"])
             now = prefixes[recorded["bytes"]]

@@ -295,6 +295,7 @@ def test_a_part_must_match_the_parts_already_in_its_run(tmp_path, tiny_recipe, s
 
     rows = [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(6)]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
+    path_bytes = path.stat().st_size
     out = tmp_path / "run"
     longer = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
         update={"max_tokens": 9})})
@@ -322,6 +323,12 @@ def test_a_part_must_match_the_parts_already_in_its_run(tmp_path, tiny_recipe, s
     assert result.exit_code == 2 and "another part of this Slurm run" in result.output
     grown = write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "r6", "prompt": "Q6"}])
     assert run(tiny_recipe, grown, fresh, shared_engine, shard=Shard(1, 2)).outputs == 3
+    # a part that read the input before it grew checks a part that recorded it grown: the
+    # input is read again over the recorded length
+    from batchinfer.runner.resume_check import check_other_parts, fingerprint
+
+    before_growth = fingerprint(grown, path_bytes)
+    check_other_parts(fresh / "part-00000-of-00002", tiny_recipe, grown, before_growth)
     forced = run(longer, grown, fresh, shared_engine, shard=Shard(0, 2), force_resume=True)
     assert forced.session["requests_completed"] == 1      # r6, the grown line of part 0
 
@@ -456,6 +463,17 @@ def test_a_resume_compares_the_model_path_by_where_it_leads(tmp_path, monkeypatc
     with pytest.raises(RunDirError, match="another model"):
         check_model(tmp_path, old_yaml, ModelConfig(path=str(tmp_path / "b" / "models" / "m")),
                     recorded)
+    # one absolute path that links to node-local storage (another target on each node of a
+    # Slurm run) is one model
+    link = tmp_path / "node-local-model"
+    link.symlink_to(tmp_path / "a" / "models" / "m")
+    linked = ModelConfig(path=str(link))
+    linked_yaml = yaml.safe_dump({"model": linked.model_dump(mode="json")})
+    linked_at = model_locations(linked)
+    link.unlink()
+    link.symlink_to(tmp_path / "b" / "models" / "m")
+    assert model_locations(linked) != linked_at
+    check_model(tmp_path, linked_yaml, linked, linked_at)
 
 
 def test_an_input_file_that_breaks_part_way_keeps_what_ran_and_exits_2(tmp_path, tiny_recipe,
