@@ -18,6 +18,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from .errors import ConfigError
+
 from .torch_attention import TorchAttention, reference_attention  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,20 @@ def triton_available() -> str:
     return ""
 
 
+def check_backend_choice(choice: str, device_type: str,
+                         dtype: Optional[torch.dtype] = None) -> None:
+    """device.attention_backend asked for where it cannot run: a ConfigError (`batchinfer
+    validate` calls this with the recipe's dtype, None while it is auto)."""
+    if choice == "triton" and device_type != "cuda":
+        raise ConfigError(f"device.attention_backend: triton needs device cuda (this engine runs "
+                          f"on {device_type}); on CPU use native or torch, or auto")
+    if choice == "native" and (device_type != "cpu" or dtype not in (None, torch.float32,
+                                                                     torch.bfloat16)):
+        what = f"device {device_type}" if device_type != "cpu" else f"dtype {dtype}"
+        raise ConfigError(f"device.attention_backend: native needs device cpu and dtype float32 "
+                          f"or bfloat16 (got {what}); use triton or torch on CUDA, or auto")
+
+
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch=None,
                    kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
     """auto: on CPU the native kernel with fp32 activations (dtype float32, or bfloat16: bf16
@@ -167,8 +183,7 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch=N
     that says why (for `triton` asked explicitly too)."""
     from .kernels import load_native_kernels
 
-    if choice == "triton" and device.type != "cuda":
-        raise ValueError("attention_backend 'triton' needs device cuda (on CPU: native or torch)")
+    check_backend_choice(choice, device.type, dtype)
     if choice in ("triton", "auto") and device.type == "cuda":
         missing = triton_available()
         if not missing and arch is not None:
@@ -183,8 +198,6 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch=N
         log.warning("the Triton attention can't run (%s): CUDA attention takes the portable "
                     "torch path", missing)
     native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if choice == "native" and not native_ok:
-        raise ValueError("attention_backend 'native' needs device cpu and dtype float32 or bfloat16")
     if choice in ("native", "auto") and native_ok and load_native_kernels():
         return NativeCPUAttention()
     if choice == "native":

@@ -150,17 +150,30 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
 def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int] = None) -> None:
     """What the engine build refuses that the model's config alone decides, run without loading
     weights (`batchinfer validate`, `run --dry-run`): the parallel layout against the model's
-    heads and layers, the strategy's own refusals (StrategyParams.check_config), and an explicit
-    memory.kv_cache_memory that cannot hold one max_model_len sequence."""
+    heads and layers, the attention backend and quantization against the device and dtype, the
+    strategy's own refusals (StrategyParams.check_config), and an explicit
+    memory.kv_cache_memory that cannot hold one max_model_len sequence. Weights and KV this host
+    could not hold are a warning: the job may run on another host (a Slurm node)."""
+    from .attention import check_backend_choice
+    from .model.int8_linear import check_quantization_setting
     from .runtime.layout import ParallelLayout, check_gpu_count
 
     device = resolve_device(config.device.device)   # cuda asked for where torch sees none
+    dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
+    check_backend_choice(config.device.attention_backend, device.type, dtype)
+    check_quantization_setting(config.model.quantization, device.type, dtype)
     layout = ParallelLayout.resolve(config.parallel, arch)
     check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
         config.strategy.check_config(config, arch)
     if max_model_len is not None:
         _check_explicit_kv(config, arch, max_model_len)
+    try:
+        check_weights_fit(config, arch, device, dtype or (
+            torch.bfloat16 if _smallest_kv_element(config) == 2 else torch.float32),
+            copies=config.parallel.dp)
+    except ConfigError as exc:
+        log.warning("on this host: %s (a run here would be refused)", exc)
 
 
 def _check_explicit_kv(config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:

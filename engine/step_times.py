@@ -169,8 +169,10 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
     """Times decode micro-batches of each size (every sequence at `context_len` tokens of KV) and
     prefill micro-batches of each token count (prompts of `prompt_len` tokens) on replica 0.
     When the free KV blocks cannot hold every sequence, a micro-batch's sequences share one set
-    of blocks; a size that does not fit even so is skipped (logged). keys: the settings that
-    give the decode sizes and the prefill token counts, for the error when none fits."""
+    of blocks; a size that does not fit even so is skipped (logged). Where no size fits (a small
+    job's cache), the sequences are halved in length until one does (a warning says so). keys:
+    the settings that give the decode sizes and the prefill token counts, for the error when
+    none fits at any length."""
     if engine.has_unfinished():
         raise RuntimeError("profile the step times before submitting requests")
     if min(decode_batch_sizes) < 1 or min(prefill_tokens) < 1:
@@ -178,40 +180,58 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
     # positions stay inside the model's rotary table
     prompt_len = max(1, min(prompt_len, engine.max_model_len))
     context_len = max(1, min(context_len, engine.max_model_len - 1))
+    asked = (context_len, prompt_len)
     synth = SyntheticSequences(engine, int(engine.info.get("vocab_size") or 2))
     executor = synth.executor
     depth = executor.max_in_flight
     t0 = time.perf_counter()
-    decode, prefill = [], []
-    try:
+
+    def timed(lengths: list[int], kv_tokens: int, phase: str):
+        """The steady interval of `depth` micro-batches of sequences of `lengths` tokens (KV
+        up to kv_tokens each), or None where the free blocks cannot hold them."""
+        batches = []
+        try:
+            for _ in range(depth):
+                seqs = [synth.make(n, decode=phase == "decode") for n in lengths]
+                if not synth.allocate(seqs, kv_tokens):
+                    return None
+                batches.append(MicroBatch([ScheduledSeq(s, 1 if phase == "decode"
+                                                        else s.prompt_len) for s in seqs],
+                                          phase=phase))
+            return _steady_interval(executor, batches, rounds, engine.now)
+        finally:
+            synth.release()
+
+    def decode_points(ctx: int) -> list[tuple[int, float]]:
+        points = []
         for size in sorted(set(decode_batch_sizes)):
-            batches = []
-            for _ in range(depth):
-                seqs = [synth.make(context_len, decode=True) for _ in range(size)]
-                if not synth.allocate(seqs, context_len + 1):
-                    break
-                batches.append(MicroBatch([ScheduledSeq(s, 1) for s in seqs], phase="decode"))
-            if len(batches) == depth:
-                decode.append((size, _steady_interval(executor, batches, rounds, engine.now)))
-            else:
+            seconds = timed([ctx] * size, ctx + 1, "decode")
+            if seconds is None:
                 log.info("step profile: decode batch %d skipped (KV cache too small)", size)
-            synth.release()
-        for tokens in sorted(set(prefill_tokens)):
-            lengths = [prompt_len] * (tokens // prompt_len)
-            if tokens % prompt_len:
-                lengths.append(tokens % prompt_len)
-            batches = []
-            for _ in range(depth):
-                seqs = [synth.make(n, decode=False) for n in lengths]
-                if not synth.allocate(seqs, max(lengths)):
-                    break
-                batches.append(MicroBatch([ScheduledSeq(s, s.prompt_len) for s in seqs],
-                                          phase="prefill"))
-            if len(batches) == depth:
-                prefill.append((tokens, _steady_interval(executor, batches, rounds, engine.now)))
             else:
+                points.append((size, seconds))
+        return points
+
+    def prefill_points(plen: int) -> list[tuple[int, float]]:
+        points = []
+        for tokens in sorted(set(prefill_tokens)):
+            lengths = [plen] * (tokens // plen) + ([tokens % plen] if tokens % plen else [])
+            seconds = timed(lengths, max(lengths), "prefill")
+            if seconds is None:
                 log.info("step profile: prefill of %d tokens skipped (KV cache too small)", tokens)
-            synth.release()
+            else:
+                points.append((tokens, seconds))
+        return points
+
+    try:
+        decode, prefill = decode_points(context_len), prefill_points(prompt_len)
+        # a cache too small for the profiled shapes (a small job's): shorter sequences, said
+        while not decode and context_len > 1:
+            context_len //= 2
+            decode = decode_points(context_len)
+        while not prefill and prompt_len > 1:
+            prompt_len //= 2
+            prefill = prefill_points(prompt_len)
     finally:
         synth.release()
         reset = getattr(executor, "reset_timeline", None)
@@ -226,6 +246,12 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
             f"{key}: the KV cache ({per_replica} tokens a replica) cannot hold even the smallest "
             f"profiled {kind} ({smallest}, {depth} in flight at once); lower {key} or raise "
             "memory.kv_cache_memory")
+    if context_len < asked[0] or prompt_len < asked[1]:
+        log.warning("step profile: the KV cache (%d tokens a replica) holds no micro-batch of "
+                    "the profiled shapes; timed decode at %d tokens of context and prompts of %d "
+                    "tokens instead (asked: %d and %d)",
+                    engine.stats().get("kv_capacity_tokens", 0) // len(engine.replicas),
+                    context_len, prompt_len, *asked)
     table = StepTimes(decode, prefill, {"context_len": context_len, "prompt_len": prompt_len,
                                         "pipeline_depth": depth, "rounds": rounds,
                                         "shared_blocks": synth.shared,

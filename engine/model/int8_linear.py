@@ -71,19 +71,28 @@ class LinearQuantization:
                 f"per token and per 64 input channels, int32 sums; {head})")
 
 
+def check_quantization_setting(method: Optional[str], device_type: str,
+                               dtype: Optional[torch.dtype] = None) -> None:
+    """What the recipe alone decides (`batchinfer validate`: dtype None while it is auto); the
+    CPU's instructions and the kernels are resolve_quantization's to check where the job runs."""
+    if method is None:
+        return
+    if method not in QUANTIZATIONS:
+        raise ConfigError(f"model.quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if device_type != "cpu":
+        raise ConfigError(f"model.quantization: {method} runs on CPU only (AVX512-VNNI kernels); "
+                          f"on {device_type} leave it empty")
+    if dtype == torch.float16:
+        raise ConfigError(f"model.quantization: {method} takes fp32 activations; model.dtype: "
+                          "float16 has none on CPU: use float32, bfloat16 or auto")
+
+
 def resolve_quantization(method: Optional[str], lm_head: bool, device: torch.device,
                          dtype: torch.dtype = torch.float32) -> Optional[LinearQuantization]:
     """model.quantization -> what the linears run, or a ConfigError naming what is missing."""
     if method is None:
         return None
-    if method not in QUANTIZATIONS:
-        raise ConfigError(f"model.quantization: {method!r} is not one of {', '.join(QUANTIZATIONS)}")
-    if device.type != "cpu":
-        raise ConfigError(f"model.quantization: {method} runs on CPU only (AVX512-VNNI kernels); "
-                          f"on {device.type} leave it empty")
-    if dtype == torch.float16:
-        raise ConfigError(f"model.quantization: {method} takes fp32 activations; model.dtype: "
-                          "float16 has none on CPU: use float32, bfloat16 or auto")
+    check_quantization_setting(method, device.type, dtype)
     missing = int8_missing_flags()
     if missing:
         cpu, _ = cpu_identity()

@@ -81,6 +81,23 @@ def check_sidp_layout(par) -> None:
                           f"dp >= 2 (got tp: {par.tp}, pp: {par.pp}, dp: {par.dp})")
 
 
+def check_sidp_model(config, params, arch) -> None:
+    """The model and number format SiDP's shared FFN store is built for (the build and
+    `batchinfer validate` both refuse the rest)."""
+    if not params.runs_model(arch):
+        raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
+                          f"({arch.model_type}) has a mixture of experts: run it with another "
+                          "strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
+    if config.model.quantization is not None:
+        raise ConfigError("model.quantization: strategy sidp shares each layer's FFN weights "
+                          "between replicas in the fp32 blocked layout; int8 is not built for it: "
+                          "leave model.quantization empty, or run another strategy (baseline, "
+                          "gllm, tdpipe, seesaw, sipipe)")
+    if arch.hidden_act != "silu":
+        raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
+                          f"({arch.model_type}) gates with {arch.hidden_act}")
+
+
 def build_sidp_engine(config, params):
     par = config.parallel
     check_sidp_layout(par)
@@ -92,18 +109,7 @@ def build_sidp_engine(config, params):
         raise ConfigError(str(exc)) from None
     if setup.device.type == "cuda":
         check_one_gpu(config, layout.dp)
-    if not params.runs_model(arch):
-        raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
-                          f"({arch.model_type}) has a mixture of experts: run it with another "
-                          "strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
-    if setup.quantization is not None:
-        raise ConfigError("strategy sidp shares each layer's FFN weights between replicas in "
-                          "the fp32 blocked layout; model.quantization: int8 is not built for it: "
-                          "leave model.quantization empty, or run another strategy (baseline, "
-                          "gllm, tdpipe, seesaw, sipipe)")
-    if arch.hidden_act != "silu":
-        raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
-                          f"({arch.model_type}) gates with {arch.hidden_act}")
+    check_sidp_model(config, params, arch)
     with_slots = resolve_weight_slots(params.weight_slots, setup.device,
                                       one_gpu=setup.device.type == "cuda")
     # the shared FFN computes in the activations' dtype: fp32 for a bf16 model on CPU, whose

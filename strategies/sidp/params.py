@@ -67,10 +67,11 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         from batchinfer.engine.build import resolve_device
         from batchinfer.engine.errors import ConfigError
 
-        from .build import check_one_gpu, check_sidp_layout
+        from .build import check_one_gpu, check_sidp_layout, check_sidp_model
         from .ownership import resolve_owners
 
         check_sidp_layout(config.parallel)
+        check_sidp_model(config, self, arch)
         try:
             resolve_owners(self.owners, arch.num_layers, config.parallel.dp)
         except ValueError as exc:

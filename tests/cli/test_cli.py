@@ -179,6 +179,12 @@ def test_impossible_layout_exits_2(runner, tmp_path):
     ("strategy: {name: seesaw, decode_tp: 1, decode_pp: 2, cpu_kv_cache_memory: 1MiB}\n"
      "parallel: {pp: 2}\nmemory: {kv_cache_memory: 16MiB}\nmodel: {max_model_len: 128}\n",
      ("strategy.cpu_kv_cache_memory", "fewer than the device cache")),
+    ("model: {quantization: int8, dtype: float16}\n",
+     ("model.quantization: int8 takes fp32 activations", "r.yaml line 1")),
+    ("strategy: {name: sidp}\nparallel: {dp: 2}\nmodel: {quantization: int8}\n",
+     ("model.quantization: strategy sidp", "int8 is not built for it")),
+    ("device: {attention_backend: triton}\n", ("device.attention_backend: triton needs device "
+                                               "cuda", "r.yaml line 1")),
     ("strategy: {name: tdpipe, step_times: /nonexistent/steps.json}\nparallel: {pp: 2}\n",
      ("strategy.step_times", "not a step-time table")),
     ("strategy: {name: sidp, owners: [0, 1, 5]}\nparallel: {dp: 2}\n",
@@ -205,6 +211,20 @@ def test_validate_and_dry_run_refuse_what_the_engine_would(runner, tmp_path, rec
         assert result.exit_code == 2, result.output
         assert all(f in result.output for f in fragments), result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_validate_warns_of_weights_and_kv_this_host_cannot_hold(runner, tmp_path):
+    """The build refuses weights + an explicit KV cache over the host's available memory; the
+    job may run on another host (a Slurm node), so validate and --dry-run warn, exit 0."""
+    path = tmp_path / "r.yaml"
+    path.write_text("memory: {kv_cache_memory: 200TiB}\n")
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    for args in (["validate", str(path)], ["run", str(path), "--dry-run", "-o",
+                                           str(tmp_path / "out")]):
+        result = runner.invoke(app, args + ["--input", str(prompts)])
+        assert result.exit_code == 0, result.output
+        assert "on this host: the model's weights take" in result.output
+        assert "a run here would be refused" in result.output
 
 
 def test_validate_checks_token_ids_against_the_vocabulary(runner, tiny, tmp_path):

@@ -164,5 +164,7 @@ def test_cuda_takes_the_kernel_unless_the_model_is_one_it_cannot_take(caplog):
         assert select_backend("auto", cuda, torch.bfloat16, wide).name == "torch"
         assert select_backend("triton", cuda, torch.bfloat16, wide).name == "torch"
     assert [r.getMessage() for r in caplog.records][0].count("head size 320") == 1
-    with pytest.raises(ValueError, match="needs device cuda"):
+    from batchinfer.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="device.attention_backend: triton needs device cuda"):
         select_backend("triton", torch.device("cpu"), torch.float32)

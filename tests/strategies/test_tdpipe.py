@@ -561,19 +561,21 @@ def test_tdpipe_recipe_runs_out_of_the_box(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_profile_the_cache_cannot_hold_names_the_key_to_lower(make_engine):
+def test_a_cache_under_the_profiled_shapes_times_shorter_sequences(make_engine, caplog):
     """At PP=2 two prefill micro-batches are in flight at once; a cache under two prompts of the
-    profiled length cannot time them, and the error names the setting and the cache."""
+    profiled length (a small job's, which the job itself fits) times prompts halved in length
+    until they fit, with a warning that says so, rather than refusing the job."""
     from batchinfer.engine.step_times import profile_step_times
 
-    model = {"load_format": "dummy", "max_model_len": 128,
+    model = {"load_format": "dummy", "max_model_len": 128, "dtype": "float32",
              "hf_overrides": {"num_hidden_layers": 2}}
     # SmolLM2's 3 KV heads of 64, fp32, 1 layer a stage: 1,536 bytes a token: ~170 tokens
     with make_engine(model=model, cache={"kv_cache_memory": 1536 * 176},
                      parallel={"pp": 2}) as engine:
-        with pytest.raises(ConfigError, match=r"^strategy.profile_prefill_tokens: the KV cache "
-                                              r"\(\d+ tokens a replica\) cannot hold even the "
-                                              r"smallest profiled prefill micro-batch \(128 tok"):
-            profile_step_times(engine, [1], [128], context_len=16, prompt_len=128,
-                               keys=("strategy.profile_decode_batch_sizes",
-                                     "strategy.profile_prefill_tokens"))
+        with caplog.at_level("WARNING", logger="batchinfer"):
+            table = profile_step_times(engine, [1], [128], context_len=16, prompt_len=128)
+    shorter = table.meta["prompt_len"]
+    assert [n for n, _ in table.prefill] == [128] and shorter in (64, 32, 16)
+    assert table.meta["context_len"] == 16 and [b for b, _ in table.decode] == [1]
+    assert (f"timed decode at 16 tokens of context and prompts of {shorter} tokens instead"
+            in caplog.text)
