@@ -107,7 +107,10 @@ class MeasuredCostModel:
         self.table = table
         self.num_layers = int(table.model["num_layers"])
         self.hidden_size = int(table.model["hidden_size"])
-        self.dtype_bytes = int(table.model["dtype_bytes"])
+        # hidden states' element (fp32 on a CPU running bf16); tables before the profiler
+        # recorded it: their dtype_bytes was it
+        self.dtype_bytes = int(table.model.get("activation_dtype_bytes",
+                                               table.model["dtype_bytes"]))
         self.kv_bytes_per_token = table.kv_bytes_per_token
         self.device = table.hardware.get("device", "cpu")
         self.memory_bytes = table.memory_available_bytes

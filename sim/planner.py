@@ -71,9 +71,20 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
         world = devices or cores
     else:       # the GPUs of the machine it was measured on (tables before the count: 1)
         world = devices or int(table.hardware.get("gpus") or 1)
-    return CostSetup(MeasuredCostModel(table), model.arch, int(table.model["dtype_bytes"]), cores,
-                     world, {"hardware": "measured", "table": str(table_path),
-                             "device": table.hardware.get("device"), "cores": cores})
+    return CostSetup(MeasuredCostModel(table), model.arch, table_dtype_bytes(table, model),
+                     cores, world, {"hardware": "measured", "table": str(table_path),
+                                    "device": table.hardware.get("device"), "cores": cores})
+
+
+def table_dtype_bytes(table, model) -> int:
+    """The bytes of the model's number format a measured table was profiled in (the simulator
+    sizes weights and KV with it). Tables from before the profiler recorded the engine's
+    formats (no `kv_cache_dtype`) on a CPU said float32 whatever ran (a parameter's dtype, fp32
+    beside bf16 linears): for them the recipe's model as this machine resolves it (model: its
+    ModelSetup)."""
+    if "kv_cache_dtype" not in table.model and table.hardware.get("device", "cpu") == "cpu":
+        return int(model.dtype_bytes)
+    return int(table.model["dtype_bytes"])
 
 
 def preset_setup(recipe_model, hardware: str, devices: int, model: Optional[str]) -> CostSetup:

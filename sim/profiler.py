@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from batchinfer.engine.build import available_memory, kv_element_bytes, resolve_device
+from batchinfer.engine.build import available_memory, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
@@ -148,7 +148,7 @@ class _Probe:
         """(LM head seconds, sampler seconds) for `rows` sampled rows."""
         executor = self.executor
         model, sampler = executor.model, executor.sampler
-        hidden = torch.randn(rows, model.arch.hidden_size, dtype=_dtype(model),
+        hidden = torch.randn(rows, model.arch.hidden_size, dtype=_activation_dtype(model),
                              device=executor.device)
         seqs = [self.synth.make(4, decode=True) for _ in range(rows)]
         try:
@@ -169,8 +169,36 @@ class _Probe:
         return statistics.median(head), statistics.median(sample)
 
 
-def _dtype(model) -> torch.dtype:
+def _activation_dtype(model) -> torch.dtype:
+    """The dtype hidden states flow in: fp32 on a CPU even for a bf16 model (only its packed
+    linears hold bf16 weights), so not the model's number format (model_record has that)."""
     return next(model.parameters()).dtype
+
+
+def model_record(engine: Engine, config: EngineConfig) -> tuple[dict, int]:
+    """(the table's `model` section, KV bytes per token) for the number formats the engine
+    runs, as its info reports them (its resolved model.dtype and cache.kv_cache_dtype): a
+    parameter's dtype says fp32 on a CPU running bf16 (activation dtype), which recorded twice
+    the KV bytes a run has."""
+    arch = engine.replicas[0].executor.model.arch
+    dtype, kv_dtype = engine.info["dtype"], engine.info["kv_cache_dtype"]
+    dtype_bytes = _element_bytes(dtype)
+    kv_bytes = _element_bytes(kv_dtype)
+    activations = _activation_dtype(engine.replicas[0].executor.model)
+    record = {"model_id": engine.model_id, "num_layers": arch.num_layers,
+              "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
+              "dtype": dtype, "dtype_bytes": dtype_bytes,
+              "kv_cache_dtype": kv_dtype, "kv_element_bytes": kv_bytes,
+              # what crosses a link between ranks (MeasuredCostModel's transfers)
+              "activation_dtype_bytes": activations.itemsize,
+              "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6),
+              "quantization": config.model.quantization,
+              "quantize_lm_head": config.model.quantize_lm_head}
+    return record, arch.kv_bytes_per_token(kv_bytes)
+
+
+def _element_bytes(name: str) -> int:
+    return torch.tensor([], dtype=getattr(torch, name)).element_size()
 
 
 def _sync(device: torch.device) -> None:
@@ -296,7 +324,9 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     if threads is None:
         threads = sorted({max(1, cores // n) for n in range(1, cores + 1)})
     gpu = resolve_device(config.device.device).type == "cuda"
-    cache = {"block_size": config.cache.block_size}
+    # the recipe's KV element: the probes read the cache a run reads
+    cache = {"block_size": config.cache.block_size,
+             "kv_cache_dtype": config.cache.kv_cache_dtype}
     if not gpu:
         cache["kv_cache_memory"] = PROFILE_KV_BYTES
     # on a GPU the probes' largest steps are sized into the memory profile and graphs captured;
@@ -339,15 +369,8 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
         # a GPU runs hundreds of sequences a step: the fit spans 1 to 256 of them
         per_step, per_seq = measure_controller(engine, 8 if quick else 256 if gpu else 48)
         arch = executor.model.arch
-        dtype = _dtype(executor.model)
-        dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-        model_info = {"model_id": engine.model_id, "num_layers": arch.num_layers,
-                      "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
-                      "dtype": str(dtype).replace("torch.", ""), "dtype_bytes": dtype_bytes,
-                      "num_params": arch.num_params(), "ffn_share": round(ffn_share(arch), 6),
-                      "quantization": config.model.quantization,
-                      "quantize_lm_head": config.model.quantize_lm_head}
-        kv_per_token = arch.kv_bytes_per_token(kv_element_bytes(config, dtype_bytes))
+        model_info, kv_per_token = model_record(engine, config)
+        dtype_bytes = model_info["dtype_bytes"]
         # what a run has for weights + KV: on a GPU the probe engine sized its KV as a run does
         # (after weights and the largest step's activations), and the free memory now is the rest
         memory = (available_memory(device) if device.type == "cpu"
