@@ -54,6 +54,7 @@ class Engine:
         self._submitted: dict[int, tuple] = {}     # id(batch) -> (submit time, its shape)
         self._events: list[dict] = []
         self._generate_calls = 0
+        self._closed = False
         self._clock = clock or time.perf_counter
         self._clock0 = self._clock()
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
@@ -88,6 +89,7 @@ class Engine:
 
     def _check(self, request: Request) -> None:
         """What a request must be before the engine takes it (RequestError / TypeError)."""
+        self._check_open()
         if request.request_id in self._seqs:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
         if not isinstance(request.sampling, SamplingParams):
@@ -126,6 +128,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Keeps every replica's pipeline full, then applies whatever micro-batches finished
         (at least one, unless there is nothing to run); returns the requests that finished."""
+        self._check_open()
         self._feed()
         for rep in self.replicas:
             self._fill(rep)
@@ -256,9 +259,18 @@ class Engine:
         return outs
 
     def close(self) -> None:
-        """Stops worker processes (if any). The engine is unusable afterwards."""
+        """Stops worker processes (if any). The engine is unusable afterwards (adding or
+        stepping says so); closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for rep in self.replicas:
             rep.executor.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed (close() or the end of its `with` block): "
+                               "build a new one with Engine.from_config")
 
     def __enter__(self) -> "Engine":
         return self
@@ -273,7 +285,13 @@ class Engine:
         """Runs prompts (one text, or a list of texts or of token-id lists) to completion;
         results in input order. `sampling`: one SamplingParams for all, or one per prompt.
         Every prompt is checked before any is added, so a bad one leaves nothing behind.
-        `on_step`, if given, is called after every step with the requests that step finished."""
+        `on_step`, if given, is called after every step with the requests that step finished.
+        Requests added with add_request and not yet finished are refused: their results would
+        come out of generate's steps, not the caller's."""
+        if self.has_unfinished():
+            raise RuntimeError("generate runs its prompts to completion on an idle engine, and "
+                               "requests added with add_request are unfinished: step() until "
+                               "has_unfinished() is false first (or abort them)")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if prompts and all(isinstance(p, int) for p in prompts):
             raise TypeError("prompts is a list of ints: give token-id prompts as a list of lists "

@@ -158,3 +158,28 @@ def test_add_request_refuses_params_it_cannot_read_before_taking_the_request(tin
     with pytest.raises(TypeError, match="sampling must be a SamplingParams, not dict"):
         tiny.add_request(Request("r-dict", [1, 2, 3], {"max_tokens": 4}))
     assert tiny.num_unfinished == 0 and not tiny.has_unfinished()
+
+
+def test_generate_refuses_while_added_requests_are_unfinished(tiny):
+    """generate runs its prompts on an idle engine: with a request added by add_request still
+    running it is refused (its result would come out of generate's steps and be lost), and the
+    added request's result comes from the caller's own steps."""
+    tiny.add_request(Request("manual-1", [1, 2, 3], greedy(max_tokens=2, ignore_eos=True)))
+    with pytest.raises(RuntimeError, match="requests added with add_request are unfinished"):
+        tiny.generate(["Hello"], greedy(max_tokens=3))
+    finished = []
+    while tiny.has_unfinished():
+        finished += tiny.step()
+    assert [out.request_id for out in finished] == ["manual-1"]
+    assert len(tiny.generate(["Hello"], greedy(max_tokens=3))) == 1
+
+
+def test_a_closed_engine_says_so(make_engine, tiny_engine_config):
+    engine = make_engine(**tiny_engine_config)
+    assert len(engine.generate(["Hi"], greedy(max_tokens=2))) == 1
+    engine.close()
+    engine.close()                                   # twice: nothing more
+    for call in (lambda: engine.generate(["Hi"], greedy(max_tokens=2)), engine.step,
+                 lambda: engine.add_request(Request("r", [1, 2], greedy(max_tokens=2)))):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()
