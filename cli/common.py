@@ -41,6 +41,21 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+class _Collected(logging.Handler):
+    def __init__(self, into: list):
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def collect_warnings(into: list) -> None:
+    """--json: the command's warnings (e.g. a layout note) also go into `into`, a list its JSON
+    object holds; they still reach stderr. Until the next setup_logging."""
+    logging.getLogger().addHandler(_Collected(into))
+
+
 def warn_layout_note(recipe) -> None:
     """The strategy's warning for a layout where its mechanism has nothing to do
     (StrategyParams.layout_note), as validate and run --dry-run give it."""

@@ -1,6 +1,8 @@
 """The `batchinfer` command: run, validate, report, profile, bench, predictor."""
 from __future__ import annotations
 
+import json
+import sys
 from typing import Optional
 
 import typer
@@ -45,5 +47,34 @@ app.command("bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.ben
 app.add_typer(predictor_cmd.app, name="predictor")
 
 
+def cli() -> None:
+    """The console script: `app`, except that a command given --json answers an arguments error
+    (caught by click before the command runs: a missing --input, an unknown option) with one JSON
+    object on stdout too, as its own errors do."""
+    if "--json" not in sys.argv[1:]:
+        app()
+        return
+    try:
+        code = app(standalone_mode=False)
+    except _arguments_error() as exc:
+        exc.show()
+        typer.echo(json.dumps({"recipe": None, "input": None, "error": exc.format_message(),
+                               "exit_code": exc.exit_code}, indent=2))
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code or 0)
+
+
+def _arguments_error() -> type:
+    """click's ClickException: typer's own copy of click (0.29 on) or click's."""
+    vendored = getattr(typer, "TyperException", None)
+    if vendored is not None:
+        return vendored
+    import click
+
+    return click.ClickException
+
+
 if __name__ == "__main__":
-    app()
+    cli()

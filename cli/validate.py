@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from .common import fail, one_file, setup_logging, user_errors, warn_layout_note
+from .common import collect_warnings, fail, one_file, setup_logging, user_errors, warn_layout_note
 
 HELP = """Check a recipe and every input line, without loading a model.
 
@@ -33,10 +33,12 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
-    json_fields = ({"recipe": str(recipe), "input": ", ".join(map(str, input))} if as_json
-                   else None)       # one --input (one_file refuses more): its path
+    json_fields = ({"recipe": str(recipe), "input": ", ".join(map(str, input)), "warnings": []}
+                   if as_json else None)       # one --input (one_file refuses more): its path
     input = one_file(input, json_fields=json_fields)
     setup_logging(quiet=True if as_json else quiet)
+    if as_json:
+        collect_warnings(json_fields["warnings"])
     from batchinfer.runner.io.inputs import InputReader, input_file_problem
     from batchinfer.runner.recipe import load_recipe
 
@@ -54,7 +56,7 @@ def validate(
     codes: Counter = Counter()
     with user_errors(json_fields):          # a file that breaks part way (a malformed CSV row)
         good = _check_items(reader, tokenizer, max_len, vocab, parsed, show, bad, codes)
-    _report(as_json, recipe, input, reader, good, bad, codes, max_len)
+    _report(json_fields, recipe, input, reader, good, bad, codes, max_len)
 
 
 def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list,
@@ -90,13 +92,14 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
     return good
 
 
-def _report(as_json: bool, recipe: Path, input: Path, reader, good: int, bad: list,
-            codes: Counter, max_len: Optional[int]) -> None:
+def _report(json_fields: Optional[dict], recipe: Path, input: Path, reader, good: int,
+            bad: list, codes: Counter, max_len: Optional[int]) -> None:
     total_bad = sum(codes.values())
-    if as_json:
-        typer.echo(json.dumps({"recipe": str(recipe), "input": str(input), "format": reader.format,
+    code = 1 if total_bad else 0
+    if json_fields is not None:
+        typer.echo(json.dumps({**json_fields, "input": str(input), "format": reader.format,
                                "valid": good, "invalid": total_bad, "errors_by_code": dict(codes),
-                               "errors": bad}, indent=2))
+                               "errors": bad, "exit_code": code}, indent=2))
     else:
         typer.echo(f"recipe {recipe}: ok")
         typer.echo(f"input {input} ({reader.format}): {good} valid, {total_bad} invalid"
@@ -108,7 +111,7 @@ def _report(as_json: bool, recipe: Path, input: Path, reader, good: int, bad: li
             typer.echo(f"  ... and {total_bad - len(bad)} more")
         if codes:
             typer.echo("  by code: " + ", ".join(f"{k} {v}" for k, v in sorted(codes.items())))
-    raise typer.Exit(1 if total_bad else 0)
+    raise typer.Exit(code)
 
 
 def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:

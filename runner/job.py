@@ -30,7 +30,7 @@ from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader
 from .report.metrics import SessionMetrics, predictor_summary
-from .report.plots import render_plots
+from .report.plots import job_plots
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
 from .result_writer import ResultWriter
@@ -436,22 +436,9 @@ class Job:
                                    >= cfg.plot_refresh_seconds):
             self._last_plots = self._last_report
             try:
-                plots = render_plots(self.metrics.timeline, session["batch_size"]["histogram"])
                 timeline = getattr(self.engine, "timeline", None)
-                events = timeline(last=4000) if timeline is not None else []
-                if events:
-                    from .report.plots import plot_pipeline
-
-                    png = plot_pipeline(events)
-                    if png:
-                        plots["pipeline_timeline.png"] = png
-                online = (session.get("predictor") or {}).get("online")
-                if online and online.get("timeline"):
-                    from .report.plots import plot_forecast_error
-
-                    png = plot_forecast_error(online["timeline"])
-                    if png:
-                        plots["forecast_error.png"] = png
+                plots = job_plots(self.metrics.timeline, session,
+                                  timeline(last=4000) if timeline is not None else [])
             except Exception as exc:  # a plot must never fail a job
                 log.warning("could not draw the plots: %s", exc)
         names = tuple(sorted(plots)) if plots else tuple(

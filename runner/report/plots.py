@@ -99,6 +99,18 @@ def render_plots(timeline: list[dict], batch_histogram: Optional[dict] = None,
     return out
 
 
+def job_plots(timeline: list[dict], session: dict, events: list[dict]) -> dict[str, bytes]:
+    """A running job's plots: render_plots', the pipeline's micro-batches (`events`: the
+    engine's timeline) and the online predictor's forecast error, each where it has data."""
+    plots = render_plots(timeline, session["batch_size"]["histogram"])
+    online = (session.get("predictor") or {}).get("online") or {}
+    drawn = {"pipeline_timeline.png": plot_pipeline(events) if events else None,
+             "forecast_error.png": (plot_forecast_error(online["timeline"])
+                                    if online.get("timeline") else None)}
+    plots.update({name: png for name, png in drawn.items() if png})
+    return plots
+
+
 def _execution_modes(timeline: list[dict], title: str) -> Optional[bytes]:
     """The largest micro-batch and the share of steps in each execution mode over time (e.g.
     weights vs compute as a service, arXiv:2605.28095 Fig. 15)."""

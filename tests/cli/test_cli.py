@@ -152,6 +152,32 @@ def test_validate_json_reports_a_bad_recipe_or_input_as_json(runner, tiny, tmp_p
         summary = json.loads(result.stdout)
         assert says in summary["error"] and summary["exit_code"] == 2
         assert summary["recipe"] == args[0] and summary["input"] == args[2]
+    ok = runner.invoke(app, ["validate", str(tiny), "--input", str(prompts), "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["exit_code"] == 0, ok.output
+    note = tmp_path / "tdpipe.yaml"
+    note.write_text(tiny.read_text() + "strategy: {name: tdpipe}\n")
+    warned = json.loads(runner.invoke(app, ["validate", str(note), "--input", str(prompts),
+                                            "--json"]).stdout)
+    assert any("strategy tdpipe at parallel.pp 1" in w for w in warned["warnings"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["validate", "r.yaml", "--json"], "Missing option '--input'"),
+    (["validate", "r.yaml", "--input", "in.jsonl", "--bogus", "--json"], "No such option"),
+    (["profile", "r.yaml", "--json", "--hardware"], "requires an argument")])
+def test_an_arguments_error_under_json_is_json_too(monkeypatch, capsys, args, says):
+    """click refuses these before the command runs; the console script still answers --json
+    with one JSON object on stdout (the usage message stays on stderr)."""
+    from batchinfer.cli.main import cli
+
+    monkeypatch.setattr("sys.argv", ["batchinfer", *args])
+    with pytest.raises(SystemExit) as exited:
+        cli()
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert says in summary["error"] and summary["exit_code"] == 2
+    assert says in captured.err
 
 
 def test_impossible_layout_exits_2(runner, tmp_path):
