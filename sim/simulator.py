@@ -18,7 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from batchinfer.engine.build import kv_element_bytes, use_async_scheduling
+from batchinfer.engine.build import (GiB, activation_headroom, kv_element_bytes,
+                                     use_async_scheduling)
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError
@@ -109,6 +110,36 @@ def check_pool(config: EngineConfig, layout: ParallelLayout, max_model_len: int,
                              step_tokens(config, max_model_len))
 
 
+def check_rank_memory(config: EngineConfig, layout: ParallelLayout, arch: ModelArch,
+                      cost: CostModel, dtype_bytes: int) -> None:
+    """A simulated GPU rank holds its share of the weights (per_rank_kv_budget's), one forward's
+    working memory (kv_budget's activation_headroom) and an explicit memory.kv_cache_memory: a
+    layout where they exceed the GPU is refused with the numbers, for every strategy (SiDP's
+    replicas too: its freed FFN bytes come on top of plain DP's per-rank budget, as its build
+    sizes them). Without it an explicit KV simulated 145 GB of weights on a 24 GB card, and an
+    automatic one said "leaves 0 KV tokens". As the engine measures a card: an explicit KV
+    against its whole memory (gpu_memory.kv_budget_on_gpu), an automatic one against its
+    memory_utilization share. CPU ranks share the host's memory: the run's own
+    check_weights_fit refuses there."""
+    if cost_device(cost).type != "cuda":
+        return
+    weights = arch.num_params() * dtype_bytes // layout.ranks_per_replica
+    headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_num_seqs, dtype_bytes)
+    asked = config.cache.kv_cache_memory
+    memory = cost.memory_bytes
+    room = memory if asked is not None else int(memory * config.cache.memory_utilization)
+    if weights + headroom + (int(asked) if asked is not None else 0) <= room:
+        return
+    kv = f" + memory.kv_cache_memory {int(asked) / GiB:.2f} GiB" if asked is not None else ""
+    card = (f"{memory / GiB:.1f} GiB" if asked is not None else
+            f"{memory / GiB:.1f} GiB x memory.memory_utilization "
+            f"{config.cache.memory_utilization} = {room / GiB:.1f} GiB")
+    raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp}: the weights "
+                      f"({weights / GiB:.1f} GiB a rank){kv} + working memory "
+                      f"{headroom / GiB:.2f} GiB do not fit the GPU's {card}")
+
+
 def check_kv_capacity(tokens: int, layout: ParallelLayout, max_model_len: int) -> None:
     if tokens < max_model_len:
         raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp} leaves "
@@ -168,6 +199,7 @@ def simulated_engine(config: EngineConfig, cost: CostModel, arch: ModelArch, max
     strategy's own simulator model where it has one, else the standard simulated pipeline."""
     check_simulated(config)
     layout = ParallelLayout.resolve(config.parallel, arch)
+    check_rank_memory(config, layout, arch, cost, dtype_bytes)
     threads = threads_per_rank(config.parallel, layout.world_size, cores)
     clock = VirtualClock()
     info: dict = {}

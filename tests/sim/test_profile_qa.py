@@ -65,3 +65,44 @@ def test_old_and_new_tables_size_weights_and_kv_in_the_format_run():
     assert table_dtype_bytes(_table({"dtype": "bfloat16", "dtype_bytes": 2}, "cuda"),
                              SimpleNamespace(dtype_bytes=4)) == 2
     assert MeasuredCostModel(new).dtype_bytes == 4 == MeasuredCostModel(old).dtype_bytes
+
+
+def _plan(tmp_path, kv: str, hardware: str, gpus: int, model: str):
+    from batchinfer.runner.recipe import load_recipe
+    from batchinfer.sim.planner import plan
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {max_model_len: 512}\nsampling: {temperature: 0, max_tokens: 8}\n"
+                      "strategy: {name: baseline, max_num_seqs: 16}\n"
+                      + (f"memory: {{kv_cache_memory: {kv}}}\n" if kv else ""))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i} about the weather"}}\n'
+                               for i in range(8)))
+    return plan(load_recipe(recipe), prompts, tmp_path / "out", hardware, gpus, None, model, 8)
+
+
+@pytest.mark.parametrize("kv", ["64MiB", None])
+def test_layouts_whose_weights_do_not_fit_the_gpu_are_skipped_with_that_reason(tmp_path, kv):
+    """Qwen2.5-72B (145 GB of bf16 weights) on 2 x L4: with an explicit KV the planner ranked
+    SiDP dp=2 first (173,168 KV tokens); without one every layout 'left 0 KV tokens'. Every
+    strategy's layout (SiDP's included) is skipped because its weights do not fit."""
+    result = _plan(tmp_path, kv, "l4", 2, "qwen2.5-72b")
+    assert result.best_recipe is None and result.ranked
+    labels = {c.label for c in result.ranked}
+    assert {"sidp", "baseline-sb", "tdpipe"} <= labels
+    for cand in result.ranked:
+        assert cand.result is None
+        assert "do not fit the GPU's" in cand.skipped, cand.skipped
+        share = 135.4 / (cand.tp * cand.pp)
+        assert f"the weights ({share:.1f} GiB a rank)" in cand.skipped
+        assert ("memory.kv_cache_memory 0.06 GiB" in cand.skipped) == (kv is not None)
+
+
+def test_a_layout_whose_weights_fit_still_runs_beside_one_that_does_not(tmp_path):
+    """Llama2-13B (24 GiB of weights) on 4 x L4: one replica per GPU does not fit, TP=4 does."""
+    result = _plan(tmp_path, "1GiB", "l4", 4, "llama2-13b")
+    by_layout = {(c.label, c.tp, c.pp, c.dp): c for c in result.ranked}
+    assert "do not fit the GPU's" in by_layout["baseline-sb", 1, 1, 4].skipped
+    assert "do not fit the GPU's" in by_layout["sidp", 1, 1, 4].skipped
+    assert by_layout["baseline-sb", 4, 1, 1].result is not None
+    assert result.best_recipe is not None and result.ranked[0].tp * result.ranked[0].pp >= 2
