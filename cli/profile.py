@@ -21,7 +21,7 @@ Examples:
     batchinfer profile recipes/quickstart.yaml --input prompts.jsonl --hardware l20 --gpus 4 --model llama2-13b"""
 
 EPILOG = ("Every number printed is simulated. Exit codes: 0 done, 2 bad recipe, input, table or "
-          "arguments.")
+          "arguments, or no candidate could run (ranking.json says why for each).")
 
 
 def profile(
@@ -80,12 +80,43 @@ def profile(
                               history, progress=update)
         except (ValueError, FileNotFoundError, PredictorError) as exc:
             raise fail(str(exc), json_fields=json_fields) from None
+    if result.best_recipe is None:
+        raise fail(_none_ran(result), json_fields={**json_fields, "ranking": str(
+            result.out_dir / "ranking.json")} if json_fields is not None else None)
     if as_json:
         import json
 
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         _render(result)
+
+
+SKIPPED_LISTED = 12     # reasons in the error when no candidate ran; ranking.json has them all
+
+
+def _none_ran(result) -> str:
+    """Exit 2's message when every candidate was skipped: the job cannot run in any layout on
+    this hardware, each layout's reason (ranking.json keeps them all)."""
+    skipped = [c for c in result.ranked if c.result is None]
+    lines = [f"  {c.label} tp={c.tp} pp={c.pp} dp={c.dp}: {c.skipped}"
+             for c in skipped[:SKIPPED_LISTED]]
+    if len(skipped) > SKIPPED_LISTED:
+        lines.append(f"  ... and {len(skipped) - SKIPPED_LISTED} more")
+    return ("no candidate could run: the job cannot run in any layout of "
+            f"{_where(result.setup.description)}; each was skipped:\n" + "\n".join(lines)
+            + f"\n(every candidate and reason: {result.out_dir / 'ranking.json'})")
+
+
+def _where(desc: dict) -> str:
+    """The cost model in words: the measured table and its machine, or the preset."""
+    if desc.get("hardware") != "measured":
+        return f"{desc['gpus']} x {desc['hardware']} ({desc['source']}), model {desc['model']}"
+    host = [desc.get("device"), f"{desc.get('cores')} cores", desc.get("card"),
+            desc.get("cpu_model")]
+    if desc.get("measured_on"):
+        host.append(f"measured {desc['measured_on']}")
+    return (f"the measured profile {desc.get('table')} "
+            f"({', '.join(str(part) for part in host if part)})")
 
 
 class _progress:
@@ -125,11 +156,7 @@ def _render(result) -> None:
     # piped to a file or a log, rich would cut the table's numbers to 80 columns
     console = Console() if sys.stdout.isatty() else Console(width=200)
     setup, workload = result.setup, result.workload.summary()
-    desc = setup.description
-    where = (f"the measured profile {desc.get('table')} ({desc.get('device')}, "
-             f"{desc.get('cores')} cores)" if desc.get("hardware") == "measured" else
-             f"{desc['gpus']} x {desc['hardware']} ({desc['source']}), model {desc['model']}")
-    console.print(f"[bold]Simulated[/bold] on {where}")
+    console.print(f"[bold]Simulated[/bold] on {_where(setup.description)}")
     console.print(f"workload: {workload['requests']} requests (mean prompt "
                   f"{workload['mean_prompt_tokens']} tokens, mean output "
                   f"{workload['mean_output_tokens']} from {workload['output_lengths_from']})"
@@ -155,8 +182,5 @@ def _render(result) -> None:
     for cand in skipped:
         console.print(f"  skipped {cand.label} tp={cand.tp} pp={cand.pp} dp={cand.dp}: "
                       f"{cand.skipped}")
-    if result.best_recipe is not None:
-        console.print(f"winning recipe: {result.out_dir / 'best_recipe.yaml'}")
-    else:
-        console.print("[red]no candidate could run[/red]")
+    console.print(f"winning recipe: {result.out_dir / 'best_recipe.yaml'}")
     console.print(f"ranking: {result.out_dir / 'ranking.json'}")

@@ -73,7 +73,17 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
         world = devices or int(table.hardware.get("gpus") or 1)
     return CostSetup(MeasuredCostModel(table), model.arch, table_dtype_bytes(table, model),
                      cores, world, {"hardware": "measured", "table": str(table_path),
-                                    "device": table.hardware.get("device"), "cores": cores})
+                                    "device": table.hardware.get("device"), "cores": cores,
+                                    **table_host(table)})
+
+
+def table_host(table) -> dict:
+    """Which machine a table timed and when, for the ranking's header: the CPU model (tables
+    from before the profiler recorded it have none), the GPU, the date measured."""
+    hw = table.hardware
+    out = {"cpu_model": hw.get("cpu_model"), "card": hw.get("card"),
+           "measured_on": str(hw.get("measured_at") or "")[:10] or None}
+    return {k: v for k, v in out.items() if v}
 
 
 def table_dtype_bytes(table, model) -> int:
@@ -132,11 +142,15 @@ class PlanResult:
                 "workload": self.workload.summary(), "ranking": [c.row() for c in self.ranked]}
 
 
-def winning_recipe(recipe, best: Candidate, note: str) -> str:
-    """The recipe with the winner's strategy and layout, as YAML (checked by the recipe parser)."""
+def winning_recipe(recipe, best: Candidate, note: str, model: Optional[str] = None) -> str:
+    """The recipe with the winner's strategy and layout, as YAML (checked by the recipe parser).
+    model: the --model preset planned for, which the recipe's own model is not (preset_model)."""
     from batchinfer.runner.recipe import parse_recipe
 
     data = yaml.safe_load(recipe.to_yaml())
+    notes = [note]
+    if model:
+        notes += preset_model(data, model)
     data["strategy"] = dict(best.strategy)
     parallel = dict(data.get("parallel") or {})
     if parallel.get("pp") != best.pp:
@@ -144,7 +158,28 @@ def winning_recipe(recipe, best: Candidate, note: str) -> str:
     parallel.update(tp=best.tp, pp=best.pp, dp=best.dp)
     data["parallel"] = parallel
     parse_recipe(data, "the winning recipe")
-    return f"# {note}\n" + yaml.safe_dump(data, sort_keys=False)
+    return "".join(f"# {line}\n" for line in notes) + yaml.safe_dump(data, sort_keys=False)
+
+
+# the --model presets whose published config.json this source tree ships (dummy weights)
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "model-configs"
+
+
+def preset_model(data: dict, name: str) -> list[str]:
+    """A plan for a --model preset (its shapes only): the recipe's `model` section points at the
+    preset's config.json with dummy weights where this tree ships it (examples/model-configs/),
+    else stays the recipe's, which would run another model: -> the comment lines saying so."""
+    folder = SHIPPED_CONFIGS / name.lower()
+    if (folder / "config.json").is_file():
+        data["model"] = {**data.get("model", {}), "path": str(folder), "load_format": "dummy",
+                         "hf_overrides": {}}
+        return [f"model: the preset {name}'s config.json with dummy weights (random): a run",
+                "measures its speed and memory, its answers are noise; set model.path to its",
+                "weights (and load_format: auto) to run the job itself"]
+    path = (data.get("model") or {}).get("path")
+    return [f"SET model.path BEFORE RUNNING: this plan is for the model preset {name} (its shapes",
+            "only; neither its weights nor its config.json ship), and model.path below is the",
+            f"recipe's ({path or 'empty: the embedded SmolLM2-135M'}), which is another model"]
 
 
 def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
@@ -186,8 +221,10 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
         hw = setup.description.get("hardware")
         note = (f"written by `batchinfer profile` ({hw}): simulated "
                 f"{best.result.output_tok_per_s:.1f} output tok/s on {input_path.name}")
-        text = winning_recipe(recipe, best, note)
+        text = winning_recipe(recipe, best, note, model)
         (out_dir / RECIPE_FILE).write_text(text)
+    else:       # an earlier plan's winner in this directory would read as this one's
+        (out_dir / RECIPE_FILE).unlink(missing_ok=True)
     result = PlanResult(ranked, workload, setup, text, out_dir)
     (out_dir / RANKING_FILE).write_text(json.dumps(result.to_json(), indent=1))
     return result

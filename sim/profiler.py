@@ -26,6 +26,7 @@ from batchinfer.engine.build import available_memory, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cpu_binding import compute_threads
 from batchinfer.engine.engine import Engine
+from batchinfer.engine.host_cpu import cpu_identity
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.engine.scheduler import MicroBatch, ScheduledSeq
 from batchinfer.engine.step_times import SyntheticSequences, interpolate
@@ -381,6 +382,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
                 **({"card": torch.cuda.get_device_name(device),
                     "gpus": torch.cuda.device_count()} if device.type == "cuda" else {}),
                 "processor": platform.processor() or platform.machine(),
+                **({"cpu_model": cpu_identity()[0]} if cpu_identity()[0] else {}),
                 "torch": torch.__version__,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds")}

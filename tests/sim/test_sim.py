@@ -321,6 +321,9 @@ def test_a_quick_real_profile_round_trips(tmp_path):
                                   for p in compute.points)
     assert table.p2p.bytes_per_s > 0 and table.allreduce.bytes_per_s > 0
     assert table.kv_bytes_per_token == 46080 and table.memory_available_bytes > 0
+    from batchinfer.engine.host_cpu import cpu_identity
+
+    assert table.hardware.get("cpu_model") == (cpu_identity()[0] or None)
     for suffix in (".json", ".csv"):
         path = tmp_path / f"table{suffix}"
         table.save(path)

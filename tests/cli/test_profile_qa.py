@@ -1,0 +1,82 @@
+"""`batchinfer profile`'s QA findings at the command line: a plan where nothing can run, the
+winning recipe of a --model preset, the header naming the profiled machine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from batchinfer.cli.main import app
+from batchinfer.runner.recipe import load_recipe
+
+from tests.cli.test_profile_cli import INPUT, RECIPE, _smollm_table
+
+
+def _profile(*args: str):
+    return CliRunner().invoke(app, ["profile", str(RECIPE), "--input", str(INPUT), *args])
+
+
+def test_no_candidate_could_run_exits_2_with_each_reason_and_keeps_the_ranking(tmp_path):
+    """Qwen2.5-72B on 2 x L4: every layout skipped. It exited 0 with only skipped entries in
+    ranking.json; now exit 2 (the job cannot run), the reasons in the message, ranking.json
+    written for inspection and no best_recipe.yaml (an earlier plan's is removed)."""
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "best_recipe.yaml").write_text("# an earlier plan's winner\n")
+    result = _profile("--hardware", "l4", "--gpus", "2", "--model", "qwen2.5-72b", "--out",
+                      str(out))
+    assert result.exit_code == 2, result.output
+    assert "no candidate could run" in result.output
+    assert "sidp tp=1 pp=1 dp=2: parallel: tp=1 pp=1 dp=2: the weights (135.4 GiB a rank)" \
+        in result.output
+    ranking = json.loads((out / "ranking.json").read_text())["ranking"]
+    assert ranking and all("skipped" in row and "simulated" not in row for row in ranking)
+    assert not (out / "best_recipe.yaml").exists()
+    result = _profile("--hardware", "l4", "--gpus", "2", "--model", "qwen2.5-72b", "--out",
+                      str(out), "--json")
+    assert result.exit_code == 2
+    error = json.loads(result.output[result.output.index("{"):])
+    assert error["exit_code"] == 2 and error["ranking"] == str(out / "ranking.json")
+    assert "no candidate could run" in error["error"]
+
+
+def test_a_preset_models_winning_recipe_says_the_model_must_be_set(tmp_path):
+    """The plan for qwen2.5-72b kept model.path: null (it would run SmolLM2) without a word:
+    no config of that model ships, so the recipe says at its top that model.path must be set."""
+    result = _profile("--hardware", "h100", "--gpus", "4", "--model", "qwen2.5-72b", "--out",
+                      str(tmp_path))
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "best_recipe.yaml").read_text()
+    head = [line for line in text.splitlines() if line.startswith("#")]
+    assert head[1].startswith("# SET model.path BEFORE RUNNING: this plan is for the model "
+                              "preset qwen2.5-72b")
+    assert load_recipe(tmp_path / "best_recipe.yaml").model.path is None
+
+
+def test_a_preset_whose_config_ships_runs_it_with_dummy_weights(tmp_path):
+    """qwen3-30b-a3b's config.json ships (examples/model-configs/): the recipe runs that
+    model's shapes with dummy weights, and says so."""
+    result = _profile("--hardware", "h100", "--gpus", "1", "--model", "qwen3-30b-a3b",
+                      "--requests", "4", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "best_recipe.yaml").read_text()
+    assert "dummy weights (random)" in text.splitlines()[1]
+    recipe = load_recipe(tmp_path / "best_recipe.yaml")
+    assert Path(recipe.model.path).name == "qwen3-30b-a3b"
+    assert (Path(recipe.model.path) / "config.json").is_file()
+    assert recipe.model.load_format == "dummy"
+
+
+def test_the_header_names_the_profiled_cpu_and_the_date(tmp_path):
+    """`(cpu, 2 cores)` said nothing of which CPU or when: the table's CPU model (recorded by
+    the profiler) and the date it was measured follow."""
+    path = _smollm_table(tmp_path / "t.json")
+    table = json.loads(path.read_text())
+    table["hardware"].update(cpu_model="Test CPU 9000 @ 2.0GHz",
+                             measured_at="2026-11-30T23:28:18+00:00")
+    path.write_text(json.dumps(table))
+    result = _profile("--table", str(path), "--out", str(tmp_path / "plan"))
+    assert result.exit_code == 0, result.output
+    assert (f"the measured profile {path} (cpu, 2 cores, Test CPU 9000 @ 2.0GHz, measured "
+            "2026-11-30)") in result.output
