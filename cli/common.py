@@ -99,6 +99,6 @@ def user_errors(json_fields: Optional[dict] = None, recipe: Optional[object] = N
         yield
     except (ConfigError, ModelLoadError, InputFileError) as exc:
         message = str(exc)
-        if isinstance(exc, ConfigError) and not isinstance(exc, RecipeError) and recipe:
+        if not isinstance(exc, (RecipeError, InputFileError)) and recipe:
             message = located(message, str(recipe))
         raise fail(message, json_fields=json_fields) from None

@@ -36,7 +36,8 @@ GiB = 2**30
 
 def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but torch sees no CUDA device")
+        raise ConfigError("device.device: cuda was asked for but torch sees no CUDA device; "
+                          "allowed here: auto or cpu")
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)

@@ -76,6 +76,10 @@ class YamlLines:
                     first = (found.start(), path)
         return first[1] if first else None
 
+    def exact_line(self, path: KeyPath) -> Optional[int]:
+        """Line of `path` itself (None where the file does not set it)."""
+        return self._lines.get(tuple(path))
+
     def line(self, path: KeyPath) -> Optional[int]:
         """Line of the deepest prefix of `path` that appears in the file."""
         for end in range(len(path), 0, -1):
@@ -170,27 +174,42 @@ def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Ke
 
 
 _LEADING_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)(?=[: \[])")   # [: an item of a list
+_MENTIONED_KEY = re.compile(r"(?<![\w./])([a-z_]+\.[a-z_][a-z_0-9]*)(?![\w/(])")
 
 
 def located(message: str, recipe_path: Optional[str]) -> str:
     """An engine error that starts with a recipe key (`parallel.pp: pp=6 ...`, raised while the
     engine is built) with the recipe's file and the line that sets it, or the line of the nearest
-    section that is set (`parallel:`); as it is when the recipe sets neither."""
-    from .recipe import Recipe        # (recipe.py imports this module)
-
-    match = _LEADING_KEY.match(message)
-    if match is None or recipe_path is None:
+    section that is set (`parallel:`); one that only names a key further on (`the KV cache holds
+    0 tokens ...; raise memory.kv_cache_memory`) with the line of the first such key the recipe
+    sets; as it is when the recipe sets none."""
+    if recipe_path is None:
         return message
-    section, key = match.group(1).split(".")[:2]
-    field = Recipe.model_fields.get(section)
-    owner = getattr(field, "annotation", None)
-    known = (field is not None and (section == "strategy" or not hasattr(owner, "model_fields")
-                                    or key in owner.model_fields))
-    if not known:                     # not a recipe key (a file name, say)
+    match = _LEADING_KEY.match(message)
+    mentioned = [] if match else [key for key in _MENTIONED_KEY.findall(message)
+                                  if _recipe_key(key)]
+    if (match is None or not _recipe_key(match.group(1))) and not mentioned:
         return message
     try:
-        text = Path(recipe_path).read_text(encoding="utf-8")
+        lines = YamlLines(Path(recipe_path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
         return message
-    line = YamlLines(text).line(tuple(match.group(1).split(".")))
-    return f"{recipe_path} line {line}, {message}" if line is not None else message
+    if match is not None:
+        line = lines.line(tuple(match.group(1).split(".")))
+        return f"{recipe_path} line {line}, {message}" if line is not None else message
+    for key in mentioned:                          # only where the recipe sets that very key
+        line = lines.exact_line(tuple(key.split(".")))
+        if line is not None:
+            return f"{recipe_path} line {line} ({key}): {message}"
+    return message
+
+
+def _recipe_key(dotted_key: str) -> bool:
+    """Whether `section.key...` names a recipe setting (not a file name, say)."""
+    from .recipe import Recipe        # (recipe.py imports this module)
+
+    section, key = dotted_key.split(".")[:2]
+    field = Recipe.model_fields.get(section)
+    owner = getattr(field, "annotation", None)
+    return field is not None and (section == "strategy" or not hasattr(owner, "model_fields")
+                                  or key in owner.model_fields)

@@ -193,5 +193,6 @@ def resolve_model_dir(path: Optional[str]) -> tuple[Path, str]:
         return p, str(p)
     if p.is_file():
         return gguf_to_hf_dir(p), str(p)
-    raise ModelLoadError(f"model path {path!r} does not exist; give a Hugging Face model directory, "
-                         "a .gguf file, or leave model.path empty for the embedded default")
+    raise ModelLoadError(f"model.path: {path!r} does not exist; give a Hugging Face model "
+                         "directory, a .gguf file, or leave model.path empty for the embedded "
+                         "default")

@@ -239,6 +239,21 @@ def test_validate_and_dry_run_refuse_what_the_engine_would(runner, tmp_path, rec
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("recipe, says", [
+    ("memory:\n  kv_cache_memory: 1KiB\n",
+     "r.yaml line 2 (memory.kv_cache_memory): the KV cache holds 0 tokens"),
+    ("model:\n  path: /nonexistent/model\n",
+     "r.yaml line 2, model.path: '/nonexistent/model' does not exist"),
+    ("model:\n  tokenizer: nope/x/y\n", "r.yaml line 2, model.tokenizer: 'nope/x/y' does not exist"),
+])
+def test_model_and_memory_errors_name_the_file_line_and_key(runner, tmp_path, recipe, says):
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe)
+    prompts = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = runner.invoke(app, ["validate", str(path), "--input", str(prompts)])
+    assert result.exit_code == 2 and says in result.output, result.output
+
+
 def test_validate_warns_of_weights_and_kv_this_host_cannot_hold(runner, tmp_path):
     """The build refuses weights + an explicit KV cache over the host's available memory; the
     job may run on another host (a Slurm node), so validate and --dry-run warn, exit 0."""
