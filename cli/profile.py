@@ -1,7 +1,9 @@
 """`batchinfer profile RECIPE --input FILE`: measure (or take a preset), simulate, rank, pick."""
 from __future__ import annotations
 
+import datetime
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +15,7 @@ HELP = """Pick the strategy and parallel layout for a job by simulating it.
 
 Samples the input lengths of --input and the output lengths from the recipe's predictor (or --history), then simulates every applicable strategy (baseline SB / HB, TD-Pipe, gLLM, the recipe's own) on every (tp, pp, dp) layout with the engine's real schedulers, and prints them ranked by predicted output tok/s with KV capacity and pipeline bubble ratio. Writes profile_table.json (measured), ranking.json and best_recipe.yaml to --out.
 
---hardware measured (default) profiles this machine for the recipe's model first (a few minutes, with a progress bar; reuse the table with --table). A preset (a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200) plans for GPUs that are not here, with a roofline cost model of their specs; --model then names one of the papers' models (llama2-13b, codellama-34b, llama3.1-70b, qwen2.5-14b, qwen2.5-32b, qwen2.5-72b) if the recipe's is not the one to plan for.
+--hardware measured (default) profiles this machine for the recipe's model first (a few minutes, with a progress bar on a terminal, else a timestamped line every 10 s; it warns when other processes keep CPUs busy; reuse the table with --table). A preset (a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200) plans for GPUs that are not here, with a roofline cost model of their specs; --model then names one of the papers' models (llama2-13b, codellama-34b, llama3.1-70b, qwen2.5-14b, qwen2.5-32b, qwen2.5-72b) if the recipe's is not the one to plan for.
 
 Examples:
 
@@ -120,16 +122,24 @@ def _where(desc: dict) -> str:
 
 
 class _progress:
-    """A rich progress bar (steps of the profile, then candidates simulated); nothing when
-    quiet."""
+    """The steps of the profile, then the candidates simulated: a rich bar on a terminal, else
+    (a log, cron, Slurm) a timestamped line every `interval_s` as `run` prints
+    (runner/progress.py decides the same way); nothing when quiet."""
 
-    def __init__(self, silent: bool):
+    def __init__(self, silent: bool, stream=None, interval_s: float = 10.0):
         self.silent = silent
+        self.stream = stream
+        self.interval_s = interval_s
         self.bar = None
         self.task = None
+        self.lines = False
+        self.start = self.last_line = None
 
     def __enter__(self):
-        if not self.silent:
+        if self.silent:
+            return self.update
+        stream = self.stream or sys.stderr
+        if getattr(stream, "isatty", lambda: False)():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             from batchinfer.runner.progress import stderr_console
@@ -138,11 +148,24 @@ class _progress:
                                 MofNCompleteColumn(), console=stderr_console(), transient=True)
             self.bar.start()
             self.task = self.bar.add_task("starting", total=None)
+        else:
+            self.stream, self.lines = stream, True
+            self.start = time.monotonic()
         return self.update
 
     def update(self, message: str, done: int, total: int) -> None:
         if self.bar is not None:
             self.bar.update(self.task, description=message, completed=done, total=total)
+        elif self.lines:
+            now = time.monotonic()
+            if self.last_line is not None and now - self.last_line < self.interval_s:
+                return
+            self.last_line = now
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            elapsed = int(now - self.start)
+            print(f"{stamp} batchinfer profile: {message} (step {done} of {total}), elapsed "
+                  f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
+                  file=self.stream, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:

@@ -14,6 +14,7 @@ What is timed, all on the engine's own code paths:
 from __future__ import annotations
 
 import datetime
+import logging
 import platform
 import statistics
 import time
@@ -37,6 +38,28 @@ from .profile_fit import fit_rank_compute
 from .profile_table import LinkCost, ProfileTable
 
 Progress = Callable[[str, int, int], None]     # (what now, steps done, steps in all)
+log = logging.getLogger(__name__)
+_warned_busy: set[tuple[int, ...]] = set()
+
+
+def warn_if_host_busy() -> None:
+    """A warning, once per process, when other processes keep some of this process's CPUs
+    busy (engine/cpu_load.busy_cpus: the measurement `run` warns from, made once): the profile
+    would record the slowdown as this machine's speed. Where some CPUs are free the engine
+    also takes fewer threads (its own warning), and the table plans for those cores only."""
+    from batchinfer.engine.cpu_binding import allowed_cpus
+    from batchinfer.engine.cpu_load import busy_cpus
+
+    cpus = allowed_cpus()
+    busy = busy_cpus(cpus)
+    if not busy or tuple(cpus) in _warned_busy:
+        return
+    _warned_busy.add(tuple(cpus))
+    named = ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items()))
+    log.warning("CPU(s) %s of the %d this profile may use are busy with other processes: the "
+                "profile times this machine as it is now and records the slowdown as its "
+                "speed; profile again when the host is idle (or plan with --table and a table "
+                "measured on an idle host)", named, len(cpus))
 
 
 class _Steps:
@@ -322,6 +345,7 @@ def profile_machine(config: EngineConfig, threads: Optional[list[int]] = None, r
     threads: per-rank thread counts to time (default: every divisor split of the cores)."""
     t_start = time.perf_counter()
     cores = compute_threads(config.device.num_threads)
+    warn_if_host_busy()
     if threads is None:
         threads = sorted({max(1, cores // n) for n in range(1, cores + 1)})
     gpu = resolve_device(config.device.device).type == "cuda"

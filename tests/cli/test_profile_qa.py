@@ -3,6 +3,7 @@ winning recipe of a --model preset, the header naming the profiled machine."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -80,3 +81,37 @@ def test_the_header_names_the_profiled_cpu_and_the_date(tmp_path):
     assert result.exit_code == 0, result.output
     assert (f"the measured profile {path} (cpu, 2 cores, Test CPU 9000 @ 2.0GHz, measured "
             "2026-11-30)") in result.output
+
+
+def test_off_a_terminal_the_progress_is_timestamped_lines(tmp_path):
+    """stderr not a terminal: the rich bar printed nothing for minutes; now a timestamped line
+    as `run` prints, at most every interval_s (the first at once)."""
+    import io
+
+    from batchinfer.cli.profile import _progress
+
+    stream = io.StringIO()
+    with _progress(False, stream=stream, interval_s=3600) as update:
+        update("loading the model", 0, 40)
+        update("1 thread(s): decode batch 1 at context 32", 1, 40)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d batchinfer profile: loading the model "
+                        r"\(step 0 of 40\), elapsed 0:00:0\d", lines[0]), lines
+    stream = io.StringIO()
+    with _progress(False, stream=stream, interval_s=0) as update:
+        for step in range(3):
+            update(f"step {step}", step, 3)
+    assert len(stream.getvalue().splitlines()) == 3
+    stream = io.StringIO()
+    with _progress(True, stream=stream, interval_s=0) as update:       # --quiet, --json
+        update("loading the model", 0, 40)
+    assert stream.getvalue() == ""
+
+
+def test_the_command_prints_progress_lines_when_stderr_is_no_terminal(tmp_path):
+    result = _profile("--table", str(_smollm_table(tmp_path / "t.json")), "--out",
+                      str(tmp_path / "plan"))
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\d\d:\d\d:\d\d batchinfer profile: reading the workload \(step 0 of 1\)",
+                     result.output)

@@ -106,3 +106,52 @@ def test_a_layout_whose_weights_fit_still_runs_beside_one_that_does_not(tmp_path
     assert "do not fit the GPU's" in by_layout["sidp", 1, 1, 4].skipped
     assert by_layout["baseline-sb", 4, 1, 1].result is not None
     assert result.best_recipe is not None and result.ranked[0].tp * result.ranked[0].pp >= 2
+
+
+def test_a_profile_on_a_busy_host_warns_once_before_measuring(monkeypatch, caplog):
+    """`run` warned of CPUs other processes keep busy; the profile measured on silently and
+    recorded the slowdown as the machine's speed. It warns, once, from the same measurement."""
+    from batchinfer.engine import cpu_load
+    from batchinfer.engine.cpu_binding import allowed_cpus
+    from batchinfer.sim import profiler
+
+    cpus = allowed_cpus()
+    monkeypatch.setenv("BATCHINFER_CPU_BUSY_CHECK", "1")
+    monkeypatch.setattr(cpu_load, "_measured", {})
+    monkeypatch.setattr(cpu_load, "_warned", set())
+    monkeypatch.setattr(profiler, "_warned_busy", set())
+    monkeypatch.setattr(cpu_load, "cpu_busy_fractions",
+                        lambda cpus, *args, **kwargs: {cpu: 1.0 for cpu in cpus})
+
+    class Measured(Exception):
+        pass
+
+    def stop(config):
+        raise Measured
+
+    monkeypatch.setattr(profiler.Engine, "from_config", staticmethod(stop))
+    for _ in range(2):
+        with pytest.raises(Measured):
+            profiler.profile_machine(EngineConfig(), quick=True)
+    warned = [r.getMessage() for r in caplog.records if "this profile may use" in r.getMessage()]
+    assert len(warned) == 1
+    assert warned[0].startswith(f"CPU(s) {cpus[0]} (100%)")
+    assert "records the slowdown as its speed" in warned[0]
+
+
+def test_an_idle_host_or_the_check_off_gives_no_warning(monkeypatch, caplog):
+    from batchinfer.engine import cpu_load
+    from batchinfer.sim import profiler
+
+    monkeypatch.setattr(profiler, "_warned_busy", set())
+    monkeypatch.setattr(cpu_load, "_measured", {})
+    monkeypatch.setattr(cpu_load, "cpu_busy_fractions",
+                        lambda cpus, *args, **kwargs: {cpu: 0.0 for cpu in cpus})
+    monkeypatch.setenv("BATCHINFER_CPU_BUSY_CHECK", "1")
+    profiler.warn_if_host_busy()
+    monkeypatch.setattr(cpu_load, "_measured", {})
+    monkeypatch.setattr(cpu_load, "cpu_busy_fractions",
+                        lambda cpus, *args, **kwargs: {cpu: 1.0 for cpu in cpus})
+    monkeypatch.setenv("BATCHINFER_CPU_BUSY_CHECK", "0")
+    profiler.warn_if_host_busy()
+    assert not [r for r in caplog.records if "this profile may use" in r.getMessage()]
