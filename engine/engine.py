@@ -259,11 +259,11 @@ class Engine:
         return outs
 
     def close(self) -> None:
-        """Stops worker processes (if any). The engine is unusable afterwards (adding or
-        stepping says so); closing again does nothing."""
+        """Stops worker processes (if any): an engine that had them is unusable afterwards
+        (adding or stepping says so); closing again does nothing."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = any(rep.executor.stops_on_close for rep in self.replicas)
         for rep in self.replicas:
             rep.executor.close()
 

@@ -68,6 +68,10 @@ class Executor:
     def release(self, request_id: str) -> None:
         """The request finished: drop what the executor keeps for it."""
 
+    # close() stops what the executor runs on (worker processes): nothing runs after it. An
+    # in-process executor's close only drops transient state, and its engine goes on.
+    stops_on_close = False
+
     def close(self) -> None:
         pass
 

@@ -70,7 +70,7 @@ class Job:
         self.started_at = now_iso()
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self._previous_sessions: list[dict] = []
-        self._old_model, self._old_engine = None, None   # report.json's, before this session
+        self._old_report: dict = {}   # report.json before this session, where results exist
         self._total: Optional[int] = None
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
@@ -202,7 +202,7 @@ class Job:
                                       "shard": self.spec.shard.as_record(), "sessions": sessions})
         old_report = run_dir.read_json(REPORT_JSON) or {}
         if has_results:   # what computed them: kept in a report no engine rewrites (nothing ran)
-            self._old_model, self._old_engine = old_report.get("model"), old_report.get("engine")
+            self._old_report = old_report
         self._previous_sessions = list(old_report.get("previous_sessions") or [])
         if old_report.get("session"):
             brief = session_brief(old_report["session"])
@@ -227,7 +227,8 @@ class Job:
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
             self.engine = factory(self.recipe.engine_config())
-            changed = numerics_changed(self._old_engine, getattr(self.engine, "info", {}))
+            changed = numerics_changed(self._old_report.get("engine"),
+                                       getattr(self.engine, "info", {}))
             if changed:
                 log.warning("%s", changed)
             self.engine.drain_step_events()
@@ -423,12 +424,16 @@ class Job:
                       draw: bool = True) -> None:
         t = time.perf_counter()
         self._last_report = self.clock()
-        session = self._session_summary()
-        if final:
+        session, previous = self._session_summary(), self._previous_sessions
+        if self._kept() and self._old_report.get("session"):
+            # a session that ran nothing: the report stays the one of the results' sessions
+            session, previous = (self._old_report["session"],
+                                 self._old_report.get("previous_sessions") or [])
+        elif final:
             session["ended_at"] = now_iso()
             session["status"] = status
         report = build_report(status=status, meta=self._meta(), totals=self._totals(),
-                              session=session, previous_sessions=self._previous_sessions,
+                              session=session, previous_sessions=previous,
                               status_detail=detail)
         plots = None
         cfg = self.recipe.report
@@ -452,21 +457,27 @@ class Job:
         from batchinfer import __version__
 
         stats = self.engine.stats() if self.engine is not None else {}
-        kept = self.engine is None and self._records is None      # nothing was left to run
-        return {
+        meta = {
             "batchinfer_version": __version__,
             "run_dir": str(self.run_dir.path),
             "input": str(self.spec.input_path),
             "input_format": self.reader.format,
             "recipe": self.spec.recipe_path,
-            "model": self._old_model if kept else getattr(self.engine, "model_id", None),
-            "engine": (self._old_engine or {}) if kept else
-            {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name) if k in stats},
+            "model": getattr(self.engine, "model_id", None),
+            "engine": {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
+                       if k in stats},
             "strategy": self.recipe.strategy.model_dump(mode="json"),
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "auto_settings": self.auto_settings,
             "shard": self.spec.shard.as_record(),
         }
+        if self._kept():      # what made the results, not this session's recipe
+            meta.update({key: self._old_report.get(key, meta[key]) for key in _MADE_WITH})
+        return meta
+
+    def _kept(self) -> bool:
+        """Whether this session ran nothing (all done already) over earlier results."""
+        return self.engine is None and self._records is None and bool(self._old_report)
 
     def _finish(self, status: str, message: str) -> None:
         try:
@@ -482,6 +493,7 @@ class Job:
 
 
 _NOTHING = object()
+_MADE_WITH = ("model", "engine", "strategy", "predictor", "auto_settings")   # report.json keys
 
 
 def run_job(spec: JobSpec) -> JobOutcome:

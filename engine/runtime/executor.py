@@ -121,6 +121,8 @@ class PipelineExecutor(Executor):
         if self.tables is not None:
             self.tables.release(request_id)
 
+    stops_on_close = True
+
     def close(self) -> None:
         self.pool.close()
 

@@ -17,11 +17,15 @@ log = logging.getLogger(__name__)
 def refreshed_report(path: Path) -> Optional[dict]:
     """report.json with its totals recounted from outputs/errors, and a stale 'running' status
     (the process died without its final report) turned into 'interrupted'."""
-    report = read_json(Path(path) / REPORT_JSON)
-    if not isinstance(report, dict):
-        return None
+    path = Path(path)
+    report = read_json(path / REPORT_JSON)
     run_dir, prior = RunDir.open(path, Shard(), resume=True, read_only=True)
     run_dir.close()
+    if not isinstance(report, dict):
+        if not (prior.num_outputs or prior.num_errors):
+            return None
+        report = _report_from_files(path)
+    report["run_dir"] = str(path)          # where it is now (a copied or moved run)
     totals = dict(report.get("totals") or {})
     totals.update(outputs=prior.num_outputs, errors=prior.num_errors,
                   errors_by_code=dict(prior.error_codes), prompt_tokens=prior.prompt_tokens,
@@ -34,6 +38,29 @@ def refreshed_report(path: Path) -> Optional[dict]:
         report["status_detail"] = ("the run stopped without writing its final report (killed?); "
                                    "rerun the same command to resume")
     return report
+
+
+def _report_from_files(path: Path) -> dict:
+    """The report of a run whose report.json is gone or unreadable, from what the run
+    directory still holds (run.json, the recipe; the totals are recounted by the caller): the
+    session's figures were only in the lost report."""
+    import yaml
+
+    from .report import build_report
+
+    manifest = read_json(path / MANIFEST) or {}
+    try:
+        recipe = yaml.safe_load((path / RECIPE).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        recipe = {}
+    lost = "unreadable" if (path / REPORT_JSON).exists() else "missing"
+    meta = {"input": manifest.get("input"), "input_format": manifest.get("input_format"),
+            "recipe": manifest.get("recipe"), "shard": manifest.get("shard"),
+            "strategy": recipe.get("strategy") if isinstance(recipe, dict) else None}
+    return build_report(status="interrupted", meta=meta, totals={}, session={},
+                        previous_sessions=[],
+                        status_detail=f"report.json was {lost}: rebuilt from outputs.jsonl and "
+                        "errors.jsonl; the sessions' figures are not known")
 
 
 def rerender(root: Path) -> Optional[str]:

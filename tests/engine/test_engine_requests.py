@@ -175,7 +175,10 @@ def test_generate_refuses_while_added_requests_are_unfinished(tiny):
 
 
 def test_a_closed_engine_says_so(make_engine, tiny_engine_config):
-    engine = make_engine(**tiny_engine_config)
+    """Closing stops the workers: a multi-process engine says it is closed (not a worker's
+    death); closing again does nothing. (A one-process engine's close only drops transient
+    state, and it goes on.)"""
+    engine = make_engine(**tiny_engine_config, parallel={"pp": 2})
     assert len(engine.generate(["Hi"], greedy(max_tokens=2))) == 1
     engine.close()
     engine.close()                                   # twice: nothing more

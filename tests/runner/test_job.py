@@ -149,7 +149,9 @@ def test_resume_continues_and_never_repeats(tmp_path, tiny_recipe, shared_engine
     assert sorted(ids) == sorted(f"r{i}" for i in range(12))
     assert len(read_jsonl(tmp_path / "run" / "errors.jsonl")) == 1
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert len(report["previous_sessions"]) == 2
+    # the third session ran nothing: the report's session is still the second (run.json has all)
+    assert len(report["previous_sessions"]) == 1
+    assert report["session"]["requests_completed"] == 7
     assert report["totals"]["outputs"] == 12
     manifest = json.loads((tmp_path / "run" / "run.json").read_text())
     assert len(manifest["sessions"]) == 3
@@ -559,8 +561,13 @@ def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_re
     made_with = (out / "recipe.resolved.yaml").read_text()
     other = {name: Recipe(**{**tiny_recipe.model_dump(), "strategy": {"name": name}})
              for name in ("tdpipe", "gllm")}
+    report = json.loads((out / "report.json").read_text())
     run(other["tdpipe"], path, out, shared_engine, limit=2)      # nothing left: no result added
     assert (out / "recipe.resolved.yaml").read_text() == made_with
+    # and the report stays the one of the session that made the results
+    kept = json.loads((out / "report.json").read_text())
+    assert kept["strategy"]["name"] == "baseline" and kept["session"] == report["session"]
+    assert kept["previous_sessions"] == report["previous_sessions"]
     with caplog.at_level("WARNING", logger="batchinfer"):
         assert run(other["gllm"], path, out, shared_engine).outputs == 4
     warning = [r.getMessage() for r in caplog.records if "recipe differs" in r.getMessage()][-1]

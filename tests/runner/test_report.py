@@ -251,3 +251,33 @@ def test_report_follows_the_latest_sessions_plots_setting(tmp_path):
     assert not plots_wanted(tmp_path)
     (tmp_path / "run.json").write_text(json.dumps({"sessions": [{"pid": 1}]}))
     assert plots_wanted(tmp_path)
+
+
+def test_report_rebuilds_a_lost_report_and_names_where_the_run_is(tmp_path):
+    """`batchinfer report` on a run whose report.json is gone or unreadable rebuilds it from
+    the results (said in its status); a copied run is titled by where it is now; a directory
+    without results stays "no report"."""
+    from batchinfer.runner.report.report_files import rerender
+
+    run = tmp_path / "copied"
+    run.mkdir()
+    (run / "outputs.jsonl").write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt_tokens": 3, "completion_tokens": 2}) + "\n"
+        for i in range(3)))
+    (run / "run.json").write_text(json.dumps({"input": "/data/in.jsonl", "input_format": "jsonl"}))
+    (run / "recipe.resolved.yaml").write_text("strategy:\n  name: gllm\n")
+    for lost, content in (("unreadable", "{bad"), ("missing", None)):
+        if content is None:
+            (run / "report.json").unlink()
+        else:
+            (run / "report.json").write_text(content)
+        markdown = rerender(run)
+        report = json.loads((run / "report.json").read_text())
+        assert report["totals"]["outputs"] == 3 and report["strategy"]["name"] == "gllm"
+        assert f"report.json was {lost}: rebuilt from outputs.jsonl" in report["status_detail"]
+        assert markdown.startswith(f"# batchinfer report: {run}")
+    report["run_dir"] = "/elsewhere/original"
+    (run / "report.json").write_text(json.dumps(report))
+    assert rerender(run).startswith(f"# batchinfer report: {run}")
+    (tmp_path / "empty").mkdir()
+    assert rerender(tmp_path / "empty") is None
