@@ -10,6 +10,7 @@ model load excluded. A configuration that fails is reported as failed; the other
 from __future__ import annotations
 
 import dataclasses
+import logging
 import json
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ import yaml
 from batchinfer.engine.errors import ConfigError
 from batchinfer.runner.recipe import load_recipe
 
+log = logging.getLogger("batchinfer")
 METRICS = ("output_tok_per_s", "total_tok_per_s", "requests_per_s")
 
 
@@ -133,6 +135,7 @@ def run_bench(configs: list[BenchConfig], workload: Path, out_dir: Path, repeats
         raise ConfigError("--repeats must be at least 1")
     baseline = check_baseline(configs, baseline)
     check_fresh_output(out_dir)
+    host = bench_host()
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for rep in range(repeats):
         for config in (configs if rep % 2 == 0 else configs[::-1]):
@@ -144,11 +147,32 @@ def run_bench(configs: list[BenchConfig], workload: Path, out_dir: Path, repeats
     for row in rows:
         value = row["output_tok_per_s"]
         row["vs_baseline"] = round(value / base, 3) if value and base else None
-    result = {"workload": str(workload), "repeats": repeats, "baseline": baseline, "rows": rows}
+    result = {"workload": str(workload), "repeats": repeats, "baseline": baseline,
+              "host": host, "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "bench.md").write_text(markdown(result))
     return result
+
+
+def bench_host() -> dict:
+    """The machine, date and version the figures come from, and the CPUs other processes kept
+    busy when it started (warned: the ratios then carry that noise)."""
+    import datetime
+
+    from batchinfer import __version__
+    from batchinfer.engine.cpu_binding import allowed_cpus
+    from batchinfer.engine.cpu_load import busy_cpus
+    from batchinfer.engine.host_cpu import host_record
+
+    busy = busy_cpus(allowed_cpus())
+    if busy:
+        log.warning("CPU(s) %s are busy with other processes as the bench starts: its figures "
+                    "and ratios carry that load; bench again on an idle host",
+                    ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items())))
+    return {**host_record(), "date": datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds"), "batchinfer_version": __version__,
+        "busy_cpus_at_start": {str(cpu): round(share, 2) for cpu, share in busy.items()}}
 
 
 def _row(config: BenchConfig, runs: list[dict]) -> dict:
@@ -185,9 +209,19 @@ def table_rows(result: dict) -> list[list[str]]:
 
 
 def markdown(result: dict) -> str:
+    host = result.get("host") or {}
+    isa = ", ".join(host.get("isa") or []) or "none of the listed ISA flags"
+    busy = ", ".join(f"{cpu} ({share:.0%})"
+                     for cpu, share in (host.get("busy_cpus_at_start") or {}).items())
     lines = [f"# batchinfer bench: {Path(result['workload']).name}", "",
              f"Medians of {result['repeats']} runs per configuration (alternating order); "
              f"baseline: {result['baseline']}.", "",
+             f"Host: {host.get('cpu', '?')} ({isa}), "
+             f"{host.get('usable_cpus', host.get('cpus', '?'))} usable CPUs, "
+             f"{host.get('memory_gib', '?')} GiB; {host.get('date', '?')}; batchinfer "
+             f"{host.get('batchinfer_version', '?')}."
+             + (f" **CPUs busy with other processes at the start: {busy}.**" if busy else ""),
+             "",
              "| " + " | ".join(title for title, _ in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(result)]

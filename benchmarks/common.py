@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,26 +46,13 @@ BENCHMARKS = REPO / "benchmarks"
 
 # --- the host ------------------------------------------------------------------------------------
 
-# the CPU features the kernels and the figures depend on
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-
-
 def host_info() -> dict:
-    """The machine a figure came from: the CPU model and which of ISA_FLAGS it reports, its
-    logical CPUs and those this process may use, memory, and (when the script has loaded torch)
-    torch's version, threads and the GPU it sees."""
-    from batchinfer.engine.host_cpu import cpu_identity
+    """The machine a figure came from (engine/host_cpu.host_record: the CPU model, its ISA
+    flags, CPUs, memory) and, when the script has loaded torch, torch's version, threads and
+    the GPU it sees."""
+    from batchinfer.engine.host_cpu import host_record
 
-    model, flags = cpu_identity()
-    info: dict = {"cpu": model or platform.processor() or platform.machine(),
-                  "isa": [f for f in ISA_FLAGS if f in flags],
-                  "cpus": os.cpu_count()}
-    if hasattr(os, "sched_getaffinity"):
-        info["usable_cpus"] = len(os.sched_getaffinity(0))
-    try:
-        info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
+    info = host_record()
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__

@@ -96,7 +96,13 @@ def test_bench_runs_every_configuration_and_writes_the_table(tmp_path, tokenizer
         rows["sb"]["output_tok_per_s"] / rows["hb"]["output_tok_per_s"], rel=0.01)
     markdown = (tmp_path / "bench" / "bench.md").read_text()
     assert "| sb | baseline | tp1 pp1 dp1 |" in markdown
-    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["baseline"] == "hb"
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["baseline"] == "hb"
+    from batchinfer.engine.host_cpu import cpu_identity
+
+    # the machine, date and version beside the figures
+    assert saved["host"]["cpu"] and "date" in saved["host"] and "busy_cpus_at_start" in saved["host"]
+    assert f"Host: {saved['host']['cpu']}" in markdown and (cpu_identity()[0] or "") in markdown
     outputs = (tmp_path / "bench" / "runs" / "sb-1" / "outputs.jsonl").read_text().splitlines()
     assert len(outputs) == 12
 
