@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from .strict_numbers import NumbersNotBooleans
 
@@ -24,7 +24,9 @@ class SamplingParams(NumbersNotBooleans):
     the sampled token's log-probability and the top N, from the model's raw distribution.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: `temperature: .inf` or a NaN would pass a one-sided bound (or fail one with
+    # a puzzling "greater than or equal to 0 (got NaN)"); every float must be finite
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     temperature: float = Field(1.0, ge=0.0)
@@ -36,7 +38,7 @@ class SamplingParams(NumbersNotBooleans):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[NonNegativeInt]] = None   # < vocab size: stop_token_ids_problem
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: Optional[int] = Field(16, ge=1)
@@ -59,6 +61,15 @@ class SamplingParams(NumbersNotBooleans):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
+
+    def stop_token_ids_problem(self, vocab_size: int) -> Optional[str]:
+        """What is wrong with stop_token_ids for a model of `vocab_size` ids (None: nothing),
+        the rule prompt token ids follow (engine/admission.py): an id past the vocabulary is one
+        the model never generates, so the stop would silently never happen."""
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if not bad:
+            return None
+        return f"{bad[:5]} out of range; this model's token ids are 0..{vocab_size - 1}"
 
     @property
     def greedy(self) -> bool:

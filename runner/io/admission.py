@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from batchinfer.engine.errors import RequestError
+from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import Request
 
 from .input_records import RequestSpec
@@ -21,9 +21,27 @@ def render_plain(messages: list[dict]) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
+def check_stop_token_ids(spec: RequestSpec, vocab_size) -> None:
+    """The spec's stop_token_ids within the vocabulary, as prompt ids must be: a RequestError
+    (invalid_sampling) where the record set them, a ConfigError naming sampling.stop_token_ids
+    where they are the recipe's (every request would fail alike; validate exits 2)."""
+    if spec.sampling is None or not spec.sampling.stop_token_ids or not vocab_size:
+        return
+    problem = spec.sampling.stop_token_ids_problem(int(vocab_size))
+    if problem is None:
+        return
+    if "stop_token_ids" in spec.sampling_keys:
+        raise RequestError("invalid_sampling", f"{'body.' if spec.is_openai else ''}"
+                           f"stop_token_ids: {problem}")
+    raise ConfigError(f"sampling.stop_token_ids: {problem}")
+
+
 def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") -> list[int]:
     """Tokens for `spec`: OpenAI token-id prompts as given, messages through the chat template
-    (unless chat_template is never), text prompts encoded (wrapped as a user turn when always)."""
+    (unless chat_template is never), text prompts encoded (wrapped as a user turn when always).
+    The spec's stop_token_ids are checked against the tokenizer's vocabulary first (here, as
+    every caller, validate and the job alike, tokenizes through this)."""
+    check_stop_token_ids(spec, getattr(tokenizer, "vocab_size", None))
     try:
         if isinstance(spec.prompt, list):
             return list(spec.prompt)

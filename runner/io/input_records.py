@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from ..recipe_errors import suggest
+from ..recipe_errors import dotted, suggest
 from batchinfer.engine.request import SAMPLING_KEYS, SamplingParams
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -56,6 +56,8 @@ class RequestSpec:
     custom_id: Optional[str] = None                      # OpenAI input only
     openai_url: Optional[str] = None                     # OpenAI input only
     extra: dict = field(default_factory=dict)
+    # the sampling keys this record set itself; the others are the recipe's (sampling.*)
+    sampling_keys: frozenset = frozenset()
 
     @property
     def is_openai(self) -> bool:
@@ -80,7 +82,7 @@ def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides
     except ValidationError as exc:
         parts = []
         for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "sampling"
+            key = dotted(err["loc"]) if err["loc"] else "sampling"     # stop_token_ids[1]
             key = (written or {}).get(key, key)
             msg = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
@@ -219,6 +221,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(record["messages"])
     overrides = {k: v for k, v in record.items() if k in SAMPLING_KEYS}
+    spec.sampling_keys = frozenset(overrides)
     sampling = _sampling(line, rid, defaults, overrides, "")
     if isinstance(sampling, InputError):
         sampling.metadata = metadata
@@ -301,15 +304,16 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     if isinstance(sampling, InputError):
         return err(sampling.code, sampling.message)
     spec.sampling = sampling
+    spec.sampling_keys = frozenset(overrides)
     return spec
 
 
 def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict]:
     """(sampling overrides, a problem or None, sampling key -> the body key it came from where
-    the names differ)."""
-    overrides = {k: body[k] for k in _OPENAI_SAMPLING if k in body}
+    the names differ). A key set to null means its default, as OpenAI reads it."""
+    overrides = {k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None}
     written: dict[str, str] = {}
-    if "n" in body:
+    if body.get("n") is not None:
         overrides["n"] = body["n"]
     for key in ("max_completion_tokens", "max_tokens"):
         if body.get(key) is not None:

@@ -1,0 +1,83 @@
+"""Input checks a QA pass found missing: metadata columns the file lacks, lone surrogates, CSV's
+empty cells and line numbers, empty parquet files, OpenAI nulls, stop token ids."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.request import SamplingParams
+from batchinfer.runner.io.admission import prompt_token_ids
+from batchinfer.runner.io.input_records import InputError, RequestSpec, parse_openai
+from batchinfer.runner.io.inputs import InputReader
+from batchinfer.runner.recipe import IOConfig
+
+DEFAULTS = SamplingParams(max_tokens=4)
+
+
+def _read(path: Path, defaults: SamplingParams = DEFAULTS, **io) -> list:
+    return list(InputReader(path, IOConfig(**io), defaults))
+
+
+def _dataset(path: Path, columns: dict) -> Path:
+    import datasets
+
+    ds = datasets.Dataset.from_dict(columns)
+    if path.suffix == ".parquet":
+        ds.to_parquet(str(path))
+    elif path.suffix == ".csv":
+        ds.to_csv(str(path), index=False)
+    else:
+        import pyarrow as pa
+
+        with pa.OSFile(str(path), "wb") as sink:
+            with pa.ipc.new_stream(sink, ds.data.table.schema) as writer:
+                writer.write_table(ds.data.table)
+    return path
+
+
+# --- OpenAI nulls -----------------------------------------------------------------------------------
+def test_openai_null_sampling_fields_mean_the_default():
+    """OpenAI reads null as "use the default"; it used to be invalid_sampling."""
+    defaults = SamplingParams(max_tokens=4, temperature=0.5, stop=["\n\n"])
+    body = {"messages": [{"role": "user", "content": "Hi"}], "temperature": None, "top_p": None,
+            "stop": None, "seed": None, "n": None, "max_tokens": None, "logprobs": None,
+            "top_logprobs": None, "presence_penalty": None, "top_k": None}
+    spec = parse_openai({"custom_id": "r", "method": "POST", "url": "/v1/chat/completions",
+                         "body": body}, 1, defaults)
+    assert isinstance(spec, RequestSpec), spec
+    assert spec.sampling == defaults
+    bad = parse_openai({"custom_id": "r", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {**body, "temperature": -1}}, 1, defaults)
+    assert isinstance(bad, InputError) and bad.code == "invalid_sampling"
+
+
+# --- stop token ids against the vocabulary ----------------------------------------------------------
+class _Tokenizer:
+    vocab_size = 100
+
+    def encode(self, text: str) -> list[int]:
+        return [1, 2, 3]
+
+
+def test_stop_token_ids_past_the_vocabulary(tmp_path):
+    """A request's own: its error record (invalid_sampling); the recipe's: a ConfigError that
+    names sampling.stop_token_ids (validate exits 2), not one error per line."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "Hi", "stop_token_ids": [5, 999999999]}\n'
+                    '{"id": "b", "prompt": "Hi", "stop_token_ids": [99]}\n'
+                    '{"id": "c", "prompt": "Hi", "stop_token_ids": [-1]}\n')
+    first, second, third = _read(path)
+    with pytest.raises(RequestError) as exc:
+        prompt_token_ids(first, _Tokenizer())
+    assert exc.value.code == "invalid_sampling"
+    assert exc.value.message == ("stop_token_ids: [999999999] out of range; this model's token "
+                                 "ids are 0..99")
+    assert prompt_token_ids(second, _Tokenizer()) == [1, 2, 3]
+    assert third.code == "invalid_sampling" and third.message.startswith("stop_token_ids[0]: ")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "Hi"}\n')
+    (inherited,) = _read(plain, SamplingParams(stop_token_ids=[100]))
+    with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[100\] out of range"):
+        prompt_token_ids(inherited, _Tokenizer())
