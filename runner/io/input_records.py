@@ -11,6 +11,7 @@ ranges, so `batchinfer validate` runs it without a model.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -70,6 +71,32 @@ Parsed = Union[RequestSpec, InputError]
 def json_type_name(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str, key: str) -> Optional[str]:
+    """What is wrong with `text` if it holds a lone UTF-16 surrogate (None: nothing). JSON's
+    "\\ud800" escape decodes to one; it is no character, so no tokenizer can encode it. A
+    pair ("\\ud83d\\ude00") decodes to its character."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"{key} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X}) at character "
+            f"{found.start()}; text must be valid Unicode")
+
+
+def _messages_text_problem(messages: list[dict], key: str) -> Optional[str]:
+    """lone_surrogate over a checked conversation's roles and text."""
+    for i, msg in enumerate(messages):
+        for name in ("role", "content"):
+            value = msg.get(name)
+            if isinstance(value, str):
+                problem = lone_surrogate(value, f"{key}[{i}].{name}")
+                if problem:
+                    return problem
+    return None
 
 
 def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides: dict,
@@ -212,14 +239,19 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
                        f"token ids, not {json_type_name(prompt)}")
         elif not prompt:
             return err("empty_prompt", f"{name['prompt']} is empty")
+        elif (problem := lone_surrogate(prompt, name["prompt"])) is not None:
+            return err("invalid_text", problem)
         else:
             spec.prompt = prompt
     else:
-        problem = check_messages(record["messages"],
-                                 "messages" if columns is None else columns[1])
+        key = "messages" if columns is None else columns[1]
+        problem = check_messages(record["messages"], key)
         if problem:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(record["messages"])
+        problem = _messages_text_problem(spec.messages, key)
+        if problem:
+            return err("invalid_text", problem)
     overrides = {k: v for k, v in record.items() if k in SAMPLING_KEYS}
     spec.sampling_keys = frozenset(overrides)
     sampling = _sampling(line, rid, defaults, overrides, "")
@@ -283,6 +315,9 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         if problem:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(body["messages"])
+        problem = _messages_text_problem(spec.messages, "body.messages")
+        if problem:
+            return err("invalid_text", problem)
     else:
         prompt = body["prompt"]
         if _is_token_ids(prompt):
@@ -293,6 +328,8 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         elif isinstance(prompt, str):
             if not prompt:
                 return err("empty_prompt", "body.prompt is empty")
+            if (problem := lone_surrogate(prompt, "body.prompt")) is not None:
+                return err("invalid_text", problem)
             spec.prompt = prompt
         else:
             return err("invalid_type", "body.prompt must be a string or an array of token ids "

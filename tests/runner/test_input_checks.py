@@ -37,6 +37,25 @@ def _dataset(path: Path, columns: dict) -> Path:
     return path
 
 
+# --- lone surrogates --------------------------------------------------------------------------------
+def test_a_lone_surrogate_is_invalid_text_with_its_place(tmp_path):
+    """It used to reach the tokenizer: [tokenization_failed] TypeError: TextEncodeInput must be..."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "ab\\ud800c"}\n'
+                    '{"id": "b", "messages": [{"role": "user", "content": "\\udfffx"}]}\n'
+                    '{"id": "c", "prompt": "pair \\ud83d\\ude00 is fine"}\n')
+    first, second, third = _read(path)
+    assert first.code == "invalid_text" and first.line == 1
+    assert first.message == ("'prompt' holds a lone UTF-16 surrogate (U+D800) at character 2; "
+                             "text must be valid Unicode")
+    assert second.code == "invalid_text" and "messages[0].content" in second.message
+    assert isinstance(third, RequestSpec) and "\U0001F600" in third.prompt
+    body = {"custom_id": "r", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x\ud800"}}
+    err = parse_openai(body, 1, DEFAULTS)
+    assert err.code == "invalid_text" and err.message.startswith("body.prompt holds")
+
+
 # --- OpenAI nulls -----------------------------------------------------------------------------------
 def test_openai_null_sampling_fields_mean_the_default():
     """OpenAI reads null as "use the default"; it used to be invalid_sampling."""
