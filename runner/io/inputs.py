@@ -284,7 +284,8 @@ class InputReader:
                                      f"not {json_type_name(row)}")
                 else:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
-                                            io.messages_field, io.id_field, io.metadata_fields)
+                                            io.messages_field, io.id_field, io.metadata_fields,
+                                            blank_is_null=self.format == "csv")
 
     def _columns_hint(self) -> str:
         """For a JSONL line the recipe's io.*_field settings do not apply (its keys are the

@@ -56,6 +56,27 @@ def test_a_lone_surrogate_is_invalid_text_with_its_place(tmp_path):
     assert err.code == "invalid_text" and err.message.startswith("body.prompt holds")
 
 
+# --- CSV --------------------------------------------------------------------------------------------
+def test_an_empty_csv_prompt_cell_is_an_empty_prompt(tmp_path):
+    """Not `invalid_type ... not null`: a CSV cell cannot be null, only empty (parquet's "" is
+    empty_prompt too)."""
+    path = tmp_path / "in.csv"
+    path.write_text("id,prompt,team\nx1,What is 2+2?,a\nx2,Say hi,b\nx3,,c\n")
+    items = _read(path)
+    assert items[2].code == "empty_prompt"
+    assert items[2].message == "column 'prompt' (io.prompt_field) is empty"
+
+
+def test_a_csv_records_line_is_its_row_number(tmp_path):
+    """Documented (docs/recipe.md): for dataset files `line` is the row number, header not
+    counted (resume skips errors by it, default ids row-N count the same way)."""
+    path = tmp_path / "in.csv"
+    path.write_text("id,prompt\nx1,Hi\nx2,\nx3,\"two\nlines\"\n,Yo\n")
+    items = _read(path)
+    assert [i.line for i in items] == [1, 2, 3, 4]
+    assert items[1].code == "empty_prompt" and items[3].request_id == "row-4"
+
+
 # --- OpenAI nulls -----------------------------------------------------------------------------------
 def test_openai_null_sampling_fields_mean_the_default():
     """OpenAI reads null as "use the default"; it used to be invalid_sampling."""
