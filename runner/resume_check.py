@@ -167,6 +167,12 @@ def check_resume(run_dir: Path, manifest: dict, old_recipe_yaml: Optional[str], 
                  input_path: Path, input_prefix: Optional[dict] = None) -> None:
     """Both checks for a run directory that already holds results (the job and --dry-run), on
     its run.json and recipe.resolved.yaml as read; `input_prefix`: as check_input's `now`."""
+    if not manifest:
+        raise MadeOtherwise(
+            f"{run_dir} holds results but no run.json: they were not written by batchinfer "
+            "(or its run.json was removed), and nothing tells which input and model made them; "
+            "pick another --output, or pass --force-resume to take them as this run's (their "
+            "ids are then skipped)", "results without a run.json")
     check_model(run_dir, old_recipe_yaml, recipe.model, manifest.get("model_locations"))
     check_reply_settings(run_dir, old_recipe_yaml, recipe)
     check_input(run_dir, manifest.get("input_fingerprint"), Path(input_path).resolve(),

@@ -207,9 +207,14 @@ class RunDir:
                                   "io.output_dir) or fix its permissions") from None
         run_dir = cls(root, path, shard, lock_fd, created)
         try:
+            if not read_only:      # again, holding the lock: a run of the other layout that
+                _check_layout(root, shard)   # started meanwhile is seen now (and sees this one)
             prior = run_dir._load_prior(repair=not read_only)
         except BaseException:
-            run_dir.close()
+            if read_only:
+                run_dir.close()
+            else:
+                run_dir.abandon()
             raise
         return run_dir, prior
 
@@ -422,9 +427,10 @@ def _check_layout(root: Path, shard: Shard) -> None:
         raise RunDirError(f"{root} holds a Slurm run split into {max(counts)} parts; resume it "
                           f"with srun -n {max(counts)}, or pick another --output")
     if shard.count > 1:
-        if (root / OUTPUTS).exists():
-            raise RunDirError(f"{root} holds a single-process run; resume it without srun (one "
-                              "task), or pick another --output")
+        if (root / OUTPUTS).exists() or (root / ERRORS).exists() or in_use(root):
+            raise RunDirError(f"{root} holds a single-process run (or one is starting there); "
+                              "resume it without --shard / srun (one task), or pick another "
+                              "--output")
         other = counts - {shard.count}
         if other:
             raise RunDirError(f"{root} holds a Slurm run split into {sorted(other)[0]} parts but "

@@ -180,6 +180,8 @@ def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[
     """(1-based row number, row) from a local dataset file, streamed by `datasets`."""
     # its readers log a failure before raising it; the InputFileError below says it once
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
+    if fmt == "parquet" and _parquet_rows(path) == 0:
+        return    # no rows, as a CSV of a header alone: `datasets` fails ("BatchSize must be > 0")
     try:
         from datasets import load_dataset
 
@@ -195,20 +197,24 @@ def iter_dataset_rows(path: Path, fmt: str, shard: Shard = Shard()) -> Iterator[
         raise
 
 
+def _parquet_rows(path: Path) -> Optional[int]:
+    """The rows a parquet file's footer says it holds (None: it cannot be read as parquet)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(str(path)).metadata.num_rows
+    except Exception:       # not parquet: `datasets` says why when it reads it
+        return None
+
+
 def count_records(path: Path, fmt: str, shard: Shard = Shard(),
                   max_line_bytes: int = 4 << 20) -> Optional[int]:
     """How many records the shard will see (lines, or rows), or None if that is costly to know
     (`max_line_bytes`: io.max_line_bytes, past which a line is one error record)."""
     if fmt in ("jsonl", "openai"):
         return _count_jsonl_records(path, shard, max_line_bytes)
-    if fmt == "parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            lines = pq.ParquetFile(str(path)).metadata.num_rows
-        except Exception:
-            return None
-    else:
+    lines = _parquet_rows(path) if fmt == "parquet" else None
+    if lines is None:
         return None
     return len(range(shard.index, lines, shard.count))
 

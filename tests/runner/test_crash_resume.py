@@ -111,11 +111,11 @@ def test_torn_last_line_is_repaired_on_resume(tmp_path, recipe):
     prompts = tmp_path / "prompts.jsonl"
     good, bad_lines = _prompts(prompts, 12, rng)
     out = tmp_path / "run"
-    out.mkdir()
-    # what a crash mid-write leaves: one complete record and half of the next
-    (out / "outputs.jsonl").write_text(
-        json.dumps({"id": "req-0", "text": "x", "finish_reason": "length", "prompt_tokens": 1,
-                    "completion_tokens": 1}) + "\n" + '{"id": "req-1", "text": "hal')
+    first = _start(recipe, prompts, out, "--limit", "1")       # one complete record
+    assert first.wait(timeout=300) == 0
+    # what a crash mid-write leaves: half of the next record
+    with open(out / "outputs.jsonl", "a") as fh:
+        fh.write('{"id": "req-1", "text": "hal')
     proc = _start(recipe, prompts, out)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log

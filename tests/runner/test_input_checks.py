@@ -77,6 +77,29 @@ def test_a_csv_records_line_is_its_row_number(tmp_path):
     assert items[1].code == "empty_prompt" and items[3].request_id == "row-4"
 
 
+# --- empty files ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["empty.parquet", "header.csv", "empty.arrow"])
+def test_a_dataset_file_without_rows_holds_no_requests(tmp_path, name):
+    """An empty parquet file used to fail: cannot read it as parquet (BatchSize must be greater
+    than 0, got 0); now it is what an empty CSV or JSONL file is, no records (the job warns)."""
+    path = tmp_path / name
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())})
+    if name == "header.csv":
+        path.write_text("id,prompt\n")
+    elif name == "empty.parquet":        # pyarrow (and pandas) write one row group of 0 rows
+        pq.write_table(table, str(path))
+    else:
+        with pa.OSFile(str(path), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+    reader = InputReader(path, IOConfig(), DEFAULTS)
+    assert list(reader) == []
+    assert reader.total() in (0, None)
+
+
 # --- OpenAI nulls -----------------------------------------------------------------------------------
 def test_openai_null_sampling_fields_mean_the_default():
     """OpenAI reads null as "use the default"; it used to be invalid_sampling."""

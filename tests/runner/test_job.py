@@ -606,3 +606,19 @@ def test_a_start_refused_at_engine_build_leaves_the_run_as_it_was(tmp_path, tiny
     assert {name: (out / name).read_bytes() for name in before} == before
     assert run(tiny_recipe, path, out, shared_engine).outputs == 3
     assert len(json.loads((out / "run.json").read_text())["sessions"]) == 2
+
+
+def test_results_without_a_run_json_are_not_taken_as_this_runs(tmp_path, tiny_recipe,
+                                                                 shared_engine):
+    """An outputs.jsonl that batchinfer did not write (no run.json beside it) is refused: nothing
+    tells which input and model made it; --force-resume takes it (its ids are skipped)."""
+    from batchinfer.runner.run_dir import RunDirError
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"Q{i}"} for i in range(3)])
+    out = tmp_path / "foreign"
+    out.mkdir()
+    (out / "outputs.jsonl").write_text(json.dumps({"id": "q0", "text": "from another tool"}) + "\n")
+    with pytest.raises(RunDirError, match="holds results but no run.json"):
+        run(tiny_recipe, path, out, shared_engine)
+    forced = run(tiny_recipe, path, out, shared_engine, force_resume=True)
+    assert forced.session["requests_completed"] == 2 and forced.outputs == 3

@@ -109,6 +109,29 @@ def test_layouts_do_not_mix(tmp_path):
         RunDir.open(tmp_path / "single", Shard(0, 2))
 
 
+def test_a_part_cannot_start_beside_a_single_process_run_that_is_starting(tmp_path, monkeypatch):
+    """A plain run still setting up (its lock held, nothing written yet) keeps a --shard run out
+    of its directory, and the refused part leaves no directory behind; the layout is checked
+    again once the lock is held, so a part made while a plain run opened is seen then."""
+    import batchinfer.runner.run_dir as run_dir
+
+    plain, _ = RunDir.open(tmp_path / "run")
+    with pytest.raises(RunDirError, match="single-process run .*starting"):
+        RunDir.open(tmp_path / "run", Shard(1, 2))
+    assert not (tmp_path / "run" / "part-00001-of-00002").exists()
+    plain.close()
+    # the other order, racing: the part appears between the plain run's first check and its lock
+    real_lock = run_dir._lock
+
+    def lock_after_a_part_appeared(path):
+        (path / "part-00000-of-00002").mkdir(exist_ok=True)
+        return real_lock(path)
+
+    monkeypatch.setattr(run_dir, "_lock", lock_after_a_part_appeared)
+    with pytest.raises(RunDirError, match="split into 2 parts"):
+        RunDir.open(tmp_path / "raced")
+
+
 def test_atomic_report_files(tmp_path):
     run_dir, _ = RunDir.open(tmp_path)
     run_dir.write_report({"status": "running"}, "# r\n", {"a.png": b"\x89PNG"})
