@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..id_set import IdSet
+from .columns import MetadataPresence, schema_problem, warn_metadata_fields_unused
 from .input_records import (InputError, Parsed, RequestSpec, json_type_name, parse_dataset_row,
                             parse_openai, parse_plain_or_chat)
 from ..recipe import IOConfig
@@ -251,12 +252,12 @@ class InputReader:
             # reader parses its first chunk (a CSV row past it fails the job part way, exit 2)
             with contextlib.closing(iter_dataset_rows(self.path, self.format)) as probe:
                 first = next(probe, None)
-            if first is not None and not {io.prompt_field, io.messages_field} & set(first[1]):
-                raise InputFileError(     # every row would be the same error record
-                    f"{self.path}: no '{io.prompt_field}' or '{io.messages_field}' column "
-                    f"(columns: {', '.join(map(str, first[1]))}); set io.prompt_field or "
-                    "io.messages_field")
+            problem = schema_problem(io, first[1]) if first is not None else None
+            if problem:             # every row would be the same error record, or null
+                raise InputFileError(f"{self.path}: {problem}")
+        warn_metadata_fields_unused(io, self.path, self.format)
         self.limit = limit
+        self._presence: Optional[MetadataPresence] = None
         self.seen = IdSet()
         self.records_read = 0
         self.skipped_done = 0
@@ -282,7 +283,12 @@ class InputReader:
             rows = (iter_json_rows(self.path, io.max_line_bytes, self.shard)
                     if self.format == "json" else
                     iter_dataset_rows(self.path, self.format, self.shard))
+            # JSON rows have no schema: a metadata column may be missing from some of them
+            presence = self._presence = (MetadataPresence(io, self.path)
+                                         if self.format == "json" else None)
             for number, row in rows:
+                if presence is not None:
+                    presence.row(row)
                 if isinstance(row, InputError):
                     yield row
                 elif not isinstance(row, dict):
@@ -292,6 +298,8 @@ class InputReader:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                             io.messages_field, io.id_field, io.metadata_fields,
                                             blank_is_null=self.format == "csv")
+            if presence is not None:
+                presence.finish()
 
     def _columns_hint(self) -> str:
         """For a JSONL line the recipe's io.*_field settings do not apply (its keys are the
@@ -321,6 +329,8 @@ class InputReader:
                 done_lines: Optional[IdSet] = None) -> Iterator[Parsed]:
         for item in self._parsed():
             if self.limit is not None and self.records_read >= self.limit:
+                if self._presence is not None:
+                    self._presence.finish()        # the rows read are all there will be
                 return
             self.records_read += 1
             already_reported = bool(done_lines) and str(item.line) in done_lines

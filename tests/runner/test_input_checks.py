@@ -2,6 +2,8 @@
 empty cells and line numbers, empty parquet files, OpenAI nulls, stop token ids."""
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import SamplingParams
 from batchinfer.runner.io.admission import prompt_token_ids
 from batchinfer.runner.io.input_records import InputError, RequestSpec, parse_openai
-from batchinfer.runner.io.inputs import InputReader
+from batchinfer.runner.io.inputs import InputFileError, InputReader
 from batchinfer.runner.recipe import IOConfig
 
 DEFAULTS = SamplingParams(max_tokens=4)
@@ -35,6 +37,51 @@ def _dataset(path: Path, columns: dict) -> Path:
             with pa.ipc.new_stream(sink, ds.data.table.schema) as writer:
                 writer.write_table(ds.data.table)
     return path
+
+
+# --- io.metadata_fields -----------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", ["parquet", "csv", "arrow"])
+def test_a_metadata_column_the_file_lacks_is_refused_before_a_model_loads(tmp_path, suffix):
+    """It used to put "nothere": null into every output's metadata without a word."""
+    path = _dataset(tmp_path / f"in.{suffix}", {"id": ["x1", "x2"], "prompt": ["Hi", "Yo"],
+                                                 "team": ["a", "b"]})
+    with pytest.raises(InputFileError, match=r"in\.\w+: io.metadata_fields names a column the "
+                                             r"file does not have: 'nothere' \(columns: id, "
+                                             r"prompt, team\)"):
+        InputReader(path, IOConfig(metadata_fields=["team", "nothere"]), DEFAULTS)
+    with pytest.raises(InputFileError, match=r"'tem' \(did you mean 'team'\?\)"):
+        InputReader(path, IOConfig(metadata_fields=["tem"]), DEFAULTS)
+    first, _ = _read(path, metadata_fields=["team"])
+    assert first.metadata == {"team": "a"}
+
+
+def test_json_rows_missing_a_metadata_column_warn_once_and_run(tmp_path, caplog):
+    """JSON rows have no schema (a column may be sparse): a warning naming the column, null kept."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": "Hi", "team": "a"}, {"prompt": "Yo", "team": "b"}]))
+    with caplog.at_level(logging.WARNING, logger="batchinfer"):
+        items = _read(path, metadata_fields=["team", "nothere"])
+        _read(path, metadata_fields=["team", "nothere"])           # read again: no second one
+    assert [i.metadata for i in items] == [{"team": "a", "nothere": None},
+                                           {"team": "b", "nothere": None}]
+    warnings = [r.getMessage() for r in caplog.records if "nothere" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "io.metadata_fields 'nothere' is in none of the 2 rows read" in warnings[0]
+    caplog.clear()
+    sparse = tmp_path / "sparse.json"
+    sparse.write_text(json.dumps([{"prompt": "Hi"}, {"prompt": "Yo", "team": "b"}]))
+    with caplog.at_level(logging.WARNING, logger="batchinfer"):
+        _read(sparse, metadata_fields=["team"])
+    assert "io.metadata_fields" not in caplog.text                 # present in some row: fine
+
+
+def test_jsonl_input_says_metadata_fields_do_not_apply(tmp_path, caplog):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "Hi", "metadata": {"team": "a"}}\n')
+    with caplog.at_level(logging.WARNING, logger="batchinfer"):
+        (spec,) = _read(path, metadata_fields=["team"])
+    assert spec.metadata == {"team": "a"}
+    assert "io.metadata_fields (team) applies to dataset files" in caplog.text
 
 
 # --- lone surrogates --------------------------------------------------------------------------------
