@@ -143,6 +143,9 @@ class Job:
         if self.signals.received is not None:
             # a signal always answers 130 / 143, also one that came during the final report
             exit_code = exit_code_for(self.signals.received)
+            if status == "completed":
+                message = (f"every request is done; {signal_name(self.signals.received)} came "
+                           f"as the run ended (exit {exit_code})")
         totals = self._totals()
         path = self.run_dir.path if self.run_dir is not None else Path(spec.output_dir)
         return JobOutcome(status, exit_code, path, totals["outputs"], totals["errors"],

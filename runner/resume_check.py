@@ -89,9 +89,10 @@ def check_input(run_dir: Path, recorded: Optional[dict], input_path: Path,
     was = recorded_path or "another file"
     shorter = now["bytes"] < recorded["bytes"]
     if shorter:
-        change = f"it is shorter ({now['bytes']:,} bytes) than the input this run started with"
+        change = (f"it is shorter ({now['bytes']:,} bytes) than the input the run's last start "
+                  "read")
     else:
-        change = "its first lines differ from the input this run started with"
+        change = "its first lines differ from the input the run's last start read"
     raise MadeOtherwise(
         f"{run_dir} holds results for {was} ({recorded['bytes']:,} bytes); --input {input_path}: "
         f"{change}, so the ids already written may name other requests there (a file without "

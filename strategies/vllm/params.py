@@ -61,6 +61,7 @@ class VllmParams(StrategyParams):
         raise NotImplementedError("vllm schedules inside vLLM")
 
     def check_config(self, config, arch) -> None:
+        check_vllm_recipe(config)   # the recipe first: it is wrong with vLLM installed or not
         vllm_python(self)           # an interpreter that has vLLM (else what to install)
 
     def build_engine(self, config: EngineConfig):
@@ -87,19 +88,28 @@ def vllm_python(params: VllmParams) -> str:
     return sys.executable
 
 
-def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
-                device: str) -> dict:
-    """vLLM EngineArgs for the recipe (`device`: cpu or cuda, where vLLM will run)."""
+def check_vllm_recipe(config: EngineConfig) -> None:
+    """The recipe settings vLLM has no counterpart for: a ConfigError naming the key."""
     if config.parallel.dp != 1:
         raise ConfigError(f"parallel.dp is {config.parallel.dp}; strategy vllm runs one vLLM "
                           "engine (tp x pp): for data parallelism run the job in shards "
                           "(batchinfer run --shard I/N, one per engine)")
-    model = config.model
-    if model.quantization is not None:
-        raise ConfigError(f"model.quantization: {model.quantization} is batchinfer's own CPU "
-                          "kernel; strategy vllm runs vLLM's quantization from a quantized "
+    if config.model.quantization is not None:
+        raise ConfigError(f"model.quantization: {config.model.quantization} is batchinfer's own "
+                          "CPU kernel; strategy vllm runs vLLM's quantization from a quantized "
                           "checkpoint (model.path) or its engine_args (quantization: ...): leave "
                           "model.quantization empty")
+    if config.cache.kv_cache_dtype not in ("auto", "bfloat16"):
+        raise ConfigError(f"memory.kv_cache_dtype: vLLM has no {config.cache.kv_cache_dtype!r} KV "
+                          "cache; with strategy vllm use auto or bfloat16 (or vLLM's own names "
+                          "through engine_args: {kv_cache_dtype: ...})")
+
+
+def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
+                device: str) -> dict:
+    """vLLM EngineArgs for the recipe (`device`: cpu or cuda, where vLLM will run)."""
+    check_vllm_recipe(config)
+    model = config.model
     dtype = model.dtype
     if dtype == "auto" and device == "cpu":   # bf16 where the CPU has native bf16 arithmetic
         from batchinfer.engine import cpu_dtype            # (torch: not at recipe validation)
@@ -115,10 +125,6 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
         args["max_model_len"] = model.max_model_len
     if config.cache.kv_cache_dtype == "bfloat16":
         args["kv_cache_dtype"] = "bfloat16"
-    elif config.cache.kv_cache_dtype != "auto":
-        raise ConfigError(f"memory.kv_cache_dtype: vLLM has no {config.cache.kv_cache_dtype!r} KV "
-                          "cache; with strategy vllm use auto or bfloat16 (or vLLM's own names "
-                          "through engine_args: {kv_cache_dtype: ...})")
     if params.max_num_batched_tokens:
         args["max_num_batched_tokens"] = params.max_num_batched_tokens
     if model.load_format == "dummy":

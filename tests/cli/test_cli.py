@@ -217,6 +217,8 @@ def test_impossible_layout_exits_2(runner, tmp_path):
      ("strategy.owners lists 3 layers; the model has 30",)),
     ("strategy: {name: seesaw, layout_costs: h999}\nparallel: {pp: 3}\n",
      ("strategy.layout_costs", "'h999' is neither measured")),
+    ("strategy: {name: vllm}\nparallel: {dp: 2}\n", ("parallel.dp is 2; strategy vllm runs "
+                                                    "one vLLM engine", "r.yaml line 2")),
     pytest.param("strategy: {name: vllm}\n", ("strategy vllm needs vLLM",),
                  marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm")
                                           is not None, reason="vLLM is installed here")),

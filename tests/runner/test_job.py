@@ -622,3 +622,26 @@ def test_results_without_a_run_json_are_not_taken_as_this_runs(tmp_path, tiny_re
         run(tiny_recipe, path, out, shared_engine)
     forced = run(tiny_recipe, path, out, shared_engine, force_resume=True)
     assert forced.session["requests_completed"] == 2 and forced.outputs == 3
+
+
+def test_a_signal_as_a_completed_run_ends_is_said_beside_the_exit_code(tmp_path, tiny_recipe,
+                                                                       shared_engine,
+                                                                       monkeypatch):
+    """SIGTERM after the last request, while the final report is written: the run completed
+    (its report says so) and exits 143 as any signalled run does; the summary's message says
+    both, so a script does not read 143 as work lost."""
+    import signal
+
+    from batchinfer.runner.job import Job
+
+    finish = Job._finish
+
+    def signalled_while_finishing(self, status, message):
+        self.signals.received = signal.SIGTERM
+        finish(self, status, message)
+
+    monkeypatch.setattr(Job, "_finish", signalled_while_finishing)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q"}])
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.status == "completed" and outcome.exit_code == 143
+    assert outcome.message == "every request is done; SIGTERM came as the run ended (exit 143)"
