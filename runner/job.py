@@ -25,24 +25,24 @@ from typing import Callable, Optional
 
 from batchinfer.predictors.history import spec_text
 from .io.admission import build_request, prompt_token_ids
-from batchinfer.engine.errors import RequestError
+from batchinfer.engine.errors import ConfigError, RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader
-from .report.metrics import SessionMetrics, predictor_summary
-from .report.plots import job_plots
+from .report.metrics import SessionMetrics
+from .job_report import JobReports
 from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
-from .report.report import build_report, now_iso, render_markdown, session_brief
+from .report.report import now_iso, session_brief
 from .resume_check import (check_other_parts, check_resume, fingerprint_with_prefix,
                            model_locations, numerics_changed, recipe_change_warning,
                            recorded_input_bytes)
 from .run_dir import MANIFEST, RECIPE, REPORT_JSON, PriorState, RunDir, RunDirWriteError
 from .sink import OrderedSink
 from .stop_signals import StopRequested, StopSignals, exit_code_for, signal_name
-from .job_spec import (ENGINE_INFO_KEYS, EXIT_FAILED, EXIT_OK, EXIT_REQUEST_ERRORS,
+from .job_spec import (EXIT_FAILED, EXIT_OK, EXIT_REQUEST_ERRORS,
                        EXIT_USAGE, JobOutcome, JobSpec, default_output_dir, is_user_error)
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REQUEST_ERRORS", "EXIT_USAGE", "Job", "JobOutcome",
@@ -50,7 +50,7 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REQUEST_ERRORS", "EXIT_USAGE", "Job",
 log = logging.getLogger("batchinfer")
 
 
-class Job:
+class Job(JobReports):
     def __init__(self, spec: JobSpec):
         self.spec = spec
         self.recipe = spec.recipe
@@ -229,7 +229,12 @@ class Job:
             self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
-            self.engine = factory(self.recipe.engine_config())
+            engine = factory(self.recipe.engine_config())
+            problem = self.recipe.sampling.stop_token_ids_problem(engine.tokenizer.vocab_size)
+            if problem:     # every request would fail alike: a usage error, as validate's
+                engine.close()
+                raise ConfigError(f"sampling.stop_token_ids: {problem}")
+            self.engine = engine
             changed = numerics_changed(self._old_report.get("engine"),
                                        getattr(self.engine, "info", {}))
             if changed:
@@ -393,95 +398,7 @@ class Job:
         if report and (force or now - self._last_report >= cfg.refresh_seconds):
             self._write_report("running")
 
-    # --- reporting --------------------------------------------------------------------------------
-    def _totals(self) -> dict:
-        m, p = self.metrics, self.prior
-        outputs, errors = p.num_outputs + m.completed, p.num_errors + m.failed
-        codes = dict(p.error_codes)
-        for code, n in m.error_codes.items():
-            codes[code] = codes.get(code, 0) + n
-        remaining = None
-        if self._total is not None:
-            remaining = max(self._total - outputs - errors, 0)
-        return {"input_records": self._total, "outputs": outputs, "errors": errors,
-                "remaining": remaining, "errors_by_code": codes,
-                "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
-                "completion_tokens": p.completion_tokens + m.completion_tokens}
-
-    def _session_summary(self) -> dict:
-        now = self.clock()
-        stats = self.engine.stats() if self.engine is not None else None
-        summary = self.metrics.summary(now, stats)
-        m = self.metrics
-        window = None
-        if m.first_admit_t is not None:
-            window = [round(self._wall0 + m.first_admit_t, 3),
-                      round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
-        if self.predictor is not None:
-            summary["predictor"] = predictor_summary(self.predictor, now)
-        summary.update(self.read_ahead.summary())
-        return {"started_at": self.started_at, "session": self.session_number,
-                "elapsed_s": round(now, 3), "generation_window": window, **summary}
-
-    def _write_report(self, status: str, detail: Optional[str] = None, final: bool = False,
-                      draw: bool = True) -> None:
-        t = time.perf_counter()
-        self._last_report = self.clock()
-        session, previous = self._session_summary(), self._previous_sessions
-        if self._kept() and self._old_report.get("session"):
-            # a session that ran nothing: the report stays the one of the results' sessions
-            session, previous = (self._old_report["session"],
-                                 self._old_report.get("previous_sessions") or [])
-        elif final:
-            session["ended_at"] = now_iso()
-            session["status"] = status
-        report = build_report(status=status, meta=self._meta(), totals=self._totals(),
-                              session=session, previous_sessions=previous,
-                              status_detail=detail)
-        plots = None
-        cfg = self.recipe.report
-        if draw and cfg.plots and (final or self._last_report - self._last_plots
-                                   >= cfg.plot_refresh_seconds):
-            self._last_plots = self._last_report
-            try:
-                timeline = getattr(self.engine, "timeline", None)
-                plots = job_plots(self.metrics.timeline, session,
-                                  timeline(last=4000) if timeline is not None else [])
-            except Exception as exc:  # a plot must never fail a job
-                log.warning("could not draw the plots: %s", exc)
-        names = tuple(sorted(plots)) if plots else tuple(
-            sorted(p.name for p in (self.run_dir.path / "plots").glob("*.png")))
-        self.run_dir.write_report(report, render_markdown(report, names), plots)
-        if final:
-            self.run_dir.sync()
-        self.metrics.phases_s["report"] += time.perf_counter() - t
-
-    def _meta(self) -> dict:
-        from batchinfer import __version__
-
-        stats = self.engine.stats() if self.engine is not None else {}
-        meta = {
-            "batchinfer_version": __version__,
-            "run_dir": str(self.run_dir.path),
-            "input": str(self.spec.input_path),
-            "input_format": self.reader.format,
-            "recipe": self.spec.recipe_path,
-            "model": getattr(self.engine, "model_id", None),
-            "engine": {k: stats[k] for k in (*ENGINE_INFO_KEYS, self.recipe.strategy.name)
-                       if k in stats},
-            "strategy": self.recipe.strategy.model_dump(mode="json"),
-            "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
-            "auto_settings": self.auto_settings,
-            "shard": self.spec.shard.as_record(),
-        }
-        if self._kept():      # what made the results, not this session's recipe
-            meta.update({key: self._old_report.get(key, meta[key]) for key in _MADE_WITH})
-        return meta
-
-    def _kept(self) -> bool:
-        """Whether this session ran nothing (all done already) over earlier results."""
-        return self.engine is None and self._records is None and bool(self._old_report)
-
+    # --- reporting: runner/job_report.py (JobReports) -----------------------------------------
     def _finish(self, status: str, message: str) -> None:
         try:
             self._tick(force=True, report=False)
@@ -496,7 +413,6 @@ class Job:
 
 
 _NOTHING = object()
-_MADE_WITH = ("model", "engine", "strategy", "predictor", "auto_settings")   # report.json keys
 
 
 def run_job(spec: JobSpec) -> JobOutcome:

@@ -645,3 +645,20 @@ def test_a_signal_as_a_completed_run_ends_is_said_beside_the_exit_code(tmp_path,
     outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
     assert outcome.status == "completed" and outcome.exit_code == 143
     assert outcome.message == "every request is done; SIGTERM came as the run ended (exit 143)"
+
+
+def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, tiny_recipe,
+                                                                     shared_engine):
+    """Every request would fail alike: the job refuses at start (exit 2 through the CLI), naming
+    sampling.stop_token_ids, and leaves no run behind."""
+    from batchinfer.engine.errors import ConfigError
+
+    recipe = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
+        update={"stop_token_ids": [10 ** 9]})})
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q"}])
+    spec = JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "run", progress="off",
+                   engine_factory=lambda cfg: shared_engine)
+    with pytest.raises(ConfigError, match=r"sampling.stop_token_ids: \[1000000000\] out of range"):
+        run_job(spec)
+    assert not (tmp_path / "run").exists()
+
