@@ -71,7 +71,8 @@ class Job(JobReports):
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self._previous_sessions: list[dict] = []
         self._old_report: dict = {}   # report.json before this session, where results exist
-        self._total: Optional[int] = None
+        self._total: Optional[int] = None          # input records within --limit
+        self._input_records: Optional[int] = None  # all of them (this shard's)
         self._progress: Optional[Progress] = None
         self._sink: Optional[OrderedSink] = None
         self._results: Optional[ResultWriter] = None
@@ -112,6 +113,7 @@ class Job(JobReports):
                            "another --output")
             elif finished:
                 status, exit_code = "completed", EXIT_OK
+                message = self._limit_note()
             else:
                 status, message = "interrupted", f"stopped by {signal_name(self.signals.received)}"
         except StopRequested as stop:
@@ -150,6 +152,14 @@ class Job(JobReports):
         path = self.run_dir.path if self.run_dir is not None else Path(spec.output_dir)
         return JobOutcome(status, exit_code, path, totals["outputs"], totals["errors"],
                           self._session_summary(), message)
+
+    def _limit_note(self) -> str:
+        """What a --limit left of the input, for a completed session's report and summary."""
+        left = self._totals()["remaining"]
+        if self.spec.limit is None or not left:
+            return ""
+        return (f"--limit {self.spec.limit}: {left} input record(s) not run yet; rerun with a "
+                "larger --limit, or none, to continue")
 
     def _close(self, restore: Callable[[], None], outcome: str) -> None:
         close_engine = getattr(self.engine, "close", None)
@@ -212,7 +222,10 @@ class Job(JobReports):
             brief["status"] = "interrupted" if old_report.get("status") == "running" \
                 else old_report.get("status")
             self._previous_sessions.append(brief)
-        self._total = self.reader.total()
+        self._input_records = self.reader.total(limited=False)
+        limit = self.spec.limit
+        self._total = (self._input_records if limit is None or self._input_records is None
+                       else min(self._input_records, limit))      # what this session may run
         if self.prior.num_outputs or self.prior.num_errors:
             log.info("resuming %s: %d outputs and %d errors already written; skipping them",
                      run_dir.path, self.prior.num_outputs, self.prior.num_errors)

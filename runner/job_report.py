@@ -25,9 +25,10 @@ class JobReports:
         for code, n in m.error_codes.items():
             codes[code] = codes.get(code, 0) + n
         remaining = None
-        if self._total is not None:
-            remaining = max(self._total - outputs - errors, 0)
-        return {"input_records": self._total, "outputs": outputs, "errors": errors,
+        if self._input_records is not None:
+            remaining = max(self._input_records - outputs - errors, 0)
+        return {"input_records": self._input_records, "limit": self.spec.limit,
+                "outputs": outputs, "errors": errors,
                 "remaining": remaining, "errors_by_code": codes,
                 "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
                 "completion_tokens": p.completion_tokens + m.completion_tokens}

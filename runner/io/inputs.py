@@ -262,9 +262,11 @@ class InputReader:
         self.records_read = 0
         self.skipped_done = 0
 
-    def total(self) -> Optional[int]:
+    def total(self, limited: bool = True) -> Optional[int]:
+        """Records of this shard, up to --limit unless `limited` is false (None where they are
+        not known without reading every record)."""
         total = count_records(self.path, self.format, self.shard, self.io.max_line_bytes)
-        if total is not None and self.limit is not None:
+        if total is not None and self.limit is not None and limited:
             total = min(total, self.limit)
         return total
 

@@ -662,3 +662,26 @@ def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, ti
         run_job(spec)
     assert not (tmp_path / "run").exists()
 
+
+
+def test_a_limited_run_counts_what_the_limit_left(tmp_path, tiny_recipe, shared_engine):
+    """--limit runs the first N records and says so: the report's totals count the whole input
+    (remaining: what the limit left, limit: N) and its status detail and the summary say how to
+    continue; a lower limit after a higher one adds up too."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(6)])
+    out = tmp_path / "run"
+    first = run(tiny_recipe, path, out, shared_engine, limit=4)
+    report = json.loads((out / "report.json").read_text())
+    assert first.status == "completed" and report["status"] == "completed"
+    assert report["totals"]["input_records"] == 6 and report["totals"]["remaining"] == 2
+    assert report["totals"]["limit"] == 4
+    assert first.message == report["status_detail"] == (
+        "--limit 4: 2 input record(s) not run yet; rerun with a larger --limit, or none, to "
+        "continue")
+    lower = run(tiny_recipe, path, out, shared_engine, limit=2)
+    assert lower.outputs == 4 and json.loads((out / "report.json").read_text())["totals"][
+        "remaining"] == 2
+    rest = run(tiny_recipe, path, out, shared_engine)
+    report = json.loads((out / "report.json").read_text())
+    assert rest.outputs == 6 and report["totals"]["remaining"] == 0 and not rest.message
+    assert report["status_detail"] is None and report["totals"]["limit"] is None
