@@ -152,9 +152,28 @@ class WorkerPool:
         """Handles every message that arrives within `timeout_s` (at least one) or raises."""
         got = self._receive(timeout_s)
         if not got:
+            states = self._process_states()
             raise self._fail(f"no worker answered within {timeout_s:.0f} s (parallel."
-                             "step_timeout_seconds); the ranks are alive but stuck")
+                             "step_timeout_seconds); the ranks are alive but stuck"
+                             + (f": {states}" if states else ""))
         self._handle(got)
+
+    def _process_states(self) -> str:
+        """Each rank's process state as the kernel reports it (Linux /proc), the unusual ones
+        first: a stopped (SIGSTOP, a debugger) or running rank among sleeping ones is the
+        likely culprit. "" where /proc cannot tell."""
+        names = {"R": "running", "S": "waiting", "D": "in uninterruptible I/O",
+                 "T": "stopped (SIGSTOP?)", "t": "stopped by a tracer", "Z": "a zombie"}
+        found = []
+        for rank, proc in enumerate(self.procs):
+            try:
+                with open(f"/proc/{proc.pid}/stat") as fh:
+                    state = fh.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return ""
+            found.append((state == "S", f"{self.rank_names[rank]} (pid {proc.pid}) "
+                                        f"{names.get(state, f'in state {state}')}"))
+        return "; ".join(text for _, text in sorted(found, key=lambda item: item[0]))
 
     def poll(self) -> None:
         """Handles the messages already here, without waiting."""

@@ -245,3 +245,26 @@ def test_kill_a_worker_then_resume_exactly_once(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["session"]["pipeline"]["ranks"][0]["micro_batches"] > 0
     assert (out / "plots" / "pipeline_timeline.png").stat().st_size > 1000
+
+
+def test_a_step_timeout_names_the_rank_that_is_stopped():
+    """The timeout's message gives each rank's process state, the unusual first: a rank stopped
+    by SIGSTOP among waiting ones is named before them."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    try:
+        procs[1].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{procs[1].pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.05)
+        pool = WorkerPool(["rank 0", "rank 1"])
+        pool.procs = procs
+        assert pool._process_states().startswith(
+            f"rank 1 (pid {procs[1].pid}) stopped (SIGSTOP?); rank 0 (pid {procs[0].pid}) ")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
