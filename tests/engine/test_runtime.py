@@ -254,11 +254,13 @@ def test_a_step_timeout_names_the_rank_that_is_stopped():
              for _ in range(2)]
     try:
         procs[1].send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with open(f"/proc/{procs[1].pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "T":
-                    break
+
+        def state(proc) -> str:
+            with open(f"/proc/{proc.pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0]
+
+        deadline = time.monotonic() + 20        # rank 0 asleep (past its start), rank 1 stopped
+        while (state(procs[0]), state(procs[1])) != ("S", "T") and time.monotonic() < deadline:
             time.sleep(0.05)
         pool = WorkerPool(["rank 0", "rank 1"])
         pool.procs = procs
