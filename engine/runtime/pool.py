@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections import defaultdict, deque
 from multiprocessing.connection import Connection, wait
@@ -57,8 +58,17 @@ def start_fork_server() -> None:
         return
     from multiprocessing import forkserver
 
-    with unpinned():                 # the server's CPU set is every worker's
-        forkserver.ensure_running()
+    # the server inherits SIGINT ignored: Python leaves an inherited SIG_IGN alone, so a Ctrl-C
+    # while it still imports torch (before it ignores SIGINT itself) prints no traceback of its
+    # own; the controller answers the signal (the spawn itself takes milliseconds)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        with unpinned():                 # the server's CPU set is every worker's
+            forkserver.ensure_running()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _child_main(target, spec, conn, environ: dict) -> None:

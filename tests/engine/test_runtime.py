@@ -270,3 +270,19 @@ def test_a_step_timeout_names_the_rank_that_is_stopped():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_fork_server_ignores_sigint_from_its_start():
+    """Ctrl-C reaches the whole process group; the fork server must ignore it already while it
+    imports torch (it ignores SIGINT itself only after), else it prints its own traceback."""
+    probe = ("import multiprocessing.forkserver as fs\n"
+             "from batchinfer.engine.runtime.pool import start_fork_server\n"
+             "start_fork_server()\n"
+             "pid = fs._forkserver._forkserver_pid\n"
+             "status = open(f'/proc/{pid}/status').read()\n"
+             "ignored = int(status.split('SigIgn:')[1].split()[0], 16)\n"
+             "print(bool(ignored & (1 << (2 - 1))))\n")   # SIGINT is signal 2
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
