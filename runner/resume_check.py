@@ -309,8 +309,12 @@ def recipe_changes(old_yaml: str, new_yaml: str, most: int = 6) -> str:
     # the strategy (and any section's name) first, then the layout, then the rest by name
     order = sorted(old.keys() | new.keys(),
                    key=lambda key: (not key.endswith(".name"), not key.startswith("parallel."), key))
+    # a section whose name changed (another strategy) has other keys: its name says it
+    renamed = {key[:-len("name")] for key in order
+               if key.endswith(".name") and old.get(key) != new.get(key)}
     changed = [f"{key}: {yaml_spelling(old.get(key))} -> {yaml_spelling(new.get(key))}"
-               for key in order if old.get(key) != new.get(key)]
+               for key in order if old.get(key) != new.get(key)
+               and (key.endswith(".name") or not key.startswith(tuple(renamed)))]
     if not changed:
         return "its layout only"
     more = f"; {len(changed) - most} more" if len(changed) > most else ""

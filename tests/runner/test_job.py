@@ -546,6 +546,10 @@ def test_the_recipe_change_warning_names_what_changed():
     new = "strategy:\n  name: gllm\nparallel:\n  pp: 2\nsampling:\n  max_tokens: 8\n"
     assert recipe_changes(old, new) == "strategy.name: baseline -> gllm; parallel.pp: 1 -> 2"
     assert recipe_changes(old, old.replace("  pp: 1\n", "  pp:   1\n")) == "its layout only"
+    # another strategy's own keys are said by its name, not listed as null -> value
+    gllm = new.replace("  name: gllm\n", "  name: gllm\n  KV_thresh: 0.05\n  MaxP: 2048\n")
+    assert recipe_changes(old.replace("  name: baseline\n", "  name: baseline\n  policy: hb\n"),
+                          gllm) == "strategy.name: baseline -> gllm; parallel.pp: 1 -> 2"
 
 
 def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_recipe,
