@@ -34,6 +34,16 @@ def suggest(word: str, choices: Iterable[str]) -> Optional[str]:
     return matches[0] if matches else None
 
 
+def quoted_with_hints(names: Iterable[str], choices: Iterable[str], prefix: str = "") -> str:
+    """'name' (did you mean 'choice'?), ... for names that are not among `choices`."""
+    choices = list(choices)
+    out = []
+    for name in names:
+        hint = suggest(name, choices)
+        out.append(f"'{prefix}{name}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+    return ", ".join(out)
+
+
 def dotted(path: KeyPath) -> str:
     out = ""
     for part in path:

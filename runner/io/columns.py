@@ -13,7 +13,7 @@ import logging
 from typing import Iterable, Optional
 
 from ..recipe import IOConfig
-from ..recipe_errors import suggest
+from ..recipe_errors import quoted_with_hints
 
 log = logging.getLogger("batchinfer")
 # rows a JSON file's metadata columns are looked for in before a missing one is warned of
@@ -41,13 +41,9 @@ def schema_problem(io: IOConfig, columns: Iterable) -> Optional[str]:
     missing = [name for name in io.metadata_fields if name not in columns]
     if not missing:
         return None
-    named = []
-    for name in missing:
-        hint = suggest(name, columns)
-        named.append(f"'{name}'" + (f" (did you mean '{hint}'?)" if hint else ""))
     return (f"io.metadata_fields names {'columns' if len(missing) > 1 else 'a column'} the file "
-            f"does not have: {', '.join(named)} (columns: {_columns_text(columns)}); list "
-            "only the file's columns")
+            f"does not have: {quoted_with_hints(missing, columns)} (columns: "
+            f"{_columns_text(columns)}); list only the file's columns")
 
 
 def warn_metadata_fields_unused(io: IOConfig, path, fmt: str) -> None:
@@ -88,14 +84,11 @@ class MetadataPresence:
         self.done = True
         if not self.missing or not self.rows:
             return
-        names = []
-        for name in sorted(self.missing):
-            hint = suggest(name, self.seen_keys)
-            names.append(f"'{name}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+        names = quoted_with_hints(sorted(self.missing), self.seen_keys)
         rows = (f"the first {self.rows} rows" if self.rows >= PRESENCE_ROWS else
                 f"the {self.rows} row{'s' if self.rows > 1 else ''} read")
         one = len(self.missing) == 1
         _warn_once((str(self.path), "missing", tuple(sorted(self.missing))),
                    "%s: io.metadata_fields %s %s in none of %s (keys: %s); metadata holds null "
-                   "for %s", self.path, ", ".join(names), "is" if one else "are", rows,
+                   "for %s", self.path, names, "is" if one else "are", rows,
                    _columns_text(sorted(self.seen_keys)), "it" if one else "them")

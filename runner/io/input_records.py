@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from ..recipe_errors import dotted, suggest
+from ..recipe_errors import dotted, quoted_with_hints
 from batchinfer.engine.request import SAMPLING_KEYS, SamplingParams
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -124,12 +124,8 @@ def _unknown_keys(keys: set, allowed: set, where: str) -> Optional[str]:
     unknown = sorted(keys - allowed)
     if not unknown:
         return None
-    parts = []
-    for key in unknown:
-        hint = suggest(key, allowed)
-        parts.append(f"'{where}{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
-    return (f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; allowed: "
-            f"{', '.join(sorted(allowed))}")
+    return (f"unknown key{'s' if len(unknown) > 1 else ''} "
+            f"{quoted_with_hints(unknown, allowed, where)}; allowed: {', '.join(sorted(allowed))}")
 
 
 def _is_token_ids(prompt: Any) -> bool:
