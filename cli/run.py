@@ -115,6 +115,7 @@ def _dry_run(spec) -> None:
     from collections import Counter
 
     from batchinfer.runner.io.input_records import InputError
+    from batchinfer.runner.io.admission import check_recipe_stop_ids
     from batchinfer.runner.io.inputs import InputReader
     from batchinfer.runner.resume_check import (check_other_parts, check_resume,
                                                 recipe_change_warning)
@@ -124,6 +125,7 @@ def _dry_run(spec) -> None:
 
     source = model_source(spec.recipe.model)
     preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
+    check_recipe_stop_ids(spec.recipe.sampling, source.arch.vocab_size)
     warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:

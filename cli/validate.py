@@ -51,6 +51,10 @@ def validate(
         reader = InputReader(input, parsed.io, parsed.sampling)
         tokenizer, max_len, vocab = (_tokenizer(parsed) if tokenize
                                      else _checked_without_tokenizer(parsed))
+        if vocab:
+            from batchinfer.runner.io.admission import check_recipe_stop_ids
+
+            check_recipe_stop_ids(parsed.sampling, vocab)
 
     bad: list[dict] = []
     codes: Counter = Counter()
@@ -73,11 +77,12 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
                        "message": item.message}
         elif tokenizer is not None:
             from batchinfer.engine.admission import check_prompt_ids
-            from batchinfer.runner.io.admission import prompt_token_ids
+            from batchinfer.runner.io.admission import check_stop_token_ids, prompt_token_ids
 
             try:
                 check_prompt_ids(prompt_token_ids(item, tokenizer, parsed.io.chat_template),
                                  max_len, vocab)
+                check_stop_token_ids(item, vocab)
                 good += 1
                 continue
             except RequestError as exc:

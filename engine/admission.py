@@ -24,8 +24,11 @@ def check_length(num_tokens: int, max_model_len: int) -> None:
 
 def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
     """RequestError unless the prompt fits the model: check_length's rule, and every id in the
-    vocabulary (what engines check when they admit a request)."""
+    vocabulary (what engines check when they admit a request), and so its stop_token_ids."""
     check_prompt_ids(request.prompt_token_ids, max_model_len, vocab_size)
+    problem = request.sampling.stop_token_ids_problem(vocab_size)
+    if problem:
+        raise RequestError("invalid_sampling", f"stop_token_ids: {problem}")
 
 
 def check_prompt_ids(ids, max_model_len: int, vocab_size: int) -> None:

@@ -95,8 +95,13 @@ class Engine:
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"request {request.request_id!r}: sampling must be a SamplingParams, "
                             f"not {type(request.sampling).__name__}")
-        check_prompt(request, self.max_model_len,
-                     self.info.get("vocab_size") or self.tokenizer.vocab_size)
+        check_prompt(request, self.max_model_len, self.vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's token ids are 0..vocab_size-1 (its embedding's rows; the tokenizer's
+        length where the engine does not say)."""
+        return self.info.get("vocab_size") or self.tokenizer.vocab_size
 
     def _admit(self, request: Request, replica: Optional[int] = None) -> None:
         seq = Sequence(request=request, arrival_time=self.now())

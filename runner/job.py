@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from batchinfer.predictors.history import spec_text
-from .io.admission import build_request, prompt_token_ids
+from .io.admission import build_request, check_recipe_stop_ids, prompt_token_ids
 from batchinfer.engine.errors import ConfigError, RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
@@ -243,10 +243,11 @@ class Job(JobReports):
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
             engine = factory(self.recipe.engine_config())
-            problem = self.recipe.sampling.stop_token_ids_problem(engine.tokenizer.vocab_size)
-            if problem:     # every request would fail alike: a usage error, as validate's
+            try:        # every request would fail alike: a usage error, as validate's
+                check_recipe_stop_ids(self.recipe.sampling, engine.vocab_size)
+            except ConfigError:
                 engine.close()
-                raise ConfigError(f"sampling.stop_token_ids: {problem}")
+                raise
             self.engine = engine
             changed = numerics_changed(self._old_report.get("engine"),
                                        getattr(self.engine, "info", {}))

@@ -21,27 +21,30 @@ def render_plain(messages: list[dict]) -> str:
     return "\n".join(lines) + "\nassistant:"
 
 
-def check_stop_token_ids(spec: RequestSpec, vocab_size) -> None:
-    """The spec's stop_token_ids within the vocabulary, as prompt ids must be: a RequestError
-    (invalid_sampling) where the record set them, a ConfigError naming sampling.stop_token_ids
-    where they are the recipe's (every request would fail alike; validate exits 2)."""
-    if spec.sampling is None or not spec.sampling.stop_token_ids or not vocab_size:
+def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
+    """`batchinfer validate`'s check of the spec's stop_token_ids against the model's vocabulary
+    (the engine makes the same check as it admits a request: engine/admission.check_prompt): a
+    RequestError (invalid_sampling) where the record set them, the recipe's ConfigError
+    (check_recipe_stop_ids) where they are the recipe's."""
+    if "stop_token_ids" not in spec.sampling_keys:
         return
-    problem = spec.sampling.stop_token_ids_problem(int(vocab_size))
-    if problem is None:
-        return
-    if "stop_token_ids" in spec.sampling_keys:
+    problem = spec.sampling.stop_token_ids_problem(vocab_size) if spec.sampling else None
+    if problem:
         raise RequestError("invalid_sampling", f"{'body.' if spec.is_openai else ''}"
                            f"stop_token_ids: {problem}")
-    raise ConfigError(f"sampling.stop_token_ids: {problem}")
+
+
+def check_recipe_stop_ids(sampling, vocab_size: int) -> None:
+    """The recipe's stop_token_ids past the model's vocabulary: every request would fail alike,
+    so a usage error (validate, --dry-run and the job's start)."""
+    problem = sampling.stop_token_ids_problem(vocab_size)
+    if problem:
+        raise ConfigError(f"sampling.stop_token_ids: {problem}")
 
 
 def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") -> list[int]:
     """Tokens for `spec`: OpenAI token-id prompts as given, messages through the chat template
-    (unless chat_template is never), text prompts encoded (wrapped as a user turn when always).
-    The spec's stop_token_ids are checked against the tokenizer's vocabulary first (here, as
-    every caller, validate and the job alike, tokenizes through this)."""
-    check_stop_token_ids(spec, getattr(tokenizer, "vocab_size", None))
+    (unless chat_template is never), text prompts encoded (wrapped as a user turn when always)."""
     try:
         if isinstance(spec.prompt, list):
             return list(spec.prompt)

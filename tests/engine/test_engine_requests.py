@@ -186,3 +186,18 @@ def test_a_closed_engine_says_so(make_engine, tiny_engine_config):
                  lambda: engine.add_request(Request("r", [1, 2], greedy(max_tokens=2)))):
         with pytest.raises(RuntimeError, match="the engine is closed"):
             call()
+
+
+def test_stop_token_ids_are_checked_against_the_models_vocabulary(make_engine,
+                                                                  tiny_engine_config):
+    """As prompt ids are: the model's embedding rows (here 1,000, under the embedded tokenizer's
+    49,152 entries), so an id the model can never produce is refused when the request comes."""
+    model = {**tiny_engine_config["model"],
+             "hf_overrides": {**tiny_engine_config["model"]["hf_overrides"], "vocab_size": 1000}}
+    engine = make_engine(**{**tiny_engine_config, "model": model})
+    assert engine.vocab_size == 1000 < engine.tokenizer.vocab_size
+    with pytest.raises(RequestError, match=r"stop_token_ids: \[5000\] out of range; this "
+                                           r"model's token ids are 0..999") as exc:
+        engine.add_request(Request("r", [1, 2], greedy(max_tokens=2, stop_token_ids=[5000])))
+    assert exc.value.code == "invalid_sampling"
+    engine.add_request(Request("ok", [1, 2], greedy(max_tokens=2, stop_token_ids=[999])))

@@ -10,7 +10,6 @@ import pytest
 
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import SamplingParams
-from batchinfer.runner.io.admission import prompt_token_ids
 from batchinfer.runner.io.input_records import InputError, RequestSpec, parse_openai
 from batchinfer.runner.io.inputs import InputFileError, InputReader
 from batchinfer.runner.recipe import IOConfig
@@ -164,30 +163,29 @@ def test_openai_null_sampling_fields_mean_the_default():
 
 
 # --- stop token ids against the vocabulary ----------------------------------------------------------
-class _Tokenizer:
-    vocab_size = 100
-
-    def encode(self, text: str) -> list[int]:
-        return [1, 2, 3]
-
-
 def test_stop_token_ids_past_the_vocabulary(tmp_path):
     """A request's own: its error record (invalid_sampling); the recipe's: a ConfigError that
-    names sampling.stop_token_ids (validate exits 2), not one error per line."""
+    names sampling.stop_token_ids (validate exits 2), not one error per line. The vocabulary is
+    the model's, as for prompt ids."""
+    from batchinfer.runner.io.admission import check_recipe_stop_ids, check_stop_token_ids
+
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "a", "prompt": "Hi", "stop_token_ids": [5, 999999999]}\n'
                     '{"id": "b", "prompt": "Hi", "stop_token_ids": [99]}\n'
                     '{"id": "c", "prompt": "Hi", "stop_token_ids": [-1]}\n')
     first, second, third = _read(path)
     with pytest.raises(RequestError) as exc:
-        prompt_token_ids(first, _Tokenizer())
+        check_stop_token_ids(first, 100)
     assert exc.value.code == "invalid_sampling"
     assert exc.value.message == ("stop_token_ids: [999999999] out of range; this model's token "
                                  "ids are 0..99")
-    assert prompt_token_ids(second, _Tokenizer()) == [1, 2, 3]
+    check_stop_token_ids(second, 100)
+    with pytest.raises(RequestError):
+        check_stop_token_ids(second, 99)                 # the model's size, not a tokenizer's
     assert third.code == "invalid_sampling" and third.message.startswith("stop_token_ids[0]: ")
     plain = tmp_path / "plain.jsonl"
     plain.write_text('{"prompt": "Hi"}\n')
     (inherited,) = _read(plain, SamplingParams(stop_token_ids=[100]))
+    check_stop_token_ids(inherited, 100)                 # the recipe's: checked once, at start
     with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[100\] out of range"):
-        prompt_token_ids(inherited, _Tokenizer())
+        check_recipe_stop_ids(inherited.sampling, 100)

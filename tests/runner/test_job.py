@@ -575,7 +575,7 @@ def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_re
     with caplog.at_level("WARNING", logger="batchinfer"):
         assert run(other["gllm"], path, out, shared_engine).outputs == 4
     warning = [r.getMessage() for r in caplog.records if "recipe differs" in r.getMessage()][-1]
-    assert "(strategy.name: baseline -> gllm;" in warning
+    assert "(strategy.name: baseline -> gllm)" in warning
     assert (out / "recipe.resolved.yaml").read_text() == made_with
     sessions = json.loads((out / "run.json").read_text())["sessions"]
     assert [s["strategy"] for s in sessions] == ["baseline", "tdpipe", "gllm"]
