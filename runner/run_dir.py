@@ -364,12 +364,16 @@ class RunDir:
             except (OSError, RunDirWriteError) as exc:
                 log.warning("could not put %s back as it was: %s", self.path / name, exc)
         self._replaced.clear()
+        lock = self.path / LOCK
+        try:
+            if lock in self._created:
+                lock.unlink(missing_ok=True)   # while still held: no start can lock it after
+        except OSError:
+            pass
         self.close()
         try:
             for made in self._created:
-                if made.name == LOCK and made.parent == self.path:
-                    made.unlink(missing_ok=True)
-                else:
+                if made != lock:
                     made.rmdir()               # only while empty: anything else stays
         except OSError:
             pass
@@ -395,17 +399,24 @@ def read_json(path: Path) -> Optional[Any]:
 
 
 def _lock(path: Path) -> int:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    while True:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = "?"
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            raise RunDirError(f"{path} is in use by another batchinfer run (pid {holder or '?'}); "
+                              "wait for it to finish or pick another --output") from None
+        try:      # the file locked is still the directory's (not one a refused start removed)
+            if os.fstat(fd).st_ino == os.stat(path / LOCK).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
-        raise RunDirError(f"{path} is in use by another batchinfer run (pid {holder or '?'}); wait "
-                          "for it to finish or pick another --output") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -441,11 +452,16 @@ def _check_layout(root: Path, shard: Shard) -> None:
 def in_use(path: Path) -> bool:
     """True while a live run holds the directory's lock."""
     lock = Path(path) / LOCK
-    if not lock.exists():
-        return False
-    fd = os.open(lock, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise RunDirError(f"{lock} cannot be read ({exc.strerror or exc}) to tell whether a run "
+                          "holds the directory; fix its permissions or pick another --output") \
+            from None
+    try:    # shared: probes (several Slurm parts starting at once) never refuse each other
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         return True
     finally:

@@ -132,6 +132,24 @@ def test_a_part_cannot_start_beside_a_single_process_run_that_is_starting(tmp_pa
         RunDir.open(tmp_path / "raced")
 
 
+
+def test_parts_starting_together_do_not_refuse_each_other(tmp_path):
+    """Each part probes the run root's lock (a single-process run starting there?) with a shared
+    lock: a probe another part holds at that moment is no run."""
+    import fcntl
+
+    root = tmp_path / "run"
+    plain, _ = RunDir.open(root)          # a start that stopped before any result: its lock file
+    plain.close()
+    fd = os.open(root / ".lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)        # another part's probe, mid-way
+        part, _ = RunDir.open(root, Shard(0, 2))
+        part.close()
+    finally:
+        os.close(fd)
+
+
 def test_atomic_report_files(tmp_path):
     run_dir, _ = RunDir.open(tmp_path)
     run_dir.write_report({"status": "running"}, "# r\n", {"a.png": b"\x89PNG"})
