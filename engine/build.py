@@ -161,8 +161,9 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
 
     device = resolve_device(config.device.device)   # cuda asked for where torch sees none
     dtype = None if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
-    check_backend_choice(config.device.attention_backend, device.type, dtype)
-    check_quantization_setting(config.model.quantization, device.type, dtype)
+    if not getattr(config.strategy, "external_engine", False):   # another engine's settings
+        check_backend_choice(config.device.attention_backend, device.type, dtype)
+        check_quantization_setting(config.model.quantization, device.type, dtype)
     layout = ParallelLayout.resolve(config.parallel, arch)
     check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
@@ -171,7 +172,7 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
         _check_explicit_kv(config, arch, max_model_len)
     try:
         check_weights_fit(config, arch, device, dtype or (
-            torch.bfloat16 if _smallest_kv_element(config) == 2 else torch.float32),
+            torch.bfloat16 if 2 in _possible_kv_elements(config) else torch.float32),
             copies=config.parallel.dp)
     except ConfigError as exc:
         log.warning("on this host: %s (a run here would be refused)", exc)
@@ -180,14 +181,28 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
 def _check_explicit_kv(config: EngineConfig, arch: ModelArch, max_model_len: int) -> None:
     """The build's refusal of a cache smaller than one sequence, made before any weight loads,
     with the build's own sizing (one process, the workers' per-rank blocks, KV layer groups, or
-    the strategy's: StrategyParams.check_kv_budget) in the most compact element the recipe
-    allows (dtype auto may take bf16 where the device has it): only a cache too small in every
-    format is refused here. Only an explicit memory.kv_cache_memory: an automatic one depends on
-    the memory of the host that runs the job; another engine (`external_engine`) sizes its own."""
+    the strategy's: StrategyParams.check_kv_budget), for each element size the recipe may run
+    with (dtype auto may take bf16 or fp32 by the host): refused only where every one is
+    (blocks are whole, so a smaller element is not always the more lenient). Only an explicit
+    memory.kv_cache_memory: an automatic one depends on the memory of the host that runs the
+    job; another engine (`external_engine`) sizes its own."""
     strategy = config.strategy
     if config.cache.kv_cache_memory is None or getattr(strategy, "external_engine", False):
         return
-    element = _smallest_kv_element(config)
+    refusal = None
+    for element in _possible_kv_elements(config):
+        try:
+            _check_kv_in(config, arch, max_model_len, element)
+            return
+        except ConfigError as exc:
+            refusal = refusal or exc
+    raise refusal
+
+
+def _check_kv_in(config: EngineConfig, arch: ModelArch, max_model_len: int,
+                 element: int) -> None:
+    """_check_explicit_kv for one element size."""
+    strategy = config.strategy
     if strategy is not None and strategy.check_kv_budget(config, arch, max_model_len, element):
         return
     step = step_tokens(config, max_model_len)
@@ -222,21 +237,22 @@ def one_process_cache_spec(config: EngineConfig, arch: ModelArch, budget: int, g
     return spec
 
 
-def _smallest_kv_element(config: EngineConfig) -> int:
-    """2 where the cache may hold 16-bit elements (a 16-bit kv_cache_dtype or model dtype; auto
-    on CUDA, or on a CPU with native bf16 or flags unknown), else 4."""
+def _possible_kv_elements(config: EngineConfig) -> tuple[int, ...]:
+    """The bytes of a cached element the recipe may run with: 2 for a 16-bit kv_cache_dtype or
+    model dtype (and auto on CUDA), 4 for float32; auto on a CPU either where it has native
+    bf16 (or its flags are unknown: `dtype: auto` measures), else 4."""
     if config.cache.kv_cache_dtype != "auto" or config.model.dtype in ("bfloat16", "float16"):
-        return 2
+        return (2,)
     if config.model.dtype == "float32":
-        return 4
+        return (4,)
     if config.device.device == "cuda" or (config.device.device == "auto"
                                           and torch.cuda.is_available()):
-        return 2
+        return (2,)
     from .cpu_dtype import NATIVE_BF16_FLAGS
     from .host_cpu import cpu_identity
 
     flags = cpu_identity()[1]
-    return 2 if not flags or any(flag in flags for flag in NATIVE_BF16_FLAGS) else 4
+    return (2, 4) if not flags or any(flag in flags for flag in NATIVE_BF16_FLAGS) else (4,)
 
 
 def build_engine(config: EngineConfig) -> Engine:

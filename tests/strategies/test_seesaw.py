@@ -545,3 +545,21 @@ def test_validate_sizes_the_tiers_and_the_auto_alternatives_as_the_build_does(de
                   arch, 128)
     preflight(_seesaw_config(SeesawParams(decode_pp=2, **auto), {"pp": 2}, SMOL, "5MiB"),
               arch, 128)
+
+    # blocks are whole: a store of exactly the device cache's 10 blocks in fp32 (10.5 fit the
+    # device cache) is 20 against 21 in bf16; `dtype: auto` may run either, so no refusal
+    # unless the recipe fixes bf16
+    from batchinfer.engine.config import ParallelConfig
+    from batchinfer.engine.runtime.build import rank_bytes_per_block
+    from batchinfer.engine.runtime.layout import ParallelLayout
+    from batchinfer.strategies.seesaw.build import store_bytes_per_block
+
+    layout = ParallelLayout.resolve(ParallelConfig(pp=2), arch)
+    device_fp32 = max(rank_bytes_per_block(layout, arch, r, 16, 4) for r in range(2))
+    edge = SeesawParams(decode_tp=1, decode_pp=2,
+                        cpu_kv_cache_memory=store_bytes_per_block(arch, 16, 4) * 10)
+    kv = device_fp32 * 10 + device_fp32 // 2
+    preflight(_seesaw_config(edge, {"pp": 2}, SMOL, kv), arch, 128)
+    with pytest.raises(ConfigError, match="20 blocks of 16 tokens, fewer than the device "
+                                          "cache's 21"):
+        preflight(_seesaw_config(edge, {"pp": 2}, {**SMOL, "dtype": "bfloat16"}, kv), arch, 128)
