@@ -268,9 +268,11 @@ class Engine:
         (adding or stepping says so); closing again does nothing."""
         if self._closed:
             return
-        self._closed = any(rep.executor.stops_on_close for rep in self.replicas)
-        for rep in self.replicas:
-            rep.executor.close()
+        try:
+            for rep in self.replicas:
+                rep.executor.close()
+        finally:       # after every replica was asked: a failed close is not half a close
+            self._closed = any(rep.executor.stops_on_close for rep in self.replicas)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -172,17 +172,18 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
         log.warning("%s has no tokenizer files: the dummy model tokenizes with the embedded "
                     "SmolLM2 tokenizer (set model.tokenizer to use another)", model_dir)
     key = "model.tokenizer" if model_cfg.tokenizer else "model.path"
-    if not _has_tokenizer(source):
-        what = "holds no tokenizer files" if source.is_dir() else (
-            "is not a directory" if source.exists() else "does not exist")
-        raise ModelLoadError(f"{key}: {str(source)!r} {what}; give a directory with "
-                             "tokenizer.json, or tokenizer.model with tokenizer_config.json")
-    try:
+    wanted = "give a directory with tokenizer.json, or tokenizer.model with tokenizer_config.json"
+    if not source.is_dir():
+        what = "is not a directory" if source.exists() else "does not exist"
+        raise ModelLoadError(f"{key}: {str(source)!r} {what}; {wanted}")
+    try:      # whatever transformers can load (vocab.json + merges.txt too)
         hf = _hf_tokenizer(str(source.resolve()), _version(source))
     except Exception as exc:
-        raise ModelLoadError(f"{key}: {source}: cannot load a tokenizer ({exc}); a model "
-                             "directory needs tokenizer.json or tokenizer.model with "
-                             "tokenizer_config.json") from None
+        if not _has_tokenizer(source):
+            raise ModelLoadError(f"{key}: {str(source)!r} holds no tokenizer files; {wanted}") \
+                from None
+        raise ModelLoadError(f"{key}: {source}: cannot load a tokenizer ({exc}); {wanted}") \
+            from None
     return Tokenizer(hf, model_id or str(source), eos_token_ids)
 
 

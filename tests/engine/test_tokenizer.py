@@ -106,3 +106,27 @@ def test_a_sentencepiece_tokens_text_and_bytes_replace_the_space_marker_and_read
     assert b"".join(tok.token_bytes(i) for i in pieces) == "日".encode("utf-8")
     assert tok.token_text(pieces[0]) == "\ufffd"
     assert tok.token_text(2) == "</s>"
+
+
+def test_a_tokenizer_folder_transformers_can_load_is_loaded(tmp_path):
+    """Not only tokenizer.json / tokenizer.model: a GPT-2 style folder (vocab.json and
+    merges.txt, the model type in config.json) loads as transformers loads it; a folder with
+    nothing to load says so."""
+    import json
+
+    from batchinfer.engine.config import ModelConfig
+    from batchinfer.engine.errors import ModelLoadError
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.tokenizer import load_tokenizer
+
+    embedded = json.loads((resolve_model_dir(None)[0] / "tokenizer.json").read_text())["model"]
+    (tmp_path / "vocab.json").write_text(json.dumps(embedded["vocab"]))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in embedded["merges"]]
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    reference = load_tokenizer(ModelConfig())
+    assert load_tokenizer(ModelConfig(tokenizer=str(tmp_path))).encode("hello world") == \
+        reference.encode("hello world")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="model.tokenizer: .*empty' holds no tokenizer files"):
+        load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "empty")))
