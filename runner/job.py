@@ -414,12 +414,14 @@ class Job(JobReports):
 
     # --- reporting: runner/job_report.py (JobReports) -----------------------------------------
     def _finish(self, status: str, message: str) -> None:
+        kept = self._kept()    # a session that ran nothing: no sample, the results' plots
         try:
-            self._tick(force=True, report=False)
+            if not kept:
+                self._tick(force=True, report=False)
             # after a signal the plots keep their last refresh: drawing takes seconds, and a
             # signalled job must exit within a few
             self._write_report(status, message or None, final=True,
-                               draw=self.signals.received is None)
+                               draw=self.signals.received is None and not kept)
         except RunDirWriteError as exc:
             log.error("could not write the final report: %s", exc)
         except Exception:

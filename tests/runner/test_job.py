@@ -566,7 +566,9 @@ def test_the_recipe_kept_is_the_one_the_results_were_made_with(tmp_path, tiny_re
     other = {name: Recipe(**{**tiny_recipe.model_dump(), "strategy": {"name": name}})
              for name in ("tdpipe", "gllm")}
     report = json.loads((out / "report.json").read_text())
+    metrics = (out / "metrics.jsonl").read_text()
     run(other["tdpipe"], path, out, shared_engine, limit=2)      # nothing left: no result added
+    assert (out / "metrics.jsonl").read_text() == metrics        # no sample of an idle session
     assert (out / "recipe.resolved.yaml").read_text() == made_with
     # and the report stays the one of the session that made the results
     kept = json.loads((out / "report.json").read_text())
