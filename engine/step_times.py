@@ -206,7 +206,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         points = []
         for size in sorted(set(decode_batch_sizes)):
             seconds = timed([ctx] * size, ctx + 1, "decode")
-            if seconds is None:
+            if seconds is None and ctx == asked[0]:     # (shorter tries are warned once)
                 log.info("step profile: decode batch %d skipped (KV cache too small)", size)
             else:
                 points.append((size, seconds))
@@ -217,7 +217,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         for tokens in sorted(set(prefill_tokens)):
             lengths = [plen] * (tokens // plen) + ([tokens % plen] if tokens % plen else [])
             seconds = timed(lengths, max(lengths), "prefill")
-            if seconds is None:
+            if seconds is None and plen == asked[1]:
                 log.info("step profile: prefill of %d tokens skipped (KV cache too small)", tokens)
             else:
                 points.append((tokens, seconds))
@@ -238,9 +238,10 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         if reset is not None:     # the report's bubble ratios are about the job, not the profile
             reset()
     if not decode or not prefill:
-        kind, key, smallest = (("decode batch", keys[0], f"{min(decode_batch_sizes)} sequences "
-                                f"at {context_len} tokens") if not decode else
-                               ("prefill micro-batch", keys[1], f"{min(prefill_tokens)} tokens"))
+        kind, key, smallest = (("decode batch", keys[0], f"{min(decode_batch_sizes)} sequence(s) "
+                                "of any length") if not decode else
+                               ("prefill micro-batch", keys[1], f"{min(prefill_tokens)} tokens "
+                                "in prompts of any length"))
         per_replica = engine.stats().get("kv_capacity_tokens", 0) // len(engine.replicas)
         raise ConfigError(
             f"{key}: the KV cache ({per_replica} tokens a replica) cannot hold even the smallest "
