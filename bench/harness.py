@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import yaml
 
+from batchinfer.engine.cpu_load import busy_text
 from batchinfer.engine.errors import ConfigError
 from batchinfer.runner.recipe import load_recipe
 
@@ -169,7 +170,7 @@ def bench_host() -> dict:
     if busy:
         log.warning("CPU(s) %s are busy with other processes as the bench starts: its figures "
                     "and ratios carry that load; bench again on an idle host",
-                    ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items())))
+                    busy_text(busy))
     return {**host_record(), "date": datetime.datetime.now().astimezone().isoformat(
         timespec="seconds"), "batchinfer_version": __version__,
         "busy_cpus_at_start": {str(cpu): round(share, 2) for cpu, share in busy.items()}}
@@ -211,8 +212,7 @@ def table_rows(result: dict) -> list[list[str]]:
 def markdown(result: dict) -> str:
     host = result.get("host") or {}
     isa = ", ".join(host.get("isa") or []) or "none of the listed ISA flags"
-    busy = ", ".join(f"{cpu} ({share:.0%})"
-                     for cpu, share in (host.get("busy_cpus_at_start") or {}).items())
+    busy = busy_text(host.get("busy_cpus_at_start") or {})
     lines = [f"# batchinfer bench: {Path(result['workload']).name}", "",
              f"Medians of {result['repeats']} runs per configuration (alternating order); "
              f"baseline: {result['baseline']}.", "",

@@ -1,3 +1,3 @@
-from .main import app
+from .main import cli
 
-app(prog_name="batchinfer")
+cli(prog_name="batchinfer")

@@ -47,15 +47,15 @@ app.command("bench", help=bench_cmd.HELP, epilog=bench_cmd.EPILOG)(bench_cmd.ben
 app.add_typer(predictor_cmd.app, name="predictor")
 
 
-def cli() -> None:
+def cli(prog_name: Optional[str] = None) -> None:
     """The console script: `app`, except that a command given --json answers an arguments error
     (caught by click before the command runs: a missing --input, an unknown option) with one JSON
     object on stdout too, as its own errors do."""
     if "--json" not in sys.argv[1:]:
-        app()
+        app(prog_name=prog_name)
         return
     try:
-        code = app(standalone_mode=False)
+        code = app(prog_name=prog_name, standalone_mode=False)
     except _arguments_error() as exc:
         exc.show()
         typer.echo(json.dumps({"recipe": None, "input": None, "error": exc.format_message(),

@@ -75,6 +75,12 @@ def busy_cpus(cpus: list[int]) -> dict[int, float]:
     return {cpu: share for cpu, share in _measured[key].items() if share > BUSY_FRACTION}
 
 
+def busy_text(busy: dict) -> str:
+    """'0 (93%), 1 (88%)': busy CPUs and their busy shares, for warnings and records."""
+    return ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items(),
+                                                                    key=lambda i: int(i[0])))
+
+
 def known_busy(cpus: list[int]) -> set[int]:
     """The CPUs of `cpus` this process has already found busy (busy_cpus), without measuring
     anew: pinning (cpu_binding) puts its threads on the free ones first."""
@@ -95,7 +101,7 @@ def threads_beside_busy_cpus(cpus: list[int],
     if key in _warned:
         return free
     _warned.add(key)
-    named = ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items()))
+    named = busy_text(busy)
     log.warning("CPU(s) %s of the %d this job may use are busy with other processes: the engine "
                 "runs %d thread(s) instead of %d (threads waiting on a busy core stall the others: "
                 "one fewer thread ran 1.9x faster in a measured case). Set device.num_threads to "

@@ -48,14 +48,14 @@ def warn_if_host_busy() -> None:
     would record the slowdown as this machine's speed. Where some CPUs are free the engine
     also takes fewer threads (its own warning), and the table plans for those cores only."""
     from batchinfer.engine.cpu_binding import allowed_cpus
-    from batchinfer.engine.cpu_load import busy_cpus
+    from batchinfer.engine.cpu_load import busy_cpus, busy_text
 
     cpus = allowed_cpus()
     busy = busy_cpus(cpus)
     if not busy or tuple(cpus) in _warned_busy:
         return
     _warned_busy.add(tuple(cpus))
-    named = ", ".join(f"{cpu} ({share:.0%})" for cpu, share in sorted(busy.items()))
+    named = busy_text(busy)
     log.warning("CPU(s) %s of the %d this profile may use are busy with other processes: the "
                 "profile times this machine as it is now and records the slowdown as its "
                 "speed; profile again when the host is idle (or plan with --table and a table "
