@@ -86,6 +86,8 @@ class CostModel(Protocol):
     # what the engine's KV budget reads (engine/build.py kv_budget): the device and its memory
     device: str                              # cpu | cuda
     memory_bytes: int                        # free memory of one device (host RAM on CPU)
+    # memory_bytes is the whole card (a preset), not the room a measured run had for weights + KV
+    memory_is_card: bool
 
 
 def ffn_share(arch) -> float:
@@ -114,6 +116,7 @@ class MeasuredCostModel:
         self.kv_bytes_per_token = table.kv_bytes_per_token
         self.device = table.hardware.get("device", "cpu")
         self.memory_bytes = table.memory_available_bytes
+        self.memory_is_card = False
         self.logits_bytes = 4 * int(table.model["vocab_size"])
         self._sampling_threads = min(table.compute)        # a sampler process: one thread
 

@@ -107,6 +107,7 @@ class RooflineCostModel:
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
         self.logits_bytes = 4 * arch.vocab_size
         self.device, self.memory_bytes = "cuda", int(hardware.memory)
+        self.memory_is_card = True
         self.attn_params = arch.hidden_size * (2 * arch.q_size + 2 * arch.kv_size)
         self.peak_flops = hardware.tflops * 1e12 * COMPUTE_EFFICIENCY
         self.bandwidth = hardware.memory_bandwidth * MEMORY_EFFICIENCY

@@ -119,16 +119,19 @@ def check_rank_memory(config: EngineConfig, layout: ParallelLayout, arch: ModelA
     sizes them). Without it an explicit KV simulated 145 GB of weights on a 24 GB card, and an
     automatic one said "leaves 0 KV tokens". As the engine measures a card: an explicit KV
     against its whole memory (gpu_memory.kv_budget_on_gpu), an automatic one against its
-    memory_utilization share. CPU ranks share the host's memory: the run's own
-    check_weights_fit refuses there."""
+    memory_utilization share; a measured table's memory is already what its run had for weights
+    and KV. CPU ranks share the host's memory: the run's own check_weights_fit refuses there."""
     if cost_device(cost).type != "cuda":
         return
     weights = arch.num_params() * dtype_bytes // layout.ranks_per_replica
-    headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_num_seqs, dtype_bytes)
     asked = config.cache.kv_cache_memory
     memory = cost.memory_bytes
-    room = memory if asked is not None else int(memory * config.cache.memory_utilization)
+    if getattr(cost, "memory_is_card", True):
+        headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
+                                       config.scheduler.max_num_seqs, dtype_bytes)
+        room = memory if asked is not None else int(memory * config.cache.memory_utilization)
+    else:       # a measured table's memory is what its run had for weights + KV, already net
+        headroom, room = 0, memory
     if weights + headroom + (int(asked) if asked is not None else 0) <= room:
         return
     kv = f" + memory.kv_cache_memory {int(asked) / GiB:.2f} GiB" if asked is not None else ""

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.errors import ConfigError
 from batchinfer.sim.profile_table import ProfileTable
 
 
@@ -155,3 +156,26 @@ def test_an_idle_host_or_the_check_off_gives_no_warning(monkeypatch, caplog):
     monkeypatch.setenv("BATCHINFER_CPU_BUSY_CHECK", "0")
     profiler.warn_if_host_busy()
     assert not [r for r in caplog.records if "this profile may use" in r.getMessage()]
+
+
+def test_a_measured_gpu_tables_memory_is_already_net_of_working_memory():
+    """A measured GPU table's memory is the room its run had for weights + KV (after the working
+    memory and the unused share); only a preset's is the whole card. A layout that fits that room
+    is not refused for working memory counted twice."""
+    from batchinfer.engine.config import ParallelConfig
+    from batchinfer.engine.model.arch import arch_from_dict
+    from batchinfer.engine.runtime.layout import ParallelLayout
+    from batchinfer.sim.simulator import check_rank_memory
+
+    arch = arch_from_dict({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
+                           "num_hidden_layers": 8, "num_attention_heads": 16,
+                           "num_key_value_heads": 4, "vocab_size": 32000})
+    layout = ParallelLayout.resolve(ParallelConfig(), arch)
+    weights = arch.num_params() * 2
+    config = EngineConfig(cache={"kv_cache_memory": 1 << 30})
+    measured = SimpleNamespace(device="cuda", memory_bytes=weights + (1 << 30) + (1 << 20),
+                               memory_is_card=False)
+    check_rank_memory(config, layout, arch, measured, 2)
+    card = SimpleNamespace(**{**vars(measured), "memory_is_card": True})
+    with pytest.raises(ConfigError, match="working memory"):
+        check_rank_memory(config, layout, arch, card, 2)
