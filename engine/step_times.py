@@ -206,10 +206,10 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         points = []
         for size in sorted(set(decode_batch_sizes)):
             seconds = timed([ctx] * size, ctx + 1, "decode")
-            if seconds is None and ctx == asked[0]:     # (shorter tries are warned once)
-                log.info("step profile: decode batch %d skipped (KV cache too small)", size)
-            else:
+            if seconds is not None:
                 points.append((size, seconds))
+            elif ctx == asked[0]:              # (shorter tries are warned of once, after)
+                log.info("step profile: decode batch %d skipped (KV cache too small)", size)
         return points
 
     def prefill_points(plen: int) -> list[tuple[int, float]]:
@@ -217,10 +217,10 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
         for tokens in sorted(set(prefill_tokens)):
             lengths = [plen] * (tokens // plen) + ([tokens % plen] if tokens % plen else [])
             seconds = timed(lengths, max(lengths), "prefill")
-            if seconds is None and plen == asked[1]:
-                log.info("step profile: prefill of %d tokens skipped (KV cache too small)", tokens)
-            else:
+            if seconds is not None:
                 points.append((tokens, seconds))
+            elif plen == asked[1]:
+                log.info("step profile: prefill of %d tokens skipped (KV cache too small)", tokens)
         return points
 
     try:
