@@ -119,7 +119,7 @@ def _dry_run(spec) -> None:
     from batchinfer.runner.io.inputs import InputReader
     from batchinfer.runner.resume_check import (check_other_parts, check_resume,
                                                 recipe_change_warning)
-    from batchinfer.runner.run_dir import MANIFEST, RECIPE, RunDir
+    from batchinfer.runner.run_dir import MANIFEST, RECIPE, RunDir, in_use
 
     from batchinfer.engine.build import model_source, preflight
 
@@ -151,6 +151,9 @@ def _dry_run(spec) -> None:
         else:
             to_run += 1
     typer.echo(f"dry run: {spec.input_path} ({reader.format}), run directory {run_dir.path}")
+    if in_use(run_dir.path):
+        typer.echo("  a run is using this directory now: the counts below are moving, and a "
+                   "run started now would be refused until it ends")
     typer.echo(f"  already done: {prior.num_outputs} outputs, {prior.num_errors} errors "
                f"({reader.skipped_done} input records skipped)")
     typer.echo(f"  would run: {to_run} requests")

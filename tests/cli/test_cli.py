@@ -328,6 +328,15 @@ def test_dry_run_writes_nothing(runner, tiny, tmp_path):
     assert result.exit_code == 0, result.output
     assert "would run: 2 requests" in result.output and "invalid_json 1" in result.output
     assert not out.exists()
+    from batchinfer.runner.run_dir import RunDir
+
+    held, _ = RunDir.open(out)             # a run going on there
+    try:
+        result = runner.invoke(app, ["run", str(tiny), "-i", str(prompts), "-o", str(out),
+                                     "--dry-run"])
+    finally:
+        held.close()
+    assert result.exit_code == 0 and "a run is using this directory now" in result.output
 
 
 def test_run_exit_codes_and_report_command(runner, tiny, tmp_path):
