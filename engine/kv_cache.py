@@ -395,6 +395,7 @@ class KVCacheSpec:
 
 
 HUGE_PAGE = 2 << 20
+TOUCH_BYTES = 256 << 20     # the KV cache's first touch, a piece at a time
 
 
 def _huge_page_storage(shape: tuple, dtype):
@@ -417,9 +418,12 @@ def _huge_page_storage(shape: tuple, dtype):
         return None
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
-    storage = raw[start:start + nbytes].view(dtype).view(shape)
-    storage.zero_()
-    return storage
+    flat = raw[start:start + nbytes]
+    # touched a piece at a time: faulting in GiBs takes seconds, and a signal's handler (a stop
+    # during setup) runs between pieces, not only after the last
+    for offset in range(0, nbytes, TOUCH_BYTES):
+        flat[offset:offset + TOUCH_BYTES].zero_()
+    return flat.view(dtype).view(shape)
 
 
 def _anon_huge_page_bytes() -> int:
