@@ -15,7 +15,7 @@ HELP = """Pick the strategy and parallel layout for a job by simulating it.
 
 Samples the input lengths of --input and the output lengths from the recipe's predictor (or --history), then simulates every applicable strategy (baseline SB / HB, TD-Pipe, gLLM, the recipe's own) on every (tp, pp, dp) layout with the engine's real schedulers, and prints them ranked by predicted output tok/s with KV capacity and pipeline bubble ratio. Writes profile_table.json (measured), ranking.json and best_recipe.yaml to --out.
 
---hardware measured (default) profiles this machine for the recipe's model first (a few minutes, with a progress bar on a terminal, else a timestamped line every 10 s; it warns when other processes keep CPUs busy; reuse the table with --table). A preset (a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200) plans for GPUs that are not here, with a roofline cost model of their specs; --model then names one of the papers' models (llama2-13b, codellama-34b, llama3.1-70b, qwen2.5-14b, qwen2.5-32b, qwen2.5-72b) if the recipe's is not the one to plan for.
+--hardware measured (default) profiles this machine for the recipe's model first (a few minutes, with a progress bar on a terminal, else a timestamped line every 10 s; it warns when other processes keep CPUs busy; reuse the table with --table). A preset (a10, l4, l20, a100-pcie, a100-sxm, h100, h20, h200) plans for GPUs that are not here, with a roofline cost model of their specs; --model then names a preset model (the papers' llama2-13b, codellama-34b, llama3.1-70b, qwen2.5-14b, qwen2.5-32b, qwen2.5-72b, and qwen3-30b-a3b) if the recipe's is not the one to plan for.
 
 Examples:
 

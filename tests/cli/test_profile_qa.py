@@ -115,3 +115,10 @@ def test_the_command_prints_progress_lines_when_stderr_is_no_terminal(tmp_path):
     assert result.exit_code == 0, result.output
     assert re.search(r"\d\d:\d\d:\d\d batchinfer profile: reading the workload \(step 0 of 1\)",
                      result.output)
+
+
+def test_profile_help_names_every_model_preset():
+    from batchinfer.cli.profile import HELP
+    from batchinfer.sim.model_presets import MODEL_PRESETS
+
+    assert all(name in HELP for name in MODEL_PRESETS)
