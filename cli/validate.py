@@ -135,7 +135,7 @@ def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
         return None, None, 0
     arch = load_arch(model_dir, recipe.model.hf_overrides or None)
     preflight(recipe.engine_config(), arch, _max_model_len(recipe.model.max_model_len, arch))
-    return None, None, 0
+    return None, None, arch.vocab_size
 
 
 def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:

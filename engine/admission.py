@@ -26,7 +26,13 @@ def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
     """RequestError unless the prompt fits the model: check_length's rule, and every id in the
     vocabulary (what engines check when they admit a request), and so its stop_token_ids."""
     check_prompt_ids(request.prompt_token_ids, max_model_len, vocab_size)
-    problem = request.sampling.stop_token_ids_problem(vocab_size)
+    check_stop_ids(request.sampling, vocab_size)
+
+
+def check_stop_ids(sampling, vocab_size: int) -> None:
+    """A request's stop_token_ids past the vocabulary (ids it can never produce): a RequestError
+    (invalid_sampling), as the engine admits it and as `batchinfer validate` checks it."""
+    problem = sampling.stop_token_ids_problem(vocab_size)
     if problem:
         raise RequestError("invalid_sampling", f"stop_token_ids: {problem}")
 

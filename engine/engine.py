@@ -268,11 +268,15 @@ class Engine:
         (adding or stepping says so); closing again does nothing."""
         if self._closed:
             return
-        try:
-            for rep in self.replicas:
+        failed = None
+        for rep in self.replicas:      # every replica is asked, whatever one of them raises
+            try:
                 rep.executor.close()
-        finally:       # after every replica was asked: a failed close is not half a close
-            self._closed = any(rep.executor.stops_on_close for rep in self.replicas)
+            except Exception as exc:   # noqa: BLE001 - raised once all were asked
+                failed = failed or exc
+        self._closed = any(rep.executor.stops_on_close for rep in self.replicas)
+        if failed is not None:
+            raise failed
 
     def _check_open(self) -> None:
         if self._closed:

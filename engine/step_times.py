@@ -208,7 +208,7 @@ def profile_step_times(engine, decode_batch_sizes: list[int], prefill_tokens: li
             seconds = timed([ctx] * size, ctx + 1, "decode")
             if seconds is not None:
                 points.append((size, seconds))
-            elif ctx == asked[0]:              # (shorter tries are warned of once, after)
+            elif ctx == asked[0]:        # (at shorter lengths: one warning at the end)
                 log.info("step profile: decode batch %d skipped (KV cache too small)", size)
         return points
 

@@ -176,20 +176,28 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
     if not source.is_dir():
         what = "is not a directory" if source.exists() else "does not exist"
         raise ModelLoadError(f"{key}: {str(source)!r} {what}; {wanted}")
-    try:      # whatever transformers can load (vocab.json + merges.txt too)
+    if not _has_tokenizer(source):     # (transformers may build an empty one from config.json)
+        raise ModelLoadError(f"{key}: {str(source)!r} holds no tokenizer files; {wanted}")
+    try:
         hf = _hf_tokenizer(str(source.resolve()), _version(source))
     except Exception as exc:
-        if not _has_tokenizer(source):
-            raise ModelLoadError(f"{key}: {str(source)!r} holds no tokenizer files; {wanted}") \
-                from None
         raise ModelLoadError(f"{key}: {source}: cannot load a tokenizer ({exc}); {wanted}") \
             from None
+    if len(hf) < 2:
+        raise ModelLoadError(f"{key}: {source}: the tokenizer loaded has {len(hf)} token(s); "
+                             f"{wanted}")
     return Tokenizer(hf, model_id or str(source), eos_token_ids)
 
 
+# a tokenizer's own files: one of these (or a vocabulary with its merges) is needed
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
 def _has_tokenizer(folder: Path) -> bool:
-    return folder.is_dir() and any((folder / name).is_file() for name in
-                                   ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return folder.is_dir() and (
+        any((folder / name).is_file() for name in TOKENIZER_FILES)
+        or all((folder / name).is_file() for name in ("vocab.json", "merges.txt")))
 
 
 def _version(source: Path) -> tuple:

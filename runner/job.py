@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from batchinfer.predictors.history import spec_text
 from .io.admission import build_request, check_recipe_stop_ids, prompt_token_ids
-from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader
@@ -245,8 +245,8 @@ class Job(JobReports):
             engine = factory(self.recipe.engine_config())
             try:        # every request would fail alike: a usage error, as validate's
                 check_recipe_stop_ids(self.recipe.sampling, engine.vocab_size)
-            except ConfigError:
-                engine.close()
+            except BaseException:
+                engine.close()      # (its workers, or another engine's process)
                 raise
             self.engine = engine
             changed = numerics_changed(self._old_report.get("engine"),

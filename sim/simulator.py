@@ -119,27 +119,33 @@ def check_rank_memory(config: EngineConfig, layout: ParallelLayout, arch: ModelA
     sizes them). Without it an explicit KV simulated 145 GB of weights on a 24 GB card, and an
     automatic one said "leaves 0 KV tokens". As the engine measures a card: an explicit KV
     against its whole memory (gpu_memory.kv_budget_on_gpu), an automatic one against its
-    memory_utilization share; a measured table's memory is already what its run had for weights
-    and KV. CPU ranks share the host's memory: the run's own check_weights_fit refuses there."""
+    memory_utilization share; a measured table's memory is what its run had for weights and KV,
+    which the weights alone must fit. CPU ranks share the host's memory: the run's own
+    check_weights_fit refuses there."""
     if cost_device(cost).type != "cuda":
         return
     weights = arch.num_params() * dtype_bytes // layout.ranks_per_replica
     asked = config.cache.kv_cache_memory
     memory = cost.memory_bytes
-    if getattr(cost, "memory_is_card", True):
-        headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
-                                       config.scheduler.max_num_seqs, dtype_bytes)
-        room = memory if asked is not None else int(memory * config.cache.memory_utilization)
-    else:       # a measured table's memory is what its run had for weights + KV, already net
-        headroom, room = 0, memory
+    where = f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp}: the weights"
+    if not getattr(cost, "memory_is_card", True):
+        # a measured table's memory is the room its run had for weights + KV (the card less its
+        # working memory, at its memory_utilization): the weights alone must fit it; a KV asked
+        # past it may still fit the card, as the engine decides
+        if weights > memory:
+            raise ConfigError(f"{where} ({weights / GiB:.1f} GiB a rank) do not fit the "
+                              f"{memory / GiB:.1f} GiB the measured GPU had for weights and KV")
+        return
+    headroom = activation_headroom(arch, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_num_seqs, dtype_bytes)
+    room = memory if asked is not None else int(memory * config.cache.memory_utilization)
     if weights + headroom + (int(asked) if asked is not None else 0) <= room:
         return
     kv = f" + memory.kv_cache_memory {int(asked) / GiB:.2f} GiB" if asked is not None else ""
     card = (f"{memory / GiB:.1f} GiB" if asked is not None else
             f"{memory / GiB:.1f} GiB x memory.memory_utilization "
             f"{config.cache.memory_utilization} = {room / GiB:.1f} GiB")
-    raise ConfigError(f"parallel: tp={layout.tp} pp={layout.pp} dp={layout.dp}: the weights "
-                      f"({weights / GiB:.1f} GiB a rank){kv} + working memory "
+    raise ConfigError(f"{where} ({weights / GiB:.1f} GiB a rank){kv} + working memory "
                       f"{headroom / GiB:.2f} GiB do not fit the GPU's {card}")
 
 

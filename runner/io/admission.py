@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.admission import check_stop_ids
 from batchinfer.engine.request import Request
 
 from .input_records import RequestSpec
@@ -22,16 +23,11 @@ def render_plain(messages: list[dict]) -> str:
 
 
 def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
-    """`batchinfer validate`'s check of the spec's stop_token_ids against the model's vocabulary
-    (the engine makes the same check as it admits a request: engine/admission.check_prompt): a
-    RequestError (invalid_sampling) where the record set them, the recipe's ConfigError
-    (check_recipe_stop_ids) where they are the recipe's."""
-    if "stop_token_ids" not in spec.sampling_keys:
-        return
-    problem = spec.sampling.stop_token_ids_problem(vocab_size) if spec.sampling else None
-    if problem:
-        raise RequestError("invalid_sampling", f"{'body.' if spec.is_openai else ''}"
-                           f"stop_token_ids: {problem}")
+    """`batchinfer validate`'s check of the stop_token_ids a record sets itself, as the engine
+    checks them when it admits the request (engine/admission.check_stop_ids); the recipe's are
+    checked once, at start (check_recipe_stop_ids)."""
+    if "stop_token_ids" in spec.sampling_keys and spec.sampling is not None:
+        check_stop_ids(spec.sampling, vocab_size)
 
 
 def check_recipe_stop_ids(sampling, vocab_size: int) -> None:

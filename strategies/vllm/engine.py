@@ -49,7 +49,7 @@ class VllmEngine:
         self.max_model_len = facts["max_model_len"]
         self.info = info
         self._facts = facts
-        self._vocab_size = vocab_size
+        self.vocab_size = vocab_size          # the model's token ids are 0..vocab_size-1
         self._running: dict[str, tuple[Request, float]] = {}
         self._events: list[dict] = []
         self._preemptions = 0
@@ -100,7 +100,7 @@ class VllmEngine:
         if request.request_id in self._running:
             raise RequestError("duplicate_id",
                                f"request id {request.request_id!r} is already running")
-        check_prompt(request, self.max_model_len, self._vocab_size)
+        check_prompt(request, self.max_model_len, self.vocab_size)
         self._send({"op": "add", "id": request.request_id,
                     "prompt_token_ids": request.prompt_token_ids,
                     "sampling": sampling_args(request)})

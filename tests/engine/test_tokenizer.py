@@ -110,8 +110,8 @@ def test_a_sentencepiece_tokens_text_and_bytes_replace_the_space_marker_and_read
 
 def test_a_tokenizer_folder_transformers_can_load_is_loaded(tmp_path):
     """Not only tokenizer.json / tokenizer.model: a GPT-2 style folder (vocab.json and
-    merges.txt, the model type in config.json) loads as transformers loads it; a folder with
-    nothing to load says so."""
+    merges.txt, the model type in config.json) loads as transformers loads it; a folder without
+    a tokenizer's files says so (not a tokenizer transformers builds empty from config.json)."""
     import json
 
     from batchinfer.engine.config import ModelConfig
@@ -127,6 +127,8 @@ def test_a_tokenizer_folder_transformers_can_load_is_loaded(tmp_path):
     reference = load_tokenizer(ModelConfig())
     assert load_tokenizer(ModelConfig(tokenizer=str(tmp_path))).encode("hello world") == \
         reference.encode("hello world")
+    # a config.json alone: transformers would build an empty Qwen2 tokenizer from it
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(ModelLoadError, match="model.tokenizer: .*empty' holds no tokenizer files"):
         load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "empty")))

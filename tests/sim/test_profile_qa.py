@@ -176,6 +176,11 @@ def test_a_measured_gpu_tables_memory_is_already_net_of_working_memory():
     measured = SimpleNamespace(device="cuda", memory_bytes=weights + (1 << 30) + (1 << 20),
                                memory_is_card=False)
     check_rank_memory(config, layout, arch, measured, 2)
+    # a KV asked past the measured room may still fit the card: the engine decides
+    check_rank_memory(EngineConfig(cache={"kv_cache_memory": 4 << 30}), layout, arch, measured, 2)
     card = SimpleNamespace(**{**vars(measured), "memory_is_card": True})
     with pytest.raises(ConfigError, match="working memory"):
         check_rank_memory(config, layout, arch, card, 2)
+    small = SimpleNamespace(**{**vars(measured), "memory_bytes": weights // 2})
+    with pytest.raises(ConfigError, match="do not fit the .* GiB the measured GPU had"):
+        check_rank_memory(config, layout, arch, small, 2)
