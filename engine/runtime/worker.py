@@ -76,14 +76,14 @@ class WorkerSpec:
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
 
 
-def _die_with_parent_and_name(rank: int) -> None:
+def _die_with_parent_and_name(name: str) -> None:
     """Linux: the kernel kills this worker if its parent dies (the fork server, which exits
     with the controller: so even a kill -9 of the controller ends it), and the process gets a
-    name that tells the ranks apart in ps and top."""
+    name that tells the ranks (and helper processes) apart in ps and top."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)                                         # PR_SET_PDEATHSIG
-        libc.prctl(15, ctypes.c_char_p(f"{PROCESS_NAME_PREFIX}{rank}".encode()[:15]))  # PR_SET_NAME
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]))                  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 
@@ -92,10 +92,11 @@ def worker_main(spec: WorkerSpec, conn) -> None:
     run_child(spec.rank, conn, lambda: Worker(spec, conn).run())
 
 
-def run_child(rank: int, conn, body) -> None:
-    """A spawned process's frame: dies with the controller, leaves SIGINT / SIGTERM to it, and reports any
-    exception (with its traceback) on the control pipe before exiting."""
-    _die_with_parent_and_name(rank)
+def run_child(rank: int, conn, body, name: str = "") -> None:
+    """A spawned process's frame: dies with the controller, leaves SIGINT / SIGTERM to it, and
+    reports any exception (with its traceback) on the control pipe before exiting. `name`: what
+    ps shows (default: batchinfer-r<rank>)."""
+    _die_with_parent_and_name(name or f"{PROCESS_NAME_PREFIX}{rank}")
     # the controller decides when to stop: Ctrl-C and Slurm's SIGTERM reach the whole process
     # group, and a worker that died of them would turn a clean stop into a failed run
     signal.signal(signal.SIGINT, signal.SIG_IGN)

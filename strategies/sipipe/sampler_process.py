@@ -41,7 +41,8 @@ class SamplerSpec:
 def sampler_main(spec: SamplerSpec, conn) -> None:
     from batchinfer.engine.runtime.worker import run_child
 
-    run_child(spec.rank, conn, lambda: SamplerProcess(spec, conn).run())
+    run_child(spec.rank, conn, lambda: SamplerProcess(spec, conn).run(),
+              name=f"batchinfer-s{spec.replica}.{spec.index}")   # not a rank: replica.sampler
 
 
 class SamplerProcess:

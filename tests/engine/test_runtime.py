@@ -286,3 +286,17 @@ def test_the_fork_server_ignores_sigint_from_its_start():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="needs Linux /proc")
+def test_helper_processes_are_named_apart_from_the_ranks():
+    """ps tells a worker rank (batchinfer-r<rank>) from a helper such as a SiPipe sampler
+    (batchinfer-s<replica>.<index>): run_child names each as it is told."""
+    probe = ("import os, sys\n"
+             "from batchinfer.engine.runtime.worker import run_child\n"
+             "run_child(3, None, lambda: print(open('/proc/self/comm').read().strip()), "
+             "name=sys.argv[1])\n")
+    for name, shown in (("batchinfer-s0.1", "batchinfer-s0.1"), ("", "batchinfer-r3")):
+        out = subprocess.run([sys.executable, "-c", probe, name], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == shown, out.stderr
