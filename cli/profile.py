@@ -1,7 +1,6 @@
 """`batchinfer profile RECIPE --input FILE`: measure (or take a preset), simulate, rank, pick."""
 from __future__ import annotations
 
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -161,11 +160,10 @@ class _progress:
             if self.last_line is not None and now - self.last_line < self.interval_s:
                 return
             self.last_line = now
-            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-            elapsed = int(now - self.start)
-            print(f"{stamp} batchinfer profile: {message} (step {done} of {total}), elapsed "
-                  f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
-                  file=self.stream, flush=True)
+            from batchinfer.runner.progress import hms, now_stamp
+
+            print(f"{now_stamp()} batchinfer profile: {message} (step {done} of {total}), "
+                  f"elapsed {hms(now - self.start)}", file=self.stream, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:

@@ -27,7 +27,13 @@ def _eta(done: int, total: Optional[int], elapsed: float) -> Optional[float]:
     return (total - done) * elapsed / done
 
 
-def _hms(seconds: Optional[float]) -> str:
+def now_stamp() -> str:
+    """The wall clock as a progress line starts with (run's, profile's)."""
+    return _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def hms(seconds: Optional[float]) -> str:
+    """H:MM:SS, or ? where unknown."""
     if seconds is None:
         return "?"
     seconds = int(seconds)
@@ -101,12 +107,12 @@ class Progress:
 
     def print_line(self, prefix: str = "progress") -> None:
         elapsed = time.monotonic() - self.start
-        stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        stamp = now_stamp()
         total = f"/{self.total}" if self.total is not None else ""
         pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
         eta = _eta(self.done - self.base, (self.total - self.base) if self.total else None, elapsed)
         print(f"{stamp} batchinfer {prefix}: {self.done}{total} requests{pct}, {self.failed} errors, "
-              f"{self.rate():.1f} output tok/s, elapsed {_hms(elapsed)}, ETA {_hms(eta)}",
+              f"{self.rate():.1f} output tok/s, elapsed {hms(elapsed)}, ETA {hms(eta)}",
               file=self.stream, flush=True)
 
     def close(self, outcome: str = "finished") -> None:

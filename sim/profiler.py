@@ -222,7 +222,7 @@ def model_record(engine: Engine, config: EngineConfig) -> tuple[dict, int]:
 
 
 def _element_bytes(name: str) -> int:
-    return torch.tensor([], dtype=getattr(torch, name)).element_size()
+    return getattr(torch, name).itemsize
 
 
 def _sync(device: torch.device) -> None:
