@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from batchinfer.predictors.history import spec_text
-from .io.admission import build_request, check_recipe_stop_ids, prompt_token_ids
+from .io.admission import (build_request, check_recipe_stop_ids, check_recipe_stop_ids_at_hand,
+                           prompt_token_ids)
 from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
@@ -242,6 +243,7 @@ class Job(JobReports):
             self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
                                                                         self.spec.output_dir)
             self._resolve_auto_settings()
+            check_recipe_stop_ids_at_hand(self.recipe)      # before the weights load
             engine = factory(self.recipe.engine_config())
             try:        # every request would fail alike: a usage error, as validate's
                 check_recipe_stop_ids(self.recipe.sampling, engine.vocab_size)

@@ -38,6 +38,26 @@ def check_recipe_stop_ids(sampling, vocab_size: int) -> None:
         raise ConfigError(f"sampling.stop_token_ids: {problem}")
 
 
+def check_recipe_stop_ids_at_hand(recipe) -> None:
+    """check_recipe_stop_ids before any weights load, against the vocabulary in the model's
+    config where it is at hand (a directory, or a GGUF already converted): a job whose every
+    request would fail is refused before a large model's minutes of loading. Where the config is
+    not at hand or does not read, the check after the build (Engine.vocab_size) is the one."""
+    if not recipe.sampling.stop_token_ids:
+        return
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.model.sources import model_dir_at_hand
+
+    try:
+        model_dir = model_dir_at_hand(recipe.model.path)
+        vocab = (load_arch(model_dir, recipe.model.hf_overrides or None).vocab_size
+                 if model_dir is not None else None)
+    except Exception:  # noqa: BLE001 - the build reads the config again and reports it
+        return
+    if vocab:
+        check_recipe_stop_ids(recipe.sampling, vocab)
+
+
 def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") -> list[int]:
     """Tokens for `spec`: OpenAI token-id prompts as given, messages through the chat template
     (unless chat_template is never), text prompts encoded (wrapped as a user turn when always)."""

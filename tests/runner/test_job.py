@@ -669,6 +669,25 @@ def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, ti
     assert not (tmp_path / "run").exists()
 
 
+def test_the_recipes_stop_ids_are_refused_before_the_weights_load(tmp_path, tiny_recipe):
+    """Against the vocabulary in the model's config: a large model's load is not spent on a job
+    whose every request would fail."""
+    from batchinfer.engine.errors import ConfigError
+
+    recipe = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
+        update={"stop_token_ids": [2, 10 ** 9]})})
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q"}])
+
+    def no_build(cfg):
+        raise AssertionError("the engine was built")
+
+    spec = JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "run", progress="off",
+                   engine_factory=no_build)
+    with pytest.raises(ConfigError, match=r"sampling.stop_token_ids: \[1000000000\] out of range"):
+        run_job(spec)
+    assert not (tmp_path / "run").exists()
+
+
 
 def test_a_limited_run_counts_what_the_limit_left(tmp_path, tiny_recipe, shared_engine):
     """--limit runs the first N records and says so: the report's totals count the whole input
