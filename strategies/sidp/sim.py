@@ -153,8 +153,12 @@ class SiDPGroup:
             self.owners = resolve_owners(params.owners, arch.num_layers, dp)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.layer_bytes = 3 * arch.hidden_size * arch.intermediate_size * dtype_bytes
-        self.row_bytes = arch.hidden_size * dtype_bytes
+        # the shared FFN store and the rows sent to it are in the activations' dtype, as the
+        # engine builds it (fp32 for a bf16 model on CPU: build.py's store_dtype); a cost model
+        # knows that element (a measured table's activation_dtype_bytes), else the weights'
+        act_bytes = int(getattr(cost, "dtype_bytes", dtype_bytes))
+        self.layer_bytes = 3 * arch.hidden_size * arch.intermediate_size * act_bytes
+        self.row_bytes = arch.hidden_size * act_bytes
         self.overlapped_reads = cost.device != "cpu"
         # a simulated CPU host is one memory
         self.with_slots = resolve_weight_slots(params.weight_slots, cost.device, nodes=1)

@@ -220,3 +220,19 @@ def test_search_offers_sidp_at_data_parallel_layouts_only():
     offered = {(c.tp, c.pp, c.dp) for c in candidates(recipe, ARCH, 4)
                if c.strategy["name"] == "sidp"}
     assert offered == {(1, 1, 4)}         # tp 1, pp 1: replicas of one rank each
+
+
+def test_a_bf16_model_on_cpu_prices_the_ffn_store_in_fp32_as_the_engine_builds_it():
+    """A CPU table of a bf16 model records fp32 activations (activation_dtype_bytes 4): the
+    engine's shared FFN store is fp32 there, so the simulated SiDP frees (and reads) fp32
+    layers, and its KV per replica is the engine's, not half its extra."""
+    cost = SiDPCost()
+    cost.dtype_bytes = 4                       # the activations' element, weights bf16
+    group = SiDPGroup(_params(), ARCH, cost, VirtualClock(), 2, 1, 2)
+    assert group.layer_bytes == LAYER_BYTES and group.row_bytes == 64 * 4
+    config = _config({"name": "sidp", "batch_threshold": 16})
+    result = simulate(config, WORKLOAD, cost, ARCH, 512, 2, cores=2)
+    layout = ParallelLayout.resolve(config.parallel, ARCH)
+    blocks = sidp_num_blocks(config, layout, ARCH, torch.device("cpu"), 2, [0, 1, 0, 1],
+                             LAYER_BYTES, False)
+    assert result.kv_capacity_tokens == 2 * blocks * config.cache.block_size
