@@ -89,8 +89,7 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
                          lambda: _from_history(cfg, history, model_id, device, root))
         if built is not None:
             path, predictor = built
-            reason = (f"trained on this model's own history: "
-                      f"{len(history.newest)} of {count} records under {root}")
+            reason = f"trained on this model's own history: {_trained_on(path, history, root)}"
             log.info("length predictor (auto): bert %s (%s)", path, reason)
             return predictor, AutoChoice("bert", "history", reason, str(path), count)
     shipped = shipped_predictor(model_id)
@@ -115,6 +114,18 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
               "model learns")
     log.warning("length predictor (auto): %s", reason)
     return None, AutoChoice("none", "max_tokens", reason)
+
+
+def _trained_on(path: Path, history: ModelHistory, root: Path) -> str:
+    """What the predictor at `path` learned from: a cached one was trained when the history
+    was smaller (its directory says how large: n<records>), on its newest records then."""
+    match = re.fullmatch(r"n(\d+)", path.name)
+    then = int(match.group(1)) if match else history.count
+    if then == history.count:
+        return f"{len(history.newest)} of {then} records under {root}"
+    used = min(then, MAX_TRAIN_RECORDS)
+    return (f"{used} of the {then} records under {root} when it was trained (cached; the "
+            f"history holds {history.count} now, retrained past {int(then * RETRAIN_GROWTH)})")
 
 
 def _attempt(what: str, build: Callable[[], T]) -> Optional[T]:

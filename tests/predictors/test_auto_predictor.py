@@ -126,6 +126,9 @@ def test_enough_history_trains_once_and_retrains_when_it_grows(tmp_path, cache):
     _write_history(runs / "c", MODEL, 2, start=2000)               # 72 records: < 1.25 x 60
     _, again = choose_predictor(_cfg(path=str(runs)), MODEL, tmp_path, "cpu", True)
     assert again.path == choice.path and again.history_records == 72
+    # the report says what the reused predictor learned from, not the grown history
+    assert "60 of the 60 records" in again.reason and "holds 72 now" in again.reason
+    assert "72 of 72" not in again.reason
     _write_history(runs / "d", MODEL, 2, start=3000)               # 84 records: retrain
     _, grown = choose_predictor(_cfg(path=str(runs)), MODEL, tmp_path, "cpu", True)
     assert Path(grown.path).name == "n84" and grown.path != choice.path
