@@ -34,7 +34,32 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
     from batchinfer.predictors import make_predictor
 
     predictor = make_predictor(cfg, device=None if device == "auto" else device)
-    return wrap_online(predictor, cfg), None
+    return wrap_online(predictor, cfg), _named_choice(recipe, predictor)
+
+
+def _named_choice(recipe, predictor) -> Optional[dict]:
+    """For a predictor the recipe names: what the report should say of it (None: nothing to
+    add). A trained predictor whose card lists other models than the job's forecasts their
+    replies' lengths, and a strategy that reads no forecast only pays for it: both are said
+    (logged, and in report.json's `predictor` / report.md's "Length predictor")."""
+    from batchinfer.engine.model.sources import model_id_for
+
+    cfg, model = recipe.predictor, recipe.model
+    notes = []
+    card = getattr(predictor, "card", None)
+    trained_for = ((card.get("data") or {}).get("models") or []) if isinstance(card, dict) else []
+    job_model = model_id_for(model.path, model.load_format == "dummy", model.hf_overrides)
+    if trained_for and job_model not in trained_for:
+        notes.append(f"trained on the replies of {', '.join(map(str, trained_for))}, not of this "
+                     f"job's model {job_model}: its forecasts are that model's lengths")
+    if not recipe.strategy.reads_length_forecasts():
+        notes.append(f"strategy {recipe.strategy.name} reads no length forecast: the predictor "
+                     "only records predicted_tokens in history.jsonl")
+    if not notes:
+        return None
+    reason = "; ".join(notes)
+    log.warning("length predictor %s (%s): %s", cfg.name, cfg.path, reason)
+    return {"name": cfg.name, "path": cfg.path, "reason": reason}
 
 
 def wrap_online(predictor: Optional[Any], cfg) -> Optional[Any]:

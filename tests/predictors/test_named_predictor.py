@@ -1,0 +1,43 @@
+"""A predictor the recipe names (`predictor: {name: bert, path: ...}`): what the job says of it
+when it cannot help (trained on another model's replies; a strategy that reads no forecast)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from batchinfer.runner.predictor_setup import build_job_predictor
+from batchinfer.runner.recipe import Recipe
+
+SHIPPED = str(Path(__file__).resolve().parents[2] / "predictors" / "shipped"
+              / "smollm2-135m-instruct")
+
+
+def _choice(tmp_path, caplog, **recipe):
+    caplog.set_level(logging.WARNING)
+    recipe = Recipe(predictor={"name": "bert", "path": SHIPPED}, **recipe)
+    predictor, choice = build_job_predictor(recipe, tmp_path / "run")
+    assert predictor is not None
+    return choice
+
+
+def test_the_models_own_predictor_with_a_forecasting_strategy_adds_nothing(tmp_path, caplog):
+    assert _choice(tmp_path, caplog, strategy={"name": "tdpipe"}) is None
+    assert not caplog.records
+
+
+def test_a_predictor_trained_on_another_models_replies_is_said(tmp_path, caplog):
+    choice = _choice(tmp_path, caplog, model={"path": "/models/Llama-3.2-1B-Instruct"},
+                     strategy={"name": "tdpipe"})
+    assert choice["name"] == "bert" and choice["path"] == SHIPPED
+    assert "SmolLM2-135M-Instruct" in choice["reason"]
+    assert "/models/Llama-3.2-1B-Instruct" in choice["reason"]
+    assert "not of this job's model" in caplog.text
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "gllm"])
+def test_a_strategy_that_reads_no_forecast_is_said(tmp_path, caplog, strategy):
+    choice = _choice(tmp_path, caplog, strategy={"name": strategy})
+    assert f"strategy {strategy} reads no length forecast" in choice["reason"]
+    assert "reads no length forecast" in caplog.text
