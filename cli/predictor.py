@@ -159,6 +159,8 @@ def evaluate(
                                              encoder_bf16_attention=encoder_bf16_attention)
         models = predictor.card["data"].get("models") or []
         data = _read(history, models[0] if len(models) == 1 else None)
+        if not data.records:
+            raise fail(_no_records(history, data, models))
         split = load_split(predictor_dir)
         if split is None and not all_records:
             typer.echo(f"note: {predictor_dir} has no readable split.json, so the records it "
@@ -195,6 +197,20 @@ def evaluate(
             where = {True: "in distribution", False: "out of distribution"}.get(
                 m.get("in_distribution"), "distribution unknown")
             _print_metrics(m, f"source {name} ({where}): {m['records']} records")
+
+
+def _no_records(history: list[Path], data, models: list) -> str:
+    """Why eval has nothing to evaluate: every line skipped, and for what (another model's
+    replies are not this predictor's to be judged on)."""
+    where = ", ".join(map(str, history))
+    if not data.num_skipped:
+        return f"no records in {where}"
+    why = ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items()))
+    text = f"no usable records in {where}: all {data.num_skipped} lines skipped ({why})"
+    if data.skipped.get("other model"):
+        text += (f"; the predictor was trained on the replies of {', '.join(map(str, models))}"
+                 " and is evaluated on that model's history only")
+    return text
 
 
 def _group_sizes(text: str) -> tuple[int, ...]:
