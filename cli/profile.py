@@ -1,6 +1,7 @@
 """`batchinfer profile RECIPE --input FILE`: measure (or take a preset), simulate, rank, pick."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,9 @@ def profile(
         if table is not None and hardware != "measured":
             raise fail("--table is a measured profile; it goes with --hardware measured",
                        json_fields=json_fields)
+        problem = _out_problem(out_dir)   # before minutes of measuring, whose table goes there
+        if problem:
+            raise fail(f"--out {out_dir}: {problem}", json_fields=json_fields)
         if hardware != "measured":      # a bad preset is refused before anything is measured
             from batchinfer.sim.hardware import preset
 
@@ -90,6 +94,21 @@ def profile(
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         _render(result)
+
+
+def _out_problem(out_dir: Path) -> Optional[str]:
+    """Why the table, ranking and winning recipe could not be written under `out_dir` (a file
+    there or on the way to it, a directory that is not writable); None when they can."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return "a file is there; give a directory for the table, ranking and winning recipe"
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so the directory cannot be made"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 SKIPPED_LISTED = 12     # reasons in the error when no candidate ran; ranking.json has them all

@@ -232,4 +232,5 @@ class ProfileTable:
             return cls.from_csv(text) if path.suffix == ".csv" else cls.from_json(json.loads(text))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: not a batchinfer profile table ({exc}); make one with "
-                              "`batchinfer profile RECIPE --input FILE --save-table PATH`") from exc
+                              "`batchinfer profile RECIPE --input FILE` (it writes "
+                              "profile_table.json to --out)") from exc

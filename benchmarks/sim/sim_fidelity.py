@@ -10,7 +10,7 @@ lengths).
     python benchmarks/sim/sim_fidelity.py --profile profile.json --requests 200 --output-scale 0.5
     python benchmarks/sim/sim_fidelity.py --profile profile.json --simulate-only  # no real runs
 
---profile: a table from `batchinfer profile --save-table` (or sim/profiler.py); made and saved
+--profile: a table `batchinfer profile` wrote (its --out/profile_table.json, or sim/profiler.py); made and saved
 there first if the file does not exist. Prints one JSON object: per workload and configuration
 the pair (measured, simulated), sim / measured, and the largest |error|.
 """

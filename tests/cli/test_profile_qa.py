@@ -122,3 +122,26 @@ def test_profile_help_names_every_model_preset():
     from batchinfer.sim.model_presets import MODEL_PRESETS
 
     assert all(name in HELP for name in MODEL_PRESETS)
+
+
+def test_an_out_that_cannot_be_a_directory_is_refused_before_anything_runs(tmp_path):
+    """--out naming a file ended in a FileExistsError traceback (exit 1) after the simulations,
+    and after minutes of measuring, whose table was lost with it: now exit 2 at once."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "plan"):
+        result = _profile("--hardware", "l20", "--out", str(out))
+        assert result.exit_code == 2, result.output
+        assert f"--out {out}:" in result.output and "Traceback" not in result.output
+        result = _profile("--hardware", "l20", "--out", str(out), "--json")
+        assert result.exit_code == 2
+        assert json.loads(result.output[result.output.index("{"):])["exit_code"] == 2
+
+
+def test_a_table_that_is_not_one_says_how_to_make_one(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = _profile("--table", str(bad), "--out", str(tmp_path / "plan"))
+    assert result.exit_code == 2
+    assert "--save-table" not in result.output            # no such option
+    assert "batchinfer profile RECIPE --input FILE" in result.output
