@@ -340,7 +340,8 @@ class OnlineLengthPredictor(LengthPredictor):
         return {**super().stats(), "online": {
             "refits": self.refits, "refit_seconds": round(self.refit_seconds, 4),
             "refit_max_ms": round(1e3 * self.refit_max_s, 2),
-            "reforecasts": self.reforecasts, "examples": len(self._done),
+            "reforecasts": self.reforecasts, "finished": self._error_windows.finished,
+            "examples": len(self._done),
             "fit": None if self.fit is None else self.fit.to_json(),
             "timeline": self.timeline()}}
 

@@ -62,8 +62,11 @@ def _online_lines(online: Optional[dict]) -> list[str]:
     """The online predictor (issue 43): its refits and the forecast error over the job."""
     if not online:
         return []
+    examples = online.get("examples", 0)
+    finished = online.get("finished", examples)      # examples: the newest max_examples of them
+    kept = f" (the newest {examples} kept to learn from)" if finished != examples else ""
     line = (f"Learning from the job (`predictor.online`): {online.get('refits', 0)} refits on "
-            f"{online.get('examples', 0)} finished requests, {online.get('refit_seconds', 0)} s "
+            f"{finished} finished requests{kept}, {online.get('refit_seconds', 0)} s "
             f"(longest {online.get('refit_max_ms', 0)} ms), {online.get('reforecasts', 0)} "
             "forecasts redone.")
     timeline = online.get("timeline") or []

@@ -552,3 +552,21 @@ def test_the_forecast_error_plot():
                                 "error_prior": 0.3}])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_forecast_error([]) is None
+
+
+def test_the_report_counts_every_finished_request_not_the_examples_kept():
+    """The report said "N refits on 1024 finished requests" for a job of thousands: the
+    examples kept (the newest max_examples), not the requests that finished."""
+    from batchinfer.runner.report.report import _online_lines
+
+    online = OnlineLengthPredictor(MeanPredictor(50.0), refit_every=4, min_examples=1,
+                                   max_examples=5, censored=False)
+    requests = [_req(i, 0, max_tokens=10_000) for i in range(12)]
+    online.forecast(requests)
+    for n, r in enumerate(requests):
+        online.observe(r.request_id, 10 + n)
+    stats = online.stats()["online"]
+    assert stats["finished"] == 12 and stats["examples"] == 5
+    line = _online_lines(stats)[0]
+    assert "on 12 finished requests (the newest 5 kept to learn from)" in line
+    assert "on 5 finished" not in line
