@@ -100,6 +100,7 @@ def train(
                       max_length=max_length, truncation=truncation, device=device)
     with user_errors():
         data = _read(history, model)
+        _check_enough(data)
         card = train_predictor(data.records, out, cfg, sources=[str(h) for h in history],
                                skipped=dict(data.skipped)).card
     if as_json:
@@ -197,6 +198,20 @@ def evaluate(
             where = {True: "in distribution", False: "out of distribution"}.get(
                 m.get("in_distribution"), "distribution unknown")
             _print_metrics(m, f"source {name} ({where}): {m['records']} records")
+
+
+def _check_enough(data) -> None:
+    """Too few records to train on because lines were skipped: say which and why (running
+    more requests does not help a history kept as hashes, or another model's)."""
+    from batchinfer.predictors.train import MIN_RECORDS
+
+    if len(data.records) >= MIN_RECORDS or not data.num_skipped:
+        return      # train_predictor's own message: run more requests
+    why = ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items()))
+    hint = (" (runs with predictor.history_prompts: hash keep no prompt text to train on)"
+            if any(k.startswith("no prompt text") for k in data.skipped) else "")
+    raise fail(f"too little history to train on: {len(data.records)} usable records, at least "
+               f"{MIN_RECORDS} are needed; {data.num_skipped} lines were skipped ({why}){hint}")
 
 
 def _no_records(history: list[Path], data, models: list) -> str:

@@ -41,3 +41,16 @@ def test_a_history_of_malformed_lines_only_says_so(tmp_path):
     assert result.exit_code == 2, result.output
     assert "all 2 lines skipped (malformed: 2)" in result.output
     assert "used for training or validation" not in result.output
+
+
+def test_train_on_history_kept_as_hashes_says_why_it_has_too_little(tmp_path):
+    """It said "run more requests": a history of sha256 prompts never has enough."""
+    path = _history(tmp_path / "h.jsonl", "m", n=60)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "prompt"}) + "\n"
+                            for r in rows))
+    result = CliRunner().invoke(app, ["predictor", "train", "--history", str(path), "--out",
+                                      str(tmp_path / "p")])
+    assert result.exit_code == 2, result.output
+    assert "0 usable records" in result.output and "60 lines were skipped" in result.output
+    assert "history_prompts: hash" in result.output
