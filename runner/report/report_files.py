@@ -8,7 +8,7 @@ from typing import Optional
 from ..io.inputs import Shard
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
-from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, RunDir, in_use,
+from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, REPORT_MD, RunDir, in_use,
                        latest_session_metrics, list_parts, read_json, report_writer)
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,26 @@ def rerender(root: Path) -> Optional[str]:
             plots = render_plots(samples, histogram) or None
         except Exception as exc:  # plots are a nicety; the report itself must still render
             log.warning("could not draw the plots: %s", exc)
-    names = tuple(sorted(plots)) if plots else tuple(sorted(p.name for p in (root / PLOTS).glob("*.png")))
+    names = (tuple(sorted(set(plots) | _job_drawn(root))) if plots else
+             tuple(sorted(p.name for p in (root / PLOTS).glob("*.png"))))
     markdown = render_markdown(report, names)
     if not live:
         report_writer(root).write_report(report, markdown, plots)
     return markdown
+
+
+def _job_drawn(root: Path) -> set[str]:
+    """The plots the run's report.md links that are still on disk: the job drew some from what
+    only it had (the pipeline's micro-batches, the online predictor's forecast error), so a
+    re-render that cannot draw them again keeps them linked."""
+    import re
+
+    try:
+        text = (Path(root) / REPORT_MD).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return set()
+    return {name for name in re.findall(r"\]\(plots/([^)/]+\.png)\)", text)
+            if (Path(root) / PLOTS / name).is_file()}
 
 
 def plots_wanted(root: Path) -> bool:

@@ -281,3 +281,32 @@ def test_report_rebuilds_a_lost_report_and_names_where_the_run_is(tmp_path):
     assert rerender(run).startswith(f"# batchinfer report: {run}")
     (tmp_path / "empty").mkdir()
     assert rerender(tmp_path / "empty") is None
+
+
+def test_report_keeps_the_plots_only_the_job_could_draw(tmp_path):
+    """`batchinfer report` redraws the metrics' plots but cannot redraw the pipeline timeline
+    (the engine's events) or the online predictor's forecast error: report.md dropped their
+    links though the files were there. Linked before and still on disk, they stay linked."""
+    from batchinfer.runner.report.report_files import rerender
+
+    run = tmp_path / "run"
+    (run / "plots").mkdir(parents=True)
+    (run / "outputs.jsonl").write_text(json.dumps({"id": "r0", "prompt_tokens": 3,
+                                                   "completion_tokens": 2}) + "\n")
+    (run / "run.json").write_text(json.dumps({"input": "/data/in.jsonl", "input_format": "jsonl"}))
+    (run / "recipe.resolved.yaml").write_text("strategy:\n  name: baseline\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"session": 1, "t": t, "dt": 1.0, "requests_done": t, "output_tokens_per_s": 5.0,
+         "batch_size_mean": 2.0, "batch_size_max": 2, "kv_usage": 0.1, "kv_usage_max": 0.1,
+         "num_running": 2}) + "\n" for t in (1.0, 2.0)))
+    for name in ("pipeline_timeline.png", "forecast_error.png", "old.png"):
+        (run / "plots" / name).write_bytes(b"\x89PNG")
+    (run / "report.md").write_text("## Plots\n\n![pipeline_timeline.png](plots/pipeline_timeline"
+                                   ".png)\n![forecast_error.png](plots/forecast_error.png)\n"
+                                   "![gone.png](plots/gone.png)\n")
+    markdown = rerender(run)
+    assert "![throughput.png](plots/throughput.png)" in markdown          # redrawn
+    assert "![pipeline_timeline.png](plots/pipeline_timeline.png)" in markdown
+    assert "![forecast_error.png](plots/forecast_error.png)" in markdown
+    assert "gone.png" not in markdown and "old.png" not in markdown
+    assert (run / "report.md").read_text() == markdown
