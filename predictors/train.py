@@ -202,7 +202,6 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
     model.eval()
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     counts = class_counts(labels, k)
     card = {
         "format_version": bert.FORMAT_VERSION,
@@ -231,16 +230,21 @@ def train_predictor(records: Sequence[HistoryRecord], out_dir: Path,
                      "device": str(device), "best_epoch": best_epoch,
                      "seconds": round(train_s, 2), "curve": curve},
     }
-    bert.save_weights(out_dir, model, cfg.train_layers)
-    (out_dir / SPLIT_FILE).write_text(json.dumps(
-        {name: [list(r.key) for r in part] for name, part in
-         (("train", train), ("val", val), ("test", test))}) + "\n", encoding="utf-8")
     predictor = bert.BertLengthPredictor(model, tokenizer, card, device=cfg.device,
                                          batch_size=cfg.batch_size)
     card["metrics"] = {
         "val": evaluate(predictor, val, cfg.group_sizes, cfg.error_rounds, cfg.seed),
         "test": evaluate(predictor, test, cfg.group_sizes, cfg.error_rounds, cfg.seed),
     }
+    # the files last, the card after the weights and split it describes: a directory that held
+    # a predictor is untouched until then, and a write cut short leaves no card beside another
+    # predictor's weights (a directory without predictor.json is refused by name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PREDICTOR_CARD).unlink(missing_ok=True)
+    bert.save_weights(out_dir, model, cfg.train_layers)
+    (out_dir / SPLIT_FILE).write_text(json.dumps(
+        {name: [list(r.key) for r in part] for name, part in
+         (("train", train), ("val", val), ("test", test))}) + "\n", encoding="utf-8")
     write_card(out_dir, card)
     return predictor
 
