@@ -48,6 +48,19 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
         raise fail(f"{what} {text!r}: give comma-separated numbers, e.g. 0,25,50,75,99") from None
 
 
+def _device(device: Optional[str]) -> Optional[str]:
+    """--device: cpu, or cuda (cuda:N) where torch sees a CUDA device."""
+    if device is None:
+        return None
+    import torch
+
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise fail(f"--device {device!r}: use cpu or cuda")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise fail(f"--device {device}: torch sees no CUDA device here; use cpu")
+    return device
+
+
 def _read(history: list[Path], model: Optional[str]):
     from batchinfer.predictors.history import read_history
 
@@ -93,6 +106,7 @@ def train(
     if truncation not in ("head", "head_tail"):
         raise fail(f"--truncation {truncation!r}: use head or head_tail")
     _check_out(out)
+    device = _device(device)
     from batchinfer.predictors.train import TrainConfig, train_predictor
 
     cfg = TrainConfig(percentiles=_floats(percentiles, "--percentiles"), seed=seed, epochs=epochs,
@@ -154,6 +168,7 @@ def evaluate(
                                              source_name, training_sources)
 
     sizes = _group_sizes(groups)
+    device = _device(device)
     with user_errors():
         predictor = BertLengthPredictor.load(predictor_dir, device=device,
                                              encoder_int8=encoder_int8,

@@ -18,6 +18,10 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
     """-> (the predictor, None for no prediction pass at all; what `auto` chose and why)."""
     cfg = recipe.predictor
     device = recipe.device.device
+    if device == "cuda" and cfg.name != "none":
+        from batchinfer.engine.build import resolve_device
+
+        resolve_device(device)   # none here: the engine's usage error, not the predictor's crash
     if cfg.name == "auto":
         from batchinfer.engine.model.sources import model_id_for
         from batchinfer.predictors.auto import choose_predictor

@@ -54,3 +54,16 @@ def test_train_on_history_kept_as_hashes_says_why_it_has_too_little(tmp_path):
     assert result.exit_code == 2, result.output
     assert "0 usable records" in result.output and "60 lines were skipped" in result.output
     assert "history_prompts: hash" in result.output
+
+
+def test_a_device_that_is_not_here_is_a_usage_error(tmp_path):
+    import torch
+
+    path = _history(tmp_path / "h.jsonl", "m")
+    devices = ["tpu"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in devices:
+        for command in (["eval", SHIPPED], ["train", "--out", str(tmp_path / "p")]):
+            result = CliRunner().invoke(app, ["predictor", *command, "--history", str(path),
+                                              "--device", device])
+            assert result.exit_code == 2, result.output
+            assert "--device" in result.output and "Traceback" not in result.output

@@ -41,3 +41,15 @@ def test_a_strategy_that_reads_no_forecast_is_said(tmp_path, caplog, strategy):
     choice = _choice(tmp_path, caplog, strategy={"name": strategy})
     assert f"strategy {strategy} reads no length forecast" in choice["reason"]
     assert "reads no length forecast" in caplog.text
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+def test_cuda_where_torch_sees_none_is_the_engines_usage_error_not_the_predictors_crash(tmp_path):
+    """device.device: cuda on a CPU host with a bert predictor failed the job with exit 3 and
+    torch's AssertionError ("rerun to resume"): the predictor loads before the engine."""
+    from batchinfer.engine.errors import ConfigError
+
+    recipe = Recipe(predictor={"name": "bert", "path": SHIPPED}, strategy={"name": "tdpipe"},
+                    device={"device": "cuda"})
+    with pytest.raises(ConfigError, match="device.device: cuda was asked for"):
+        build_job_predictor(recipe, tmp_path / "run")
