@@ -237,7 +237,8 @@ class OnlineLengthPredictor(LengthPredictor):
         """`refit_every` finished since the last refit, and (with `time_budget`) the time since
         it at least 1 / time_budget times what it took: refits never take more than that share
         of the job, however fast requests finish."""
-        if self._since_fit < self.refit_every or len(self._done) < self.min_examples:
+        # min_examples counts the finished requests: _done keeps only the newest max_examples
+        if self._since_fit < self.refit_every or self._error_windows.finished < self.min_examples:
             return False
         if self.time_budget and self._last_refit_end is not None:
             waited = time.perf_counter() - self._last_refit_end

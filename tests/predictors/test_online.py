@@ -570,3 +570,16 @@ def test_the_report_counts_every_finished_request_not_the_examples_kept():
     line = _online_lines(stats)[0]
     assert "on 12 finished requests (the newest 5 kept to learn from)" in line
     assert "on 5 finished" not in line
+
+
+def test_min_examples_past_the_examples_kept_still_refits():
+    """online_min_examples is finished requests before the first refit: above max_examples
+    (the newest kept) it never refit, since the kept examples never reach it."""
+    online = OnlineLengthPredictor(MeanPredictor(50.0), refit_every=1, min_examples=8,
+                                   max_examples=5, censored=False, time_budget=None)
+    requests = [_req(i, 0, max_tokens=10_000) for i in range(8)]
+    online.forecast(requests)
+    for n, r in enumerate(requests):
+        assert not online.due()
+        online.observe(r.request_id, 10 + n)
+    assert online.due()
