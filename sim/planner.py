@@ -68,6 +68,11 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
                           "without --table")
     cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
     if table.hardware.get("device") == "cpu":
+        if devices is not None and devices > cores:
+            raise ConfigError(
+                f"--gpus {devices}: {table_path} timed a CPU host of {cores} cores, and a rank "
+                "there runs on cores of its own (ranks sharing cores are not what it measured, "
+                f"and would be planned as if each had one); give at most {cores}")
         world = devices or cores
     else:       # the GPUs of the machine it was measured on (tables before the count: 1)
         world = devices or int(table.hardware.get("gpus") or 1)

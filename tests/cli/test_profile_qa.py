@@ -145,3 +145,16 @@ def test_a_table_that_is_not_one_says_how_to_make_one(tmp_path):
     assert result.exit_code == 2
     assert "--save-table" not in result.output            # no such option
     assert "batchinfer profile RECIPE --input FILE" in result.output
+
+
+def test_more_ranks_than_a_cpu_tables_cores_is_refused(tmp_path):
+    """--gpus 4 on a 2-core CPU table planned dp=4 as if each rank had a core of its own
+    (twice the 2-rank throughput, a plan this host cannot run): refused, at most its cores."""
+    table = _smollm_table(tmp_path / "t.json")
+    result = _profile("--table", str(table), "--gpus", "4", "--out", str(tmp_path / "plan"))
+    assert result.exit_code == 2, result.output
+    assert "--gpus 4" in result.output and "at most 2" in result.output
+    result = _profile("--table", str(table), "--gpus", "2", "--out", str(tmp_path / "plan"),
+                      "--json")
+    assert result.exit_code == 0, result.output
+    assert max(r["tp"] * r["pp"] * r["dp"] for r in json.loads(result.output)["ranking"]) == 2
