@@ -121,17 +121,6 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._seqs)
 
-    @property
-    def wants_requests(self) -> bool:
-        """A replica's queue is short (fewer waiting prompt tokens than its scheduler's
-        feed_tokens, or none waiting) and nothing pending would fill it: a caller holding
-        requests back (the job loop's forecasts) should hand them over before the next step,
-        or the step runs short (a pipeline's prefill ends for want of prompts)."""
-        return not self._pending and any(
-            rep.scheduler.num_waiting == 0
-            or rep.scheduler.num_waiting_tokens < rep.scheduler.feed_tokens
-            for rep in self.replicas)
-
     def progress(self) -> dict[str, int]:
         """Output tokens generated so far by each unfinished request (the online length
         predictor's lower bounds on the replies still decoding)."""

@@ -32,8 +32,7 @@ from .io.input_records import InputError, RequestSpec
 from .io.inputs import InputFileError, InputReader
 from .report.metrics import SessionMetrics
 from .job_report import JobReports
-from .forecasts import JobForecasts
-from .predictor_setup import build_job_predictor
+from .predictor_setup import apply_forecast, build_job_predictor, learn
 from .progress import Progress
 from .result_writer import ResultWriter
 from .io.records import RequestPayload
@@ -62,7 +61,6 @@ class Job(JobReports):
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
         self.predictor_choice: Optional[dict] = None   # what predictor: auto picked, and why
-        self.forecasts: Optional[JobForecasts] = None  # read-ahead requests -> forecast -> engine
         self.auto_settings: Optional[dict] = None      # what the strategy's auto settings became
         self._input_failure: Optional[Exception] = None  # the input file broke part way
         self.read_ahead = ReadAhead(spec.recipe.io, spec.recipe.max_in_flight, self._add)
@@ -165,8 +163,6 @@ class Job(JobReports):
                 "larger --limit, or none, to continue")
 
     def _close(self, restore: Callable[[], None], outcome: str) -> None:
-        if self.forecasts is not None:
-            self.forecasts.close()
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
             try:
@@ -255,7 +251,6 @@ class Job(JobReports):
                 engine.close()      # (its workers, or another engine's process)
                 raise
             self.engine = engine
-            self.forecasts = JobForecasts(self.predictor, self.recipe.predictor.background)
             changed = numerics_changed(self._old_report.get("engine"),
                                        getattr(self.engine, "info", {}))
             if changed:
@@ -301,36 +296,28 @@ class Job(JobReports):
             self.metrics.finished_t = self.clock()
             return self.signals.received is None
         exhausted = False
-        forecasts = self.forecasts
         while self.signals.received is None:
             if not exhausted:
                 exhausted = self._fill(records)
-            self.read_ahead.place(forecasts.ready())
             self.read_ahead.feed()
-            while not self.read_ahead.waiting and forecasts.should_wait(engine):
-                forecasts.wait()            # the engine would run short: the next chunk first
-                self.read_ahead.place(forecasts.ready())
-                self.read_ahead.feed()
             if engine.has_unfinished():
                 outputs = engine.step()
                 for out in outputs:
                     self._sink.submit(out.payload.order, ("output", out))
                     for copy in self.read_ahead.finished(out):
                         self._sink.submit(copy.payload.order, ("output", copy))
-                forecasts.learn(engine, outputs, self.clock())
+                if outputs and self.predictor is not None:
+                    learn(self.predictor, engine, outputs, self.clock())
                 self.metrics.on_steps(engine.drain_step_events())
-            elif exhausted and not self.read_ahead.waiting and not forecasts.pending:
-                forecasts.flush()
+            elif exhausted and not self.read_ahead.waiting:
                 finished = True
                 break
-            self.metrics.phases_s["predict"] = forecasts.waited_s   # the loop's time on it
             self._tick()
         self.metrics.finished_t = self.clock()
-        self.metrics.phases_s["predict"] = forecasts.waited_s
-        if self.signals.received is not None and (engine.has_unfinished() or forecasts.pending):
-            dropped = len(engine.abort_all()) + self.read_ahead.drop() + forecasts.drop()
+        if self.signals.received is not None and engine is not None and engine.has_unfinished():
+            dropped = engine.abort_all()
             log.warning("dropped %d requests in flight; they were not written and run again on "
-                        "resume", dropped)
+                        "resume", len(dropped) + self.read_ahead.drop())
         return finished
 
     def _fill(self, records) -> bool:
@@ -363,8 +350,9 @@ class Job(JobReports):
                     batch.append((item, request))
         finally:
             self.metrics.phases_s["input"] += time.perf_counter() - t
-        self.forecasts.submit(self.read_ahead.leaders(batch))
-        self.read_ahead.place(self.forecasts.ready())
+        leaders = self.read_ahead.leaders(batch)
+        self._predict([request for _, request in leaders])
+        self.read_ahead.place(leaders)
         return exhausted
 
     def _prepare(self, spec: RequestSpec, order: int):
@@ -380,12 +368,21 @@ class Job(JobReports):
                                                     self.engine.tokenizer)
         return request
 
+    def _predict(self, requests: list) -> None:
+        if self.predictor is None or not requests:
+            return
+        t = time.perf_counter()
+        for request, forecast in zip(requests, self.predictor.forecast(requests)):
+            apply_forecast(request, forecast)
+        self.metrics.phases_s["predict"] += time.perf_counter() - t
+
     def _add(self, spec: RequestSpec, request) -> bool:
         try:
             self.engine.add_request(request)
         except RequestError as exc:
             self._request_error(spec, request.payload.order, exc)
-            self.forecasts.forget(request.request_id)
+            if self.predictor is not None and hasattr(self.predictor, "forget"):
+                self.predictor.forget(request.request_id)
             for follower in self.read_ahead.dedup.abandon(request):   # the same error
                 self._sink.submit(follower.payload.order,
                                   ("request_error", (follower.payload, follower.request_id, exc)))

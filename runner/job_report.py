@@ -43,8 +43,7 @@ class JobReports:
             window = [round(self._wall0 + m.first_admit_t, 3),
                       round(self._wall0 + m.first_admit_t + m.generation_s(now), 3)]
         if self.predictor is not None:
-            summary["predictor"] = (self.forecasts.summary(now) if self.forecasts is not None
-                                    else predictor_summary(self.predictor, now))
+            summary["predictor"] = predictor_summary(self.predictor, now)
         summary.update(self.read_ahead.summary())
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}

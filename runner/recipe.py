@@ -74,11 +74,6 @@ class PredictorConfig(_Strict):
         "prompts' own tokens, no padding (the engine's AVX512-BF16 kernel; fp32 softmax and "
         "sums): auto: on a CPU that has the instructions (and no AMX); true: required (an error "
         "says what is missing); false: torch's fp32 attention")
-    background: bool = Field(True, description="forecast and refit on a thread of the job's "
-                             "own at idle CPU priority, beside the engine (runner/forecasts.py): "
-                             "the job waits for forecasts only when the engine would otherwise "
-                             "run short of requests; false: in the job loop, between engine "
-                             "steps")
     history: bool = Field(True, description="append one history.jsonl line per finished request "
                           "(the training data of `batchinfer predictor train`)")
     history_prompts: Literal["text", "hash"] = Field(

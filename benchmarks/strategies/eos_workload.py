@@ -113,7 +113,7 @@ def job_predictor(online: bool):
     """The shipped predictor as a job with `predictor: auto` builds it for the embedded model
     (the recipe's predictor defaults), learning from the run with `online`, without otherwise.
     Built before the timed run (a job builds it before the engine); its forecasts are made in
-    the timed run (`job_forecast_queue`), as a job makes them."""
+    the timed run (`job_forecasts`), as a job makes them at admission."""
     from batchinfer.engine.model.sources import DEFAULT_MODEL_ID
     from batchinfer.predictors import make_predictor
     from batchinfer.predictors.auto import shipped_predictor
@@ -125,19 +125,21 @@ def job_predictor(online: bool):
     return wrap_online(make_predictor(cfg, device="cpu"), cfg)
 
 
-def job_forecast_queue(predictor, requests: list, rows: list[dict], background: bool = True):
-    """`job_predictor`'s forecasts as a job makes them (runner/forecasts.py: on the predictor's
-    own idle-priority thread with `background`, else in the loop), every request submitted; the
-    prompt text is the row's, as a job gives it."""
+def job_forecasts(predictor, requests: list, rows: list[dict]) -> tuple[list, float]:
+    """`job_predictor`'s forecasts (the online one's first), set on the requests as the job
+    sets them; the prompt text is the row's, as a job gives it."""
+    import time
     from types import SimpleNamespace
 
-    from batchinfer.runner.forecasts import JobForecasts
+    from batchinfer.runner.predictor_setup import apply_forecast
 
     for request, row in zip(requests, rows):
         request.payload = SimpleNamespace(prompt_text=row["prompt"], predicted_tokens=None)
-    forecasts = JobForecasts(predictor, background=background)
-    forecasts.submit([(None, request) for request in requests])
-    return forecasts
+    t = time.perf_counter()
+    forecasts = predictor.forecast(requests)
+    for request, forecast in zip(requests, forecasts):
+        apply_forecast(request, forecast)
+    return [f.point for f in forecasts], time.perf_counter() - t
 
 
 def forecast_error(predicted: list, actual: dict, rows: list[dict]) -> Optional[dict]:

@@ -77,6 +77,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     from batchinfer.engine.engine import Engine
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
     from batchinfer.engine.request import Request, SamplingParams
+    from batchinfer.runner.predictor_setup import learn
 
     if step_times_path and spec["strategy"].get("name") == "tdpipe":
         spec = {**spec, "strategy": {**spec["strategy"], "step_times": step_times_path}}
@@ -108,36 +109,19 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
                               arrival_index=i)
             request.predicted_output_len = predicted[i]
             requests.append(request)
+        if job_predictor is not None:   # as a job does: forecast at admission
+            predicted, predict_s = eos_workload.job_forecasts(job_predictor, requests, rows)
+        for request in requests:
+            engine.add_request(request)
         outs, events = [], []
-        if job_predictor is not None:   # as a job does (runner/forecasts.py)
-            forecasts = eos_workload.job_forecast_queue(job_predictor, requests, rows,
-                                                        spec.get("predictor_background", True))
-            try:
-                while forecasts.pending or engine.has_unfinished():
-                    for _, request in forecasts.ready():
-                        engine.add_request(request)
-                    while forecasts.should_wait(engine):
-                        forecasts.wait()
-                        for _, request in forecasts.ready():
-                            engine.add_request(request)
-                    if engine.has_unfinished():
-                        step_outs = engine.step()
-                        forecasts.learn(engine, step_outs, time.perf_counter())
-                        outs.extend(step_outs)
-                        events.extend(engine.drain_step_events())
-                forecasts.flush()
-                predict = forecasts.summary(time.perf_counter() - start)
-            finally:
-                forecasts.close()
-            predict_s = predict["waited_seconds"]
-        else:
-            for request in requests:
-                engine.add_request(request)
-            while engine.has_unfinished():
-                outs.extend(engine.step())
-                events.extend(engine.drain_step_events())
+        while engine.has_unfinished():
+            step_outs = engine.step()
+            if online is not None:      # and learn after each step
+                learn(online, engine, step_outs, time.perf_counter())
+            outs.extend(step_outs)
+            events.extend(engine.drain_step_events())
         elapsed = time.perf_counter() - start
-        if job_predictor is not None:   # the forecasts TD-Pipe read last (the refits' re-forecasts)
+        if online is not None:    # the forecasts TD-Pipe read last (the refits' re-forecasts)
             predicted = [request.predicted_output_len for request in requests]
         stats = engine.stats()
         sched = engine.scheduler
@@ -159,10 +143,7 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     actual = {o.request_id: o.num_output_tokens for o in outs}
     if stop_at_eos:
         eos = {"predictor": predictor, "predict_s": round(predict_s, 2),
-               **({"predictor_work": {k: predict[k] for k in (
-                   "seconds", "share_of_job", "waited_seconds", "waited_share_of_job",
-                   "background")}} if job_predictor is not None else {}),
-               **({"online": predict["online"]} if online is not None else {}),
+               **({"online": online.stats()["online"]} if online is not None else {}),
                "forecast_error": eos_workload.forecast_error(predicted, actual, rows),
                "stopped_at_eos": sum(o.num_output_tokens < max_tokens for o in outs)}
         if lengths:

@@ -59,10 +59,6 @@ for _source in ("bert", "bert-online", "oracle", "mean", "none"):
     for _suffix, _mode in (("as-written", False), ("within", True)):
         CONFIGS[f"tdpipe-{_source}-{_suffix}"] = {"pp": 2, "predictor": _source, "strategy": {
             **TDPIPE, "admit_within_capacity": _mode}}
-# the predictor in the job loop between engine steps (predictor.background: false) instead of
-# on its own idle-priority thread
-CONFIGS["tdpipe-bert-online-inloop"] = {"pp": 2, "predictor": "bert-online", "strategy": TDPIPE,
-                                        "predictor_background": False}
 # the upper forecast for the requests the predictor is unsure of (off by default since the
 # forty-second session's four-job replay)
 CONFIGS["tdpipe-bert-online-unsure-upper"] = {"pp": 2, "predictor": "bert-online", "strategy": {

@@ -38,8 +38,7 @@ DEFINITIONS = {
     "phases_s": "wall time spent per phase: model load, reading+tokenizing input, output-length "
                 "prediction, engine steps by batch phase, writing results, rendering reports",
     "predictor": "the output-length predictor's inference: requests, batches, seconds and share "
-                 "of the job's elapsed time; waited_seconds: the job loop's time blocked on it "
-                 "(with predictor.background the rest ran beside the engine, at idle priority)",
+                 "of the job's elapsed time",
     "micro_batch_tokens": MICRO_BATCH_DEFINITION,
 }
 
@@ -314,10 +313,10 @@ class SessionMetrics:
         }
 
 
-def predictor_summary(predictor, elapsed_s: float, stats: Optional[dict] = None) -> dict:
-    """report.json's session.predictor: the predictor's counters (`stats`: as its own thread last
-    read them), its share of the job's time and (bert) its encoder's arithmetic."""
-    pred = dict(predictor.stats() if stats is None else stats)
+def predictor_summary(predictor, elapsed_s: float) -> dict:
+    """report.json's session.predictor: the predictor's counters, its share of the job's time
+    and (bert) its encoder's arithmetic."""
+    pred = predictor.stats()
     pred["share_of_job"] = round(pred["seconds"] / elapsed_s, 6) if elapsed_s > 0 else None
     encoder = predictor.describe().get("encoder")
     if encoder:

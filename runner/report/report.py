@@ -58,17 +58,6 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + [""]
 
 
-def _predictor_wait(predictor: dict) -> str:
-    """What the job waited for the forecasts (predictor.background: the rest ran beside it)."""
-    waited, share = predictor.get("waited_seconds"), predictor.get("waited_share_of_job")
-    if waited is None:
-        return ""
-    where = ("on its own thread at idle priority, beside the engine" if predictor.get("background")
-             else "in the job loop, between engine steps")
-    return (f" It ran {where}; the job waited {waited} s for it"
-            f" ({'–' if share is None else f'{100 * share:.3f}%'} of the job's time).")
-
-
 def _online_lines(online: Optional[dict]) -> list[str]:
     """The online predictor (issue 43): its refits and the forecast error over the job."""
     if not online:
@@ -193,8 +182,8 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"{predictor.get('calls')} batches, {predictor.get('seconds')} s "
                 f"({predictor.get('ms_per_request') or 0:.3f} ms per request, "
                 f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time)"
-                + (f"; its encoder: {predictor['encoder']}." if predictor.get("encoder") else ".")
-                + _predictor_wait(predictor), ""]
+                + (f"; its encoder: {predictor['encoder']}." if predictor.get("encoder") else "."),
+                ""]
         out += _online_lines(predictor.get("online"))
     decisions = s.get("strategy_decisions") or {}
     if decisions:

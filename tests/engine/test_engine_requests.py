@@ -201,21 +201,3 @@ def test_stop_token_ids_are_checked_against_the_models_vocabulary(make_engine,
         engine.add_request(Request("r", [1, 2], greedy(max_tokens=2, stop_token_ids=[5000])))
     assert exc.value.code == "invalid_sampling"
     engine.add_request(Request("ok", [1, 2], greedy(max_tokens=2, stop_token_ids=[999])))
-
-
-def test_the_engine_wants_requests_while_its_queue_is_short(tiny):
-    """What the job loop reads before holding requests back for their forecasts: an engine
-    whose waiting prompts are fewer tokens than its scheduler's feed_tokens (a step or two of
-    prefill) wants more; one with enough does not."""
-    assert tiny.wants_requests and not tiny.has_unfinished()
-    scheduler = tiny.replicas[0].scheduler
-    budget = scheduler.feed_tokens
-    length = max(1, min(tiny.max_model_len - 8, 64))
-    added = 0
-    while scheduler.num_waiting_tokens < budget:
-        assert tiny.wants_requests
-        tiny.add_request(Request(f"w{added}", [5] * length, greedy(max_tokens=1)))
-        added += 1
-    assert not tiny.wants_requests
-    tiny.abort_all()
-    assert tiny.wants_requests and not tiny.has_unfinished()

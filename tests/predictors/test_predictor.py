@@ -483,9 +483,8 @@ def test_a_run_learns_from_its_own_replies_online(tmp_path, tiny_recipe, shared_
     one_token = tiny_recipe.sampling.model_copy(
         update={"stop_token_ids": list(range(shared_engine.tokenizer.vocab_size))})
     # a strategy that reads no forecast still gets a named predictor (and so learns)
-    # in the job loop (background: false), so the refits land at fixed points of the job
     settings = {"name": "mean", "path": str(history_dir), "online_refit_every": 4,
-                "online_min_examples": 4, "background": False}
+                "online_min_examples": 4}
     recipe = tiny_recipe.model_copy(update={"predictor": Recipe(predictor=settings).predictor,
                                             "sampling": one_token})
     _run(recipe, path, tmp_path / "run", shared_engine)
@@ -498,21 +497,6 @@ def test_a_run_learns_from_its_own_replies_online(tmp_path, tiny_recipe, shared_
     assert online["refits"] >= 1 and online["examples"] == 48 and online["timeline"]
     assert online["timeline"][-1]["error_online"] < online["timeline"][-1]["error_prior"]
     assert "Learning from the job" in (tmp_path / "run" / "report.md").read_text()
-
-    # on its own thread (the default) the refits land when that thread gets a core, but every
-    # finished request is learned from by the job's end
-    background = recipe.model_copy(update={"predictor": Recipe(
-        predictor={**settings, "background": True}).predictor})
-    _run(background, path, tmp_path / "background", shared_engine)
-    assert {h["predicted_tokens"] is not None
-            for h in _jsonl(tmp_path / "background" / "history.jsonl")} == {True}
-    session = json.loads((tmp_path / "background" / "report.json").read_text())["session"]
-    assert session["predictor"]["background"] is True
-    assert session["predictor"]["online"]["examples"] == 48
-    assert session["predictor"]["online"]["refits"] >= 1
-    assert 0 <= session["predictor"]["waited_seconds"] <= session["phases_s"]["predict"] + 1e-3
-    assert "on its own thread at idle priority, beside the engine; the job waited" in (
-        tmp_path / "background" / "report.md").read_text()
 
     off = recipe.model_copy(update={"predictor": Recipe(
         predictor={**settings, "online": False}).predictor})
