@@ -58,12 +58,28 @@ def cli(prog_name: Optional[str] = None) -> None:
         code = app(prog_name=prog_name, standalone_mode=False)
     except _arguments_error() as exc:
         exc.show()
-        typer.echo(json.dumps({"recipe": None, "input": None, "error": exc.format_message(),
-                               "exit_code": exc.exit_code}, indent=2))
+        recipe, input_path = _named_in(sys.argv[1:])
+        typer.echo(json.dumps({"recipe": recipe, "input": input_path,
+                               "error": exc.format_message(), "exit_code": exc.exit_code},
+                              indent=2))
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
     sys.exit(code or 0)
+
+
+def _named_in(args: list[str]) -> tuple[Optional[str], Optional[str]]:
+    """The recipe (the first .yaml / .yml argument after the command) and the --input / -i
+    value an arguments error left unread, as the command's own JSON would name them."""
+    recipe = next((a for a in args[1:] if not a.startswith("-")
+                   and a.lower().endswith((".yaml", ".yml"))), None)
+    input_path = None
+    for i, arg in enumerate(args):
+        if arg.startswith("--input="):
+            input_path = arg.split("=", 1)[1]
+        elif arg in ("--input", "-i") and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            input_path = args[i + 1]
+    return recipe, input_path
 
 
 def _arguments_error() -> type:

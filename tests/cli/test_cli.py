@@ -178,6 +178,8 @@ def test_an_arguments_error_under_json_is_json_too(monkeypatch, capsys, args, sa
     summary = json.loads(captured.out)
     assert says in summary["error"] and summary["exit_code"] == 2
     assert says in captured.err
+    assert summary["recipe"] == "r.yaml"          # what was given is named, as a command's own
+    assert summary["input"] == ("in.jsonl" if "--input" in args else None)
 
 
 def test_impossible_layout_exits_2(runner, tmp_path):
