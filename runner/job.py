@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from batchinfer.predictors.history import spec_text
 from .io.admission import (build_request, check_recipe_stop_ids, check_recipe_stop_ids_at_hand,
-                           prompt_token_ids)
+                           located_in_line, prompt_token_ids)
 from batchinfer.engine.errors import RequestError
 from .read_ahead import ReadAhead
 from .io.input_records import InputError, RequestSpec
@@ -380,6 +380,7 @@ class Job(JobReports):
         try:
             self.engine.add_request(request)
         except RequestError as exc:
+            exc = located_in_line(spec, exc)
             self._request_error(spec, request.payload.order, exc)
             if self.predictor is not None and hasattr(self.predictor, "forget"):
                 self.predictor.forget(request.request_id)

@@ -27,7 +27,19 @@ def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
     checks them when it admits the request (engine/admission.check_stop_ids); the recipe's are
     checked once, at start (check_recipe_stop_ids)."""
     if "stop_token_ids" in spec.sampling_keys and spec.sampling is not None:
-        check_stop_ids(spec.sampling, vocab_size)
+        try:
+            check_stop_ids(spec.sampling, vocab_size)
+        except RequestError as exc:
+            raise located_in_line(spec, exc) from None
+
+
+def located_in_line(spec: RequestSpec, exc: RequestError) -> RequestError:
+    """The engine's refusal of a request's stop_token_ids, named where the line holds them: an
+    OpenAI batch line's sampling keys are under `body.`, as the reader's own messages say."""
+    if (spec.is_openai and exc.code == "invalid_sampling"
+            and exc.message.startswith("stop_token_ids:")):
+        return RequestError(exc.code, f"body.{exc.message}")
+    return exc
 
 
 def check_recipe_stop_ids(sampling, vocab_size: int) -> None:

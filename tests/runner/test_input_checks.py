@@ -189,3 +189,9 @@ def test_stop_token_ids_past_the_vocabulary(tmp_path):
     check_stop_token_ids(inherited, 100)                 # the recipe's: checked once, at start
     with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[100\] out of range"):
         check_recipe_stop_ids(inherited.sampling, 100)
+    batch = tmp_path / "batch.jsonl"        # an OpenAI batch line's are under body.
+    batch.write_text('{"custom_id": "o", "method": "POST", "url": "/v1/completions", '
+                     '"body": {"prompt": "Hi", "stop_token_ids": [100]}}\n')
+    (line,) = _read(batch)
+    with pytest.raises(RequestError, match=r"^body\.stop_token_ids: \[100\] out of range"):
+        check_stop_token_ids(line, 100)

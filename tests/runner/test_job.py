@@ -206,6 +206,19 @@ def test_openai_bad_lines_get_openai_error_records(tmp_path, tiny_recipe, shared
     assert all(e["response"] is None and e["error"]["code"] == e["code"] for e in errors)
 
 
+def test_an_openai_lines_stop_ids_past_the_vocabulary_are_named_under_body(
+        tmp_path, tiny_recipe, shared_engine):
+    """The engine refuses them as it admits the request; the error record names the key where
+    the line holds it, as the reader's own messages do."""
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "far", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "hi", "stop_token_ids": [10 ** 9]}}])
+    run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    (error,) = read_jsonl(tmp_path / "run" / "errors.jsonl")
+    assert error["code"] == "invalid_sampling"
+    assert error["error"]["message"].startswith("body.stop_token_ids: [1000000000] out of range")
+
+
 def test_chat_template_modes(tmp_path, tiny_recipe, shared_engine):
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": "p", "prompt": "Hello"}])
     counts = {}
