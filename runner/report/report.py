@@ -341,6 +341,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
     meta = {k: first.get(k) for k in ("batchinfer_version", "model", "input", "input_format",
                                       "recipe", "strategy", "predictor", "auto_settings",
                                       "engine")}
+    meta["predictor"] = _merged_predictor(present) or meta["predictor"]
     session = {
         **_merged_engine([rep.get("session") or {} for rep in present.values()]),
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
@@ -363,6 +364,18 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
                              "divides the parts' latest-session tokens by the span from the "
                              "earliest part start to the latest part end (tasks run in parallel)"}
     return report
+
+
+def _merged_predictor(present: dict[str, dict]) -> Optional[dict]:
+    """The parts' length predictors when they differ (`auto` in tasks started together: one
+    trains from the history, the others take the next choice meanwhile); None when one."""
+    choices = {name: rep.get("predictor") for name, rep in sorted(present.items())}
+    if len({json.dumps(c, sort_keys=True) for c in choices.values()}) < 2:
+        return None
+    reason = "; ".join(f"{name}: {(c or {}).get('name')}"
+                       + (f" ({c['reason']})" if (c or {}).get("reason") else "")
+                       for name, c in choices.items())
+    return {"name": "per part", "reason": reason, "parts": choices}
 
 
 def _merged_engine(sessions: list[dict]) -> dict:

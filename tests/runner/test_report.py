@@ -310,3 +310,26 @@ def test_report_keeps_the_plots_only_the_job_could_draw(tmp_path):
     assert "![forecast_error.png](plots/forecast_error.png)" in markdown
     assert "gone.png" not in markdown and "old.png" not in markdown
     assert (run / "report.md").read_text() == markdown
+
+
+def test_a_merged_report_says_each_parts_predictor_when_they_differ():
+    """Tasks started together with `predictor: auto`: one trains a predictor from the history,
+    the others take the shipped one meanwhile. The merged report named the first part's for
+    all; now each part's, when they differ (one when they agree)."""
+    def part(choice):
+        return {"status": "completed", "model": "m", "predictor": choice,
+                "totals": {"outputs": 1, "errors": 0, "input_records": 1, "remaining": 0},
+                "session": {}}
+    trained = {"name": "bert", "source": "history", "reason": "trained on 80 records"}
+    shipped = {"name": "bert", "source": "shipped", "reason": "shipped for m"}
+    merged = merge_reports({"part-00000-of-00002": part(trained),
+                            "part-00001-of-00002": part(shipped)}, "runs/x")
+    assert merged["predictor"]["parts"] == {"part-00000-of-00002": trained,
+                                            "part-00001-of-00002": shipped}
+    line = next(l for l in render_markdown(merged).splitlines()
+                if l.startswith("**Length predictor:**"))
+    assert "part-00000-of-00002: bert (trained on 80 records)" in line
+    assert "part-00001-of-00002: bert (shipped for m)" in line
+    same = merge_reports({"part-00000-of-00002": part(trained),
+                          "part-00001-of-00002": part(dict(trained))}, "runs/x")
+    assert same["predictor"] == trained
