@@ -7,6 +7,7 @@ how to run it anyway (`strategy: vllm`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -317,6 +318,23 @@ def transformers_config(cfg: dict) -> dict:
 
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
     return {**config.to_dict(), "model_type": cfg["model_type"]}
+
+
+def with_generation_eos(arch: ModelArch, model_dir: Path) -> ModelArch:
+    """`arch` with generation_config.json's eos ids added to config.json's: an instruct model's
+    end of turn is often listed there only (Gemma 2's <end_of_turn>, Phi-3's <|end|>, the first
+    Llama 3 Instruct's <|eot_id|>), and transformers' generate and vLLM stop at it."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return arch
+    try:
+        cfg = json.loads(path.read_text())
+        ids = _eos_ids(cfg.get("eos_token_id") if isinstance(cfg, dict) else None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of them, and "
+                             f"the file valid JSON ({exc})") from None
+    extra = tuple(dict.fromkeys(i for i in ids if i not in arch.eos_token_ids))
+    return dataclasses.replace(arch, eos_token_ids=arch.eos_token_ids + extra) if extra else arch
 
 
 def read_arch(model_dir: Path) -> ModelArch:

@@ -24,7 +24,7 @@ import torch
 
 from ..cpu_dtype import activation_dtype
 from ..errors import ModelLoadError
-from .arch import ModelArch, arch_from_dict, read_arch
+from .arch import ModelArch, arch_from_dict, read_arch, with_generation_eos
 from .causal_lm import CausalLM, ModelPartition
 from .checkpoint import CheckpointCheck, hf_tensor_shapes
 from .fast_linear import pack_linears
@@ -449,9 +449,10 @@ def finish_partition(model: CausalLM, device: torch.device, dtype: torch.dtype,
 
 def load_arch(model_dir: Path, overrides: Optional[dict] = None) -> ModelArch:
     """config.json with `hf_overrides` applied; where they run fewer layers than the checkpoint
-    has, the arch says so (its later layers' tensors are skipped, not an error)."""
+    has, the arch says so (its later layers' tensors are skipped, not an error). Its eos ids
+    include generation_config.json's."""
     if not overrides:
-        return read_arch(model_dir)
+        return with_generation_eos(read_arch(model_dir), model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     saved_layers = cfg.get("num_hidden_layers")
     cfg.update(overrides)
@@ -465,4 +466,4 @@ def load_arch(model_dir: Path, overrides: Optional[dict] = None) -> ModelArch:
     arch = arch_from_dict(cfg, f"{model_dir / 'config.json'} with hf_overrides")
     if isinstance(saved_layers, int) and saved_layers > arch.num_layers:
         arch = dataclasses.replace(arch, checkpoint_layers=saved_layers)
-    return arch
+    return with_generation_eos(arch, model_dir)

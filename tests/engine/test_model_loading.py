@@ -256,3 +256,41 @@ def test_a_fused_checkpoint_tensor_of_the_wrong_shape_is_named(tmp_path):
                                              r"shape \(64, 32\) in the checkpoint, but config\.json "
                                              r"implies \(96, 32\)$"):
         _load(path)
+
+
+def test_a_reply_stops_at_an_eos_id_only_generation_config_lists(tmp_path, default_model_dir):
+    """An instruct model's end of turn is often in generation_config.json only (Gemma 2's
+    <end_of_turn>, Phi-3's <|end|>): transformers' generate (and vLLM) stop there, so the engine
+    does too, and a malformed file is named."""
+    import torch
+
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.engine.request import FinishReason, SamplingParams
+    from tests.tiny_families import hf_greedy, hf_model, save_model
+
+    hf = hf_model("llama3")
+    path = save_model(hf, tmp_path / "m", default_model_dir)
+    free = hf_greedy(hf, [[7]], 8)[0]
+    stop = next(t for i, t in enumerate(free) if i > 0 and t not in free[:i] and t != 2)
+    cut = free[:free.index(stop) + 1]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    hf.generation_config.eos_token_id = [2, stop]
+    with torch.inference_mode():
+        assert hf.generate(torch.tensor([[7]]), max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, 1:].tolist() == cut
+    assert stop in load_arch(path).eos_token_ids
+    assert stop in load_arch(path, {"num_hidden_layers": 1}).eos_token_ids
+
+    engine = _build(path, dtype="float32")
+    try:
+        out = engine.generate([[7]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert (out.output_token_ids, out.finish_reason) == (cut, FinishReason.STOP)
+        out = engine.generate([[7]], SamplingParams(max_tokens=8, temperature=0.0,
+                                                    ignore_eos=True))[0]
+        assert out.output_token_ids == free
+    finally:
+        engine.close()
+
+    (path / "generation_config.json").write_text('{"eos_token_id": "<eos>"}')
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json: eos_token_id must be"):
+        load_arch(path)
