@@ -84,9 +84,10 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
     root = Path(cfg.path) if cfg.path else Path(runs_root)
     history = model_history(root, model_id, exclude)
     count = history.count
+    failed: list[str] = []          # why training did not give one, when it was tried
     if count >= min_records():
         built = _attempt(f"training one from the history under {root}",
-                         lambda: _from_history(cfg, history, model_id, device, root))
+                         lambda: _from_history(cfg, history, model_id, device, root), failed)
         if built is not None:
             path, predictor = built
             reason = f"trained on this model's own history: {_trained_on(path, history, root)}"
@@ -96,16 +97,16 @@ def choose_predictor(cfg: Any, model_id: str, runs_root: Path, device: Optional[
     if shipped is not None:
         predictor = _attempt(f"loading {shipped}", lambda: bert_from_dir(cfg, shipped, device))
         if predictor is not None:
-            reason = (f"shipped for {model_id}" + (
-                f" (this model's history has {count} records, fewer than the "
-                f"{min_records()} needed to train)" if count else ""))
+            reason = f"shipped for {model_id}" + (
+                f" ({_not_trained(count, failed)})" if count else "")
             log.info("length predictor (auto): bert %s (%s)", shipped, reason)
             return predictor, AutoChoice("bert", "shipped", reason, str(shipped), count)
     if count:
         mean = history.mean_output_tokens
         reason = (f"no predictor for {model_id}: the mean output length ({mean:.1f} tokens) of "
-                  f"its {count} history records under {root}; {min_records()} records "
-                  "train a BERT predictor")
+                  f"its {count} history records under {root}; " + (
+                      _not_trained(count, failed) if failed else
+                      f"{min_records()} records train a BERT predictor"))
         log.warning("length predictor (auto): %s", reason)
         return (MeanPredictor(mean, cfg.oracle_field, source=str(root)),
                 AutoChoice("mean", "history", reason, str(root), count))
@@ -128,12 +129,23 @@ def _trained_on(path: Path, history: ModelHistory, root: Path) -> str:
             f"history holds {history.count} now, retrained past {int(then * RETRAIN_GROWTH)})")
 
 
-def _attempt(what: str, build: Callable[[], T]) -> Optional[T]:
+def _not_trained(count: int, failed: list[str]) -> str:
+    """Why this model's history did not give the job a predictor."""
+    if failed:
+        return (f"training one on this model's {count} history records failed ({failed[0]}; "
+                "see the log)")
+    return (f"this model's history has {count} records, fewer than the {min_records()} "
+            "needed to train")
+
+
+def _attempt(what: str, build: Callable[[], T], failed: Optional[list] = None) -> Optional[T]:
     try:
         return build()
     except Exception as exc:  # noqa: BLE001 - an optimisation never fails the job
         log.warning("length predictor (auto): %s failed (%s: %s); taking the next choice", what,
                     type(exc).__name__, exc)
+        if failed is not None:
+            failed.append(type(exc).__name__)
         return None
 
 

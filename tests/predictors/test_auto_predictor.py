@@ -259,3 +259,25 @@ def test_a_job_learns_from_the_runs_beside_it_and_reports_the_choice(tmp_path, m
     assert len(history) == 3 and all("predicted_tokens" in h for h in history)
     # the 60 records beside it and the first run's 3, not its own (a resumed run's or a part's)
     assert second["predictor"]["history_records"] == 63
+
+
+def test_a_training_that_failed_is_not_reported_as_too_little_history(tmp_path, cache,
+                                                                      monkeypatch):
+    """A Slurm task that found another training the predictor (or a training that broke) took
+    the shipped one "(this model's history has 80 records, fewer than the 50 needed to
+    train)": now the reason says the training failed, and why."""
+    from batchinfer.predictors import auto
+
+    def busy(*args, **kwargs):
+        raise RuntimeError("another process is training it")
+
+    monkeypatch.setattr(auto, "trained_from_history", busy)
+    _write_history(tmp_path / "run", DEFAULT_MODEL_ID, 10)          # 60 records
+    predictor, choice = choose_predictor(_cfg(), DEFAULT_MODEL_ID, tmp_path, "cpu", True)
+    assert choice.source == "shipped" and choice.history_records == 60
+    assert "training one on this model's 60 history records failed (RuntimeError" in choice.reason
+    assert "fewer than" not in choice.reason
+    _write_history(tmp_path / "mine", MODEL, 10)
+    _, choice = choose_predictor(_cfg(), MODEL, tmp_path, "cpu", True)
+    assert choice.name == "mean" and "failed (RuntimeError" in choice.reason
+    assert "records train a BERT predictor" not in choice.reason
