@@ -84,7 +84,7 @@ def check_sidp_layout(par) -> None:
 def check_sidp_model(config, params, arch) -> None:
     """The model and number format SiDP's shared FFN store is built for (the build and
     `batchinfer validate` both refuse the rest)."""
-    if not params.runs_model(arch):
+    if arch.moe is not None:
         raise ConfigError(f"strategy sidp shares each layer's dense FFN weights; this model "
                           f"({arch.model_type}) has a mixture of experts: run it with another "
                           "strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
@@ -95,7 +95,8 @@ def check_sidp_model(config, params, arch) -> None:
                           "gllm, tdpipe, seesaw, sipipe)")
     if arch.hidden_act != "silu":
         raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
-                          f"({arch.model_type}) gates with {arch.hidden_act}")
+                          f"({arch.model_type}) gates with {arch.hidden_act}: run it with "
+                          "another strategy (baseline, gllm, tdpipe, seesaw, sipipe)")
 
 
 def build_sidp_engine(config, params):

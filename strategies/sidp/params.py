@@ -85,7 +85,8 @@ class SiDPParams(StrategyParams, SchedulerConfig):
 
     @classmethod
     def runs_model(cls, arch) -> bool:
-        return arch.moe is None                     # the store holds one dense FFN per layer
+        # the store holds one dense SiLU-gated FFN per layer
+        return arch.moe is None and arch.hidden_act == "silu"
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:

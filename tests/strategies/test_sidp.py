@@ -258,3 +258,28 @@ def test_a_blocked_store_gives_the_plain_stores_ffn():
     for layer in range(2):
         torch.testing.assert_close(ffn(x, blocked.view(layer), TorchOps),
                                    ffn(x, plain.view(layer), TorchOps), rtol=1e-5, atol=1e-4)
+
+
+def test_a_model_sidp_cannot_run_is_left_out_of_profile_and_refused_naming_what_to_run():
+    """SiDP's store holds SiLU-gated MLPs: Gemma's GeGLU is not a profile candidate (its winning
+    recipe would be refused), and validate / the build name the gate and the strategies that run
+    it, as for a mixture of experts."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.errors import ConfigError
+    from batchinfer.sim.search import candidates
+    from batchinfer.strategies.base import BaselineStrategy
+    from batchinfer.strategies.sidp.params import SiDPParams
+    from tests.tiny_families import tiny_arch
+
+    def names(arch):
+        return {c.strategy["name"] for c in candidates(BaselineStrategy(), arch, 2)}
+
+    assert "sidp" in names(tiny_arch("llama3"))
+    for family in ("gemma2", "gemma3", "mixtral"):
+        assert "sidp" not in names(tiny_arch(family)) and "baseline" in names(tiny_arch(family))
+    config = EngineConfig(parallel={"dp": 2})
+    with pytest.raises(ConfigError, match=r"\(gemma2\) gates with gelu_pytorch_tanh: run it with "
+                                          r"another strategy \(baseline, "):
+        SiDPParams().check_config(config, tiny_arch("gemma2"))
+    with pytest.raises(ConfigError, match=r"\(mixtral\) has a mixture of experts: run it with"):
+        SiDPParams().check_config(config, tiny_arch("mixtral"))
