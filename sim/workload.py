@@ -44,7 +44,10 @@ class Workload:
 def _history_lengths(sources: list[Path]) -> list[int]:
     from batchinfer.predictors.history import read_history
 
-    data = read_history(sources)
+    try:
+        data = read_history(sources)
+    except FileNotFoundError as exc:
+        raise ValueError(f"--history {exc}") from None
     lengths = [r.output_tokens for r in data.records if r.output_tokens > 0]
     if not lengths:
         raise ValueError(f"{', '.join(map(str, sources))}: no usable history records")

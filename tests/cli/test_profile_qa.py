@@ -158,3 +158,10 @@ def test_more_ranks_than_a_cpu_tables_cores_is_refused(tmp_path):
                       "--json")
     assert result.exit_code == 0, result.output
     assert max(r["tp"] * r["pp"] * r["dp"] for r in json.loads(result.output)["ranking"]) == 2
+
+
+def test_a_history_that_is_not_there_is_named_as_the_history(tmp_path):
+    result = _profile("--hardware", "l20", "--history", str(tmp_path / "nowhere"), "--out",
+                      str(tmp_path / "plan"))
+    assert result.exit_code == 2, result.output
+    assert f"--history {tmp_path / 'nowhere'}: no such run directory" in result.output
