@@ -128,7 +128,8 @@ class PredictorConfig(_Strict):
             return v
         if name not in ("bert", "mean"):
             if v is not None:
-                raise ValueError(f"only the bert and mean predictors read a path (name is {name})")
+                raise ValueError(f"only the auto, bert and mean predictors read a path (name is "
+                                 f"{name})")
             return v
         if not v:
             need = ("a directory made by `batchinfer predictor train`" if name == "bert" else

@@ -53,3 +53,12 @@ def test_cuda_where_torch_sees_none_is_the_engines_usage_error_not_the_predictor
                     device={"device": "cuda"})
     with pytest.raises(ConfigError, match="device.device: cuda was asked for"):
         build_job_predictor(recipe, tmp_path / "run")
+
+
+def test_a_path_for_a_predictor_that_reads_none_names_those_that_do(tmp_path):
+    """The error said only bert and mean read a path: auto reads one too (the runs to learn
+    from)."""
+    from batchinfer.runner.recipe import RecipeError, parse_recipe
+
+    with pytest.raises(RecipeError, match="only the auto, bert and mean predictors read a path"):
+        parse_recipe({"predictor": {"name": "oracle", "path": str(tmp_path)}}, "r.yaml")
