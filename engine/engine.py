@@ -298,7 +298,8 @@ class Engine:
         Every prompt is checked before any is added, so a bad one leaves nothing behind.
         `on_step`, if given, is called after every step with the requests that step finished.
         Requests added with add_request and not yet finished are refused: their results would
-        come out of generate's steps, not the caller's."""
+        come out of generate's steps, not the caller's. A call interrupted (Ctrl-C, an exception
+        from on_step or a step) aborts its own requests and leaves the engine idle."""
         if self.has_unfinished():
             raise RuntimeError("generate runs its prompts to completion on an idle engine, and "
                                "requests added with add_request are unfinished: step() until "
@@ -336,12 +337,22 @@ class Engine:
             self._admit(request)
         ids = [request.request_id for request in requests]
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            finished = self.step()
-            for out in finished:
-                results[out.request_id] = out
-            if on_step is not None:
-                on_step(finished)
+        try:
+            while len(results) < len(ids):
+                finished = self.step()
+                for out in finished:
+                    results[out.request_id] = out
+                if on_step is not None:
+                    on_step(finished)
+        except BaseException:
+            # a Ctrl-C, an error in on_step or in a step: the call's results are lost with it, so
+            # its requests (the only ones: generate runs on an idle engine) go too, and the next
+            # call finds an idle engine instead of being refused for requests it never added
+            try:
+                self.abort_all()
+            except Exception:   # noqa: BLE001 - a dead worker: the first error is the one to see
+                pass
+            raise
         return [results[r] for r in ids]
 
     # --- observability --------------------------------------------------------------------------

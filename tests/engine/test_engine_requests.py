@@ -201,3 +201,19 @@ def test_stop_token_ids_are_checked_against_the_models_vocabulary(make_engine,
         engine.add_request(Request("r", [1, 2], greedy(max_tokens=2, stop_token_ids=[5000])))
     assert exc.value.code == "invalid_sampling"
     engine.add_request(Request("ok", [1, 2], greedy(max_tokens=2, stop_token_ids=[999])))
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, ValueError])
+def test_an_interrupted_generate_leaves_an_idle_engine(tiny, interrupt):
+    """A Ctrl-C (or an error in on_step) part way through generate loses that call's results,
+    so its requests go with it: the next generate runs, instead of being refused for
+    'requests added with add_request' the caller never added."""
+    def on_step(finished):
+        raise interrupt("stop")
+
+    with pytest.raises(interrupt):
+        tiny.generate(["Hello there", "abc"], greedy(max_tokens=50, ignore_eos=True),
+                      on_step=on_step)
+    assert tiny.num_unfinished == 0 and not tiny.has_unfinished()
+    outs = tiny.generate(["Hello there"], greedy(max_tokens=3, ignore_eos=True))
+    assert len(outs) == 1 and len(outs[0].output_token_ids) == 3
