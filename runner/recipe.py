@@ -123,8 +123,7 @@ class PredictorConfig(_Strict):
         name = info.data["name"]
         if name == "auto":
             if v is not None and not Path(v).is_dir():
-                raise ValueError(f"{v}: no such directory (auto learns from the run directories "
-                                 "there)")
+                raise ValueError(f"{_not_a_dir(v)} (auto learns from the run directories there)")
             return v
         if name not in ("bert", "mean"):
             if v is not None:
@@ -137,7 +136,7 @@ class PredictorConfig(_Strict):
             raise ValueError(f"the {name} predictor needs a path: {need}")
         path = Path(v)
         if not path.is_dir():
-            raise ValueError(f"{v}: no such directory")
+            raise ValueError(_not_a_dir(v))
         if (path / "predictor.json").is_file():
             return v
         if name == "mean" and ((path / "history.jsonl").is_file()
@@ -153,6 +152,17 @@ class PredictorConfig(_Strict):
         if v == "max_tokens" or (v.startswith("metadata.") and len(v) > len("metadata.")):
             return v
         raise ValueError("use max_tokens or metadata.<key>")
+
+
+def _not_a_dir(v: str) -> str:
+    """predictor.path is not a directory: a file there (a predictor's or a run's own file:
+    its directory is meant), or nothing."""
+    path = Path(v)
+    if not path.is_file():
+        return f"{v}: no such directory"
+    if path.name in ("predictor.json", "history.jsonl"):
+        return f"{v}: a file; give the directory holding it ({path.parent})"
+    return f"{v}: a file, not a directory"
 
 
 InputFormat = Literal["auto", "jsonl", "openai", "parquet", "arrow", "csv", "json"]

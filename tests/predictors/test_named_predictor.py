@@ -62,3 +62,20 @@ def test_a_path_for_a_predictor_that_reads_none_names_those_that_do(tmp_path):
 
     with pytest.raises(RecipeError, match="only the auto, bert and mean predictors read a path"):
         parse_recipe({"predictor": {"name": "oracle", "path": str(tmp_path)}}, "r.yaml")
+
+
+@pytest.mark.parametrize("name", ["bert", "mean", "auto"])
+def test_a_path_at_a_file_says_so_and_names_its_directory(tmp_path, name):
+    """predictor.path at predictor.json (or history.jsonl) said "no such directory"."""
+    from batchinfer.runner.recipe import RecipeError, parse_recipe
+
+    card = tmp_path / "predictor.json"
+    card.write_text("{}")
+    with pytest.raises(RecipeError, match=f"a file; give the directory holding it \\({tmp_path}\\)"):
+        parse_recipe({"predictor": {"name": name, "path": str(card)}}, "r.yaml")
+    other = tmp_path / "notes.txt"
+    other.write_text("x")
+    with pytest.raises(RecipeError, match="a file, not a directory"):
+        parse_recipe({"predictor": {"name": name, "path": str(other)}}, "r.yaml")
+    with pytest.raises(RecipeError, match="no such directory"):
+        parse_recipe({"predictor": {"name": name, "path": str(tmp_path / "gone")}}, "r.yaml")
