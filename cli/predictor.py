@@ -271,10 +271,14 @@ def _print_metrics(m: dict, title: str) -> None:
                   f"{_pct(m['majority_class_accuracy'])}), mean abs error "
                   f"{m['mean_abs_error_tokens']} tokens, inference "
                   f"{m['inference_ms_per_request']} ms/request")
-    table = Table(title="accumulated error over groups of N requests (TD-Pipe Fig. 14)")
-    table.add_column("predictor")
     # a group size with no full group (e.g. N=256 on fewer records) is left out
     sizes = [n for n, v in m["accumulated_error"].items() if v is not None]
+    if not sizes:
+        console.print(f"accumulated error: no group of N={', '.join(m['accumulated_error'])} "
+                      f"in {m['records']} records (a group needs N of them)")
+        return
+    table = Table(title="accumulated error over groups of N requests (TD-Pipe Fig. 14)")
+    table.add_column("predictor")
     for n in sizes:
         table.add_column(f"N={n}", justify="right")
     table.add_row("bert", *[_pct(m["accumulated_error"][n]) for n in sizes])

