@@ -224,6 +224,29 @@ class EngineConfig(_Strict):
     # engine. None: the baseline policy of `scheduler`.
     strategy: Optional[Any] = Field(None, exclude=True)
 
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_params(cls, v):
+        """A name or a dict here would fail deep in the build ('str' object has no attribute
+        ...): the engine does not know the registry (batchinfer.strategies does)."""
+        if v is None or all(callable(getattr(v, hook, None))
+                            for hook in ("scheduler_config", "make_scheduler", "check_config")):
+            return v
+        raise ValueError(f"a strategy's parameters (a StrategyParams), not {type(v).__name__} "
+                         f"{v!r}: from batchinfer.strategies import STRATEGIES; "
+                         "EngineConfig(strategy=STRATEGIES[name](**its keys), ...)")
+
+    @model_validator(mode="after")
+    def _strategy_batching(self):
+        """A strategy's own batching knobs (max_num_seqs, max_num_batched_tokens) are what the
+        build sizes activations and CUDA graphs for, unless `scheduler` is given as well."""
+        if self.strategy is not None and "scheduler" not in self.model_fields_set:
+            try:
+                self.scheduler = self.strategy.scheduler_config()
+            except NotImplementedError:     # a strategy with no batching knobs of its own
+                pass
+        return self
+
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int = 1):
         if self.strategy is not None:
             return self.strategy.make_scheduler(block_manager, max_model_len, pipeline_depth)
