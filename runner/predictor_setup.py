@@ -42,8 +42,8 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
 
 
 def _named_choice(recipe, predictor) -> Optional[dict]:
-    """For a predictor the recipe names: what the report should say of it (None: nothing to
-    add). A trained predictor whose card lists other models than the job's forecasts their
+    """For a predictor the recipe names: what the report should say of it (its path; None:
+    nothing to add). A trained predictor whose card lists other models than the job's forecasts their
     replies' lengths, and a strategy that reads no forecast only pays for it: both are said
     (logged, and in report.json's `predictor` / report.md's "Length predictor")."""
     from batchinfer.engine.model.sources import model_id_for
@@ -60,7 +60,7 @@ def _named_choice(recipe, predictor) -> Optional[dict]:
         notes.append(f"strategy {recipe.strategy.name} reads no length forecast: the predictor "
                      "only records predicted_tokens in history.jsonl")
     if not notes:
-        return None
+        return {"name": cfg.name, "path": cfg.path} if cfg.path else None
     reason = "; ".join(notes)
     log.warning("length predictor %s (%s): %s", cfg.name, cfg.path, reason)
     return {"name": cfg.name, "path": cfg.path, "reason": reason}

@@ -81,8 +81,8 @@ def _predictor_line(choice: Optional[dict]) -> list[str]:
     """The length predictor the job used (for `auto`, which one and why)."""
     if not choice:
         return []
-    reason = f" ({choice['reason']})" if choice.get("reason") else ""
-    return [f"**Length predictor:** {choice.get('name')}{reason}  "]
+    reason = choice.get("reason") or choice.get("path")     # a named predictor: its directory
+    return [f"**Length predictor:** {choice.get('name')}{f' ({reason})' if reason else ''}  "]
 
 
 def _auto_settings_line(auto: Optional[dict]) -> list[str]:

@@ -22,9 +22,14 @@ def _choice(tmp_path, caplog, **recipe):
     return choice
 
 
-def test_the_models_own_predictor_with_a_forecasting_strategy_adds_nothing(tmp_path, caplog):
-    assert _choice(tmp_path, caplog, strategy={"name": "tdpipe"}) is None
+def test_the_models_own_predictor_with_a_forecasting_strategy_is_named_by_its_path(tmp_path,
+                                                                                 caplog):
+    from batchinfer.runner.report.report import _predictor_line
+
+    choice = _choice(tmp_path, caplog, strategy={"name": "tdpipe"})
+    assert choice == {"name": "bert", "path": SHIPPED}
     assert not caplog.records
+    assert _predictor_line(choice) == [f"**Length predictor:** bert ({SHIPPED})  "]
 
 
 def test_a_predictor_trained_on_another_models_replies_is_said(tmp_path, caplog):
