@@ -163,7 +163,9 @@ def _parse(obj: Any) -> tuple[Optional[HistoryRecord], str]:
         source = obj["metadata"].get("source")
     return HistoryRecord(id=str(obj["id"]), prompt=prompt, prompt_sha256=str(obj["prompt_sha256"]),
                          prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-                         finish_reason=str(obj.get("finish_reason")), model=obj.get("model"),
+                         # without one: "" (cut then reads max_tokens), never "None"
+                         finish_reason=str(obj.get("finish_reason") or ""),
+                         model=obj.get("model"),
                          max_tokens=max_tokens, predicted_tokens=predicted,
                          source=None if source is None else str(source)), ""
 

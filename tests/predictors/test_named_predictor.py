@@ -84,3 +84,22 @@ def test_a_path_at_a_file_says_so_and_names_its_directory(tmp_path, name):
         parse_recipe({"predictor": {"name": name, "path": str(other)}}, "r.yaml")
     with pytest.raises(RecipeError, match="no such directory"):
         parse_recipe({"predictor": {"name": name, "path": str(tmp_path / "gone")}}, "r.yaml")
+
+
+def test_a_history_line_without_a_finish_reason_is_cut_at_its_max_tokens(tmp_path):
+    """HistoryRecord.cut: "without a finish reason, at max_tokens"; a line with none was read
+    with the reason "None", so an output at its cap never counted as cut."""
+    import json
+
+    from batchinfer.predictors.history import read_history
+
+    path = tmp_path / "history.jsonl"
+    rows = [{"id": "a", "prompt": "x", "prompt_sha256": "1", "output_tokens": 64,
+             "max_tokens": 64},
+            {"id": "b", "prompt": "y", "prompt_sha256": "2", "output_tokens": 10,
+             "max_tokens": 64},
+            {"id": "c", "prompt": "z", "prompt_sha256": "3", "output_tokens": 64,
+             "max_tokens": 64, "finish_reason": "stop"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cut = {r.id: r.cut for r in read_history([path]).records}
+    assert cut == {"a": True, "b": False, "c": False}
