@@ -83,7 +83,11 @@ def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") 
         if chat_template == "always" and not spec.is_openai:
             return tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}])
         return tokenizer.encode(spec.prompt)
-    except RequestError:
+    except RequestError as exc:
+        if exc.code == "no_chat_template" and spec.messages is None:   # the recipe's `always`
+            raise RequestError(exc.code, f"io.chat_template: always wraps each prompt in the "
+                               f"chat template, and {exc.message.split(';')[0]}: set "
+                               "io.chat_template: auto to send prompts as written") from None
         raise
     except Exception as exc:  # the tokenizer rejects the text (e.g. lone surrogates)
         raise RequestError("tokenization_failed", f"the tokenizer could not encode the prompt: "

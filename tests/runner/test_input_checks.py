@@ -195,3 +195,32 @@ def test_stop_token_ids_past_the_vocabulary(tmp_path):
     (line,) = _read(batch)
     with pytest.raises(RequestError, match=r"^body\.stop_token_ids: \[100\] out of range"):
         check_stop_token_ids(line, 100)
+
+
+def test_always_on_a_tokenizer_without_a_chat_template_names_the_recipe_key(tmp_path,
+                                                                            default_model_dir):
+    """A plain prompt under io.chat_template: always, on a model without a template: its error
+    names the recipe's setting and the way out, not 'send prompt instead of messages'."""
+    import shutil
+
+    import transformers
+
+    from batchinfer.engine.tokenizer import Tokenizer
+    from batchinfer.runner.io.admission import prompt_token_ids
+
+    for f in default_model_dir.glob("tokenizer*"):       # no chat_template.jinja: no template
+        shutil.copy(f, tmp_path / f.name)
+    tokenizer = Tokenizer(transformers.AutoTokenizer.from_pretrained(str(tmp_path)), "m")
+    assert not tokenizer.has_chat_template
+    plain, chat = RequestSpec(1, "p", prompt="Hi"), RequestSpec(2, "c", messages=[
+        {"role": "user", "content": "Hi"}])
+    assert prompt_token_ids(plain, tokenizer, "auto") == tokenizer.encode("Hi")
+    with pytest.raises(RequestError) as exc:
+        prompt_token_ids(plain, tokenizer, "always")
+    assert exc.value.code == "no_chat_template"
+    assert exc.value.message == ("io.chat_template: always wraps each prompt in the chat "
+                                 "template, and the tokenizer of m has no chat template: set "
+                                 "io.chat_template: auto to send prompts as written")
+    with pytest.raises(RequestError, match=r"has no chat template; send 'prompt' instead of "
+                                           r"'messages'$"):
+        prompt_token_ids(chat, tokenizer, "always")
