@@ -68,11 +68,6 @@ def measured_setup(recipe, model, table_path: Optional[Path], out_dir: Path,
                           "without --table")
     cores = int(table.hardware.get("cores") or os.cpu_count() or 1)
     if table.hardware.get("device") == "cpu":
-        if devices is not None and devices > cores:
-            raise ConfigError(
-                f"--gpus {devices}: {table_path} timed a CPU host of {cores} cores, and a rank "
-                "there runs on cores of its own (ranks sharing cores are not what it measured, "
-                f"and would be planned as if each had one); give at most {cores}")
         world = devices or cores
     else:       # the GPUs of the machine it was measured on (tables before the count: 1)
         world = devices or int(table.hardware.get("gpus") or 1)
@@ -204,6 +199,12 @@ def plan(recipe, input_path: Path, out_dir: Path, hardware: str = "measured",
     recipe_model = model_setup(_read_on_this_machine(recipe.engine_config(), timed_elsewhere))
     if hardware == "measured":
         setup = measured_setup(recipe, recipe_model, table, out_dir, devices, progress)
+        if setup.description.get("device") == "cpu" and devices and devices > setup.cores:
+            raise ConfigError(
+                f"--gpus {devices}: {setup.description.get('table')} timed a CPU host of "
+                f"{setup.cores} cores, and a rank there runs on cores of its own (ranks sharing "
+                "cores are not what it measured, and would be planned as if each had one); "
+                f"give at most {setup.cores}")
     else:
         setup = preset_setup(recipe_model, hardware, devices or 4, model)
     max_len = _max_model_len(recipe.model.max_model_len, setup.arch)

@@ -165,3 +165,15 @@ def test_a_history_that_is_not_there_is_named_as_the_history(tmp_path):
                       str(tmp_path / "plan"))
     assert result.exit_code == 2, result.output
     assert f"--history {tmp_path / 'nowhere'}: no such run directory" in result.output
+
+
+def test_the_run_time_auto_settings_still_simulate_more_ranks_than_the_tables_cores(tmp_path):
+    """The refusal is the profile command's (--gpus): a run's auto settings simulate its own
+    layout on the cached table of this host, however many cores that table saw free."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.runtime.build import model_setup
+    from batchinfer.sim.planner import measured_setup
+
+    setup = measured_setup(load_recipe(RECIPE), model_setup(EngineConfig()),
+                           _smollm_table(tmp_path / "t.json"), tmp_path, 4, lambda *a: None)
+    assert setup.devices == 4 and setup.cores == 2
