@@ -55,9 +55,11 @@ def _history_lengths(sources: list[Path]) -> list[int]:
 
 
 def _predictor(recipe):
-    """The recipe's predictor and how the profile names it; `auto` resolves as the recipe's run
-    would (a strategy that reads no forecast gets max_tokens, as a run of it predicts nothing),
-    over the runs beside the recipe's run directory (default: runs/), on the CPU."""
+    """The recipe's predictor and how the profile names it; `auto` resolves as a TD-Pipe run
+    would pick it, whatever strategy the recipe names: the replies' lengths are the job's, and
+    profile ranks every strategy on them (a baseline recipe's profile used to simulate each
+    reply at max_tokens, a TD-Pipe recipe's at its forecast: two rankings of one job). Over the
+    runs beside the recipe's run directory (default: runs/), on the CPU."""
     from batchinfer.predictors import make_predictor
 
     cfg = recipe.predictor
@@ -71,7 +73,7 @@ def _predictor(recipe):
     predictor, choice = choose_predictor(
         cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy",
                       recipe.model.hf_overrides), runs_root,
-        "cpu", reads_forecasts=recipe.strategy.reads_length_forecasts())
+        "cpu", reads_forecasts=True)
     return predictor or NonePredictor(cfg.oracle_field), f"predictor auto: {choice.reason}"
 
 

@@ -165,7 +165,10 @@ def test_the_workload_takes_output_lengths_from_history_or_the_predictor(tmp_pat
     from batchinfer.predictors.history import history_record
     from batchinfer.sim.workload import load_workload
 
-    recipe = load_recipe(RECIPE)
+    from batchinfer.runner.recipe import PredictorConfig
+
+    auto = load_recipe(RECIPE)
+    recipe = auto.model_copy(update={"predictor": PredictorConfig(name="none")})
     tokenizer = model_setup(EngineConfig()).tokenizer
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "Hello there", "max_tokens": 7}\n'
@@ -173,6 +176,11 @@ def test_the_workload_takes_output_lengths_from_history_or_the_predictor(tmp_pat
                        '{"id": "b", "prompt": "Write a poem about the sea."}\n')
     plain = load_workload(recipe, prompts, tokenizer, 2048)
     assert [r.output_len for r in plain.requests] == [7, recipe.sampling.max_tokens]
+    # auto under a recipe whose strategy reads no forecast: the job's replies are still the
+    # predictor's to estimate (the embedded model's shipped one), not max_tokens
+    assert not auto.strategy.reads_length_forecasts() and auto.predictor.name == "auto"
+    estimated = load_workload(auto, prompts, tokenizer, 2048, max_requests=2)
+    assert "shipped" in estimated.source and estimated.requests[0].output_len <= 7
     assert plain.requests[0].prompt_len == len(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hello there"}]))       # the recipe's chat_template: always
     assert sum(plain.skipped.values()) == 1 and plain.lines_read == 3
