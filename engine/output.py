@@ -2,8 +2,9 @@
 
 Stop rules follow vLLM: nothing but the length limits stops a sequence before min_tokens; then an
 EOS token (unless ignore_eos), a token in stop_token_ids, or a stop string in the decoded text
-(the text is cut before it unless include_stop_str_in_output); max_tokens and max_model_len give
-finish_reason "length".
+(the text is cut before it unless include_stop_str_in_output, which also keeps an EOS or stop
+token's own text, as vLLM's detokenizer does); max_tokens and max_model_len give finish_reason
+"length".
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ class OutputProcessor:
         params = seq.request.sampling
         self._detok.pop(seq.request_id, None)       # its incremental decoder is done
         if not (seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str)):
-            seq.text = self.tokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            ids = seq.output_token_ids
+            if seq.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
+                ids = ids[:-1]   # an EOS or stop token: its id stays, its text does not (vLLM)
+            seq.text = self.tokenizer.decode(ids, params.skip_special_tokens)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,

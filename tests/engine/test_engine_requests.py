@@ -52,6 +52,21 @@ def test_stop_token_ids_and_min_tokens(tiny):
     assert len(later.output_token_ids) > first + 1
 
 
+def test_a_stop_tokens_text_is_left_out_of_the_text_as_vllm_does(tiny):
+    """A stop token ends output_token_ids, but its text is in `text` only with
+    include_stop_str_in_output (vLLM's detokenizer skips it), as a stop string's is."""
+    full = tiny.generate(["Count with me"], greedy(max_tokens=30, ignore_eos=True))[0].output_token_ids
+    stop_tok = full[5]
+    first = full.index(stop_tok)
+    for include in (False, True):
+        out = tiny.generate(["Count with me"], greedy(
+            max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok],
+            include_stop_str_in_output=include))[0]
+        assert out.output_token_ids == full[: first + 1]
+        kept = full[: first + 1] if include else full[:first]
+        assert out.text == tiny.tokenizer.decode(kept)
+
+
 def test_eos_stops_a_greedy_chat_answer(smol):
     ids = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say just the word: yes"}])
     out = smol.generate([ids], greedy(max_tokens=64))[0]
