@@ -102,3 +102,30 @@ def user_errors(json_fields: Optional[dict] = None, recipe: Optional[object] = N
         if not isinstance(exc, (RecipeError, InputFileError)) and recipe:
             message = located(message, str(recipe))
         raise fail(message, json_fields=json_fields) from None
+
+
+def external_engine_model(recipe, tokenize: bool = True) -> Optional[tuple]:
+    """A strategy that hands the job to another engine (strategy vllm) over an architecture our
+    engine does not run (the route its error names): that strategy's own checks, then (the
+    tokenizer, or None without `tokenize`, max_model_len, vocabulary size) from the model's
+    tokenizer and config.json, in place of the engine's checks, which need an architecture it
+    reads. None otherwise (the engine's checks apply)."""
+    if not getattr(recipe.strategy, "external_engine", False):
+        return None
+    from batchinfer.engine.model.arch import foreign_model
+    from batchinfer.engine.model.sources import model_dir_at_hand, resolve_model_dir
+    from batchinfer.engine.tokenizer import load_tokenizer
+
+    if tokenize:
+        model_dir, model_id = resolve_model_dir(recipe.model.path)
+    else:
+        model_dir, model_id = model_dir_at_hand(recipe.model.path), None
+        if model_dir is None:
+            return None
+    foreign = foreign_model(model_dir, recipe.model.hf_overrides or None)
+    if foreign is None:
+        return None
+    recipe.strategy.check_config(recipe.engine_config(), None)
+    tokenizer = load_tokenizer(recipe.model, model_dir, model_id) if tokenize else None
+    vocab = foreign[0] or (tokenizer.vocab_size if tokenizer is not None else 0)
+    return tokenizer, recipe.model.max_model_len or foreign[1], vocab

@@ -10,8 +10,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from .common import (EXIT_CODES_HELP, fail, one_file, setup_logging, user_errors,
-                     warn_layout_note)
+from .common import (EXIT_CODES_HELP, external_engine_model, fail, one_file, setup_logging,
+                     user_errors, warn_layout_note)
 
 HELP = """Run a batch job over an input file.
 
@@ -123,9 +123,12 @@ def _dry_run(spec) -> None:
 
     from batchinfer.engine.build import model_source, preflight
 
-    source = model_source(spec.recipe.model)
-    preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
-    check_recipe_stop_ids(spec.recipe.sampling, source.arch.vocab_size)
+    external = external_engine_model(spec.recipe)
+    if external is None:
+        source = model_source(spec.recipe.model)
+        preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
+    check_recipe_stop_ids(spec.recipe.sampling,
+                          external[2] if external is not None else source.arch.vocab_size)
     warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .common import collect_warnings, fail, one_file, setup_logging, user_errors, warn_layout_note
+from .common import (collect_warnings, external_engine_model, fail, one_file, setup_logging,
+                     user_errors, warn_layout_note)
 
 HELP = """Check a recipe and every input line, without loading a model.
 
@@ -81,7 +83,7 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
 
             try:
                 check_prompt_ids(prompt_token_ids(item, tokenizer, parsed.io.chat_template),
-                                 max_len, vocab)
+                                 max_len or sys.maxsize, vocab)   # None: a config without one
                 check_stop_token_ids(item, vocab)
                 good += 1
                 continue
@@ -127,6 +129,9 @@ def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import model_dir_at_hand
 
+    external = external_engine_model(recipe, tokenize=False)
+    if external is not None:
+        return None, None, external[2]
     model_dir = model_dir_at_hand(recipe.model.path)
     if model_dir is None:
         logging.getLogger("batchinfer").warning(
@@ -143,6 +148,9 @@ def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:
     (engine.build.model_source), after its refusals that need no weights (preflight)."""
     from batchinfer.engine.build import model_source, preflight
 
+    external = external_engine_model(recipe)
+    if external is not None:
+        return external
     source = model_source(recipe.model)
     preflight(recipe.engine_config(), source.arch, source.max_model_len)
     return source.tokenizer, source.max_model_len, source.arch.vocab_size

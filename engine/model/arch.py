@@ -337,7 +337,7 @@ def with_generation_eos(arch: ModelArch, model_dir: Path) -> ModelArch:
     return dataclasses.replace(arch, eos_token_ids=arch.eos_token_ids + extra) if extra else arch
 
 
-def read_arch(model_dir: Path) -> ModelArch:
+def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: no config.json; a model directory needs config.json, "
@@ -346,4 +346,28 @@ def read_arch(model_dir: Path) -> ModelArch:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
-    return arch_from_dict(cfg, str(path))
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return cfg
+
+
+def read_arch(model_dir: Path) -> ModelArch:
+    return arch_from_dict(read_config(model_dir), str(Path(model_dir) / "config.json"))
+
+
+def foreign_model(model_dir: Path, overrides: Optional[dict] = None
+                  ) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """None where the engine runs config.json's model_type; else (vocab size, context length) as
+    the config states them (or its text_config): what a job through an external engine (strategy
+    vllm, the route for the other architectures) checks its prompts against."""
+    cfg = {**read_config(model_dir), **(overrides or {})}
+    if cfg.get("model_type") in FAMILIES or cfg.get("model_type") in LANGUAGE_MODELS:
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+
+    def first(*keys) -> Optional[int]:
+        found = [c.get(k) for c in (cfg, text) for k in keys]
+        return next((int(v) for v in found if isinstance(v, int) and v > 0), None)
+
+    return (first("vocab_size"),
+            first("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"))

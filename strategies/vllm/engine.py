@@ -40,6 +40,23 @@ def sampling_args(request: Request) -> dict:
     return {k: params[k] for k in SAMPLING_FIELDS if params.get(k) is not None}
 
 
+def vllm_model(model_cfg) -> tuple:
+    """(directory, model id, tokenizer, vocabulary size) of the model vLLM runs: our engine's
+    reading where it runs the architecture; else (an architecture only vLLM runs, the route our
+    engine's error names) the tokenizer and config.json's vocabulary (the tokenizer's without)."""
+    from batchinfer.engine.model.arch import foreign_model
+    from batchinfer.engine.model.sources import resolve_model_dir
+    from batchinfer.engine.tokenizer import load_tokenizer
+
+    model_dir, model_id = resolve_model_dir(model_cfg.path)
+    foreign = foreign_model(model_dir, model_cfg.hf_overrides or None)
+    if foreign is None:
+        source = model_source(model_cfg)
+        return source.model_dir, source.model_id, source.tokenizer, source.arch.vocab_size
+    tokenizer = load_tokenizer(model_cfg, model_dir, model_id)
+    return model_dir, model_id, tokenizer, foreign[0] or tokenizer.vocab_size
+
+
 class VllmEngine:
     def __init__(self, proc: subprocess.Popen, tokenizer, model_id: str, facts: dict,
                  info: dict, vocab_size: int):
@@ -61,8 +78,8 @@ class VllmEngine:
     def start(cls, config: EngineConfig, params: VllmParams) -> "VllmEngine":
         python = vllm_python(params)
         device = resolve_device(config.device.device).type
-        source = model_source(config.model)
-        args = engine_args(config, params, source.model_dir, device)
+        model_dir, model_id, tokenizer, vocab_size = vllm_model(config.model)
+        args = engine_args(config, params, model_dir, device)
         log.info("starting vLLM under %s: %s", python, args)
         proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=engine_env(config), text=True,
@@ -85,12 +102,12 @@ class VllmEngine:
         log.info("vLLM %s ready: KV cache %d tokens", facts.get("vllm_version"),
                  facts.get("kv_capacity_tokens", 0))
         info = {"device": device, "dtype": args["dtype"], "strategy": "vllm",
-                "model_id": source.model_id, "kv_block_size": facts.get("kv_block_size"),
+                "model_id": model_id, "kv_block_size": facts.get("kv_block_size"),
                 "max_model_len": facts["max_model_len"],
                 "parallel": {"tp": config.parallel.tp, "pp": config.parallel.pp, "dp": 1},
                 "strategy_stats": {"vllm_version": facts.get("vllm_version"), "python": python,
                                    "engine_args": args}}
-        return cls(proc, source.tokenizer, source.model_id, facts, info, source.arch.vocab_size)
+        return cls(proc, tokenizer, model_id, facts, info, vocab_size)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

@@ -196,3 +196,41 @@ def test_profile_leaves_vllm_out_of_its_candidates():
 
     labels = [label for label, _ in strategy_candidates(VllmParams(max_num_seqs=64))]
     assert labels and not any("vllm" in label for label in labels)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_an_architecture_only_vllm_runs_gets_to_vllm(tmp_path, default_model_dir):
+    """The engine's unsupported-architecture error names strategy vllm: such a model is then
+    validated, dry-run and started without our engine's reading of it (the tokenizer, and the
+    vocabulary and context length config.json states), not refused with that same error."""
+    import shutil
+
+    import transformers
+    from typer.testing import CliRunner
+
+    from batchinfer.cli.main import app
+    from batchinfer.strategies.vllm.engine import vllm_model
+
+    model = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=512, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(model)
+    for f in default_model_dir.glob("tokenizer*"):
+        shutil.copy(f, model / f.name)
+    recipe = _recipe(model={"path": str(model)}, strategy={"python": sys.executable})
+    model_dir, model_id, tokenizer, vocab = vllm_model(recipe.model)
+    assert (model_dir, model_id, vocab) == (model, str(model), 512) and tokenizer.vocab_size > 512
+    with pytest.raises(ConfigError, match="vLLM cannot be imported by"):   # the worker started
+        VllmEngine.start(recipe.engine_config(), recipe.strategy)
+
+    (tmp_path / "r.yaml").write_text(f"model: {{path: {model}}}\n"
+                                     f"strategy: {{name: vllm, python: {sys.executable}}}\n")
+    (tmp_path / "in.jsonl").write_text('{"prompt": [5, 6, 7]}\n{"prompt": [600]}\n'
+                                       f'{{"prompt": {list(range(64))}}}\n')
+    args = [str(tmp_path / "r.yaml"), "--input", str(tmp_path / "in.jsonl")]
+    result = CliRunner().invoke(app, ["validate", *args, "--json"])
+    summary = json.loads(result.stdout)
+    assert (result.exit_code, summary["valid"]) == (1, 1), result.output
+    assert summary["errors_by_code"] == {"bad_token_id": 1, "prompt_too_long": 1}
+    assert CliRunner().invoke(app, ["validate", *args, "--no-tokenize"]).exit_code == 0
+    result = CliRunner().invoke(app, ["run", *args, "--dry-run", "--output", str(tmp_path / "o")])
+    assert result.exit_code == 0 and "would run: 3 requests" in result.output, result.output
