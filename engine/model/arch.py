@@ -121,8 +121,8 @@ class ModelArch:
 
     def context_limit(self) -> int:
         """The longest sequence the model runs: max_position_embeddings, and the sliding window
-        where the family does not mask windows (the Llama family's Mistral and Qwen2: within its
-        window, attention is full attention)."""
+        where the family does not mask windows (Qwen2's, whose window applies from
+        max_window_layers on: within it, attention is full attention)."""
         if self.sliding_window and not self.layer_windows:
             return min(self.max_position_embeddings, int(self.sliding_window))
         return self.max_position_embeddings

@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch import nn
 
-from .arch import ModelArch
+from .arch import ModelArch, sliding_windows
 from .decoder import MLP, Attention, RMSNorm, add_norm
 from .shard import ShardSizes, TensorParallelGroup
 
@@ -20,7 +20,12 @@ def read_config(cfg: dict) -> dict:
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias: true (MLP projections with biases) is not supported")
     # Llama's attention_bias covers o_proj too; Qwen2's biases are q/k/v only; Mistral has none
-    return {"qkv_bias": bias, "o_bias": bias and model_type == "llama"}
+    out = {"qkv_bias": bias, "o_bias": bias and model_type == "llama"}
+    if model_type == "mistral":
+        # Mistral 7B v0.1's 4,096-key window on every layer, masked as transformers and vLLM
+        # mask it (its positions run to 32k); later Mistrals have none
+        out["layer_windows"] = sliding_windows(cfg)
+    return out
 
 
 class DecoderLayer(nn.Module):

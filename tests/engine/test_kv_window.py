@@ -165,6 +165,8 @@ def test_shared_blocks_released_by_one_sequence_stay_held_by_the_other():
     ("Gemma3TextConfig", {"sliding_window": 16, "layer_types": ["sliding_attention",
                                                                  "full_attention"]}, 0),
     ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, 32),
+    ("MistralConfig", {"sliding_window": 24}, 24),          # Mistral 7B v0.1's kind
+    ("MistralConfig", {"sliding_window": None}, 0),
 ])
 def test_only_models_whose_every_layer_has_a_window_release(family, extra, window):
     """A global layer needs the whole context: with one, the cache releases nothing (the blocks

@@ -114,3 +114,17 @@ def test_the_pipeline_runtime_releases_on_its_stages(make_engine, windowed):
         assert engine.scheduler.block_manager.window == engine.info["kv_window"] == WINDOW
         assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
         assert engine.stats()["kv_window_freed_blocks"] > 0
+
+
+def test_mistral_masks_its_window_past_it_as_transformers_does(make_engine, tmp_path,
+                                                               default_model_dir, checked):
+    """Mistral 7B v0.1's window on every layer: the context runs to max_position_embeddings,
+    not to the window (the cap it had), and tokens past the window equal transformers'."""
+    model = tiny_model("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW})
+    path, expected = saved_with_greedy(model, tmp_path / "mistral_window", default_model_dir,
+                                       PROMPTS, MAX_NEW)
+    engine = engine_for(make_engine, path)
+    assert engine.max_model_len == 256 and engine.scheduler.block_manager.window == WINDOW
+    assert greedy_tokens(engine, PROMPTS, batched=False, max_new=MAX_NEW) == expected
+    assert greedy_tokens(engine, PROMPTS, batched=True, max_new=MAX_NEW) == expected
+    assert engine.stats()["kv_window_freed_blocks"] > 0
