@@ -27,7 +27,7 @@ from .model.int8_linear import resolve_quantization
 from .model.loader import build_model, load_arch
 from .model.sources import model_id_for, resolve_model_dir
 from .sampler import Sampler
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer, warn_if_past_vocabulary
 
 log = logging.getLogger("batchinfer")
 CPU_AUTO_KV_CAP = 4 * 2**30  # like vLLM's CPU default: a host shares its RAM with other jobs
@@ -294,9 +294,10 @@ class ModelSource:
 def model_source(model_cfg: ModelConfig) -> ModelSource:
     model_dir, model_id = resolve_model_dir(model_cfg.path)
     arch = load_arch(Path(model_dir), model_cfg.hf_overrides or None)
+    tokenizer = load_tokenizer(model_cfg, Path(model_dir), model_id, arch.eos_token_ids)
+    warn_if_past_vocabulary(tokenizer, arch.vocab_size, model_cfg)
     return ModelSource(Path(model_dir), model_id, arch,
-                       _max_model_len(model_cfg.max_model_len, arch),
-                       load_tokenizer(model_cfg, Path(model_dir), model_id, arch.eos_token_ids))
+                       _max_model_len(model_cfg.max_model_len, arch), tokenizer)
 
 
 def _build_single_process(config: EngineConfig) -> Engine:

@@ -189,6 +189,19 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
     return Tokenizer(hf, model_id or str(source), eos_token_ids)
 
 
+def warn_if_past_vocabulary(tokenizer: Tokenizer, vocab_size: int, model_cfg: ModelConfig) -> None:
+    """A tokenizer with more tokens than the model has rows (another model's, as model.tokenizer
+    or a dummy model's fallback): text whose tokens fall past them fails request by request as
+    'prompt token ids out of range', which reads as if the user had sent ids. Said once, up
+    front, naming both sizes."""
+    if tokenizer.vocab_size <= vocab_size:
+        return
+    key = "model.tokenizer" if model_cfg.tokenizer else "model.path"
+    log.warning("%s: the tokenizer has %d tokens but the model's vocabulary is %d: a prompt "
+                "whose text encodes to ids %d and above is refused (bad_token_id); is the "
+                "tokenizer the model's own?", key, tokenizer.vocab_size, vocab_size, vocab_size)
+
+
 # a tokenizer's own files: one of these (or a vocabulary with its merges) is needed
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model")

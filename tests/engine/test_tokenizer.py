@@ -132,3 +132,26 @@ def test_a_tokenizer_folder_transformers_can_load_is_loaded(tmp_path):
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(ModelLoadError, match="model.tokenizer: .*empty' holds no tokenizer files"):
         load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "empty")))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_warned_of_once(caplog, tmp_path,
+                                                                        default_model_dir):
+    """Another model's tokenizer: said up front with both sizes, not only as 'prompt token ids
+    out of range' on each prompt whose text reaches past the model's rows."""
+    import logging
+
+    from batchinfer.engine.build import model_source
+
+    config = json.loads((default_model_dir / "config.json").read_text())
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    with caplog.at_level(logging.WARNING, logger="batchinfer.engine.tokenizer"):
+        model_source(ModelConfig(path=str(small), load_format="dummy",
+                                 tokenizer=str(default_model_dir)))
+    assert "model.tokenizer: the tokenizer has 49152 tokens but the model's vocabulary is 1000" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="batchinfer.engine.tokenizer"):
+        model_source(ModelConfig(path=str(default_model_dir)))
+    assert "vocabulary" not in caplog.text
