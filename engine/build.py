@@ -168,6 +168,8 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
     check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
         config.strategy.check_config(config, arch)
+    if not getattr(config.strategy, "external_engine", False):
+        use_async_scheduling(config, device, arch)     # asked for where it cannot run
     if max_model_len is not None:
         _check_explicit_kv(config, arch, max_model_len)
     try:
@@ -442,11 +444,12 @@ def moe_kernel_label(arch: ModelArch, device: torch.device, triton_experts: bool
 def use_async_scheduling(config: EngineConfig, device: torch.device,
                          arch: Optional[ModelArch] = None,
                          triton_experts: Optional[bool] = None) -> bool:
-    """scheduler.async_scheduling (a baseline strategy's own key first): empty means on with
-    CUDA; asked for where it can't run, a ConfigError that names why. `triton_experts`:
+    """scheduler.async_scheduling (the strategy's own key first, where its recipe keys take
+    it): empty means on with CUDA; asked for where it can't run, a ConfigError that names why. `triton_experts`:
     use_triton_experts_for's answer where the caller has it (None: asked here)."""
     strategy = config.strategy
-    if strategy is not None and strategy.name == "baseline":
+    if strategy is not None and "async_scheduling" in getattr(type(strategy), "model_fields", {}):
+        # a strategy whose recipe keys take it (baseline, and sipipe / sidp with its knobs)
         choice, key = strategy.scheduler_config().async_scheduling, "strategy.async_scheduling"
     else:
         choice, key = config.scheduler.async_scheduling, "scheduler.async_scheduling"
