@@ -445,8 +445,9 @@ def use_async_scheduling(config: EngineConfig, device: torch.device,
                          arch: Optional[ModelArch] = None,
                          triton_experts: Optional[bool] = None) -> bool:
     """scheduler.async_scheduling (the strategy's own key first, where its recipe keys take
-    it): empty means on with CUDA; asked for where it can't run, a ConfigError that names why. `triton_experts`:
-    use_triton_experts_for's answer where the caller has it (None: asked here)."""
+    it): empty means on with CUDA; asked for where it can't run, a ConfigError that names why.
+    `triton_experts`: use_triton_experts_for's answer where the caller has it (None: asked
+    here)."""
     strategy = config.strategy
     if strategy is not None and "async_scheduling" in getattr(type(strategy), "model_fields", {}):
         # a strategy whose recipe keys take it (baseline, and sipipe / sidp with its knobs)
