@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -155,8 +156,27 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or Infinity (jq, JSON.parse, Go refuse Python's): a non-finite float (a
+    dataset's or a line's metadata) becomes null, as pandas and Arrow read a missing value."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "item") or hasattr(value, "tolist"):     # numpy scalars and arrays
+        return _finite(_json_default(value))
+    return value
+
+
 def _dumps(obj: Any) -> str:
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=_json_default)
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                          default=_json_default)
+    except ValueError:  # a NaN or an infinity somewhere
+        obj = _finite(obj)
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=_json_default)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates (from JSON "\ud800" escapes): keep them escaped

@@ -75,6 +75,20 @@ def test_results_are_flushed_line_by_line(tmp_path):
     assert json.loads((tmp_path / ERRORS).read_text())["id"] == "bad\ud800"
 
 
+def test_non_finite_metadata_is_written_as_null(tmp_path):
+    """A parquet float column's NaN (or a JSONL line's NaN / Infinity, which Python's json reads)
+    went out as NaN / Infinity: not JSON, so jq, JSON.parse and Go refused the line."""
+    import numpy as np
+
+    run_dir, _ = RunDir.open(tmp_path)
+    run_dir.write_output({"id": "a", "text": "x", "metadata": {
+        "v": float("nan"), "w": [float("inf"), 1.5], "n": np.float32("-inf"), "k": np.int64(3)}})
+    run_dir.close()
+    line = (tmp_path / OUTPUTS).read_text(encoding="utf-8")
+    record = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} written"))
+    assert record["metadata"] == {"v": None, "w": [None, 1.5], "n": None, "k": 3}
+
+
 def test_lock_keeps_a_second_run_out(tmp_path):
     first, _ = RunDir.open(tmp_path)
     assert in_use(tmp_path)
