@@ -109,10 +109,19 @@ def _chat_logprobs(entries: list[dict]) -> dict:
 
 
 def _completion_logprobs(entries: list[dict]) -> dict:
+    """The legacy completions form, as OpenAI and vLLM give it: each top_logprobs dict holds
+    the sampled token too (up to logprobs + 1 entries), and text_offset is each token's start
+    in the text, its tokens' lengths summed."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
     return {"tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
-                             for e in entries]}
+            "top_logprobs": [{e["token"]: e["logprob"],
+                              **{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def error_record(line: int, code: str, message: str, request_id: Optional[str] = None,

@@ -212,6 +212,21 @@ def test_openai_output_envelope(url, obj):
     assert again["id"] == record["id"]
 
 
+def test_completions_logprobs_in_the_legacy_form():
+    """/v1/completions' logprobs as OpenAI and vLLM give them: a top_logprobs dict always holds
+    the sampled token (logprobs: 0 gave {}; a sampled token outside the top N was missing, so
+    top_logprobs[i][tokens[i]] raised), and text_offset is there."""
+    payload = RequestPayload(line=1, custom_id="c-1", openai_url="/v1/completions")
+    lp = [{"token_id": 5, "token": " hi", "logprob": -0.5, "top_logprobs": []},
+          {"token_id": 6, "token": " there", "logprob": -3.0,
+           "top_logprobs": [{"token_id": 7, "token": "!", "logprob": -0.1}]}]
+    logprobs = output_record(_out("c-1", logprobs=lp), payload, "m")[
+        "response"]["body"]["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": [" hi", " there"], "token_logprobs": [-0.5, -3.0],
+                        "top_logprobs": [{" hi": -0.5}, {" there": -3.0, "!": -0.1}],
+                        "text_offset": [0, 3]}
+
+
 def test_error_records():
     plain = input_error_record(InputError(5, "invalid_json", "bad"), openai_input=False)
     assert plain == {"id": None, "line": 5, "code": "invalid_json", "message": "bad"}
