@@ -83,6 +83,24 @@ class SiDPParams(StrategyParams, SchedulerConfig):
     def applies_to(cls, tp: int, pp: int, dp: int) -> bool:
         return tp == 1 and pp == 1 and dp >= 2      # replicas that share one FFN store
 
+    def layout_note(self, parallel) -> Optional[str]:
+        """`peak_shifting: false` where it cannot change a read (the ablation would run as
+        the default): it orders the weight slots' reads of a dp-layer cycle."""
+        if self.peak_shifting or parallel.dp < 2:
+            return None
+        if parallel.dp == 2 and self.owners is None:
+            return ("strategy.peak_shifting: false changes nothing at parallel.dp 2: a replica "
+                    "reads one remote layer per 2-layer cycle, so there is no order to shift "
+                    "(it matters from dp 3, with weight slots)")
+        if self.weight_slots is not True:
+            how = ("false" if self.weight_slots is False else "unset (in place on one memory: "
+                   "one CPU memory, or the one GPU; slots only over several NUMA nodes)")
+            return (f"strategy.peak_shifting: false orders the weight slots' reads; with "
+                    f"weight_slots {how} the replicas compute from the owner's rows and read "
+                    "nothing ahead, so it changes nothing there: set weight_slots: true for "
+                    "the paper's ablation")
+        return None
+
     @classmethod
     def runs_model(cls, arch) -> bool:
         # the store holds one dense SiLU-gated FFN per layer

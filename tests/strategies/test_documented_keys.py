@@ -74,3 +74,19 @@ def test_recipe_md_lists_every_key(name):
     assert accepted - documented == set(), "accepted but not in docs/recipe.md"
     if name not in ON_TOP_OF_BASELINE:
         assert documented - accepted == set(), "in docs/recipe.md but refused"
+
+
+@pytest.mark.parametrize("keys, dp, says", [
+    ({}, 2, "changes nothing at parallel.dp 2"),
+    ({}, 4, "weight_slots unset"),
+    ({"weight_slots": False}, 4, "weight_slots false"),
+    ({"weight_slots": True}, 4, None),              # the paper's ablation: the reads reorder
+    ({"weight_slots": True, "owners": [0, 0] * 15}, 2, None),   # custom owners at dp 2
+])
+def test_sidp_says_when_peak_shifting_off_changes_nothing(keys, dp, says):
+    from batchinfer.engine.config import ParallelConfig
+
+    params = STRATEGIES["sidp"](peak_shifting=False, **keys)
+    note = params.layout_note(ParallelConfig(dp=dp))
+    assert (note is None) if says is None else (says in note and "peak_shifting" in note)
+    assert STRATEGIES["sidp"](**keys).layout_note(ParallelConfig(dp=dp)) is None
