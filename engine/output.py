@@ -4,7 +4,7 @@ Stop rules follow vLLM: nothing but the length limits stops a sequence before mi
 EOS token (unless ignore_eos), a token in stop_token_ids, or a stop string in the decoded text
 (the text is cut before it unless include_stop_str_in_output, which also keeps an EOS or stop
 token's own text, as vLLM's detokenizer does); max_tokens and max_model_len give finish_reason
-"length".
+"length"; a reply cut inside a multi-byte character ends before it (Tokenizer.decode_reply).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class OutputProcessor:
             ids = seq.output_token_ids
             if seq.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
                 ids = ids[:-1]   # an EOS or stop token: its id stays, its text does not (vLLM)
-            seq.text = self.tokenizer.decode(ids, params.skip_special_tokens)
+            seq.text = self.tokenizer.decode_reply(ids, params.skip_special_tokens)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,

@@ -48,6 +48,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_reply(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """A finished reply's text: decode(ids) less the last tokens an incremental decoder still
+        holds back, those of a multi-byte character the reply ends inside (cut by max_tokens:
+        decode shows U+FFFD there). vLLM's detokenizer never gives them out, so its text ends
+        before them; their ids stay in the output's token ids."""
+        text = self.decode(ids, skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return text
+        stream, given = self.stream(skip_special_tokens), 0
+        for i, token in enumerate(ids):
+            if stream.add(token):
+                given = i + 1
+        return self.decode(ids[:given], skip_special_tokens) if given < len(ids) else text
+
     def token_text(self, token_id: int) -> str:
         """The text one token stands for, as a log-probability entry shows it: " there", not the
         vocabulary's "Ġthere" / "▁there"; a token holding part of a multi-byte character shows

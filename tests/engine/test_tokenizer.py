@@ -86,6 +86,23 @@ def test_a_byte_level_tokens_text_and_bytes_are_what_it_stands_for():
     assert isinstance(tok, Tokenizer)
 
 
+def test_a_reply_cut_inside_a_character_ends_before_it_as_vllms_text_does():
+    """max_tokens can stop a reply after the first byte token of an emoji: decode showed a
+    trailing U+FFFD that vLLM's incremental detokenizer never gives out."""
+    tok = load_tokenizer(ModelConfig())
+    ids = tok.hf.encode(" dog 🐶🐶", add_special_tokens=False)
+    whole = tok.decode(ids)
+    assert tok.decode_reply(ids) == whole == " dog 🐶🐶"
+    cut = next(n for n in range(len(ids) - 1, 0, -1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    assert tok.decode(ids[:cut]).endswith("\ufffd")
+    assert tok.decode_reply(ids[:cut]) == " dog 🐶"
+    assert tok.decode_reply(ids[:1]) == tok.decode(ids[:1])         # nothing held back
+    end = tok.hf.convert_tokens_to_ids("<|im_end|>")                # a skipped special token
+    assert tok.decode_reply(ids[:cut] + [end]) == " dog 🐶"
+    assert tok.decode_reply(ids[:cut] + [end], skip_special_tokens=False) == tok.decode(
+        ids[:cut] + [end], skip_special_tokens=False)
+
+
 def test_a_sentencepiece_tokens_text_and_bytes_replace_the_space_marker_and_read_byte_pieces():
     """Llama / Gemma style: "▁there" is " there"; a byte-fallback piece "<0xE6>" is that byte."""
     from tokenizers import Tokenizer as Backend, decoders, models
@@ -106,6 +123,9 @@ def test_a_sentencepiece_tokens_text_and_bytes_replace_the_space_marker_and_read
     assert b"".join(tok.token_bytes(i) for i in pieces) == "日".encode("utf-8")
     assert tok.token_text(pieces[0]) == "\ufffd"
     assert tok.token_text(2) == "</s>"
+    assert tok.decode([3] + pieces[:2]).endswith("\ufffd")     # byte pieces of an unfinished "日"
+    assert tok.decode_reply([3] + pieces[:2]) == tok.decode([3]) == "there"
+    assert tok.decode_reply([3] + pieces) == "there日"
 
 
 def test_a_tokenizer_folder_transformers_can_load_is_loaded(tmp_path):
