@@ -450,7 +450,7 @@ def use_async_scheduling(config: EngineConfig, device: torch.device,
     here)."""
     strategy = config.strategy
     if strategy is not None and "async_scheduling" in getattr(type(strategy), "model_fields", {}):
-        # a strategy whose recipe keys take it (baseline, and sipipe / sidp with its knobs)
+        # a strategy whose recipe keys take it (those with the baseline's batching knobs)
         choice, key = strategy.scheduler_config().async_scheduling, "strategy.async_scheduling"
     else:
         choice, key = config.scheduler.async_scheduling, "scheduler.async_scheduling"

@@ -81,6 +81,8 @@ class LengthOnlyTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
+    decode_reply = decode       # a finished reply's text (engine/output.py)
+
     def token_text(self, token_id: int) -> str:
         return ""
 
