@@ -49,11 +49,14 @@ def _accepted(name: str) -> set[str]:
 PAPER_STRATEGIES = ["baseline", "tdpipe", "gllm", "seesaw", "sipipe", "sidp"]
 
 
+def _documented(keys_of, name: str) -> set[str]:
+    """The keys `keys_of` documents for `name`, with the baseline's where it builds on them."""
+    return keys_of(name) | (keys_of("baseline") if name in ON_TOP_OF_BASELINE else set())
+
+
 @pytest.mark.parametrize("name", PAPER_STRATEGIES + ["vllm"])
 def test_the_strategy_page_lists_every_key(name):
-    documented = _page_keys(name)
-    if name in ON_TOP_OF_BASELINE:
-        documented |= _page_keys("baseline")
+    documented = _documented(_page_keys, name)
     accepted = _accepted(name)
     assert accepted - documented == set(), "accepted but not on the page"
     if name in ON_TOP_OF_BASELINE:      # the baseline's keys it does not take are named so
@@ -67,9 +70,7 @@ def test_the_strategy_page_lists_every_key(name):
 
 @pytest.mark.parametrize("name", PAPER_STRATEGIES)
 def test_recipe_md_lists_every_key(name):
-    documented = _recipe_md_keys(name)
-    if name in ON_TOP_OF_BASELINE:
-        documented |= _recipe_md_keys("baseline")
+    documented = _documented(_recipe_md_keys, name)
     accepted = _accepted(name)
     assert accepted - documented == set(), "accepted but not in docs/recipe.md"
     if name not in ON_TOP_OF_BASELINE:
