@@ -27,6 +27,12 @@ OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_
 OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_format",
                       "logit_bias", "best_of", "echo", "suffix", "audio", "modalities",
                       "prediction", "reasoning_effort", "web_search_options"}
+# what each of those means when a batch file states it: the default, so the line runs (SDKs and
+# scripts write them out); any other value asks for what batchinfer does not do
+OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
+                          "function_call": "none", "response_format": {"type": "text"},
+                          "logit_bias": {}, "best_of": 1, "echo": False, "suffix": "",
+                          "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
 _PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS)
 
@@ -262,6 +268,15 @@ OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body", "metadata"}
 _OPENAI_SAMPLING = SAMPLING_KEYS - {"logprobs", "n"}
 
 
+def _states_default(key: str, value: Any) -> bool:
+    """`value` of an unsupported key is null or its default (OPENAI_STATED_DEFAULTS): nothing
+    is asked that batchinfer does not do. Types compared too (`best_of: true` is no 1)."""
+    if value is None:
+        return True
+    default = OPENAI_STATED_DEFAULTS.get(key, object())
+    return type(value) is type(default) and value == default
+
+
 def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     """An OpenAI Batch API input line."""
     if not isinstance(record, dict):
@@ -294,13 +309,15 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     input_key = "messages" if chat else "prompt"
     spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,
                        metadata=metadata, extra={"model": body.get("model")})
-    bad = sorted(set(body) & OPENAI_UNSUPPORTED)
+    bad = sorted(k for k in set(body) & OPENAI_UNSUPPORTED if not _states_default(k, body[k]))
     if bad:
-        return err("unsupported_parameter", f"body.{bad[0]} is not supported by batchinfer")
+        return err("unsupported_parameter", f"body.{bad[0]} is not supported by batchinfer"
+                   + (f" (only {json.dumps(OPENAI_STATED_DEFAULTS[bad[0]])}, the default)"
+                      if bad[0] in OPENAI_STATED_DEFAULTS else ""))
     if body.get("stream"):
         return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
     allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
-               "top_logprobs", "n"} | OPENAI_IGNORED | _OPENAI_SAMPLING
+               "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
     unknown = _unknown_keys(set(body), allowed, "body.")
     if unknown:
         return err("unknown_key", unknown)
