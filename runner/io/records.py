@@ -129,7 +129,9 @@ def error_record(line: int, code: str, message: str, request_id: Optional[str] =
                  openai: bool = False) -> dict:
     record: dict[str, Any] = {"id": request_id, "line": line, "code": code, "message": message}
     if openai or custom_id is not None:
-        key = _short_hash(custom_id or f"line-{line}")
+        # a repeated custom_id's record gets its own batch_req id, not the first line's
+        key = _short_hash(f"{custom_id}:line-{line}" if code == "duplicate_id" and custom_id
+                          else custom_id or f"line-{line}")
         record.update({"id": f"batch_req_{key}", "custom_id": custom_id, "response": None,
                        "error": {"code": code, "message": message}})
     if metadata is not None:

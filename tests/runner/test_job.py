@@ -206,6 +206,19 @@ def test_openai_bad_lines_get_openai_error_records(tmp_path, tiny_recipe, shared
     assert all(e["response"] is None and e["error"]["code"] == e["code"] for e in errors)
 
 
+def test_a_repeated_custom_id_gets_its_own_batch_request_id(tmp_path, tiny_recipe, shared_engine):
+    """Downstream tools key OpenAI batch output by `id`: the duplicate's error record must not
+    carry the first line's."""
+    line = {"custom_id": "same", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "hi", "max_tokens": 2}}
+    path = write_jsonl(tmp_path / "in.jsonl", [line, line])
+    run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    (output,) = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    (error,) = read_jsonl(tmp_path / "run" / "errors.jsonl")
+    assert error["code"] == "duplicate_id" and error["custom_id"] == "same"
+    assert error["id"].startswith("batch_req_") and error["id"] != output["id"]
+
+
 def test_an_openai_lines_stop_ids_past_the_vocabulary_are_named_under_body(
         tmp_path, tiny_recipe, shared_engine):
     """The engine refuses them as it admits the request; the error record names the key where
