@@ -222,7 +222,7 @@ def _check_enough(data) -> None:
 
     if len(data.records) >= MIN_RECORDS or not data.num_skipped:
         return      # train_predictor's own message: run more requests
-    why = ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items()))
+    why = _skipped_text(data)
     hint = (" (runs with predictor.history_prompts: hash keep no prompt text to train on)"
             if any(k.startswith("no prompt text") for k in data.skipped) else "")
     raise fail(f"too little history to train on: {len(data.records)} usable records, at least "
@@ -235,12 +235,17 @@ def _no_records(history: list[Path], data, models: list) -> str:
     where = ", ".join(map(str, history))
     if not data.num_skipped:
         return f"no records in {where}"
-    why = ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items()))
+    why = _skipped_text(data)
     text = f"no usable records in {where}: all {data.num_skipped} lines skipped ({why})"
     if data.skipped.get("other model"):
         text += (f"; the predictor was trained on the replies of {', '.join(map(str, models))}"
                  " and is evaluated on that model's history only")
     return text
+
+
+def _skipped_text(data) -> str:
+    """The history lines read_history skipped, by why: 'other model: 12, malformed: 1'."""
+    return ", ".join(f"{k}: {v}" for k, v in sorted(data.skipped.items()))
 
 
 def _group_sizes(text: str) -> tuple[int, ...]:

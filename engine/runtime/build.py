@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..attention import select_backend
-from ..build import (GiB, _max_model_len, activation_headroom, check_weights_fit, kv_budget,
-                     kv_element_bytes, moe_kernel_label, resolve_device, resolve_dtype,
+from ..build import (GiB, activation_headroom, check_weights_fit, kv_budget, kv_element_bytes,
+                     model_source, moe_kernel_label, resolve_device, resolve_dtype,
                      resolve_kv_dtype, use_triton_experts_for)
 from ..config import EngineConfig
 from ..engine import Engine, Replica
@@ -25,9 +25,7 @@ from ..kv_groups import (KVGroupLayout, check_group_capacity, groups_for, log_kv
 from ..kv_swap import attach_swap_space, swap_blocks_for
 from ..model.fast_linear import linear_kernel_label
 from ..model.int8_linear import LinearQuantization, resolve_quantization
-from ..model.loader import load_arch
-from ..model.sources import model_id_for, resolve_model_dir
-from ..tokenizer import load_tokenizer
+from ..model.sources import model_id_for
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, check_gpu_count, ranks_per_device, threads_per_rank
 from .pool import WorkerPool, start_fork_server
@@ -113,9 +111,8 @@ class ModelSetup:
 
 def model_setup(config: EngineConfig) -> ModelSetup:
     device = resolve_device(config.device.device)
-    model_dir, model_id = resolve_model_dir(config.model.path)
-    arch = load_arch(Path(model_dir), config.model.hf_overrides or None)
-    tokenizer = load_tokenizer(config.model, Path(model_dir), model_id, arch.eos_token_ids)
+    source = model_source(config.model)       # config.json, tokenizer, as one process reads them
+    arch = source.arch
     dtype_choice = resolve_dtype(config.model.dtype, device, arch)
     dtype = dtype_choice.dtype
     log.info("dtype %s", dtype_choice.reason)
@@ -125,8 +122,8 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     quantization = resolve_quantization(config.model.quantization, config.model.quantize_lm_head,
                                         device, dtype)
     check_weights_fit(config, arch, device, dtype, copies=config.parallel.dp)
-    return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, Path(model_dir), model_id, arch,
-                      _max_model_len(config.model.max_model_len, arch), tokenizer, backend.name,
+    return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, source.model_dir, source.model_id,
+                      arch, source.max_model_len, source.tokenizer, backend.name,
                       dtype_choice.reason, quantization,
                       use_triton_experts_for(config.device.moe_kernel, device, arch))
 
