@@ -57,10 +57,9 @@ def collect_warnings(into: list) -> None:
 
 
 def warn_layout_note(recipe) -> None:
-    """The strategy's warning for a layout where its mechanism has nothing to do
-    (StrategyParams.layout_note), as validate and run --dry-run give it."""
-    note = recipe.strategy.layout_note(recipe.parallel)
-    if note:
+    """The strategy's warnings (StrategyParams.notes: a layout where its mechanism has nothing
+    to do, knobs of a part switched off), as validate and run --dry-run give them."""
+    for note in recipe.strategy.notes(recipe.parallel):
         logging.getLogger("batchinfer").warning("%s", note)
 
 

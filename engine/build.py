@@ -258,8 +258,7 @@ def _possible_kv_elements(config: EngineConfig) -> tuple[int, ...]:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    note = config.strategy.layout_note(config.parallel) if config.strategy is not None else None
-    if note:
+    for note in config.strategy.notes(config.parallel) if config.strategy is not None else ():
         log.warning("%s", note)
     own = config.strategy.build_engine(config) if config.strategy is not None else None
     if own is not None:

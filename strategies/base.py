@@ -115,6 +115,24 @@ class StrategyParams(NumbersNotBooleans):
         it does."""
         return None
 
+    def idle_switches(self) -> list[tuple[str, str]]:
+        """(key, why) for each knob that a part switched off leaves with nothing to do (a
+        knob of Compute as a Service under `compute_service: false`, say)."""
+        return []
+
+    def notes(self, parallel) -> list[str]:
+        """Every warning for this strategy section on this layout: layout_note, and the knobs
+        the recipe sets that a part switched off leaves unused (said, not refused: an ablation
+        recipe keeps its knobs)."""
+        notes = [note for note in (self.layout_note(parallel),) if note]
+        idle: dict[str, list[str]] = {}
+        for key, why in self.idle_switches():
+            if key in self.model_fields_set:
+                idle.setdefault(why, []).append(f"strategy.{key}")
+        notes += [f"{', '.join(keys)} {'has' if len(keys) == 1 else 'have'} no effect: {why}"
+                  for why, keys in idle.items()]
+        return notes
+
     def pipeline_only_note(self, parallel) -> Optional[str]:
         """layout_note of a mechanism that works between pipeline stages: said at pp 1."""
         if parallel.pp >= 2:

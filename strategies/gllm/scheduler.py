@@ -85,6 +85,9 @@ class GLLMParams(StrategyParams):
     def layout_note(self, parallel) -> Optional[str]:
         return self.pipeline_only_note(parallel)
 
+    def idle_switches(self) -> list[tuple[str, str]]:
+        return [] if self.WT else [("T", "strategy.WT is false (eq. 1, which T divides, is off)")]
+
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         return [("gllm", {"name": "gllm", "max_num_seqs": knobs.max_num_seqs})]

@@ -101,6 +101,13 @@ class SiDPParams(StrategyParams, SchedulerConfig):
                     "the paper's ablation")
         return None
 
+    def idle_switches(self) -> list[tuple[str, str]]:
+        if self.compute_service:
+            return []
+        why = "strategy.compute_service is false (WaS only: no Compute as a Service rounds)"
+        return [(key, why) for key in ("batch_threshold", "mode_switch_patience",
+                                       "mode_switch_hysteresis", "gemm_fusion", "dummy_skipping")]
+
     @classmethod
     def runs_model(cls, arch) -> bool:
         # the store holds one dense SiLU-gated FFN per layer

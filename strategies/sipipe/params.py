@@ -59,6 +59,12 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
                              "parallel.pp), so leave samplers at auto")
         return self
 
+    def idle_switches(self) -> list[tuple[str, str]]:
+        if self.cpu_sampling:
+            return []
+        why = "strategy.cpu_sampling is false (the last stage samples; no sampler pool)"
+        return [(key, why) for key in ("samplers", "split_columns", "sampler_threads")]
+
     def pool_size(self, pipeline_depth: int) -> int:
         return pipeline_depth if self.samplers == "auto" else self.samplers
 

@@ -130,6 +130,21 @@ class TDPipeParams(StrategyParams):
     def layout_note(self, parallel) -> Optional[str]:
         return self.pipeline_only_note(parallel)
 
+    def idle_switches(self) -> list[tuple[str, str]]:
+        idle = []
+        if self.greedy_prefill:
+            idle.append(("kv_occupancy_ratio", "strategy.greedy_prefill is true (the occupancy "
+                         "ratio is its ablation's switch point)"))
+        else:
+            idle.append(("admit_within_capacity", "strategy.greedy_prefill is false (prompts "
+                         "are held back by Algorithm 1's forecast, which it turns off)"))
+        if self.intensity_switch:
+            idle.append(("finished_ratio", "strategy.intensity_switch is true (the finished "
+                         "ratio is its ablation's switch point)"))
+        if not self.unsure_upper_forecast:
+            idle.append(("unsure_confidence", "strategy.unsure_upper_forecast is false"))
+        return idle
+
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
         return [("tdpipe", {"name": "tdpipe", **batching(knobs)})]
