@@ -181,10 +181,26 @@ class NonePredictor(LengthPredictor):
 class MeanPredictor(LengthPredictor):
     name = "mean"
 
-    def __init__(self, mean: float, oracle_field: str = "max_tokens", source: str = ""):
+    def __init__(self, mean: float, oracle_field: str = "max_tokens", source: str = "",
+                 by_model: Optional[dict] = None):
         super().__init__(oracle_field)
         self.mean = float(mean)
         self.source = source
+        self.by_model = by_model or {}     # model -> (records, their output tokens summed)
+
+    def for_model(self, model: Optional[str]) -> Optional[str]:
+        """Over a history of several models, the mean of the job's own model's records where it
+        has any (history.models_for_job); -> what to say of the choice, None: nothing."""
+        from collections import Counter
+
+        from .history import models_for_job
+
+        chosen, note = models_for_job(Counter({m: n for m, (n, _) in self.by_model.items()}),
+                                      model)
+        if chosen is not None:
+            count = sum(n for m, (n, _) in self.by_model.items() if m in chosen)
+            self.mean = sum(s for m, (_, s) in self.by_model.items() if m in chosen) / count
+        return note
 
     def predict_queries(self, queries: Sequence[LengthQuery]) -> list[int]:
         return [cap(self.mean, q.max_tokens) for q in queries]
@@ -222,30 +238,35 @@ class OraclePredictor(LengthPredictor):
         return {"name": self.name, "oracle_field": self.oracle_field}
 
 
-def history_mean(path: Path) -> float:
-    """The mean output length a mean predictor uses: a trained predictor's training mean, or the
-    mean over a run directory's history."""
-    path = Path(path)
+def mean_predictor(cfg: Any) -> MeanPredictor:
+    """The mean output length of `cfg.path`: a trained predictor's training mean, or the mean
+    over a run directory's history (kept per model: MeanPredictor.for_model)."""
+    path = Path(cfg.path)
     card_path = path / PREDICTOR_CARD
     if card_path.is_file():
         import json
 
         card = json.loads(card_path.read_text(encoding="utf-8"))
-        return float(card["classes"]["train_mean"])
+        return MeanPredictor(float(card["classes"]["train_mean"]), cfg.oracle_field,
+                             source=str(cfg.path))
     from .history import read_history
 
     data = read_history([path])
     if not data.records:
         raise PredictorError(f"{path}: the history holds no usable records")
-    return sum(r.output_tokens for r in data.records) / len(data.records)
+    by_model: dict = {}
+    for record in data.records:
+        count, total = by_model.get(record.model, (0, 0))
+        by_model[record.model] = (count + 1, total + record.output_tokens)
+    mean = sum(r.output_tokens for r in data.records) / len(data.records)
+    return MeanPredictor(mean, cfg.oracle_field, source=str(cfg.path), by_model=by_model)
 
 
 # name -> factory(config, device) -> LengthPredictor
 PREDICTORS: dict[str, Callable[[Any, Optional[str]], LengthPredictor]] = {
     "none": lambda cfg, device: NonePredictor(cfg.oracle_field),
     "oracle": lambda cfg, device: OraclePredictor(cfg.oracle_field),
-    "mean": lambda cfg, device: MeanPredictor(history_mean(Path(cfg.path)), cfg.oracle_field,
-                                              source=str(cfg.path)),
+    "mean": lambda cfg, device: mean_predictor(cfg),
 }
 
 

@@ -238,6 +238,23 @@ def read_history(sources: Iterable[Union[str, Path]], model: Optional[str] = Non
     return data
 
 
+def models_for_job(models: Counter, job_model: Optional[str]
+                   ) -> tuple[Optional[set], Optional[str]]:
+    """Whose records a job's lengths come from, given how many the history holds of each model:
+    its own model's where it has any ({job_model} and a note of how many others were left out),
+    else everyone's (None and a note saying whose they are). (None, None): one model, or none
+    named, so nothing to choose or say. Records without a model count as the job's."""
+    named = {m for m in models if m}
+    if job_model is None or not named or named == {job_model}:
+        return None, None
+    if job_model in named:
+        others = sum(n for m, n in models.items() if m and m != job_model)
+        return {job_model, None}, (f"{models[job_model]} records of {job_model} used, {others} "
+                                   "of other models left out")
+    return None, (f"no record of this job's model {job_model}: the lengths are the replies "
+                  f"of {', '.join(sorted(named))}")
+
+
 def log_skipped(data: HistoryData) -> None:
     if data.num_skipped:
         log.warning("history: skipped %d lines (%s) in %d files", data.num_skipped,

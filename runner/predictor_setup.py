@@ -38,7 +38,8 @@ def build_job_predictor(recipe, output_dir: Path) -> tuple[Optional[object], Opt
     from batchinfer.predictors import make_predictor
 
     predictor = make_predictor(cfg, device=None if device == "auto" else device)
-    return wrap_online(predictor, cfg), _named_choice(recipe, predictor)
+    choice = _named_choice(recipe, predictor)     # before wrapping: a mean may pick its model
+    return wrap_online(predictor, cfg), choice
 
 
 def _named_choice(recipe, predictor) -> Optional[dict]:
@@ -56,6 +57,10 @@ def _named_choice(recipe, predictor) -> Optional[dict]:
     if trained_for and job_model not in trained_for:
         notes.append(f"trained on the replies of {', '.join(map(str, trained_for))}, not of this "
                      f"job's model {job_model}: its forecasts are that model's lengths")
+    chose = getattr(predictor, "for_model", None)      # a mean over a history of several models
+    note = chose(job_model) if chose is not None else None
+    if note:
+        notes.append(f"mean output length {predictor.mean:.1f} tokens: {note}")
     if not recipe.strategy.reads_length_forecasts():
         notes.append(f"strategy {recipe.strategy.name} reads no length forecast: the predictor "
                      "only records predicted_tokens in history.jsonl")

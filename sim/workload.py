@@ -12,6 +12,7 @@ fail in a run (malformed, too long) are counted and left out.
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from batchinfer.runner.io.inputs import InputReader
 from batchinfer.predictors.history import spec_text
 
 from .simulator import SimRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,17 +44,30 @@ class Workload:
                 "mean_output_tokens": round(sum(r.output_len for r in self.requests) / n, 1) if n else 0}
 
 
-def _history_lengths(sources: list[Path]) -> list[int]:
-    from batchinfer.predictors.history import read_history
+def _history_lengths(sources: list[Path], job_model: Optional[str]) -> tuple[list[int], str]:
+    """The output lengths of the history's records (the job's own model's where it holds any:
+    predictors.history.models_for_job) and what to say of whose they are."""
+    from batchinfer.predictors.history import models_for_job, read_history
 
     try:
         data = read_history(sources)
     except FileNotFoundError as exc:
         raise ValueError(f"--history {exc}") from None
-    lengths = [r.output_tokens for r in data.records if r.output_tokens > 0]
+    chosen, note = models_for_job(data.models(), job_model)
+    if note:
+        log.warning("--history: %s", note)
+    lengths = [r.output_tokens for r in data.records
+               if r.output_tokens > 0 and (chosen is None or r.model in chosen)]
     if not lengths:
         raise ValueError(f"{', '.join(map(str, sources))}: no usable history records")
-    return lengths
+    return lengths, f"history ({len(lengths)} records{'; ' + note if note else ''})"
+
+
+def _job_model(recipe) -> str:
+    from batchinfer.engine.model.sources import model_id_for
+
+    model = recipe.model
+    return model_id_for(model.path, model.load_format == "dummy", model.hf_overrides)
 
 
 def _predictor(recipe):
@@ -64,16 +80,18 @@ def _predictor(recipe):
 
     cfg = recipe.predictor
     if cfg.name != "auto":
-        return make_predictor(cfg, device="cpu"), f"predictor {cfg.name}"
-    from batchinfer.engine.model.sources import model_id_for
+        predictor = make_predictor(cfg, device="cpu")
+        chose = getattr(predictor, "for_model", None)    # a mean over several models' history
+        note = chose(_job_model(recipe)) if chose is not None else None
+        if note:
+            log.warning("predictor mean (%s): %s", cfg.path, note)
+        return predictor, f"predictor {cfg.name}" + (f" ({note})" if note else "")
     from batchinfer.predictors.auto import choose_predictor
     from batchinfer.predictors.base import NonePredictor
 
     runs_root = Path(recipe.io.output_dir).parent if recipe.io.output_dir else Path("runs")
-    predictor, choice = choose_predictor(
-        cfg, model_id_for(recipe.model.path, recipe.model.load_format == "dummy",
-                      recipe.model.hf_overrides), runs_root,
-        "cpu", reads_forecasts=True)
+    predictor, choice = choose_predictor(cfg, _job_model(recipe), runs_root, "cpu",
+                                         reads_forecasts=True)
     return predictor or NonePredictor(cfg.oracle_field), f"predictor auto: {choice.reason}"
 
 
@@ -102,10 +120,9 @@ def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
         request.payload.prompt_text = spec_text(item.prompt, item.messages, tokens, tokenizer)
         requests.append(request)
     if history:
-        pool = _history_lengths(history)
+        pool, source = _history_lengths(history, _job_model(recipe))
         rng = random.Random(seed)
         lengths = [rng.choice(pool) for _ in requests]
-        source = f"history ({len(pool)} records)"
     else:
         predictor, source = _predictor(recipe)
         lengths = predictor.predict(requests) if requests else []
