@@ -318,7 +318,8 @@ def predictor_summary(predictor, elapsed_s: float) -> dict:
     and (bert) its encoder's arithmetic."""
     pred = predictor.stats()
     pred["share_of_job"] = round(pred["seconds"] / elapsed_s, 6) if elapsed_s > 0 else None
-    encoder = predictor.describe().get("encoder")
-    if encoder:
-        pred["encoder"] = encoder
+    described = predictor.describe()
+    for key in ("encoder", "oracle_field"):
+        if described.get(key):
+            pred[key] = described[key]
     return pred

@@ -184,6 +184,10 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
                 f"{'–' if share is None else f'{100 * share:.3f}%'} of the job's time)"
                 + (f"; its encoder: {predictor['encoder']}." if predictor.get("encoder") else "."),
                 ""]
+        if predictor.get("missing_oracle"):
+            out += [f"{predictor['missing_oracle']} requests had no "
+                    f"`{predictor.get('oracle_field', 'oracle field')}`: forecast at their "
+                    "max_tokens.", ""]
         out += _online_lines(predictor.get("online"))
     decisions = s.get("strategy_decisions") or {}
     if decisions:
@@ -344,6 +348,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
     meta["predictor"] = _merged_predictor(present) or meta["predictor"]
     session = {
         **_merged_engine([rep.get("session") or {} for rep in present.values()]),
+        **_merged_predictor_cost([rep.get("session") or {} for rep in present.values()]),
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
         "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],
         "generation_s": round(span, 3),
@@ -376,6 +381,29 @@ def _merged_predictor(present: dict[str, dict]) -> Optional[dict]:
                        + (f" ({c['reason']})" if (c or {}).get("reason") else "")
                        for name, c in choices.items())
     return {"name": "per part", "reason": reason, "parts": choices}
+
+
+def _merged_predictor_cost(sessions: list[dict]) -> dict:
+    """The parts' length predictor work summed, its share of the parts' job time together (each
+    part's time is its seconds over its share); {} when no part ran a predictor."""
+    parts = [s["predictor"] for s in sessions if s.get("predictor")]
+    if not parts:
+        return {}
+    def total(key: str):
+        return sum(p.get(key) or 0 for p in parts)
+    seconds, requests = total("seconds"), total("requests")
+    job_s = sum(p["seconds"] / p["share_of_job"] for p in parts
+                if p.get("share_of_job") and p.get("seconds"))
+    merged = {"name": ", ".join(sorted({str(p.get("name")) for p in parts})),
+              "calls": total("calls"), "requests": requests, "seconds": round(seconds, 4),
+              "ms_per_request": round(1e3 * seconds / requests, 4) if requests else None,
+              "share_of_job": round(seconds / job_s, 6) if job_s else None}
+    fields = {p["oracle_field"] for p in parts if p.get("oracle_field")}
+    if total("missing_oracle"):
+        merged["missing_oracle"] = total("missing_oracle")
+    if len(fields) == 1:
+        merged["oracle_field"] = fields.pop()
+    return {"predictor": merged}
 
 
 def _merged_engine(sessions: list[dict]) -> dict:

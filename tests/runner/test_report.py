@@ -333,3 +333,29 @@ def test_a_merged_report_says_each_parts_predictor_when_they_differ():
     same = merge_reports({"part-00000-of-00002": part(trained),
                           "part-00001-of-00002": part(dict(trained))}, "runs/x")
     assert same["predictor"] == trained
+
+
+def test_a_merged_report_sums_the_parts_predictor_work():
+    """Each part's report has its predictor's cost (session.predictor); the merged one summed
+    them (it had none), its share over the parts' job time together, and says how many
+    requests an oracle predictor found without its field, as each part's report.md does."""
+    def part(seconds, share, requests, missing):
+        return {"status": "completed", "model": "m", "totals": {"outputs": requests},
+                "session": {"predictor": {"name": "oracle", "calls": 2, "requests": requests,
+                                          "seconds": seconds, "share_of_job": share,
+                                          "missing_oracle": missing,
+                                          "oracle_field": "metadata.true_len"}}}
+    # part 0: 1 s of a 100 s job, part 1: 3 s of a 50 s job -> 4 s of 150 s
+    merged = merge_reports({"part-00000-of-00002": part(1.0, 0.01, 10, 0),
+                            "part-00001-of-00002": part(3.0, 0.06, 30, 4)}, "runs/x")
+    predictor = merged["session"]["predictor"]
+    assert predictor["seconds"] == 4.0 and predictor["requests"] == 40
+    assert predictor["calls"] == 4 and predictor["ms_per_request"] == 100.0
+    assert predictor["share_of_job"] == pytest.approx(4 / 150, abs=1e-6)
+    text = render_markdown(merged)
+    assert "`oracle`: 40 requests in 4 batches, 4.0 s" in text and "2.667% of the job" in text
+    assert "4 requests had no `metadata.true_len`: forecast at their max_tokens." in text
+    assert "requests had no" not in render_markdown(
+        merge_reports({"part-00000-of-00001": part(1.0, 0.01, 10, 0)}, "runs/x"))
+    bare = merge_reports({"part-00000-of-00001": {"status": "completed", "session": {}}}, "x")
+    assert "predictor" not in bare["session"]
