@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import sys
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import typer
 
@@ -103,7 +103,14 @@ def user_errors(json_fields: Optional[dict] = None, recipe: Optional[object] = N
         raise fail(message, json_fields=json_fields) from None
 
 
-def external_engine_model(recipe, tokenize: bool = True) -> Optional[tuple]:
+class ExternalModel(NamedTuple):
+    """What the checks read of a model another engine runs (external_engine_model)."""
+    tokenizer: Optional[object]
+    max_model_len: Optional[int]
+    vocab_size: int
+
+
+def external_engine_model(recipe, tokenize: bool = True) -> Optional[ExternalModel]:
     """A strategy that hands the job to another engine (strategy vllm) over an architecture our
     engine does not run (the route its error names): that strategy's own checks, then (the
     tokenizer, or None without `tokenize`, max_model_len, vocabulary size) from the model's
@@ -126,5 +133,6 @@ def external_engine_model(recipe, tokenize: bool = True) -> Optional[tuple]:
         return None
     recipe.strategy.check_config(recipe.engine_config(), None)
     tokenizer = load_tokenizer(recipe.model, model_dir, model_id) if tokenize else None
-    vocab = foreign[0] or (tokenizer.vocab_size if tokenizer is not None else 0)
-    return tokenizer, recipe.model.max_model_len or foreign[1], vocab
+    vocab, context = foreign
+    return ExternalModel(tokenizer, recipe.model.max_model_len or context,
+                         vocab or (tokenizer.vocab_size if tokenizer is not None else 0))

@@ -128,7 +128,7 @@ def _dry_run(spec) -> None:
         source = model_source(spec.recipe.model)
         preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
     check_recipe_stop_ids(spec.recipe.sampling,
-                          external[2] if external is not None else source.arch.vocab_size)
+                          external.vocab_size if external is not None else source.arch.vocab_size)
     warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:

@@ -131,7 +131,7 @@ def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
 
     external = external_engine_model(recipe, tokenize=False)
     if external is not None:
-        return None, None, external[2]
+        return None, None, external.vocab_size
     model_dir = model_dir_at_hand(recipe.model.path)
     if model_dir is None:
         logging.getLogger("batchinfer").warning(
