@@ -35,8 +35,8 @@ class SamplingParams(NumbersNotBooleans):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    seed: Optional[int] = None
+    repetition_penalty: float = Field(1.0, gt=0.0)      # vLLM sets no upper bound
+    seed: Optional[int] = None                          # -1: none (vLLM's "random")
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[NonNegativeInt]] = None   # < vocab size: stop_token_ids_problem
     include_stop_str_in_output: bool = False
@@ -45,6 +45,13 @@ class SamplingParams(NumbersNotBooleans):
     min_tokens: int = Field(0, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+
+    @field_validator("seed")
+    @classmethod
+    def _unseeded(cls, v: Optional[int]) -> Optional[int]:
+        """vLLM reads seed -1 as no seed (UIs and clients send it for "random"): each such
+        request draws its own, and it is never deduplicated as a seeded one."""
+        return None if v == -1 else v
 
     @field_validator("stop")
     @classmethod

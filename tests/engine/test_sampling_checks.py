@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from batchinfer.engine.request import SamplingParams
@@ -32,3 +33,33 @@ def test_stop_token_ids_are_token_ids():
                                                     "token ids are 0..49151")
     assert SamplingParams(stop_token_ids=[49151]).stop_token_ids_problem(49152) is None
     assert SamplingParams().stop_token_ids_problem(10) is None
+
+
+def test_repetition_penalty_has_no_upper_bound_as_in_vllm():
+    """vLLM takes any repetition_penalty > 0; 2.5 used to be an invalid_sampling record."""
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5
+    assert SamplingParams(repetition_penalty=10).repetition_penalty == 10
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValidationError) as exc:
+            SamplingParams(repetition_penalty=bad)
+        assert exc.value.errors()[0]["loc"] == ("repetition_penalty",)
+
+
+def test_seed_minus_one_means_unseeded_as_in_vllm():
+    """vLLM reads seed -1 as no seed; it used to be the fixed seed -1 here: every such request
+    drew the same numbers (identical replies to one prompt) and was deduplicated as seeded."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=3).with_overrides(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+
+
+def test_seed_minus_one_requests_draw_their_own_numbers():
+    from batchinfer.engine.request import Request, Sequence
+    from batchinfer.engine.sampler import Sampler
+    from batchinfer.runner.read_ahead import dedup_key
+
+    params = SamplingParams(temperature=1.0, seed=-1)
+    seqs = [Sequence(Request(rid, [1, 2, 3], params)) for rid in ("a", "b")]
+    uniform = Sampler(10, (0,), torch.device("cpu"), seed=0).prepare(seqs).uniform
+    assert uniform[0] != uniform[1]
+    assert dedup_key(seqs[0].request) is None
