@@ -371,8 +371,9 @@ def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict
             written["max_tokens"] = key
             break
     if chat:
-        if body.get("logprobs"):
-            overrides["logprobs"] = body.get("top_logprobs", 0)
+        if body.get("logprobs"):        # top_logprobs absent or null: 0, the sampled token's
+            top = body.get("top_logprobs")
+            overrides["logprobs"] = 0 if top is None else top
             written["logprobs"] = "top_logprobs"
         elif "top_logprobs" in body and body["top_logprobs"]:
             return {}, "body.top_logprobs needs body.logprobs: true", written

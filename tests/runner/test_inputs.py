@@ -481,3 +481,13 @@ def test_a_bad_token_id_prompt_names_the_item(tmp_path):
     first, second = _read(path)
     assert first.message == "'prompt' is an array, so token ids (whole numbers), but item 1 is 2.5"
     assert second.code == "empty_prompt" and "empty array" in second.message
+
+
+def test_openai_chat_logprobs_with_top_logprobs_null_give_the_sampled_tokens():
+    """null means the default (0), as OpenAI and vLLM read it: logprobs true with top_logprobs
+    null used to return no logprobs at all."""
+    for body in ({"logprobs": True, "top_logprobs": None}, {"logprobs": True}):
+        spec = parse_openai(_openai(**body), 1, DEFAULTS)
+        assert isinstance(spec, RequestSpec) and spec.sampling.logprobs == 0, body
+    assert parse_openai(_openai(logprobs=False, top_logprobs=None), 1,
+                        DEFAULTS).sampling.logprobs is None
