@@ -161,15 +161,18 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> Optional[tuple[str, int]]:
-    """First stop string that ends inside the last `new_len` characters: (stop, index in text)."""
+    """The stop string that ends inside the last `new_len` characters, (stop, index in text): of
+    several, the one that ends first, ties to the first listed, as vLLM's check_stop_strings
+    picks (" capital" with stops "capital" and "pit" stops at "pit")."""
     if not stops or new_len <= 0:
         return None
     best: Optional[tuple[str, int]] = None
+    best_end = len(text) + 1
     for stop in stops:
         start = max(0, len(text) - new_len - len(stop) + 1)
         idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[1]):
-            best = (stop, idx)
+        if idx != -1 and idx + len(stop) < best_end:
+            best, best_end = (stop, idx), idx + len(stop)
     return best
 
 
