@@ -1,10 +1,12 @@
 """Turns sampled tokens into finished requests: stop conditions, text, logprobs.
 
 Stop rules follow vLLM: nothing but the length limits stops a sequence before min_tokens; then an
-EOS token (unless ignore_eos), a token in stop_token_ids, or a stop string in the decoded text
-(the text is cut before it unless include_stop_str_in_output, which also keeps an EOS or stop
-token's own text, as vLLM's detokenizer does); max_tokens and max_model_len give finish_reason
-"length"; a reply cut inside a multi-byte character ends before it (Tokenizer.decode_reply).
+EOS token (unless ignore_eos), a token in stop_token_ids, or a stop string in the text of a token
+after the first min_tokens (the text is cut before it unless include_stop_str_in_output, which
+also keeps an EOS or stop token's own text, as vLLM's detokenizer does); max_tokens and
+max_model_len give finish_reason "length". The text is what the reply's tokens add to the
+prompt's, as vLLM's detokenizer (primed with the prompt) gives it; a reply cut inside a
+multi-byte character ends before it (Tokenizer.decode_reply).
 """
 from __future__ import annotations
 
@@ -36,11 +38,12 @@ class OutputProcessor:
         if params.stop:
             detok = self._detok.get(seq.request_id)
             if detok is None:
-                detok = self._detok[seq.request_id] = self.tokenizer.stream(params.skip_special_tokens)
+                detok = self._detok[seq.request_id] = self.tokenizer.stream(
+                    params.skip_special_tokens, seq.request.prompt_token_ids)
                 for earlier in seq.output_token_ids[:-1]:
                     detok.add(earlier)
             chunk = detok.add(token)
-            if n_out >= params.min_tokens:
+            if n_out > params.min_tokens:    # the first min_tokens tokens' text cannot stop it
                 hit = find_stop(detok.text, len(chunk), params.stop)
                 if hit is not None:
                     stop, index = hit
@@ -65,7 +68,8 @@ class OutputProcessor:
             ids = seq.output_token_ids
             if seq.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
                 ids = ids[:-1]   # an EOS or stop token: its id stays, its text does not (vLLM)
-            seq.text = self.tokenizer.decode_reply(ids, params.skip_special_tokens)
+            seq.text = self.tokenizer.decode_reply(ids, params.skip_special_tokens,
+                                                   seq.request.prompt_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,

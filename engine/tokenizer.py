@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from .config import ModelConfig
 from .errors import ModelLoadError, RequestError
@@ -48,19 +48,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_reply(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """A finished reply's text: decode(ids) less the last tokens an incremental decoder still
-        holds back, those of a multi-byte character the reply ends inside (cut by max_tokens:
-        decode shows U+FFFD there). vLLM's detokenizer never gives them out, so its text ends
-        before them; their ids stay in the output's token ids."""
-        text = self.decode(ids, skip_special_tokens)
-        if not text.endswith("\ufffd"):
-            return text
-        stream, given = self.stream(skip_special_tokens), 0
-        for i, token in enumerate(ids):
-            if stream.add(token):
-                given = i + 1
-        return self.decode(ids[:given], skip_special_tokens) if given < len(ids) else text
+    def decode_reply(self, ids: list[int], skip_special_tokens: bool = True,
+                     prompt_ids: Sequence[int] = ()) -> str:
+        """A finished reply's text as vLLM's detokenizer gives it: what its tokens add to the
+        prompt's text (IncrementalDetokenizer), so a SentencePiece reply's first word keeps its
+        leading space (" Paris"; decode alone strips it), and without the last tokens of a
+        multi-byte character the reply ends inside (cut by max_tokens: decode shows U+FFFD
+        there); their ids stay in the output's token ids."""
+        stream = self.stream(skip_special_tokens, prompt_ids)
+        for token in ids:
+            stream.add(token)
+        return stream.text
 
     def token_text(self, token_id: int) -> str:
         """The text one token stands for, as a log-probability entry shows it: " there", not the
@@ -105,24 +103,62 @@ class Tokenizer:
         decoder = getattr(backend, "decoder", None)
         return _PieceRules.of(json.loads(decoder.__getstate__()) if decoder is not None else {})
 
-    def stream(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def stream(self, skip_special_tokens: bool = True,
+               prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens, prompt_ids)
 
 
 class IncrementalDetokenizer:
-    """Appends tokens, returns the text they add (None while a multi-byte character is split)."""
+    """Appends tokens, returns the text they add ("" while a multi-byte character is split).
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+    Primed with the prompt's ids, as vLLM's detokenizer is: the first token's text is what it
+    adds after the prompt. One difference: a prompt of token ids that ends inside a character
+    primes the stream up to that character only (vLLM's stream would give the whole prompt's
+    text back with the reply's first character)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool,
+                 prompt_ids: Sequence[int] = ()):
         from tokenizers.decoders import DecodeStream
 
         self._backend = getattr(tokenizer.hf, "_tokenizer", None) or getattr(tokenizer.hf, "backend_tokenizer")
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        prompt = [int(t) for t in prompt_ids]
+        split = len(prompt) - _tokens_inside_last_character(tokenizer, prompt)
+        self._stream = DecodeStream(ids=prompt[:split], skip_special_tokens=skip_special_tokens)
+        for token in prompt[split:]:
+            self._step(token)                   # their character is not complete: no text
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        chunk = self._stream.step(self._backend, int(token_id)) or ""
+        chunk = self._step(int(token_id))
         self.text += chunk
         return chunk
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception as exc:
+            # tokenizers refuses a decode that does not extend the text before it; vLLM starts a
+            # new stream there (vllm-project/vllm#17448), and so does this
+            if not str(exc).startswith("Invalid prefix encountered"):
+                raise
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._backend, token_id) or ""
+
+
+def _tokens_inside_last_character(tokenizer: Tokenizer, ids: list[int]) -> int:
+    """How many of the last ids hold the start of a character they do not finish (0 for any
+    prompt made from text): a UTF-8 character is at most 4 bytes, so at most 3 such ids."""
+    tail = ids[-8:]
+    if not tail or not tokenizer.decode(tail, skip_special_tokens=False).endswith("\ufffd"):
+        return 0
+    for held in range(1, min(3, len(tail)) + 1):
+        rest = tail[:-held]         # empty only where the tail is the whole prompt
+        if not rest or not tokenizer.decode(rest, skip_special_tokens=False).endswith("\ufffd"):
+            return held
+    return 0
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

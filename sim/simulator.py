@@ -81,7 +81,10 @@ class LengthOnlyTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    decode_reply = decode       # a finished reply's text (engine/output.py)
+    def decode_reply(self, ids: list[int], skip_special_tokens: bool = True,
+                     prompt_ids=()) -> str:
+        """A finished reply's text (engine/output.py)."""
+        return ""
 
     def token_text(self, token_id: int) -> str:
         return ""
