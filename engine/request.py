@@ -7,12 +7,33 @@ raises a ValidationError that names the field and what is allowed.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pydantic import ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from .strict_numbers import NumbersNotBooleans
+
+
+# vLLM SamplingParams keys batchinfer does not implement, each with the values that ask for
+# nothing (vLLM's defaults): a line or recipe that writes one of those out (as a dump of vLLM's
+# SamplingParams does) runs; any other value is refused by name, never silently left undone
+VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
+}
+
+
+def not_implemented_problem(key: str, value: Any) -> Optional[str]:
+    """Why `value` of one of VLLM_KEYS_NOT_IMPLEMENTED is refused; None where it asks for nothing
+    (types compared too: 1 is no true)."""
+    offs = VLLM_KEYS_NOT_IMPLEMENTED[key]
+    if any(type(value) is type(off) and value == off for off in offs):
+        return None
+    allowed = " or ".join(json.dumps(off) for off in offs)
+    return (f"{key} is a vLLM sampling parameter batchinfer does not implement (only {allowed}, "
+            f"vLLM's default, is accepted; got {json.dumps(value, default=repr)})")
 
 
 class SamplingParams(NumbersNotBooleans):
@@ -28,7 +49,7 @@ class SamplingParams(NumbersNotBooleans):
     # a puzzling "greater than or equal to 0 (got NaN)"); every float must be finite
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = 1                                          # only 1: _one_reply
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -45,6 +66,25 @@ class SamplingParams(NumbersNotBooleans):
     min_tokens: int = Field(0, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_keys_not_implemented(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not VLLM_KEYS_NOT_IMPLEMENTED.keys().isdisjoint(data):
+            data = dict(data)
+            for key in sorted(VLLM_KEYS_NOT_IMPLEMENTED.keys() & data.keys()):
+                problem = not_implemented_problem(key, data.pop(key))
+                if problem:
+                    raise ValueError(problem)
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one_reply(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only 1 is supported (one reply per request): for n samples of a "
+                             "prompt, send it n times, each with its own id and seed")
+        return v
 
     @field_validator("seed")
     @classmethod

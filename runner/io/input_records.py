@@ -18,7 +18,8 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from ..recipe_errors import dotted, quoted_with_hints
-from batchinfer.engine.request import SAMPLING_KEYS, SamplingParams
+from batchinfer.engine.request import (SAMPLING_KEYS, VLLM_KEYS_NOT_IMPLEMENTED, SamplingParams,
+                                       not_implemented_problem)
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # OpenAI body keys accepted without effect on generation
@@ -34,7 +35,7 @@ OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
                           "logit_bias": {}, "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
-_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS)
+_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | VLLM_KEYS_NOT_IMPLEMENTED.keys())
 
 
 @dataclass
@@ -124,6 +125,16 @@ def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides
                      else f" (got {spelled})")
             parts.append(f"{where}{key}: {msg}{shown}")
         return InputError(line, "invalid_sampling", "; ".join(parts), request_id=rid)
+
+
+def _not_implemented(record: dict, where: str) -> Optional[str]:
+    """The first of vLLM's sampling keys batchinfer does not implement that asks for something
+    (a value other than vLLM's default), named as the line wrote it; None if none does."""
+    for key in sorted(VLLM_KEYS_NOT_IMPLEMENTED.keys() & record.keys()):
+        problem = not_implemented_problem(key, record[key])
+        if problem:
+            return where + problem
+    return None
 
 
 def _unknown_keys(keys: set, allowed: set, where: str) -> Optional[str]:
@@ -224,6 +235,9 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(set(record), _PLAIN_KEYS, "")
     if unknown:
         return err("unknown_key", unknown)
+    problem = _not_implemented(record, "")
+    if problem:
+        return err("unsupported_parameter", problem)
     has_prompt, has_messages = "prompt" in record, "messages" in record
     if has_prompt == has_messages:
         return err("missing_prompt" if not has_prompt else "ambiguous_request",
@@ -316,11 +330,15 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
                       if bad[0] in OPENAI_STATED_DEFAULTS else ""))
     if body.get("stream"):
         return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
-    allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
-               "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
+    allowed = ({input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
+                "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
+               | VLLM_KEYS_NOT_IMPLEMENTED.keys())
     unknown = _unknown_keys(set(body), allowed, "body.")
     if unknown:
         return err("unknown_key", unknown)
+    problem = _not_implemented(body, "body.")
+    if problem:
+        return err("unsupported_parameter", problem)
     if input_key not in body:
         return err("missing_prompt", f"body.{input_key} is required for {url}")
     if chat:

@@ -63,3 +63,14 @@ def test_seed_minus_one_requests_draw_their_own_numbers():
     uniform = Sampler(10, (0,), torch.device("cpu"), seed=0).prepare(seqs).uniform
     assert uniform[0] != uniform[1]
     assert dedup_key(seqs[0].request) is None
+
+
+def test_vllm_keys_batchinfer_does_not_implement_are_named_not_ignored():
+    """A recipe's `sampling:` or the Python API: vLLM's default runs, another value is refused
+    by name (it was an unknown key; a real value would otherwise be silently undone)."""
+    assert SamplingParams(logit_bias={}, spaces_between_special_tokens=True) == SamplingParams()
+    with pytest.raises(ValidationError) as exc:
+        SamplingParams(temperature=0, logit_bias={5: 10.0})
+    assert "logit_bias is a vLLM sampling parameter batchinfer does not implement" in str(exc.value)
+    with pytest.raises(ValidationError, match="only 1 is supported"):
+        SamplingParams(n=2)

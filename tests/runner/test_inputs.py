@@ -491,3 +491,30 @@ def test_openai_chat_logprobs_with_top_logprobs_null_give_the_sampled_tokens():
         assert isinstance(spec, RequestSpec) and spec.sampling.logprobs == 0, body
     assert parse_openai(_openai(logprobs=False, top_logprobs=None), 1,
                         DEFAULTS).sampling.logprobs is None
+
+
+def test_vllm_sampling_keys_batchinfer_does_not_implement():
+    """A line writing vLLM's default for one (a dump of vLLM's SamplingParams) runs; another value
+    is unsupported_parameter naming it. They were unknown_key, with hints such as "did you mean
+    'stop_token_ids'?" for allowed_token_ids, and a dump's defaults failed every line."""
+    stated = {"prompt": "hi", "logit_bias": None, "allowed_token_ids": None, "bad_words": [],
+              "prompt_logprobs": None, "spaces_between_special_tokens": True, "detokenize": True}
+    spec = parse_plain_or_chat(stated, 1, DEFAULTS)
+    assert isinstance(spec, RequestSpec) and spec.sampling == DEFAULTS
+    for key, value in [("logit_bias", {"5": -100}), ("allowed_token_ids", [1, 2]),
+                       ("bad_words", ["Paris"]), ("prompt_logprobs", 2),
+                       ("spaces_between_special_tokens", False), ("detokenize", False)]:
+        err = parse_plain_or_chat({"prompt": "hi", key: value}, 3, DEFAULTS)
+        assert isinstance(err, InputError) and err.code == "unsupported_parameter", key
+        assert err.message.startswith(f"{key} is a vLLM sampling parameter batchinfer does not "
+                                      "implement"), err.message
+    err = parse_openai(_openai(allowed_token_ids=[1, 2]), 1, DEFAULTS)
+    assert err.code == "unsupported_parameter" and err.message.startswith("body.allowed_token_ids")
+    assert not isinstance(parse_openai(_openai(prompt_logprobs=None, bad_words=[]), 1, DEFAULTS),
+                          InputError)
+
+
+def test_n_above_one_says_how_to_get_several_samples():
+    err = parse_openai(_openai(n=3), 1, DEFAULTS)
+    assert err.code == "invalid_sampling"
+    assert "only 1 is supported" in err.message and "send it n times" in err.message
