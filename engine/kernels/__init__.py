@@ -234,8 +234,24 @@ def _start_compile(build: Build, staging: Path) -> tuple[subprocess.Popen, Path]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(_DIR / "compile.py"), json.dumps(args)],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                env=_compile_environment(), start_new_session=True)
     return proc, log_path
+
+
+def _compile_environment() -> dict[str, str]:
+    """This process's environment with PATH led by the directory of the `ninja` package this
+    Python installed (a dependency): torch's builder runs `ninja` from PATH, and a job started
+    by its full path (cron, Slurm, `venv/bin/batchinfer`) without the environment activated
+    would otherwise build nothing and fall back to the slow torch path."""
+    env = dict(os.environ)
+    try:
+        import ninja
+        ninja_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):   # not installed here: PATH's own ninja, if any
+        return env
+    if ninja_dir and shutil.which("ninja", path=ninja_dir):
+        env["PATH"] = os.pathsep.join(p for p in (ninja_dir, env.get("PATH")) if p)
+    return env
 
 
 def _stop_session(proc: subprocess.Popen) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,3 +212,31 @@ def _is_locked(path: Path) -> bool:
         return not setup_cache._try_lock(fd)
     finally:
         os.close(fd)
+
+
+def test_the_kernel_build_finds_the_installed_ninja_without_an_activated_environment(
+        tmp_path, monkeypatch):
+    """A job started as `venv/bin/batchinfer` (cron, Slurm) has no venv/bin on PATH: torch's
+    builder found no `ninja` there and every run fell back to the torch path. The build child's
+    PATH now leads with the directory of the ninja this Python installed."""
+    pytest.importorskip("ninja")
+    from batchinfer.engine import kernels
+
+    bare = tmp_path / "bin"          # a PATH holding no ninja
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    started = {}
+
+    def popen(cmd, **kwargs):
+        started.update(kwargs)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(kernels.subprocess, "Popen", popen)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    sources, flags = kernels._BUILDS["exact"]
+    with pytest.raises(RuntimeError, match="not started"):
+        kernels._start_compile(kernels.Build(tmp_path / "entry", sources, flags), staging)
+    child_path = (started.get("env") or os.environ)["PATH"]
+    assert shutil.which("ninja", path=child_path) is not None
+    assert str(bare) in child_path.split(os.pathsep)       # the user's PATH is kept after it
