@@ -185,12 +185,13 @@ def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Text content parts joined into one string, as chat templates expect."""
+    """Text content parts joined into one string, one part a line, as vLLM joins them for a chat
+    template that takes its content as a string (every text model's here but Gemma 3's)."""
     out = []
     for msg in messages:
         content = msg.get("content")
         if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
+            content = "\n".join(part["text"] for part in content)
         out.append({**msg, "content": content})
     return out
 

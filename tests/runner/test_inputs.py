@@ -95,12 +95,6 @@ def test_plain_prompt_may_be_token_ids(tmp_path):
     assert items[0].prompt == [5, 6, 7] and items[0].messages is None
 
 
-def test_text_content_parts_are_joined():
-    spec = parse_plain_or_chat({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, 1, DEFAULTS)
-    assert spec.messages == [{"role": "user", "content": "ab"}]
-
-
 def test_duplicate_ids_after_the_first_are_errors(tmp_path):
     path = _write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"},
                                                 {"id": "a", "prompt": "3"}])

@@ -1,0 +1,57 @@
+"""Prompt token ids as vLLM builds them for the same request, for every input shape.
+
+The expected ids are what vLLM 0.32 (LLM.generate / LLM.chat on SmolLM2-135M-Instruct, the
+embedded default's tokenizer) gave for these requests.
+"""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.engine.config import ModelConfig
+from batchinfer.engine.request import SamplingParams
+from batchinfer.engine.tokenizer import load_tokenizer
+from batchinfer.runner.io.admission import prompt_token_ids
+from batchinfer.runner.io.input_records import parse_openai, parse_plain_or_chat
+
+DEFAULTS = SamplingParams(max_tokens=8)
+TWO_PARTS = [{"type": "text", "text": "Name a color."}, {"type": "text", "text": "One word."}]
+TWO_PARTS_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
+                 7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 5820, 253, 2380, 30, 198,
+                 2705, 2229, 30, 2, 198, 1, 520, 9531, 198]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelConfig())
+
+
+@pytest.mark.parametrize("record,ids", [
+    ({"prompt": "Hello world"}, [19556, 905]),                               # no BOS, as vLLM
+    ({"prompt": "café 😀 中文 naïve"}, [83, 1939, 2756, 40303, 218, 216, 28589, 29184, 15486,
+                                       46494]),
+    ({"prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"},   # special tokens
+     [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198]),
+    ({"prompt": [1, 4093, 198, 19556, 2]}, [1, 4093, 198, 19556, 2]),
+    ({"messages": [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "What is the capital of France?"},
+                   {"role": "assistant", "content": "Paris."},
+                   {"role": "user", "content": "And Spain?"}]},
+     [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
+      198, 1, 520, 9531, 198, 38634, 30, 2, 198, 1, 4093, 198, 3528, 7476, 47, 2, 198, 1, 520,
+      9531, 198]),
+    ({"messages": [{"role": "user", "content": TWO_PARTS}]}, TWO_PARTS_IDS),
+])
+def test_a_lines_prompt_ids_are_vllms(tokenizer, record, ids):
+    spec = parse_plain_or_chat(record, 1, DEFAULTS)
+    assert prompt_token_ids(spec, tokenizer) == ids
+
+
+def test_text_content_parts_are_joined_one_a_line_as_vllm_joins_them(tokenizer):
+    """vLLM joins a message's text parts with a newline for a template that takes a string (it
+    took "Name a color.One word.", two sentences run together)."""
+    spec = parse_plain_or_chat({"messages": [{"role": "user", "content": TWO_PARTS}]}, 1,
+                               DEFAULTS)
+    assert spec.messages == [{"role": "user", "content": "Name a color.\nOne word."}]
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": TWO_PARTS}]}}
+    assert prompt_token_ids(parse_openai(line, 1, DEFAULTS), tokenizer) == TWO_PARTS_IDS
