@@ -28,6 +28,7 @@ from batchinfer.engine.config import (CacheConfig, DeviceConfig, EngineConfig, M
                                       ParallelConfig, parse_size)
 from batchinfer.strategies.base import BaselineStrategy, StrategyParams
 from .recipe_errors import RecipeError, YamlLines, suggest, validation_problems
+from .shipped_files import missing_file_problem
 from batchinfer.engine.request import SamplingParams
 
 
@@ -321,7 +322,7 @@ def load_recipe(path: Union[str, Path]) -> Recipe:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError(str(path), ["no such file"]) from None
+        raise RecipeError(str(path), [missing_file_problem(path)]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(str(path), [f"cannot read it: {exc}"]) from None
     try:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import yaml
 
 from batchinfer.engine.errors import ConfigError
+from batchinfer.runner.shipped_files import shipped
 
 from .search import Candidate, candidates, run_search
 from .simulator import sampling_knobs
@@ -161,13 +162,14 @@ def winning_recipe(recipe, best: Candidate, note: str, model: Optional[str] = No
     return "".join(f"# {line}\n" for line in notes) + yaml.safe_dump(data, sort_keys=False)
 
 
-# the --model presets whose published config.json this source tree ships (dummy weights)
-SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "model-configs"
+# the --model presets whose published config.json batchinfer ships (dummy weights): in the source
+# tree, and in a wheel (runner/shipped_files.py)
+SHIPPED_CONFIGS = shipped("examples/model-configs")
 
 
 def preset_model(data: dict, name: str) -> list[str]:
     """A plan for a --model preset (its shapes only): the recipe's `model` section points at the
-    preset's config.json with dummy weights where this tree ships it (examples/model-configs/),
+    preset's config.json with dummy weights where batchinfer ships it (examples/model-configs/),
     else stays the recipe's, which would run another model: -> the comment lines saying so."""
     folder = SHIPPED_CONFIGS / name.lower()
     if (folder / "config.json").is_file():

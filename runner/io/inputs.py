@@ -21,6 +21,7 @@ from .columns import MetadataPresence, schema_problem, warn_metadata_fields_unus
 from .input_records import (InputError, Parsed, RequestSpec, json_type_name, parse_dataset_row,
                             parse_openai, parse_plain_or_chat)
 from ..recipe import IOConfig
+from ..shipped_files import missing_file_problem
 from batchinfer.engine.request import SamplingParams
 
 DATASET_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
@@ -116,7 +117,7 @@ def input_file_problem(path: Path) -> Optional[str]:
     """Why `path` cannot be an input file (None: it can)."""
     if path.is_dir():
         return "is a directory; give the file of prompts (JSONL, parquet, arrow, csv or json)"
-    return None if path.is_file() else "no such file"
+    return None if path.is_file() else missing_file_problem(path)
 
 
 def sniff_jsonl(path: Path, max_line_bytes: int) -> str:
