@@ -35,7 +35,7 @@ OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
                           "logit_bias": {}, "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
-_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | VLLM_KEYS_NOT_IMPLEMENTED.keys())
+_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS)
 
 
 @dataclass
@@ -233,7 +233,8 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     if isinstance(metadata, InputError):
         return metadata
     err = lambda code, msg: InputError(line, code, msg, request_id=rid, metadata=metadata)  # noqa: E731
-    unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(set(record), _PLAIN_KEYS, "")
+    unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(
+        set(record) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), _PLAIN_KEYS, "")
     if unknown:
         return err("unknown_key", unknown)
     problem = _not_implemented(record, "")
@@ -331,10 +332,9 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
                       if bad[0] in OPENAI_STATED_DEFAULTS else ""))
     if body.get("stream"):
         return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
-    allowed = ({input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
-                "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
-               | VLLM_KEYS_NOT_IMPLEMENTED.keys())
-    unknown = _unknown_keys(set(body), allowed, "body.")
+    allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
+               "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
+    unknown = _unknown_keys(set(body) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), allowed, "body.")
     if unknown:
         return err("unknown_key", unknown)
     problem = _not_implemented(body, "body.")

@@ -512,3 +512,11 @@ def test_n_above_one_says_how_to_get_several_samples():
     err = parse_openai(_openai(n=3), 1, DEFAULTS)
     assert err.code == "invalid_sampling"
     assert "only 1 is supported" in err.message and "send it n times" in err.message
+
+
+def test_unknown_key_messages_do_not_list_vllm_keys_batchinfer_does_not_implement():
+    err = parse_plain_or_chat({"prompt": "hi", "temprature": 0, "logit_bias": {}}, 1, DEFAULTS)
+    assert err.code == "unknown_key" and "'temprature' (did you mean 'temperature'?)" in err.message
+    assert "logit_bias" not in err.message and "allowed_token_ids" not in err.message
+    err = parse_openai(_openai(temprature=0, bad_words=[]), 1, DEFAULTS)
+    assert err.code == "unknown_key" and "bad_words" not in err.message
