@@ -369,6 +369,10 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     overrides, problem, written = _openai_overrides(body, chat)
     if problem:
         return err("invalid_sampling", problem)
+    if chat and "max_tokens" not in overrides and "max_tokens" not in defaults.model_fields_set:
+        # as OpenAI's chat endpoint and vLLM's server read it: the rest of the context (the
+        # completions endpoint's default is 16, as the recipe's; a recipe that sets one rules)
+        overrides["max_tokens"] = None
     sampling = _sampling(line, custom_id, defaults, overrides, "body.", written)
     if isinstance(sampling, InputError):
         return err(sampling.code, sampling.message)

@@ -184,6 +184,19 @@ def test_openai_chat_line_maps_to_sampling():
     assert spec.extra["model"] == "gpt-x"
 
 
+def test_an_openai_body_without_max_tokens_gets_its_endpoints_default():
+    """As OpenAI and vLLM's server read a body without max_tokens / max_completion_tokens: a
+    chat reply may take the rest of the context (it was cut at the recipe's default of 16
+    tokens, silently), a completion gets 16; a recipe that sets max_tokens sets both."""
+    unset = SamplingParams()
+    assert parse_openai(_openai(), 1, unset).sampling.max_tokens is None
+    assert parse_openai(_openai(max_tokens=None), 1, unset).sampling.max_tokens is None
+    assert parse_openai(_openai("/v1/completions"), 1, unset).sampling.max_tokens == 16
+    assert parse_openai(_openai(), 1, DEFAULTS).sampling.max_tokens == 8       # the recipe's
+    assert parse_openai(_openai(max_tokens=3), 1, unset).sampling.max_tokens == 3
+    assert parse_openai(_openai(min_tokens=4), 1, unset).sampling.min_tokens == 4
+
+
 def test_openai_completion_line_accepts_token_ids():
     spec = parse_openai(_openai("/v1/completions", prompt=[1, 2, 3], max_tokens=4), 1, DEFAULTS)
     assert spec.prompt == [1, 2, 3] and spec.sampling.max_tokens == 4
