@@ -34,13 +34,21 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: Optional[dict] = None) -> list[int]:
+        """The conversation's prompt ids as vLLM's chat builds them: the template rendered to
+        text (with the assistant's generation prompt, or open at the end of the last message
+        with continue_final_message; template_kwargs are variables the template reads, e.g.
+        Qwen3's enable_thinking), then encoded without adding special tokens."""
         if not self.has_chat_template:
             raise RequestError("no_chat_template",
                                f"the tokenizer of {self.model_id} has no chat template; send "
                                "'prompt' instead of 'messages'")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as exc:  # jinja errors from a template that rejects the conversation
             raise RequestError("bad_messages", f"the chat template rejected the messages: {exc}") from None
         return list(self.hf.encode(text, add_special_tokens=False))

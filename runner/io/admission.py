@@ -16,10 +16,11 @@ from .input_records import RequestSpec
 from .records import RequestPayload
 
 
-def render_plain(messages: list[dict]) -> str:
-    """A conversation as plain text, for chat_template: never."""
+def render_plain(messages: list[dict], add_generation_prompt: bool = True, **_) -> str:
+    """A conversation as plain text, for chat_template: never (no template, so no template
+    variables); the generation prompt is the last line's "assistant:"."""
     lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
 def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
@@ -78,8 +79,8 @@ def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") 
             return list(spec.prompt)
         if spec.messages is not None:
             if chat_template == "never":
-                return tokenizer.encode(render_plain(spec.messages))
-            return tokenizer.apply_chat_template(spec.messages)
+                return tokenizer.encode(render_plain(spec.messages, **spec.chat_options))
+            return tokenizer.apply_chat_template(spec.messages, **spec.chat_options)
         if chat_template == "always" and not spec.is_openai:
             return tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}])
         return tokenizer.encode(spec.prompt)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from ..recipe_errors import dotted, quoted_with_hints
+from .chat_options import CHAT_OPTION_KEYS, chat_options, misplaced_chat_options
 from batchinfer.engine.request import (SAMPLING_KEYS, VLLM_KEYS_NOT_IMPLEMENTED, SamplingParams,
                                        not_implemented_problem)
 
@@ -35,7 +36,7 @@ OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
                           "logit_bias": {}, "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
-_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS)
+_PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | CHAT_OPTION_KEYS)
 
 
 @dataclass
@@ -66,6 +67,8 @@ class RequestSpec:
     extra: dict = field(default_factory=dict)
     # the sampling keys this record set itself; the others are the recipe's (sampling.*)
     sampling_keys: frozenset = frozenset()
+    # vLLM's chat options a chat line set (runner/io/chat_options.py), for apply_chat_template
+    chat_options: dict = field(default_factory=dict)
 
     @property
     def is_openai(self) -> bool:
@@ -248,6 +251,8 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
     if has_prompt:
         prompt = record["prompt"]
+        if (problem := misplaced_chat_options(record)) is not None:
+            return err("invalid_chat_options", problem)
         if _is_token_ids(prompt):
             spec.prompt = list(prompt)
         elif isinstance(prompt, list):
@@ -270,6 +275,9 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
         problem = _messages_text_problem(spec.messages, key)
         if problem:
             return err("invalid_text", problem)
+        spec.chat_options, problem = chat_options(record)
+        if problem:
+            return err("invalid_chat_options", problem)
     overrides = {k: v for k, v in record.items() if k in SAMPLING_KEYS}
     spec.sampling_keys = frozenset(overrides)
     sampling = _sampling(line, rid, defaults, overrides, "")
@@ -334,6 +342,8 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
     allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
                "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
+    if chat:                # vLLM's server takes its chat options in the body
+        allowed |= CHAT_OPTION_KEYS
     unknown = _unknown_keys(set(body) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), allowed, "body.")
     if unknown:
         return err("unknown_key", unknown)
@@ -350,6 +360,9 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         problem = _messages_text_problem(spec.messages, "body.messages")
         if problem:
             return err("invalid_text", problem)
+        spec.chat_options, problem = chat_options(body, "body.")
+        if problem:
+            return err("invalid_chat_options", problem)
     else:
         prompt = body["prompt"]
         if _is_token_ids(prompt):
