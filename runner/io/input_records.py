@@ -236,6 +236,9 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     if isinstance(metadata, InputError):
         return metadata
     err = lambda code, msg: InputError(line, code, msg, request_id=rid, metadata=metadata)  # noqa: E731
+    if "prompt_token_ids" in record:     # the did-you-mean would offer stop_token_ids
+        return err("unknown_key", "unknown key 'prompt_token_ids' (vLLM's TokensPrompt): give "
+                   "the token ids as 'prompt', an array ([1, 2, 3])")
     unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(
         set(record) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), _PLAIN_KEYS, "")
     if unknown:

@@ -55,3 +55,12 @@ def test_text_content_parts_are_joined_one_a_line_as_vllm_joins_them(tokenizer):
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": TWO_PARTS}]}}
     assert prompt_token_ids(parse_openai(line, 1, DEFAULTS), tokenizer) == TWO_PARTS_IDS
+
+
+def test_vllms_prompt_token_ids_key_is_pointed_to_prompt():
+    """A vLLM TokensPrompt line ({"prompt_token_ids": [...]}) was told "did you mean
+    'stop_token_ids'?"."""
+    parsed = parse_plain_or_chat({"id": "t", "prompt_token_ids": [1, 2, 3]}, 4, DEFAULTS)
+    assert parsed.code == "unknown_key" and parsed.line == 4
+    assert "give the token ids as 'prompt'" in parsed.message
+    assert "stop_token_ids" not in parsed.message
