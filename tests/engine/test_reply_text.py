@@ -89,3 +89,17 @@ def test_a_prompt_of_ids_ending_inside_a_character_gives_back_only_the_replys_te
     inside = next(n for n in range(1, len(ids)) if smol.decode(ids[:n]).endswith("\ufffd"))
     reply = _reply(smol, ids[:inside], ids[inside:], max_tokens=len(ids) - inside)
     assert reply.text == " 🐶🐶 ok"
+
+
+def test_a_long_prompt_primes_the_detokenizer_with_its_tail_unless_that_gives_no_text(
+        sentencepiece):
+    """Only the prompt's last ids prime the stream (decoding a long prompt whole costs time on
+    every request); where those are all skipped special tokens the whole prompt does, or the
+    reply would lose its first space again."""
+    from batchinfer.engine.tokenizer import PRIMING_TOKENS
+
+    long_text = [3, 4] * PRIMING_TOKENS
+    assert _reply(sentencepiece, long_text, [3, 5, 2]).text == " Paris."
+    after_specials = [3, 4] + [1] * (PRIMING_TOKENS + 6)
+    assert _reply(sentencepiece, after_specials, [3, 5, 2]).text == " Paris."
+    assert _reply(sentencepiece, [1] * (PRIMING_TOKENS + 6), [3, 5, 2]).text == "Paris."
