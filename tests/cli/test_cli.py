@@ -46,6 +46,18 @@ def test_version(runner):
     assert result.exit_code == 0 and result.output.strip() == f"batchinfer {__version__}"
 
 
+@pytest.mark.parametrize("module", ["batchinfer", "batchinfer.cli"])
+def test_python_dash_m_runs_the_command(module):
+    """`python -m batchinfer` as `batchinfer` (where the script is not on PATH)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == f"batchinfer {__version__}", \
+        result.stderr
+
+
 @pytest.mark.parametrize("command", ["run", "validate", "report"])
 def test_help_teaches_with_an_example(runner, command):
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "120"})
