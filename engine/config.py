@@ -35,6 +35,19 @@ def parse_size(value: Union[int, float, str]) -> int:
     return int(number * _UNITS[unit])
 
 
+# names transformers' apply_chat_template takes itself: as a template variable each would
+# change how the conversation is rendered or returned, not what the template reads
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "tools", "documents", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def is_inline_template(value: str) -> bool:
+    """A chat template written out (Jinja markup), not the path of a file holding one."""
+    return "{{" in value or "{%" in value or "\n" in value
+
+
 class _Strict(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -55,9 +68,37 @@ class ModelConfig(_Strict):
         "vocabulary; the logits sampling reads move further from the model's)")
     max_model_len: Optional[int] = Field(None, ge=16)
     tokenizer: Optional[str] = Field(None, description="tokenizer directory when it differs from path")
+    chat_template: Optional[str] = Field(
+        None, description="a Jinja chat template, or the path of a file holding one, in place of "
+        "the tokenizer's (vLLM's --chat-template); empty: the tokenizer's own")
+    chat_template_kwargs: dict = Field(
+        default_factory=dict, description="template variables for every chat request, e.g. "
+        "{enable_thinking: false} for Qwen3; a line's own chat_template_kwargs win key by key")
     # For load_format=dummy: override fields of the model's config.json (e.g. head counts).
     hf_overrides: dict = Field(default_factory=dict)
     seed: int = 0
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_its_file(cls, value: Optional[str]) -> Optional[str]:
+        from pathlib import Path
+
+        if value is None or is_inline_template(value):
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template (no {{{{ or {{% in it) nor "
+                             "a file: give the template's text or the path of a file holding it")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict) -> dict:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & value.keys())
+        if reserved:
+            raise ValueError(f"{reserved[0]} is not a template variable but a rendering option "
+                             "(add_generation_prompt and continue_final_message are set per line)")
+        return value
 
     @model_validator(mode="after")
     def _lm_head_needs_quantization(self):

@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import ModelConfig
+from .config import ModelConfig, is_inline_template
 from .errors import ModelLoadError, RequestError
 
 log = logging.getLogger(__name__)
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer, model_id: str, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, hf_tokenizer, model_id: str, eos_token_ids: tuple[int, ...] = (),
+                 chat_template: Optional[str] = None, template_kwargs: Optional[dict] = None):
+        """chat_template: a template to render with in place of the tokenizer's own;
+        template_kwargs: variables every rendering gets (a request's own win key by key)."""
         self.hf = hf_tokenizer
         self.model_id = model_id
         ids = set(eos_token_ids)
@@ -29,7 +32,9 @@ class Tokenizer:
             ids.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(ids))
         self.vocab_size = len(hf_tokenizer)
-        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        self.chat_template = chat_template
+        self.template_kwargs = dict(template_kwargs or {})
+        self.has_chat_template = bool(chat_template or getattr(hf_tokenizer, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
@@ -44,11 +49,13 @@ class Tokenizer:
         if not self.has_chat_template:
             raise RequestError("no_chat_template",
                                f"the tokenizer of {self.model_id} has no chat template; send "
-                               "'prompt' instead of 'messages'")
+                               "'prompt' instead of 'messages', or give one as "
+                               "model.chat_template")
         try:
             text = self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
+                continue_final_message=continue_final_message, chat_template=self.chat_template,
+                **{**self.template_kwargs, **(template_kwargs or {})})
         except Exception as exc:  # jinja errors from a template that rejects the conversation
             raise RequestError("bad_messages", f"the chat template rejected the messages: {exc}") from None
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -263,7 +270,34 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Optional[Path] = None,
     if len(hf) < 2:
         raise ModelLoadError(f"{key}: {source}: the tokenizer loaded has {len(hf)} token(s); "
                              f"{wanted}")
-    return Tokenizer(hf, model_id or str(source), eos_token_ids)
+    return Tokenizer(hf, model_id or str(source), eos_token_ids,
+                     recipe_chat_template(model_cfg), model_cfg.chat_template_kwargs)
+
+
+def recipe_chat_template(model_cfg: ModelConfig) -> Optional[str]:
+    """model.chat_template's text: as written, or read from the file it names."""
+    value = model_cfg.chat_template
+    if value is None:
+        return None
+    where = "model.chat_template"
+    if is_inline_template(value):
+        text = value
+    else:
+        path = Path(value).expanduser()
+        where += f" ({path})"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{where}: cannot read it ({exc})") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:     # as transformers compiles it: a broken template would fail every chat request
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ModelLoadError(f"{where}: not a valid Jinja template: line {exc.lineno}: "
+                             f"{exc.message}") from None
+    return text
 
 
 def warn_if_past_vocabulary(tokenizer: Tokenizer, vocab_size: int, model_cfg: ModelConfig) -> None:

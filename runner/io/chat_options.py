@@ -10,14 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from batchinfer.engine.config import RESERVED_TEMPLATE_KWARGS
+
 CHAT_OPTION_KEYS = frozenset({"add_generation_prompt", "continue_final_message",
                               "chat_template_kwargs"})
-# names transformers' apply_chat_template takes itself: as a template variable each would
-# change how the conversation is rendered or returned, not what the template reads
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "chat_template", "tokenize", "add_generation_prompt",
-    "continue_final_message", "tools", "documents", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def chat_options(record: dict, where: str = "") -> tuple[dict, Optional[str]]:
