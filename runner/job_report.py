@@ -70,7 +70,7 @@ class JobReports:
             self._last_plots = self._last_report
             try:
                 timeline = getattr(self.engine, "timeline", None)
-                plots = job_plots(self.metrics.timeline, session,
+                plots = job_plots(self.metrics.timeline.points(), session,
                                   timeline(last=4000) if timeline is not None else [])
             except Exception as exc:  # a plot must never fail a job
                 log.warning("could not draw the plots: %s", exc)

@@ -1,8 +1,9 @@
 """Counters and timelines of one run session: what report.json, metrics.jsonl and the plots show.
 
 Fed by the job loop with the engine's per-step events and each finished request; memory stays
-bounded on any job size (latencies are a fixed-size uniform reservoir, batch sizes a histogram,
-the timeline one sample per `interval` seconds).
+bounded on any job size and length (latencies are a fixed-size uniform reservoir, batch sizes a
+histogram, the plots' timeline at most timeline.MAX_POINTS points; metrics.jsonl gets every
+sample).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from .micro_batch_tokens import DEFINITION as MICRO_BATCH_DEFINITION
 from .micro_batch_tokens import MicroBatchTokens
+from .timeline import BoundedTimeline
 from batchinfer.engine.request import RequestOutput
 
 RESERVOIR = 100_000
@@ -121,7 +123,7 @@ class SessionMetrics:
         self.first_admit_t: Optional[float] = None
         self.last_result_t: Optional[float] = None
         self.finished_t: Optional[float] = None      # set when the session stops generating
-        self.timeline: list[dict] = []
+        self.timeline = BoundedTimeline()     # for the plots; samples go to metrics.jsonl
         self._bucket = _Bucket()
         self._bucket_start = 0.0
         self._last_phase: Optional[str] = None
@@ -246,7 +248,7 @@ class SessionMetrics:
             "preemptions_total": int(stats.get("num_preemptions", 0)) - self._base_preemptions,
             "phase_s": {k: round(v, 4) for k, v in b.phase_s.items()},
         }
-        self.timeline.append(sample)
+        self.timeline.add(sample)
         self._bucket = _Bucket()
         self._bucket_start = t
         return sample

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from batchinfer.runner.report.metrics import Reservoir, SessionMetrics
+from batchinfer.runner.report.timeline import MAX_POINTS, BoundedTimeline
 from batchinfer.runner.report.plots import PLOT_NAMES, render_plots
 from batchinfer.runner.progress import Progress
 from batchinfer.runner.report.report import build_report, merge_reports, render_markdown
@@ -65,6 +66,46 @@ def test_session_metrics_summary():
     assert sample["mb_prefill_mean"] == 4.0 and sample["mb_decode_mean"] == 1.0
     assert s["micro_batch_tokens"]["micro_batches"] == 2 and s["micro_batch_tokens"]["mean"] == 5.0
     assert "## Micro-batch tokens" in render_markdown({"session": s})
+
+
+def test_a_long_jobs_plot_timeline_stays_bounded_and_keeps_its_sums_and_peaks():
+    """A day-long job samples every second; the plots' timeline keeps at most MAX_POINTS evenly
+    spaced points (it kept every sample: 1.3 KB a second, and a redraw that grew with the job)
+    that still sum to the job's requests and tokens and keep the peaks."""
+    m = SessionMetrics(interval_s=1.0)
+    m.start({"generation_tokens": 0, "computed_prefill_tokens": 0}, 0.0)
+    n = 3 * MAX_POINTS + 5
+    tokens = 0
+    for i in range(1, n + 1):
+        spike = i == 1234
+        m.on_steps([{"dur": 0.5, "phase": "decode", "num_seqs": 40 if spike else 4,
+                     "kv_usage": 0.9 if spike else 0.1, "num_decode_tokens": 4}])
+        m.on_result(_out(), float(i))
+        tokens += 10 * i % 7
+        m.sample(float(i), {"generation_tokens": tokens, "computed_prefill_tokens": 0})
+    points = m.timeline.points()
+    assert len(points) <= MAX_POINTS
+    assert sum(p["requests_done"] for p in points) == n and sum(p["steps"] for p in points) == n
+    assert sum(p["output_tokens_per_s"] * p["dt"] for p in points) == pytest.approx(tokens, rel=1e-3)
+    assert max(p["kv_usage_max"] for p in points) == 0.9
+    assert max(p["batch_size_max"] for p in points) == 40
+    assert points[-1]["t"] == n and points[-1]["completed_total"] == n
+    assert len({p["dt"] for p in points[:-1]}) == 1          # evenly spaced
+    assert points[0]["batch_size_mean"] == 4.0 and points[0]["phase_s"] == {"decode": 2.0}
+
+
+def test_a_bounded_timeline_merges_step_weighted_and_keeps_the_later_reading():
+    timeline = BoundedTimeline(max_points=2)
+    timeline.add({"t": 1.0, "dt": 1.0, "steps": 1, "batch_size_mean": 10.0, "kv_usage": 0.5,
+                  "mb_tokens_min": 3, "mode_steps": {"was": 1}, "output_tokens_per_s": 10.0})
+    timeline.add({"t": 3.0, "dt": 2.0, "steps": 3, "batch_size_mean": 2.0, "kv_usage": 0.2,
+                  "mb_tokens_min": 5, "mode_steps": {"was": 2, "cas": 1},
+                  "output_tokens_per_s": 1.0})
+    [point] = timeline.points()
+    assert point["batch_size_mean"] == 4.0 and point["kv_usage"] == 0.2
+    assert point["output_tokens_per_s"] == 4.0 and point["dt"] == 3.0 and point["t"] == 3.0
+    assert point["mb_tokens_min"] == 3 and point["mode_steps"] == {"was": 3, "cas": 1}
+    assert timeline.samples_per_point == 2
 
 
 def test_micro_batch_tokens_measure_the_balance():
