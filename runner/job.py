@@ -102,7 +102,8 @@ class Job(JobReports):
             self._sink = OrderedSink(self.recipe.io.output_order, self._write)
             self._progress = Progress(self._total, already_done=self.prior.num_outputs
                                       + self.prior.num_errors, mode=spec.progress,
-                                      interval_s=self.recipe.report.progress_interval_seconds)
+                                      interval_s=self.recipe.report.progress_interval_seconds,
+                                      already_failed=self.prior.num_errors)
             self.signals.setting_up = False   # from here a signal stops the loop after its step
             finished = self._loop()
             if finished and self._input_failure is not None:

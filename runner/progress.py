@@ -44,19 +44,23 @@ class Progress:
     """update(done, failed, output_tokens) as results land; close() at the end.
 
     `total` counts the records this session will look at (already-done ones included, since
-    resume skips them quickly); `already_done` starts the count there.
+    resume skips them quickly); `already_done` starts the count there, and `already_failed`
+    (those of them in errors.jsonl) the error count, so a resumed run's lines count the errors
+    of the whole run as they count its requests.
     """
 
     def __init__(self, total: Optional[int], already_done: int = 0, mode: str = "auto",
-                 interval_s: float = 10.0, stream: Optional[TextIO] = None):
+                 interval_s: float = 10.0, stream: Optional[TextIO] = None,
+                 already_failed: int = 0):
         self.stream = stream or sys.stderr
         self.total = total
         self.interval_s = interval_s
         self.start = time.monotonic()
         self._begun = False
         self.base = already_done
+        self.base_failed = already_failed
         self.done = already_done
-        self.failed = 0
+        self.failed = already_failed
         self.output_tokens = 0
         self._last_line = self.start
         if mode == "auto":
@@ -79,7 +83,7 @@ class Progress:
             console=stderr_console() if self.stream is sys.stderr else Console(file=self.stream),
             transient=False)
         self._task = self._bar.add_task("run", total=self.total, completed=self.done,
-                                        errors=0, tps="0.0")
+                                        errors=self.failed, tps="0.0")
         self._bar.start()
 
     def begin(self) -> None:
@@ -96,11 +100,12 @@ class Progress:
 
     def update(self, done: int, failed: int, output_tokens: int) -> None:
         self.done = self.base + done + failed
-        self.failed = failed
+        self.failed = self.base_failed + failed
         self.output_tokens = output_tokens
         now = time.monotonic()
         if self._bar is not None:
-            self._bar.update(self._task, completed=self.done, errors=failed, tps=f"{self.rate():.1f}")
+            self._bar.update(self._task, completed=self.done, errors=self.failed,
+                             tps=f"{self.rate():.1f}")
         elif now - self._last_line >= self.interval_s:
             self._last_line = now
             self.print_line()

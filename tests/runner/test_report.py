@@ -259,6 +259,20 @@ def test_plain_progress_lines():
     assert "batchinfer finished" in lines[1]
 
 
+def test_a_resumed_runs_progress_counts_the_errors_already_written():
+    """A resume counts the requests already done (outputs and errors) in `done`: its errors
+    count the same run's errors, not this session's alone ('300/300 requests, 0 errors' while
+    errors.jsonl held one)."""
+    stream = io.StringIO()
+    progress = Progress(total=10, already_done=4, already_failed=1, mode="lines",
+                        interval_s=0.0, stream=stream)
+    progress.update(3, 2, 120)
+    progress.close()
+    first, last = stream.getvalue().splitlines()
+    assert "batchinfer progress: 9/10 requests (90.0%), 3 errors" in first
+    assert "batchinfer finished: 9/10 requests (90.0%), 3 errors" in last
+
+
 def test_slurm_shard_detection():
     assert detect_shard({}).count == 1
     # an sbatch script (no step) runs one process: it takes the whole input
