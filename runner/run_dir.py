@@ -365,9 +365,10 @@ class RunDir:
         return read_json(self.path / name)
 
     def write_report(self, report: dict, markdown: str, plots: Optional[dict[str, bytes]] = None) -> None:
+        """report.json first: on a filling disk the status and counts get in before the plots."""
+        self.write_json(REPORT_JSON, report)
         for name, png in (plots or {}).items():
             self.write_bytes(f"{PLOTS}/{name}", png)
-        self.write_json(REPORT_JSON, report)
         self.write_text(REPORT_MD, markdown)
 
     def abandon(self) -> None:

@@ -279,6 +279,38 @@ def test_a_write_past_the_file_size_limit_is_undone_and_named(tmp_path, limit):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report")]
 
 
+FINAL_REPORT_ON_A_FULL_DISK = """
+import errno, json, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+import resource
+from batchinfer.runner.run_dir import RunDir, RunDirWriteError
+run_dir, _ = RunDir.open(sys.argv[1])
+run_dir.write_report({"status": "running", "outputs": 1}, "md")
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))   # room for the report, not the plot
+try:
+    run_dir.write_report({"status": "failed", "outputs": 2}, "md", {"a.png": b"p" * 20_000})
+except RunDirWriteError as exc:
+    print(exc.errno == errno.EFBIG)
+run_dir.close()
+"""
+
+
+def test_a_final_report_that_fills_the_disk_still_says_how_the_run_ended(tmp_path):
+    """The disk fills during the final report: report.json is written before the plots, so it
+    says 'failed' with the final counts (it kept the last refresh's 'running' and its counts,
+    the plots having failed the write first)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FINAL_REPORT_ON_A_FULL_DISK, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert json.loads((tmp_path / "report.json").read_text()) == {"status": "failed",
+                                                                  "outputs": 2}
+    assert not (tmp_path / "plots" / "a.png").exists()
+
+
 def test_a_run_directory_that_cannot_be_written_is_a_usage_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
