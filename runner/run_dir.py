@@ -495,13 +495,3 @@ def report_writer(path: Path) -> RunDir:
     path = Path(path)
     return RunDir(path, path, Shard(), None)
 
-
-def latest_session_metrics(path: Path) -> list[dict]:
-    """The metrics.jsonl samples of the most recent session."""
-    samples: list[dict] = []
-    session = None
-    for record in iter_jsonl_file(Path(path) / METRICS):
-        if record.get("session") != session:
-            session, samples = record.get("session"), []
-        samples.append(record)
-    return samples

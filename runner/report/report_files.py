@@ -8,8 +8,9 @@ from typing import Optional
 from ..io.inputs import Shard
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
-from ..run_dir import (MANIFEST, PLOTS, RECIPE, REPORT_JSON, REPORT_MD, RunDir, in_use,
-                       latest_session_metrics, list_parts, read_json, report_writer)
+from ..run_dir import (MANIFEST, METRICS, PLOTS, RECIPE, REPORT_JSON, REPORT_MD, RunDir, in_use,
+                       iter_jsonl_file, list_parts, read_json, report_writer)
+from .timeline import BoundedTimeline
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,17 @@ def rerender(root: Path) -> Optional[str]:
     if not live:
         report_writer(root).write_report(report, markdown, plots)
     return markdown
+
+
+def latest_session_metrics(path: Path) -> list[dict]:
+    """The most recent session's metrics.jsonl samples as the plots' bounded timeline (a
+    day-long session has 86,400 samples: read as a list they took a gigabyte in three days)."""
+    timeline, session = BoundedTimeline(), None
+    for record in iter_jsonl_file(Path(path) / METRICS):
+        if record.get("session") != session:
+            session, timeline = record.get("session"), BoundedTimeline()
+        timeline.add(record)
+    return timeline.points()
 
 
 def _job_drawn(root: Path) -> set[str]:

@@ -108,6 +108,24 @@ def test_a_bounded_timeline_merges_step_weighted_and_keeps_the_later_reading():
     assert timeline.samples_per_point == 2
 
 
+def test_batchinfer_report_reads_the_latest_sessions_samples_into_bounded_points(tmp_path):
+    """`batchinfer report` redraws the plots from metrics.jsonl: a long session's samples come
+    back as at most MAX_POINTS points (a list of every sample took 1 GB for three days)."""
+    from batchinfer.runner.report.report_files import latest_session_metrics
+
+    n = 2 * MAX_POINTS + 3
+    with open(tmp_path / "metrics.jsonl", "w") as fh:
+        for session, count in ((1, 5), (2, n)):
+            for i in range(1, count + 1):
+                fh.write(json.dumps({"session": session, "t": float(i), "dt": 1.0,
+                                     "requests_done": session, "steps": 1,
+                                     "kv_usage_max": 0.7 if i == 77 else 0.1}) + "\n")
+    points = latest_session_metrics(tmp_path)
+    assert len(points) <= MAX_POINTS
+    assert sum(p["requests_done"] for p in points) == 2 * n       # session 2's samples only
+    assert points[-1]["t"] == n and max(p["kv_usage_max"] for p in points) == 0.7
+
+
 def test_micro_batch_tokens_measure_the_balance():
     from batchinfer.runner.report.micro_batch_tokens import MicroBatchTokens
 
