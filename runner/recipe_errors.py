@@ -28,9 +28,18 @@ class RecipeError(ConfigError):
         super().__init__(head + "".join(f"\n  - {p}" for p in self.problems))
 
 
+# vLLM's names for keys a recipe spells otherwise (no spelling is close enough to find them)
+VLLM_NAMES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp",
+              "data_parallel_size": "dp"}
+
+
 def suggest(word: str, choices: Iterable[str]) -> Optional[str]:
-    """The closest valid spelling of `word`, if one is close enough."""
-    matches = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    """The closest valid spelling of `word` (or the key vLLM's name stands for), if one is
+    close enough."""
+    choices = list(choices)
+    if VLLM_NAMES.get(str(word)) in choices:
+        return VLLM_NAMES[str(word)]
+    matches = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return matches[0] if matches else None
 
 

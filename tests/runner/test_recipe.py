@@ -84,6 +84,16 @@ def test_unknown_key_suggests_closest_and_names_line(tmp_path):
     assert "Allowed keys:" in text and "output_order" in text
 
 
+def test_vllms_parallel_size_names_suggest_the_recipes_keys(tmp_path):
+    """parallel: {pipeline_parallel_size: 2}, as a vLLM user writes it, is refused with the key
+    it stands for (no spelling of 'pp' is close enough for the closest-key hint)."""
+    (text,) = _problems(tmp_path, "parallel:\n  pipeline_parallel_size: 2\n")
+    assert text.startswith("line 2, parallel.pipeline_parallel_size: unknown key; "
+                           "did you mean 'pp'?")
+    (text,) = _problems(tmp_path, "parallel: {tensor_parallel_size: 2}\n")
+    assert "did you mean 'tp'?" in text
+
+
 def test_unknown_top_level_section(tmp_path):
     (text,) = _problems(tmp_path, "sampleing:\n  temperature: 0\n")
     assert "did you mean 'sampling'" in text and "line 1" in text
