@@ -131,13 +131,15 @@ class Job(JobReports):
                 raise
             if isinstance(exc, RunDirWriteError):
                 log.error("%s", exc)
+                message = str(exc)   # it names the file, says what is intact and to rerun
             else:
                 log.exception("the run failed")
-            message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk"
+                message = f"{type(exc).__name__}: {exc}; everything finished so far is on disk"
         self.signals.setting_up = False
         if self.signals.received is not None and status == "failed":
             status = "interrupted"         # a failure the signal caused (e.g. a child it killed)
-        if status != "completed" and exit_code != EXIT_USAGE:
+        if status != "completed" and exit_code != EXIT_USAGE and \
+                not message.endswith("rerun to resume"):
             message += "; rerun to resume"
         if status == "completed" and self._progress is not None:
             self._progress.total = self._progress.done  # blank lines are not requests

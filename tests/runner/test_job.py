@@ -679,6 +679,27 @@ def test_a_signal_as_a_completed_run_ends_is_said_beside_the_exit_code(tmp_path,
     assert outcome.message == "every request is done; SIGTERM came as the run ended (exit 143)"
 
 
+def test_a_full_disk_is_said_once_with_what_to_do(tmp_path, tiny_recipe, shared_engine,
+                                                  monkeypatch):
+    """A write that fails (disk full) ends the run with exit 3 and a message that names the file
+    and says what to do once (it said 'everything written before is intact; make room and rerun
+    to resume; everything finished so far is on disk; rerun to resume')."""
+    import errno
+
+    from batchinfer.runner.run_dir import RunDir, RunDirWriteError
+
+    def full(self, record):
+        raise RunDirWriteError(self.path / "outputs.jsonl", OSError(errno.ENOSPC, "No space"))
+
+    monkeypatch.setattr(RunDir, "write_output", full)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q"}])
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.status == "failed" and outcome.exit_code == 3
+    assert outcome.message == (f"could not write {tmp_path / 'run' / 'outputs.jsonl'}: the disk "
+                               "is full (errno 28); everything written before is intact; make "
+                               "room and rerun to resume")
+
+
 def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, tiny_recipe,
                                                                      shared_engine):
     """Every request would fail alike: the job refuses at start (exit 2 through the CLI), naming
