@@ -30,11 +30,12 @@ def check_prompt(request: Request, max_model_len: int, vocab_size: int) -> None:
 
 
 def check_stop_ids(sampling, vocab_size: int) -> None:
-    """A request's stop_token_ids past the vocabulary (ids it can never produce): a RequestError
-    (invalid_sampling), as the engine admits it and as `batchinfer validate` checks it."""
-    problem = sampling.stop_token_ids_problem(vocab_size)
+    """A request's stop_token_ids, logit_bias or allowed_token_ids past the vocabulary (ids it
+    can never produce): a RequestError (invalid_sampling), as the engine admits it and as
+    `batchinfer validate` checks it."""
+    problem = sampling.token_ids_problem(vocab_size)
     if problem:
-        raise RequestError("invalid_sampling", f"stop_token_ids: {problem}")
+        raise RequestError("invalid_sampling", problem)
 
 
 def check_prompt_ids(ids, max_model_len: int, vocab_size: int) -> None:

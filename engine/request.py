@@ -20,7 +20,7 @@ from .strict_numbers import NumbersNotBooleans
 # nothing (vLLM's defaults): a line or recipe that writes one of those out (as a dump of vLLM's
 # SamplingParams does) runs; any other value is refused by name, never silently left undone
 VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "bad_words": (None, []),
     "prompt_logprobs": (None,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
 }
 
@@ -59,13 +59,18 @@ class SamplingParams(NumbersNotBooleans):
     repetition_penalty: float = Field(1.0, gt=0.0)      # vLLM sets no upper bound
     seed: Optional[int] = None                          # -1: none (vLLM's "random")
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[NonNegativeInt]] = None   # < vocab size: stop_token_ids_problem
+    stop_token_ids: Optional[list[NonNegativeInt]] = None   # < vocab size: token_ids_problem
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: Optional[int] = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+    # added to the logits of these token ids before penalties and sampling (vLLM's logit_bias:
+    # JSON writes the ids as strings); < vocab size: token_ids_problem
+    logit_bias: Optional[dict[NonNegativeInt, float]] = None
+    # only these token ids can be sampled (vLLM's allowed_token_ids); < vocab size
+    allowed_token_ids: Optional[list[NonNegativeInt]] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +98,29 @@ class SamplingParams(NumbersNotBooleans):
         request draws its own, and it is never deduplicated as a seeded one."""
         return None if v == -1 else v
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases_are_numbers(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            flags = [k for k, b in v.items() if isinstance(b, bool)]
+            if flags:
+                raise ValueError(f"logit_bias[{flags[0]!r}]: a bias is a number added to the "
+                                 "token's logit, not true or false")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_empty_bias(cls, v: Optional[dict]) -> Optional[dict]:
+        return v or None          # {}: vLLM's default, nothing to add
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _some_allowed(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and not v:
+            raise ValueError("allowed_token_ids must not be empty (no token could be sampled); "
+                             "leave it out to allow every token")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: Any) -> Optional[list[str]]:
@@ -109,14 +137,24 @@ class SamplingParams(NumbersNotBooleans):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
 
-    def stop_token_ids_problem(self, vocab_size: int) -> Optional[str]:
-        """What is wrong with stop_token_ids for a model of `vocab_size` ids (None: nothing),
+    def token_ids_problem(self, vocab_size: int) -> Optional[str]:
+        """What is wrong with the token ids these parameters name (stop_token_ids, logit_bias,
+        allowed_token_ids) for a model of `vocab_size` ids, as "key: problem" (None: nothing),
         the rule prompt token ids follow (engine/admission.py): an id past the vocabulary is one
-        the model never generates, so the stop would silently never happen."""
-        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
-        if not bad:
-            return None
-        return f"{bad[:5]} out of range; this model's token ids are 0..{vocab_size - 1}"
+        the model never generates, so a stop would silently never happen, a bias never apply."""
+        for key, ids in (("stop_token_ids", self.stop_token_ids),
+                         ("logit_bias", self.logit_bias), ("allowed_token_ids",
+                                                           self.allowed_token_ids)):
+            bad = [t for t in ids or () if t >= vocab_size]
+            if bad:
+                return (f"{key}: {bad[:5]} out of range; this model's token ids are "
+                        f"0..{vocab_size - 1}")
+        return None
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """logit_bias or allowed_token_ids: the sampler adds to or masks some logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from .host_to_device import packed_to_device
 from .request import Sequence
+from .token_constraints import CONSTRAINT_DTYPES, TokenConstraints
 from .token_history import TokenHistory
 
 _MASK64 = (1 << 64) - 1
@@ -27,7 +28,7 @@ _MASK64 = (1 << 64) - 1
 ROW_DTYPES = {"temperature": torch.float32, "top_k": torch.long, "top_p": torch.float32,
               "min_p": torch.float32, "uniform": torch.float64, "penalty_rows": torch.long,
               "repetition": torch.float32, "frequency": torch.float32, "presence": torch.float32,
-              "rows": torch.long, "ids": torch.long}
+              "rows": torch.long, "ids": torch.long, **CONSTRAINT_DTYPES}
 
 
 def uniform_draw(seed: int, position: int) -> float:
@@ -65,6 +66,7 @@ class SamplingBatch:
     max_logprobs: int                    # 0 when no row wants logprobs
     top_k_max: Optional[int] = None      # the largest k over rows (vocab where off), from the host
     min_tokens_index: Optional[tuple] = None  # (rows, token ids) tensors to mask, one index_put
+    constraints: Optional[TokenConstraints] = None  # allowed_token_ids, logit_bias
 
 
 class Sampler:
@@ -147,6 +149,7 @@ class Sampler:
             top_k_max=max((min(max(p.top_k, 1), vocab) if p.top_k_active else vocab
                            for p in params), default=vocab),
             min_tokens_index=min_index,
+            constraints=TokenConstraints.of(params, self._tensors),
         )
 
     def _tensors(self, columns: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -157,8 +160,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] float32 -> (token ids [B] long, logprob info or None)."""
         logprob_info = raw_logprobs(logits, batch.max_logprobs - 1) if batch.max_logprobs > 0 else None
-        if batch.min_tokens_rows is not None or batch.penalty_rows is not None:
+        if (batch.min_tokens_rows is not None or batch.penalty_rows is not None
+                or batch.constraints is not None):
             logits = logits.clone()
+        if batch.constraints is not None:      # before penalties, as vLLM applies them
+            batch.constraints.apply(logits)
         if batch.min_tokens_index is not None:
             logits[batch.min_tokens_index] = float("-inf")
         elif batch.min_tokens_rows is not None:

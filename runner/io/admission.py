@@ -23,11 +23,15 @@ def render_plain(messages: list[dict], add_generation_prompt: bool = True, **_) 
     return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
+# sampling keys that name token ids, checked against the model's vocabulary
+TOKEN_ID_KEYS = frozenset({"stop_token_ids", "logit_bias", "allowed_token_ids"})
+
+
 def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
     """`batchinfer validate`'s check of the stop_token_ids a record sets itself, as the engine
     checks them when it admits the request (engine/admission.check_stop_ids); the recipe's are
     checked once, at start (check_recipe_stop_ids)."""
-    if "stop_token_ids" in spec.sampling_keys and spec.sampling is not None:
+    if not TOKEN_ID_KEYS.isdisjoint(spec.sampling_keys) and spec.sampling is not None:
         try:
             check_stop_ids(spec.sampling, vocab_size)
         except RequestError as exc:
@@ -38,7 +42,7 @@ def located_in_line(spec: RequestSpec, exc: RequestError) -> RequestError:
     """The engine's refusal of a request's stop_token_ids, named where the line holds them: an
     OpenAI batch line's sampling keys are under `body.`, as the reader's own messages say."""
     if (spec.is_openai and exc.code == "invalid_sampling"
-            and exc.message.startswith("stop_token_ids:")):
+            and exc.message.split(":")[0] in TOKEN_ID_KEYS):
         return RequestError(exc.code, f"body.{exc.message}")
     return exc
 
@@ -46,9 +50,9 @@ def located_in_line(spec: RequestSpec, exc: RequestError) -> RequestError:
 def check_recipe_stop_ids(sampling, vocab_size: int) -> None:
     """The recipe's stop_token_ids past the model's vocabulary: every request would fail alike,
     so a usage error (validate, --dry-run and the job's start)."""
-    problem = sampling.stop_token_ids_problem(vocab_size)
+    problem = sampling.token_ids_problem(vocab_size)
     if problem:
-        raise ConfigError(f"sampling.stop_token_ids: {problem}")
+        raise ConfigError(f"sampling.{problem}")
 
 
 def check_recipe_stop_ids_at_hand(recipe) -> None:
@@ -56,7 +60,7 @@ def check_recipe_stop_ids_at_hand(recipe) -> None:
     config where it is at hand (a directory, or a GGUF already converted): a job whose every
     request would fail is refused before a large model's minutes of loading. Where the config is
     not at hand or does not read, the check after the build (Engine.vocab_size) is the one."""
-    if not recipe.sampling.stop_token_ids:
+    if not any(getattr(recipe.sampling, key) for key in TOKEN_ID_KEYS):
         return
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import model_dir_at_hand

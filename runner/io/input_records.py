@@ -27,13 +27,13 @@ OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                   "parallel_tool_calls"}
 OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_format",
-                      "logit_bias", "best_of", "echo", "suffix", "audio", "modalities",
+                      "best_of", "echo", "suffix", "audio", "modalities",
                       "prediction", "reasoning_effort", "web_search_options"}
 # what each of those means when a batch file states it: the default, so the line runs (SDKs and
 # scripts write them out); any other value asks for what batchinfer does not do
 OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
                           "function_call": "none", "response_format": {"type": "text"},
-                          "logit_bias": {}, "best_of": 1, "echo": False, "suffix": "",
+                          "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
 _PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | CHAT_OPTION_KEYS)
@@ -295,6 +295,10 @@ OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body", "metadata"}
 _OPENAI_SAMPLING = SAMPLING_KEYS - {"logprobs", "n"}
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _states_default(key: str, value: Any) -> bool:
     """`value` of an unsupported key is null or its default (OPENAI_STATED_DEFAULTS): nothing
     is asked that batchinfer does not do. Types compared too (`best_of: true` is no 1)."""
@@ -402,6 +406,9 @@ def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict
     the names differ). A key set to null means its default, as OpenAI reads it."""
     overrides = {k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None}
     written: dict[str, str] = {}
+    if isinstance(overrides.get("logit_bias"), dict):     # OpenAI's range, as vLLM's server
+        overrides["logit_bias"] = {t: min(100.0, max(-100.0, b)) if _is_number(b) else b
+                                   for t, b in overrides["logit_bias"].items()}
     if body.get("n") is not None:
         overrides["n"] = body["n"]
     for key in ("max_completion_tokens", "max_tokens"):

@@ -19,8 +19,14 @@ import torch
 from batchinfer.engine.executor import _row_logprobs
 from batchinfer.engine.sampler import SamplingBatch, attach_sampled, raw_logprobs, sample_torch
 from batchinfer.engine.sampler import uniform_draw
+from batchinfer.engine.token_constraints import CONSTRAINT_DTYPES, TokenConstraints
 
 from .columns import ColumnJoin, ColumnUpdate
+
+
+def _host_tensors(columns: dict) -> dict:
+    return {name: torch.tensor(values, dtype=CONSTRAINT_DTYPES[name])
+            for name, values in columns.items()}
 
 
 class ColumnSampler:
@@ -103,6 +109,9 @@ class ColumnSampler:
         if any(w is not None for w in want):
             info = raw_logprobs(logits_t.t(), max(w or 0 for w in want))
         lengths = self.lengths[:n].tolist()
+        constraints = TokenConstraints.of(params, _host_tensors)   # allowed ids, logit_bias
+        if constraints is not None:
+            constraints.apply(logits_t.t())
         for col, p in enumerate(params):
             if lengths[col] < p.min_tokens:
                 stop = list(self.eos_token_ids) + list(p.stop_token_ids or [])

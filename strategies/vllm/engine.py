@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
-                   "logprobs", "skip_special_tokens")
+                   "logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids")
 
 
 class VllmWorkerError(RuntimeError):

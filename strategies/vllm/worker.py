@@ -129,7 +129,10 @@ def serve(engine, commands, reply) -> None:
         op = msg["op"]
         if op == "add":
             try:
-                params = SamplingParams(**msg["sampling"], output_kind=RequestOutputKind.FINAL_ONLY)
+                sampling = msg["sampling"]
+                if sampling.get("logit_bias"):       # JSON made its token ids strings
+                    sampling["logit_bias"] = {int(t): b for t, b in sampling["logit_bias"].items()}
+                params = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt_token_ids"]},
                                    params)
                 running[msg["id"]] = msg["sampling"].get("logprobs")

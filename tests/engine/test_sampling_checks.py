@@ -23,16 +23,16 @@ def test_non_finite_floats_are_refused_naming_the_key(key, value):
 
 def test_stop_token_ids_are_token_ids():
     """Negative ids used to be accepted; ids past the vocabulary are checked against the model
-    (stop_token_ids_problem) when its size is known."""
+    (token_ids_problem) when its size is known."""
     with pytest.raises(ValidationError) as exc:
         SamplingParams(stop_token_ids=[3, -1])
     (err,) = exc.value.errors()
     assert err["loc"] == ("stop_token_ids", 1) and "greater than or equal to 0" in err["msg"]
     params = SamplingParams(stop_token_ids=[0, 49151, 999999999])
-    assert params.stop_token_ids_problem(49152) == ("[999999999] out of range; this model's "
+    assert params.token_ids_problem(49152) == ("stop_token_ids: [999999999] out of range; this model's "
                                                     "token ids are 0..49151")
-    assert SamplingParams(stop_token_ids=[49151]).stop_token_ids_problem(49152) is None
-    assert SamplingParams().stop_token_ids_problem(10) is None
+    assert SamplingParams(stop_token_ids=[49151]).token_ids_problem(49152) is None
+    assert SamplingParams().token_ids_problem(10) is None
 
 
 def test_repetition_penalty_has_no_upper_bound_as_in_vllm():
@@ -70,7 +70,7 @@ def test_vllm_keys_batchinfer_does_not_implement_are_named_not_ignored():
     by name (it was an unknown key; a real value would otherwise be silently undone)."""
     assert SamplingParams(logit_bias={}, spaces_between_special_tokens=True) == SamplingParams()
     with pytest.raises(ValidationError) as exc:
-        SamplingParams(temperature=0, logit_bias={5: 10.0})
-    assert "logit_bias is a vLLM sampling parameter batchinfer does not implement" in str(exc.value)
+        SamplingParams(temperature=0, bad_words=["Paris"])
+    assert "bad_words is a vLLM sampling parameter batchinfer does not implement" in str(exc.value)
     with pytest.raises(ValidationError, match="only 1 is supported"):
         SamplingParams(n=2)

@@ -222,5 +222,5 @@ def test_always_on_a_tokenizer_without_a_chat_template_names_the_recipe_key(tmp_
                                  "template, and the tokenizer of m has no chat template: set "
                                  "io.chat_template: auto to send prompts as written")
     with pytest.raises(RequestError, match=r"has no chat template; send 'prompt' instead of "
-                                           r"'messages'$"):
+                                           r"'messages', or give one as model.chat_template$"):
         prompt_token_ids(chat, tokenizer, "always")

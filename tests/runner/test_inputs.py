@@ -508,17 +508,30 @@ def test_vllm_sampling_keys_batchinfer_does_not_implement():
               "prompt_logprobs": None, "spaces_between_special_tokens": True, "detokenize": True}
     spec = parse_plain_or_chat(stated, 1, DEFAULTS)
     assert isinstance(spec, RequestSpec) and spec.sampling == DEFAULTS
-    for key, value in [("logit_bias", {"5": -100}), ("allowed_token_ids", [1, 2]),
-                       ("bad_words", ["Paris"]), ("prompt_logprobs", 2),
+    for key, value in [("bad_words", ["Paris"]), ("prompt_logprobs", 2),
                        ("spaces_between_special_tokens", False), ("detokenize", False)]:
         err = parse_plain_or_chat({"prompt": "hi", key: value}, 3, DEFAULTS)
         assert isinstance(err, InputError) and err.code == "unsupported_parameter", key
         assert err.message.startswith(f"{key} is a vLLM sampling parameter batchinfer does not "
                                       "implement"), err.message
-    err = parse_openai(_openai(allowed_token_ids=[1, 2]), 1, DEFAULTS)
-    assert err.code == "unsupported_parameter" and err.message.startswith("body.allowed_token_ids")
+    err = parse_openai(_openai(bad_words=["x"]), 1, DEFAULTS)
+    assert err.code == "unsupported_parameter" and err.message.startswith("body.bad_words")
     assert not isinstance(parse_openai(_openai(prompt_logprobs=None, bad_words=[]), 1, DEFAULTS),
                           InputError)
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampling():
+    """vLLM's logit_bias (JSON writes its ids as strings) and allowed_token_ids, on a line and
+    in an OpenAI body (its biases held to OpenAI's -100..100, as vLLM's server holds them)."""
+    spec = parse_plain_or_chat({"prompt": "hi", "logit_bias": {"5": -3.5},
+                                "allowed_token_ids": [5, 9]}, 1, DEFAULTS)
+    assert spec.sampling.logit_bias == {5: -3.5} and spec.sampling.allowed_token_ids == [5, 9]
+    spec = parse_openai(_openai(logit_bias={"7": 250, "8": -1}), 1, DEFAULTS)
+    assert spec.sampling.logit_bias == {7: 100.0, 8: -1.0}
+    err = parse_plain_or_chat({"prompt": "hi", "logit_bias": {"x": 1}}, 2, DEFAULTS)
+    assert err.code == "invalid_sampling" and "logit_bias.x" in err.message
+    err = parse_openai(_openai(allowed_token_ids=[]), 1, DEFAULTS)
+    assert err.code == "invalid_sampling" and err.message.startswith("body.allowed_token_ids")
 
 
 def test_n_above_one_says_how_to_get_several_samples():
@@ -528,8 +541,8 @@ def test_n_above_one_says_how_to_get_several_samples():
 
 
 def test_unknown_key_messages_do_not_list_vllm_keys_batchinfer_does_not_implement():
-    err = parse_plain_or_chat({"prompt": "hi", "temprature": 0, "logit_bias": {}}, 1, DEFAULTS)
+    err = parse_plain_or_chat({"prompt": "hi", "temprature": 0, "bad_words": []}, 1, DEFAULTS)
     assert err.code == "unknown_key" and "'temprature' (did you mean 'temperature'?)" in err.message
-    assert "logit_bias" not in err.message and "allowed_token_ids" not in err.message
+    assert "bad_words" not in err.message and "detokenize" not in err.message
     err = parse_openai(_openai(temprature=0, bad_words=[]), 1, DEFAULTS)
     assert err.code == "unknown_key" and "bad_words" not in err.message

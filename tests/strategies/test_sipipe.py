@@ -46,6 +46,8 @@ PARAMS = [
     SamplingParams(temperature=1.0, top_p=0.5, presence_penalty=-0.5, logprobs=2),
     SamplingParams(temperature=0.7, min_tokens=6, stop_token_ids=[5], frequency_penalty=1.0),
     SamplingParams(temperature=1.2, top_k=1),
+    SamplingParams(temperature=0.9, logit_bias={7: 5.0, 11: -100.0}, presence_penalty=0.2),
+    SamplingParams(temperature=0.0, allowed_token_ids=[3, 9, 27, 81]),
 ]
 
 
