@@ -39,9 +39,9 @@ class ResultWriter:
             self.metrics.on_error(code, now)
         elif kind == "output":
             self.run_dir.write_output(output_record(item, item.payload, self.model_id))
+            self.metrics.on_result(item, now)     # on disk: counted even if history fails
             if self.predictor_cfg.history:
                 self.run_dir.write_history(self._history_record(item))
-            self.metrics.on_result(item, now)
         elif kind == "error":
             self.run_dir.write_error(input_error_record(item, openai))
             self.metrics.on_error(item.code, now)

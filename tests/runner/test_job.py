@@ -700,6 +700,30 @@ def test_a_full_disk_is_said_once_with_what_to_do(tmp_path, tiny_recipe, shared_
                                "room and rerun to resume")
 
 
+def test_a_history_write_that_fails_leaves_the_output_it_follows_counted(tmp_path, tiny_recipe,
+                                                                          shared_engine,
+                                                                          monkeypatch):
+    """history.jsonl is larger than outputs.jsonl, so a file-size limit or a filling disk often
+    fails its write first: the output written just before it is on disk, and the run's counts
+    (summary, report.json) include it (they said one output fewer than outputs.jsonl held)."""
+    import errno
+
+    from batchinfer.runner.run_dir import HISTORY, RunDir, RunDirWriteError
+
+    def full(self, record):
+        raise RunDirWriteError(self.path / HISTORY, OSError(errno.EFBIG, "File too large"))
+
+    monkeypatch.setattr(RunDir, "write_history", full)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Q"}, {"prompt": "R"}])
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    written = read_jsonl(tmp_path / "run" / "outputs.jsonl")
+    assert outcome.exit_code == 3 and len(written) == 1
+    assert outcome.outputs == 1
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["totals"]["outputs"] == 1
+    assert report["session"]["requests_completed"] == 1
+
+
 def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, tiny_recipe,
                                                                      shared_engine):
     """Every request would fail alike: the job refuses at start (exit 2 through the CLI), naming
