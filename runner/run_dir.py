@@ -31,7 +31,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import jsonlines
 
@@ -39,6 +39,7 @@ from batchinfer.engine.errors import BatchInferError, ConfigError
 from .id_set import IdSet
 from .io.inputs import Shard
 from .io.records import record_id
+from .jsonl_lines import iter_jsonl_file, repair_torn_tail
 
 log = logging.getLogger(__name__)
 
@@ -84,51 +85,6 @@ def list_parts(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and PART_RE.match(p.name))
-
-
-def repair_torn_tail(path: Path) -> int:
-    """Cuts a last line that lacks its newline (a write cut short by a crash); bytes dropped."""
-    if not path.is_file():
-        return 0
-    with open(path, "r+b") as fh:
-        size = fh.seek(0, os.SEEK_END)
-        if size == 0:
-            return 0
-        fh.seek(size - 1)
-        if fh.read(1) == b"\n":
-            return 0
-        pos = size
-        keep = 0
-        while pos > 0:
-            step = min(1 << 16, pos)
-            pos -= step
-            fh.seek(pos)
-            chunk = fh.read(step)
-            newline = chunk.rfind(b"\n")
-            if newline != -1:
-                keep = pos + newline + 1
-                break
-        fh.truncate(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-        return size - keep
-
-
-def iter_jsonl_file(path: Path) -> Iterator[dict]:
-    """Records of a run-dir JSONL file; a corrupt line is logged and skipped."""
-    if not path.is_file():
-        return
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                log.warning("%s line %d is corrupt; ignoring it", path, number)
-                continue
-            if isinstance(record, dict):
-                yield record
 
 
 @dataclass
@@ -230,11 +186,16 @@ class RunDir:
             if not read_only:      # again, holding the lock: a run of the other layout that
                 _check_layout(root, shard)   # started meanwhile is seen now (and sees this one)
             prior = run_dir._load_prior(repair=not read_only)
-        except BaseException:
+        except BaseException as exc:
             if read_only:
                 run_dir.close()
             else:
                 run_dir.abandon()
+            if isinstance(exc, OSError):      # a result file read-only, another user's, ...
+                raise RunDirError(
+                    f"the run directory {path} cannot be {'read' if read_only else 'resumed'}: "
+                    f"{exc.filename or path}: {exc.strerror or exc}; fix its permissions or pick "
+                    "another --output (or io.output_dir)") from None
             raise
         return run_dir, prior
 

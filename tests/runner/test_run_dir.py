@@ -311,6 +311,33 @@ def test_a_final_report_that_fills_the_disk_still_says_how_the_run_ended(tmp_pat
     assert not (tmp_path / "plots" / "a.png").exists()
 
 
+def test_a_result_file_that_cannot_be_opened_for_writing_is_a_usage_error(tmp_path,
+                                                                            monkeypatch):
+    """A resume whose outputs.jsonl is read-only (chmod a-w, another user's, immutable) is
+    refused naming the file and what to do (exit 2), as a directory that cannot be written is;
+    it failed as the run itself (exit 3, 'failed: 0 outputs', 'rerun to resume') with a
+    traceback, though rerunning could not help."""
+    import errno
+
+    from batchinfer.runner import run_dir as run_dir_module
+
+    first, _ = RunDir.open(tmp_path)
+    first.write_output({"id": "r1", "text": "kept"})
+    first.close()
+
+    def read_only(path):
+        if path.exists():
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return 0
+
+    monkeypatch.setattr(run_dir_module, "repair_torn_tail", read_only)
+    with pytest.raises(RunDirError, match=r"the run directory .* cannot be resumed: .*"
+                       r"outputs\.jsonl: Operation not permitted; fix its permissions"):
+        RunDir.open(tmp_path)
+    assert (tmp_path / OUTPUTS).read_text() == '{"id":"r1","text":"kept"}\n'
+    assert not in_use(tmp_path)
+
+
 def test_a_run_directory_that_cannot_be_written_is_a_usage_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
