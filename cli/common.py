@@ -13,7 +13,7 @@ import typer
 EXIT_CODES_HELP = ("Exit codes: 0 done (per-request errors are counted in the summary; with "
                    "--fail-on-errors they make it 1), 2 bad recipe, input file or arguments, 3 the "
                    "run itself failed (rerun to resume), 130 / 143 interrupted by SIGINT / SIGTERM "
-                   "(rerun to resume).")
+                   "(138 / 129 by SIGUSR1 / SIGHUP; rerun to resume).")
 
 
 def setup_logging(verbose: bool = False, quiet: bool = False) -> None:

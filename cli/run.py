@@ -91,14 +91,14 @@ def run(
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """Until the job installs its own handlers (and after it restores these): a signal ends the
-    command at once with 130 / 143; nothing has been written yet (or everything has)."""
-    from batchinfer.runner.stop_signals import exit_code_for, signal_name
+    command at once with 130 / 143 (128 + the signal's number); nothing has been written yet (or everything has)."""
+    from batchinfer.runner.stop_signals import STOP_SIGNALS, exit_code_for, signal_name
 
     def stop(signum, _frame):
         typer.echo(f"stopped by {signal_name(signum)}", err=True)
         raise SystemExit(exit_code_for(signum))   # not typer.Exit: no `except Exception` stops it
 
-    handled = (signal.SIGINT, signal.SIGTERM)
+    handled = STOP_SIGNALS
     previous = {sig: signal.getsignal(sig) for sig in handled}
     if threading.current_thread() is threading.main_thread():
         for sig in handled:

@@ -1,4 +1,6 @@
-"""How a job answers SIGTERM / SIGINT (Slurm time limits, scancel, preemption, Ctrl-C).
+"""How a job answers SIGTERM / SIGINT (Slurm time limits, scancel, preemption, Ctrl-C), and
+SIGUSR1 / SIGHUP alike (Slurm's `--signal=USR1@<seconds>` warning before a time limit, a closed
+terminal): each stops the job as SIGTERM does and exits 128 + its number.
 
 During setup (run directory, kernel build, model load, worker start) nothing is written yet, so
 the first signal stops setup where it is: the handler raises StopRequested. Once the job loop
@@ -16,7 +18,7 @@ import threading
 from typing import Callable, Optional
 
 log = logging.getLogger("batchinfer")
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopRequested(BaseException):
@@ -33,7 +35,9 @@ def signal_name(signum: Optional[int]) -> str:
 
 
 def exit_code_for(signum: int) -> int:
-    return EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+    """128 + the signal's number, as a shell reports a process it ended (130 SIGINT, 143
+    SIGTERM, 138 SIGUSR1, 129 SIGHUP)."""
+    return 128 + int(signum)
 
 
 class StopSignals:
@@ -45,10 +49,10 @@ class StopSignals:
         """Installs the handlers (main thread only); returns what restores the previous ones."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)
+        handled = (*STOP_SIGNALS, signal.SIGXFSZ)
         previous = {sig: signal.getsignal(sig) for sig in handled}
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
         def restore():

@@ -13,4 +13,5 @@ import signal
 
 import batchinfer.engine.runtime.worker  # noqa: F401  (torch and the worker code: the point)
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+    signal.signal(_sig, signal.SIG_IGN)

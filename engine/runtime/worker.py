@@ -99,8 +99,8 @@ def run_child(rank: int, conn, body, name: str = "") -> None:
     _die_with_parent_and_name(name or f"{PROCESS_NAME_PREFIX}{rank}")
     # the controller decides when to stop: Ctrl-C and Slurm's SIGTERM reach the whole process
     # group, and a worker that died of them would turn a clean stop into a failed run
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)     # the driver stops the job (runner/stop_signals.py)
     try:
         body()
     except (EOFError, BrokenPipeError):

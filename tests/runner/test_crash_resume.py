@@ -123,7 +123,8 @@ def test_torn_last_line_is_repaired_on_resume(tmp_path, recipe):
     _check_exactly_once(out, good, bad_lines)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130),
+                                      (signal.SIGUSR1, 138)])     # Slurm's --signal=USR1@...
 def test_signal_stops_cleanly_and_resumes(tmp_path, recipe, sig, code):
     rng = random.Random(sig)
     prompts = tmp_path / "prompts.jsonl"
