@@ -64,6 +64,8 @@ def _device(device: Optional[str]) -> Optional[str]:
 def _read(history: list[Path], model: Optional[str]):
     from batchinfer.predictors.history import read_history
 
+    for path in history:
+        _shipped_copy_check(path, "--history ")
     try:
         data = read_history(history, model=model, need_text=True)
     except FileNotFoundError as exc:
@@ -74,6 +76,16 @@ def _read(history: list[Path], model: Optional[str]):
         raise fail(f"the history holds outputs of {len(models)} models ({listed}); a predictor is "
                    "per model: pick one with --model")
     return data
+
+
+def _shipped_copy_check(path: Path, option: str = "") -> None:
+    """A docs command's predictors/shipped/... or examples/... path, run where it is not (an
+    installed wheel): the error names batchinfer's own copy."""
+    from batchinfer.runner.shipped_files import missing_dir_problem
+
+    problem = missing_dir_problem(path)
+    if problem:
+        raise fail(option + problem)
 
 
 @app.command("train", help=TRAIN_HELP)
@@ -169,6 +181,7 @@ def evaluate(
 
     sizes = _group_sizes(groups)
     device = _device(device)
+    _shipped_copy_check(predictor_dir)
     with user_errors():
         predictor = BertLengthPredictor.load(predictor_dir, device=device,
                                              encoder_int8=encoder_int8,

@@ -9,10 +9,12 @@ shipped copy is, rather than only "no such file".
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_FOLDERS = ("recipes", "examples")
+# the length predictors shipped with the package (a package folder: named, never copied)
+SHIPPED_PREDICTORS = "predictors/shipped"
 
 
 def shipped(relative: str) -> Path:
@@ -32,3 +34,19 @@ def missing_file_problem(path: Union[str, Path]) -> str:
         return "no such file"
     return (f"no such file in {Path.cwd()}; batchinfer ships it as {copy}: give that path, or "
             f"copy the folder here (cp -r {SHIPPED_ROOT / parts[0]} .)")
+
+
+def missing_dir_problem(path: Union[str, Path]) -> Optional[str]:
+    """Where batchinfer's own copy of a directory is, when `path` is a relative examples/... or
+    predictors/shipped/... path that a checkout has and this directory does not (a wheel
+    install: the docs' commands name them as in the source tree); None otherwise."""
+    path = Path(path)
+    if path.is_absolute() or path.exists():
+        return None
+    text = path.as_posix()
+    shipped_here = text.startswith(SHIPPED_PREDICTORS + "/") or (
+        len(path.parts) >= 2 and path.parts[0] in SHIPPED_FOLDERS)
+    copy = SHIPPED_ROOT / path
+    if not shipped_here or not copy.exists():
+        return None
+    return f"{path}: not in {Path.cwd()}; batchinfer ships it as {copy}: give that path"

@@ -50,3 +50,23 @@ def test_the_quickstart_command_outside_a_checkout_says_where_the_recipe_is(tmp_
                                       "examples/quickstart.jsonl"])
     assert result.exit_code == 2
     assert str(shipped("recipes/quickstart.yaml")) in result.output
+
+
+def test_the_docs_predictor_commands_outside_a_checkout_name_the_shipped_copies(tmp_path,
+                                                                               monkeypatch):
+    """docs/engine.md's `predictor eval predictors/shipped/... --history examples/...` where
+    those folders are not (a wheel install): the error names batchinfer's own copies, first the
+    predictor's, then (given it) the history's."""
+    from batchinfer.runner.shipped_files import missing_dir_problem
+
+    monkeypatch.chdir(tmp_path)
+    predictor = "predictors/shipped/smollm2-135m-instruct"
+    result = CliRunner().invoke(app, ["predictor", "eval", predictor,
+                                      "--history", "examples/predictor_history"])
+    assert result.exit_code == 2 and str(shipped(predictor)) in "".join(result.output.split())
+    result = CliRunner().invoke(app, ["predictor", "eval", str(shipped(predictor)),
+                                      "--history", "examples/predictor_history"])
+    assert result.exit_code == 2
+    assert str(shipped("examples/predictor_history")) in "".join(result.output.split())
+    assert missing_dir_problem("predictors/shipped/no-such") is None
+    assert missing_dir_problem("runs/mine") is None
