@@ -63,13 +63,16 @@ class OutputProcessor:
 
     def result(self, seq: Sequence) -> RequestOutput:
         params = seq.request.sampling
-        self._detok.pop(seq.request_id, None)       # its incremental decoder is done
+        detok = self._detok.pop(seq.request_id, None)   # a stop-string request's decoder
         if not (seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str)):
             ids = seq.output_token_ids
             if seq.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
                 ids = ids[:-1]   # an EOS or stop token: its id stays, its text does not (vLLM)
-            seq.text = self.tokenizer.decode_reply(ids, params.skip_special_tokens,
-                                                   seq.request.prompt_token_ids)
+            if detok is not None and len(ids) == len(seq.output_token_ids):
+                seq.text = detok.text      # decode_reply's stream, already fed every token
+            else:
+                seq.text = self.tokenizer.decode_reply(ids, params.skip_special_tokens,
+                                                       seq.request.prompt_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,

@@ -25,6 +25,11 @@ VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 
 
+# the sampling keys that name token ids (a dict's keys for logit_bias), checked against the
+# model's vocabulary (SamplingParams.token_ids_problem), in the order they are reported
+TOKEN_ID_KEYS = ("stop_token_ids", "logit_bias", "allowed_token_ids")
+
+
 def not_implemented_problem(key: str, value: Any) -> Optional[str]:
     """Why `value` of one of VLLM_KEYS_NOT_IMPLEMENTED is refused; None where it asks for nothing
     (types compared too: 1 is no true)."""
@@ -142,19 +147,12 @@ class SamplingParams(NumbersNotBooleans):
         allowed_token_ids) for a model of `vocab_size` ids, as "key: problem" (None: nothing),
         the rule prompt token ids follow (engine/admission.py): an id past the vocabulary is one
         the model never generates, so a stop would silently never happen, a bias never apply."""
-        for key, ids in (("stop_token_ids", self.stop_token_ids),
-                         ("logit_bias", self.logit_bias), ("allowed_token_ids",
-                                                           self.allowed_token_ids)):
-            bad = [t for t in ids or () if t >= vocab_size]
+        for key in TOKEN_ID_KEYS:
+            bad = [t for t in getattr(self, key) or () if t >= vocab_size]
             if bad:
                 return (f"{key}: {bad[:5]} out of range; this model's token ids are "
                         f"0..{vocab_size - 1}")
         return None
-
-    @property
-    def constrains_tokens(self) -> bool:
-        """logit_bias or allowed_token_ids: the sampler adds to or masks some logits."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:

@@ -120,6 +120,11 @@ class StrategyParams(NumbersNotBooleans):
         knob of Compute as a Service under `compute_service: false`, say)."""
         return []
 
+    @staticmethod
+    def idle_unless(part_on: bool, why: str, *keys: str) -> list[tuple[str, str]]:
+        """idle_switches' entries for `keys`, a part's knobs, while the part is off."""
+        return [] if part_on else [(key, why) for key in keys]
+
     def notes(self, parallel) -> list[str]:
         """Every warning for this strategy section on this layout: layout_note, and the knobs
         the recipe sets that a part switched off leaves unused (said, not refused: an ablation

@@ -10,7 +10,7 @@ from typing import Optional
 
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.admission import check_stop_ids
-from batchinfer.engine.request import Request
+from batchinfer.engine.request import TOKEN_ID_KEYS, Request
 
 from .input_records import RequestSpec
 from .records import RequestPayload
@@ -23,15 +23,11 @@ def render_plain(messages: list[dict], add_generation_prompt: bool = True, **_) 
     return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
-# sampling keys that name token ids, checked against the model's vocabulary
-TOKEN_ID_KEYS = frozenset({"stop_token_ids", "logit_bias", "allowed_token_ids"})
-
-
 def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
     """`batchinfer validate`'s check of the stop_token_ids a record sets itself, as the engine
     checks them when it admits the request (engine/admission.check_stop_ids); the recipe's are
     checked once, at start (check_recipe_stop_ids)."""
-    if not TOKEN_ID_KEYS.isdisjoint(spec.sampling_keys) and spec.sampling is not None:
+    if not spec.sampling_keys.isdisjoint(TOKEN_ID_KEYS) and spec.sampling is not None:
         try:
             check_stop_ids(spec.sampling, vocab_size)
         except RequestError as exc:

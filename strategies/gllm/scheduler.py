@@ -86,7 +86,8 @@ class GLLMParams(StrategyParams):
         return self.pipeline_only_note(parallel)
 
     def idle_switches(self) -> list[tuple[str, str]]:
-        return [] if self.WT else [("T", "strategy.WT is false (eq. 1, which T divides, is off)")]
+        return self.idle_unless(self.WT, "strategy.WT is false (eq. 1, which T divides, is off)",
+                                "T")
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:

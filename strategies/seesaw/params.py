@@ -68,15 +68,13 @@ class SeesawParams(StrategyParams):
         return parse_size(v)
 
     def idle_switches(self) -> list[tuple[str, str]]:
-        idle = []
-        if not self.cpu_kv_tier:
-            idle.append(("cpu_kv_cache_memory", "strategy.cpu_kv_tier is false (the store holds "
-                         "as many blocks as the device cache)"))
-        if AUTO not in (self.decode_tp, self.decode_pp, self.prefill_layout):
-            why = ("no layout is auto (decode_tp and decode_pp are given, prefill_layout is "
-                   "parallel), so none is searched")
-            idle += [("layout_costs", why), ("layout_sample_requests", why)]
-        return idle
+        return [
+            *self.idle_unless(self.cpu_kv_tier, "strategy.cpu_kv_tier is false (the store holds "
+                              "as many blocks as the device cache)", "cpu_kv_cache_memory"),
+            *self.idle_unless(AUTO in (self.decode_tp, self.decode_pp, self.prefill_layout),
+                              "no layout is auto (decode_tp and decode_pp are given, "
+                              "prefill_layout is parallel), so none is searched",
+                              "layout_costs", "layout_sample_requests")]
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(policy="sb", max_num_seqs=self.max_num_seqs,

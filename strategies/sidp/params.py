@@ -102,11 +102,10 @@ class SiDPParams(StrategyParams, SchedulerConfig):
         return None
 
     def idle_switches(self) -> list[tuple[str, str]]:
-        if self.compute_service:
-            return []
-        why = "strategy.compute_service is false (WaS only: no Compute as a Service rounds)"
-        return [(key, why) for key in ("batch_threshold", "mode_switch_patience",
-                                       "mode_switch_hysteresis", "gemm_fusion", "dummy_skipping")]
+        return self.idle_unless(
+            self.compute_service, "strategy.compute_service is false (WaS only: no Compute as a "
+            "Service rounds)", "batch_threshold", "mode_switch_patience",
+            "mode_switch_hysteresis", "gemm_fusion", "dummy_skipping")
 
     @classmethod
     def runs_model(cls, arch) -> bool:

@@ -60,10 +60,9 @@ class SiPipeParams(StrategyParams, SchedulerConfig):
         return self
 
     def idle_switches(self) -> list[tuple[str, str]]:
-        if self.cpu_sampling:
-            return []
-        why = "strategy.cpu_sampling is false (the last stage samples; no sampler pool)"
-        return [(key, why) for key in ("samplers", "split_columns", "sampler_threads")]
+        return self.idle_unless(
+            self.cpu_sampling, "strategy.cpu_sampling is false (the last stage samples; no "
+            "sampler pool)", "samplers", "split_columns", "sampler_threads")
 
     def pool_size(self, pipeline_depth: int) -> int:
         return pipeline_depth if self.samplers == "auto" else self.samplers

@@ -131,19 +131,17 @@ class TDPipeParams(StrategyParams):
         return self.pipeline_only_note(parallel)
 
     def idle_switches(self) -> list[tuple[str, str]]:
-        idle = []
-        if self.greedy_prefill:
-            idle.append(("kv_occupancy_ratio", "strategy.greedy_prefill is true (the occupancy "
-                         "ratio is its ablation's switch point)"))
-        else:
-            idle.append(("admit_within_capacity", "strategy.greedy_prefill is false (prompts "
-                         "are held back by Algorithm 1's forecast, which it turns off)"))
-        if self.intensity_switch:
-            idle.append(("finished_ratio", "strategy.intensity_switch is true (the finished "
-                         "ratio is its ablation's switch point)"))
-        if not self.unsure_upper_forecast:
-            idle.append(("unsure_confidence", "strategy.unsure_upper_forecast is false"))
-        return idle
+        return [
+            *self.idle_unless(not self.greedy_prefill, "strategy.greedy_prefill is true (the "
+                              "occupancy ratio is its ablation's switch point)",
+                              "kv_occupancy_ratio"),
+            *self.idle_unless(self.greedy_prefill, "strategy.greedy_prefill is false (prompts "
+                              "are held back by Algorithm 1's forecast, which it turns off)",
+                              "admit_within_capacity"),
+            *self.idle_unless(not self.intensity_switch, "strategy.intensity_switch is true (the "
+                              "finished ratio is its ablation's switch point)", "finished_ratio"),
+            *self.idle_unless(self.unsure_upper_forecast,
+                              "strategy.unsure_upper_forecast is false", "unsure_confidence")]
 
     @classmethod
     def search_params(cls, knobs: SchedulerConfig) -> list[tuple[str, dict]]:
