@@ -414,6 +414,12 @@ class Engine:
         else empty). `last`: only the most recent events."""
         return self.replicas[0].executor.timeline(last)
 
+    def keep_timeline(self, max_events: int) -> None:
+        """Holds up to `max_events` timeline events from now on (a job holds what its report
+        draws, runtime/pool.EVENTS_KEEP; a benchmark reading the whole timeline asks for more)."""
+        for replica in self.replicas:
+            replica.executor.keep_timeline(max_events)
+
     def stats(self) -> dict:
         managers = [rep.scheduler.block_manager for rep in self.replicas]
         capacity = sum(bm.capacity_tokens for bm in managers)

@@ -91,6 +91,9 @@ class Executor:
         """Per-rank forward / send / receive intervals, oldest first; `last`: the most recent."""
         return []
 
+    def keep_timeline(self, max_events: int) -> None:
+        """Holds up to `max_events` of the timeline's newest events (executors that keep one)."""
+
     # --- scheduler actions (KV copies between tiers, layout switches) --------------------------
     def run_actions(self, actions: list) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot carry out scheduler actions "

@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from benchmarks.common import bench_requests, emit, sharegpt_path  # noqa: E402
 from benchmarks.strategies import eos_workload  # noqa: E402
 
+TIMELINE_EVENTS = 2_000_000   # --dump / a timeline summary read every rank's events of the run
+
 
 def kv_bytes_per_token(model: dict) -> int:
     """fp32 K and V of every layer (SmolLM2-135M: 30 layers, 3 kv heads of 64 -> 46,080 B)."""
@@ -94,6 +96,8 @@ def run_config(spec: dict, name: str, n: int, scale: float, kv_tokens: int, pred
     t_build = time.perf_counter()
     with Engine.from_config(config) as engine:
         build_s = time.perf_counter() - t_build
+        if spec.get("timeline") or dump:     # a job keeps only what its report draws
+            engine.keep_timeline(TIMELINE_EVENTS)
         tokens = [eos_workload.prompt_ids(engine.tokenizer, r["prompt"], stop_at_eos)
                   for r in rows]
         start = time.perf_counter()

@@ -133,6 +133,9 @@ class PipelineExecutor(Executor):
         """Per-rank busy time and bubble ratio, over all replicas (the pool is shared)."""
         return self.pool.stats.summary()
 
+    def keep_timeline(self, max_events: int) -> None:
+        self.pool.keep_events(max_events)
+
     def timeline(self, last: Optional[int] = None) -> list[dict]:
         """Events of every rank (the pool is shared by all replicas), oldest first."""
         events = self.pool.events

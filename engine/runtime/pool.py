@@ -23,7 +23,10 @@ from ..cpu_binding import unpinned
 from .timeline import PipelineStats
 
 log = logging.getLogger("batchinfer")
-EVENTS_KEEP = 200_000     # timeline events kept in memory (oldest dropped first)
+# timeline events kept in memory, oldest dropped first: what a job's report draws
+# (runner/job_report.py: the last 4,000), a few MB; a benchmark that reads the whole timeline raises it
+# (Engine.keep_timeline). The per-rank totals (PipelineStats) count every event regardless.
+EVENTS_KEEP = 4_096
 
 
 class WorkerError(RuntimeError):
@@ -101,6 +104,10 @@ class WorkerPool:
         # tensors the workers map (e.g. through CUDA IPC): the controller holds them until the
         # workers are gone
         self.shared: list = []
+
+    def keep_events(self, max_events: int) -> None:
+        """Keeps up to `max_events` timeline events from now on (the newest of those held)."""
+        self.events = deque(self.events, maxlen=max_events)
 
     def reset_timeline(self) -> None:
         """Forgets the events so far (e.g. a startup profile's micro-batches)."""

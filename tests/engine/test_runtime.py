@@ -19,7 +19,7 @@ from batchinfer.engine.model.arch import arch_from_dict
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.runtime.layout import (ParallelLayout, compute_balanced_split,
                                               even_layer_split)
-from batchinfer.engine.runtime.pool import WorkerError, WorkerPool
+from batchinfer.engine.runtime.pool import EVENTS_KEEP, WorkerError, WorkerPool
 
 PROMPTS = ["Hi", "The capital of France is", "Write a haiku about the sea. " * 6,
            "List three prime numbers:", "Explain photosynthesis in one paragraph, for a child "
@@ -150,6 +150,23 @@ def _request(engine, rid, prompt, params):
 class _Spec:
     def __init__(self, rank):
         self.rank = rank
+
+
+def test_the_pool_holds_only_the_newest_timeline_events_and_counts_all():
+    """A long job's controller must not grow with its age: it holds what the report draws,
+    while the per-rank totals count every event; a benchmark can ask to hold more."""
+    pool = WorkerPool(["rank 0"], {0: {"replica": 0, "stage": 0, "tp_rank": 0}})
+
+    def forwards(first, n):
+        return [{"rank": 0, "replica": 0, "kind": "forward", "mb_id": i,
+                 "start": float(i), "end": i + 0.5} for i in range(first, first + n)]
+
+    pool._add_events(forwards(0, EVENTS_KEEP + 10))
+    assert len(pool.events) == EVENTS_KEEP and pool.events[0]["mb_id"] == 10
+    assert pool.stats.summary()["ranks"][0]["micro_batches"] == EVENTS_KEEP + 10
+    pool.keep_events(EVENTS_KEEP * 2)
+    pool._add_events(forwards(EVENTS_KEEP + 10, 100))
+    assert len(pool.events) == EVENTS_KEEP + 100 and pool.events[0]["mb_id"] == 10
 
 
 @pytest.mark.slow
