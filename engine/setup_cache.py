@@ -145,12 +145,13 @@ class held_lock:
 
     def __enter__(self) -> "held_lock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd, writable = _open_lock_file(self.path)
         try:
             if not _try_lock(fd):
                 self._wait(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            if writable:     # who holds it, for the messages of those who wait
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except BaseException:
             os.close(fd)
             raise
@@ -178,6 +179,17 @@ class held_lock:
                             "(lock %s, %.0f s so far)", _holder(fd), self.what, self.path, waited)
                 next_notice = now + REPEAT_NOTICE_S
             time.sleep(POLL_S)
+
+
+def _open_lock_file(path: Path) -> tuple[int, bool]:
+    """-> (fd, whether it is writable). Created 0666 less the umask, as the entries follow it, so
+    a group that shares a cache (umask 002) shares its locks. A lock file another user made
+    read-only for us (an older batchinfer made them 0644) is still a lock: flock needs no write
+    access, only the holder's name is then not written."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:
+        return os.open(path, os.O_RDONLY), False
 
 
 def _try_lock(fd: int) -> bool:

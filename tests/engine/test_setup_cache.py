@@ -103,6 +103,42 @@ def test_the_lock_dies_with_its_holder(tmp_path):
     assert len(calls) == 1
 
 
+def test_lock_files_follow_the_umask_so_a_group_shares_the_cache(tmp_path):
+    old = os.umask(0o002)
+    try:
+        build_once(tmp_path / "entry", _writer([]), what="building", wait_timeout_s=5)
+    finally:
+        os.umask(old)
+    assert lock_path(tmp_path / "entry").stat().st_mode & 0o777 == 0o664
+
+
+def test_another_users_read_only_lock_file_still_locks(tmp_path, monkeypatch):
+    """A lock file this user may not write (another user's, made 0644 by an older version): the
+    build takes the flock through a read-only descriptor instead of falling back, and a second
+    process still waits for it."""
+    target = tmp_path / "entry"
+    lock = lock_path(target)
+    lock.write_text("pid 1 on elsewhere\n")
+    real_open = os.open
+
+    def as_another_user(path, flags, *args):
+        if Path(path) == lock and flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(setup_cache.os, "open", as_another_user)
+    with setup_cache.held_lock(lock, "building", 5):
+        held = subprocess.run(
+            [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n"
+             "    print('held')", str(lock)], capture_output=True, text=True, timeout=60)
+        assert held.stdout.strip() == "held"
+    assert lock.read_text() == "pid 1 on elsewhere\n"     # not ours to write
+    calls: list = []
+    assert build_once(target, _writer(calls), what="building", wait_timeout_s=5) == target
+    assert len(calls) == 1
+
+
 def test_a_waiter_uses_what_the_holder_built(tmp_path):
     target = tmp_path / "entry"
     holder = _hold(lock_path(target))
