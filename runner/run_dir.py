@@ -20,6 +20,7 @@ Under Slurm each task owns part-IIIII-of-NNNNN/ inside the run directory.
 """
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
 import json
@@ -102,7 +103,11 @@ class PriorState:
 
 
 def _json_default(value: Any) -> Any:
-    """Dataset metadata can hold numpy scalars, dates, bytes: write something readable."""
+    """Dataset metadata can hold numpy scalars, dates, bytes: write something readable. Bytes (a
+    parquet or arrow `binary` column) as base64, as Go's encoding/json and protobuf's JSON write
+    them, not Python's b'...' repr."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
     if hasattr(value, "item"):
         return value.item()
     if hasattr(value, "tolist"):

@@ -89,6 +89,19 @@ def test_non_finite_metadata_is_written_as_null(tmp_path):
     assert record["metadata"] == {"v": None, "w": [None, 1.5], "n": None, "k": 3}
 
 
+def test_bytes_metadata_is_written_as_base64(tmp_path):
+    """A parquet / arrow binary column's value went out as Python's "b'\\x00...'" repr."""
+    import base64
+
+    run_dir, _ = RunDir.open(tmp_path)
+    run_dir.write_output({"id": "a", "text": "x", "metadata": {
+        "blob": b"\x00\xffPNG", "parts": [bytearray(b"ab")]}})
+    run_dir.close()
+    record = json.loads((tmp_path / OUTPUTS).read_text(encoding="utf-8"))
+    assert base64.b64decode(record["metadata"]["blob"]) == b"\x00\xffPNG"
+    assert record["metadata"]["parts"] == ["YWI="]
+
+
 def test_lock_keeps_a_second_run_out(tmp_path):
     first, _ = RunDir.open(tmp_path)
     assert in_use(tmp_path)
