@@ -82,8 +82,8 @@ class VllmEngine:
         args = engine_args(config, params, model_dir, device)
         log.info("starting vLLM under %s: %s", python, args)
         proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=engine_env(config), text=True,
-                                bufsize=1, start_new_session=True)
+                                stdout=subprocess.PIPE, env=engine_env(config, device=device),
+                                text=True, bufsize=1, start_new_session=True)
         try:
             proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
             proc.stdin.flush()

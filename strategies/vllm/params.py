@@ -10,7 +10,8 @@ conditions and detokenizes.
 Mapping: model (our resolved HF directory: a GGUF or the embedded default arrives de-quantized),
 dtype (auto: float32 on CPU, as our engine), max_model_len, tp -> tensor_parallel_size, pp ->
 pipeline_parallel_size, memory.enable_prefix_caching, memory.kv_cache_memory
-(VLLM_CPU_KVCACHE_SPACE on CPU, kv_cache_memory_bytes on GPUs), memory.memory_utilization ->
+(VLLM_CPU_KVCACHE_SPACE on CPU, auto there: our engine's CPU auto, at most 4 GiB within free
+memory; kv_cache_memory_bytes on GPUs), memory.memory_utilization ->
 gpu_memory_utilization, max_num_seqs / max_num_batched_tokens, model.seed; anything else through
 `engine_args`, passed to vLLM's EngineArgs as written.
 """
@@ -141,12 +142,27 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
     return args
 
 
-def engine_env(config: EngineConfig, environ: Optional[dict] = None) -> dict:
-    """The worker's environment: vLLM's CPU knobs (KV space in GiB, one core range per rank)."""
+def engine_env(config: EngineConfig, environ: Optional[dict] = None, device: str = "cpu",
+               available: Optional[int] = None) -> dict:
+    """The worker's environment: vLLM's CPU knobs (KV space in GiB, one core range per rank).
+
+    With memory.kv_cache_memory auto on CPU, vLLM gets the KV space our engine's auto would take
+    (engine/build.py CPU_AUTO_KV_CAP, within `available` bytes free, measured at start): vLLM 0.32's
+    own CPU default reserves 92% of the host's whole memory and refuses to start wherever less
+    than that is free (a node shared with other jobs)."""
     env = dict(os.environ if environ is None else environ)
     if config.cache.kv_cache_memory is not None:
         gib = parse_size(config.cache.kv_cache_memory) / 2**30
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(gib))))
+    elif device == "cpu":
+        import torch
+
+        from batchinfer.engine.build import CPU_AUTO_KV_CAP, available_memory
+
+        free = available_memory(torch.device("cpu")) if available is None else available
+        # half of what is free: vLLM's weights, activations and its other processes take the rest
+        budget = min(CPU_AUTO_KV_CAP, free * config.cache.memory_utilization / 2)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(budget // 2**30))))
     ranks = config.parallel.tp * config.parallel.pp
     cores = config.device.num_threads or os.cpu_count() or 1
     per_rank = max(1, cores // ranks)

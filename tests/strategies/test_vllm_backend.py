@@ -59,6 +59,22 @@ def test_recipe_sections_map_to_vllm_engine_args(monkeypatch):
         == "9"                                                               # the user's wins
 
 
+def test_auto_kv_on_cpu_gives_vllm_our_engines_budget_not_92_percent_of_the_host():
+    """vLLM 0.32's CPU default reserves 92% of the host's memory and will not start where less is
+    free; with memory.kv_cache_memory auto the worker gets our CPU auto (at most 4 GiB) inside
+    what is free."""
+    config = _recipe().engine_config()
+    assert config.cache.kv_cache_memory is None
+    gib = 2**30
+    space = lambda free: engine_env(config, environ={}, available=free)["VLLM_CPU_KVCACHE_SPACE"]
+    assert space(100 * gib) == "4"
+    assert space(5 * gib) == "2"                   # 5 GiB x 0.9 / 2, whole GiB
+    assert space(gib) == "1"                       # never 0: vLLM reads 0 as its own default
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env(config, environ={}, device="cuda")
+    assert engine_env(config, environ={"VLLM_CPU_KVCACHE_SPACE": "9"},
+                      available=100 * gib)["VLLM_CPU_KVCACHE_SPACE"] == "9"
+
+
 def test_data_parallel_is_refused_with_the_way_to_do_it():
     recipe = _recipe(parallel={"dp": 2})
     with pytest.raises(ConfigError, match="parallel.dp is 2.*--shard"):
@@ -143,7 +159,8 @@ def test_a_job_through_vllm_matches_our_engine(tmp_path):
     results = {}
     for name, strategy in (("ours", {"name": "baseline"}),
                            ("vllm", {"name": "vllm", "python": VLLM_PYTHON})):
-        recipe = Recipe(model={"max_model_len": 2048}, strategy=strategy,
+        # fp32 on every host (auto is bf16 where the CPU has it: logprobs then differ by ~0.05)
+        recipe = Recipe(model={"max_model_len": 2048, "dtype": "float32"}, strategy=strategy,
                         sampling={"temperature": 0.0, "max_tokens": 12, "logprobs": 2},
                         memory={"kv_cache_memory": "1GiB"}, report={"plots": False})
         outcome = run_job(JobSpec(recipe=recipe, input_path=tmp_path / "in.jsonl",
