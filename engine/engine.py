@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .errors import RequestError
 from .executor import Executor, StepResult
 from .output import OutputProcessor
+from .prompt_logprobs import add_scores, prompt_slices
 from .admission import check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
@@ -60,6 +61,7 @@ class Engine:
         self._counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                           "computed_prefill_tokens": 0}
         self._expert_load: Optional[dict[int, list[int]]] = None  # layer -> [expert], summed
+        self._prompt_scoring = 0    # unfinished requests that ask for prompt_logprobs
         # async scheduling (steps_ahead.py), where the build chose an executor that launches ahead
         self._ahead = None
         if self.info.get("async_scheduling"):
@@ -108,6 +110,8 @@ class Engine:
         self._seqs[request.request_id] = seq
         if self._ahead is not None and request.sampling.uses_penalties:
             self._ahead.penalised += 1
+        if request.sampling.prompt_logprobs is not None:
+            self._prompt_scoring += 1
         if len(self.replicas) == 1 or replica is not None:
             self.replicas[replica or 0].scheduler.add(seq)
         else:
@@ -159,6 +163,8 @@ class Engine:
             while rep.executor.num_in_flight and rep.executor.ready():
                 batch, result = rep.executor.collect()
                 t_start, shape = self._submitted.pop(id(batch))
+                if result.prompt_logprobs:
+                    add_scores(batch, result.prompt_logprobs)
                 if self._ahead is not None:
                     done, batch = self._ahead.settle(batch, result)
                     finished.extend(done)
@@ -186,6 +192,8 @@ class Engine:
             if not batches:
                 return
             for batch in batches:
+                if self._prompt_scoring:
+                    batch.prompt_scores = prompt_slices(batch)
                 decode = batch.num_decode_tokens
                 for item in batch.items:
                     item.seq.in_flight = True
@@ -235,6 +243,9 @@ class Engine:
         if self._ahead is not None and seq.request.sampling.uses_penalties and \
                 self._seqs.get(seq.request_id) is seq:
             self._ahead.penalised -= 1
+        if seq.request.sampling.prompt_logprobs is not None and \
+                self._seqs.get(seq.request_id) is seq:
+            self._prompt_scoring -= 1
         self._seqs.pop(seq.request_id, None)
         for rep in self.replicas:
             rep.executor.release(seq.request_id)

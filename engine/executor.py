@@ -23,6 +23,7 @@ from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager
 from .kv_swap import SwapArea
 from .model.causal_lm import CausalLM
+from .prompt_logprobs import score_slices
 from .sampler import Sampler
 from .scheduler import MicroBatch
 from .step_plan import model_inputs, plan_batch
@@ -40,6 +41,8 @@ class StepResult:
     # tokens routed to each expert in each sparse layer the step ran ([layer][expert]; None:
     # a dense model); with PP on worker processes, the last stage's layers
     expert_load: Optional[dict[int, list[int]]] = None   # decoder layer -> tokens per expert
+    # batch item -> its scored prompt positions (prompt_logprobs.score_slices); None: none
+    prompt_logprobs: Optional[dict[int, dict]] = None
 
 
 class Executor:
@@ -182,6 +185,8 @@ class InProcessExecutor(Executor):
         tokens: list[Optional[int]] = [None] * len(batch.items)
         logprobs: list[Optional[dict]] = [None] * len(batch.items)
         t1 = time.perf_counter()
+        prompt_logprobs = (score_slices(self.model, hidden, residual, plan.prompt_scores)
+                           if plan.prompt_scores else None)
         if plan.sample_items:
             seqs = [batch.items[i].seq for i in plan.sample_items]
             sampled, row_logprobs = sample_tokens(self.model, self.sampler, hidden, residual,
@@ -190,7 +195,8 @@ class InProcessExecutor(Executor):
                 tokens[index], logprobs[index] = token, logprob
         t2 = time.perf_counter()
         return StepResult(tokens, logprobs, forward_s=t1 - t0, sample_s=t2 - t1,
-                          expert_load=self.model.take_expert_load())
+                          expert_load=self.model.take_expert_load(),
+                          prompt_logprobs=prompt_logprobs)
 
 
 def _row_logprobs(info: dict, row: int, top_n: int) -> dict:

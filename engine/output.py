@@ -81,6 +81,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=self._logprobs(seq) if params.logprobs is not None else None,
+            prompt_logprobs=(prompt_logprob_entries(self.tokenizer, seq)
+                             if params.prompt_logprobs is not None else None),
             num_preemptions=seq.num_preemptions,
             payload=seq.request.payload,
             arrival_time=seq.arrival_time,
@@ -101,3 +103,19 @@ def logprob_entry(tokenizer, token_id: int, logprob: float, top) -> dict:
                 "bytes": list(tokenizer.token_bytes(t)), "logprob": lp}
 
     return {**token(token_id, logprob), "top_logprobs": [token(t, lp) for t, lp in top]}
+
+
+def prompt_logprob_entries(tokenizer, seq: Sequence) -> list[Optional[dict]]:
+    """The prompt's entries as vLLM's RequestOutput.prompt_logprobs lists them: None for the
+    first token (nothing predicts it), then each token's logprob_entry with its rank (1: the
+    most likely token at its position)."""
+    prompt = seq.request.prompt_token_ids
+    return [None] + [prompt_entry(tokenizer, token, logprob, rank, top)
+                     for token, (logprob, rank, top) in zip(prompt[1:], seq.prompt_logprobs)]
+
+
+def prompt_entry(tokenizer, token_id: int, logprob: float, rank: int, top) -> dict:
+    """One prompt token's record: logprob_entry's, with the token's rank before top_logprobs."""
+    entry = logprob_entry(tokenizer, token_id, logprob, top)
+    top_logprobs = entry.pop("top_logprobs")
+    return {**entry, "rank": rank, "top_logprobs": top_logprobs}

@@ -21,7 +21,7 @@ from .strict_numbers import NumbersNotBooleans
 # SamplingParams does) runs; any other value is refused by name, never silently left undone
 VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
     "bad_words": (None, []),
-    "prompt_logprobs": (None,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
+    "spaces_between_special_tokens": (True,), "detokenize": (True,),
 }
 
 
@@ -70,6 +70,9 @@ class SamplingParams(NumbersNotBooleans):
     max_tokens: Optional[int] = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # each prompt token's log-probability, rank and the top N at its position (vLLM's
+    # prompt_logprobs, 0..20 as its default max_logprobs): engine/prompt_logprobs.py
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
     # added to the logits of these token ids before penalties and sampling (vLLM's logit_bias:
     # JSON writes the ids as strings); < vocab size: token_ids_problem
@@ -229,6 +232,8 @@ class Sequence:
     stop_reason: Union[int, str, None] = None
     num_preemptions: int = 0
     output_logprobs: list[dict] = field(default_factory=list)
+    # (logprob, rank, top) of each prompt token after the first scored so far (prompt_logprobs)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
     text: str = ""
     # timeline (seconds, engine clock)
     arrival_time: float = 0.0
@@ -283,6 +288,7 @@ class RequestOutput:
     finish_reason: FinishReason
     stop_reason: Union[int, str, None] = None
     logprobs: Optional[list[dict]] = None
+    prompt_logprobs: Optional[list[Optional[dict]]] = None   # None first: nothing predicts it
     num_preemptions: int = 0
     payload: Any = None
     error: Optional[str] = None

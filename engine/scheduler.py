@@ -49,6 +49,9 @@ class ScheduledSeq:
 class MicroBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     phase: str = "mixed"     # prefill | decode | mixed
+    # prompt positions to score (prompt_logprobs.PromptSlice), set by the engine before the
+    # batch runs; None when no item asks
+    prompt_scores: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:
@@ -317,10 +320,12 @@ class BatchingScheduler(Scheduler):
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Prefix caching: the head of the queue, holding no KV yet, starts from the cached
-        blocks of its tokens (given back by _admit if it cannot start now)."""
+        blocks of its tokens (given back by _admit if it cannot start now). A request that
+        scores its prompt (prompt_logprobs) computes every position, as vLLM's
+        skip_reading_prefix_cache."""
         bm = self.block_manager
         if bm.prefix is not None and seq.num_computed_tokens == 0 and \
-                not bm.block_table(seq.request_id):
+                not bm.block_table(seq.request_id) and seq.request.sampling.prompt_logprobs is None:
             seq.num_computed_tokens = bm.match_prefix(seq.request_id, seq.token_ids())
 
     def _waits_for_prefix(self, seq: Sequence) -> bool:
@@ -329,6 +334,7 @@ class BatchingScheduler(Scheduler):
         cache), not once per sequence admitted beside the first."""
         bm = self.block_manager
         if bm.prefix is None or not self.wait_for_shared_prefix or \
+                seq.request.sampling.prompt_logprobs is not None or \
                 not bm.computing_elsewhere(seq.request_id, seq.token_ids()):
             return False
         if seq.num_computed_tokens:           # its matched blocks go back to the cache

@@ -43,6 +43,8 @@ class StepPlan:
     # on the way to a worker: the tables as changes to what it holds (runtime/plan_deltas.py;
     # block_tables and group_tables are empty until the worker's cache fills them)
     table_deltas: Optional[object] = None
+    # prompt positions the rank with the LM head scores (prompt_logprobs.py); None: none
+    prompt_scores: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +91,8 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
             output_lens.append(len(seq.output_token_ids))
     swaps = block_manager.swap.take_ops() if block_manager.swap is not None else []
     return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens,
-                    pending=pending, group_tables=groups, kv_swaps=swaps)
+                    pending=pending, group_tables=groups, kv_swaps=swaps,
+                    prompt_scores=batch.prompt_scores)
 
 
 def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:

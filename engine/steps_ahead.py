@@ -25,6 +25,7 @@ import torch
 
 from .executor import InProcessExecutor, StepResult, _row_logprobs
 from .host_to_device import to_device
+from .prompt_logprobs import score_slices
 from .request import PENDING_TOKEN, RequestOutput, Sequence, SequenceStatus
 from .scheduler import MicroBatch
 from .step_plan import StepPlan, model_inputs, plan_batch
@@ -42,6 +43,8 @@ class _Launched:
     # a mixture of experts: (sparse layers, their tokens per expert copied to the host; read
     # when collected)
     expert_load: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
+    # scored prompt positions (prompt_logprobs.py: a request that asks waits for them here)
+    prompt_logprobs: Optional[dict] = None
 
 
 class AsyncInProcessExecutor(InProcessExecutor):
@@ -90,7 +93,8 @@ class AsyncInProcessExecutor(InProcessExecutor):
             expert_load = dict(zip(layers, counts.tolist()))
         return step.batch, StepResult(tokens, logprobs, forward_s=step.t_launched - step.t_start,
                                       sample_s=time.perf_counter() - step.t_launched,
-                                      expert_load=expert_load)
+                                      expert_load=expert_load,
+                                      prompt_logprobs=step.prompt_logprobs)
 
     def close(self) -> None:
         self._launched.clear()
@@ -114,6 +118,8 @@ class AsyncInProcessExecutor(InProcessExecutor):
             rows = inputs.logits_rows
         sampled = info = None
         self._last_sampled = None
+        scores = (score_slices(self.model, hidden, residual, plan.prompt_scores)
+                  if plan.prompt_scores else None)
         if plan.sample_items:
             seqs = [batch.items[i].seq for i in plan.sample_items]
             logits = self.model.compute_logits(hidden[rows],
@@ -124,7 +130,7 @@ class AsyncInProcessExecutor(InProcessExecutor):
         host_ids, info, host_load, done = _to_host(sampled, info,
                                                    None if load is None else load[1])
         return _Launched(batch, plan.sample_items, host_ids, done, info, t0, time.perf_counter(),
-                         None if load is None else (load[0], host_load))
+                         None if load is None else (load[0], host_load), scores)
 
     def _substitution(self, plan: StepPlan) -> Optional[Callable[[torch.Tensor], None]]:
         """Writes the previous launch's sampled ids into this step's input ids, on the device."""

@@ -82,9 +82,21 @@ class PipelineExecutor(Executor):
         logprobs: list[Optional[dict]] = [None] * len(batch.items)
         for index, token, logprob in self._sampled_rows(plan, message):
             tokens[index], logprobs[index] = token, logprob
+        prompt_logprobs = message.get("prompt_logprobs")
+        if prompt_logprobs is None and plan.prompt_scores:
+            prompt_logprobs = self._prompt_scores_apart(mb_id)
         return batch, StepResult(tokens, logprobs, forward_s=message["forward_s"],
                                  sample_s=message["sample_s"],
-                                 expert_load=self._expert_load(mb_id, message))
+                                 expert_load=self._expert_load(mb_id, message),
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _prompt_scores_apart(self, mb_id: int) -> dict:
+        """The micro-batch's scored prompt positions, which a last stage whose result other
+        processes send (a worker extension's logits_out) sent on their own, ahead of them."""
+        apart = self.pool.prompt_scores[self.replica]
+        while mb_id not in apart:
+            self.pool.pump(self.step_timeout_s)
+        return apart.pop(mb_id)
 
     def _take_result(self, mb_id: int) -> dict:
         """The sampling rank answers in pipeline order."""

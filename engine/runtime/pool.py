@@ -92,6 +92,9 @@ class WorkerPool:
         # replica -> micro-batch -> stage -> tokens per expert of the stage's layers (a mixture
         # of experts: the stages before the last send them; the executor joins them to results)
         self.expert_loads: dict[int, dict[int, dict[int, list]]] = defaultdict(dict)
+        # replica -> micro-batch -> scored prompt positions, from a last stage that does not
+        # send the result itself (prompt_logprobs.py; the executor joins them to the result)
+        self.prompt_scores: dict[int, dict[int, dict]] = defaultdict(dict)
         # (rank, transfer ids, seconds, the thread that copied)
         self.swapped: list[tuple[int, list[int], float, str]] = []
         self.worker_stats: dict[int, dict] = {}   # rank -> its latest (cumulative) counters
@@ -209,6 +212,8 @@ class WorkerPool:
                 self._add_events(msg[2])
             elif kind == "expert_load":
                 self.expert_loads[msg[1]].setdefault(msg[2], {})[msg[3]] = msg[4]
+            elif kind == "prompt_logprobs":
+                self.prompt_scores[msg[1]][msg[2]] = msg[3]
             elif kind == "swapped":
                 self.swapped.append((rank, msg[2], msg[3], msg[4]))
             elif kind == "stats":

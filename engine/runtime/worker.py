@@ -340,9 +340,12 @@ class Worker:
             self._sends.append((plan.mb_id, t1, works))
             self._reap_sends()
             return
+        scores = self._score_prompts(plan, hidden, residual) if plan.prompt_scores else None
         if self.logits_out is not None:    # sampler processes send the result
             forward_s = time.time() - t0
             self._send_expert_load(plan.mb_id)
+            if scores is not None:         # ahead of the samplers' result, as expert loads
+                self.send(("prompt_logprobs", self.info.replica, plan.mb_id, scores))
             self.logits_out.publish(self.model, plan, hidden, residual, inputs.logits_rows,
                                     forward_s)
             self.event("forward", plan.mb_id, t0, tokens=plan.num_tokens, **graphed)
@@ -362,6 +365,8 @@ class Worker:
             result = {"mb_id": plan.mb_id, "tokens": tokens, "logprobs": logprobs,
                       "forward_s": forward_s, "sample_s": time.time() - t1,
                       "events": self._take_events()}
+            if scores is not None:
+                result["prompt_logprobs"] = scores
             stats = self.ext.result_stats(self)     # e.g. shared-weight counters ride along
             if stats is not None:
                 result["stats"] = stats
@@ -369,6 +374,14 @@ class Worker:
             if load is not None:
                 result["expert_load"] = load
             self.send(("result", self.info.replica, result))
+
+    def _score_prompts(self, plan, hidden, residual) -> Optional[dict]:
+        """The plan's prompt positions scored on the last stage (prompt_logprobs.py): every TP
+        rank runs the LM head (its all-gather), TP rank 0 keeps the scores."""
+        from ..prompt_logprobs import score_slices
+
+        return score_slices(self.model, hidden, residual, plan.prompt_scores,
+                            keep=self.info.tp_rank == 0)
 
     def _send_expert_load(self, mb_id: int) -> None:
         """A mixture of experts on a rank that does not send the result (a stage before the

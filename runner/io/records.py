@@ -55,6 +55,8 @@ def output_record(out: RequestOutput, payload: RequestPayload, model_id: str) ->
         record["stop_reason"] = out.stop_reason
     if out.logprobs is not None:
         record["logprobs"] = out.logprobs
+    if out.prompt_logprobs is not None:
+        record["prompt_logprobs"] = out.prompt_logprobs
     if payload.metadata is not None:
         record["metadata"] = payload.metadata
     return record
@@ -75,6 +77,10 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
         choice["text"] = out.text
         choice["logprobs"] = _completion_logprobs(out.logprobs) if out.logprobs is not None else None
     choice["finish_reason"] = _reason(out.finish_reason)
+    prompt_logprobs = (_server_prompt_logprobs(out.prompt_logprobs)
+                       if out.prompt_logprobs is not None else None)
+    if prompt_logprobs is not None and not chat:      # vLLM's server: on the choice ...
+        choice["prompt_logprobs"] = prompt_logprobs
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
         "object": "chat.completion" if chat else "text_completion",
@@ -85,6 +91,8 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
                   "completion_tokens": out.num_output_tokens,
                   "total_tokens": out.num_prompt_tokens + out.num_output_tokens},
     }
+    if prompt_logprobs is not None and chat:          # ... or the chat response's
+        body["prompt_logprobs"] = prompt_logprobs
     record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
               "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
               "error": None}
@@ -122,6 +130,26 @@ def _completion_logprobs(entries: list[dict]) -> dict:
                               **{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}}
                              for e in entries],
             "text_offset": offsets}
+
+
+def _server_prompt_logprobs(entries: list) -> list:
+    """vLLM's server form of prompt_logprobs (its `prompt_logprobs` request parameter): per
+    position None or {token id: {logprob, rank, decoded_token}}, the prompt token first, then
+    the top ones (a prompt token among them once, with its place in the top as rank); -inf
+    written -9999.0, as its server clamps it."""
+    def one(logprob: float, rank: int, token: str) -> dict:
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": token}
+
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        position = {str(e["token_id"]): one(e["logprob"], e["rank"], e["token"])}
+        for rank, t in enumerate(e["top_logprobs"], 1):
+            position[str(t["token_id"])] = one(t["logprob"], rank, t["token"])
+        out.append(position)
+    return out
 
 
 def error_record(line: int, code: str, message: str, request_id: Optional[str] = None,

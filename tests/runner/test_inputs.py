@@ -508,8 +508,8 @@ def test_vllm_sampling_keys_batchinfer_does_not_implement():
               "prompt_logprobs": None, "spaces_between_special_tokens": True, "detokenize": True}
     spec = parse_plain_or_chat(stated, 1, DEFAULTS)
     assert isinstance(spec, RequestSpec) and spec.sampling == DEFAULTS
-    for key, value in [("bad_words", ["Paris"]), ("prompt_logprobs", 2),
-                       ("spaces_between_special_tokens", False), ("detokenize", False)]:
+    for key, value in [("bad_words", ["Paris"]), ("spaces_between_special_tokens", False),
+                       ("detokenize", False)]:
         err = parse_plain_or_chat({"prompt": "hi", key: value}, 3, DEFAULTS)
         assert isinstance(err, InputError) and err.code == "unsupported_parameter", key
         assert err.message.startswith(f"{key} is a vLLM sampling parameter batchinfer does not "

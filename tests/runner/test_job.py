@@ -295,6 +295,49 @@ def test_logprob_tokens_are_text_and_their_bytes_rebuild_the_reply(tmp_path, tin
         == choice["message"]["content"]
 
 
+def test_prompt_logprobs_are_written_in_every_output_form(tmp_path, tiny_recipe, shared_engine):
+    """A plain line's record lists one entry per prompt token (null first, then the token's
+    logprob_entry with its rank); the OpenAI envelope carries vLLM's server form, on the chat
+    response's body and on a completion's choice, the same numbers; a line without the key
+    gets none."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = shared_engine.tokenizer.encode(prompt)
+    sampling = {"max_tokens": 2, "temperature": 0}
+    plain = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "plp", "prompt": prompt, "prompt_logprobs": 3, **sampling},
+        {"id": "none", "prompt": prompt, **sampling}])
+    run(tiny_recipe, plain, tmp_path / "plain", shared_engine)
+    records = {r["id"]: r for r in read_jsonl(tmp_path / "plain" / "outputs.jsonl")}
+    entries = records["plp"]["prompt_logprobs"]
+    assert "prompt_logprobs" not in records["none"]
+    assert entries[0] is None and [e["token_id"] for e in entries[1:]] == ids[1:]
+    assert list(entries[1]) == ["token_id", "token", "bytes", "logprob", "rank", "top_logprobs"]
+    assert all(len(e["top_logprobs"]) == 3 and e["rank"] >= 1 for e in entries[1:])
+
+    batch = write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 1,
+                  **sampling}},
+        {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": prompt, "prompt_logprobs": 3, **sampling}}])
+    run(tiny_recipe, batch, tmp_path / "openai", shared_engine)
+    bodies = {r["custom_id"]: r["response"]["body"]
+              for r in read_jsonl(tmp_path / "openai" / "outputs.jsonl")}
+    chat = bodies["chat"]["prompt_logprobs"]
+    assert chat[0] is None and len(chat) == bodies["chat"]["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in bodies["chat"]["choices"][0]
+    server = bodies["cmpl"]["choices"][0]["prompt_logprobs"]
+    assert server[0] is None and len(server) == len(entries)
+    for position, entry in zip(server[1:], entries[1:]):
+        first = next(iter(position))
+        assert first == str(entry["token_id"])
+        assert position[first]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+        assert position[first]["decoded_token"] == entry["token"]
+        top_ids = [str(t["token_id"]) for t in entry["top_logprobs"]]
+        listed = [k for k in position if k != first or k in top_ids]   # the top, ranks 1..3
+        assert sorted(listed, key=lambda k: position[k]["rank"]) == top_ids
+
+
 def test_shards_split_the_work(tmp_path, tiny_recipe, shared_engine):
     from batchinfer.runner.io.inputs import Shard
 

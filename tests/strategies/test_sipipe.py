@@ -244,6 +244,35 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
         _check_the_pool(events, info, parallel.get("pp", 1))
 
 
+@pytest.mark.slow
+def test_sipipe_prompt_logprobs_equal_the_single_process(make_engine):
+    """The last stage scores the prompt positions (the CPU samplers see only the sampled rows)
+    and sends them to the controller beside the samplers' result: the single process's scores,
+    chunked prompts beside requests that do not ask."""
+    from batchinfer.strategies.sipipe.params import SiPipeParams
+
+    model = {"max_model_len": 512}
+    params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3 if i % 2 else None)
+              for i in range(len(E2E))]
+    reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(E2E, params)
+    strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64)
+    with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}, parallel={"pp": 2},
+                     strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
+        assert eng.info["sipipe"]["cpu_sampling"]
+        outs = eng.generate(E2E, params)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
+    for got, want in zip(outs, reference):
+        if want.prompt_logprobs is None:
+            assert got.prompt_logprobs is None
+            continue
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+            assert (a["token_id"], a["rank"]) == (b["token_id"], b["rank"])
+            assert [t["token_id"] for t in a["top_logprobs"]] == \
+                [t["token_id"] for t in b["top_logprobs"]]
+
+
 def _check_the_pool(events, info, pp: int) -> None:
     """Split: every micro-batch sampled by the whole pool, shares within one column of each
     other, some micro-batch on all of them; else each micro-batch on sampler n mod p alone."""
