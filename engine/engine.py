@@ -20,7 +20,9 @@ from typing import Callable, Iterable, Optional, Union
 from .config import EngineConfig
 from .errors import RequestError
 from .executor import Executor, StepResult
+from .kv_stats import prefix_cache_stats, swap_stats
 from .output import OutputProcessor
+from .parallel_sampling import ParallelSampling
 from .prompt_logprobs import add_scores, prompt_slices
 from .admission import check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
@@ -51,6 +53,7 @@ class Engine:
         self.info = info or {}
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self._seqs: dict[str, Sequence] = {}
+        self._sampling = ParallelSampling(self)     # requests of n > 1 samples
         self._pending: deque[Sequence] = deque()   # not yet given to a replica (dp > 1)
         self._submitted: dict[int, tuple] = {}     # id(batch) -> (submit time, its shape)
         self._events: list[dict] = []
@@ -92,11 +95,12 @@ class Engine:
     def _check(self, request: Request) -> None:
         """What a request must be before the engine takes it (RequestError / TypeError)."""
         self._check_open()
-        if request.request_id in self._seqs:
-            raise RequestError("duplicate_id", f"request id {request.request_id!r} is already running")
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"request {request.request_id!r}: sampling must be a SamplingParams, "
                             f"not {type(request.sampling).__name__}")
+        taken = self._sampling.id_taken(request)
+        if taken is not None:
+            raise RequestError("duplicate_id", f"request id {taken!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
 
     @property
@@ -106,19 +110,28 @@ class Engine:
         return self.info.get("vocab_size") or self.tokenizer.vocab_size
 
     def _admit(self, request: Request, replica: Optional[int] = None) -> None:
+        if request.sampling.n > 1:
+            return self._sampling.add(request, replica)      # its samples' sequences
         seq = Sequence(request=request, arrival_time=self.now())
+        self._register(seq)
+        self._place(seq, replica)
+
+    def _register(self, seq: Sequence) -> None:
+        request = seq.request
         self._seqs[request.request_id] = seq
         if self._ahead is not None and request.sampling.uses_penalties:
             self._ahead.penalised += 1
         if request.sampling.prompt_logprobs is not None:
             self._prompt_scoring += 1
+
+    def _place(self, seq: Sequence, replica: Optional[int] = None) -> None:
         if len(self.replicas) == 1 or replica is not None:
             self.replicas[replica or 0].scheduler.add(seq)
         else:
             self._pending.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or any(
+        return bool(self._pending) or self._sampling.holding or any(
             rep.scheduler.has_unfinished() or rep.executor.num_in_flight for rep in self.replicas)
 
     @property
@@ -127,8 +140,8 @@ class Engine:
 
     def progress(self) -> dict[str, int]:
         """Output tokens generated so far by each unfinished request (the online length
-        predictor's lower bounds on the replies still decoding)."""
-        return {rid: len(seq.output_token_ids) for rid, seq in self._seqs.items()}
+        predictor's lower bounds on the replies still decoding; of n samples, the longest)."""
+        return self._sampling.progress(self._seqs)
 
     def now(self) -> float:
         return self._clock() - self._clock0
@@ -138,6 +151,7 @@ class Engine:
         """Keeps every replica's pipeline full, then applies whatever micro-batches finished
         (at least one, unless there is nothing to run); returns the requests that finished."""
         self._check_open()
+        self._sampling.release_ready()
         self._feed()
         for rep in self.replicas:
             self._fill(rep)
@@ -236,10 +250,11 @@ class Engine:
             if self.outputs.append(seq, token, logprob):
                 seq.finish_time = now
                 seq.status = SequenceStatus.FINISHED
-                done.append(self._finish(seq))
+                self._finish(seq, done)
         return done
 
-    def _finish(self, seq: Sequence) -> RequestOutput:
+    def _finish(self, seq: Sequence, into: list[RequestOutput]) -> None:
+        """`seq` ended: its request's result goes `into` (of n samples, once all ended)."""
         if self._ahead is not None and seq.request.sampling.uses_penalties and \
                 self._seqs.get(seq.request_id) is seq:
             self._ahead.penalised -= 1
@@ -249,8 +264,10 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         for rep in self.replicas:
             rep.executor.release(seq.request_id)
-        self._counters["prompt_tokens"] += seq.prompt_len
-        return self.outputs.result(seq)
+        out = self._sampling.finished(seq, self.outputs.result(seq))
+        if out is not None:
+            self._counters["prompt_tokens"] += seq.prompt_len
+            into.append(out)
 
     def abort_all(self) -> list[RequestOutput]:
         """Drops everything: in-flight micro-batches are waited for and their results discarded."""
@@ -266,12 +283,13 @@ class Engine:
                 for item in batch.items:
                     item.seq.in_flight = False
             seqs.extend(rep.scheduler.abort_all())
-        outs = []
+        seqs.extend(self._sampling.take_held())
+        outs: list[RequestOutput] = []
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
             seq.finish_time = self.now()
-            outs.append(self._finish(seq))
+            self._finish(seq, outs)
         return outs
 
     def close(self) -> None:
@@ -442,8 +460,8 @@ class Engine:
             **self._counters,
             **({"pipeline": pipeline} if pipeline else {}),
             **({"strategy_stats": strategy_stats} if strategy_stats else {}),
-            **_prefix_cache_stats(managers),
-            **_swap_stats(managers),
+            **prefix_cache_stats(managers),
+            **swap_stats(managers),
             **({"expert_load": self.expert_load()} if self._expert_load is not None else {}),
             "num_preemptions": sum(rep.scheduler.num_preemptions for rep in self.replicas),
             "kv_capacity_tokens": capacity,
@@ -452,14 +470,6 @@ class Engine:
             "max_concurrency": sum(bm.max_concurrency(self.max_model_len) for bm in managers),
             **{k: v for k, v in self.info.items() if k not in ("vocab_size",)},
         }
-
-
-def _swap_stats(managers) -> dict:
-    """The swap areas' totals over the replicas (memory.preemption_mode: swap)."""
-    areas = [bm.swap.summary() for bm in managers if bm.swap is not None]
-    if not areas:
-        return {}
-    return {"kv_swap": {key: sum(area[key] for area in areas) for key in areas[0]}}
 
 
 def release_outside_windows(block_manager, batch: MicroBatch) -> None:
@@ -475,17 +485,6 @@ def release_outside_windows(block_manager, batch: MicroBatch) -> None:
         seq = item.seq
         if not seq.is_finished:
             block_manager.release_outside_window(seq.request_id, seq.num_computed_tokens)
-
-
-def _prefix_cache_stats(managers: list) -> dict:
-    """Tokens of admitted sequences and how many of them came from the prefix cache."""
-    caching = [bm for bm in managers if bm.prefix is not None]
-    if not caching:
-        return {}
-    queried = sum(bm.prefix_queried_tokens for bm in caching)
-    hit = sum(bm.prefix_hit_tokens for bm in caching)
-    return {"prefix_cache": {"queried_tokens": queried, "hit_tokens": hit,
-                             "hit_rate": round(hit / queried, 4) if queried else None}}
 
 
 def _run_actions(rep: Replica) -> None:

@@ -25,6 +25,10 @@ VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 
 
+# the most samples one request may ask for (SamplingParams.n), vLLM's VLLM_MAX_N_SEQUENCES
+MAX_SAMPLES = 16384
+
+
 # the sampling keys that name token ids (a dict's keys for logit_bias), checked against the
 # model's vocabulary (SamplingParams.token_ids_problem), in the order they are reported
 TOKEN_ID_KEYS = ("stop_token_ids", "logit_bias", "allowed_token_ids")
@@ -54,7 +58,7 @@ class SamplingParams(NumbersNotBooleans):
     # a puzzling "greater than or equal to 0 (got NaN)"); every float must be finite
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    n: int = 1                                          # only 1: _one_reply
+    n: int = 1              # samples of the reply (1..MAX_SAMPLES): engine/parallel_sampling.py
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -93,10 +97,10 @@ class SamplingParams(NumbersNotBooleans):
 
     @field_validator("n")
     @classmethod
-    def _one_reply(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only 1 is supported (one reply per request): for n samples of a "
-                             "prompt, send it n times, each with its own id and seed")
+    def _samples(cls, v: int) -> int:
+        if not 1 <= v <= MAX_SAMPLES:
+            raise ValueError(f"the number of samples of the reply must be 1..{MAX_SAMPLES} "
+                             "(vLLM's limit, VLLM_MAX_N_SEQUENCES)")
         return v
 
     @field_validator("seed")

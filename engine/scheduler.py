@@ -80,9 +80,17 @@ class Scheduler:
 
     block_manager: BlockManager
     num_preemptions: int = 0
+    # parallel sampling (engine/parallel_sampling.py): a request's other samples may start from
+    # its first sample's prompt blocks (False: a scheduler that moves KV between layouts)
+    forks_prompt_blocks = True
 
     def add(self, seq: Sequence) -> None:
         raise NotImplementedError
+
+    def add_next(self, seq: Sequence) -> None:
+        """A sequence that goes to the head of the queue: another sample of a request whose
+        first sample runs (parallel sampling), holding that prompt's blocks. Default: add."""
+        self.add(seq)
 
     def schedule(self) -> list[MicroBatch]:
         raise NotImplementedError
@@ -174,6 +182,10 @@ class BatchingScheduler(Scheduler):
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_next(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -246,7 +246,7 @@ class StepsAhead:
             if engine.outputs.append(seq, token, logprob):
                 seq.finish_time = now
                 seq.status = SequenceStatus.FINISHED
-                done.append(engine._finish(seq))
+                engine._finish(seq, done)
             else:
                 seq.output_token_ids.extend(later)
         return done, live

@@ -23,9 +23,13 @@ class VirtualEngines(Scheduler):
         self._next = 0
 
     def add(self, seq: Sequence) -> None:
-        index = min(range(len(self.engines)),
-                    key=lambda i: self.engines[i].num_waiting + self.engines[i].num_running)
-        self.engines[index].add(seq)
+        self._least_loaded().add(seq)
+
+    def add_next(self, seq: Sequence) -> None:
+        self._least_loaded().add_next(seq)     # one block manager: any engine can fork
+
+    def _least_loaded(self) -> BatchingScheduler:
+        return min(self.engines, key=lambda e: e.num_waiting + e.num_running)
 
     def schedule(self) -> list[MicroBatch]:
         n = len(self.engines)

@@ -44,6 +44,10 @@ class SeesawScheduler(BatchingScheduler):
     """The queue (`waiting`, `add`, the token counts) is the baseline's; `running` holds only the
     sequences whose KV is on the device and that decode."""
 
+    # a device block's KV is laid out for the phase that wrote it (prefill's PP, decode's TP):
+    # another sample of a request computes its own prompt instead of sharing its first's blocks
+    forks_prompt_blocks = False
+
     def __init__(self, device: BlockManager, store: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, prefill_depth: int = 1,
                  decode_depth: int = 1, policy: str = "transition_minimizing"):

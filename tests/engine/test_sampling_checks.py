@@ -72,5 +72,5 @@ def test_vllm_keys_batchinfer_does_not_implement_are_named_not_ignored():
     with pytest.raises(ValidationError) as exc:
         SamplingParams(temperature=0, bad_words=["Paris"])
     assert "bad_words is a vLLM sampling parameter batchinfer does not implement" in str(exc.value)
-    with pytest.raises(ValidationError, match="only 1 is supported"):
-        SamplingParams(n=2)
+    with pytest.raises(ValidationError, match="must be 1..16384"):
+        SamplingParams(n=0)

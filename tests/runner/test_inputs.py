@@ -227,7 +227,7 @@ def test_openai_lines_that_state_a_default_run():
     (_openai(stream=True), "unsupported_parameter"),
     (_openai(temperatur=1), "unknown_key"),
     (_openai(temperature=-2), "invalid_sampling"),
-    (_openai(n=2), "invalid_sampling"),
+    (_openai(n=0), "invalid_sampling"),
     ({**_openai(), "body": "x"}, "invalid_body"),
     (_openai("/v1/completions", prompt=["a", "b"]), "invalid_type"),
     ({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": {}}, "missing_prompt"),
@@ -534,10 +534,26 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampling():
     assert err.code == "invalid_sampling" and err.message.startswith("body.allowed_token_ids")
 
 
-def test_n_above_one_says_how_to_get_several_samples():
-    err = parse_openai(_openai(n=3), 1, DEFAULTS)
-    assert err.code == "invalid_sampling"
-    assert "only 1 is supported" in err.message and "send it n times" in err.message
+def test_n_samples_from_every_place_a_line_can_set_it():
+    """n (samples of the reply, vLLM's parallel sampling) from a plain line, a chat line, an
+    OpenAI body of either URL and the recipe's defaults; 0, a fraction, true or past vLLM's
+    limit is the line's invalid_sampling naming the key as the line wrote it."""
+    assert parse_plain_or_chat({"prompt": "hi", "n": 4}, 1, DEFAULTS).sampling.n == 4
+    chat = parse_plain_or_chat({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 1,
+                               DEFAULTS)
+    assert chat.sampling.n == 2 and "n" in chat.sampling_keys
+    assert parse_openai(_openai(n=3), 1, DEFAULTS).sampling.n == 3
+    assert parse_openai(_openai("/v1/completions", prompt="hi", n=5), 1, DEFAULTS).sampling.n == 5
+    assert parse_openai(_openai(n=None), 1, DEFAULTS).sampling.n == 1      # null: the default
+    assert parse_plain_or_chat({"prompt": "hi"}, 1, SamplingParams(n=6)).sampling.n == 6
+    for value, said in [(0, "must be 1..16384"), (16385, "must be 1..16384"),
+                        (1.5, "valid integer"), (True, "a number is needed, not true")]:
+        err = parse_openai(_openai(n=value), 7, DEFAULTS)
+        assert isinstance(err, InputError) and err.code == "invalid_sampling", value
+        assert err.message.startswith("body.n: ") and said in err.message, err.message
+    err = parse_plain_or_chat({"prompt": "hi", "n": 0}, 2, DEFAULTS)
+    assert err.message == ("n: the number of samples of the reply must be 1..16384 (vLLM's "
+                           "limit, VLLM_MAX_N_SEQUENCES) (got 0)")
 
 
 def test_unknown_key_messages_do_not_list_vllm_keys_batchinfer_does_not_implement():
