@@ -27,6 +27,7 @@ from .model.int8_linear import resolve_quantization
 from .model.loader import build_model, load_arch
 from .model.sources import model_id_for, resolve_model_dir
 from .sampler import Sampler
+from .structured_output import tokenizer_source
 from .tokenizer import Tokenizer, load_tokenizer, warn_if_past_vocabulary
 
 log = logging.getLogger("batchinfer")
@@ -350,7 +351,8 @@ def _build_single_process(config: EngineConfig) -> Engine:
     sched_cfg = config.scheduler
     scheduler = config.make_scheduler(block_manager, max_model_len)
     sampler = Sampler(arch.vocab_size, tokenizer.eos_token_ids, device, seed=config.model.seed,
-                      native_kernels=backend.name == "native")
+                      native_kernels=backend.name == "native",
+                      tokenizer_source=tokenizer_source(tokenizer))
     graphs = None
     if device.type == "cuda" and use_cuda_graphs(config.device.cuda_graphs, backend.name, arch):
         graphs = DecodeGraphs(model, kv_caches, block_manager, device, sched_cfg.max_num_seqs,

@@ -27,6 +27,7 @@ from .prompt_logprobs import add_scores, prompt_slices
 from .admission import check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
+from .structured_output import check_grammar
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Engine:
         if taken is not None:
             raise RequestError("duplicate_id", f"request id {taken!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
+        if request.sampling.structured_outputs is not None:     # compiled once per spec
+            check_grammar(request, self.tokenizer, self.vocab_size)
 
     @property
     def vocab_size(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from pydantic import ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from .strict_numbers import NumbersNotBooleans
+from .structured_params import StructuredOutputsParams
 
 
 # vLLM SamplingParams keys batchinfer does not implement, each with the values that ask for
@@ -83,6 +84,9 @@ class SamplingParams(NumbersNotBooleans):
     logit_bias: Optional[dict[NonNegativeInt, float]] = None
     # only these token ids can be sampled (vLLM's allowed_token_ids); < vocab size
     allowed_token_ids: Optional[list[NonNegativeInt]] = None
+    # the reply held to a JSON schema, regex, choice or grammar (vLLM's structured_outputs,
+    # xgrammar): engine/structured_params.py, engine/structured_output.py
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """Batched sampling with vLLM's SamplingParams semantics.
 
-Order per step, as vLLM V1: raw logprobs (if asked) -> min_tokens masking of stop tokens ->
+Order per step, as vLLM V1: the structured_outputs grammars' mask (structured_output.py) -> raw
+logprobs (if asked) -> min_tokens masking of stop tokens ->
 repetition / frequency / presence penalties -> greedy argmax for temperature-0 rows; for the rest
 temperature -> min_p -> top_k -> top_p -> one draw from the filtered distribution.
 
@@ -20,6 +21,7 @@ import torch
 
 from .host_to_device import packed_to_device
 from .request import Sequence
+from .structured_output import GrammarStep, StructuredOutputs
 from .token_constraints import CONSTRAINT_DTYPES, TokenConstraints
 from .token_history import TokenHistory
 
@@ -67,11 +69,13 @@ class SamplingBatch:
     top_k_max: Optional[int] = None      # the largest k over rows (vocab where off), from the host
     min_tokens_index: Optional[tuple] = None  # (rows, token ids) tensors to mask, one index_put
     constraints: Optional[TokenConstraints] = None  # allowed_token_ids, logit_bias
+    grammar: Optional[GrammarStep] = None  # structured_outputs rows (structured_output.py)
 
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 seed: int = 0, native_kernels: bool = False):
+                 seed: int = 0, native_kernels: bool = False,
+                 tokenizer_source: Optional[str] = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
@@ -79,10 +83,13 @@ class Sampler:
         self._rng = random.Random(seed)
         self._seeds: dict[str, int] = {}
         self._history = TokenHistory()
+        # tokenizer_source: the tokenizer's directory, for structured_outputs' grammars
+        self.grammars = StructuredOutputs(tokenizer_source, vocab_size, eos_token_ids)
 
     def release(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
         self._history.release(request_id)
+        self.grammars.release(request_id)
 
     def _seed_of(self, seq: Sequence) -> int:
         seed = seq.request.sampling.seed
@@ -150,6 +157,7 @@ class Sampler:
                            for p in params), default=vocab),
             min_tokens_index=min_index,
             constraints=TokenConstraints.of(params, self._tensors),
+            grammar=self.grammars.prepare(seqs),
         )
 
     def _tensors(self, columns: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -159,6 +167,8 @@ class Sampler:
     # --- the step -------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] float32 -> (token ids [B] long, logprob info or None)."""
+        if batch.grammar is not None:          # first: vLLM's logprobs are of the masked logits
+            logits = batch.grammar.apply(logits)
         logprob_info = raw_logprobs(logits, batch.max_logprobs - 1) if batch.max_logprobs > 0 else None
         if (batch.min_tokens_rows is not None or batch.penalty_rows is not None
                 or batch.constraints is not None):
@@ -186,6 +196,8 @@ class Sampler:
                                                       batch.top_p, batch.min_p, batch.uniform)
         else:
             tokens = sample_torch(logits, batch)
+        if batch.grammar is not None:
+            batch.grammar.accept(tokens)
         if logprob_info is not None:
             logprob_info = attach_sampled(logprob_info, tokens)
         return tokens, logprob_info

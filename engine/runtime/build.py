@@ -26,6 +26,7 @@ from ..kv_swap import attach_swap_space, swap_blocks_for
 from ..model.fast_linear import linear_kernel_label
 from ..model.int8_linear import LinearQuantization, resolve_quantization
 from ..model.sources import model_id_for
+from ..structured_output import tokenizer_source
 from .executor import PipelineExecutor
 from .layout import ParallelLayout, check_gpu_count, ranks_per_device, threads_per_rank
 from .pool import WorkerPool, start_fork_server
@@ -225,6 +226,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         block_size=config.cache.block_size, threads=threads,
         bind_threads=config.device.bind_threads, attention_backend=setup.backend_name,
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
+        tokenizer_source=tokenizer_source(setup.tokenizer),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
         quantization=setup.quantization, triton_experts=setup.triton_experts,
         swap_blocks=replica_swap_blocks(config, layout, setup),

@@ -71,6 +71,7 @@ class WorkerSpec:
     staged_transport: bool = False  # parallel.gpu_transport: host (transport.py; on a CPU
                                     # device, tests only: every tensor through a host copy)
     decode_graphs: Optional[object] = None  # worker_graphs.WorkerGraphSpec: two graphs per size
+    tokenizer_source: Optional[str] = None  # the tokenizer's directory (structured_outputs)
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -230,7 +231,8 @@ class Worker:
         ready_extra["decode_graphs"] = self.graphs is not None
         layers = self.model.partition.layer_end - self.model.partition.layer_start
         self.sampler = (Sampler(spec.vocab_size, spec.eos_token_ids, self.device, seed=spec.seed,
-                                native_kernels=self.backend.name == "native")
+                                native_kernels=self.backend.name == "native",
+                                tokenizer_source=spec.tokenizer_source)
                         if self.samples else None)   # one rank keeps sampling across layouts
         self.mirror: dict = {}   # request id -> Sequence (prompt, params, tokens sampled here)
         self.send(("ready", spec.rank, {"pid": os.getpid(), "layers": layers,

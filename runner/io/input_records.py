@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ..recipe_errors import dotted, quoted_with_hints
 from .chat_options import CHAT_OPTION_KEYS, chat_options, misplaced_chat_options
+from .structured_outputs import merge_response_format, removed_guided_key
 from batchinfer.engine.request import (SAMPLING_KEYS, VLLM_KEYS_NOT_IMPLEMENTED, SamplingParams,
                                        not_implemented_problem)
 
@@ -26,14 +27,13 @@ OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # OpenAI body keys accepted without effect on generation
 OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                   "parallel_tool_calls"}
-OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_format",
-                      "best_of", "echo", "suffix", "audio", "modalities",
-                      "prediction", "reasoning_effort", "web_search_options"}
+OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "best_of", "echo",
+                      "suffix", "audio", "modalities", "prediction", "reasoning_effort",
+                      "web_search_options"}
 # what each of those means when a batch file states it: the default, so the line runs (SDKs and
 # scripts write them out); any other value asks for what batchinfer does not do
 OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
-                          "function_call": "none", "response_format": {"type": "text"},
-                          "best_of": 1, "echo": False, "suffix": "",
+                          "function_call": "none", "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
 RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
 _PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | CHAT_OPTION_KEYS)
@@ -239,6 +239,8 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
     if "prompt_token_ids" in record:     # the did-you-mean would offer stop_token_ids
         return err("unknown_key", "unknown key 'prompt_token_ids' (vLLM's TokensPrompt): give "
                    "the token ids as 'prompt', an array ([1, 2, 3])")
+    if not _PLAIN_KEYS.issuperset(record) and (problem := removed_guided_key(record, "")):
+        return err("unsupported_parameter", problem)
     unknown = None if _PLAIN_KEYS.issuperset(record) else _unknown_keys(
         set(record) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), _PLAIN_KEYS, "")
     if unknown:
@@ -348,7 +350,10 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     if body.get("stream"):
         return err("unsupported_parameter", "body.stream: streaming does not apply to batch jobs")
     allowed = {input_key, "stream", "max_tokens", "max_completion_tokens", "logprobs",
-               "top_logprobs", "n"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | _OPENAI_SAMPLING
+               "top_logprobs", "n", "response_format"} | OPENAI_IGNORED | OPENAI_UNSUPPORTED | \
+        _OPENAI_SAMPLING
+    if problem := removed_guided_key(body, "body."):
+        return err("unsupported_parameter", problem)
     if chat:                # vLLM's server takes its chat options in the body
         allowed |= CHAT_OPTION_KEYS
     unknown = _unknown_keys(set(body) - VLLM_KEYS_NOT_IMPLEMENTED.keys(), allowed, "body.")
@@ -427,7 +432,8 @@ def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict
         if isinstance(body["logprobs"], bool) or not isinstance(body["logprobs"], int):
             return {}, "body.logprobs must be an integer for /v1/completions", written
         overrides["logprobs"] = body["logprobs"]
-    return overrides, None, written
+    problem = merge_response_format(overrides, body, written)   # structured_outputs
+    return ({}, problem, written) if problem else (overrides, None, written)
 
 
 def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_field: str,

@@ -108,10 +108,15 @@ def _token_bytes(entry: dict) -> list[int]:
     return list(raw) if raw is not None else list(entry["token"].encode("utf-8", "replace"))
 
 
+def _server(logprob: float) -> float:
+    """-inf (a token a structured output's grammar refuses) as vLLM's server writes it."""
+    return max(logprob, -9999.0)
+
+
 def _chat_logprobs(entries: list[dict]) -> dict:
     return {"content": [{
-        "token": e["token"], "logprob": e["logprob"], "bytes": _token_bytes(e),
-        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
+        "token": e["token"], "logprob": _server(e["logprob"]), "bytes": _token_bytes(e),
+        "top_logprobs": [{"token": t["token"], "logprob": _server(t["logprob"]),
                           "bytes": _token_bytes(t)} for t in e.get("top_logprobs", [])],
     } for e in entries]}
 
@@ -125,9 +130,10 @@ def _completion_logprobs(entries: list[dict]) -> dict:
         offsets.append(at)
         at += len(e["token"])
     return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{e["token"]: e["logprob"],
-                              **{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}}
+            "token_logprobs": [_server(e["logprob"]) for e in entries],
+            "top_logprobs": [{e["token"]: _server(e["logprob"]),
+                              **{t["token"]: _server(t["logprob"])
+                                 for t in e.get("top_logprobs", [])}}
                              for e in entries],
             "text_offset": offsets}
 

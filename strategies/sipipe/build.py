@@ -11,6 +11,7 @@ from batchinfer.engine.runtime.build import (assemble_engine, decode_graph_spec,
                                              start_workers)
 from batchinfer.engine.runtime.executor import PipelineExecutor
 from batchinfer.engine.runtime.layout import ParallelLayout
+from batchinfer.engine.structured_output import tokenizer_source
 
 from .executor import SiPipeExecutor
 from .logits_channel import SamplerLink, allocate_slots
@@ -43,7 +44,8 @@ def _samplers(setup, layout: ParallelLayout, pool: PoolLayout, threads: int, ran
                 rank=rank, replica=replica, index=index, pool=pool, vocab_size=vocab,
                 max_model_len=setup.max_model_len,
                 eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
-                threads=threads, slots=slots, consumed=consumed, logits_conns=readers)))
+                threads=threads, slots=slots, consumed=consumed, logits_conns=readers,
+                tokenizer_source=tokenizer_source(setup.tokenizer))))
             names.append(f"sampler {index} of replica {replica}")
             ranks[replica].append(rank)
         for r in last:

@@ -14,11 +14,14 @@ same tokens from either: the compiled column kernels are bitwise equal to the ro
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from batchinfer.engine.executor import _row_logprobs
 from batchinfer.engine.sampler import SamplingBatch, attach_sampled, raw_logprobs, sample_torch
 from batchinfer.engine.sampler import uniform_draw
+from batchinfer.engine.structured_output import GrammarStep, StructuredOutputs
 from batchinfer.engine.token_constraints import CONSTRAINT_DTYPES, TokenConstraints
 
 from .columns import ColumnJoin, ColumnUpdate
@@ -31,7 +34,8 @@ def _host_tensors(columns: dict) -> dict:
 
 class ColumnSampler:
     def __init__(self, vocab_size: int, capacity: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], native_kernels: bool):
+                 eos_token_ids: tuple[int, ...], native_kernels: bool,
+                 tokenizer_source: Optional[str] = None):
         V, C = vocab_size, capacity
         self.vocab_size, self.capacity, self.max_model_len = V, C, max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -51,6 +55,9 @@ class ColumnSampler:
         self.params: list = [None] * C          # SamplingParams of each column
         self.seeds: list[int] = [0] * C
         self.request_ids: list = [None] * C
+        # structured_outputs: each constrained column's grammar follows its reply in Y (a
+        # column that joins mid-reply is replayed); tokenizer_source, the grammars' vocabulary
+        self.grammars = StructuredOutputs(tokenizer_source, V, eos_token_ids)
         self._tensors = (self.seen, self.counts, self.present, self.outputs)
         self._vectors = (self.lengths, self.temperature, self.top_k, self.top_p, self.min_p,
                          self.repetition, self.frequency, self.presence)
@@ -61,6 +68,8 @@ class ColumnSampler:
             self._move(src, dst)
         for join in update.joins:
             self._join(join)
+        if len(self.grammars):          # the grammars of sequences that left go with them
+            self.grammars.retain(set(self.request_ids[:update.width]))
 
     def _move(self, src: int, dst: int) -> None:
         for t in self._tensors:
@@ -105,6 +114,9 @@ class ColumnSampler:
         n = logits_t.shape[1]
         params = self.params[:n]
         want = [p.logprobs for p in params]
+        grammar = self._grammar(params)
+        if grammar is not None:         # first: the logprobs are the masked logits', as vLLM's
+            grammar.apply_transposed(logits_t)
         info = None
         if any(w is not None for w in want):
             info = raw_logprobs(logits_t.t(), max(w or 0 for w in want))
@@ -119,6 +131,8 @@ class ColumnSampler:
         if any(p.uses_penalties for p in params):
             self._apply_penalties(logits_t, n)
         tokens = self._draw(logits_t, params, lengths)
+        if grammar is not None:
+            grammar.accept(tokens)
         self._record(tokens, n)
         logprobs: list = [None] * n
         if info is not None:
@@ -127,6 +141,14 @@ class ColumnSampler:
                 if w is not None:
                     logprobs[col] = _row_logprobs(info, col, w)
         return tokens.tolist(), logprobs
+
+    def _grammar(self, params: list) -> Optional[GrammarStep]:
+        constrained = [c for c, p in enumerate(params) if p.structured_outputs is not None]
+        if not constrained:
+            return None
+        return self.grammars.step(len(params), [
+            (c, self.request_ids[c], params[c], self.outputs[:int(self.lengths[c]), c])
+            for c in constrained])
 
     def _apply_penalties(self, logits_t: torch.Tensor, n: int) -> None:
         """Z := penalized Z, over the whole [V, n] block against the aligned buffers."""

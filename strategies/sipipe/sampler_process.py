@@ -15,6 +15,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Optional
 
 import torch
 
@@ -36,6 +37,7 @@ class SamplerSpec:
     consumed: torch.Tensor      # shared int64 [pool.num_targets]
     logits_conns: list          # read ends, one per tensor-parallel rank of the last stage
     store_port: int = 0         # unused (samplers join no process group); set by the pool
+    tokenizer_source: Optional[str] = None   # the tokenizer's directory (structured_outputs)
 
 
 def sampler_main(spec: SamplerSpec, conn) -> None:
@@ -61,7 +63,8 @@ class SamplerProcess:
         torch.set_num_threads(spec.threads)
         native = load_native_kernels()
         self.replicas = [ColumnSampler(spec.vocab_size, spec.pool.capacity, spec.max_model_len,
-                                       spec.eos_token_ids, native_kernels=native)
+                                       spec.eos_token_ids, native_kernels=native,
+                                       tokenizer_source=spec.tokenizer_source)
                          for _ in range(spec.pool.replicas)]
         self.conn.send(("ready", spec.rank, {"pid": os.getpid(), "sampler": spec.index}))
         producers = len(spec.logits_conns)
