@@ -179,22 +179,45 @@ def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
             return f"{key}[{i}].role must be a non-empty string"
         if isinstance(content, list):  # OpenAI content parts: only text is supported
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    return f"{key}[{i}].content[{j}]: only {{type: text, text}} parts are supported"
-        elif not isinstance(content, str):
+                if _part_text(part) is _NOT_TEXT:
+                    return (f"{key}[{i}].content[{j}]: only text parts are supported ({{type: "
+                            f"text, text}}, or input_text / output_text / refusal / thinking)")
+        elif not isinstance(content, str) and not (content is None and role == "assistant"):
+            # null: an assistant turn that only called tools (OpenAI's API allows it there)
             return f"{key}[{i}].content must be a string or text parts, not {json_type_name(content)}"
     return None
 
 
+# a content part's type -> the key holding its text, as vLLM 0.32 reads text parts (the
+# Responses API's input_text / output_text, an assistant's refusal and thinking)
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+               "refusal": "refusal", "thinking": "thinking"}
+_NOT_TEXT = object()
+
+
+def _part_text(part: Any) -> Any:
+    """A content part's text; None for a text part without any (vLLM skips it with a warning);
+    _NOT_TEXT for anything else (an image, a malformed part)."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+        return _NOT_TEXT
+    text = part.get(_TEXT_PARTS[part["type"]])
+    return text if text is None or isinstance(text, str) else _NOT_TEXT
+
+
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Text content parts joined into one string, one part a line, as vLLM joins them for a chat
-    template that takes its content as a string (every text model's here but Gemma 3's)."""
+    template that takes its content as a string (every text model's here but Gemma 3's); an
+    assistant's content null (a turn that made only tool calls) is empty text, as vLLM reads it."""
     out = []
     for msg in messages:
         content = msg.get("content")
-        if isinstance(content, list):
-            content = "\n".join(part["text"] for part in content)
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            # vLLM drops empty parts too (a part's text is joined only when non-empty)
+            content = "\n".join(text for text in map(_part_text, content) if text)
         out.append({**msg, "content": content})
     return out
 

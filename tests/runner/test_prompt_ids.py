@@ -57,6 +57,29 @@ def test_text_content_parts_are_joined_one_a_line_as_vllm_joins_them(tokenizer):
     assert prompt_token_ids(parse_openai(line, 1, DEFAULTS), tokenizer) == TWO_PARTS_IDS
 
 
+def test_text_parts_of_every_kind_vllm_reads_and_null_content(tokenizer):
+    """vLLM 0.32 reads the Responses API's input_text / output_text parts, plain strings, refusal
+    and thinking parts as text, skips empty ones, and reads an assistant's content null (a turn
+    that only called tools) as empty: each was refused here. A user turn still needs content."""
+    parts = [{"type": "input_text", "text": "Name a color."}, {"type": "text", "text": ""},
+             {"type": "text", "text": None}, "One word."]
+    spec = parse_plain_or_chat({"messages": [{"role": "user", "content": parts}]}, 1, DEFAULTS)
+    assert spec.messages == [{"role": "user", "content": "Name a color.\nOne word."}]
+    assert prompt_token_ids(spec, tokenizer) == TWO_PARTS_IDS
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    spec = parse_plain_or_chat({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."},
+                                          {"type": "output_text", "text": "Sorry."}]}]}, 1, DEFAULTS)
+    assert spec.messages[1] == {"role": "assistant", "content": "", "tool_calls": calls}
+    assert spec.messages[2] == {"role": "assistant", "content": "No.\nSorry."}
+    for bad in ([{"type": "image_url", "image_url": {"url": "x"}}], [{"type": "text", "text": 3}],
+                [7], 5, None):
+        parsed = parse_plain_or_chat({"messages": [{"role": "user", "content": bad}]}, 2, DEFAULTS)
+        assert parsed.code == "invalid_messages" and "messages[0].content" in parsed.message
+
+
 def test_vllms_prompt_token_ids_key_is_pointed_to_prompt():
     """A vLLM TokensPrompt line ({"prompt_token_ids": [...]}) was told "did you mean
     'stop_token_ids'?"."""
