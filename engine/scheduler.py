@@ -241,7 +241,7 @@ class BatchingScheduler(Scheduler):
 
     def abort_all(self) -> list[Sequence]:
         seqs = list(self.running) + list(self.swapped) + list(self.waiting)
-        for seq in self.running:
+        for seq in self.running + list(self.waiting):    # waiting: a forked sample's blocks
             self.block_manager.free(seq.request_id)
         for seq in self.swapped:
             self.block_manager.swap.discard(seq.request_id)

@@ -114,7 +114,8 @@ def learn(predictor: Any, engine: Any, outputs: Iterable[Any], now: Optional[flo
 
         for out in outputs:
             if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                observe(out.request_id, out.num_output_tokens, now)
+                # of n samples the first's length (the forecast is one reply's)
+                observe(out.request_id, len(out.output_token_ids), now)
             else:
                 predictor.forget(out.request_id)
         if predictor.due():

@@ -53,9 +53,11 @@ class ResultWriter:
             self.metrics.on_error(exc.code, now)
 
     def _history_record(self, out) -> dict:
+        """A request of n samples is one record, its first sample's length: one draw of the
+        reply's length, as a request of one sample gives (and the predictors learn)."""
         payload = out.payload
         return history_record(out.request_id, payload.prompt_text, out.num_prompt_tokens,
-                              out.num_output_tokens, out.finish_reason, self.model_id,
+                              len(out.output_token_ids), out.finish_reason, self.model_id,
                               payload.max_tokens, payload.predicted_tokens,
                               prompts=self.predictor_cfg.history_prompts,
                               source=payload.metadata.get("source")

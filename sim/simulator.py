@@ -309,7 +309,7 @@ def simulate(config: EngineConfig, requests: list[SimRequest], cost: CostModel, 
         for out in engine.step():
             finished += 1
             prompt_tokens += len(out.prompt_token_ids)
-            output_tokens += len(out.output_token_ids)
+            output_tokens += out.num_output_tokens       # n samples: all of them
         engine.drain_step_events()
     elapsed = max(engine.now() - start, 1e-12)
     stats = engine.stats()

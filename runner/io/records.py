@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .input_records import InputError, RequestSpec
+from batchinfer.engine.parallel_sampling import ParallelOutput
 from batchinfer.engine.request import RequestOutput
 
 
@@ -59,7 +60,31 @@ def output_record(out: RequestOutput, payload: RequestPayload, model_id: str) ->
         record["prompt_logprobs"] = out.prompt_logprobs
     if payload.metadata is not None:
         record["metadata"] = payload.metadata
+    if isinstance(out, ParallelOutput):
+        return _with_samples(record, out)
     return record
+
+
+# a flat record's keys that describe one reply: of n samples, each sample's own in `outputs`
+_REPLY_KEYS = ("text", "finish_reason", "stop_reason", "logprobs")
+
+
+def _with_samples(record: dict, out: ParallelOutput) -> dict:
+    """The flat record of a request of n samples, after vLLM's RequestOutput: `outputs` holds
+    each sample's reply in index order (its text, token ids, finish and stop reasons, logprobs)
+    in place of the one reply's keys; completion_tokens counts every sample's tokens."""
+    samples = []
+    for index, sample in enumerate(out.samples):
+        entry: dict[str, Any] = {"index": index, "text": sample.text,
+                                 "token_ids": list(sample.output_token_ids),
+                                 "finish_reason": _reason(sample.finish_reason)}
+        if sample.stop_reason is not None:
+            entry["stop_reason"] = sample.stop_reason
+        if sample.logprobs is not None:
+            entry["logprobs"] = sample.logprobs
+        samples.append(entry)
+    return {"id": record["id"], "outputs": samples,
+            **{k: v for k, v in record.items() if k != "id" and k not in _REPLY_KEYS}}
 
 
 def _reason(reason: Any) -> str:
@@ -93,12 +118,22 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
     }
     if prompt_logprobs is not None and chat:          # ... or the chat response's
         body["prompt_logprobs"] = prompt_logprobs
+    if isinstance(out, ParallelOutput):     # n samples: a choice each, as OpenAI answers n
+        body["choices"] = [_sample_choice(sample, index, payload, model_id)
+                           for index, sample in enumerate(out.samples)]
     record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
               "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
               "error": None}
     if payload.metadata is not None:
         record["metadata"] = payload.metadata
     return record
+
+
+def _sample_choice(sample: RequestOutput, index: int, payload: RequestPayload,
+                   model_id: str) -> dict:
+    """Sample `index` of n as its choice: the one choice its own reply would have."""
+    choice = openai_output(sample, payload, model_id)["response"]["body"]["choices"][0]
+    return {**choice, "index": index}
 
 
 def _token_bytes(entry: dict) -> list[int]:

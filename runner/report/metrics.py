@@ -203,9 +203,12 @@ class SessionMetrics:
             self.e2e.add(out.finish_time - out.arrival_time)
             if out.first_token_time is not None:
                 self.ttft.add(out.first_token_time - out.arrival_time)
-                if out.num_output_tokens > 1:
-                    self.tpot.add((out.finish_time - out.first_token_time)
-                                  / (out.num_output_tokens - 1))
+            # n samples (engine/parallel_sampling.py): each sample's own time per token
+            for reply in getattr(out, "samples", None) or [out]:
+                if reply.first_token_time is not None and reply.finish_time is not None \
+                        and reply.num_output_tokens > 1:
+                    self.tpot.add((reply.finish_time - reply.first_token_time)
+                                  / (reply.num_output_tokens - 1))
 
     def on_error(self, code: str, t: float) -> None:
         self.failed += 1

@@ -17,6 +17,7 @@ from batchinfer.engine.admission import check_prompt
 from batchinfer.engine.build import model_source, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.output import logprob_entry
+from batchinfer.engine.parallel_sampling import child_id, gather
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import FinishReason, Request, RequestOutput
 
@@ -36,7 +37,11 @@ class VllmWorkerError(RuntimeError):
 
 
 def sampling_args(request: Request) -> dict:
+    """vLLM's parameters for `request`; n > 1 at temperature 0 (which vLLM 0.32 refuses) asks
+    for one reply, repeated n times as our engine's (engine/parallel_sampling.py)."""
     params = request.sampling.model_dump()
+    if request.sampling.greedy:
+        params["n"] = 1
     return {k: params[k] for k in SAMPLING_FIELDS if params.get(k) is not None}
 
 
@@ -138,13 +143,13 @@ class VllmEngine:
         outs = []
         for done in reply["finished"]:
             request, arrival = self._running.pop(done["id"])
-            outs.append(RequestOutput(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=done["token_ids"], text=done["text"],
-                finish_reason=FinishReason(done["finish_reason"]),
-                stop_reason=done.get("stop_reason"),
-                logprobs=self._logprobs(done["logprobs"]), payload=request.payload,
-                arrival_time=arrival, finish_time=now))
+            if request.sampling.n == 1:
+                outs.append(self._reply(request, request.request_id, done, arrival, now))
+                continue
+            samples = done.get("samples") or [done]      # greedy: one reply stands for n
+            outs.append(gather(request, [
+                self._reply(request, child_id(request.request_id, i), sample, arrival, now)
+                for i, sample in enumerate(samples)], arrival))
         for refused in reply["errors"]:
             request, arrival = self._running.pop(refused["id"])
             outs.append(RequestOutput(
@@ -153,6 +158,16 @@ class VllmEngine:
                 payload=request.payload, error=f"vLLM refused the request: {refused['error']}",
                 arrival_time=arrival, finish_time=now))
         return outs
+
+    def _reply(self, request: Request, rid: str, done: dict, arrival: float,
+               now: float) -> RequestOutput:
+        """One reply the worker sent (a request's, or one of its n samples')."""
+        return RequestOutput(
+            request_id=rid, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=done["token_ids"], text=done["text"],
+            finish_reason=FinishReason(done["finish_reason"]), stop_reason=done.get("stop_reason"),
+            logprobs=self._logprobs(done["logprobs"]), payload=request.payload,
+            arrival_time=arrival, finish_time=now)
 
     def _logprobs(self, entries: Optional[list]) -> Optional[list[dict]]:
         """The worker's [id, logprob, [[id, logprob], ...]] in our engine's record format."""

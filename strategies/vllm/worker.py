@@ -109,13 +109,21 @@ def _logprobs(completion, top_n: int) -> list:
     return out
 
 
-def _finished(output, top_n) -> dict:
-    completion = output.outputs[0]
-    return {"id": output.request_id, "token_ids": list(completion.token_ids),
+def _reply(completion, top_n) -> dict:
+    return {"token_ids": list(completion.token_ids),
             "text": completion.text, "finish_reason": FINISH.get(completion.finish_reason, "stop"),
             "stop_reason": completion.stop_reason,
             "logprobs": (_logprobs(completion, top_n) if top_n is not None
                          and completion.logprobs is not None else None)}
+
+
+def _finished(output, top_n) -> dict:
+    """A finished request: its first reply; of n > 1, every reply in index order (samples)."""
+    replies = sorted(output.outputs, key=lambda c: c.index)
+    done = {"id": output.request_id, **_reply(replies[0], top_n)}
+    if len(replies) > 1:
+        done["samples"] = [_reply(c, top_n) for c in replies]
+    return done
 
 
 def serve(engine, commands, reply) -> None:
