@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
-                   "logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids")
+                   "logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids",
+                   "structured_outputs")
 
 
 class VllmWorkerError(RuntimeError):
@@ -40,6 +41,9 @@ def sampling_args(request: Request) -> dict:
     """vLLM's parameters for `request`; n > 1 at temperature 0 (which vLLM 0.32 refuses) asks
     for one reply, repeated n times as our engine's (engine/parallel_sampling.py)."""
     params = request.sampling.model_dump()
+    if request.sampling.structured_outputs is not None:   # the keys set: vLLM's dataclass
+        params["structured_outputs"] = request.sampling.structured_outputs.model_dump(
+            exclude_defaults=True)
     if request.sampling.greedy:
         params["n"] = 1
     return {k: params[k] for k in SAMPLING_FIELDS if params.get(k) is not None}

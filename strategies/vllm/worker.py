@@ -128,7 +128,7 @@ def _finished(output, top_n) -> dict:
 
 def serve(engine, commands, reply) -> None:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     errors: list = []
     running: dict = {}                  # id -> logprobs asked (None: none)
@@ -140,6 +140,9 @@ def serve(engine, commands, reply) -> None:
                 sampling = msg["sampling"]
                 if sampling.get("logit_bias"):       # JSON made its token ids strings
                     sampling["logit_bias"] = {int(t): b for t, b in sampling["logit_bias"].items()}
+                if sampling.get("structured_outputs"):
+                    sampling["structured_outputs"] = StructuredOutputsParams(
+                        **sampling["structured_outputs"])
                 params = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt_token_ids"]},
                                    params)

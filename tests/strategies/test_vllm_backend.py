@@ -105,6 +105,20 @@ def test_sampling_goes_over_under_vllm_names():
     assert args["max_tokens"] == 9 and args["logprobs"] == 2 and "stop_token_ids" not in args
 
 
+def test_structured_outputs_go_over_as_vllms_dataclass():
+    """The keys the request set, as vLLM's StructuredOutputsParams takes them (its worker builds
+    one); compared by hand with vLLM 0.32 (json schema, choice, regex, json_object, greedy
+    fp32): the same replies as our engine's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    args = sampling_args(Request("r", [1, 2], SamplingParams(
+        structured_outputs={"json": schema, "disable_any_whitespace": True})))
+    assert args["structured_outputs"] == {"json": schema, "disable_any_whitespace": True}
+    args = sampling_args(Request("r", [1, 2], SamplingParams(
+        structured_outputs={"choice": ["yes", "no"]})))
+    assert args["structured_outputs"] == {"choice": ["yes", "no"]}
+    assert "structured_outputs" not in sampling_args(Request("r", [1], SamplingParams()))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_engine_answers_what_a_job_asks_of_every_engine():
     """The job checks the recipe's stop ids against `engine.vocab_size` once it is built: the
