@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .chat_format import shape_conversation
 from .config import ModelConfig, is_inline_template
 from .errors import ModelLoadError, RequestError
 
@@ -41,16 +42,24 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            template_kwargs: Optional[dict] = None) -> list[int]:
-        """The conversation's prompt ids as vLLM's chat builds them: the template rendered to
-        text (with the assistant's generation prompt, or open at the end of the last message
-        with continue_final_message; template_kwargs are variables the template reads, e.g.
-        Qwen3's enable_thinking), then encoded without adding special tokens."""
+                            template_kwargs: Optional[dict] = None,
+                            parts: Optional[list] = None) -> list[int]:
+        """The conversation's prompt ids as vLLM's chat builds them: the conversation shaped
+        for the template (engine/chat_format.py: content parts for templates that take them,
+        `parts` being each message's as the line gave them; the developer role), the template
+        rendered to text (with the assistant's generation prompt, or open at the end of the
+        last message with continue_final_message; template_kwargs are variables the template
+        reads, e.g. Qwen3's enable_thinking), then encoded without adding special tokens."""
         if not self.has_chat_template:
             raise RequestError("no_chat_template",
                                f"the tokenizer of {self.model_id} has no chat template; send "
                                "'prompt' instead of 'messages', or give one as "
                                "model.chat_template")
+        template = self.chat_template or self.hf.chat_template
+        if isinstance(template, dict):        # named templates: transformers renders "default"
+            template = template.get("default")
+        if isinstance(template, str):
+            messages = shape_conversation(messages, template, parts)
         try:
             text = self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,

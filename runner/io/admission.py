@@ -80,7 +80,8 @@ def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") 
         if spec.messages is not None:
             if chat_template == "never":
                 return tokenizer.encode(render_plain(spec.messages, **spec.chat_options))
-            return tokenizer.apply_chat_template(spec.messages, **spec.chat_options)
+            return tokenizer.apply_chat_template(spec.messages, parts=spec.content_parts,
+                                                 **spec.chat_options)
         if chat_template == "always" and not spec.is_openai:
             return tokenizer.apply_chat_template([{"role": "user", "content": spec.prompt}])
         return tokenizer.encode(spec.prompt)

@@ -69,6 +69,9 @@ class RequestSpec:
     sampling_keys: frozenset = frozenset()
     # vLLM's chat options a chat line set (runner/io/chat_options.py), for apply_chat_template
     chat_options: dict = field(default_factory=dict)
+    # per message, its content's text parts where the line gave parts (else None); None: no
+    # message did. For chat templates that take parts (Gemma 3's: engine/chat_format.py)
+    content_parts: Optional[list[Optional[list[str]]]] = None
 
     @property
     def is_openai(self) -> bool:
@@ -206,6 +209,15 @@ def _part_text(part: Any) -> Any:
     return text if text is None or isinstance(text, str) else _NOT_TEXT
 
 
+def content_parts(messages: list[dict]) -> Optional[list[Optional[list[str]]]]:
+    """Per message, the texts of its content parts (a part without text skipped, an empty one
+    kept, as vLLM hands parts to a template); None where no message gave parts."""
+    if not any(isinstance(msg.get("content"), list) for msg in messages):
+        return None
+    return [[t for t in map(_part_text, msg["content"]) if t is not None]
+            if isinstance(msg.get("content"), list) else None for msg in messages]
+
+
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Text content parts joined into one string, one part a line, as vLLM joins them for a chat
     template that takes its content as a string (every text model's here but Gemma 3's); an
@@ -300,6 +312,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
         if problem:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(record["messages"])
+        spec.content_parts = content_parts(record["messages"])
         problem = _messages_text_problem(spec.messages, key)
         if problem:
             return err("invalid_text", problem)
@@ -392,6 +405,7 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         if problem:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(body["messages"])
+        spec.content_parts = content_parts(body["messages"])
         problem = _messages_text_problem(spec.messages, "body.messages")
         if problem:
             return err("invalid_text", problem)
