@@ -6,6 +6,8 @@ The Python API: build an Engine from an EngineConfig, add requests, step it, col
     engine = Engine.from_config(EngineConfig())
     for out in engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0)):
         print(out.text)
+
+With SamplingParams(n=4) each result is a ParallelOutput: `out.samples` holds the 4 replies.
 """
 from importlib import import_module
 from typing import Any
@@ -18,6 +20,7 @@ _EXPORTS = {
     "SamplingParams": "batchinfer.engine.request",
     "Request": "batchinfer.engine.request",
     "RequestOutput": "batchinfer.engine.request",
+    "ParallelOutput": "batchinfer.engine.parallel_sampling",
 }
 
 
