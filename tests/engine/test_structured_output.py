@@ -192,3 +192,38 @@ def test_a_new_or_trimmed_row_is_replayed_from_its_output(default_model_dir):
     assert "c" not in first and "x" not in first
     sampler.release("r")
     assert len(sampler.grammars) == 0
+
+
+def _mixed(engine) -> tuple[list, list]:
+    prompts = [chat(engine, q) for q in QUESTIONS]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": PERSON}),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=12,
+                             structured_outputs={"regex": r"[a-z]{3,8}( [a-z]{3,8})?"}),
+              SamplingParams(temperature=0, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=8, logprobs=2,
+                             structured_outputs={"choice": ["friend", "foe"]})]
+    return prompts, params
+
+
+def _replies(outs) -> list[tuple]:
+    return [(o.output_token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def test_launching_steps_ahead_gives_the_step_by_step_replies(smol, make_engine):
+    """Async scheduling (steps_ahead.py; on CPU its bookkeeping runs as on a GPU): a constrained
+    row's next step is prepared before its token is read, with a placeholder in its output."""
+    ahead = make_engine(model={"max_model_len": 512}, scheduler={"async_scheduling": True})
+    assert ahead.info["async_scheduling"]
+    prompts, params = _mixed(smol)
+    assert _replies(ahead.generate(prompts, params)) == _replies(smol.generate(prompts, params))
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_replies_equal_the_single_process(smol, make_engine):
+    """PP=2 on worker processes: the last stage's sampler loads the tokenizer's xgrammar view
+    itself and gives the single process's replies."""
+    prompts, params = _mixed(smol)
+    reference = _replies(smol.generate(prompts, params))
+    with make_engine(model={"max_model_len": 512}, parallel={"pp": 2}) as engine:
+        assert _replies(engine.generate(prompts, params)) == reference
+    assert reference[3][1] in ("friend", "foe")
