@@ -56,7 +56,7 @@ def validate(
         if vocab:
             from batchinfer.runner.io.admission import check_recipe_stop_ids
 
-            check_recipe_stop_ids(parsed.sampling, vocab)
+            check_recipe_stop_ids(parsed.sampling, vocab, tokenizer)
 
     bad: list[dict] = []
     codes: Counter = Counter()
@@ -84,7 +84,7 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
             try:
                 check_prompt_ids(prompt_token_ids(item, tokenizer, parsed.io.chat_template),
                                  max_len or sys.maxsize, vocab)   # None: a config without one
-                check_stop_token_ids(item, vocab)
+                check_stop_token_ids(item, vocab, tokenizer)
                 good += 1
                 continue
             except RequestError as exc:

@@ -27,6 +27,7 @@ from .prompt_logprobs import add_scores, prompt_slices
 from .admission import check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
+from .token_constraints import bad_words_token_ids
 from .structured_output import check_grammar
 from .tokenizer import Tokenizer
 
@@ -103,6 +104,9 @@ class Engine:
         if taken is not None:
             raise RequestError("duplicate_id", f"request id {taken!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
+        if request.sampling.bad_words:          # as vLLM: tokenized once, when it comes
+            request.bad_words_token_ids = bad_words_token_ids(
+                self.tokenizer, request.sampling.bad_words, self.vocab_size)
         if request.sampling.structured_outputs is not None:     # compiled once per spec
             check_grammar(request, self.tokenizer, self.vocab_size)
 
@@ -122,7 +126,7 @@ class Engine:
     def _register(self, seq: Sequence) -> None:
         request = seq.request
         self._seqs[request.request_id] = seq
-        if self._ahead is not None and request.sampling.uses_penalties:
+        if self._ahead is not None and request.sampling.reads_output_tokens:
             self._ahead.penalised += 1
         if request.sampling.prompt_logprobs is not None:
             self._prompt_scoring += 1
@@ -258,7 +262,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, into: list[RequestOutput]) -> None:
         """`seq` ended: its request's result goes `into` (of n samples, once all ended)."""
-        if self._ahead is not None and seq.request.sampling.uses_penalties and \
+        if self._ahead is not None and seq.request.sampling.reads_output_tokens and \
                 self._seqs.get(seq.request_id) is seq:
             self._ahead.penalised -= 1
         if seq.request.sampling.prompt_logprobs is not None and \

@@ -21,7 +21,6 @@ from .structured_params import StructuredOutputsParams
 # nothing (vLLM's defaults): a line or recipe that writes one of those out (as a dump of vLLM's
 # SamplingParams does) runs; any other value is refused by name, never silently left undone
 VLLM_KEYS_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "bad_words": (None, []),
     "spaces_between_special_tokens": (True,), "detokenize": (True,),
 }
 
@@ -78,6 +77,9 @@ class SamplingParams(NumbersNotBooleans):
     # each prompt token's log-probability, rank and the top N at its position (vLLM's
     # prompt_logprobs, 0..20 as its default max_logprobs): engine/prompt_logprobs.py
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # words the reply must not produce (vLLM's bad_words: a word's last token is banned where
+    # the reply ends with its other tokens): engine/token_constraints.py
+    bad_words: Optional[list[str]] = None
     skip_special_tokens: bool = True
     # added to the logits of these token ids before penalties and sampling (vLLM's logit_bias:
     # JSON writes the ids as strings); < vocab size: token_ids_problem
@@ -129,6 +131,14 @@ class SamplingParams(NumbersNotBooleans):
     def _no_empty_bias(cls, v: Optional[dict]) -> Optional[dict]:
         return v or None          # {}: vLLM's default, nothing to add
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        """[] is vLLM's default (none); repeats count once, as vLLM's."""
+        if v and any(not word for word in v):
+            raise ValueError("bad_words cannot contain an empty string")
+        return (list(dict.fromkeys(v)) or None) if v is not None else None
+
     @field_validator("allowed_token_ids")
     @classmethod
     def _some_allowed(cls, v: Optional[list[int]]) -> Optional[list[int]]:
@@ -175,6 +185,12 @@ class SamplingParams(NumbersNotBooleans):
                 or self.repetition_penalty != 1.0)
 
     @property
+    def reads_output_tokens(self) -> bool:
+        """The sampler reads the values of the reply's tokens so far (penalties, bad words), so
+        no step is sampled before the last one's tokens are on the host (steps_ahead.py)."""
+        return self.uses_penalties or bool(self.bad_words)
+
+    @property
     def top_k_active(self) -> bool:
         return self.top_k > 0
 
@@ -217,6 +233,9 @@ class Request:
     # strategy's KV forecast may read the upper one for a request the predictor is unsure of
     predicted_output_upper: Optional[int] = None
     predicted_confidence: Optional[float] = None
+    # sampling.bad_words as token ids (token_constraints.bad_words_token_ids), set when the
+    # engine admits the request
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
 
 # an output token sampled on the device whose value the host has not read yet (async scheduling)

@@ -22,7 +22,7 @@ import torch
 from .host_to_device import packed_to_device
 from .request import Sequence
 from .structured_output import GrammarStep, StructuredOutputs
-from .token_constraints import CONSTRAINT_DTYPES, TokenConstraints
+from .token_constraints import CONSTRAINT_DTYPES, TokenConstraints, sequence_bans
 from .token_history import TokenHistory
 
 _MASK64 = (1 << 64) - 1
@@ -68,7 +68,7 @@ class SamplingBatch:
     max_logprobs: int                    # 0 when no row wants logprobs
     top_k_max: Optional[int] = None      # the largest k over rows (vocab where off), from the host
     min_tokens_index: Optional[tuple] = None  # (rows, token ids) tensors to mask, one index_put
-    constraints: Optional[TokenConstraints] = None  # allowed_token_ids, logit_bias
+    constraints: Optional[TokenConstraints] = None  # allowed_token_ids, bad_words, logit_bias
     grammar: Optional[GrammarStep] = None  # structured_outputs rows (structured_output.py)
 
 
@@ -156,7 +156,7 @@ class Sampler:
             top_k_max=max((min(max(p.top_k, 1), vocab) if p.top_k_active else vocab
                            for p in params), default=vocab),
             min_tokens_index=min_index,
-            constraints=TokenConstraints.of(params, self._tensors),
+            constraints=TokenConstraints.of(params, self._tensors, sequence_bans(seqs)),
             grammar=self.grammars.prepare(seqs),
         )
 

@@ -11,8 +11,8 @@ limit is reached is known to finish and is not launched again.
 
 The engine schedules ahead only while no step can preempt (free blocks cover every running
 sequence's next block and a full token budget: a preempted sequence would be recomputed from
-outputs not read yet) and no unfinished request uses penalties (the sampler reads their token
-values). Otherwise the step waits for the previous one, as without async scheduling.
+outputs not read yet) and no unfinished request uses penalties or bad words (the sampler reads
+their token values). Otherwise the step waits for the previous one, as without async scheduling.
 """
 from __future__ import annotations
 

@@ -249,7 +249,7 @@ class Job(JobReports):
             check_recipe_stop_ids_at_hand(self.recipe)      # before the weights load
             engine = factory(self.recipe.engine_config())
             try:        # every request would fail alike: a usage error, as validate's
-                check_recipe_stop_ids(self.recipe.sampling, engine.vocab_size)
+                check_recipe_stop_ids(self.recipe.sampling, engine.vocab_size, engine.tokenizer)
             except BaseException:
                 engine.close()      # (its workers, or another engine's process)
                 raise

@@ -8,6 +8,10 @@ from typing import Iterator
 
 from batchinfer.engine.request import Request, Sequence
 
+# the token ids a request with bad_words bans (the engine tokenizes them when it admits one):
+# 13 after 13, 17 after 99, and 5 alone
+BAD_WORD_IDS = [[13, 13], [99, 17], [5]]
+
 
 def churn(vocab: int, rng: random.Random, params: list, steps: int = 60, width: int = 9
           ) -> Iterator[tuple[int, int, list[str], list[Sequence], dict[str, Sequence]]]:
@@ -28,7 +32,8 @@ def churn(vocab: int, rng: random.Random, params: list, steps: int = 60, width: 
             rid = f"r{counter}"
             sampling = params[counter % len(params)].model_copy(update={"seed": counter})
             prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
-            seqs[rid] = Sequence(request=Request(rid, prompt, sampling))
+            bad = BAD_WORD_IDS if sampling.bad_words else None
+            seqs[rid] = Sequence(request=Request(rid, prompt, sampling, bad_words_token_ids=bad))
             batch.append(rid)
         if not batch:
             continue

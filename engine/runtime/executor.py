@@ -65,7 +65,8 @@ class PipelineExecutor(Executor):
             if rid not in self._known:
                 self._known.add(rid)
                 req = batch.items[index].seq.request
-                plan.new_requests.append(Request(rid, req.prompt_token_ids, req.sampling))
+                plan.new_requests.append(Request(rid, req.prompt_token_ids, req.sampling,
+                                                 bad_words_token_ids=req.bad_words_token_ids))
         plan.released, self._released = self._released, []
         return plan
 

@@ -23,13 +23,20 @@ def render_plain(messages: list[dict], add_generation_prompt: bool = True, **_) 
     return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
-def check_stop_token_ids(spec: RequestSpec, vocab_size: int) -> None:
+def check_stop_token_ids(spec: RequestSpec, vocab_size: int, tokenizer=None) -> None:
     """`batchinfer validate`'s check of the stop_token_ids a record sets itself, as the engine
-    checks them when it admits the request (engine/admission.check_stop_ids); the recipe's are
-    checked once, at start (check_recipe_stop_ids)."""
+    checks them when it admits the request (engine/admission.check_stop_ids), and with the
+    tokenizer its bad_words; the recipe's are checked once, at start (check_recipe_stop_ids)."""
     if not spec.sampling_keys.isdisjoint(TOKEN_ID_KEYS) and spec.sampling is not None:
         try:
             check_stop_ids(spec.sampling, vocab_size)
+        except RequestError as exc:
+            raise located_in_line(spec, exc) from None
+    if tokenizer is not None and "bad_words" in spec.sampling_keys and spec.sampling.bad_words:
+        from batchinfer.engine.token_constraints import bad_words_token_ids
+
+        try:
+            bad_words_token_ids(tokenizer, spec.sampling.bad_words, vocab_size)
         except RequestError as exc:
             raise located_in_line(spec, exc) from None
 
@@ -38,17 +45,25 @@ def located_in_line(spec: RequestSpec, exc: RequestError) -> RequestError:
     """The engine's refusal of a request's stop_token_ids, named where the line holds them: an
     OpenAI batch line's sampling keys are under `body.`, as the reader's own messages say."""
     if (spec.is_openai and exc.code == "invalid_sampling"
-            and exc.message.split(":")[0] in TOKEN_ID_KEYS):
+            and exc.message.split(":")[0] in (*TOKEN_ID_KEYS, "bad_words")):
         return RequestError(exc.code, f"body.{exc.message}")
     return exc
 
 
-def check_recipe_stop_ids(sampling, vocab_size: int) -> None:
-    """The recipe's stop_token_ids past the model's vocabulary: every request would fail alike,
-    so a usage error (validate, --dry-run and the job's start)."""
+def check_recipe_stop_ids(sampling, vocab_size: int, tokenizer=None) -> None:
+    """The recipe's stop_token_ids past the model's vocabulary, or (with the tokenizer) a
+    bad_words entry that does not tokenize as the engine needs: every request would fail
+    alike, so a usage error (validate, --dry-run and the job's start)."""
     problem = sampling.token_ids_problem(vocab_size)
     if problem:
         raise ConfigError(f"sampling.{problem}")
+    if tokenizer is not None and sampling.bad_words:
+        from batchinfer.engine.token_constraints import bad_words_token_ids
+
+        try:
+            bad_words_token_ids(tokenizer, sampling.bad_words, vocab_size)
+        except RequestError as exc:
+            raise ConfigError(f"sampling.{exc.message}") from None
 
 
 def check_recipe_stop_ids_at_hand(recipe) -> None:

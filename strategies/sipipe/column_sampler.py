@@ -22,7 +22,7 @@ from batchinfer.engine.executor import _row_logprobs
 from batchinfer.engine.sampler import SamplingBatch, attach_sampled, raw_logprobs, sample_torch
 from batchinfer.engine.sampler import uniform_draw
 from batchinfer.engine.structured_output import GrammarStep, StructuredOutputs
-from batchinfer.engine.token_constraints import CONSTRAINT_DTYPES, TokenConstraints
+from batchinfer.engine.token_constraints import CONSTRAINT_DTYPES, TokenConstraints, bad_word_bans
 
 from .columns import ColumnJoin, ColumnUpdate
 
@@ -55,6 +55,7 @@ class ColumnSampler:
         self.params: list = [None] * C          # SamplingParams of each column
         self.seeds: list[int] = [0] * C
         self.request_ids: list = [None] * C
+        self.bad_words: list = [None] * C       # each column's bad words as token ids, or None
         # structured_outputs: each constrained column's grammar follows its reply in Y (a
         # column that joins mid-reply is replayed); tokenizer_source, the grammars' vocabulary
         self.grammars = StructuredOutputs(tokenizer_source, V, eos_token_ids)
@@ -76,7 +77,7 @@ class ColumnSampler:
             t[:, dst] = t[:, src]
         for v in self._vectors:
             v[dst] = v[src]
-        for lst in (self.params, self.seeds, self.request_ids):
+        for lst in (self.params, self.seeds, self.request_ids, self.bad_words):
             lst[dst] = lst[src]
 
     def _join(self, join: ColumnJoin) -> None:
@@ -105,6 +106,7 @@ class ColumnSampler:
         self.frequency[col] = sp.frequency_penalty
         self.presence[col] = sp.presence_penalty
         self.params[col], self.seeds[col], self.request_ids[col] = sp, join.seed, join.request_id
+        self.bad_words[col] = join.bad_words_token_ids
 
     # --- the step -------------------------------------------------------------------------------
     def sample(self, logits_t: torch.Tensor):
@@ -121,7 +123,8 @@ class ColumnSampler:
         if any(w is not None for w in want):
             info = raw_logprobs(logits_t.t(), max(w or 0 for w in want))
         lengths = self.lengths[:n].tolist()
-        constraints = TokenConstraints.of(params, _host_tensors)   # allowed ids, logit_bias
+        # allowed ids, bad words (against each column's reply in Y), logit_bias
+        constraints = TokenConstraints.of(params, _host_tensors, self._bad_word_bans(n, lengths))
         if constraints is not None:
             constraints.apply(logits_t.t())
         for col, p in enumerate(params):
@@ -141,6 +144,18 @@ class ColumnSampler:
                 if w is not None:
                     logprobs[col] = _row_logprobs(info, col, w)
         return tokens.tolist(), logprobs
+
+    def _bad_word_bans(self, n: int, lengths: list[int]) -> list[tuple]:
+        """bad_word_bans of the first n columns: each word against its column's last tokens."""
+        rows = []
+        for col in range(n):
+            words = self.bad_words[col]
+            if words:
+                longest = max(len(ids) for ids in words) - 1
+                end = lengths[col]
+                reply = self.outputs[max(0, end - longest):end, col].tolist()
+                rows.append((col, words, reply))
+        return bad_word_bans(rows) if rows else []
 
     def _grammar(self, params: list) -> Optional[GrammarStep]:
         constrained = [c for c, p in enumerate(params) if p.structured_outputs is not None]

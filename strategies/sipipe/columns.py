@@ -16,7 +16,7 @@ buffer order with no gather.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ColumnJoin:
     output_token_ids: list[int]
     sampling: object            # SamplingParams
     seed: int
+    bad_words_token_ids: Optional[list[list[int]]] = None   # the request's, as the engine's
 
 
 @dataclass

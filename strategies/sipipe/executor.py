@@ -63,7 +63,8 @@ class SiPipeExecutor(PipelineExecutor):
         if seed is None:
             seed = self._seeds.setdefault(seq.request_id, self._rng.getrandbits(63))
         return ColumnJoin(column, seq.request_id, list(seq.request.prompt_token_ids),
-                          list(seq.output_token_ids), sampling, seed)
+                          list(seq.output_token_ids), sampling, seed,
+                          seq.request.bad_words_token_ids)
 
     def _shares_of(self, mb_id: int) -> list[dict]:
         return [m for m in self.pool.results[self.replica] if m["mb_id"] == mb_id]

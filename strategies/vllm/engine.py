@@ -16,7 +16,7 @@ from typing import Optional
 from batchinfer.engine.admission import check_prompt
 from batchinfer.engine.build import model_source, resolve_device
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.output import logprob_entry
+from batchinfer.engine.output import logprob_entry, prompt_entry
 from batchinfer.engine.parallel_sampling import child_id, gather
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import FinishReason, Request, RequestOutput
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
-                   "logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids",
-                   "structured_outputs")
+                   "logprobs", "prompt_logprobs", "skip_special_tokens", "logit_bias",
+                   "allowed_token_ids", "bad_words", "structured_outputs")
 
 
 class VllmWorkerError(RuntimeError):
@@ -170,8 +170,16 @@ class VllmEngine:
             request_id=rid, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=done["token_ids"], text=done["text"],
             finish_reason=FinishReason(done["finish_reason"]), stop_reason=done.get("stop_reason"),
-            logprobs=self._logprobs(done["logprobs"]), payload=request.payload,
-            arrival_time=arrival, finish_time=now)
+            logprobs=self._logprobs(done["logprobs"]),
+            prompt_logprobs=self._prompt_logprobs(request, done.get("prompt_logprobs")),
+            payload=request.payload, arrival_time=arrival, finish_time=now)
+
+    def _prompt_logprobs(self, request: Request, entries: Optional[list]) -> Optional[list]:
+        """The worker's [None, [logprob, rank, [[id, logprob], ...]], ...] as our engine's."""
+        if entries is None:
+            return None
+        return [None if entry is None else prompt_entry(self.tokenizer, token, *entry)
+                for token, entry in zip(request.prompt_token_ids, entries)]
 
     def _logprobs(self, entries: Optional[list]) -> Optional[list[dict]]:
         """The worker's [id, logprob, [[id, logprob], ...]] in our engine's record format."""

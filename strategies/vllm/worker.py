@@ -126,12 +126,28 @@ def _finished(output, top_n) -> dict:
     return done
 
 
+def _prompt_logprobs(output, top_n: int) -> list:
+    """Per prompt token: None for the first, then [its logprob, its rank, [[id, logprob] of the
+    top_n, best first]] (vLLM's dict holds the prompt token first, the top ones after it)."""
+    out = []
+    for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = entry[token]
+        top = sorted(((tid, lp.logprob, lp.rank) for tid, lp in entry.items()
+                      if lp.rank is not None and 1 <= lp.rank <= top_n), key=lambda p: p[2])
+        out.append([chosen.logprob, chosen.rank, [[tid, lp] for tid, lp, _ in top]])
+    return out
+
+
 def serve(engine, commands, reply) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     errors: list = []
     running: dict = {}                  # id -> logprobs asked (None: none)
+    prompt_asked: dict = {}             # id -> prompt_logprobs asked, where asked
     for line in commands:
         msg = json.loads(line)
         op = msg["op"]
@@ -147,11 +163,17 @@ def serve(engine, commands, reply) -> None:
                 engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt_token_ids"]},
                                    params)
                 running[msg["id"]] = msg["sampling"].get("logprobs")
+                if sampling.get("prompt_logprobs") is not None:
+                    prompt_asked[msg["id"]] = sampling["prompt_logprobs"]
             except Exception as exc:           # a request vLLM refuses fails alone
                 errors.append({"id": msg["id"], "error": f"{type(exc).__name__}: {exc}"})
         elif op == "step":
-            finished = [_finished(o, running.pop(o.request_id, None))
-                        for o in engine.step() if o.finished]
+            outputs = [o for o in engine.step() if o.finished]
+            finished = [_finished(o, running.pop(o.request_id, None)) for o in outputs]
+            for output, done in zip(outputs, finished):
+                top_n = prompt_asked.pop(output.request_id, None)
+                if top_n is not None and output.prompt_logprobs is not None:
+                    done["prompt_logprobs"] = _prompt_logprobs(output, top_n)
             events, StepStats.events = StepStats.events, []
             reply({"finished": finished, "errors": errors, "events": events,
                    "unfinished": engine.get_num_unfinished_requests(),
@@ -162,6 +184,7 @@ def serve(engine, commands, reply) -> None:
             ids = list(running)
             engine.abort_request(ids)
             running.clear()
+            prompt_asked.clear()
             reply({"aborted": ids})
         elif op == "close":
             return

@@ -509,16 +509,29 @@ def test_vllm_sampling_keys_batchinfer_does_not_implement():
               "prompt_logprobs": None, "spaces_between_special_tokens": True, "detokenize": True}
     spec = parse_plain_or_chat(stated, 1, DEFAULTS)
     assert isinstance(spec, RequestSpec) and spec.sampling == DEFAULTS
-    for key, value in [("bad_words", ["Paris"]), ("spaces_between_special_tokens", False),
-                       ("detokenize", False)]:
+    for key, value in [("spaces_between_special_tokens", False), ("detokenize", False)]:
         err = parse_plain_or_chat({"prompt": "hi", key: value}, 3, DEFAULTS)
         assert isinstance(err, InputError) and err.code == "unsupported_parameter", key
         assert err.message.startswith(f"{key} is a vLLM sampling parameter batchinfer does not "
                                       "implement"), err.message
-    err = parse_openai(_openai(bad_words=["x"]), 1, DEFAULTS)
-    assert err.code == "unsupported_parameter" and err.message.startswith("body.bad_words")
-    assert not isinstance(parse_openai(_openai(prompt_logprobs=None, bad_words=[]), 1, DEFAULTS),
-                          InputError)
+    err = parse_openai(_openai(detokenize=False), 1, DEFAULTS)
+    assert err.code == "unsupported_parameter" and err.message.startswith("body.detokenize")
+    assert not isinstance(parse_openai(_openai(prompt_logprobs=None, bad_words=[],
+                                               detokenize=True), 1, DEFAULTS), InputError)
+
+
+def test_bad_words_reach_the_sampling():
+    """vLLM's bad_words on a line and in an OpenAI body (vLLM's server takes it there); [] is
+    its default, repeats count once; an empty word is the line's invalid_sampling."""
+    spec = parse_plain_or_chat({"prompt": "hi", "bad_words": ["Paris", "Rome", "Paris"]}, 1,
+                               DEFAULTS)
+    assert spec.sampling.bad_words == ["Paris", "Rome"]
+    assert parse_openai(_openai(bad_words=["x"]), 1, DEFAULTS).sampling.bad_words == ["x"]
+    assert parse_plain_or_chat({"prompt": "hi", "bad_words": []}, 1,
+                               DEFAULTS).sampling.bad_words is None
+    err = parse_openai(_openai(bad_words=["ok", ""]), 1, DEFAULTS)
+    assert err.code == "invalid_sampling" and err.message.startswith("body.bad_words: ")
+    assert "cannot contain an empty string" in err.message
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_sampling():
@@ -558,8 +571,9 @@ def test_n_samples_from_every_place_a_line_can_set_it():
 
 
 def test_unknown_key_messages_do_not_list_vllm_keys_batchinfer_does_not_implement():
-    err = parse_plain_or_chat({"prompt": "hi", "temprature": 0, "bad_words": []}, 1, DEFAULTS)
+    err = parse_plain_or_chat({"prompt": "hi", "temprature": 0, "detokenize": True}, 1,
+                              DEFAULTS)
     assert err.code == "unknown_key" and "'temprature' (did you mean 'temperature'?)" in err.message
-    assert "bad_words" not in err.message and "detokenize" not in err.message
-    err = parse_openai(_openai(temprature=0, bad_words=[]), 1, DEFAULTS)
-    assert err.code == "unknown_key" and "bad_words" not in err.message
+    assert "spaces_between" not in err.message and "detokenize" not in err.message
+    err = parse_openai(_openai(temprature=0, detokenize=True), 1, DEFAULTS)
+    assert err.code == "unknown_key" and "detokenize" not in err.message

@@ -783,6 +783,34 @@ def test_the_recipes_stop_ids_past_the_vocabulary_are_a_usage_error(tmp_path, ti
     assert not (tmp_path / "run").exists()
 
 
+def test_bad_words_that_do_not_tokenize_are_the_lines_error_or_the_recipes(tmp_path, tiny_recipe,
+                                                                          shared_engine):
+    """A line's bad word with no tokens is its invalid_sampling naming the key where the line
+    holds it (the job goes on); the recipe's is a usage error at start."""
+    from batchinfer.engine.errors import ConfigError
+
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "ok", "prompt": "Q", "bad_words": ["Paris"]},
+        {"id": "space", "prompt": "Q", "bad_words": [" "]}])
+    outcome = run(tiny_recipe, path, tmp_path / "run", shared_engine)
+    assert outcome.outputs == 1
+    (error,) = read_jsonl(tmp_path / "run" / "errors.jsonl")
+    assert (error["id"], error["code"]) == ("space", "invalid_sampling")
+    assert error["message"].startswith("bad_words: ' ' gives no token")
+    batch = write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": "oa", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Q", "bad_words": ["  "]}}])
+    run(tiny_recipe, batch, tmp_path / "openai", shared_engine)
+    (error,) = read_jsonl(tmp_path / "openai" / "errors.jsonl")
+    assert error["error"]["message"].startswith("body.bad_words: '  ' gives no token")
+    recipe = tiny_recipe.model_copy(update={"sampling": tiny_recipe.sampling.model_copy(
+        update={"bad_words": ["Paris", " "]})})
+    spec = JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "recipe", progress="off",
+                   engine_factory=lambda cfg: shared_engine)
+    with pytest.raises(ConfigError, match=r"^sampling.bad_words: ' ' gives no token"):
+        run_job(spec)
+
+
 def test_the_recipes_stop_ids_are_refused_before_the_weights_load(tmp_path, tiny_recipe):
     """Against the vocabulary in the model's config: a large model's load is not spent on a job
     whose every request would fail."""

@@ -48,6 +48,9 @@ PARAMS = [
     SamplingParams(temperature=1.2, top_k=1),
     SamplingParams(temperature=0.9, logit_bias={7: 5.0, 11: -100.0}, presence_penalty=0.2),
     SamplingParams(temperature=0.0, allowed_token_ids=[3, 9, 27, 81]),
+    # tests/sipipe_churn.BAD_WORD_IDS: 13 the likeliest, 17 next, so bans change the tokens
+    SamplingParams(temperature=0.0, logit_bias={13: 40.0, 17: 30.0, 99: 20.0}, bad_words=["x"]),
+    SamplingParams(temperature=0.9, logit_bias={13: 8.0, 17: 7.0, 5: 9.0}, bad_words=["x"]),
 ]
 
 
@@ -80,7 +83,8 @@ def test_incremental_columns_equal_scratch_and_the_default_sampler(native):
         def join_of(rid, col):
             s = seqs[rid]
             return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
-                              s.request.sampling, s.request.sampling.seed)
+                              s.request.sampling, s.request.sampling.seed,
+                              s.request.bad_words_token_ids)
 
         cols, update = assigner.assign(batch, [len(s.output_token_ids) for s in rows], join_of)
         sampler.apply(update)
@@ -95,6 +99,8 @@ def test_incremental_columns_equal_scratch_and_the_default_sampler(native):
                     assert logprobs[c]["logprob"] == pytest.approx(float(info["sampled"][row]))
                     assert [t for t, _ in logprobs[c]["top"]] == info["top_ids"][row, :2].tolist()
         for seq, token in zip(rows, got):
+            if seq.request.bad_words_token_ids:         # never a bad word's token
+                assert token != 5 and not (seq.output_token_ids[-1:] == [13] and token == 13)
             seq.output_token_ids.append(token)
         for seq, c in zip(rows, cols):
             seen, counts, present = _scratch(seq, vocab)

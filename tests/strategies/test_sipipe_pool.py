@@ -80,7 +80,8 @@ def test_a_seeded_request_samples_the_same_tokens_whichever_split(native, split,
         def join_of(rid, col):
             s = seqs[rid]
             return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
-                              s.request.sampling, s.request.sampling.seed)
+                              s.request.sampling, s.request.sampling.seed,
+                              s.request.bad_words_token_ids)
 
         ref_cols, (ref_update,) = whole[r].assign(batch, lens, join_of)
         reference[r].apply(ref_update)

@@ -117,6 +117,36 @@ def test_structured_outputs_go_over_as_vllms_dataclass():
         structured_outputs={"choice": ["yes", "no"]})))
     assert args["structured_outputs"] == {"choice": ["yes", "no"]}
     assert "structured_outputs" not in sampling_args(Request("r", [1], SamplingParams()))
+    args = sampling_args(Request("r", [1, 2], SamplingParams(prompt_logprobs=0,
+                                                             bad_words=["Paris"])))
+    assert args["prompt_logprobs"] == 0 and args["bad_words"] == ["Paris"]
+
+
+def test_vllms_prompt_logprobs_map_to_our_entries():
+    """vLLM's per-position dict holds the prompt token first, then the top N (a prompt token
+    among them once, under its top rank): the worker sends [logprob, rank, top by rank], the
+    engine makes our entries of them."""
+    from types import SimpleNamespace as NS
+
+    from batchinfer.engine.tokenizer import load_tokenizer
+    from batchinfer.engine.config import ModelConfig
+    from batchinfer.strategies.vllm.worker import _prompt_logprobs
+
+    def lp(logprob, rank):
+        return NS(logprob=logprob, rank=rank, decoded_token="x")
+
+    output = NS(prompt_token_ids=[5, 7, 9], prompt_logprobs=[
+        None,
+        {7: lp(-0.5, 1), 3: lp(-2.0, 2)},               # the prompt token is the top one
+        {9: lp(-6.0, 40), 7: lp(-0.1, 1), 4: lp(-3.0, 2)}])
+    sent = _prompt_logprobs(output, 2)
+    assert sent == [None, [-0.5, 1, [[7, -0.5], [3, -2.0]]], [-6.0, 40, [[7, -0.1], [4, -3.0]]]]
+    engine = VllmEngine(None, load_tokenizer(ModelConfig()), "m", {"max_model_len": 64}, {}, 49152)
+    entries = engine._prompt_logprobs(Request("r", [5, 7, 9], SamplingParams()), sent)
+    assert entries[0] is None
+    assert [(e["token_id"], e["logprob"], e["rank"]) for e in entries[1:]] == [(7, -0.5, 1),
+                                                                                (9, -6.0, 40)]
+    assert [t["token_id"] for t in entries[2]["top_logprobs"]] == [7, 4]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
