@@ -146,6 +146,25 @@ def test_under_kv_pressure_and_with_penalties_it_falls_back_step_by_step(
     assert engine._ahead.penalised == 0         # every penalised request counted out again
 
 
+@pytest.mark.slow
+def test_prompt_logprobs_and_bad_words_launching_ahead(step_by_step_engine,
+                                                      launch_ahead_engine):
+    """Prompt scores come back with their launched chunks (48-token steps: long prompts in two),
+    and a request with bad words (the sampler reads its reply's tokens) falls back step by step:
+    the step-by-step outputs, and every such request counted out again."""
+    params = [p.with_overrides(prompt_logprobs=2) if i % 3 == 0 else
+              p.with_overrides(bad_words=["the", "Paris"]) if i % 3 == 1 else p
+              for i, p in enumerate(_params())]
+    prompts = [_chat(launch_ahead_engine, p * (1 + i % 3)) for i, p in enumerate(PROMPTS)]
+    assert max(len(p) for p in prompts) > 48
+    expected = step_by_step_engine.generate(prompts, params)
+    got = launch_ahead_engine.generate(prompts, params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in expected]
+    assert sum(o.prompt_logprobs is not None for o in got) == 3
+    assert launch_ahead_engine._ahead.penalised == 0
+
+
 def test_abort_leaves_no_placeholder(make_engine):
     engine = _engine(make_engine, True)
     for i, text in enumerate(PROMPTS[:4]):
