@@ -27,7 +27,7 @@ from .prompt_logprobs import add_scores, prompt_slices
 from .admission import check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
-from .token_constraints import bad_words_token_ids
+from .token_constraints import tokenize_bad_words
 from .structured_output import check_grammar
 from .tokenizer import Tokenizer
 
@@ -104,9 +104,7 @@ class Engine:
         if taken is not None:
             raise RequestError("duplicate_id", f"request id {taken!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
-        if request.sampling.bad_words:          # as vLLM: tokenized once, when it comes
-            request.bad_words_token_ids = bad_words_token_ids(
-                self.tokenizer, request.sampling.bad_words, self.vocab_size)
+        tokenize_bad_words(request, self.tokenizer, self.vocab_size)
         if request.sampling.structured_outputs is not None:     # compiled once per spec
             check_grammar(request, self.tokenizer, self.vocab_size)
 

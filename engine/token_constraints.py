@@ -51,6 +51,14 @@ def bad_words_token_ids(tokenizer, words: Sequence[str], vocab_size: int) -> lis
     return out
 
 
+def tokenize_bad_words(request, tokenizer, vocab_size: int) -> None:
+    """A request's bad_words as token ids (Request.bad_words_token_ids), when the engine admits
+    it: tokenized once, as vLLM does when a request comes."""
+    if request.sampling.bad_words:
+        request.bad_words_token_ids = bad_words_token_ids(tokenizer, request.sampling.bad_words,
+                                                          vocab_size)
+
+
 def bad_word_bans(rows: Iterable[tuple[int, list[list[int]], Sequence[int]]]) -> list[tuple]:
     """(row, token id) to ban in this step: for each (row, its bad words' token ids, its reply's
     tokens so far), each word's last token where the reply ends with the word's other tokens
