@@ -80,16 +80,13 @@ class Scheduler:
 
     block_manager: BlockManager
     num_preemptions: int = 0
-    # parallel sampling (engine/parallel_sampling.py): a request's other samples may start from
-    # its first sample's prompt blocks (False: a scheduler that moves KV between layouts)
-    forks_prompt_blocks = True
+    forks_prompt_blocks = True     # parallel sampling: samples share the first's prompt blocks
 
     def add(self, seq: Sequence) -> None:
         raise NotImplementedError
 
     def add_next(self, seq: Sequence) -> None:
-        """A sequence that goes to the head of the queue: another sample of a request whose
-        first sample runs (parallel sampling), holding that prompt's blocks. Default: add."""
+        """To the head of the queue: another sample of a running request (parallel sampling)."""
         self.add(seq)
 
     def schedule(self) -> list[MicroBatch]:
@@ -354,14 +351,27 @@ class BatchingScheduler(Scheduler):
             seq.num_computed_tokens = 0
         return True
 
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """Room above the watermark (headroom for running decodes; with none it would stall)."""
+        return len(self.running) < self.max_num_seqs and self.block_manager.can_grow(
+            seq.request_id, seq.num_computed_tokens + num_tokens, keep_watermark=bool(self.running))
+
+    def _room_from_waiting(self, seq: Sequence, num_tokens: int) -> bool:
+        """Without a cache, a waiting sequence's blocks are a sample's shared prompt, kept while
+        others run; with none running they are let go. -> whether `seq` fits now."""
+        if self.running or self.block_manager.prefix is not None:
+            return False
+        for other in self.waiting:
+            if other is not seq and other.num_computed_tokens:
+                self.block_manager.free(other.request_id)
+                other.num_computed_tokens = 0
+        return self._fits(seq, num_tokens)
+
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:
         """Moves the head of the queue to running if its first chunk fits above the watermark."""
-        # The watermark keeps headroom for running decodes; with nothing running it would only stall.
-        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_grow(
-                seq.request_id, seq.num_computed_tokens + num_tokens,
-                keep_watermark=bool(self.running)):
-            if seq.num_computed_tokens:       # cached blocks matched for it: back to the cache
-                self.block_manager.free(seq.request_id)
+        if not self._fits(seq, num_tokens) and not self._room_from_waiting(seq, num_tokens):
+            if seq.num_computed_tokens and self.block_manager.prefix is not None:
+                self.block_manager.free(seq.request_id)   # matched blocks: back to the cache
                 seq.num_computed_tokens = 0
             return False
         if self.block_manager.prefix is not None:

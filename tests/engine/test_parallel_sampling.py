@@ -87,6 +87,24 @@ def test_every_sample_stops_on_its_own(smol):
     _idle_and_whole(smol)
 
 
+@pytest.mark.parametrize("policy", ["hb", "sb"])
+def test_samples_waiting_for_a_seat_keep_the_prompts_blocks(make_engine, policy):
+    """max_num_seqs 2: the third and fourth samples wait for a seat holding the first's prompt
+    blocks (they used to give them back and compute the whole prompt), and still give the
+    replies of their n = 1 requests."""
+    params = SamplingParams(n=4, temperature=0.9, seed=30, max_tokens=5)
+    with make_engine(model={"max_model_len": 512}, cache={"kv_cache_memory": "32MiB"},
+                     scheduler={"policy": policy, "max_num_seqs": 2}) as engine:
+        out, = engine.generate([PROMPT], params)
+        prefill = _prefill(engine)
+        singles = engine.generate([PROMPT] * 4, [params.model_copy(update={"n": 1, "seed": 30 + i})
+                                                 for i in range(4)])
+        _idle_and_whole(engine)
+    block = 16
+    assert prefill < len(out.prompt_token_ids) + 3 * block
+    assert [s.output_token_ids for s in out.samples] == [s.output_token_ids for s in singles]
+
+
 def test_greedy_samples_are_one_reply_computed_once(smol):
     before = smol.stats()["generation_tokens"]
     out, = smol.generate([PROMPT], SamplingParams(n=2, temperature=0.0, max_tokens=9))
@@ -208,3 +226,28 @@ def test_samples_under_preemption_equal_their_n1_requests():
         _idle_and_whole(engine)
     assert [s.output_token_ids for o in grouped for s in o.samples] == \
         [o.output_token_ids for o in singles]
+
+
+@pytest.mark.parametrize("policy", ["hb", "sb"])
+def test_waiting_samples_let_their_blocks_go_when_nothing_runs(policy):
+    """Samples waiting with their first sample's prompt blocks (that sample gone) hold most of
+    a small pool and nothing runs: the head is admitted once the others let theirs go (they
+    compute their prompts later) instead of the engine stalling; running ones keep theirs."""
+    from batchinfer.engine.kv_cache import BlockManager
+    from batchinfer.engine.scheduler import make_scheduler
+    from batchinfer.sim.scheduler_driver import make_seq
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = make_scheduler(policy, bm, 8, 64, 64)
+    samples = [make_seq(i, 9, 4) for i in range(3)]
+    for seq in samples:                  # each holds two shared blocks of a finished first
+        bm.grow("first", 8)
+        bm.share(seq.request_id, bm.block_table("first"))
+        bm.free("first")
+        seq.num_computed_tokens = 8
+        sched.add(seq)
+    assert bm.num_free_blocks == 0
+    batch, = sched.schedule()
+    assert [(item.seq.request_id, item.num_tokens) for item in batch.items][0] == ("r0", 1)
+    assert [s.num_computed_tokens for s in samples] == [8, 0, 0]
+    bm.check_invariants()
