@@ -456,9 +456,9 @@ def test_learn_observes_finished_forgets_aborted_and_never_raises(caplog):
     for r, f in zip(requests, online.forecast(requests)):
         apply_forecast(r, f)
     engine = SimpleNamespace(progress=lambda: {"r2": 7})
-    outs = [SimpleNamespace(request_id="r0", num_output_tokens=90,
+    outs = [SimpleNamespace(request_id="r0", output_token_ids=[0] * 90,
                             finish_reason=FinishReason.STOP),
-            SimpleNamespace(request_id="r1", num_output_tokens=0,
+            SimpleNamespace(request_id="r1", output_token_ids=[],
                             finish_reason=FinishReason.ABORT)]
     learn(online, engine, outs, now=1.0)
     assert online.refits == 1 and len(online._done) == 1                  # noqa: SLF001
