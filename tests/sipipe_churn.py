@@ -42,3 +42,39 @@ def churn(vocab: int, rng: random.Random, params: list, steps: int = 60, width: 
                 seqs[rid].output_token_ids.pop()
         rng.shuffle(batch)
         yield step, r, batch, [seqs[rid] for rid in batch], seqs
+
+
+def sample_columns(assigner, sampler, batch, rows: list, seqs: dict, logits, vocab: int):
+    """One churn step through a replica's column sampler: `rows`' sequences joined to (or kept
+    in) their columns, `logits` [rows, vocab] scattered to the columns, one sample. -> (each
+    row's column, the sampler's tokens and logprobs by column)."""
+    import torch
+
+    from batchinfer.strategies.sipipe.columns import ColumnJoin
+
+    def join_of(rid, col):
+        s = seqs[rid]
+        return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
+                          s.request.sampling, s.request.sampling.seed,
+                          s.request.bad_words_token_ids)
+
+    cols, update = assigner.assign(batch, [len(s.output_token_ids) for s in rows], join_of)
+    sampler.apply(update)
+    logits_t = torch.empty(vocab, update.width)
+    logits_t[:, cols] = logits.t()
+    tokens, logprobs = sampler.sample(logits_t)
+    return cols, tokens, logprobs
+
+
+def pp2_and_single_process(make_engine, prompts: list, params: list) -> tuple[list, list]:
+    """The same requests through SiPipe at PP=2 with its CPU samplers and through the single
+    process (max_model_len 512, a 64 MiB cache). -> (SiPipe's outputs, the single process's)."""
+    from batchinfer.strategies.sipipe.params import SiPipeParams
+
+    model, cache = {"max_model_len": 512}, {"kv_cache_memory": "64MiB"}
+    reference = make_engine(model=model, cache=cache).generate(prompts, params)
+    strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64)
+    with make_engine(model=model, cache=cache, parallel={"pp": 2}, strategy=strategy,
+                     scheduler=strategy.scheduler_config()) as eng:
+        assert eng.info["sipipe"]["cpu_sampling"]
+        return eng.generate(prompts, params), reference

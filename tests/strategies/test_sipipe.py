@@ -16,7 +16,7 @@ from batchinfer.engine.sampler import Sampler
 from batchinfer.engine.step_plan import StepPlan, model_inputs
 from batchinfer.strategies.sipipe.column_sampler import ColumnSampler
 from batchinfer.strategies.sipipe.columns import ColumnAssigner, ColumnJoin
-from tests.sipipe_churn import churn
+from tests.sipipe_churn import churn, pp2_and_single_process, sample_columns
 
 
 def _join_stub(rid, col):
@@ -79,18 +79,8 @@ def test_incremental_columns_equal_scratch_and_the_default_sampler(native):
         assigner, sampler = replicas[r]
         logits = torch.randn(len(rows), vocab, generator=gen) * 3
         expected, info = default.sample(logits.clone(), default.prepare(rows))
-
-        def join_of(rid, col):
-            s = seqs[rid]
-            return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
-                              s.request.sampling, s.request.sampling.seed,
-                              s.request.bad_words_token_ids)
-
-        cols, update = assigner.assign(batch, [len(s.output_token_ids) for s in rows], join_of)
-        sampler.apply(update)
-        logits_t = torch.empty(vocab, update.width)
-        logits_t[:, cols] = logits.t()
-        tokens, logprobs = sampler.sample(logits_t)
+        cols, tokens, logprobs = sample_columns(assigner, sampler, batch, rows, seqs, logits,
+                                                vocab)
         got = [tokens[c] for c in cols]
         if native:
             assert got == expected.tolist(), f"step {step}"
@@ -255,17 +245,9 @@ def test_sipipe_prompt_logprobs_equal_the_single_process(make_engine):
     """The last stage scores the prompt positions (the CPU samplers see only the sampled rows)
     and sends them to the controller beside the samplers' result: the single process's scores,
     chunked prompts beside requests that do not ask."""
-    from batchinfer.strategies.sipipe.params import SiPipeParams
-
-    model = {"max_model_len": 512}
     params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3 if i % 2 else None)
               for i in range(len(E2E))]
-    reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(E2E, params)
-    strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64)
-    with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}, parallel={"pp": 2},
-                     strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
-        assert eng.info["sipipe"]["cpu_sampling"]
-        outs = eng.generate(E2E, params)
+    outs, reference = pp2_and_single_process(make_engine, E2E, params)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
     for got, want in zip(outs, reference):
         if want.prompt_logprobs is None:

@@ -16,8 +16,8 @@ from batchinfer.engine.request import SamplingParams  # noqa: E402
 from batchinfer.engine.sampler import Sampler  # noqa: E402
 from batchinfer.engine.structured_output import compiled_grammar  # noqa: E402
 from batchinfer.strategies.sipipe.column_sampler import ColumnSampler  # noqa: E402
-from batchinfer.strategies.sipipe.columns import ColumnAssigner, ColumnJoin  # noqa: E402
-from tests.sipipe_churn import churn  # noqa: E402
+from batchinfer.strategies.sipipe.columns import ColumnAssigner  # noqa: E402
+from tests.sipipe_churn import churn, pp2_and_single_process, sample_columns  # noqa: E402
 
 GRAMMARS = [{"choice": ["red", "green", "blue violet"]},
             {"regex": r"[a-z]{2,5}-[0-9]{1,3}"},
@@ -63,24 +63,14 @@ def test_column_grammars_follow_the_churn(vocabulary):
         assigner, sampler = replicas[r]
         logits = torch.randn(len(rows), vocab, generator=gen) * 3
         expected, _ = default.sample(logits.clone(), default.prepare(rows))
-
-        def join_of(rid, col):
-            s = seqs[rid]
-            return ColumnJoin(col, rid, s.request.prompt_token_ids, list(s.output_token_ids),
-                              s.request.sampling, s.request.sampling.seed)
-
-        cols, update = assigner.assign(batch, [len(s.output_token_ids) for s in rows], join_of)
-        sampler.apply(update)
-        logits_t = torch.empty(vocab, update.width)
-        logits_t[:, cols] = logits.t()
-        tokens, _ = sampler.sample(logits_t)
+        cols, tokens, _ = sample_columns(assigner, sampler, batch, rows, seqs, logits, vocab)
         got = [tokens[c] for c in cols]
         if native:                  # the column kernels are the row kernels' arithmetic
             assert got == expected.tolist(), f"step {step}"
         for seq, token in zip(rows, got):
             seq.output_token_ids.append(token)
             seen[seq.request_id] = seq
-        assert len(sampler.grammars) <= update.width   # leavers' grammars are dropped
+        assert len(sampler.grammars) <= len(tokens)   # a token per column; leavers' grammars are dropped
     constrained = [s for s in seen.values() if s.request.sampling.structured_outputs]
     assert len(constrained) > 5
     for seq in constrained:
@@ -89,21 +79,12 @@ def test_column_grammars_follow_the_churn(vocabulary):
 
 @pytest.mark.slow
 def test_sipipe_structured_replies_equal_the_single_process(make_engine):
-    from batchinfer.strategies.sipipe.params import SiPipeParams
-
-    model = {"max_model_len": 512}
     prompts = ["Pick a colour:", "A code like ab-12:", "Some JSON:", "Hi"]
     params = [SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=GRAMMARS[0]),
               SamplingParams(max_tokens=12, temperature=1.0, seed=3,
                              structured_outputs=GRAMMARS[1]),
               SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=GRAMMARS[2]),
               SamplingParams(max_tokens=8, temperature=0.0)]
-    reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(
-        prompts, params)
-    strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64)
-    with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}, parallel={"pp": 2},
-                     strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
-        assert eng.info["sipipe"]["cpu_sampling"]
-        outs = eng.generate(prompts, params)
+    outs, reference = pp2_and_single_process(make_engine, prompts, params)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
     assert outs[0].text in ("red", "green", "blue violet")
