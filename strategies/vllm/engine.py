@@ -151,6 +151,8 @@ class VllmEngine:
                 outs.append(self._reply(request, request.request_id, done, arrival, now))
                 continue
             samples = done.get("samples") or [done]      # greedy: one reply stands for n
+            if done.get("prompt_logprobs") is not None:   # scored once, for the request:
+                samples[0] = {**samples[0], "prompt_logprobs": done["prompt_logprobs"]}
             outs.append(gather(request, [
                 self._reply(request, child_id(request.request_id, i), sample, arrival, now)
                 for i, sample in enumerate(samples)], arrival))

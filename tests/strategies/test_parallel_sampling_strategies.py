@@ -145,6 +145,39 @@ def test_the_vllm_engine_gathers_samples_into_one_result():
     assert not isinstance(one, ParallelOutput) and one.output_token_ids == [4]
 
 
+def test_vllms_prompt_scores_of_a_request_of_samples_reach_its_result():
+    """vLLM scores the prompt once per request, beside its replies: the gathered result (the
+    first sample's fields) carries them, as our engine's first child does."""
+    def reply(ids):
+        return {"token_ids": ids, "text": "x", "finish_reason": "length", "stop_reason": None,
+                "logprobs": None}
+
+    scores = [None, [-1.5, 3, [[7, -0.5]]], [-0.25, 1, [[3, -0.25]]]]
+    step = {"finished": [{"id": "s", **reply([1]), "samples": [reply([1]), reply([2])],
+                          "prompt_logprobs": scores},
+                         {"id": "g", **reply([9]), "prompt_logprobs": scores}],
+            "errors": [], "events": []}
+    engine = VllmEngine(_FakeVllm([step]), None, "m", {"max_model_len": 64}, {}, 1000)
+    engine.tokenizer = _Tokens()
+    engine.add_request(Request("s", [1, 2, 3], SamplingParams(n=2, seed=1, prompt_logprobs=1)))
+    engine.add_request(Request("g", [1, 2, 3], SamplingParams(n=2, temperature=0,
+                                                              prompt_logprobs=1)))
+    for out in engine.step():
+        assert isinstance(out, ParallelOutput)
+        entries = out.prompt_logprobs
+        assert entries[0] is None and [e["logprob"] for e in entries[1:]] == [-1.5, -0.25]
+        assert [e["rank"] for e in entries[1:]] == [3, 1]
+        assert entries[1]["top_logprobs"][0]["token_id"] == 7
+
+
+class _Tokens:
+    def token_text(self, token: int) -> str:
+        return f"t{token}"
+
+    def token_bytes(self, token: int) -> bytes:
+        return f"t{token}".encode()
+
+
 VLLM_PYTHON = os.environ.get("BATCHINFER_VLLM_PYTHON", "")
 
 
