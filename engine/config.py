@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from .embedding.pooler_config import PoolerConfig
 from .strict_numbers import NumbersNotBooleans
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -58,6 +59,13 @@ class ModelConfig(_Strict):
     path: Optional[str] = Field(None, description="HF directory, .gguf file, or empty for the default")
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="generate: replies (the default); embed: one embedding per "
+        "prompt (vLLM's pooling runner, LLM.embed / /v1/embeddings; engine/embedding/); "
+        "an empty path then embeds with the shipped all-MiniLM-L6-v2")
+    pooler_config: Optional[PoolerConfig] = Field(
+        None, description="task embed: vLLM's PoolerConfig keys (pooling_type, use_activation, "
+        "dimensions); empty keys come from the model (docs/recipe.md)")
     quantization: Optional[Literal["int8"]] = Field(
         None, description="CPU: int8 linears (W8A8: int8 weights per output channel, int8 "
         "activations per token and per 64 input channels at each step, int32 sums) on CPUs with "

@@ -55,8 +55,9 @@ class Job(JobReports):
     def __init__(self, spec: JobSpec):
         self.spec = spec
         self.recipe = spec.recipe
+        self.embed = spec.recipe.model.task == "embed"    # an embedding job (engine/embedding/)
         self.reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling,
-                                  spec.shard, limit=spec.limit)
+                                  spec.shard, limit=spec.limit, embed=self.embed)
         self.metrics = SessionMetrics(spec.recipe.report.metrics_interval_seconds)
         self.engine = None
         self.predictor = None                  # the recipe's output-length predictor
@@ -242,9 +243,14 @@ class Job(JobReports):
                 from batchinfer.engine.engine import Engine
 
                 factory = Engine.from_config
+                if self.embed:
+                    from batchinfer.engine.embedding import build_embedding_engine
+
+                    factory = build_embedding_engine
             # the predictor first: a bad predictor directory is a usage error (exit 2)
-            self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
-                                                                        self.spec.output_dir)
+            if not self.embed:          # (an embedding has no reply length to predict)
+                self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
+                                                                            self.spec.output_dir)
             self._resolve_auto_settings()
             check_recipe_stop_ids_at_hand(self.recipe)      # before the weights load
             engine = factory(self.recipe.engine_config())
@@ -361,6 +367,11 @@ class Job(JobReports):
     def _prepare(self, spec: RequestSpec, order: int):
         """Tokenizes `spec` into an engine Request; a RequestError becomes its error record."""
         try:
+            if self.embed:
+                from .io.embed_records import build_embed_request
+
+                return build_embed_request(spec, self.engine.tokenizer, order,
+                                           self.engine.max_model_len, self.recipe.io.chat_template)
             tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
             request = build_request(spec, self.engine.tokenizer, order, tokens=tokens)
         except RequestError as exc:

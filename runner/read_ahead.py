@@ -94,6 +94,8 @@ class GroupingStats:
 def dedup_key(request: Request) -> Optional[Hashable]:
     """What makes two requests' results interchangeable; None when they are not (unseeded
     sampling)."""
+    if hasattr(request, "dedup_key"):      # an embedding request: its inputs and pooling
+        return request.dedup_key()
     sampling = request.sampling
     if sampling.temperature > 0 and sampling.seed is None:
         return None

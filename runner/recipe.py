@@ -339,6 +339,9 @@ def load_recipe(path: Union[str, Path]) -> Recipe:
 
 def check_supported(recipe: Recipe, source: str = "<recipe>", lines: Optional[YamlLines] = None) -> None:
     """Checks that need no model: the ones needing its shape (heads, layers) run at engine start."""
+    from .embed_recipe import check_embed_recipe
+
+    check_embed_recipe(recipe, source, lines)     # model.task: embed (and pooler_config)
     par = recipe.parallel
     if par.pp_layers is not None and len(par.pp_layers) != par.pp:
         line = lines.line(("parallel", "pp_layers")) if lines else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from batchinfer.engine.embedding.request import EmbeddingOutput
 from batchinfer.engine.request import FinishReason
 from batchinfer.predictors.history import history_record
+from .io.embed_records import embedding_record
 from .io.records import error_record, input_error_record, output_record
 from .report.metrics import SessionMetrics
 from .run_dir import RunDir
@@ -37,6 +39,9 @@ class ResultWriter:
                                                   item.request_id, payload.metadata,
                                                   payload.custom_id, openai=openai))
             self.metrics.on_error(code, now)
+        elif kind == "output" and isinstance(item, EmbeddingOutput):   # no reply: no history
+            self.run_dir.write_output(embedding_record(item, item.payload, self.model_id))
+            self.metrics.on_result(item, now)
         elif kind == "output":
             self.run_dir.write_output(output_record(item, item.payload, self.model_id))
             self.metrics.on_result(item, now)     # on disk: counted even if history fails

@@ -82,6 +82,11 @@ class StrategyParams(NumbersNotBooleans):
         and returns True; False: the engine's own sizing applies (engine.build.preflight)."""
         return False
 
+    def runs_embeddings(self) -> bool:
+        """Whether an embedding job (`model.task: embed`) may run with it: the embedding
+        engine's batching (build_engine None), or an engine of its own that embeds."""
+        return False
+
     def reads_length_forecasts(self) -> bool:
         """Whether the scheduler uses each request's predicted output length; `predictor: auto`
         builds a predictor only for strategies that do."""
@@ -180,6 +185,9 @@ class BaselineStrategy(StrategyParams, SchedulerConfig):
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.model_dump(include=set(SchedulerConfig.model_fields)))
+
+    def runs_embeddings(self) -> bool:
+        return True          # the embedding engine, under max_num_seqs / max_num_batched_tokens
 
     def prepares_inputs_ahead(self) -> bool:
         return self.prepare_ahead

@@ -239,8 +239,9 @@ class InputReader:
     """
 
     def __init__(self, path: Path, io: IOConfig, defaults: SamplingParams, shard: Shard = Shard(),
-                 fmt: Optional[str] = None, limit: Optional[int] = None):
+                 fmt: Optional[str] = None, limit: Optional[int] = None, embed: bool = False):
         self.path = Path(path)
+        self.embed = embed        # an embedding job's records (runner/io/embed_inputs.py)
         problem = input_file_problem(self.path)
         if problem:
             raise InputFileError(f"{self.path}: {problem}")
@@ -274,9 +275,17 @@ class InputReader:
     def _parsed(self) -> Iterator[Parsed]:
         if self.format in ("jsonl", "openai"):
             parse = parse_openai if self.format == "openai" else parse_plain_or_chat
+            if self.embed:
+                from .embed_inputs import parse_embed_openai, parse_embed_plain
+
+                embed_parse = parse_embed_openai if self.format == "openai" else parse_embed_plain
+                parse = lambda value, number, _: embed_parse(value, number)   # noqa: E731
             hint = self._columns_hint()
             for line in iter_jsonl(self.path, self.io.max_line_bytes, self.shard):
                 item = line.error if line.error else parse(line.value, line.number, self.defaults)
+                if isinstance(item, InputError) and item.code == "unsupported_url" and \
+                        not self.embed and "/v1/embeddings" in item.message:
+                    item.message += "; for embeddings set model.task: embed"
                 if hint and isinstance(item, InputError) and item.code in ("unknown_key",
                                                                            "missing_prompt"):
                     item.message += hint
@@ -297,6 +306,12 @@ class InputReader:
                 elif not isinstance(row, dict):
                     yield InputError(number, "not_an_object", "a request must be a JSON object, "
                                      f"not {json_type_name(row)}")
+                elif self.embed:
+                    from .embed_inputs import parse_embed_row
+
+                    yield parse_embed_row(row, number, io.prompt_field, io.messages_field,
+                                          io.id_field, io.metadata_fields,
+                                          blank_is_null=self.format == "csv")
                 else:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                             io.messages_field, io.id_field, io.metadata_fields,

@@ -1,0 +1,270 @@
+"""Input records of an embedding job (`model.task: embed`) -> request specs, or input errors.
+
+    plain   {"prompt": "..." | [token ids], "id"?, "metadata"?, "dimensions"?,
+             "use_activation"?, "truncate_prompt_tokens"?}
+    chat    {"messages": [...], ...}: rendered by the chat template without the generation
+            prompt (vLLM's embeddings chat request: add_generation_prompt false)
+    OpenAI  {"custom_id", "method": "POST", "url": "/v1/embeddings",
+             "body": {"input": "..." | ["...", ...] | [ids] | [[ids], ...] | [messages],
+                      "model"?, "dimensions"?, "encoding_format"?: float | base64, "user"?,
+                      "use_activation"?, "truncate_prompt_tokens"?, "add_special_tokens"?}}
+            (or body.messages, as vLLM's server takes a conversation); one line, one record,
+            one embedding per input.
+
+Sampling keys ask for nothing an embedding does: a plain line or the recipe that sets one is
+refused naming it (vLLM's LLM.embed takes no sampling parameters); in an OpenAI body, where
+vLLM's server ignores keys it does not know, they are ignored with one warning per job.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from batchinfer.engine.request import SAMPLING_KEYS
+
+from .chat_options import CHAT_OPTION_KEYS, chat_options
+from .input_records import (InputError, Parsed, RequestSpec, _is_token_ids, _request_id,
+                            check_messages, content_parts, json_type_name, lone_surrogate,
+                            normalize_messages)
+
+log = logging.getLogger("batchinfer")
+
+EMBED_URL = "/v1/embeddings"
+# what RequestSpec.extra carries for an embedding request
+INPUTS, OPTIONS = "embed_inputs", "embed_options"
+EMBED_OPTION_KEYS = frozenset({"dimensions", "use_activation", "truncate_prompt_tokens"})
+PLAIN_KEYS = frozenset({"id", "prompt", "messages", "metadata"}) | EMBED_OPTION_KEYS \
+    | CHAT_OPTION_KEYS
+BODY_KEYS = frozenset({"input", "messages", "model", "user", "encoding_format",
+                       "add_special_tokens"}) | EMBED_OPTION_KEYS | CHAT_OPTION_KEYS
+OPENAI_LINE_KEYS = frozenset({"custom_id", "method", "url", "body", "metadata"})
+ENCODING_FORMATS = ("float", "base64")
+_warned_ignored: set = set()
+
+
+def _options(record: dict, where: str) -> tuple[dict, Optional[str]]:
+    """dimensions / use_activation / truncate_prompt_tokens checked (null: the default)."""
+    options: dict[str, Any] = {}
+    for key in ("dimensions", "truncate_prompt_tokens"):
+        value = record.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return {}, f"{where}{key} must be a whole number, not {json_type_name(value)}"
+        low = 1 if key == "dimensions" else -1
+        if value < low:
+            return {}, (f"{where}{key} must be at least {low}"
+                        + (" (-1: the model's max_model_len)" if low < 0 else "")
+                        + f", got {value}")
+        options[key] = value
+    if record.get("use_activation") is not None:
+        if not isinstance(record["use_activation"], bool):
+            return {}, f"{where}use_activation must be true or false"
+        options["use_activation"] = record["use_activation"]
+    return options, None
+
+
+def _unknown(keys: set, allowed: frozenset, where: str) -> Optional[str]:
+    unknown = sorted(keys - allowed)
+    if not unknown:
+        return None
+    sampling = [k for k in unknown if k in SAMPLING_KEYS]
+    if sampling:
+        return (f"{where}{sampling[0]}: an embedding job (model.task: embed) does not sample; "
+                f"allowed keys: {', '.join(sorted(allowed))}")
+    return (f"unknown key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(where + repr(k) for k in unknown)} for an embedding job (model.task: "
+            f"embed); allowed: {', '.join(sorted(allowed))}")
+
+
+def _chat(spec: RequestSpec, messages: Any, record: dict, key: str, where: str
+          ) -> Optional[tuple[str, str]]:
+    """Fills spec.messages / chat_options; (code, message) when the conversation is not one."""
+    problem = check_messages(messages, key)
+    if problem:
+        return "invalid_messages", problem
+    spec.messages = normalize_messages(messages)
+    spec.content_parts = content_parts(messages)
+    for i, msg in enumerate(spec.messages):
+        if isinstance(msg.get("content"), str):
+            problem = lone_surrogate(msg["content"], f"{key}[{i}].content")
+            if problem:
+                return "invalid_text", problem
+    # vLLM's embeddings chat request: no generation prompt unless the line asks for one
+    spec.chat_options, problem = chat_options({"add_generation_prompt": False, **{
+        k: v for k, v in record.items() if k in CHAT_OPTION_KEYS and v is not None}}, where)
+    if problem:
+        return "invalid_chat_options", problem
+    return None
+
+
+def _text_or_ids(value: Any, key: str) -> tuple[Any, Optional[tuple[str, str]]]:
+    """One input: text (non-empty, valid Unicode) or token ids."""
+    if isinstance(value, str):
+        if not value:
+            return None, ("empty_prompt", f"{key} is empty")
+        problem = lone_surrogate(value, key)
+        return (None, ("invalid_text", problem)) if problem else (value, None)
+    if _is_token_ids(value):
+        return list(value), None
+    if isinstance(value, list) and not value:
+        return None, ("empty_prompt", f"{key} is an empty array")
+    return None, ("invalid_type", f"{key} must be a string or an array of token ids, not "
+                  f"{json_type_name(value)}")
+
+
+def parse_embed_plain(record: Any, line: int, id_prefix: str = "line-",
+                      columns: Optional[tuple[str, str]] = None) -> Parsed:
+    """A plain or chat line of an embedding job (or a dataset row made into one: `columns`)."""
+    if not isinstance(record, dict):
+        return InputError(line, "not_an_object", f"a request must be a JSON object, not "
+                          f"{json_type_name(record)}")
+    rid = _request_id(record.get("id"), line, id_prefix)
+    if isinstance(rid, InputError):
+        return rid
+    metadata = record.get("metadata")
+    err = lambda code, msg: InputError(line, code, msg, request_id=rid,  # noqa: E731
+                                       metadata=metadata if isinstance(metadata, dict) else None)
+    if metadata is not None and not isinstance(metadata, dict):
+        return err("invalid_type", f"'metadata' must be an object, not {json_type_name(metadata)}")
+    problem = _unknown(set(record), PLAIN_KEYS, "")
+    if problem:
+        code = "unsupported_parameter" if "does not sample" in problem else "unknown_key"
+        return err(code, problem)
+    names = ({"prompt": "'prompt'", "messages": "'messages'"} if columns is None else
+             {"prompt": f"column '{columns[0]}' (io.prompt_field)",
+              "messages": f"column '{columns[1]}' (io.messages_field)"})
+    has_prompt, has_messages = "prompt" in record, "messages" in record
+    if has_prompt == has_messages:
+        return err("missing_prompt" if not has_prompt else "ambiguous_request",
+                   f"a request needs exactly one of {names['prompt']} (text or token ids) or "
+                   f"{names['messages']} (chat)")
+    spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
+    options, problem = _options(record, "")
+    if problem:
+        return err("invalid_parameter", problem)
+    if has_prompt:
+        keys = sorted(k for k in CHAT_OPTION_KEYS & record.keys() if record[k] is not None)
+        if keys:
+            return err("invalid_chat_options", f"'{keys[0]}' applies to a chat request "
+                       "('messages'); a 'prompt' is embedded as written")
+        value, problem = _text_or_ids(record["prompt"], names["prompt"])
+        if problem:
+            return err(*problem)
+        spec.prompt = value
+        spec.extra[INPUTS] = [value]
+    else:
+        problem = _chat(spec, record["messages"], record,
+                        "messages" if columns is None else columns[1], "")
+        if problem:
+            return err(*problem)
+        spec.extra[INPUTS] = [None]           # the conversation, rendered at admission
+    spec.extra[OPTIONS] = options
+    return spec
+
+
+def parse_embed_row(row: dict, line: int, prompt_field: str, messages_field: str,
+                    id_field: str, metadata_fields: list[str], blank_is_null: bool = False
+                    ) -> Parsed:
+    """A dataset row of an embedding job: the configured columns, others ignored."""
+    record: dict[str, Any] = {}
+    if row.get(id_field) is not None:
+        record["id"] = row[id_field]
+    if row.get(messages_field) is not None:
+        record["messages"] = row[messages_field]
+    elif prompt_field in row:
+        record["prompt"] = "" if blank_is_null and row[prompt_field] is None else row[prompt_field]
+    if metadata_fields:
+        record["metadata"] = {k: row.get(k) for k in metadata_fields}
+    parsed = parse_embed_plain(record, line, "row-", (prompt_field, messages_field))
+    if isinstance(parsed, InputError) and parsed.code == "missing_prompt":
+        parsed.message = (f"the row has neither a '{prompt_field}' nor a '{messages_field}' "
+                          f"value (columns: {', '.join(map(str, row))}); set io.prompt_field or "
+                          "io.messages_field")
+    return parsed
+
+
+def _is_chat_messages(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
+
+
+def parse_embed_openai(record: Any, line: int) -> Parsed:
+    """An OpenAI batch line of an embedding job (url /v1/embeddings)."""
+    if not isinstance(record, dict):
+        return InputError(line, "not_an_object", f"a request must be a JSON object, not "
+                          f"{json_type_name(record)}")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return InputError(line, "invalid_custom_id", "an OpenAI batch line needs 'custom_id', a "
+                          "non-empty string")
+    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else None
+    url = record.get("url")
+    err = lambda code, msg: InputError(line, code, msg, request_id=custom_id,  # noqa: E731
+                                       custom_id=custom_id, metadata=metadata,
+                                       openai_url=EMBED_URL if url == EMBED_URL else None)
+    unknown = sorted(set(record) - OPENAI_LINE_KEYS)
+    if unknown:
+        return err("unknown_key", f"unknown key {unknown[0]!r}; allowed: "
+                   f"{', '.join(sorted(OPENAI_LINE_KEYS))}")
+    if record.get("metadata") is not None and metadata is None:
+        return err("invalid_type", "'metadata' must be an object")
+    if record.get("method") != "POST":
+        return err("unsupported_method", f"method {record.get('method')!r} is not supported; "
+                   "OpenAI batch lines use POST")
+    if url != EMBED_URL:
+        return err("unsupported_url", f"url {url!r}: this is an embedding job (model.task: "
+                   f"embed), whose lines go to {EMBED_URL}")
+    body = record.get("body")
+    if not isinstance(body, dict):
+        return err("invalid_body", f"'body' must be an object, not {json_type_name(body)}")
+    ignored = sorted(set(body) - BODY_KEYS)
+    fresh = [k for k in ignored if k not in _warned_ignored]
+    if fresh:
+        _warned_ignored.update(fresh)
+        log.warning("line %d: body key(s) %s do not apply to /v1/embeddings and are ignored "
+                    "(as vLLM's server ignores them); said once per key", line,
+                    ", ".join(fresh))
+    spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,
+                       metadata=metadata, extra={"model": body.get("model")})
+    options, problem = _options(body, "body.")
+    if problem:
+        return err("invalid_parameter", problem)
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ENCODING_FORMATS:
+        return err("invalid_parameter", f"body.encoding_format must be one of "
+                   f"{', '.join(ENCODING_FORMATS)}, not {fmt!r}")
+    options["encoding_format"] = fmt or "float"
+    if body.get("add_special_tokens") is not None:
+        if not isinstance(body["add_special_tokens"], bool):
+            return err("invalid_parameter", "body.add_special_tokens must be true or false")
+        options["add_special_tokens"] = body["add_special_tokens"]
+    spec.extra[OPTIONS] = options
+    has_input, has_messages = body.get("input") is not None, body.get("messages") is not None
+    if has_input == has_messages:
+        return err("missing_prompt" if not has_input else "ambiguous_request",
+                   "the body needs exactly one of body.input (text, texts, token ids or a "
+                   "conversation) or body.messages (a conversation)")
+    if has_messages or _is_chat_messages(body.get("input")):
+        key = "body.messages" if has_messages else "body.input"
+        problem = _chat(spec, body.get("messages") or body["input"], body, key, "body.")
+        if problem:
+            return err(*problem)
+        spec.extra[INPUTS] = [None]
+        return spec
+    value = body["input"]
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        inputs = []
+        for i, item in enumerate(value):
+            one, problem = _text_or_ids(item, f"body.input[{i}]")
+            if problem:
+                return err(*problem)
+            inputs.append(one)
+    else:
+        one, problem = _text_or_ids(value, "body.input")
+        if problem:
+            return err(*problem)
+        inputs = [one]
+    spec.prompt = inputs[0] if len(inputs) == 1 else None
+    spec.extra[INPUTS] = inputs
+    return spec

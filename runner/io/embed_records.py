@@ -1,0 +1,129 @@
+"""An embedding job's checked spec -> an EmbeddingRequest (tokenized, truncated as vLLM's
+pooling requests are), and its result -> the record on disk:
+
+    plain / chat: {"id", "embedding": [...], "prompt_tokens": n, "metadata"?}
+    OpenAI batch: the batch output envelope around vLLM's / OpenAI's embeddings response,
+                  {"object": "list", "data": [{"object": "embedding", "embedding", "index"}],
+                   "model", "usage": {"prompt_tokens", "total_tokens"}}, one data entry per input
+"""
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingRequest
+from batchinfer.engine.errors import RequestError
+
+from .embed_inputs import INPUTS, OPTIONS
+from .input_records import RequestSpec
+from .records import RequestPayload, _short_hash
+
+
+@dataclass
+class EmbedPayload(RequestPayload):
+    encoding_format: str = "float"      # OpenAI lines: float or base64
+
+
+def _truncated(ids: list[int], keep: Optional[int], side: str) -> list[int]:
+    if keep is None or keep >= len(ids):
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
+
+
+def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
+                    chat_template: str = "auto") -> list[list[int]]:
+    """Each input's prompt token ids. truncate_prompt_tokens (-1: max_model_len) keeps that
+    many tokens as vLLM does: text through the tokenizer's own truncation (special tokens
+    kept), token ids and conversations cut on the tokenizer's truncation side."""
+    options = spec.extra.get(OPTIONS, {})
+    keep = options.get("truncate_prompt_tokens")
+    if keep is not None and keep > max_model_len:
+        raise RequestError("invalid_parameter", f"truncate_prompt_tokens={keep} cannot be "
+                           f"greater than max_model_len = {max_model_len}")
+    if keep == -1:
+        keep = max_model_len
+    special = options.get("add_special_tokens", True)
+    hf = tokenizer.hf
+    side = getattr(hf, "truncation_side", "right")
+    out = []
+    try:
+        for value in spec.extra[INPUTS]:
+            if value is None:             # the conversation
+                if chat_template == "never":
+                    from .admission import render_plain
+
+                    text = render_plain(spec.messages, **spec.chat_options)
+                    ids = list(hf.encode(text, add_special_tokens=True))
+                else:
+                    ids = tokenizer.apply_chat_template(spec.messages, parts=spec.content_parts,
+                                                        **spec.chat_options)
+                out.append(_truncated(ids, keep, side))
+            elif isinstance(value, str):
+                if keep is not None:
+                    out.append(list(hf.encode(value, add_special_tokens=special,
+                                              truncation=True, max_length=keep)))
+                else:
+                    out.append(list(hf.encode(value, add_special_tokens=special)))
+            else:
+                out.append(_truncated(list(value), keep, side))
+    except RequestError:
+        raise
+    except Exception as exc:   # the tokenizer rejects the text
+        raise RequestError("tokenization_failed", f"the tokenizer could not encode the prompt: "
+                           f"{type(exc).__name__}: {exc}") from None
+    return out
+
+
+def build_embed_request(spec: RequestSpec, tokenizer, order: int, max_model_len: int,
+                        chat_template: str = "auto") -> EmbeddingRequest:
+    options = spec.extra.get(OPTIONS, {})
+    payload = EmbedPayload.from_spec(spec, order)
+    payload.encoding_format = options.get("encoding_format", "float")
+    return EmbeddingRequest(
+        request_id=spec.request_id,
+        inputs=input_token_ids(spec, tokenizer, max_model_len, chat_template),
+        dimensions=options.get("dimensions"), use_activation=options.get("use_activation"),
+        payload=payload, arrival_index=order,
+        prompt=spec.prompt if isinstance(spec.prompt, str) else None)
+
+
+def _encoded(vector: list[float], fmt: str) -> Any:
+    """base64: the float32 values' little-endian bytes, as OpenAI's client decodes them."""
+    if fmt == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+def embedding_record(out: EmbeddingOutput, payload: RequestPayload, model_id: str) -> dict:
+    if payload.openai_url:
+        return openai_embedding_output(out, payload, model_id)
+    record: dict[str, Any] = {"id": out.request_id, "embedding": out.embeddings[0],
+                              "prompt_tokens": out.num_prompt_tokens}
+    if payload.metadata is not None:
+        record["metadata"] = payload.metadata
+    return record
+
+
+def openai_embedding_output(out: EmbeddingOutput, payload: RequestPayload,
+                            model_id: str) -> dict:
+    key = _short_hash(payload.custom_id or out.request_id)
+    fmt = getattr(payload, "encoding_format", "float")
+    body = {
+        "id": f"embd-{key}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": payload.openai_model or model_id,
+        "data": [{"index": i, "object": "embedding", "embedding": _encoded(vector, fmt)}
+                 for i, vector in enumerate(out.embeddings)],
+        "usage": {"prompt_tokens": out.num_prompt_tokens,
+                  "total_tokens": out.num_prompt_tokens},
+    }
+    record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
+              "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
+              "error": None}
+    if payload.metadata is not None:
+        record["metadata"] = payload.metadata
+    return record
