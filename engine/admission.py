@@ -51,3 +51,17 @@ def check_prompt_ids(ids, max_model_len: int, vocab_size: int) -> None:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         raise RequestError("bad_token_id", f"prompt token ids out of range: {bad[:5]}; this "
                            f"model's ids are 0..{vocab_size - 1}")
+
+
+def check_lora(request: Request, adapters) -> None:
+    """Sets the request's LoRA adapter slot (its index in model.lora_modules + 1; 0: none);
+    RequestError naming the key and the adapters there are for a name not among them."""
+    if request.lora is None:
+        request.lora_slot = 0
+        return
+    names = list(adapters or ())
+    if not isinstance(request.lora, str) or request.lora not in names:
+        known = ", ".join(repr(n) for n in names) if names else "none (model.lora_modules is empty)"
+        raise RequestError("unknown_lora", f"lora: {request.lora!r} is not a LoRA adapter of "
+                           f"this job; the adapters are {known}")
+    request.lora_slot = names.index(request.lora) + 1

@@ -41,6 +41,8 @@ class AttentionMetadata:
     # KV layer groups (kv_groups.py): the metadata of groups 1.. (this one is group 0's), the
     # same batch over each group's block tables; () with one table per sequence
     groups: tuple = field(default=(), repr=False, compare=False)
+    # LoRA adapters (model/lora.py): the step's token groups per adapter; None: no adapter
+    lora: Optional[object] = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,7 @@ from .model.fast_linear import linear_kernel_label
 from .model.fused_experts import use_triton_experts
 from .model.int8_linear import resolve_quantization
 from .model.loader import build_model, load_arch
+from .model.lora_adapters import checked_lora, lora_info
 from .model.sources import model_id_for, resolve_model_dir
 from .sampler import Sampler
 from .structured_output import tokenizer_source
@@ -165,6 +166,7 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
     if not getattr(config.strategy, "external_engine", False):   # another engine's settings
         check_backend_choice(config.device.attention_backend, device.type, dtype)
         check_quantization_setting(config.model.quantization, device.type, dtype)
+        checked_lora(config.model, arch)         # the adapters' files against the model
     layout = ParallelLayout.resolve(config.parallel, arch)
     check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
@@ -325,8 +327,9 @@ def _build_single_process(config: EngineConfig) -> Engine:
                                         device, dtype)
     check_weights_fit(config, arch, device, dtype)
     dummy = config.model.load_format == "dummy"
-    model = build_model(Path(model_dir), arch, dtype, device, max_model_len,
-                        dummy=dummy, seed=config.model.seed, quantization=quantization)
+    model = build_model(Path(model_dir), arch, dtype, device, max_model_len, dummy=dummy,
+                        seed=config.model.seed, quantization=quantization,
+                        lora=checked_lora(config.model, arch))
     backend = select_backend(config.device.attention_backend, device, dtype, arch, kv_dtype)
     fused_ops = fused_ops_for(backend.name)
     if fused_ops is not None:
@@ -383,7 +386,7 @@ def _build_single_process(config: EngineConfig) -> Engine:
         "moe_kernel": moe_kernel_label(arch, device, triton_experts),
         "kv_window": block_manager.window,
         "preemption_mode": "swap" if swap_blocks else "recompute",
-        "kv_swap_blocks": swap_blocks,
+        "kv_swap_blocks": swap_blocks, **lora_info(config.model),
         **({"kv_groups": groups.describe()} if groups is not None else {}),
     }
     log_kv_cache(groups, spec.num_blocks, spec.block_size, max_model_len, info["kv_cache_bytes"],

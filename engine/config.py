@@ -85,6 +85,25 @@ class ModelConfig(_Strict):
     # For load_format=dummy: override fields of the model's config.json (e.g. head counts).
     hf_overrides: dict = Field(default_factory=dict)
     seed: int = 0
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters, name -> a local PEFT adapter "
+        "directory (adapter_config.json + adapter_model.safetensors), as vLLM's --lora-modules; "
+        "a request picks one with `lora: <name>` (an OpenAI batch line with its body's model)")
+    max_lora_rank: int = Field(16, ge=1, description="the largest adapter rank accepted "
+                               "(vLLM's default 16)")
+    max_loras: Optional[int] = Field(
+        None, ge=1, description="adapters one step may mix (vLLM's max_loras, default 1 there); "
+        "empty: every adapter of lora_modules, all loaded at start")
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, value: dict) -> dict:
+        for name, path in value.items():
+            if not name or not name.strip():
+                raise ValueError("an adapter's name must not be empty")
+            if not path:
+                raise ValueError(f"{name}: the adapter's directory is empty")
+        return value
 
     @field_validator("chat_template")
     @classmethod

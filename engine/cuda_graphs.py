@@ -201,8 +201,8 @@ class DecodeGraphs:
         """Writes a pure-decode plan that fits a graph into the static inputs (capturing its
         graph first if it has none yet); None: the step runs eagerly."""
         n = len(plan.query_lens)
-        if n == 0 or n > self.sizes[-1] or len(plan.sample_items) != n:
-            return None
+        if n == 0 or n > self.sizes[-1] or len(plan.sample_items) != n or plan.lora_slots:
+            return None       # (a LoRA adapter's tokens: its groups change step to step)
         if any(q != 1 for q in plan.query_lens):
             return None
         blocks = max(len(t) for t in plan.block_tables)

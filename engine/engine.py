@@ -24,7 +24,7 @@ from .kv_stats import prefix_cache_stats, swap_stats
 from .output import OutputProcessor
 from .parallel_sampling import ParallelSampling
 from .prompt_logprobs import add_scores, prompt_slices
-from .admission import check_prompt
+from .admission import check_lora, check_prompt
 from .request import FinishReason, Request, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .scheduler import MicroBatch, Scheduler
 from .token_constraints import tokenize_bad_words
@@ -104,6 +104,7 @@ class Engine:
         if taken is not None:
             raise RequestError("duplicate_id", f"request id {taken!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
+        check_lora(request, self.info.get("lora_modules"))     # its adapter's slot
         tokenize_bad_words(request, self.tokenizer, self.vocab_size)
         if request.sampling.structured_outputs is not None:     # compiled once per spec
             check_grammar(request, self.tokenizer, self.vocab_size)

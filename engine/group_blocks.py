@@ -217,13 +217,14 @@ class GroupedBlockManager(BlockManager):
         return block
 
     # --- prefix caching ---------------------------------------------------------------------------
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
+                     root: Optional[tuple] = None) -> int:
         if self.prefix is None:
             return 0
         if self._tables.get(seq_id):
             raise ValueError(f"{seq_id!r} already has blocks")
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        anchors = self.prefix.match(token_ids, self.block_size, max_blocks)
+        anchors = self.prefix.match(token_ids, self.block_size, max_blocks, root)
         count = self._whole_prefix(anchors)
         self._indexed[seq_id] = (count, anchors[count - 1] if count else None)
         if not count:
@@ -256,7 +257,7 @@ class GroupedBlockManager(BlockManager):
         return 0
 
     def cache_computed(self, seq_id: Hashable, token_ids: Sequence[int],
-                       num_computed: int) -> None:
+                       num_computed: int, root: Optional[tuple] = None) -> None:
         """Indexes the anchors of `seq_id`'s computed full blocks, each with its row (the slots
         a windowed group already released stay out of it)."""
         if not self.has_uncached_blocks(seq_id, num_computed):
@@ -267,7 +268,7 @@ class GroupedBlockManager(BlockManager):
         done, parent = self._indexed.get(seq_id, (0, None))
         for i in range(done, full):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            cached = self.prefix.register(table[i], parent, tokens)
+            cached = self.prefix.register(table[i], parent, tokens, root)
             if cached is None:
                 self._indexed[seq_id] = (_CHAIN_BROKEN, None)
                 return

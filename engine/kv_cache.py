@@ -228,16 +228,17 @@ class BlockManager:
         return self.prefix.evict()
 
     # --- prefix caching ---------------------------------------------------------------------------
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int],
+                     root: Optional[tuple] = None) -> int:
         """Starts `seq_id`'s table (it has none) with the cached blocks of token_ids' prefix;
         -> the tokens they hold. At least the last token is left to compute: a query is never
-        empty."""
+        empty. root (here and below): the chain's, Request.prefix_root (a LoRA adapter)."""
         if self.prefix is None:
             return 0
         if self._tables.get(seq_id):
             raise ValueError(f"{seq_id!r} already has blocks")
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        blocks = self.prefix.match(token_ids, self.block_size, max_blocks)
+        blocks = self.prefix.match(token_ids, self.block_size, max_blocks, root)
         for block in blocks:
             if self._ref[block] == 0:
                 self.prefix.unpark(block)
@@ -253,26 +254,29 @@ class BlockManager:
         self.prefix_hit_tokens += cached_tokens
 
     def _next_keys(self, seq_id: Hashable, token_ids: Sequence[int],
-                   count: Optional[int] = None) -> tuple[int, list[int]]:
+                   count: Optional[int] = None, root: Optional[tuple] = None
+                   ) -> tuple[int, list[int]]:
         """(index, keys) of the full blocks of token_ids after those `seq_id` matched."""
         done, last = self._indexed.get(seq_id, (0, None))
         full = len(token_ids) // self.block_size
         count = full - done if count is None else min(count, full - done)
-        parent_key = self.prefix.key_of(last) if last is not None else None
+        parent_key = self.prefix.key_of(last) if last is not None else root
         return done, self.prefix.chain_keys(token_ids, self.block_size, done, max(count, 0),
                                             parent_key)
 
-    def start_computing(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+    def start_computing(self, seq_id: Hashable, token_ids: Sequence[int],
+                        root: Optional[tuple] = None) -> None:
         """`seq_id` was admitted to compute token_ids past its cached prefix: until their
         blocks are indexed, a sequence that needs the same blocks can wait for them."""
         if self.prefix is None:
             return
-        first, keys = self._next_keys(seq_id, token_ids)
+        first, keys = self._next_keys(seq_id, token_ids, root=root)
         self._computing_of[seq_id] = (first, keys)
         for key in keys:
             self._computing[key] = self._computing.get(key, 0) + 1
 
-    def computing_elsewhere(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
+    def computing_elsewhere(self, seq_id: Hashable, token_ids: Sequence[int],
+                            root: Optional[tuple] = None) -> bool:
         """Whether the first block of token_ids past `seq_id`'s cached prefix (a full block
         before its last token) is being computed by a running sequence."""
         if self.prefix is None or not self._computing:
@@ -280,7 +284,7 @@ class BlockManager:
         done, _ = self._indexed.get(seq_id, (0, None))
         if (done + 1) * self.block_size > len(token_ids) - 1:
             return False
-        _, keys = self._next_keys(seq_id, token_ids, 1)
+        _, keys = self._next_keys(seq_id, token_ids, 1, root)
         return bool(keys) and keys[0] in self._computing
 
     def computed(self, seq_id: Hashable, num_computed: int) -> None:
@@ -309,7 +313,7 @@ class BlockManager:
         return full > self._indexed.get(seq_id, (0, None))[0]
 
     def cache_computed(self, seq_id: Hashable, token_ids: Sequence[int],
-                       num_computed: int) -> None:
+                       num_computed: int, root: Optional[tuple] = None) -> None:
         """Indexes `seq_id`'s full blocks whose `num_computed` leading tokens' KV is written."""
         if not self.has_uncached_blocks(seq_id, num_computed):
             return
@@ -318,7 +322,7 @@ class BlockManager:
         done, parent = self._indexed.get(seq_id, (0, None))
         for i in range(done, full):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = self.prefix.register(table[i], parent, tokens)
+            parent = self.prefix.register(table[i], parent, tokens, root)
             if parent is None:      # the chain's cached parent was evicted: nothing after it
                 self._indexed[seq_id] = (_CHAIN_BROKEN, None)
                 return

@@ -16,6 +16,10 @@ empties its slot of the row, and evicting an anchor drops its row (its parked co
 to the pool: `orphans`). The block manager matches a prefix only as far as the rows its windows
 still need are whole (kv_groups.GroupedBlockManager.match_prefix).
 
+A chain may start from a root (`Request.prefix_root`: a LoRA adapter) instead of nothing: the
+root stands for the first block's parent and parent key, so two adapters' equal prompts never
+share a block (vLLM puts the LoRA id in the block hash's extra keys).
+
 Pure Python over block ids, used by the block manager (engine/kv_cache.py).
 """
 from __future__ import annotations
@@ -24,7 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-Parent = Optional[tuple[int, int]]      # (block, generation) of the previous block; None: first
+# (block, generation) of the previous block; the chain's root for the first (None: no root)
+Parent = Optional[tuple]
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,14 @@ class PrefixIndex:
             keys.append(parent_key)
         return keys
 
-    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
+    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int,
+              root: Optional[tuple] = None) -> list[int]:
         """The cached blocks that hold token_ids' first full blocks, in order (at most
-        max_blocks), stopping at the first block not cached."""
+        max_blocks), stopping at the first block not cached. root: the chain's (a LoRA
+        adapter's; None: none)."""
         blocks: list[int] = []
-        parent: Parent = None
-        parent_key: Optional[int] = None
+        parent: Parent = root
+        parent_key: Optional[object] = root
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
             if len(tokens) < block_size:
@@ -104,15 +111,15 @@ class PrefixIndex:
 
     # --- changes --------------------------------------------------------------------------------
     def register(self, block: int, parent_block: Optional[int],
-                 tokens: tuple[int, ...]) -> Optional[int]:
+                 tokens: tuple[int, ...], root: Optional[tuple] = None) -> Optional[int]:
         """`block` now holds `tokens`, following cached `parent_block` (None: a sequence's
-        first block). -> the cached block that stands for this content from now on: `block`, or
-        an equal block cached before it (`block` then stays private); None when the parent is
-        no longer cached (nothing after it can be)."""
+        first block, after `root`). -> the cached block that stands for this content from now
+        on: `block`, or an equal block cached before it (`block` then stays private); None when
+        the parent is no longer cached (nothing after it can be)."""
         if block in self._entries:
             return block
         if parent_block is None:
-            parent, parent_key = None, None
+            parent, parent_key = root, root
         else:
             entry = self._entries.get(parent_block)
             if entry is None:

@@ -236,6 +236,15 @@ class Request:
     # sampling.bad_words as token ids (token_constraints.bad_words_token_ids), set when the
     # engine admits the request
     bad_words_token_ids: Optional[list[list[int]]] = None
+    # the LoRA adapter (a name of model.lora_modules; None: the base model) and its slot, which
+    # the engine sets when it admits the request (0: none; model/lora_adapters.py)
+    lora: Optional[str] = None
+    lora_slot: int = 0
+
+    @property
+    def prefix_root(self) -> Optional[tuple]:
+        """What a prefix cache's chain starts from: its adapter (two adapters never share KV)."""
+        return None if self.lora is None else ("lora", self.lora)
 
 
 # an output token sampled on the device whose value the host has not read yet (async scheduling)

@@ -228,7 +228,8 @@ class BatchingScheduler(Scheduler):
                 seq = item.seq
                 bm.computed(seq.request_id, seq.num_computed_tokens)
                 if bm.has_uncached_blocks(seq.request_id, seq.num_computed_tokens):
-                    bm.cache_computed(seq.request_id, seq.token_ids(), seq.num_computed_tokens)
+                    bm.cache_computed(seq.request_id, seq.token_ids(), seq.num_computed_tokens,
+                                      seq.request.prefix_root)     # its LoRA adapter's chain
         finished = [item.seq for item in batch.items if item.seq.is_finished]
         for seq in finished:
             self.block_manager.free(seq.request_id)
@@ -335,7 +336,8 @@ class BatchingScheduler(Scheduler):
         bm = self.block_manager
         if bm.prefix is not None and seq.num_computed_tokens == 0 and \
                 not bm.block_table(seq.request_id) and seq.request.sampling.prompt_logprobs is None:
-            seq.num_computed_tokens = bm.match_prefix(seq.request_id, seq.token_ids())
+            seq.num_computed_tokens = bm.match_prefix(seq.request_id, seq.token_ids(),
+                                                      seq.request.prefix_root)
 
     def _waits_for_prefix(self, seq: Sequence) -> bool:
         """Prefix caching: the head of the queue waits while a running sequence computes the
@@ -344,7 +346,7 @@ class BatchingScheduler(Scheduler):
         bm = self.block_manager
         if bm.prefix is None or not self.wait_for_shared_prefix or \
                 seq.request.sampling.prompt_logprobs is not None or \
-                not bm.computing_elsewhere(seq.request_id, seq.token_ids()):
+                not bm.computing_elsewhere(seq.request_id, seq.token_ids(), seq.request.prefix_root):
             return False
         if seq.num_computed_tokens:           # its matched blocks go back to the cache
             bm.free(seq.request_id)
@@ -376,7 +378,8 @@ class BatchingScheduler(Scheduler):
             return False
         if self.block_manager.prefix is not None:
             self.block_manager.count_admission(seq.num_tokens, seq.num_computed_tokens)
-            self.block_manager.start_computing(seq.request_id, seq.token_ids())
+            self.block_manager.start_computing(seq.request_id, seq.token_ids(),
+                                               seq.request.prefix_root)
         self.waiting.popleft()
         self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_tokens)
         seq.status = SequenceStatus.RUNNING

@@ -15,6 +15,7 @@ import torch
 from .attention import GROUP_DTYPES, METADATA_DTYPES, AttentionMetadata, metadata_lists
 from .host_to_device import packed_to_device
 from .kv_cache import BlockManager
+from .model.lora import lora_step
 from .request import PENDING_TOKEN, Request
 from .scheduler import MicroBatch
 
@@ -45,6 +46,8 @@ class StepPlan:
     table_deltas: Optional[object] = None
     # prompt positions the rank with the LM head scores (prompt_logprobs.py); None: none
     prompt_scores: Optional[list] = None
+    # each item's LoRA adapter slot (model/lora.py); empty where no item uses an adapter
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,9 +93,10 @@ def plan_batch(batch: MicroBatch, block_manager: BlockManager, mb_id: int = 0) -
             sample_ids.append(seq.request_id)
             output_lens.append(len(seq.output_token_ids))
     swaps = block_manager.swap.take_ops() if block_manager.swap is not None else []
+    slots = [item.seq.request.lora_slot for item in batch.items]
     return StepPlan(mb_id, ids, query_lens, seq_lens, tables, sample_items, sample_ids, output_lens,
                     pending=pending, group_tables=groups, kv_swaps=swaps,
-                    prompt_scores=batch.prompt_scores)
+                    prompt_scores=batch.prompt_scores, lora_slots=slots if any(slots) else [])
 
 
 def input_lists(plan: StepPlan, block_size: int) -> dict[str, list]:
@@ -134,6 +138,7 @@ def model_inputs(plan: StepPlan, block_size: int, device: torch.device,
         groups = len(plan.group_tables)
         meta.with_groups(tensors["group_block_tables"].view(groups, len(tables), width),
                          tensors["group_slot_blocks"].view(groups, -1))
+    meta.lora = lora_step(plan.lora_slots, plan.query_lens, device)
     return ModelInputs(tensors["input_ids"], tensors["positions"], meta, tensors["logits_rows"])
 
 

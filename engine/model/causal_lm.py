@@ -60,6 +60,7 @@ class CausalLM(nn.Module):
     # model on CPU, whose activations stay fp32)
     linear_weight_dtype = torch.float32
     linear_quantization = None      # int8_linear.LinearQuantization (model.quantization)
+    lora = None                     # lora.LoraState where LoRA adapters are attached
 
     def __init__(self, arch: ModelArch, max_positions: int,
                  partition: ModelPartition = ModelPartition(),
@@ -158,6 +159,8 @@ class CausalLM(nn.Module):
 
         A stage boundary passes both tensors, [T, hidden_size] each (whole, on every TP rank).
         """
+        if self.lora is not None:       # the step's adapter groups, read by every LoRA linear
+            self.lora.step = meta.lora
         if self.is_first:
             hidden, residual = self._embed(input_ids), None
         # .forward, not __call__: ~10 us of hook bookkeeping a module call (no hooks are ever

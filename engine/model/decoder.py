@@ -50,6 +50,8 @@ class Attention(nn.Module):
     window, a logit soft-cap and attention sinks (the attention backend applies all three).
     """
 
+    lora_qkv = lora_o = None    # lora.LoraTarget where a LoRA adapter targets them
+
     def __init__(self, arch: ModelArch, layer_index: int, shard: ShardSizes,
                  tp: Optional[TensorParallelGroup]):
         super().__init__()
@@ -75,6 +77,8 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(hidden)
+        if self.lora_qkv is not None:
+            self.lora_qkv.add(qkv, hidden)
         if self.qk_norm == "head":
             self._norm_heads(qkv, ops)
         elif self.qk_norm == "full":
@@ -93,7 +97,10 @@ class Attention(nn.Module):
                                  self.softcap)
         else:
             out = backend.attend(q, key_cache, value_cache, meta, self.scale)
-        out = self.o_proj.forward(out.view(tokens, num_heads * head_dim))
+        attended = out.view(tokens, num_heads * head_dim)
+        out = self.o_proj.forward(attended)
+        if self.lora_o is not None:        # this rank's share of the delta, before the sum
+            self.lora_o.add(out, attended)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out
@@ -131,6 +138,8 @@ class MLP(nn.Module):
     rank's intermediate rows where they are not the dense MLP's (a shared expert; its caller
     sums over the ranks, so it passes no tp)."""
 
+    lora_gate_up = lora_down = None    # lora.LoraTarget where a LoRA adapter targets them
+
     def __init__(self, arch: ModelArch, shard: ShardSizes, tp: Optional[TensorParallelGroup],
                  rows: Optional[int] = None):
         super().__init__()
@@ -140,12 +149,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(rows, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if self.activation == "silu":
+        lora = self.lora_gate_up
+        if self.activation == "silu" and (lora is None or not lora.active):
             inner = ops.gate_up_silu_mul(self.gate_up_proj, x)
         else:
-            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-            inner = F.gelu(gate, approximate="tanh") * up
+            gate_up = self.gate_up_proj.forward(x)
+            if lora is not None:              # the delta goes in before the activation
+                lora.add(gate_up, x)
+            if self.activation == "silu":
+                inner = ops.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                inner = F.gelu(gate, approximate="tanh") * up
         out = self.down_proj.forward(inner)
+        if self.lora_down is not None:
+            self.lora_down.add(out, inner)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out

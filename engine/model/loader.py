@@ -375,11 +375,12 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
                 max_positions: int, partition: ModelPartition = ModelPartition(),
                 dummy: bool = False, seed: int = 0,
                 tp_group: Optional[TensorParallelGroup] = None, pack: bool = True,
-                quantization=None) -> CausalLM:
+                quantization=None, lora=None) -> CausalLM:
     """Builds the partition (a TP rank needs its `tp_group`) and fills it from the safetensors in
     `model_dir`, or from the seeded dummy weights, slicing the same full tensors either way.
     Dummy weights on a GPU are built there in the model's dtype: an 8B model's fp32 draw on the
-    host took longer than the benchmark it was for."""
+    host took longer than the benchmark it was for. lora: a lora_adapters.LoraSpec whose
+    adapters this partition applies (its layers, its slices: model/lora.py)."""
     on_device = dummy and device.type == "cuda"
     model, filler = empty_partition(arch, max_positions, partition, tp_group,
                                     *((device, dtype) if on_device else ()))
@@ -390,7 +391,12 @@ def build_model(model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: to
         else:
             _read_weights(safetensor_files(model_dir), filler, arch, str(model_dir))
             filler.check_complete(str(model_dir))
-    return finish_partition(model, device, dtype, pack, quantization)
+    model = finish_partition(model, device, dtype, pack, quantization)
+    if lora is not None:
+        from .lora import attach_adapters
+
+        attach_adapters(model, lora)
+    return model
 
 
 def empty_partition(arch: ModelArch, max_positions: int, partition: ModelPartition,

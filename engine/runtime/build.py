@@ -25,6 +25,7 @@ from ..kv_groups import (KVGroupLayout, check_group_capacity, groups_for, log_kv
 from ..kv_swap import attach_swap_space, swap_blocks_for
 from ..model.fast_linear import linear_kernel_label
 from ..model.int8_linear import LinearQuantization, resolve_quantization
+from ..model.lora_adapters import LoraSpec, checked_lora, lora_info
 from ..model.sources import model_id_for
 from ..structured_output import tokenizer_source
 from .executor import PipelineExecutor
@@ -108,6 +109,7 @@ class ModelSetup:
     dtype_reason: str = ""            # why this dtype (engine/cpu_dtype.py)
     quantization: Optional[LinearQuantization] = None   # model.quantization resolved
     triton_experts: bool = False      # device.moe_kernel resolved (build.use_triton_experts_for)
+    lora: Optional[LoraSpec] = None   # model.lora_modules, checked against the model
 
 
 def model_setup(config: EngineConfig) -> ModelSetup:
@@ -126,7 +128,8 @@ def model_setup(config: EngineConfig) -> ModelSetup:
     return ModelSetup(device, dtype, dtype.itemsize, kv_dtype, source.model_dir, source.model_id,
                       arch, source.max_model_len, source.tokenizer, backend.name,
                       dtype_choice.reason, quantization,
-                      use_triton_experts_for(config.device.moe_kernel, device, arch))
+                      use_triton_experts_for(config.device.moe_kernel, device, arch),
+                      checked_lora(config.model, arch))
 
 
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int,
@@ -228,7 +231,7 @@ def start_workers(config: EngineConfig, setup: ModelSetup, layout: ParallelLayou
         vocab_size=setup.arch.vocab_size, eos_token_ids=tuple(setup.tokenizer.eos_token_ids),
         tokenizer_source=tokenizer_source(setup.tokenizer),
         timeout_s=config.parallel.step_timeout_seconds, tp_buffers=tp_buffers,
-        quantization=setup.quantization, triton_experts=setup.triton_experts,
+        quantization=setup.quantization, triton_experts=setup.triton_experts, lora=setup.lora,
         swap_blocks=replica_swap_blocks(config, layout, setup),
         staged_transport=staged_transport(config, setup.device.type), **extra,
         **rank_extra[r])
@@ -263,7 +266,7 @@ def engine_info(config: EngineConfig, setup: ModelSetup, layout: ParallelLayout,
         "kv_cache_dtype": str(setup.kv_dtype).replace("torch.", ""),
         "num_params": arch.num_params(), "flops_per_token": arch.flops_per_token(),
         "max_model_len": setup.max_model_len, "scheduler_policy": config.scheduler.policy,
-        "kv_window": config.cache.kv_window(arch),
+        "kv_window": config.cache.kv_window(arch), **lora_info(config.model),
         "parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                      "layers_per_stage": list(layout.layers_per_stage),
                      "threads_per_rank": threads,

@@ -28,6 +28,7 @@ import torch
 
 from ..attention import GROUP_DTYPES, METADATA_DTYPES, AttentionMetadata
 from ..cpu_binding import release_helper_thread
+from ..model.lora import lora_step
 from ..step_plan import INPUT_DTYPES, ModelInputs, StepPlan, flatten_groups, input_lists
 
 
@@ -78,6 +79,7 @@ class VersionedInputs:
                     len(plan.group_tables), n_seq, width).to(self.device, non_blocking=True),
                 torch.tensor(flat["group_slot_blocks"], dtype=torch.int64).view(
                     len(plan.group_tables), -1).to(self.device, non_blocking=True))
+        meta.lora = lora_step(plan.lora_slots, plan.query_lens, self.device)   # fresh tensors
         return ModelInputs(views["input_ids"], views["positions"], meta, views["logits_rows"])
 
 

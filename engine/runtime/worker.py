@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from .. import envs
+from ..errors import ConfigError
 from ..kv_swap import SwapArea
 from ..step_plan import ModelInputs
 from .input_prep import TokenSafeInputs, VersionedInputs
@@ -72,6 +73,7 @@ class WorkerSpec:
                                     # device, tests only: every tensor through a host copy)
     decode_graphs: Optional[object] = None  # worker_graphs.WorkerGraphSpec: two graphs per size
     tokenizer_source: Optional[str] = None  # the tokenizer's directory (structured_outputs)
+    lora: Optional[object] = None  # model/lora_adapters.LoraSpec: the adapters its layers apply
 
 
 PROCESS_NAME_PREFIX = "batchinfer-r"   # + rank: what ps, top and /proc/PID/comm show
@@ -193,6 +195,9 @@ class Worker:
         self.backend = select_backend(spec.attention_backend, self.device, dtype, arch,
                                       self.kv_dtype)
         if self.ext.build_partition(self, arch):
+            if spec.lora is not None:
+                raise ConfigError("model.lora_modules: this strategy builds its own model "
+                                  "partitions, which do not apply LoRA adapters")
             ready_extra.update(self.ext.setup(self))
         else:
             tp_group = None
@@ -207,7 +212,7 @@ class Worker:
                                      spec.max_model_len, self.info.partition, dummy=spec.dummy,
                                      seed=spec.seed, tp_group=tp_group,
                                      pack=self.ext.pack_linears,
-                                     quantization=spec.quantization)
+                                     quantization=spec.quantization, lora=spec.lora)
             self.use_fused_ops()
             ready_extra.update(self.ext.setup(self))   # before the KV cache takes its memory
             start, end = self.model.partition.layer_start, self.model.partition.layer_end
