@@ -134,7 +134,6 @@ class EmbeddingEngine:
         self._counters = {"steps": 0, "computed_prefill_tokens": 0, "padded_tokens": 0,
                           "generation_tokens": 0}
         self._t0 = time.perf_counter()
-        self._closed = False
 
     @classmethod
     def from_config(cls, config: Optional[EngineConfig] = None) -> "EmbeddingEngine":
@@ -183,7 +182,6 @@ class EmbeddingEngine:
                 raise RequestError("invalid_dimensions", f"dimensions: {problem}")
 
     def add_request(self, request: EmbeddingRequest) -> None:
-        self._check_open()
         self.check(request)
         dims = request.dimensions if request.dimensions is not None else self.pooling.dimensions
         normalize = (request.use_activation if request.use_activation is not None
@@ -202,7 +200,6 @@ class EmbeddingEngine:
 
     # --- steps ----------------------------------------------------------------------------------
     def step(self) -> list[EmbeddingOutput]:
-        self._check_open()
         if not self._waiting:
             return []
         t_start = self.now()
@@ -275,12 +272,9 @@ class EmbeddingEngine:
                 **{k: v for k, v in self.info.items() if k != "vocab_size"}}
 
     def close(self) -> None:
-        self._closed = True
-        self.model = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the embedding engine is closed")
+        """Nothing to stop (one process): what was queued goes; the engine stays usable."""
+        self._pending.clear()
+        self._waiting.clear()
 
     def __enter__(self) -> "EmbeddingEngine":
         return self
