@@ -174,8 +174,11 @@ def _summary(outcome) -> None:
                f"{outcome.run_dir}")
     typer.echo(f"  this session: {s.get('requests_completed', 0)} completed, "
                f"{s.get('requests_failed', 0)} failed in {s.get('generation_s', 0):.1f}s; "
-               f"{_rate(tp.get('requests_per_s'))} req/s, {_rate(tp.get('output_tokens_per_s'))} "
-               f"output tok/s, {_rate(tp.get('total_tokens_per_s'))} total tok/s")
+               f"{_rate(tp.get('requests_per_s'))} req/s, "
+               + (f"{_rate(tp.get('output_tokens_per_s'))} output tok/s, "
+                  f"{_rate(tp.get('total_tokens_per_s'))} total tok/s"
+                  if "output_tokens_per_s" in tp else      # an embedding job's: prompts only
+                  f"{_rate(tp.get('input_tokens_per_s'))} prompt tok/s"))
     typer.echo(f"  report: {outcome.run_dir / 'report.md'}")
     if outcome.message:
         typer.echo(f"  {outcome.message}")

@@ -105,6 +105,8 @@ class Job(JobReports):
                                       + self.prior.num_errors, mode=spec.progress,
                                       interval_s=self.recipe.report.progress_interval_seconds,
                                       already_failed=self.prior.num_errors)
+            if self.embed:
+                self._progress.unit = "prompt"
             self.signals.setting_up = False   # from here a signal stops the loop after its step
             finished = self._loop()
             if finished and self._input_failure is not None:
@@ -373,7 +375,8 @@ class Job(JobReports):
                 return build_embed_request(spec, self.engine.tokenizer, order,
                                            self.engine.max_model_len, self.recipe.io.chat_template)
             tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
-            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens)
+            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens,
+                                    adapters=self.engine.info.get("lora_modules") or ())
         except RequestError as exc:
             self._request_error(spec, order, exc)
             return None
@@ -416,7 +419,8 @@ class Job(JobReports):
         self._results.write(kind, item, self.clock())
         if self._progress is not None:
             m = self.metrics
-            self._progress.update(m.completed, m.failed, m.completion_tokens)
+            self._progress.update(m.completed, m.failed,
+                                  m.prompt_tokens if self.embed else m.completion_tokens)
         self.metrics.phases_s["write"] += time.perf_counter() - t
 
     def _tick(self, force: bool = False, report: bool = True) -> None:

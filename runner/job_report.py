@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 from .job_spec import ENGINE_INFO_KEYS
+from .report.embed_report import embedding_session, render_embedding_markdown
 from .report.metrics import predictor_summary
 from .report.plots import job_plots
 from .report.report import build_report, now_iso, render_markdown
@@ -45,6 +46,8 @@ class JobReports:
         if self.predictor is not None:
             summary["predictor"] = predictor_summary(self.predictor, now)
         summary.update(self.read_ahead.summary())
+        if self.embed:                  # no decode figures (runner/report/embed_report.py)
+            summary = embedding_session(summary, stats)
         return {"started_at": self.started_at, "session": self.session_number,
                 "elapsed_s": round(now, 3), "generation_window": window, **summary}
 
@@ -65,6 +68,12 @@ class JobReports:
                               status_detail=detail)
         plots = None
         cfg = self.recipe.report
+        if self.embed:                  # (the plots draw a generation's timelines)
+            self.run_dir.write_report(report, render_embedding_markdown(report), None)
+            if final:
+                self.run_dir.sync()
+            self.metrics.phases_s["report"] += time.perf_counter() - t
+            return
         if draw and cfg.plots and (final or self._last_report - self._last_plots
                                    >= cfg.plot_refresh_seconds):
             self._last_plots = self._last_report
@@ -98,6 +107,7 @@ class JobReports:
             "predictor": self.predictor_choice or {"name": self.recipe.predictor.name},
             "auto_settings": self.auto_settings,
             "shard": self.spec.shard.as_record(),
+            **({"task": "embed"} if self.embed else {}),
         }
         if self._kept():      # what made the results, not this session's recipe
             meta.update({key: self._old_report.get(key, meta[key]) for key in _MADE_WITH})

@@ -61,7 +61,8 @@ class Progress:
         self.base_failed = already_failed
         self.done = already_done
         self.failed = already_failed
-        self.output_tokens = 0
+        self.output_tokens = 0          # the tokens its rate counts (unit: output or prompt)
+        self.unit = "output"
         self._last_line = self.start
         if mode == "auto":
             mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
@@ -117,7 +118,7 @@ class Progress:
         pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
         eta = _eta(self.done - self.base, (self.total - self.base) if self.total else None, elapsed)
         print(f"{stamp} batchinfer {prefix}: {self.done}{total} requests{pct}, {self.failed} errors, "
-              f"{self.rate():.1f} output tok/s, elapsed {hms(elapsed)}, ETA {hms(eta)}",
+              f"{self.rate():.1f} {self.unit} tok/s, elapsed {hms(elapsed)}, ETA {hms(eta)}",
               file=self.stream, flush=True)
 
     def close(self, outcome: str = "finished") -> None:

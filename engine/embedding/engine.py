@@ -88,7 +88,9 @@ def resolve_embed_dtype(choice: str, device: torch.device, hf_config: dict) -> t
 def load_embedding_model(source: EmbeddingSource, config: EngineConfig, device: torch.device,
                          dtype: torch.dtype):
     from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()       # (a bar per load in the job's log)
     model_cfg = config.model
     try:
         hf_config = AutoConfig.from_pretrained(str(source.model_dir))

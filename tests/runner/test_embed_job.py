@@ -1,0 +1,178 @@
+"""Embedding jobs (model.task: embed) end to end in process on the shipped all-MiniLM-L6-v2 (one
+engine shared): records and the OpenAI embeddings envelope, bad lines as error records, the
+recipe's refusals, the report, and a stopped job resumed exactly once."""
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+
+from batchinfer.runner.job import EXIT_OK, JobSpec, run_job
+from batchinfer.runner.recipe import Recipe, load_recipe
+from batchinfer.runner.recipe_errors import RecipeError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return Recipe(model={"task": "embed"}, strategy={"name": "baseline", "max_num_seqs": 4,
+                                                     "max_num_batched_tokens": 256},
+                  report={"refresh_seconds": 0.2, "plots": False})
+
+
+@pytest.fixture(scope="module")
+def engine(recipe):
+    from batchinfer.engine.embedding import build_embedding_engine
+
+    return build_embedding_engine(recipe.engine_config())
+
+
+def run(recipe, path, out, engine, **kw):
+    return run_job(JobSpec(recipe=recipe, input_path=Path(path), output_dir=Path(out),
+                           progress="off", engine_factory=lambda cfg: engine, **kw))
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def close(a: list[float], b: list[float], tol: float = 1e-6) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def test_plain_records_and_bad_lines(tmp_path, recipe, engine):
+    long_text = " ".join(["word"] * 400)
+    lines = [{"id": "a", "prompt": "Paris is the capital of France.", "metadata": {"k": 1}},
+             {"id": "ids", "prompt": [101, 7592, 2088, 102]},
+             {"id": "cut", "prompt": long_text, "truncate_prompt_tokens": 16},
+             {"id": "sampled", "prompt": "x", "temperature": 0.5},
+             {"id": "long", "prompt": long_text},
+             {"id": "dims", "prompt": "x", "dimensions": 8},
+             {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+             {"id": "empty", "prompt": ""}]
+    outcome = run(recipe, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "run", engine)
+    assert (outcome.outputs, outcome.errors) == (3, 5)
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")}
+    hf = engine.tokenizer.hf
+    assert close(out["a"]["embedding"], engine.embed(["Paris is the capital of France."])[0])
+    assert out["a"]["metadata"] == {"k": 1} and set(out["a"]) == {"id", "embedding",
+                                                                  "prompt_tokens", "metadata"}
+    assert out["a"]["prompt_tokens"] == len(hf.encode("Paris is the capital of France."))
+    assert close(out["ids"]["embedding"], engine.embed([[101, 7592, 2088, 102]])[0])
+    # truncated as the tokenizer truncates (its special tokens kept), vLLM's pooling rule
+    cut = hf.encode(long_text, truncation=True, max_length=16)
+    assert out["cut"]["prompt_tokens"] == 16 and cut[-1] == hf.sep_token_id
+    assert close(out["cut"]["embedding"], engine.embed([cut])[0])
+    errors = {e["id"]: e for e in read_jsonl(tmp_path / "run" / "errors.jsonl")}
+    assert errors["sampled"]["code"] == "unsupported_parameter"
+    assert errors["sampled"]["message"].startswith("temperature: an embedding job")
+    assert errors["long"]["code"] == "prompt_too_long"
+    assert "402 tokens" in errors["long"]["message"] and "256 tokens" in errors["long"]["message"]
+    assert errors["dims"]["code"] == "invalid_dimensions"
+    assert errors["chat"]["code"] == "no_chat_template"     # all-MiniLM has none (as in vLLM)
+    assert errors["empty"]["code"] == "empty_prompt"
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    session = report["session"]
+    assert report["task"] == "embed" and report["engine"]["pooler"]["pooling_type"] == "MEAN"
+    assert set(session["throughput"]) == {"requests_per_s", "input_tokens_per_s"}
+    assert "completion_tokens" not in session and "kv" not in session
+    assert session["batches"]["prompt_tokens_computed"] >= session["prompt_tokens"]
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "prompt tok/s" in md and "output tok/s" not in md and "decode" not in md
+    assert not (tmp_path / "run" / "history.jsonl").exists()
+
+
+def test_openai_embeddings_envelope(tmp_path, recipe, engine):
+    def line(cid, body, url="/v1/embeddings"):
+        return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+    texts = ["first text", "a second, longer text"]
+    lines = [line("one", {"model": "my-embedder", "input": "first text"}),
+             line("many", {"input": texts, "temperature": 0.3}),        # ignored, as vLLM
+             line("tokens", {"input": [[101, 2034, 102], [101, 2117, 102]]}),
+             line("b64", {"input": "first text", "encoding_format": "base64"}),
+             line("dims", {"input": "x", "dimensions": 8}),
+             line("chat", {"input": "x"}, url="/v1/chat/completions"),
+             line("nothing", {"input": []})]
+    outcome = run(recipe, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "run", engine)
+    assert (outcome.outputs, outcome.errors) == (4, 3)
+    out = {r["custom_id"]: r for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")}
+    first = engine.embed(["first text"])[0]
+    body = out["one"]["response"]["body"]
+    assert out["one"]["response"]["status_code"] == 200 and out["one"]["error"] is None
+    assert body["object"] == "list" and body["model"] == "my-embedder"
+    assert [d["object"] for d in body["data"]] == ["embedding"] and body["data"][0]["index"] == 0
+    assert close(body["data"][0]["embedding"], first)
+    n = len(engine.tokenizer.encode("first text"))
+    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    many = out["many"]["response"]["body"]
+    assert many["model"] == engine.model_id
+    assert [d["index"] for d in many["data"]] == [0, 1]
+    for d, text in zip(many["data"], texts):
+        assert close(d["embedding"], engine.embed([text])[0])
+    assert many["usage"]["prompt_tokens"] == sum(len(engine.tokenizer.encode(t)) for t in texts)
+    tokens = out["tokens"]["response"]["body"]
+    assert tokens["usage"]["prompt_tokens"] == 6 and len(tokens["data"]) == 2
+    raw = base64.b64decode(out["b64"]["response"]["body"]["data"][0]["embedding"])
+    assert close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), first, 1e-6)
+    errors = {e["custom_id"]: e for e in read_jsonl(tmp_path / "run" / "errors.jsonl")}
+    assert {k: e["error"]["code"] for k, e in errors.items()} == {
+        "dims": "invalid_dimensions", "chat": "unsupported_url", "nothing": "empty_prompt"}
+    assert all(e["response"] is None for e in errors.values())
+
+
+def test_recipe_refusals(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model:\n  task: embed\n  pooler_config: {pooling_type: LAST}\n"
+                    "strategy: {name: gllm}\nsampling:\n  max_tokens: 8\n"
+                    "predictor: {name: mean, path: " + str(tmp_path) + "}\n")
+    (tmp_path / "history.jsonl").write_text("")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path)
+    text = str(exc.value)
+    assert "line 4, strategy.name: gllm schedules generation" in text and "baseline" in text
+    assert "line 6, sampling.max_tokens: an embedding job" in text
+    assert "predictor.name: mean" in text
+    path.write_text("model:\n  pooler_config: {pooling_type: CLS}\n")
+    with pytest.raises(RecipeError, match="model.pooler_config: applies to embedding jobs"):
+        load_recipe(path)
+    path.write_text("model:\n  task: embed\n  pooler_config: {pooling_type: MAX}\n")
+    with pytest.raises(RecipeError, match="'CLS', 'LAST' or 'MEAN'"):
+        load_recipe(path)
+    assert load_recipe(REPO / "recipes" / "embed-quickstart.yaml").model.task == "embed"
+
+
+def test_a_stopped_job_resumes_exactly_once(tmp_path, recipe, engine, monkeypatch):
+    """SIGTERM after the second forward: what finished is on disk, the rest runs on resume, no
+    id twice (the in-flight requests were never written)."""
+    lines = [{"id": f"d{i}", "prompt": f"Document number {i} " + "text " * (i % 7)}
+             for i in range(24)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    step = type(engine).step
+    calls = {"n": 0}
+
+    def stepping(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return step(self)
+
+    monkeypatch.setattr(type(engine), "step", stepping)
+    first = run(recipe, path, tmp_path / "run", engine)
+    monkeypatch.setattr(type(engine), "step", step)
+    assert first.status == "interrupted" and 0 < first.outputs < 24
+    second = run(recipe, path, tmp_path / "run", engine)
+    assert second.status == "completed" and second.exit_code == EXIT_OK
+    ids = [r["id"] for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")]
+    assert sorted(ids) == sorted(f"d{i}" for i in range(24)) and len(ids) == len(set(ids))
+    assert second.session["requests_completed"] == 24 - first.outputs
