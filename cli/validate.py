@@ -50,7 +50,8 @@ def validate(
         problem = input_file_problem(input)
         if problem:
             raise fail(f"--input {input}: {problem}", json_fields=json_fields)
-        reader = InputReader(input, parsed.io, parsed.sampling)
+        reader = InputReader(input, parsed.io, parsed.sampling,
+                             embed=parsed.model.task == "embed")
         tokenizer, max_len, vocab = (_tokenizer(parsed) if tokenize
                                      else _checked_without_tokenizer(parsed))
         if vocab:
@@ -77,6 +78,16 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
         if isinstance(item, InputError):
             problem = {"line": item.line, "id": item.request_id, "code": item.code,
                        "message": item.message}
+        elif tokenizer is not None and parsed.model.task == "embed":   # (the model's source)
+            from batchinfer.runner.embed_validate import check_embed_item
+
+            try:
+                check_embed_item(item, tokenizer, parsed.io.chat_template)
+                good += 1
+                continue
+            except RequestError as exc:
+                problem = {"line": item.line, "id": item.request_id, "code": exc.code,
+                           "message": exc.message}
         elif tokenizer is not None:
             from batchinfer.engine.admission import check_prompt_ids
             from batchinfer.runner.io.admission import check_stop_token_ids, prompt_token_ids
@@ -129,6 +140,10 @@ def _checked_without_tokenizer(recipe) -> tuple[None, None, int]:
     from batchinfer.engine.model.loader import load_arch
     from batchinfer.engine.model.sources import model_dir_at_hand
 
+    if recipe.model.task == "embed":
+        from batchinfer.runner.embed_validate import embed_model_for_validate
+
+        return embed_model_for_validate(recipe, tokenize=False)
     external = external_engine_model(recipe, tokenize=False)
     if external is not None:
         return None, None, external.vocab_size
@@ -148,6 +163,10 @@ def _tokenizer(recipe) -> tuple[Optional[object], Optional[int], int]:
     (engine.build.model_source), after its refusals that need no weights (preflight)."""
     from batchinfer.engine.build import model_source, preflight
 
+    if recipe.model.task == "embed":        # the embedding model's files, no weights
+        from batchinfer.runner.embed_validate import embed_model_for_validate
+
+        return embed_model_for_validate(recipe)
     external = external_engine_model(recipe)
     if external is not None:
         return external

@@ -64,6 +64,32 @@ def pick_batch(lengths: list[int], orders: list[int], max_tokens: int, max_rows:
     return list(range(lo, hi + 1))
 
 
+def check_embedding_request(request: EmbeddingRequest, max_model_len: int, vocab_size: int,
+                            pooling) -> None:
+    """An input without tokens, longer than max_model_len or with ids past the vocabulary, or
+    dimensions the model cannot give: a RequestError naming it (`batchinfer validate` too)."""
+    if not request.inputs:
+        raise RequestError("empty_prompt", "the request has no input")
+    many = len(request.inputs) > 1
+    for i, ids in enumerate(request.inputs):
+        which = f"input {i} " if many else "the prompt "
+        if not ids:
+            raise RequestError("empty_prompt", f"{which}has no tokens")
+        if len(ids) > max_model_len:
+            raise RequestError("prompt_too_long", (
+                f"{which}has {len(ids)} tokens; this model's maximum context length is "
+                f"{max_model_len} tokens (max_model_len): shorten it, or set "
+                "truncate_prompt_tokens"))
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError("invalid_prompt", f"{which}holds token id {bad}, outside the "
+                               f"vocabulary [0, {vocab_size})")
+    if request.dimensions is not None:
+        problem = pooling.dimensions_problem(request.dimensions)
+        if problem:
+            raise RequestError("invalid_dimensions", f"dimensions: {problem}")
+
+
 def resolve_embed_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device.device: cuda was asked for but torch sees no CUDA device; "
@@ -162,26 +188,7 @@ class EmbeddingEngine:
         if request.request_id in self._pending:
             raise RequestError("duplicate_id", f"request id {request.request_id!r} is already "
                                "in the engine")
-        if not request.inputs:
-            raise RequestError("empty_prompt", "the request has no input")
-        many = len(request.inputs) > 1
-        for i, ids in enumerate(request.inputs):
-            which = f"input {i} " if many else "the prompt "
-            if not ids:
-                raise RequestError("empty_prompt", f"{which}has no tokens")
-            if len(ids) > self.max_model_len:
-                raise RequestError("prompt_too_long", (
-                    f"{which}has {len(ids)} tokens; this model's maximum context length is "
-                    f"{self.max_model_len} tokens (max_model_len): shorten it, or set "
-                    f"truncate_prompt_tokens"))
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise RequestError("invalid_prompt", f"{which}holds token id {bad}, outside "
-                                   f"the vocabulary [0, {self.vocab_size})")
-        if request.dimensions is not None:
-            problem = self.pooling.dimensions_problem(request.dimensions)
-            if problem:
-                raise RequestError("invalid_dimensions", f"dimensions: {problem}")
+        check_embedding_request(request, self.max_model_len, self.vocab_size, self.pooling)
 
     def add_request(self, request: EmbeddingRequest) -> None:
         self.check(request)

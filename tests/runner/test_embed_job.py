@@ -176,3 +176,22 @@ def test_a_stopped_job_resumes_exactly_once(tmp_path, recipe, engine, monkeypatc
     ids = [r["id"] for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")]
     assert sorted(ids) == sorted(f"d{i}" for i in range(24)) and len(ids) == len(set(ids))
     assert second.session["requests_completed"] == 24 - first.outputs
+
+
+def test_validate_checks_embedding_records_without_weights(tmp_path):
+    from typer.testing import CliRunner
+
+    from batchinfer.cli.main import app
+
+    lines = [{"id": "ok", "prompt": "hello"}, {"id": "t", "prompt": "hi", "max_tokens": 3},
+             {"id": "d", "prompt": "hi", "dimensions": 4},
+             {"id": "long", "prompt": [101] + [2088] * 300 + [102]},
+             {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {"input": 1}}]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    result = CliRunner().invoke(app, ["validate", str(REPO / "recipes" / "embed-quickstart.yaml"),
+                                      "--input", str(path), "--json"])
+    assert result.exit_code == 1, result.output
+    summary = json.loads(result.stdout)
+    assert summary["valid"] == 1 and summary["errors_by_code"] == {
+        "unsupported_parameter": 1, "invalid_dimensions": 1, "prompt_too_long": 1,
+        "unknown_key": 1}
