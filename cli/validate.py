@@ -90,9 +90,11 @@ def _check_items(reader, tokenizer, max_len, vocab, parsed, show: int, bad: list
                            "message": exc.message}
         elif tokenizer is not None:
             from batchinfer.engine.admission import check_prompt_ids
-            from batchinfer.runner.io.admission import check_stop_token_ids, prompt_token_ids
+            from batchinfer.runner.io.admission import (check_stop_token_ids, prompt_token_ids,
+                                                        request_lora)
 
             try:
+                request_lora(item, list(parsed.model.lora_modules))     # an adapter it names
                 check_prompt_ids(prompt_token_ids(item, tokenizer, parsed.io.chat_template),
                                  max_len or sys.maxsize, vocab)   # None: a config without one
                 check_stop_token_ids(item, vocab, tokenizer)

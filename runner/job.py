@@ -375,7 +375,8 @@ class Job(JobReports):
                 return build_embed_request(spec, self.engine.tokenizer, order,
                                            self.engine.max_model_len, self.recipe.io.chat_template)
             tokens = prompt_token_ids(spec, self.engine.tokenizer, self.recipe.io.chat_template)
-            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens)
+            request = build_request(spec, self.engine.tokenizer, order, tokens=tokens,
+                                    adapters=self.engine.info.get("lora_modules") or ())
         except RequestError as exc:
             self._request_error(spec, order, exc)
             return None

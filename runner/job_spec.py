@@ -16,7 +16,8 @@ ENGINE_INFO_KEYS = ("device", "dtype", "dtype_reason", "kv_cache_dtype", "attent
                     "scheduler_policy", "strategy", "step_times", "parallel", "strategy_stats",
                     "prefix_cache", "preemption_mode", "kv_swap_blocks", "kv_swap",
                     "linear_kernel", "quantization", "moe_kernel", "expert_load", "cuda_graphs",
-                    "async_scheduling", "num_threads", "task", "pooler")
+                    "async_scheduling", "num_threads", "task", "pooler",
+                    "lora_modules", "max_lora_rank")
 # ... and the key the strategy's own engine build reports under: the strategy's name
 
 

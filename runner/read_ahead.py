@@ -1,10 +1,11 @@
 """Duplicate requests computed once, and prefix-grouped admission order: what the job runner
 does with the requests it has read ahead, before the engine sees them.
 
-Deduplication: a request whose prompt tokens and sampling parameters equal those of a request
-already in the engine, with deterministic sampling (greedy, or a seed: the same tokens whatever
-else runs), is not computed again; when the first one (the leader) finishes, each follower gets
-the leader's result under its own id, metadata and line (an error record if the leader failed).
+Deduplication: a request whose prompt tokens, sampling parameters and LoRA adapter equal those
+of a request already in the engine, with deterministic sampling (greedy, or a seed: the same
+tokens whatever else runs), is not computed again; when the first one (the leader) finishes,
+each follower gets the leader's result under its own id, metadata and line (an error record if
+the leader failed).
 Unseeded sampling is never deduplicated: equal requests are meant to give different samples.
 
 Grouping: the runner reads up to io.group_window requests beyond those in the engine and holds
@@ -99,7 +100,8 @@ def dedup_key(request: Request) -> Optional[Hashable]:
     sampling = request.sampling
     if sampling.temperature > 0 and sampling.seed is None:
         return None
-    return tuple(request.prompt_token_ids), sampling.model_dump_json()
+    # a LoRA adapter is part of the model that answers: equal prompts under two differ
+    return tuple(request.prompt_token_ids), sampling.model_dump_json(), request.lora
 
 
 @dataclasses.dataclass

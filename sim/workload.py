@@ -112,10 +112,11 @@ def load_workload(recipe, input_path: Path, tokenizer, max_model_len: int,
             tokens = prompt_token_ids(item, tokenizer, recipe.io.chat_template)
             if not tokens or len(tokens) >= max_model_len:
                 raise RequestError("prompt_too_long" if tokens else "empty_prompt", "")
+            request = build_request(item, tokenizer, len(requests), tokens=tokens,
+                                    adapters=list(recipe.model.lora_modules))
         except RequestError as exc:
             skipped[exc.code] = skipped.get(exc.code, 0) + 1
             continue
-        request = build_request(item, tokenizer, len(requests), tokens=tokens)
         # the text a predictor reads, as the job gives it (runner/job.py)
         request.payload.prompt_text = spec_text(item.prompt, item.messages, tokens, tokenizer)
         requests.append(request)

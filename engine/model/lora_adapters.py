@@ -19,12 +19,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import ConfigError
 from .arch import ModelArch
+
+if TYPE_CHECKING:       # torch-free: the vllm strategy checks adapter configs at validation
+    import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # the decoder layer's modules an adapter may target (the HF names, inside a layer)

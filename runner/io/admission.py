@@ -6,7 +6,7 @@ and goes on.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.admission import check_stop_ids
@@ -111,10 +111,35 @@ def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") 
                            f"{type(exc).__name__}: {exc}") from None
 
 
+def request_lora(spec: RequestSpec, adapters: Sequence[str] = ()) -> Optional[str]:
+    """The LoRA adapter `spec` asks for (None: the base model): a plain or chat line's `lora`,
+    which must name one of `adapters` (model.lora_modules); an OpenAI line's body.model where it
+    names one, as vLLM's server maps a model name to its --lora-modules adapter (any other
+    model name, or none, runs the base model). RequestError naming the key otherwise."""
+    if spec.is_openai:
+        model = spec.extra.get("model")
+        return model if isinstance(model, str) and model in adapters else None
+    lora = spec.extra.get("lora")
+    if lora is None:
+        return None
+    if not isinstance(lora, str):
+        raise RequestError("invalid_type", f"'lora' must be a string, the name of an adapter of "
+                           f"model.lora_modules, not {type(lora).__name__}")
+    if lora not in adapters:
+        known = (", ".join(repr(n) for n in adapters) if adapters
+                 else "none (the recipe's model.lora_modules is empty)")
+        raise RequestError("unknown_lora", f"lora: {lora!r} is not a LoRA adapter of this job; "
+                           f"the adapters are {known}")
+    return lora
+
+
 def build_request(spec: RequestSpec, tokenizer, order: int, chat_template: str = "auto",
-                  tokens: Optional[list[int]] = None) -> Request:
+                  tokens: Optional[list[int]] = None, adapters: Sequence[str] = ()) -> Request:
+    """adapters: the job's LoRA adapters' names (model.lora_modules; request_lora)."""
+    lora = request_lora(spec, adapters)
     ids = tokens if tokens is not None else prompt_token_ids(spec, tokenizer, chat_template)
     prompt = spec.prompt if isinstance(spec.prompt, str) else None
+    payload = RequestPayload.from_spec(spec, order)
+    payload.lora = lora
     return Request(request_id=spec.request_id, prompt_token_ids=ids, sampling=spec.sampling,
-                   prompt=prompt, arrival_index=order,
-                   payload=RequestPayload.from_spec(spec, order))
+                   prompt=prompt, arrival_index=order, payload=payload, lora=lora)

@@ -35,7 +35,7 @@ OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "bes
 OPENAI_STATED_DEFAULTS = {"tools": [], "tool_choice": "none", "functions": [],
                           "function_call": "none", "best_of": 1, "echo": False, "suffix": "",
                           "modalities": ["text"]}
-RECORD_KEYS = {"id", "prompt", "messages", "metadata"}
+RECORD_KEYS = {"id", "prompt", "messages", "metadata", "lora"}   # lora: admission.request_lora
 _PLAIN_KEYS = frozenset(RECORD_KEYS | SAMPLING_KEYS | CHAT_OPTION_KEYS)
 
 
@@ -288,7 +288,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
         return err("missing_prompt" if not has_prompt else "ambiguous_request",
                    f"a request needs exactly one of {name['prompt']} (text) or "
                    f"{name['messages']} (chat)")
-    spec = RequestSpec(line=line, request_id=rid, metadata=metadata)
+    spec = RequestSpec(line=line, request_id=rid, metadata=metadata, extra={"lora": record.get("lora")})
     if has_prompt:
         prompt = record["prompt"]
         if (problem := misplaced_chat_options(record)) is not None:

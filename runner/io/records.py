@@ -30,6 +30,7 @@ class RequestPayload:
     prompt_text: Optional[str] = None    # the prompt as predictors see it (chat rendered)
     max_tokens: Optional[int] = None
     predicted_tokens: Optional[int] = None
+    lora: Optional[str] = None           # the LoRA adapter it ran with (None: the base model)
 
     @classmethod
     def from_spec(cls, spec: RequestSpec, order: int) -> "RequestPayload":
@@ -58,6 +59,8 @@ def output_record(out: RequestOutput, payload: RequestPayload, model_id: str) ->
         record["logprobs"] = out.logprobs
     if out.prompt_logprobs is not None:
         record["prompt_logprobs"] = out.prompt_logprobs
+    if payload.lora is not None:
+        record["lora"] = payload.lora
     if payload.metadata is not None:
         record["metadata"] = payload.metadata
     if isinstance(out, ParallelOutput):

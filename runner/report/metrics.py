@@ -102,6 +102,7 @@ class SessionMetrics:
         self.interval_s = interval_s
         self.completed = 0
         self.failed = 0
+        self.lora_requests: Counter = Counter()     # adapter name -> requests completed with it
         self.error_codes: Counter = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -191,6 +192,9 @@ class SessionMetrics:
 
     def on_result(self, out: RequestOutput, t: float) -> None:
         self.completed += 1
+        lora = getattr(out.payload, "lora", None)
+        if lora is not None:
+            self.lora_requests[lora] += 1
         self._bucket.requests_done += 1
         self.last_result_t = t
         self.prompt_tokens += out.num_prompt_tokens
@@ -274,6 +278,8 @@ class SessionMetrics:
             "requests_completed": self.completed,
             "requests_failed": self.failed,
             "errors_by_code": dict(self.error_codes),
+            # LoRA adapters: requests completed per adapter (the rest ran the base model)
+            **({"requests_by_lora": dict(self.lora_requests)} if self.lora_requests else {}),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "generation_s": round(gen_s, 3),

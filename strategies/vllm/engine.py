@@ -13,12 +13,13 @@ import subprocess
 import time
 from typing import Optional
 
-from batchinfer.engine.admission import check_prompt
+from batchinfer.engine.admission import check_lora, check_prompt
 from batchinfer.engine.build import model_source, resolve_device
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.output import logprob_entry, prompt_entry
 from batchinfer.engine.parallel_sampling import child_id, gather
 from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.model.lora_adapters import lora_info
 from batchinfer.engine.request import FinishReason, Request, RequestOutput
 
 from .params import WORKER, VllmParams, engine_args, engine_env, vllm_python
@@ -115,7 +116,7 @@ class VllmEngine:
                 "max_model_len": facts["max_model_len"],
                 "parallel": {"tp": config.parallel.tp, "pp": config.parallel.pp, "dp": 1},
                 "strategy_stats": {"vllm_version": facts.get("vllm_version"), "python": python,
-                                   "engine_args": args}}
+                                   "engine_args": args}, **lora_info(config.model)}
         return cls(proc, tokenizer, model_id, facts, info, vocab_size)
 
     def now(self) -> float:
@@ -127,9 +128,12 @@ class VllmEngine:
             raise RequestError("duplicate_id",
                                f"request id {request.request_id!r} is already running")
         check_prompt(request, self.max_model_len, self.vocab_size)
+        check_lora(request, self.info.get("lora_modules"))
+        lora = ([request.lora, request.lora_slot, self.info["lora_paths"][request.lora]]
+                if request.lora is not None else None)      # a LoRARequest's fields
         self._send({"op": "add", "id": request.request_id,
                     "prompt_token_ids": request.prompt_token_ids,
-                    "sampling": sampling_args(request)})
+                    "sampling": sampling_args(request), "lora": lora})
         self._running[request.request_id] = (request, self.now())
 
     def has_unfinished(self) -> bool:

@@ -126,6 +126,8 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
         args["max_model_len"] = model.max_model_len
     if config.cache.kv_cache_dtype == "bfloat16":
         args["kv_cache_dtype"] = "bfloat16"
+    if model.lora_modules:      # each request names its adapter (a LoRARequest: worker.py)
+        args.update(lora_engine_args(model))
     if params.max_num_batched_tokens:
         args["max_num_batched_tokens"] = params.max_num_batched_tokens
     if model.load_format == "dummy":
@@ -140,6 +142,23 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
             args["kv_cache_memory_bytes"] = parse_size(config.cache.kv_cache_memory)
     args.update(params.engine_args)
     return args
+
+
+# the max_lora_rank values vLLM accepts (vllm/config/lora.py MaxLoRARanks, 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_args(model) -> dict:
+    """vLLM's LoRA settings for model.lora_modules: max_lora_rank the smallest value vLLM
+    accepts at or above the recipe's, max_loras the recipe's or every adapter (our engine mixes
+    them all in a step; vLLM's own default is 1)."""
+    from batchinfer.engine.model.lora_adapters import read_adapter_config
+
+    for name, path in model.lora_modules.items():   # files there, rank: vLLM reads the rest
+        read_adapter_config(name, str(Path(path).expanduser()), model.max_lora_rank)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= model.max_lora_rank), model.max_lora_rank)
+    return {"enable_lora": True, "max_lora_rank": rank,
+            "max_loras": model.max_loras or len(model.lora_modules)}
 
 
 def engine_env(config: EngineConfig, environ: Optional[dict] = None, device: str = "cpu",

@@ -143,6 +143,7 @@ def _prompt_logprobs(output, top_n: int) -> list:
 
 def serve(engine, commands, reply) -> None:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     errors: list = []
@@ -160,8 +161,9 @@ def serve(engine, commands, reply) -> None:
                     sampling["structured_outputs"] = StructuredOutputsParams(
                         **sampling["structured_outputs"])
                 params = SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+                lora = msg.get("lora")          # [name, id, path]: the request's adapter
                 engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt_token_ids"]},
-                                   params)
+                                   params, lora_request=LoRARequest(*lora) if lora else None)
                 running[msg["id"]] = msg["sampling"].get("logprobs")
                 if sampling.get("prompt_logprobs") is not None:
                     prompt_asked[msg["id"]] = sampling["prompt_logprobs"]
