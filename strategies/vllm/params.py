@@ -65,7 +65,14 @@ class VllmParams(StrategyParams):
         check_vllm_recipe(config)   # the recipe first: it is wrong with vLLM installed or not
         vllm_python(self)           # an interpreter that has vLLM (else what to install)
 
+    def runs_embeddings(self) -> bool:
+        return True          # vLLM's pooling runner (embed_engine.py)
+
     def build_engine(self, config: EngineConfig):
+        if config.model.task == "embed":
+            from .embed_engine import VllmEmbeddingEngine
+
+            return VllmEmbeddingEngine.start(config, self)
         from .engine import VllmEngine
 
         return VllmEngine.start(config, self)
