@@ -124,6 +124,9 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
     if isinstance(out, ParallelOutput):     # n samples: a choice each, as OpenAI answers n
         body["choices"] = [_sample_choice(sample, index, payload, model_id)
                            for index, sample in enumerate(out.samples)]
+        if prompt_logprobs is not None and not chat:    # vLLM's server: on every choice
+            for sample_choice in body["choices"]:
+                sample_choice["prompt_logprobs"] = prompt_logprobs
     record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
               "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
               "error": None}
