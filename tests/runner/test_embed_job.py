@@ -195,3 +195,60 @@ def test_validate_checks_embedding_records_without_weights(tmp_path):
     assert summary["valid"] == 1 and summary["errors_by_code"] == {
         "unsupported_parameter": 1, "invalid_dimensions": 1, "prompt_too_long": 1,
         "unknown_key": 1}
+
+
+def test_equal_lines_are_embedded_once_and_csv_rows_read_their_columns(tmp_path, recipe,
+                                                                        engine):
+    lines = [{"id": f"same-{i}", "prompt": "one and the same text"} for i in range(3)]
+    lines.append({"id": "cut", "prompt": "one and the same text", "dimensions": None,
+                  "truncate_prompt_tokens": 3})
+    outcome = run(recipe, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "run", engine)
+    assert outcome.outputs == 4
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")}
+    assert out["same-0"]["embedding"] == out["same-1"]["embedding"] == out["same-2"]["embedding"]
+    assert out["cut"]["prompt_tokens"] == 3 and out["cut"]["embedding"] != out["same-0"]["embedding"]
+    assert outcome.session["dedup"]["requests"] == 2
+    csv = tmp_path / "docs.csv"
+    csv.write_text("doc_id,body,team\nx1,First document.,a\nx2,,b\nx3,Third one.,c\n")
+    rows = recipe.model_copy(update={"io": recipe.io.model_copy(update={
+        "prompt_field": "body", "id_field": "doc_id", "metadata_fields": ["team"]})})
+    outcome = run(rows, csv, tmp_path / "csv-run", engine)
+    assert (outcome.outputs, outcome.errors) == (2, 1)
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "csv-run" / "outputs.jsonl")}
+    assert out["x3"]["metadata"] == {"team": "c"}
+    assert close(out["x1"]["embedding"], engine.embed(["First document."])[0])
+    assert read_jsonl(tmp_path / "csv-run" / "errors.jsonl")[0]["code"] == "empty_prompt"
+
+
+def test_chat_lines_render_without_the_generation_prompt(tmp_path):
+    """A decoder with a chat template: messages (a plain line's, an OpenAI body's input) are
+    embedded as the template renders them with add_generation_prompt false (vLLM's embeddings
+    chat request), the last token pooled."""
+    from batchinfer.engine.embedding import build_embedding_engine
+    from tests.tiny_families import hf_model, save_model, tokenizer_dir
+
+    model = hf_model("qwen3", seed=5, vocab_size=49152).eval()     # the tokenizer's ids
+    directory = save_model(model, tmp_path / "qwen3", tokenizer_dir())
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    chat_recipe = Recipe(model={"task": "embed", "path": str(directory),
+                                "chat_template": template}, report={"plots": False})
+    engine = build_embedding_engine(chat_recipe.engine_config())
+    messages = [{"role": "user", "content": "Embed this question."}]
+    lines = [{"id": "chat", "messages": messages},
+             {"id": "chat-open", "messages": messages, "add_generation_prompt": True}]
+    run(chat_recipe, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "run", engine)
+    out = {r["id"]: r for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")}
+    hf = engine.tokenizer.hf
+    for rid, open_turn in (("chat", False), ("chat-open", True)):
+        text = hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                      add_generation_prompt=open_turn)
+        ids = hf.encode(text, add_special_tokens=False)
+        assert out[rid]["prompt_tokens"] == len(ids)
+        assert close(out[rid]["embedding"], engine.embed([ids])[0])
+    body = {"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
+            "body": {"input": messages}}
+    run(chat_recipe, write_jsonl(tmp_path / "oa.jsonl", [body]), tmp_path / "oa", engine)
+    record = read_jsonl(tmp_path / "oa" / "outputs.jsonl")[0]["response"]["body"]
+    assert close(record["data"][0]["embedding"], out["chat"]["embedding"])
