@@ -123,12 +123,18 @@ def _dry_run(spec) -> None:
 
     from batchinfer.engine.build import model_source, preflight
 
-    external = external_engine_model(spec.recipe)
-    if external is None:
-        source = model_source(spec.recipe.model)
-        preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
-    check_recipe_stop_ids(spec.recipe.sampling,
-                          external.vocab_size if external is not None else source.arch.vocab_size)
+    embed = spec.recipe.model.task == "embed"
+    if embed:               # the embedding model's config, tokenizer and pooling (no weights)
+        from batchinfer.engine.embedding.model_source import embedding_source
+
+        vocab = embedding_source(spec.recipe.model).vocab_size
+    else:
+        external = external_engine_model(spec.recipe)
+        if external is None:
+            source = model_source(spec.recipe.model)
+            preflight(spec.recipe.engine_config(), source.arch, source.max_model_len)
+        vocab = external.vocab_size if external is not None else source.arch.vocab_size
+    check_recipe_stop_ids(spec.recipe.sampling, vocab)
     warn_layout_note(spec.recipe)
     run_dir, prior = RunDir.open(spec.output_dir, spec.shard, resume=spec.resume, read_only=True)
     try:
@@ -146,7 +152,7 @@ def _dry_run(spec) -> None:
     finally:
         run_dir.close()
     reader = InputReader(spec.input_path, spec.recipe.io, spec.recipe.sampling, spec.shard,
-                         limit=spec.limit)
+                         limit=spec.limit, embed=embed)
     to_run, bad = 0, Counter()
     for item in reader.records(prior.done_ids, prior.done_lines):
         if isinstance(item, InputError):
