@@ -102,6 +102,10 @@ def _auto_settings_line(auto: Optional[dict]) -> list[str]:
 
 
 def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
+    if report.get("task") == "embed":           # (also `batchinfer report` re-rendering one)
+        from .embed_report import render_embedding_markdown
+
+        return render_embedding_markdown(report, plot_names)
     s = report.get("session") or {}
     totals = report.get("totals") or {}
     out = [f"# batchinfer report: {report.get('run_dir', '')}", ""]
