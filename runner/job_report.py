@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 from .job_spec import ENGINE_INFO_KEYS
+from .report.embed_report import DEFINITIONS as EMBED_DEFINITIONS
 from .report.embed_report import embedding_session, render_embedding_markdown
 from .report.metrics import predictor_summary
 from .report.plots import job_plots
@@ -69,6 +70,7 @@ class JobReports:
         plots = None
         cfg = self.recipe.report
         if self.embed:                  # (the plots draw a generation's timelines)
+            report["definitions"] = EMBED_DEFINITIONS
             self.run_dir.write_report(report, render_embedding_markdown(report), None)
             if final:
                 self.run_dir.sync()
