@@ -18,6 +18,7 @@ gpu_memory_utilization, max_num_seqs / max_num_batched_tokens, model.seed; anyth
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -30,6 +31,8 @@ from pydantic import Field
 from batchinfer.engine.config import EngineConfig, SchedulerConfig, parse_size
 from batchinfer.engine.errors import ConfigError
 from batchinfer.strategies.base import StrategyParams, register_strategy
+
+log = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("worker.py")
 INSTALL_HINT = ("install it with `pip install 'batchinfer[vllm]'` (vLLM's CPU build is the "
@@ -134,7 +137,7 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
     if config.cache.kv_cache_dtype == "bfloat16":
         args["kv_cache_dtype"] = "bfloat16"
     if model.lora_modules:      # each request names its adapter (a LoRARequest: worker.py)
-        args.update(lora_engine_args(model))
+        args.update(lora_engine_args(model, device))
     if params.max_num_batched_tokens:
         args["max_num_batched_tokens"] = params.max_num_batched_tokens
     if model.load_format == "dummy":
@@ -155,17 +158,31 @@ def engine_args(config: EngineConfig, params: VllmParams, model_dir: Path,
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_engine_args(model) -> dict:
+def lora_engine_args(model, device: str = "cpu") -> dict:
     """vLLM's LoRA settings for model.lora_modules: max_lora_rank the smallest value vLLM
     accepts at or above the recipe's, max_loras the recipe's or every adapter (our engine mixes
-    them all in a step; vLLM's own default is 1)."""
+    them all in a step; vLLM's own default is 1).
+
+    On CPU one slot more than the adapters, left empty: vLLM 0.32's CPU LoRA ops index the
+    adapters' stacked weights with each token's slot, and a token without an adapter has slot
+    -1, which Python's indexing reads as the last slot (vllm/lora/ops/torch_ops/lora_ops.py):
+    base-model requests in a step with adapter requests got an adapter's delta (seen: their
+    tokens were an adapter's). With the last slot never filled, they get zeros."""
     from batchinfer.engine.model.lora_adapters import read_adapter_config
 
     for name, path in model.lora_modules.items():   # files there, rank: vLLM reads the rest
         read_adapter_config(name, str(Path(path).expanduser()), model.max_lora_rank)
     rank = next((r for r in VLLM_LORA_RANKS if r >= model.max_lora_rank), model.max_lora_rank)
-    return {"enable_lora": True, "max_lora_rank": rank,
-            "max_loras": model.max_loras or len(model.lora_modules)}
+    loras = model.max_loras or len(model.lora_modules)
+    if device == "cpu":
+        if loras < len(model.lora_modules):
+            log.warning("model.max_loras %d is below the %d adapters: vLLM's CPU build fills its "
+                        "last slot then, and base-model requests in a step beside adapter "
+                        "requests get that adapter's delta (vLLM 0.32); leave max_loras empty",
+                        loras, len(model.lora_modules))
+        else:
+            loras = len(model.lora_modules) + 1
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": loras}
 
 
 def engine_env(config: EngineConfig, environ: Optional[dict] = None, device: str = "cpu",
