@@ -266,6 +266,10 @@ def build_engine(config: EngineConfig) -> Engine:
     own = config.strategy.build_engine(config) if config.strategy is not None else None
     if own is not None:
         engine = own
+        if config.model.lora_modules and "lora_modules" not in engine.info:   # its own model
+            engine.close()
+            raise ConfigError(f"model.lora_modules: strategy {config.strategy.name} builds its "
+                              "own model, which does not apply LoRA adapters")
     elif config.parallel.multiprocess:
         from .runtime.build import build_parallel_engine
 

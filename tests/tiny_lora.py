@@ -15,6 +15,8 @@ import torch
 from tests.tiny_families import hf_model, save_model
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Phi-3 checkpoints fuse q/k/v and gate/up: its adapters target the fused modules
+TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 # adapter name -> (rank, lora_alpha, use_rslora, seed)
 ADAPTERS = {"alpha": (4, 8, False, 1), "beta": (8, 16, True, 2)}
 PROMPTS = [[5, 17, 300, 42, 9, 77, 31], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -77,6 +79,7 @@ def lora_family(root: Path, tokenizer_dir: Path, family: str = "llama3", prompts
     path = save_model(base, root / "base", tokenizer_dir)
     adapters, expected = {}, {None: base_greedy(base, prompts, max_new)}
     for name, (rank, alpha, rslora, seed) in ADAPTERS.items():
-        adapters[name] = make_adapter(base, root / name, rank, alpha, rslora, seed)
+        adapters[name] = make_adapter(base, root / name, rank, alpha, rslora, seed,
+                                      TARGETS.get(family))
         expected[name] = peft_greedy(base, adapters[name], prompts, max_new)
     return {"base": path, "adapters": adapters, "expected": expected}

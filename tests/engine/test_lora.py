@@ -50,6 +50,36 @@ def expected_of(family, requests) -> dict:
             for r in requests}
 
 
+@pytest.fixture(scope="module")
+def other_families(tmp_path_factory, default_model_dir):
+    """family name -> lora_family of it, built on first use."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = lora_family(tmp_path_factory.mktemp(name), default_model_dir, name)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name, parallel", [("qwen3", None), ("phi3", None), ("phi3", {"tp": 2})],
+                         ids=["qwen3", "phi3", "phi3-tp2"])
+def test_other_families_mixed_batches_equal_transformers_and_peft(make_engine, other_families,
+                                                                  name, parallel):
+    """Qwen3 (q/k norms after the adapted qkv, head_dim != hidden / heads) and Phi-3, whose
+    adapters target its fused qkv_proj / gate_up_proj (a TP rank keeps its rows of each part)."""
+    fam = other_families(name)
+    engine = make_engine(model=model_section(fam), cache=CACHE,
+                         **({"parallel": parallel} if parallel else {}))
+    try:
+        requests = mixed_requests()
+        assert run(engine, requests) == expected_of(fam, requests)
+        assert fam["expected"]["alpha"] != fam["expected"][None]
+    finally:
+        engine.close()
+
+
 def test_adapters_change_the_reference_tokens(family):
     """The check below could fail: each adapter's tokens differ from the base model's."""
     expected = family["expected"]
@@ -184,3 +214,27 @@ def test_steps_without_adapter_tokens_run_the_plain_path(make_engine, family, mo
     assert all(step is None for step in calls)
     assert lora.lora_step([0, 0], [3, 1], torch.device("cpu")) is None
     assert lora.lora_step([], [3, 1], torch.device("cpu")) is None
+
+
+def test_a_strategy_building_its_own_model_without_adapters_is_refused(family, monkeypatch):
+    """A strategy's own engine build (its own partitions) that applies no adapters: refused by
+    name at start, not run as the base model."""
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.engine import Engine
+    from batchinfer.strategies import STRATEGIES
+
+    closed = []
+
+    class OwnEngine:
+        info: dict = {}
+
+        def close(self):
+            closed.append(True)
+
+    params = STRATEGIES["baseline"]()
+    monkeypatch.setattr(type(params), "build_engine", lambda self, config: OwnEngine())
+    config = EngineConfig(model=model_section(family), cache=CACHE, strategy=params)
+    with pytest.raises(ConfigError, match=r"model\.lora_modules: strategy baseline builds its own "
+                                          r"model, which does not apply LoRA adapters"):
+        Engine.from_config(config)
+    assert closed == [True]
