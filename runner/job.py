@@ -104,9 +104,8 @@ class Job(JobReports):
             self._progress = Progress(self._total, already_done=self.prior.num_outputs
                                       + self.prior.num_errors, mode=spec.progress,
                                       interval_s=self.recipe.report.progress_interval_seconds,
-                                      already_failed=self.prior.num_errors)
-            if self.embed:
-                self._progress.unit = "prompt"
+                                      already_failed=self.prior.num_errors,
+                                      unit="prompt" if self.embed else "output")
             self.signals.setting_up = False   # from here a signal stops the loop after its step
             finished = self._loop()
             if finished and self._input_failure is not None:

@@ -51,7 +51,7 @@ class Progress:
 
     def __init__(self, total: Optional[int], already_done: int = 0, mode: str = "auto",
                  interval_s: float = 10.0, stream: Optional[TextIO] = None,
-                 already_failed: int = 0):
+                 already_failed: int = 0, unit: str = "output"):
         self.stream = stream or sys.stderr
         self.total = total
         self.interval_s = interval_s
@@ -62,7 +62,7 @@ class Progress:
         self.done = already_done
         self.failed = already_failed
         self.output_tokens = 0          # the tokens its rate counts (unit: output or prompt)
-        self.unit = "output"
+        self.unit = unit                # "prompt" for an embedding job
         self._last_line = self.start
         if mode == "auto":
             mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
@@ -79,7 +79,9 @@ class Progress:
         self._bar = RichProgress(
             TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[errors]} errors"),
-            TextColumn("{task.fields[tps]} out tok/s"), TimeElapsedColumn(),
+            TextColumn("{task.fields[tps]} %s tok/s" % ("out" if self.unit == "output"
+                                                         else self.unit)),
+            TimeElapsedColumn(),
             TextColumn("ETA"), TimeRemainingColumn(),
             console=stderr_console() if self.stream is sys.stderr else Console(file=self.stream),
             transient=False)

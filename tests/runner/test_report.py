@@ -291,6 +291,17 @@ def test_a_resumed_runs_progress_counts_the_errors_already_written():
     assert "batchinfer finished: 9/10 requests (90.0%), 3 errors" in last
 
 
+@pytest.mark.parametrize("unit, shown", [("output", "out tok/s"), ("prompt", "prompt tok/s")])
+def test_the_progress_bar_names_the_tokens_its_rate_counts(unit, shown):
+    """An embedding job's rate counts prompt tokens: its bar says so (the bar is built when the
+    Progress is, so the unit is a constructor argument)."""
+    stream = io.StringIO()
+    progress = Progress(total=4, mode="bar", stream=stream, unit=unit)
+    progress.update(2, 0, 64)
+    progress.close()
+    assert shown in stream.getvalue() and progress.unit == unit
+
+
 def test_slurm_shard_detection():
     assert detect_shard({}).count == 1
     # an sbatch script (no step) runs one process: it takes the whole input
