@@ -200,6 +200,19 @@ def _e2e_params():
     return [greedy, seeded, greedy, seeded, seeded]
 
 
+_REFERENCES: dict[str, list] = {}
+
+
+def _single_process_outputs(make_engine, model: dict) -> list:
+    """The single process's outputs of E2E under `model`, computed once per model for every
+    switch setting below (the reference does not depend on them)."""
+    key = repr(sorted(model.items()))
+    if key not in _REFERENCES:
+        with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}) as engine:
+            _REFERENCES[key] = engine.generate(E2E, _e2e_params())
+    return _REFERENCES[key]
+
+
 @pytest.mark.parametrize("model,parallel,switches", [
     ({"max_model_len": 512}, {"pp": 2}, {}),
     ({"max_model_len": 512}, {"pp": 2}, {"samplers": 3}),
@@ -216,7 +229,7 @@ def test_sipipe_tokens_equal_the_single_process(make_engine, model, parallel, sw
     from batchinfer.strategies.sipipe.params import SiPipeParams
 
     params = _e2e_params()
-    reference = make_engine(model=model, cache={"kv_cache_memory": "64MiB"}).generate(E2E, params)
+    reference = _single_process_outputs(make_engine, model)
     strategy = SiPipeParams(policy="hb", chunk_size=16, max_num_batched_tokens=64, **switches)
     with make_engine(model=model, cache={"kv_cache_memory": "64MiB"}, parallel=parallel,
                      strategy=strategy, scheduler=strategy.scheduler_config()) as eng:
