@@ -105,7 +105,8 @@ class ParallelSampling:
     def __init__(self, engine):
         self.engine = engine
         self._parents: dict[str, _Parent] = {}
-        self._parent_of: dict[str, _Parent] = {}       # child id -> its request's state
+        # child id -> its request's state and its index there (no search of n children)
+        self._parent_of: dict[str, tuple[_Parent, int]] = {}
         self._holding: dict[str, _Parent] = {}         # request id -> children held back
         self._forecasts_stale = False
 
@@ -138,8 +139,8 @@ class ParallelSampling:
             arrival_time=now) for i in range(self._computed(request))]
         parent = _Parent(request, children, now, share_tokens=self._share_tokens(request))
         self._parents[rid] = parent
-        for seq in children:
-            self._parent_of[seq.request_id] = parent
+        for index, seq in enumerate(children):
+            self._parent_of[seq.request_id] = (parent, index)
         hold = parent.share_tokens > 0 and len(children) > 1
         for index, seq in enumerate(children):
             engine._register(seq)
@@ -211,10 +212,10 @@ class ParallelSampling:
         sample; for a child, None until its request's last child finishes, then the request's
         ParallelOutput. A first child that finishes while others wait for its prompt lets them
         start first (its blocks are still held)."""
-        parent = self._parent_of.pop(seq.request_id, None)
-        if parent is None:
+        entry = self._parent_of.pop(seq.request_id, None)
+        if entry is None:
             return out
-        index = next(i for i, child in enumerate(parent.children) if child is seq)
+        parent, index = entry
         if index == 0 and parent.held and out.finish_reason is not FinishReason.ABORT:
             self._release(parent)
         parent.results[index] = out
@@ -228,8 +229,8 @@ class ParallelSampling:
         """Output tokens so far per unfinished request (a request of n samples: its longest)."""
         out: dict[str, int] = {}
         for rid, seq in seqs.items():
-            parent = self._parent_of.get(rid)
-            key = parent.request.request_id if parent is not None else rid
+            entry = self._parent_of.get(rid)
+            key = entry[0].request.request_id if entry is not None else rid
             out[key] = max(out.get(key, 0), len(seq.output_token_ids))
         self._forecasts_stale = True      # the caller may be about to change forecasts
         return out
