@@ -119,7 +119,11 @@ def parse_pooling_type(name: str) -> str:
 
 
 def sentence_transformers_pooling(model_dir: Path) -> Optional[dict]:
-    """{use_activation, pooling_type?} from the model's modules.json (None: no such file)."""
+    """{use_activation, pooling_type?, unsupported_mode?} from the model's modules.json and its
+    Pooling module's config (None: no modules.json or no Pooling module, as vLLM reads them:
+    then the architecture's and the pooler's defaults apply). Only pooling_mode* keys name a
+    mode (others, such as include_prompt, are settings); a mode batchinfer cannot pool (max,
+    weightedmean, ...) is reported, refused only where the recipe sets no pooling_type."""
     modules = _read_json(model_dir / "modules.json")
     if not isinstance(modules, list):
         return None
@@ -130,16 +134,16 @@ def sentence_transformers_pooling(model_dir: Path) -> Optional[dict]:
         raise ConfigError(f"{model_dir}/modules.json: sentence-transformers modules "
                           f"{', '.join(map(str, others))} are not supported (batchinfer runs "
                           "Transformer, Pooling and Normalize); embed with a model without them")
-    found: dict[str, Any] = {"use_activation": any(t in _ST_NORMALIZE_MODULES for t in types)}
     pooling = next((m for m in modules if isinstance(m, dict)
                     and m.get("type") in _ST_POOLING_MODULES), None)
     if pooling is None:
-        return found
-    settings = _read_json(model_dir / str(pooling.get("path", "")) / "config.json") or {}
-    for key, value in settings.items():
+        return None
+    found: dict[str, Any] = {"use_activation": any(t in _ST_NORMALIZE_MODULES for t in types)}
+    settings_file = model_dir / str(pooling.get("path", "")) / "config.json"
+    for key, value in (_read_json(settings_file) or {}).items():
         if key == "pooling_mode" and isinstance(value, str):
             name = value
-        elif value is True:
+        elif key.startswith("pooling_mode_") and value is True:
             name = key
         else:
             continue
@@ -147,9 +151,9 @@ def sentence_transformers_pooling(model_dir: Path) -> Optional[dict]:
         if kind in POOLING_TYPES:
             found["pooling_type"] = kind
         else:
-            raise ConfigError(f"{model_dir}/{pooling.get('path')}/config.json: pooling mode "
-                              f"{name!r} is not supported; set model.pooler_config.pooling_type "
-                              f"to one of {', '.join(POOLING_TYPES)}")
+            found["unsupported_mode"] = (
+                f"{settings_file}: pooling mode {name!r} is not supported; set "
+                f"model.pooler_config.pooling_type to one of {', '.join(POOLING_TYPES)}")
     return found
 
 
@@ -163,6 +167,8 @@ def resolve_pooling(model_dir: Path, hf_config: dict, recipe: Optional[PoolerCon
     model cannot give is a ConfigError naming the key."""
     recipe = recipe or PoolerConfig()
     st = sentence_transformers_pooling(model_dir) or {}
+    if "unsupported_mode" in st and recipe.pooling_type is None:
+        raise ConfigError(st["unsupported_mode"])
     sources: dict[str, str] = {}
 
     def pick(key: str, default: Any) -> Any:

@@ -201,6 +201,37 @@ def test_pooler_resolution_sentence_transformers_then_architecture_then_recipe(t
         resolve_pooling(dense, bert, None)
 
 
+def test_pooling_settings_beside_the_mode_and_modes_batchinfer_cannot_pool(tmp_path):
+    """A Pooling config's other keys (include_prompt: true, as Qwen3-Embedding's) are no mode;
+    a max / weightedmean mode is refused unless the recipe names the pooling; a modules.json
+    without a Pooling module decides nothing (vLLM: the pooler's default, normalized)."""
+    st = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+          {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+          {"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    qwen3 = {"model_type": "qwen3", "hidden_size": 64}
+    (tmp_path / "a").mkdir()
+    folder = _copy_minilm_files(tmp_path / "a", st, {
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True,
+        "include_prompt": True})
+    pooling = resolve_pooling(folder, qwen3, None)
+    assert (pooling.pooling_type, pooling.use_activation) == ("LAST", True)
+    assert pooling.sources["pooling_type"] == "sentence_transformers"
+    (tmp_path / "b").mkdir()
+    folder = _copy_minilm_files(tmp_path / "b", st, {"pooling_mode_max_tokens": True,
+                                                     "pooling_mode_mean_tokens": True})
+    with pytest.raises(ConfigError, match="pooling mode 'pooling_mode_max_tokens' is not "
+                                          "supported; set model.pooler_config.pooling_type"):
+        resolve_pooling(folder, qwen3, None)
+    pooling = resolve_pooling(folder, qwen3, PoolerConfig(pooling_type="MEAN"))
+    assert (pooling.pooling_type, pooling.use_activation) == ("MEAN", True)
+    (tmp_path / "c").mkdir()
+    folder = _copy_minilm_files(tmp_path / "c", [st[0]])       # no Normalize, no Pooling
+    pooling = resolve_pooling(folder, qwen3, None)
+    assert (pooling.pooling_type, pooling.use_activation) == ("LAST", True)
+    assert pooling.sources == {"pooling_type": "model_default", "use_activation": "model_default"}
+
+
 def test_max_model_len_past_the_models_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.max_model_len: 1024 is more than the model "
                                           r"takes \(256 tokens\)"):
