@@ -62,9 +62,11 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
                                                         **spec.chat_options)
                 out.append(_truncated(ids, keep, side))
             elif isinstance(value, str):
-                if keep is not None:
-                    out.append(list(hf.encode(value, add_special_tokens=special,
-                                              truncation=True, max_length=keep)))
+                if keep is not None:     # then cut as token ids: the tokenizer keeps all when
+                    # keep is under its special tokens' count (vLLM cuts after tokenizing too)
+                    out.append(_truncated(list(hf.encode(value, add_special_tokens=special,
+                                                         truncation=True, max_length=keep)),
+                                          keep, side))
                 else:
                     out.append(list(hf.encode(value, add_special_tokens=special)))
             else:

@@ -252,3 +252,18 @@ def test_chat_lines_render_without_the_generation_prompt(tmp_path):
     run(chat_recipe, write_jsonl(tmp_path / "oa.jsonl", [body]), tmp_path / "oa", engine)
     record = read_jsonl(tmp_path / "oa" / "outputs.jsonl")[0]["response"]["body"]
     assert close(record["data"][0]["embedding"], out["chat"]["embedding"])
+
+
+def test_truncation_below_the_special_tokens_count_still_keeps_that_many(engine):
+    """truncate_prompt_tokens 1 on BERT text ([CLS] ... [SEP]): the tokenizer's own truncation
+    gives up and returns every token; vLLM 0.32 then cuts the ids (RenderParams'
+    _token_truncation after tokenizing): [CLS] alone."""
+    from batchinfer.runner.io.embed_inputs import parse_embed_plain
+    from batchinfer.runner.io.embed_records import input_token_ids
+
+    hf = engine.tokenizer.hf
+    full = hf.encode("hello world again")
+    for keep, expected in ((1, full[:1]), (2, [full[0], full[-1]]), (3, [*full[:2], full[-1]])):
+        spec = parse_embed_plain({"prompt": "hello world again",
+                                  "truncate_prompt_tokens": keep}, 1)
+        assert input_token_ids(spec, engine.tokenizer, engine.max_model_len) == [expected]
