@@ -16,10 +16,10 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.embedding.engine import check_embedding_request, resolve_embed_device
 from batchinfer.engine.embedding.model_source import embedding_source
 from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingRequest
-from batchinfer.engine.errors import ConfigError, RequestError
+from batchinfer.engine.errors import RequestError
 from batchinfer.engine.request import FinishReason
 
-from .engine import VllmWorkerError, _read
+from .engine import VllmWorkerError, _read, start_worker
 from .params import VllmParams, engine_args, engine_env, vllm_python
 
 log = logging.getLogger(__name__)
@@ -65,24 +65,9 @@ class VllmEmbeddingEngine:
         source = embedding_source(config.model)
         args = embed_engine_args(config, params, source, device)
         log.info("starting vLLM's pooling runner under %s: %s", python, args)
-        proc = subprocess.Popen([python, str(EMBED_WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=engine_env(config, device=device),
-                                text=True, bufsize=1, start_new_session=True)
-        try:
-            proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
-            proc.stdin.flush()
-            first = _read(proc, timeout=params.startup_timeout_seconds)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if "ready" not in first:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise ConfigError(f"strategy vllm: {first.get('error')}")
-        facts = first["ready"]
+        proc, facts = start_worker(EMBED_WORKER, python, args,
+                                   engine_env(config, device=device),
+                                   params.startup_timeout_seconds)
         info = {"task": "embed", "device": device, "dtype": args["dtype"], "strategy": "vllm",
                 "model_id": source.model_id, "max_model_len": source.max_model_len,
                 "pooler": {**source.pooling.describe(), "vllm": facts.get("pooler")},

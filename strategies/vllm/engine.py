@@ -11,6 +11,7 @@ import logging
 import select
 import subprocess
 import time
+from pathlib import Path
 from typing import Optional
 
 from batchinfer.engine.admission import check_lora, check_prompt
@@ -91,24 +92,8 @@ class VllmEngine:
         model_dir, model_id, tokenizer, vocab_size = vllm_model(config.model)
         args = engine_args(config, params, model_dir, device)
         log.info("starting vLLM under %s: %s", python, args)
-        proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=engine_env(config, device=device),
-                                text=True, bufsize=1, start_new_session=True)
-        try:
-            proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
-            proc.stdin.flush()
-            first = _read(proc, timeout=params.startup_timeout_seconds)
-        except BaseException:   # a signal or the start-up bound: never leave vLLM running
-            proc.kill()
-            proc.wait()
-            raise
-        if "ready" not in first:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise ConfigError(f"strategy vllm: {first.get('error')}")
-        facts = first["ready"]
+        proc, facts = start_worker(WORKER, python, args, engine_env(config, device=device),
+                                   params.startup_timeout_seconds)
         log.info("vLLM %s ready: KV cache %d tokens", facts.get("vllm_version"),
                  facts.get("kv_capacity_tokens", 0))
         info = {"device": device, "dtype": args["dtype"], "strategy": "vllm",
@@ -241,6 +226,30 @@ class VllmEngine:
         except (BrokenPipeError, OSError) as exc:
             raise VllmWorkerError(f"the vLLM process has stopped (exit code "
                                   f"{self._proc.poll()}); its log is above") from exc
+
+
+def start_worker(script: Path, python: str, args: dict, env: dict,
+                 timeout: float) -> tuple[subprocess.Popen, dict]:
+    """Starts a vLLM worker process (`script` under `python`) with `args` and waits for its
+    ready facts; a refusal is a ConfigError with vLLM's words, and a signal or the start-up
+    bound never leaves vLLM running."""
+    proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, text=True, bufsize=1, start_new_session=True)
+    try:
+        proc.stdin.write(json.dumps({"engine_args": args}) + "\n")
+        proc.stdin.flush()
+        first = _read(proc, timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if "ready" not in first:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise ConfigError(f"strategy vllm: {first.get('error')}")
+    return proc, first["ready"]
 
 
 def _read(proc: subprocess.Popen, timeout: Optional[float] = None) -> dict:
