@@ -23,6 +23,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, ModelLoadError, RequestError
 from ..request import FinishReason
 from .model_source import EmbeddingSource, embedding_source
+from .pooler_config import bidirectional_decoder_problem
 from .pooling import finish, pool
 from .request import EmbeddingOutput, EmbeddingRequest
 
@@ -170,6 +171,9 @@ class EmbeddingEngine:
         if device.type == "cpu" and config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         source = embedding_source(config.model)
+        problem = bidirectional_decoder_problem(source.hf_config)
+        if problem:
+            raise ConfigError(problem)
         dtype = resolve_embed_dtype(config.model.dtype, device, source.hf_config)
         model = load_embedding_model(source, config, device, dtype)
         return cls(source, model, device, dtype, config.scheduler.max_num_batched_tokens,

@@ -158,8 +158,20 @@ def sentence_transformers_pooling(model_dir: Path) -> Optional[dict]:
 
 
 def is_encoder(hf_config: dict) -> bool:
-    return (hf_config.get("model_type") in ENCODER_MODEL_TYPES
-            or hf_config.get("is_causal") is False)
+    """A bidirectional encoder by its model_type (vLLM's default pooling is the architecture's:
+    a decoder whose config says is_causal: false still pools LAST)."""
+    return hf_config.get("model_type") in ENCODER_MODEL_TYPES
+
+
+def bidirectional_decoder_problem(hf_config: dict) -> Optional[str]:
+    """A decoder whose config says is_causal: false: vLLM runs it bidirectionally, transformers'
+    AutoModel (the embedding engine's) keeps it causal, so its embeddings would differ."""
+    if is_encoder(hf_config) or hf_config.get("is_causal") is not False:
+        return None
+    return (f"model.path: config.json of this {hf_config.get('model_type')!r} decoder sets "
+            "is_causal: false (bidirectional attention), which the embedding engine cannot run "
+            "(transformers' AutoModel keeps a decoder causal); use strategy vllm, or a model "
+            "without it")
 
 
 def resolve_pooling(model_dir: Path, hf_config: dict, recipe: Optional[PoolerConfig]) -> Pooling:

@@ -232,6 +232,22 @@ def test_pooling_settings_beside_the_mode_and_modes_batchinfer_cannot_pool(tmp_p
     assert pooling.sources == {"pooling_type": "model_default", "use_activation": "model_default"}
 
 
+def test_a_decoder_configured_bidirectional_is_refused_not_run_causally(tiny_qwen3, tmp_path):
+    """vLLM runs a decoder whose config says is_causal: false bidirectionally, pooling LAST
+    still (the architecture's); transformers' AutoModel would run it causally: the embedding
+    engine refuses it by name (strategy vllm's pooling resolution still reads LAST)."""
+    directory, _ = tiny_qwen3
+    config = json.loads((directory / "config.json").read_text())
+    bidirectional = tmp_path / "bidirectional"
+    shutil.copytree(directory, bidirectional)
+    (bidirectional / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    assert resolve_pooling(bidirectional, {**config, "is_causal": False},
+                           None).pooling_type == "LAST"
+    with pytest.raises(ConfigError, match="'qwen3' decoder sets is_causal: false"):
+        EmbeddingEngine.from_config(EngineConfig(model=ModelConfig(
+            task="embed", path=str(bidirectional))))
+
+
 def test_max_model_len_past_the_models_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.max_model_len: 1024 is more than the model "
                                           r"takes \(256 tokens\)"):
