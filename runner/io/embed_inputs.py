@@ -7,6 +7,7 @@
     OpenAI  {"custom_id", "method": "POST", "url": "/v1/embeddings",
              "body": {"input": "..." | ["...", ...] | [ids] | [[ids], ...] | [messages],
                       "model"?, "dimensions"?, "encoding_format"?: float | base64, "user"?,
+                      "embed_dtype"?, "endianness"? (base64's, as vLLM's),
                       "use_activation"?, "truncate_prompt_tokens"?, "add_special_tokens"?}}
             (or body.messages, as vLLM's server takes a conversation); one line, one record,
             one embedding per input.
@@ -36,9 +37,12 @@ EMBED_OPTION_KEYS = frozenset({"dimensions", "use_activation", "truncate_prompt_
 PLAIN_KEYS = frozenset({"id", "prompt", "messages", "metadata"}) | EMBED_OPTION_KEYS \
     | CHAT_OPTION_KEYS
 BODY_KEYS = frozenset({"input", "messages", "model", "user", "encoding_format",
-                       "add_special_tokens"}) | EMBED_OPTION_KEYS | CHAT_OPTION_KEYS
+                       "embed_dtype", "endianness", "add_special_tokens"}) | EMBED_OPTION_KEYS | CHAT_OPTION_KEYS
 OPENAI_LINE_KEYS = frozenset({"custom_id", "method", "url", "body", "metadata"})
 ENCODING_FORMATS = ("float", "base64")
+# vLLM's base64 extras: the values' dtype and byte order (native: the host's)
+EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+ENDIANNESS = ("native", "big", "little")
 _warned_ignored: set = set()
 
 
@@ -235,6 +239,13 @@ def parse_embed_openai(record: Any, line: int) -> Parsed:
         return err("invalid_parameter", f"body.encoding_format must be one of "
                    f"{', '.join(ENCODING_FORMATS)}, not {fmt!r}")
     options["encoding_format"] = fmt or "float"
+    for key, allowed in (("embed_dtype", EMBED_DTYPES), ("endianness", ENDIANNESS)):
+        value = body.get(key)
+        if value is not None and value not in allowed:
+            return err("invalid_parameter", f"body.{key} must be one of {', '.join(allowed)}, "
+                       f"not {value!r}")
+        if value is not None:
+            options[key] = value
     if body.get("add_special_tokens") is not None:
         if not isinstance(body["add_special_tokens"], bool):
             return err("invalid_parameter", "body.add_special_tokens must be true or false")

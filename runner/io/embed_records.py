@@ -9,10 +9,12 @@ pooling requests are), and its result -> the record on disk:
 from __future__ import annotations
 
 import base64
-import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
 
 from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingRequest
 from batchinfer.engine.errors import RequestError
@@ -25,6 +27,8 @@ from .records import RequestPayload, _short_hash
 @dataclass
 class EmbedPayload(RequestPayload):
     encoding_format: str = "float"      # OpenAI lines: float or base64
+    embed_dtype: str = "float32"        # base64's value type and byte order (vLLM's extras)
+    endianness: str = "native"
 
 
 def _truncated(ids: list[int], keep: Optional[int], side: str) -> list[int]:
@@ -84,6 +88,8 @@ def build_embed_request(spec: RequestSpec, tokenizer, order: int, max_model_len:
     options = spec.extra.get(OPTIONS, {})
     payload = EmbedPayload.from_spec(spec, order)
     payload.encoding_format = options.get("encoding_format", "float")
+    payload.embed_dtype = options.get("embed_dtype", "float32")
+    payload.endianness = options.get("endianness", "native")
     return EmbeddingRequest(
         request_id=spec.request_id,
         inputs=input_token_ids(spec, tokenizer, max_model_len, chat_template),
@@ -92,11 +98,25 @@ def build_embed_request(spec: RequestSpec, tokenizer, order: int, max_model_len:
         prompt=spec.prompt if isinstance(spec.prompt, str) else None)
 
 
-def _encoded(vector: list[float], fmt: str) -> Any:
-    """base64: the float32 values' little-endian bytes, as OpenAI's client decodes them."""
-    if fmt == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-    return vector
+_BASE64_DTYPES = {"float32": (torch.float32, torch.float32),
+                  "float16": (torch.float16, torch.float16),
+                  "bfloat16": (torch.bfloat16, torch.int16),
+                  "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+                  "fp8_e5m2": (torch.float8_e5m2, torch.uint8)}
+
+
+def _encoded(vector: list[float], fmt: str, embed_dtype: str = "float32",
+             endianness: str = "native") -> Any:
+    """base64: the values' bytes as vLLM's server writes them (tensor2binary): cast to
+    embed_dtype (float32 by default, as OpenAI's client decodes it), in the host's byte order
+    unless endianness says another."""
+    if fmt != "base64":
+        return vector
+    dtype, view = _BASE64_DTYPES[embed_dtype]
+    array = torch.tensor(vector, dtype=torch.float32).to(dtype).view(view).numpy()
+    if endianness not in ("native", sys.byteorder):
+        array = array.byteswap()
+    return base64.b64encode(array.tobytes()).decode("ascii")
 
 
 def embedding_record(out: EmbeddingOutput, payload: RequestPayload, model_id: str) -> dict:
@@ -113,12 +133,15 @@ def openai_embedding_output(out: EmbeddingOutput, payload: RequestPayload,
                             model_id: str) -> dict:
     key = _short_hash(payload.custom_id or out.request_id)
     fmt = getattr(payload, "encoding_format", "float")
+    encoding = (getattr(payload, "embed_dtype", "float32"), getattr(payload, "endianness",
+                                                                     "native"))
     body = {
         "id": f"embd-{key}",
         "object": "list",
         "created": int(time.time()),
         "model": payload.openai_model or model_id,
-        "data": [{"index": i, "object": "embedding", "embedding": _encoded(vector, fmt)}
+        "data": [{"index": i, "object": "embedding",
+                  "embedding": _encoded(vector, fmt, *encoding)}
                  for i, vector in enumerate(out.embeddings)],
         "usage": {"prompt_tokens": out.num_prompt_tokens,
                   "total_tokens": out.num_prompt_tokens},

@@ -267,3 +267,31 @@ def test_truncation_below_the_special_tokens_count_still_keeps_that_many(engine)
         spec = parse_embed_plain({"prompt": "hello world again",
                                   "truncate_prompt_tokens": keep}, 1)
         assert input_token_ids(spec, engine.tokenizer, engine.max_model_len) == [expected]
+
+
+def test_base64_embed_dtype_and_endianness_as_vllm_writes_them(tmp_path, recipe, engine):
+    """vLLM's body.embed_dtype / endianness shape the base64 bytes (tensor2binary); they were
+    ignored (float32 written where float16 was asked); a value vLLM refuses is the line's error."""
+    import numpy as np
+
+    def line(cid, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                "body": {"input": "first text", "encoding_format": "base64", **body}}
+
+    lines = [line("f16", embed_dtype="float16"), line("f16-big", embed_dtype="float16",
+                                                      endianness="big"),
+             line("bf16", embed_dtype="bfloat16", endianness="little"),
+             line("f32-big", endianness="big"), line("bad", embed_dtype="int8")]
+    outcome = run(recipe, write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "run", engine)
+    assert (outcome.outputs, outcome.errors) == (4, 1)
+    out = {r["custom_id"]: base64.b64decode(r["response"]["body"]["data"][0]["embedding"])
+           for r in read_jsonl(tmp_path / "run" / "outputs.jsonl")}
+    first = np.array(engine.embed(["first text"])[0], dtype=np.float32)
+    assert np.array_equal(np.frombuffer(out["f16"], "<f2"), first.astype(np.float16))
+    assert np.array_equal(np.frombuffer(out["f16-big"], ">f2"), first.astype(np.float16))
+    assert np.array_equal(np.frombuffer(out["f32-big"], ">f4"), first)
+    bf16 = (np.frombuffer(out["bf16"], "<u2").astype(np.uint32) << 16).view(np.float32)
+    assert len(bf16) == len(first) and np.allclose(bf16, first, rtol=2**-8, atol=0)
+    error = read_jsonl(tmp_path / "run" / "errors.jsonl")[0]
+    assert error["error"]["code"] == "invalid_parameter"
+    assert "body.embed_dtype must be one of float32, float16, bfloat16" in error["error"]["message"]
