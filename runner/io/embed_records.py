@@ -4,7 +4,7 @@ pooling requests are), and its result -> the record on disk:
     plain / chat: {"id", "embedding": [...], "prompt_tokens": n, "metadata"?}
     OpenAI batch: the batch output envelope around vLLM's / OpenAI's embeddings response,
                   {"object": "list", "data": [{"object": "embedding", "embedding", "index"}],
-                   "model", "usage": {"prompt_tokens", "total_tokens"}}, one data entry per input
+                   "model", "usage": vLLM's UsageInfo}, one data entry per input
 """
 from __future__ import annotations
 
@@ -129,6 +129,14 @@ def embedding_record(out: EmbeddingOutput, payload: RequestPayload, model_id: st
     return record
 
 
+def embedding_usage(prompt_tokens: int) -> dict:
+    """vLLM 0.32's UsageInfo as its run_batch writes it (model_dump_json: every field, nulls
+    included): prompt tokens of all the line's inputs, completion_tokens 0."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+            "completion_tokens": 0, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
+
+
 def openai_embedding_output(out: EmbeddingOutput, payload: RequestPayload,
                             model_id: str) -> dict:
     key = _short_hash(payload.custom_id or out.request_id)
@@ -143,8 +151,7 @@ def openai_embedding_output(out: EmbeddingOutput, payload: RequestPayload,
         "data": [{"index": i, "object": "embedding",
                   "embedding": _encoded(vector, fmt, *encoding)}
                  for i, vector in enumerate(out.embeddings)],
-        "usage": {"prompt_tokens": out.num_prompt_tokens,
-                  "total_tokens": out.num_prompt_tokens},
+        "usage": embedding_usage(out.num_prompt_tokens),
     }
     record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
               "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
