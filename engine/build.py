@@ -13,6 +13,7 @@ from .config import EngineConfig, ModelConfig
 from .cpu_binding import bind_compute_threads, compute_threads, warn_if_oversubscribed
 from .cpu_dtype import DtypeChoice, resolve_cpu_dtype
 from .cuda_graphs import DecodeGraphs
+from .device import resolve_device  # noqa: F401 - imported from here by callers
 from .engine import Engine, Replica
 from .errors import ConfigError
 from .executor import InProcessExecutor
@@ -34,15 +35,6 @@ from .tokenizer import Tokenizer, load_tokenizer, warn_if_past_vocabulary
 log = logging.getLogger("batchinfer")
 CPU_AUTO_KV_CAP = 4 * 2**30  # like vLLM's CPU default: a host shares its RAM with other jobs
 GiB = 2**30
-
-
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device.device: cuda was asked for but torch sees no CUDA device; "
-                          "allowed here: auto or cpu")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
 
 
 def resolve_dtype(choice: str, device: torch.device, arch: ModelArch) -> DtypeChoice:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..config import EngineConfig
+from ..device import resolve_device
 from ..errors import ConfigError, ModelLoadError, RequestError
 from ..request import FinishReason
 from .model_source import EmbeddingSource, embedding_source
@@ -91,15 +92,6 @@ def check_embedding_request(request: EmbeddingRequest, max_model_len: int, vocab
             raise RequestError("invalid_dimensions", f"dimensions: {problem}")
 
 
-def resolve_embed_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device.device: cuda was asked for but torch sees no CUDA device; "
-                          "allowed here: auto or cpu")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
 def resolve_embed_dtype(choice: str, device: torch.device, hf_config: dict) -> torch.dtype:
     """model.dtype: on CPU auto is fp32 (transformers' bf16 CPU path is no faster on most hosts);
     on CUDA auto is the checkpoint's bf16 / fp16, else fp32."""
@@ -167,7 +159,7 @@ class EmbeddingEngine:
     @classmethod
     def from_config(cls, config: Optional[EngineConfig] = None) -> "EmbeddingEngine":
         config = config or EngineConfig()
-        device = resolve_embed_device(config.device.device)
+        device = resolve_device(config.device.device)
         if device.type == "cpu" and config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         source = embedding_source(config.model)

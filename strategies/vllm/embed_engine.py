@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.embedding.engine import check_embedding_request, resolve_embed_device
+from batchinfer.engine.device import resolve_device
+from batchinfer.engine.embedding.engine import check_embedding_request
 from batchinfer.engine.embedding.model_source import embedding_source
 from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingRequest
 from batchinfer.engine.errors import RequestError
@@ -61,7 +62,7 @@ class VllmEmbeddingEngine:
     @classmethod
     def start(cls, config: EngineConfig, params: VllmParams) -> "VllmEmbeddingEngine":
         python = vllm_python(params)
-        device = resolve_embed_device(config.device.device).type
+        device = resolve_device(config.device.device).type
         source = embedding_source(config.model)
         args = embed_engine_args(config, params, source, device)
         log.info("starting vLLM's pooling runner under %s: %s", python, args)
