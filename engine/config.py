@@ -318,6 +318,6 @@ class EngineConfig(_Strict):
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int = 1):
         if self.strategy is not None:
             return self.strategy.make_scheduler(block_manager, max_model_len, pipeline_depth)
-        from .scheduler import scheduler_from_config
+        from .batching_policies import scheduler_from_config
 
         return scheduler_from_config(self.scheduler, block_manager, max_model_len, pipeline_depth)

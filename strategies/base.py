@@ -57,7 +57,7 @@ class StrategyParams(NumbersNotBooleans):
 
     def make_scheduler(self, block_manager, max_model_len: int, pipeline_depth: int):
         """One replica's Scheduler; the default is the baseline policy of scheduler_config()."""
-        from batchinfer.engine.scheduler import scheduler_from_config
+        from batchinfer.engine.batching_policies import scheduler_from_config
 
         return scheduler_from_config(self.scheduler_config(), block_manager, max_model_len,
                                      pipeline_depth)

@@ -14,7 +14,7 @@ from batchinfer.engine.kv_swap import (SWAP_IN, SWAP_OUT, SwapSpace, allocate_sw
                                        apply_kv_swaps, attach_swap_space, swap_blocks_for,
                                        swap_unsupported_reason)
 from batchinfer.engine.request import SequenceStatus
-from batchinfer.engine.scheduler import HybridBatching, SeparateBatching
+from batchinfer.engine.batching_policies import HybridBatching, SeparateBatching
 from tests.engine.test_scheduler import run_step, seq
 from tests.strategy_e2e import (E2E_PARAMS, E2E_PROMPTS, TIGHT, assert_context_dependent,
                                  tight_reference)

@@ -234,7 +234,7 @@ def test_waiting_samples_let_their_blocks_go_when_nothing_runs(policy):
     a small pool and nothing runs: the head is admitted once the others let theirs go (they
     compute their prompts later) instead of the engine stalling; running ones keep theirs."""
     from batchinfer.engine.kv_cache import BlockManager
-    from batchinfer.engine.scheduler import make_scheduler
+    from batchinfer.engine.batching_policies import make_scheduler
     from batchinfer.sim.scheduler_driver import make_seq
 
     bm = BlockManager(num_blocks=6, block_size=4)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.engine.request import Request, SamplingParams, Sequence, SequenceStatus
-from batchinfer.engine.scheduler import HybridBatching, SeparateBatching
+from batchinfer.engine.batching_policies import HybridBatching, SeparateBatching
 
 
 def seq(rid, prompt_len, max_tokens=8):

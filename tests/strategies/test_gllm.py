@@ -8,7 +8,7 @@ import pytest
 from batchinfer.engine.kv_cache import BlockManager
 from batchinfer.runner.recipe import parse_recipe
 from batchinfer.runner.recipe_errors import RecipeError
-from batchinfer.engine.scheduler import HybridBatching
+from batchinfer.engine.batching_policies import HybridBatching
 from batchinfer.strategies.gllm.scheduler import (GLLMParams, TokenThrottlingScheduler, decode_budget,
                                         is_decoding, prefill_budget)
 from batchinfer.sim.scheduler_driver import complete, launch, make_seq, run_pipeline
