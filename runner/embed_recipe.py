@@ -18,6 +18,12 @@ def embed_strategies() -> list[str]:
                   if cls.model_construct().runs_embeddings())
 
 
+def uses_builtin_embedding_engine(recipe) -> bool:
+    """Whether the job embeds with batchinfer's embedding engine (a strategy without an engine
+    of its own: baseline), whose refusals validate then makes too."""
+    return type(recipe.strategy).build_engine is StrategyParams.build_engine
+
+
 def embed_recipe_problems(recipe, lines: Optional[YamlLines] = None) -> list[str]:
     def at(*path: str) -> str:
         line = lines.line(path) if lines else None
@@ -42,8 +48,7 @@ def embed_recipe_problems(recipe, lines: Optional[YamlLines] = None) -> list[str
         problems.append(f"{at('predictor', 'name')}predictor.name: {recipe.predictor.name} "
                         "predicts reply lengths; an embedding job has none (allowed: auto, none)")
     par = recipe.parallel
-    own_engine = type(recipe.strategy).build_engine is not StrategyParams.build_engine
-    if not own_engine and (par.tp, par.pp, par.dp) != (1, 1, 1):
+    if uses_builtin_embedding_engine(recipe) and (par.tp, par.pp, par.dp) != (1, 1, 1):
         problems.append(f"{at('parallel')}parallel: the embedding engine runs in one process "
                         f"(tp, pp and dp 1; got tp {par.tp}, pp {par.pp}, dp {par.dp}); run "
                         "Slurm shards (srun -n N) to embed on several hosts")

@@ -6,8 +6,20 @@ from __future__ import annotations
 import logging
 
 from batchinfer.engine.embedding.engine import check_embedding_request
+from batchinfer.engine.errors import ConfigError
 
+from .embed_recipe import uses_builtin_embedding_engine
 from .io.embed_records import build_embed_request
+
+
+def _check_engine_refusals(recipe, hf_config: dict) -> None:
+    """What the embedding engine refuses at start from the config alone (a decoder set
+    is_causal: false), refused here alike; a strategy with its own engine (vllm) runs it."""
+    from batchinfer.engine.embedding.pooler_config import bidirectional_decoder_problem
+
+    problem = bidirectional_decoder_problem(hf_config)
+    if problem and uses_builtin_embedding_engine(recipe):
+        raise ConfigError(problem)
 
 
 def embed_model_for_validate(recipe, tokenize: bool = True) -> tuple:
@@ -26,9 +38,12 @@ def embed_model_for_validate(recipe, tokenize: bool = True) -> tuple:
         import json
 
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        config = {**config, **(recipe.model.hf_overrides or {})}    # as the engine reads it
         resolve_pooling(model_dir, config, recipe.model.pooler_config)
+        _check_engine_refusals(recipe, config)
         return None, None, 0
     source = embedding_source(recipe.model)
+    _check_engine_refusals(recipe, source.hf_config)
     return source, source.max_model_len, source.vocab_size
 
 

@@ -199,6 +199,30 @@ def test_validate_checks_embedding_records_without_weights(tmp_path):
         "unknown_key": 1}
 
 
+def test_validate_refuses_a_bidirectional_decoder_as_the_start_does(tmp_path):
+    """A decoder whose config.json says is_causal: false: the embedding engine refuses it at
+    start (it would run it causally where vLLM runs it bidirectionally); validate says so too,
+    with and without --no-tokenize, and not for strategy vllm, which runs it."""
+    from typer.testing import CliRunner
+
+    from batchinfer.cli.main import app
+    from tests.tiny_families import hf_model, save_model, tokenizer_dir
+
+    model = save_model(hf_model("qwen3", seed=1), tmp_path / "qwen3", tokenizer_dir())
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": [1, 2, 3]}])
+    for strategy, expected in (("baseline", 2), ("vllm", 0)):
+        recipe = tmp_path / f"{strategy}.yaml"
+        recipe.write_text(f"model: {{task: embed, path: {model}}}\n"
+                          f"strategy: {{name: {strategy}}}\n")
+        for flags in ([], ["--no-tokenize"]):
+            result = CliRunner().invoke(app, ["validate", str(recipe), "--input", str(path),
+                                              *flags])
+            assert result.exit_code == expected, (strategy, flags, result.output)
+            assert ("'qwen3' decoder sets is_causal: false" in result.output) == (expected == 2)
+
+
 def test_equal_lines_are_embedded_once_and_csv_rows_read_their_columns(tmp_path, recipe,
                                                                         engine):
     lines = [{"id": f"same-{i}", "prompt": "one and the same text"} for i in range(3)]
