@@ -14,7 +14,8 @@
 
 Sampling keys ask for nothing an embedding does: a plain line or the recipe that sets one is
 refused naming it (vLLM's LLM.embed takes no sampling parameters); in an OpenAI body, where
-vLLM's server ignores keys it does not know, they are ignored with one warning per job.
+vLLM's server ignores keys it does not know, they are ignored with one warning per key and job
+(the job's InputReader holds the keys said; each job of a process says its own).
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ ENCODING_FORMATS = ("float", "base64")
 # vLLM's base64 extras: the values' dtype and byte order (native: the host's)
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
-_warned_ignored: set = set()
 
 
 def _options(record: dict, where: str) -> tuple[dict, Optional[str]]:
@@ -193,8 +193,9 @@ def _is_chat_messages(value: Any) -> bool:
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
 
 
-def parse_embed_openai(record: Any, line: int) -> Parsed:
-    """An OpenAI batch line of an embedding job (url /v1/embeddings)."""
+def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> Parsed:
+    """An OpenAI batch line of an embedding job (url /v1/embeddings); `warned`: the ignored
+    body keys this job has warned of (None: warn of each)."""
     if not isinstance(record, dict):
         return InputError(line, "not_an_object", f"a request must be a JSON object, not "
                           f"{json_type_name(record)}")
@@ -223,9 +224,10 @@ def parse_embed_openai(record: Any, line: int) -> Parsed:
     if not isinstance(body, dict):
         return err("invalid_body", f"'body' must be an object, not {json_type_name(body)}")
     ignored = sorted(set(body) - BODY_KEYS)
-    fresh = [k for k in ignored if k not in _warned_ignored]
+    warned = set() if warned is None else warned
+    fresh = [k for k in ignored if k not in warned]
     if fresh:
-        _warned_ignored.update(fresh)
+        warned.update(fresh)
         log.warning("line %d: body key(s) %s do not apply to /v1/embeddings and are ignored "
                     "(as vLLM's server ignores them); said once per key", line,
                     ", ".join(fresh))

@@ -263,6 +263,7 @@ class InputReader:
         self.seen = IdSet()
         self.records_read = 0
         self.skipped_done = 0
+        self._warned_body_keys: set = set()  # an embedding job's ignored OpenAI body keys
 
     def total(self, limited: bool = True) -> Optional[int]:
         """Records of this shard, up to --limit unless `limited` is false (None where they are
@@ -278,8 +279,11 @@ class InputReader:
             if self.embed:
                 from .embed_inputs import parse_embed_openai, parse_embed_plain
 
-                embed_parse = parse_embed_openai if self.format == "openai" else parse_embed_plain
-                parse = lambda value, number, _: embed_parse(value, number)   # noqa: E731
+                if self.format == "openai":     # ignored body keys: one warning per job
+                    parse = lambda value, number, _: parse_embed_openai(  # noqa: E731
+                        value, number, self._warned_body_keys)
+                else:
+                    parse = lambda value, number, _: parse_embed_plain(value, number)  # noqa: E731
             hint = self._columns_hint()
             for line in iter_jsonl(self.path, self.io.max_line_bytes, self.shard):
                 item = line.error if line.error else parse(line.value, line.number, self.defaults)

@@ -577,3 +577,19 @@ def test_unknown_key_messages_do_not_list_vllm_keys_batchinfer_does_not_implemen
     assert "spaces_between" not in err.message and "detokenize" not in err.message
     err = parse_openai(_openai(temprature=0, detokenize=True), 1, DEFAULTS)
     assert err.code == "unknown_key" and "detokenize" not in err.message
+
+
+def test_embedding_jobs_each_warn_of_ignored_openai_body_keys_once(tmp_path, caplog):
+    """Body keys /v1/embeddings ignores (as vLLM's server does) are said once per key and job:
+    a second job in the same process (the Python API) says them again."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                                        "url": "/v1/embeddings",
+                                        "body": {"input": "x", "temperature": 0.2}}) + "\n"
+                            for i in range(3)))
+    for job in range(2):
+        caplog.clear()
+        reader = InputReader(path, IOConfig(), DEFAULTS, embed=True)
+        assert all(isinstance(item, RequestSpec) for item in reader.records())
+        said = [r.getMessage() for r in caplog.records if "temperature" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("line 1: body key(s) temperature"), job
