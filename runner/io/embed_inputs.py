@@ -5,12 +5,13 @@
     chat    {"messages": [...], ...}: rendered by the chat template without the generation
             prompt (vLLM's embeddings chat request: add_generation_prompt false)
     OpenAI  {"custom_id", "method": "POST", "url": "/v1/embeddings",
-             "body": {"input": "..." | ["...", ...] | [ids] | [[ids], ...] | [messages],
+             "body": {"input": "..." | ["...", ...] | [ids] | [[ids], ...] | [messages]
+                               | [[messages], ...],
                       "model"?, "dimensions"?, "encoding_format"?: float | base64, "user"?,
                       "embed_dtype"?, "endianness"? (base64's, as vLLM's),
                       "use_activation"?, "truncate_prompt_tokens"?, "add_special_tokens"?}}
-            (or body.messages, as vLLM's server takes a conversation); one line, one record,
-            one embedding per input.
+            (or body.messages: a conversation or a list of them, vLLM's batched chat
+            request); one line, one record, one embedding per input.
 
 Sampling keys ask for nothing an embedding does: a plain line or the recipe that sets one is
 refused naming it (vLLM's LLM.embed takes no sampling parameters); in an OpenAI body, where
@@ -81,19 +82,33 @@ def _unknown(keys: set, allowed: frozenset, where: str) -> Optional[str]:
             f"embed); allowed: {', '.join(sorted(allowed))}")
 
 
-def _chat(spec: RequestSpec, messages: Any, record: dict, key: str, where: str
-          ) -> Optional[tuple[str, str]]:
-    """Fills spec.messages / chat_options; (code, message) when the conversation is not one."""
+def _conversation(messages: Any, key: str) -> tuple[Optional[dict], Optional[tuple[str, str]]]:
+    """One checked conversation as an INPUTS entry ({"messages", "parts"}), or (code, message)."""
     problem = check_messages(messages, key)
     if problem:
-        return "invalid_messages", problem
-    spec.messages = normalize_messages(messages)
-    spec.content_parts = content_parts(messages)
-    for i, msg in enumerate(spec.messages):
+        return None, ("invalid_messages", problem)
+    normalized = normalize_messages(messages)
+    for i, msg in enumerate(normalized):
         if isinstance(msg.get("content"), str):
             problem = lone_surrogate(msg["content"], f"{key}[{i}].content")
             if problem:
-                return "invalid_text", problem
+                return None, ("invalid_text", problem)
+    return {"messages": normalized, "parts": content_parts(messages)}, None
+
+
+def _chat(spec: RequestSpec, conversations: list, record: dict, key: str, where: str,
+          batched: bool = False) -> Optional[tuple[str, str]]:
+    """Fills spec.extra[INPUTS] with the conversations (spec.messages: the first) and
+    spec.chat_options, shared by all as vLLM's batched chat request shares them; (code, message)
+    when one is not a conversation."""
+    inputs = []
+    for i, messages in enumerate(conversations):
+        conversation, problem = _conversation(messages, f"{key}[{i}]" if batched else key)
+        if problem:
+            return problem
+        inputs.append(conversation)
+    spec.messages, spec.content_parts = inputs[0]["messages"], inputs[0]["parts"]
+    spec.extra[INPUTS] = inputs                  # rendered at admission
     # vLLM's embeddings chat request: no generation prompt unless the line asks for one
     spec.chat_options, problem = chat_options({"add_generation_prompt": False, **{
         k: v for k, v in record.items() if k in CHAT_OPTION_KEYS and v is not None}}, where)
@@ -158,11 +173,10 @@ def parse_embed_plain(record: Any, line: int, id_prefix: str = "line-",
         spec.prompt = value
         spec.extra[INPUTS] = [value]
     else:
-        problem = _chat(spec, record["messages"], record,
+        problem = _chat(spec, [record["messages"]], record,
                         "messages" if columns is None else columns[1], "")
         if problem:
             return err(*problem)
-        spec.extra[INPUTS] = [None]           # the conversation, rendered at admission
     spec.extra[OPTIONS] = options
     return spec
 
@@ -191,6 +205,13 @@ def parse_embed_row(row: dict, line: int, prompt_field: str, messages_field: str
 def _is_chat_messages(value: Any) -> bool:
     return (isinstance(value, list) and bool(value)
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
+
+
+def _is_batched_chat(value: Any) -> bool:
+    """Several conversations (vLLM's batched chat request, in body.messages or body.input)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(c, list) and bool(c) and all(isinstance(m, dict) for m in c)
+                    for c in value))
 
 
 def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> Parsed:
@@ -256,16 +277,16 @@ def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> 
     has_input, has_messages = body.get("input") is not None, body.get("messages") is not None
     if has_input == has_messages:
         return err("missing_prompt" if not has_input else "ambiguous_request",
-                   "the body needs exactly one of body.input (text, texts, token ids or a "
-                   "conversation) or body.messages (a conversation)")
-    if has_messages or _is_chat_messages(body.get("input")):
+                   "the body needs exactly one of body.input (text, texts, token ids or "
+                   "conversations) or body.messages (a conversation, or a list of them)")
+    value = body["messages"] if has_messages else body["input"]
+    if has_messages or _is_chat_messages(value) or _is_batched_chat(value):
         key = "body.messages" if has_messages else "body.input"
-        problem = _chat(spec, body.get("messages") or body["input"], body, key, "body.")
+        batched = _is_batched_chat(value)
+        problem = _chat(spec, value if batched else [value], body, key, "body.", batched)
         if problem:
             return err(*problem)
-        spec.extra[INPUTS] = [None]
         return spec
-    value = body["input"]
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         inputs = []
         for i, item in enumerate(value):

@@ -55,14 +55,14 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
     out = []
     try:
         for value in spec.extra[INPUTS]:
-            if value is None:             # the conversation
+            if isinstance(value, dict):   # a conversation (embed_inputs._conversation)
                 if chat_template == "never":
                     from .admission import render_plain
 
-                    text = render_plain(spec.messages, **spec.chat_options)
+                    text = render_plain(value["messages"], **spec.chat_options)
                     ids = list(hf.encode(text, add_special_tokens=True))
                 else:
-                    ids = tokenizer.apply_chat_template(spec.messages, parts=spec.content_parts,
+                    ids = tokenizer.apply_chat_template(value["messages"], parts=value["parts"],
                                                         **spec.chat_options)
                 out.append(_truncated(ids, keep, side))
             elif isinstance(value, str):

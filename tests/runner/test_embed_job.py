@@ -273,11 +273,38 @@ def test_chat_lines_render_without_the_generation_prompt(tmp_path):
         ids = hf.encode(text, add_special_tokens=False)
         assert out[rid]["prompt_tokens"] == len(ids)
         assert close(out[rid]["embedding"], engine.embed([ids])[0])
-    body = {"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
-            "body": {"input": messages}}
-    run(chat_recipe, write_jsonl(tmp_path / "oa.jsonl", [body]), tmp_path / "oa", engine)
-    record = read_jsonl(tmp_path / "oa" / "outputs.jsonl")[0]["response"]["body"]
-    assert close(record["data"][0]["embedding"], out["chat"]["embedding"])
+    # vLLM's batched chat request: several conversations in body.input or body.messages, each
+    # rendered alone with the body's chat options, one data item each, usage summed
+    other = [{"role": "user", "content": "And another one."}]
+    batches = [{"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
+                "body": {"input": messages}},
+               {"custom_id": "in", "method": "POST", "url": "/v1/embeddings",
+                "body": {"input": [messages, other]}},
+               {"custom_id": "msgs", "method": "POST", "url": "/v1/embeddings",
+                "body": {"messages": [messages, other], "add_generation_prompt": True}},
+               {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                "body": {"messages": [messages, [{"content": "no role"}]]}},
+               {"custom_id": "none", "method": "POST", "url": "/v1/embeddings",
+                "body": {"messages": []}}]
+    outcome = run(chat_recipe, write_jsonl(tmp_path / "oa.jsonl", batches), tmp_path / "oa",
+                  engine)
+    assert (outcome.outputs, outcome.errors) == (3, 2)
+    bodies = {r["custom_id"]: r["response"]["body"]
+              for r in read_jsonl(tmp_path / "oa" / "outputs.jsonl")}
+    assert close(bodies["c"]["data"][0]["embedding"], out["chat"]["embedding"])
+    for rid, open_turn in (("in", False), ("msgs", True)):
+        texts = [hf.apply_chat_template(m, chat_template=template, tokenize=False,
+                                        add_generation_prompt=open_turn)
+                 for m in (messages, other)]
+        ids = [hf.encode(t, add_special_tokens=False) for t in texts]
+        assert [d["index"] for d in bodies[rid]["data"]] == [0, 1]
+        for d, one in zip(bodies[rid]["data"], ids):
+            assert close(d["embedding"], engine.embed([one])[0])
+        assert bodies[rid]["usage"]["prompt_tokens"] == sum(map(len, ids))
+    errors = {e["custom_id"]: e["error"] for e in read_jsonl(tmp_path / "oa" / "errors.jsonl")}
+    assert errors["bad"]["code"] == "invalid_messages"
+    assert "body.messages[1][0].role" in errors["bad"]["message"]
+    assert errors["none"]["code"] == "invalid_messages"
 
 
 def test_truncation_below_the_special_tokens_count_still_keeps_that_many(engine):
