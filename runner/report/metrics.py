@@ -42,6 +42,8 @@ DEFINITIONS = {
     "predictor": "the output-length predictor's inference: requests, batches, seconds and share "
                  "of the job's elapsed time",
     "micro_batch_tokens": MICRO_BATCH_DEFINITION,
+    "requests_by_lora": "requests completed in this session per LoRA adapter (a line's lora, an "
+                        "OpenAI line's body.model naming one); the rest ran the base model",
 }
 
 

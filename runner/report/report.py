@@ -130,6 +130,8 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     if codes:
         out += ["Errors by code: " + ", ".join(f"`{k}` {v}" for k, v in sorted(codes.items())), ""]
 
+    out += _lora_lines(s)
+
     tp = s.get("throughput") or {}
     out += ["## Throughput (this session)", ""]
     out += _table(["requests/s", "input tok/s", "output tok/s", "total tok/s", "generation time (s)",
@@ -266,6 +268,18 @@ def render_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
     return "\n".join(out)
 
 
+def _lora_lines(session: dict) -> list[str]:
+    """The session's completed requests per LoRA adapter (model.lora_modules), the base
+    model's the rest; nothing for a job without adapters."""
+    by_lora = session.get("requests_by_lora") or {}
+    if not by_lora:
+        return []
+    base = (session.get("requests_completed") or 0) - sum(by_lora.values())
+    return ["## LoRA adapters (this session)", ""] + _table(
+        ["adapter", "requests completed"],
+        [[f"`{name}`", n] for name, n in sorted(by_lora.items())] + [["base model", base]])
+
+
 def _pct(value: Optional[float]) -> Optional[str]:
     return None if value is None else f"{100 * value:.1f}%"
 
@@ -306,6 +320,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
                               "prompt_tokens": 0, "completion_tokens": 0, "errors_by_code": {}}
     session_tokens = {"requests": 0, "failed": 0, "prompt": 0, "completion": 0, "copied": 0}
     starts, ends, rows = [], [], []
+    by_lora: dict[str, int] = {}
     for name, rep in sorted(present.items()):
         t = rep.get("totals") or {}
         for key in ("input_records", "outputs", "errors", "remaining", "prompt_tokens",
@@ -322,6 +337,8 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         session_tokens["prompt"] += s.get("prompt_tokens") or 0
         session_tokens["completion"] += s.get("completion_tokens") or 0
         session_tokens["copied"] += s.get("copied_completion_tokens") or 0
+        for name, n in (s.get("requests_by_lora") or {}).items():
+            by_lora[name] = by_lora.get(name, 0) + n
         window = s.get("generation_window")
         if window and window[0] is not None and window[1] is not None:
             starts.append(window[0])
@@ -355,6 +372,7 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
         **_merged_predictor_cost([rep.get("session") or {} for rep in present.values()]),
         "requests_completed": session_tokens["requests"], "requests_failed": session_tokens["failed"],
         "prompt_tokens": session_tokens["prompt"], "completion_tokens": session_tokens["completion"],
+        **({"requests_by_lora": by_lora} if by_lora else {}),
         "generation_s": round(span, 3),
         "throughput": {"requests_per_s": rate(session_tokens["requests"]),
                        "input_tokens_per_s": rate(session_tokens["prompt"]),

@@ -80,6 +80,25 @@ def test_lines_pick_their_adapter_and_the_records_say_which(recipe, engine, fami
     report = json.loads((out / "report.json").read_text())
     assert report["session"]["requests_by_lora"] == {"alpha": 2, "beta": 2}
     assert report["engine"]["lora_modules"] == ["alpha", "beta"]
+    markdown = (out / "report.md").read_text()       # the requests per adapter, base model too
+    assert "## LoRA adapters (this session)" in markdown
+    assert "| `alpha` | 2 |" in markdown and "| `beta` | 2 |" in markdown
+    assert "| base model | 2 |" in markdown
+
+
+def test_merged_parts_count_requests_per_adapter():
+    """`batchinfer report` over Slurm parts: each part's requests per adapter summed."""
+    from batchinfer.runner.report.report import merge_reports, render_markdown
+
+    def part(by_lora, completed):
+        return {"status": "completed", "totals": {"outputs": completed},
+                "session": {"requests_completed": completed, "requests_by_lora": by_lora}}
+
+    merged = merge_reports({"part-0-of-2": part({"alpha": 2}, 3),
+                            "part-1-of-2": part({"alpha": 1, "beta": 4}, 5)}, "run")
+    assert merged["session"]["requests_by_lora"] == {"alpha": 3, "beta": 4}
+    markdown = render_markdown(merged)
+    assert "| `alpha` | 3 |" in markdown and "| base model | 1 |" in markdown
 
 
 def test_an_openai_line_names_its_adapter_with_the_body_model(recipe, engine, family, tmp_path):
