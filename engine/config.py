@@ -87,7 +87,8 @@ class ModelConfig(_Strict):
     seed: int = 0
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters, name -> a local PEFT adapter "
-        "directory (adapter_config.json + adapter_model.safetensors), as vLLM's --lora-modules; "
+        "directory (adapter_config.json + adapter_model.safetensors, else .bin / .pt), as "
+        "vLLM's --lora-modules; "
         "a request picks one with `lora: <name>` (an OpenAI batch line with its body's model)")
     max_lora_rank: int = Field(16, ge=1, description="the largest adapter rank accepted "
                                "(vLLM's default 16)")

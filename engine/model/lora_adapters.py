@@ -1,9 +1,10 @@
 """PEFT LoRA adapters on disk: `model.lora_modules` resolved, each directory checked and read.
 
 A PEFT adapter directory holds adapter_config.json (r, lora_alpha, use_rslora, target_modules,
-bias, ...) and adapter_model.safetensors, whose tensors are named after the base model's modules:
-`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
-([out, r]). The engine applies adapters to the decoder layers' linears: q/k/v (onto its fused
+bias, ...) and adapter_model.safetensors (else adapter_model.bin or .pt, torch's pickle, which
+vLLM reads too: loaded with weights_only=True), whose tensors are named after the base model's
+modules: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). The engine applies adapters to the decoder layers' linears: q/k/v (onto its fused
 qkv_proj), o_proj, gate/up (onto gate_up_proj), down_proj, and the fused qkv_proj /
 gate_up_proj a Phi-3 checkpoint has. Anything else an adapter targets (embed_tokens, lm_head, a
 mixture of experts' experts), DoRA, LoRA biases, modules_to_save and per-module rank / alpha
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -28,6 +30,8 @@ if TYPE_CHECKING:       # torch-free: the vllm strategy checks adapter configs a
     import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# the weights files read, in vLLM's order of preference (vllm/lora/lora_model.py)
+WEIGHTS_FILES = (WEIGHTS_FILE, "adapter_model.bin", "adapter_model.pt")
 # the decoder layer's modules an adapter may target (the HF names, inside a layer)
 COLUMN_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj")
@@ -80,12 +84,9 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> tuple[int, float
     if not folder.is_dir():
         raise ConfigError(f"{where}: not a directory (a PEFT LoRA adapter directory holding "
                           f"{CONFIG_FILE} and {WEIGHTS_FILE}; only local paths are read)")
-    for needed in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / needed).is_file():
-            extra = (" (adapter_model.bin is not read: save the adapter with safetensors, PEFT's "
-                     "default)" if needed == WEIGHTS_FILE and (folder / "adapter_model.bin").is_file()
-                     else "")
-            raise ConfigError(f"{where}: {needed} is missing{extra}")
+    if not (folder / CONFIG_FILE).is_file():
+        raise ConfigError(f"{where}: {CONFIG_FILE} is missing")
+    weights_file(name, path)
     try:
         cfg = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -160,22 +161,61 @@ def _module_of(key: str, arch: ModelArch, where: str) -> tuple[int, str, str]:
     return index, module, kind
 
 
+def weights_file(name: str, path: str) -> Path:
+    """The adapter's weights file: the first of WEIGHTS_FILES the directory holds."""
+    for file_name in WEIGHTS_FILES:
+        if (Path(path) / file_name).is_file():
+            return Path(path) / file_name
+    raise ConfigError(f"{_where(name, path)}: no weights file ({', '.join(WEIGHTS_FILES)}: "
+                      "none is there)")
+
+
+def _pickled_tensors(file: Path, where: str) -> dict:
+    """adapter_model.bin / .pt: torch.save's dict of tensors, unpickled with weights_only."""
+    import pickle
+
+    import torch
+
+    try:
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ConfigError(f"{where}/{file.name}: cannot read ({exc})") from None
+    if not isinstance(tensors, dict) or not all(
+            isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ConfigError(f"{where}/{file.name}: not a dict of tensors (torch.save of a PEFT "
+                          "adapter's state dict)")
+    return tensors
+
+
+@contextmanager
+def _tensor_file(file: Path, where: str):
+    """-> (names, the shape of a name, the tensor of a name) of a safetensors file (its header
+    alone until a tensor is asked for) or of a torch pickle (loaded whole: adapters are small)."""
+    if file.name != WEIGHTS_FILE:
+        tensors = _pickled_tensors(file, where)
+        yield list(tensors), (lambda key: tuple(tensors[key].shape)), tensors.__getitem__
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as fh:
+        yield list(fh.keys()), (lambda key: tuple(fh.get_slice(key).get_shape())), fh.get_tensor
+
+
 def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
                  layers: Optional[range] = None) -> Adapter:
     """The adapter's config checked and its tensors read (only `layers`' where given; with
     layers = range(0) only the file's header: a check that loads nothing). Every tensor's name
     and shape is checked against the model's config first. ConfigError names the path."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     rank, scaling = read_adapter_config(name, path, max_rank)
-    where = _where(name, path)
+    where, file = _where(name, path), weights_file(name, path)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as fh:
-            keys = list(fh.keys())
+        with _tensor_file(file, where) as (keys, shape_of, tensor_of):
             for key in keys:
                 layer, module, kind = _module_of(key, arch, where)
-                shape = tuple(fh.get_slice(key).get_shape())
+                shape = shape_of(key)
                 if len(shape) != 2 or shape[1 - (kind == "A")] > max_rank:
                     raise ConfigError(f"{where}: tensor {key!r} has shape {shape}: a rank above "
                                       f"model.max_lora_rank ({max_rank})")
@@ -185,11 +225,11 @@ def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
                                       f"config implies {expected} (an adapter of another model?)")
                 halves.setdefault((layer, module), {})[kind] = None
                 if layer < arch.num_layers and (layers is None or layer in layers):
-                    halves[(layer, module)][kind] = fh.get_tensor(key)
+                    halves[(layer, module)][kind] = tensor_of(key)
     except SafetensorError as exc:
-        raise ConfigError(f"{where}/{WEIGHTS_FILE}: cannot read ({exc})") from None
+        raise ConfigError(f"{where}/{file.name}: cannot read ({exc})") from None
     if not keys:
-        raise ConfigError(f"{where}/{WEIGHTS_FILE}: holds no tensors")
+        raise ConfigError(f"{where}/{file.name}: holds no tensors")
     weights = {}
     for (layer, module), pair in halves.items():
         if set(pair) != {"A", "B"}:

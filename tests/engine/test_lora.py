@@ -175,7 +175,8 @@ def _bad_adapter(tmp_path, family, change: dict = None, drop: str = None, rename
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ({"drop": "adapter_model.safetensors"}, r"adapter_model\.safetensors is missing"),
+    ({"drop": "adapter_model.safetensors"}, r"no weights file \(adapter_model\.safetensors, "
+     r"adapter_model\.bin, adapter_model\.pt: none is there\)"),
     ({"drop": "adapter_config.json"}, r"adapter_config\.json is missing"),
     ({"change": {"r": 32}}, r"rank 32 is above model\.max_lora_rank \(16\); raise"),
     ({"change": {"use_dora": True}}, r"DoRA \(use_dora: true\) is not supported"),
@@ -190,6 +191,30 @@ def test_a_bad_adapter_directory_is_a_recipe_error_naming_it(make_engine, family
     folder = _bad_adapter(tmp_path, family, **case)
     with pytest.raises(ConfigError, match=rf"model\.lora_modules\.bad: {folder}.*{pattern}"):
         make_engine(model={**model_section(family), "lora_modules": {"bad": str(folder)}},
+                    cache=CACHE)
+
+
+def test_an_adapter_saved_as_a_torch_pickle_is_read_as_vllm_reads_it(make_engine, family,
+                                                                      tmp_path):
+    """adapter_model.bin (peft's save_pretrained(safe_serialization=False)) in place of the
+    safetensors file: vLLM 0.32 reads it (torch.load, weights_only) and so does the engine; a
+    .bin that is not a tensor dict is a recipe error naming the file."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(family["adapters"]["beta"], folder)
+    torch.save(load_file(folder / "adapter_model.safetensors"), folder / "adapter_model.bin")
+    (folder / "adapter_model.safetensors").unlink()
+    engine = make_engine(model={**model_section(family), "lora_modules": {"beta": str(folder)}},
+                         cache=CACHE)
+    requests = mixed_requests((None, "beta"))
+    assert run(engine, requests) == expected_of(family, requests)
+    (folder / "adapter_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(ConfigError, match=rf"model\.lora_modules\.beta: {folder}/adapter_model"
+                                          r"\.bin: cannot read"):
+        make_engine(model={**model_section(family), "lora_modules": {"beta": str(folder)}},
                     cache=CACHE)
 
 
