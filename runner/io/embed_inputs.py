@@ -120,8 +120,9 @@ def _chat(spec: RequestSpec, conversations: list, record: dict, key: str, where:
 def _text_or_ids(value: Any, key: str) -> tuple[Any, Optional[tuple[str, str]]]:
     """One input: text (non-empty, valid Unicode) or token ids."""
     if isinstance(value, str):
-        if not value:
-            return None, ("empty_prompt", f"{key} is empty")
+        if not value:   # vLLM 0.32 would embed the special tokens alone ([CLS] [SEP])
+            return None, ("empty_prompt", f"{key} is empty: give text (a non-empty string) or "
+                          "token ids; an empty text is not embedded")
         problem = lone_surrogate(value, key)
         return (None, ("invalid_text", problem)) if problem else (value, None)
     if _is_token_ids(value):

@@ -81,6 +81,8 @@ def test_plain_records_and_bad_lines(tmp_path, recipe, engine):
     assert errors["dims"]["code"] == "invalid_dimensions"
     assert errors["chat"]["code"] == "no_chat_template"     # all-MiniLM has none (as in vLLM)
     assert errors["empty"]["code"] == "empty_prompt"
+    assert errors["empty"]["message"].startswith("'prompt' is empty: give text (a non-empty "
+                                                 "string) or token ids")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     session = report["session"]
     assert report["task"] == "embed" and report["engine"]["pooler"]["pooling_type"] == "MEAN"
