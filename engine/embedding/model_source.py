@@ -109,4 +109,7 @@ def embedding_source(model_cfg: ModelConfig) -> EmbeddingSource:
         raise ConfigError(f"model.max_model_len: {max_len} is more than the model takes "
                           f"({limit} tokens); leave it empty or give at most {limit}")
     tokenizer = load_tokenizer(model_cfg, model_dir, model_id)
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:      # vLLM's pooling runner loads its tokenizer with truncation_side right
+        hf.truncation_side = "right"    # (whatever tokenizer_config.json says)
     return EmbeddingSource(model_dir, model_id, hf_config, tokenizer, max_len, pooling)

@@ -40,8 +40,10 @@ def _truncated(ids: list[int], keep: Optional[int], side: str) -> list[int]:
 def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
                     chat_template: str = "auto") -> list[list[int]]:
     """Each input's prompt token ids. truncate_prompt_tokens (-1: max_model_len) keeps that
-    many tokens as vLLM does: text through the tokenizer's own truncation (special tokens
-    kept), token ids and conversations cut on the tokenizer's truncation side."""
+    many tokens as vLLM 0.32's pooling requests do (renderers/params.py TokenizeParams): text
+    through the tokenizer's own truncation (special tokens kept), token ids and conversations
+    cut on the right (the pooling runner's side); a request's truncation_side instead cuts the
+    whole token ids, text too, on that side (its special tokens are tokens like any other)."""
     options = spec.extra.get(OPTIONS, {})
     keep = options.get("truncate_prompt_tokens")
     if keep is not None and keep > max_model_len:
@@ -51,7 +53,8 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
         keep = max_model_len
     special = options.get("add_special_tokens", True)
     hf = tokenizer.hf
-    side = getattr(hf, "truncation_side", "right")
+    asked_side = options.get("truncation_side")
+    side = asked_side or "right"
     out = []
     try:
         for value in spec.extra[INPUTS]:
@@ -66,13 +69,16 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
                                                         **spec.chat_options)
                 out.append(_truncated(ids, keep, side))
             elif isinstance(value, str):
-                if keep is not None:     # then cut as token ids: the tokenizer keeps all when
-                    # keep is under its special tokens' count (vLLM cuts after tokenizing too)
+                if keep is not None and asked_side is None:
+                    # the tokenizer's truncation (right: embedding_source sets it), then cut as
+                    # token ids: the tokenizer keeps all when keep is under its special tokens'
+                    # count (vLLM cuts after tokenizing too)
                     out.append(_truncated(list(hf.encode(value, add_special_tokens=special,
                                                          truncation=True, max_length=keep)),
                                           keep, side))
                 else:
-                    out.append(list(hf.encode(value, add_special_tokens=special)))
+                    out.append(_truncated(list(hf.encode(value, add_special_tokens=special)),
+                                          keep, side))
             else:
                 out.append(_truncated(list(value), keep, side))
     except RequestError:

@@ -225,6 +225,48 @@ def test_validate_refuses_a_bidirectional_decoder_as_the_start_does(tmp_path):
             assert ("'qwen3' decoder sets is_causal: false" in result.output) == (expected == 2)
 
 
+def test_truncation_side_as_vllms_pooling_requests(tmp_path):
+    """vLLM 0.32 (renderers/params.py): the pooling runner truncates on the right whatever
+    tokenizer_config.json says (text by the tokenizer, special tokens kept); a request's
+    truncation_side cuts the whole token ids on that side, special tokens like any other."""
+    import shutil
+
+    from batchinfer.engine.config import ModelConfig
+    from batchinfer.engine.embedding.model_source import (default_embed_model_dir,
+                                                          embedding_source)
+    from batchinfer.runner.io.embed_inputs import parse_embed_openai, parse_embed_plain
+    from batchinfer.runner.io.embed_records import build_embed_request
+    from batchinfer.runner.io.input_records import InputError
+
+    folder = tmp_path / "minilm"
+    shutil.copytree(default_embed_model_dir(), folder,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "truncation_side": "left"}))
+    source = embedding_source(ModelConfig(task="embed", path=str(folder)))
+    text = "one two three four five"
+    full = source.tokenizer.hf.encode(text)                    # [CLS] one ... five [SEP]
+
+    def ids(**options):
+        spec = parse_embed_plain({"prompt": text, **options}, 1)
+        return build_embed_request(spec, source.tokenizer, 0, source.max_model_len).inputs[0]
+
+    assert ids(truncate_prompt_tokens=4) == full[:3] + full[-1:]      # [CLS] one two [SEP]
+    assert ids(truncate_prompt_tokens=4, truncation_side="left") == full[-4:]
+    assert ids(truncate_prompt_tokens=4, truncation_side="right") == full[:4]
+    assert ids(truncation_side="left") == full                         # nothing to cut
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
+            "body": {"input": [text, [5, 6, 7, 8, 9]], "truncate_prompt_tokens": 3,
+                     "truncation_side": "left"}}
+    request = build_embed_request(parse_embed_openai(line, 1), source.tokenizer, 0,
+                                  source.max_model_len)
+    assert request.inputs == [full[-3:], [7, 8, 9]]
+    bad = parse_embed_plain({"prompt": text, "truncation_side": "middle"}, 1)
+    assert isinstance(bad, InputError) and bad.code == "invalid_parameter"
+    assert bad.message == "truncation_side must be one of left, right, not 'middle'"
+
+
 def test_equal_lines_are_embedded_once_and_csv_rows_read_their_columns(tmp_path, recipe,
                                                                         engine):
     lines = [{"id": f"same-{i}", "prompt": "one and the same text"} for i in range(3)]
