@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from batchinfer.engine.build import GiB
+from batchinfer.engine.build import GiB, check_weights_fit
 from batchinfer.engine.config import EngineConfig, ParallelConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError
@@ -22,7 +22,7 @@ from .executor import SeesawExecutor
 from batchinfer.resharding.kv_store import allocate_store
 from batchinfer.resharding.worker_layouts import LayoutSpec
 
-from .worker import SeesawWorker
+from .worker import SeesawWorker, host_bytes
 
 log = logging.getLogger("batchinfer")
 
@@ -179,6 +179,11 @@ def build_seesaw_engine(config: EngineConfig, params) -> Engine:
     num_blocks, block_bytes, store_blocks = tier_blocks(config, params, arch, layouts, per_rank,
                                                         kv_bytes, setup.max_model_len, groups)
     store_block_bytes = store_bytes_per_block(arch, block_size, kv_bytes, groups)
+    # refused before the store's pages are touched (4 GiB by default), not after
+    check_weights_fit(config, arch, setup.device, setup.dtype, copies=config.parallel.dp,
+                      host_copy=host_bytes(arch, list(layouts.values()), prefill.world_size,
+                                           config.model.load_format == "dummy",
+                                           store_blocks * store_block_bytes))
     store = allocate_store(store_blocks, groups.store_page_layers if groups else arch.num_layers,
                            arch.num_kv_heads, block_size, arch.head_dim, setup.kv_dtype)
     threads = threads_per_rank(config.parallel, prefill.world_size, config.device.num_threads)

@@ -381,9 +381,11 @@ def test_the_host_copy_is_counted_as_the_tensors_it_keeps():
 
 def test_seesaw_with_host_copies_beyond_the_hosts_memory_is_refused_before_the_workers(
         monkeypatch):
-    """The weights fit and the ranks' host copies do not: a ConfigError that names the copies
-    and their size, before any worker starts (on a GPU the copies alone are counted)."""
+    """The weights fit and the ranks' host copies with the CPU KV store do not: a ConfigError
+    that names them and their size, before the store is allocated (4 GiB touched for nothing)
+    and before any worker starts (on a GPU the copies alone are counted)."""
     from batchinfer.engine import build as engine_build
+    from batchinfer.strategies.seesaw import build as seesaw_build
     from batchinfer.engine.build import GiB, check_weights_fit
     from batchinfer.engine.runtime import build as runtime_build
 
@@ -395,7 +397,9 @@ def test_seesaw_with_host_copies_beyond_the_hosts_memory_is_refused_before_the_w
     config = _seesaw_config(SeesawParams(decode_tp=2, decode_pp=1), {"pp": 2}, DUMMY8, str(kv))
     started = []
     monkeypatch.setattr(runtime_build.WorkerPool, "start", lambda *a, **k: started.append(a))
-    with pytest.raises(ConfigError, match=r"\+ Seesaw's host copies of the weights .* GiB, more "
+    monkeypatch.setattr(seesaw_build, "allocate_store", lambda *a, **k: started.append("store"))
+    with pytest.raises(ConfigError, match=r"\+ Seesaw's host copies of the weights .* and its "
+                                          r"CPU KV store .* GiB, more "
                                           r"than the .* GiB this host has available"):
         Engine.from_config(config)
     assert not started
