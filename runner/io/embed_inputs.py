@@ -1,7 +1,7 @@
 """Input records of an embedding job (`model.task: embed`) -> request specs, or input errors.
 
     plain   {"prompt": "..." | [token ids], "id"?, "metadata"?, "dimensions"?,
-             "use_activation"?, "truncate_prompt_tokens"?, "truncation_side"?}
+             "use_activation"?, "truncate_prompt_tokens"?, "truncation_side"?, "padding"?}
     chat    {"messages": [...], ...}: rendered by the chat template without the generation
             prompt (vLLM's embeddings chat request: add_generation_prompt false)
     OpenAI  {"custom_id", "method": "POST", "url": "/v1/embeddings",
@@ -10,7 +10,7 @@
                       "model"?, "dimensions"?, "encoding_format"?: float | base64, "user"?,
                       "embed_dtype"?, "endianness"? (base64's, as vLLM's),
                       "use_activation"?, "truncate_prompt_tokens"?, "truncation_side"?,
-                      "add_special_tokens"?}}
+                      "padding"?, "add_special_tokens"?}}
             (or body.messages: a conversation or a list of them, vLLM's batched chat
             request); one line, one record, one embedding per input.
 
@@ -37,8 +37,9 @@ EMBED_URL = "/v1/embeddings"
 # what RequestSpec.extra carries for an embedding request
 INPUTS, OPTIONS = "embed_inputs", "embed_options"
 EMBED_OPTION_KEYS = frozenset({"dimensions", "use_activation", "truncate_prompt_tokens",
-                               "truncation_side"})
+                               "truncation_side", "padding"})
 TRUNCATION_SIDES = ("left", "right")
+PADDINGS = ("max_length", "do_not_pad")     # vLLM's: max_length pads to max_model_len
 PLAIN_KEYS = frozenset({"id", "prompt", "messages", "metadata"}) | EMBED_OPTION_KEYS \
     | CHAT_OPTION_KEYS
 BODY_KEYS = frozenset({"input", "messages", "model", "user", "encoding_format",
@@ -65,12 +66,12 @@ def _options(record: dict, where: str) -> tuple[dict, Optional[str]]:
                         + (" (-1: the model's max_model_len)" if low < 0 else "")
                         + f", got {value}")
         options[key] = value
-    side = record.get("truncation_side")
-    if side is not None:
-        if side not in TRUNCATION_SIDES:
-            return {}, (f"{where}truncation_side must be one of {', '.join(TRUNCATION_SIDES)}, "
-                        f"not {side!r}")
-        options["truncation_side"] = side
+    for key, allowed in (("truncation_side", TRUNCATION_SIDES), ("padding", PADDINGS)):
+        value = record.get(key)
+        if value is not None and value not in allowed:
+            return {}, f"{where}{key} must be one of {', '.join(allowed)}, not {value!r}"
+        if value is not None:
+            options[key] = value
     if record.get("use_activation") is not None:
         if not isinstance(record["use_activation"], bool):
             return {}, f"{where}use_activation must be true or false"

@@ -86,7 +86,20 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
     except Exception as exc:   # the tokenizer rejects the text
         raise RequestError("tokenization_failed", f"the tokenizer could not encode the prompt: "
                            f"{type(exc).__name__}: {exc}") from None
+    if options.get("padding") == "max_length":
+        out = [_padded(ids, max_model_len, hf) for ids in out]
     return out
+
+
+def _padded(ids: list[int], length: int, hf) -> list[int]:
+    """vLLM's padding max_length: pad tokens appended up to max_model_len after truncation, real
+    tokens of the prompt (attended, pooled, counted in its usage)."""
+    if len(ids) >= length:
+        return ids
+    if hf.pad_token_id is None:
+        raise RequestError("invalid_parameter", "padding=max_length: this model's tokenizer "
+                           "has no pad token; leave padding unset")
+    return ids + [hf.pad_token_id] * (length - len(ids))
 
 
 def build_embed_request(spec: RequestSpec, tokenizer, order: int, max_model_len: int,

@@ -225,10 +225,11 @@ def test_validate_refuses_a_bidirectional_decoder_as_the_start_does(tmp_path):
             assert ("'qwen3' decoder sets is_causal: false" in result.output) == (expected == 2)
 
 
-def test_truncation_side_as_vllms_pooling_requests(tmp_path):
+def test_truncation_side_and_padding_as_vllms_pooling_requests(tmp_path):
     """vLLM 0.32 (renderers/params.py): the pooling runner truncates on the right whatever
     tokenizer_config.json says (text by the tokenizer, special tokens kept); a request's
-    truncation_side cuts the whole token ids on that side, special tokens like any other."""
+    truncation_side cuts the whole token ids on that side, special tokens like any other;
+    padding max_length then pads to max_model_len."""
     import shutil
 
     from batchinfer.engine.config import ModelConfig
@@ -265,6 +266,15 @@ def test_truncation_side_as_vllms_pooling_requests(tmp_path):
     bad = parse_embed_plain({"prompt": text, "truncation_side": "middle"}, 1)
     assert isinstance(bad, InputError) and bad.code == "invalid_parameter"
     assert bad.message == "truncation_side must be one of left, right, not 'middle'"
+    # vLLM's padding max_length: pad tokens up to max_model_len after truncation, part of the
+    # prompt (pooled, counted)
+    pad = source.tokenizer.hf.pad_token_id
+    assert ids(padding="max_length") == full + [pad] * (source.max_model_len - len(full))
+    assert ids(padding="max_length", truncate_prompt_tokens=4, truncation_side="left") == \
+        full[-4:] + [pad] * (source.max_model_len - 4)
+    assert ids(padding="do_not_pad") == full
+    bad = parse_embed_plain({"prompt": text, "padding": "longest"}, 1)
+    assert bad.message == "padding must be one of max_length, do_not_pad, not 'longest'"
 
 
 def test_equal_lines_are_embedded_once_and_csv_rows_read_their_columns(tmp_path, recipe,
