@@ -142,6 +142,16 @@ def kv_budget(config: EngineConfig, arch: ModelArch, device: torch.device, dtype
     return budget
 
 
+def check_strategy_applies_lora(config: EngineConfig) -> None:
+    """model.lora_modules under a strategy whose workers build model partitions of their own
+    (StrategyParams.applies_lora false): refused by name before any layout search or worker
+    start, not by a worker's failure minutes later."""
+    if config.model.lora_modules and not getattr(config.strategy, "applies_lora", True):
+        raise ConfigError(f"model.lora_modules: strategy {config.strategy.name} builds its own "
+                          "model partitions, which apply no LoRA adapters; leave "
+                          "model.lora_modules empty or run another strategy")
+
+
 def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int] = None) -> None:
     """What the engine build refuses that the model's config alone decides, run without loading
     weights (`batchinfer validate`, `run --dry-run`): the parallel layout against the model's
@@ -159,6 +169,7 @@ def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int
         check_backend_choice(config.device.attention_backend, device.type, dtype)
         check_quantization_setting(config.model.quantization, device.type, dtype)
         checked_lora(config.model, arch)         # the adapters' files against the model
+    check_strategy_applies_lora(config)
     layout = ParallelLayout.resolve(config.parallel, arch)
     check_gpu_count(config.parallel, device.type, layout.world_size)
     if config.strategy is not None:
@@ -255,6 +266,7 @@ def _possible_kv_elements(config: EngineConfig) -> tuple[int, ...]:
 def build_engine(config: EngineConfig) -> Engine:
     for note in config.strategy.notes(config.parallel) if config.strategy is not None else ():
         log.warning("%s", note)
+    check_strategy_applies_lora(config)
     own = config.strategy.build_engine(config) if config.strategy is not None else None
     if own is not None:
         engine = own

@@ -252,6 +252,10 @@ class Job(JobReports):
             if not self.embed:          # (an embedding has no reply length to predict)
                 self.predictor, self.predictor_choice = build_job_predictor(self.recipe,
                                                                             self.spec.output_dir)
+            if not self.embed:          # refused before an automatic layout's search
+                from batchinfer.engine.build import check_strategy_applies_lora
+
+                check_strategy_applies_lora(self.recipe.engine_config())
             self._resolve_auto_settings()
             check_recipe_stop_ids_at_hand(self.recipe)      # before the weights load
             engine = factory(self.recipe.engine_config())

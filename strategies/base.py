@@ -50,6 +50,9 @@ class StrategyParams(NumbersNotBooleans):
     # True: another engine runs the job and sizes its KV cache its own way (the engine's
     # preflight then leaves memory.kv_cache_memory to it)
     external_engine: ClassVar[bool] = False
+    # False: its workers build model partitions of their own, which apply no LoRA adapters
+    # (model.lora_modules is refused at preflight, before any layout search or worker start)
+    applies_lora: ClassVar[bool] = True
 
     def scheduler_config(self) -> SchedulerConfig:
         """The batching knobs the rest of the job reads (token budget, max_num_seqs)."""

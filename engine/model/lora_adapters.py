@@ -65,13 +65,15 @@ def lora_spec(model_cfg) -> Optional[LoraSpec]:
 
 @dataclass
 class Adapter:
-    """One adapter's tensors: (layer, HF module) -> (A [r, in], B [out, r]) and its scaling."""
+    """One adapter's tensors: (layer, HF module) -> (A [r, in], B [out, r]) and its scaling;
+    targets: the HF modules (inside a layer) it has tensors for, in any layer, loaded or not."""
 
     name: str
     path: str
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    targets: frozenset[str] = frozenset()
 
 
 def _where(name: str, path: str) -> str:
@@ -241,7 +243,8 @@ def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
                                   f"{pair['A'].shape[0]} differs from lora_B's "
                                   f"{pair['B'].shape[1]}")
             weights[(layer, module)] = (pair["A"], pair["B"])
-    return Adapter(name, path, rank, scaling, weights)
+    return Adapter(name, path, rank, scaling, weights,
+                   frozenset(module for _, module in halves))
 
 
 def check_adapters(spec: Optional[LoraSpec], arch: ModelArch) -> None:

@@ -32,6 +32,7 @@ class SeesawParams(StrategyParams):
     name: Literal["seesaw"] = "seesaw"
     kv_layer_groups: ClassVar[bool] = True
     swaps_preempted: ClassVar[bool] = False     # its own CPU KV tier, not the swap area
+    applies_lora: ClassVar[bool] = False        # its re-sharded partitions carry no adapters
     decode_tp: Union[Literal["auto"], PositiveInt] = Field(
         AUTO, description="tensor-parallel degree of the decode layout c_d; auto: the one the "
         "simulator predicts fastest on the job's prompts (with decode_pp given, the ranks fix it)")
