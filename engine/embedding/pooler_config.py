@@ -24,6 +24,7 @@ from ..strict_numbers import NumbersNotBooleans
 log = logging.getLogger(__name__)
 
 POOLING_TYPES = ("CLS", "LAST", "MEAN")
+TOKEN_POOLING_TYPES = ("ALL", "STEP")     # vLLM's tok_pooling_type: not an embed job's
 
 # model_type of the bidirectional encoders: their default pooling is CLS (vLLM's registry gives
 # BertModel, RobertaModel, XLMRobertaModel ... CLS); every other model is read as a decoder (LAST)
@@ -65,6 +66,11 @@ class PoolerConfig(NumbersNotBooleans):
         if isinstance(data, dict) and "normalize" in data:
             raise ValueError("normalize was removed in vLLM; use use_activation (true: "
                              "L2-normalize each embedding)")
+        if isinstance(data, dict) and data.get("pooling_type") in TOKEN_POOLING_TYPES:
+            # vLLM 0.32 takes them as its tok_pooling_type, which an embed job never uses
+            raise ValueError(f"pooling_type {data['pooling_type']} is vLLM's token-wise pooling "
+                             "(one vector per token: its token_embed / token_classify tasks), "
+                             "not one embedding per prompt; use CLS, LAST or MEAN")
         return data
 
 

@@ -153,6 +153,10 @@ def test_recipe_refusals(tmp_path):
     path.write_text("model:\n  task: embed\n  pooler_config: {pooling_type: MAX}\n")
     with pytest.raises(RecipeError, match="'CLS', 'LAST' or 'MEAN'"):
         load_recipe(path)
+    path.write_text("model:\n  task: embed\n  pooler_config: {pooling_type: ALL}\n")
+    with pytest.raises(RecipeError, match="line 3, model.pooler_config.*pooling_type ALL is "
+                                          "vLLM's token-wise pooling .*use CLS, LAST or MEAN"):
+        load_recipe(path)
     assert load_recipe(REPO / "recipes" / "embed-quickstart.yaml").model.task == "embed"
 
 
