@@ -34,7 +34,7 @@ class EmbedPayload(RequestPayload):
 def _truncated(ids: list[int], keep: Optional[int], side: str) -> list[int]:
     if keep is None or keep >= len(ids):
         return ids
-    return ids[-keep:] if side == "left" else ids[:keep]
+    return ids[len(ids) - keep:] if side == "left" else ids[:keep]     # (ids[-0:] is all)
 
 
 def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,

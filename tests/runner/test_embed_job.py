@@ -261,6 +261,7 @@ def test_truncation_side_and_padding_as_vllms_pooling_requests(tmp_path):
     assert ids(truncate_prompt_tokens=4, truncation_side="left") == full[-4:]
     assert ids(truncate_prompt_tokens=4, truncation_side="right") == full[:4]
     assert ids(truncation_side="left") == full                         # nothing to cut
+    assert ids(truncate_prompt_tokens=0, truncation_side="left") == []  # vLLM's slice(0, 0)
     line = {"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
             "body": {"input": [text, [5, 6, 7, 8, 9]], "truncate_prompt_tokens": 3,
                      "truncation_side": "left"}}
