@@ -344,10 +344,12 @@ def test_chat_lines_render_without_the_generation_prompt(tmp_path):
                {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
                 "body": {"messages": [messages, [{"content": "no role"}]]}},
                {"custom_id": "none", "method": "POST", "url": "/v1/embeddings",
-                "body": {"messages": []}}]
+                "body": {"messages": []}},
+               {"custom_id": "own-template", "method": "POST", "url": "/v1/embeddings",
+                "body": {"messages": messages, "chat_template": "{{ messages }}"}}]
     outcome = run(chat_recipe, write_jsonl(tmp_path / "oa.jsonl", batches), tmp_path / "oa",
                   engine)
-    assert (outcome.outputs, outcome.errors) == (3, 2)
+    assert (outcome.outputs, outcome.errors) == (3, 3)
     bodies = {r["custom_id"]: r["response"]["body"]
               for r in read_jsonl(tmp_path / "oa" / "outputs.jsonl")}
     assert close(bodies["c"]["data"][0]["embedding"], out["chat"]["embedding"])
@@ -364,6 +366,8 @@ def test_chat_lines_render_without_the_generation_prompt(tmp_path):
     assert errors["bad"]["code"] == "invalid_messages"
     assert "body.messages[1][0].role" in errors["bad"]["message"]
     assert errors["none"]["code"] == "invalid_messages"
+    assert errors["own-template"]["code"] == "unsupported_parameter"    # as vLLM's server
+    assert "--trust-request-chat-template" in errors["own-template"]["message"]
 
 
 def test_truncation_below_the_special_tokens_count_still_keeps_that_many(engine):
