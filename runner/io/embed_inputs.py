@@ -260,9 +260,10 @@ def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> 
     fresh = [k for k in ignored if k not in warned]
     if fresh:
         warned.update(fresh)
-        log.warning("line %d: body key(s) %s do not apply to /v1/embeddings and are ignored "
-                    "(as vLLM's server ignores them); said once per key", line,
-                    ", ".join(fresh))
+        log.warning("line %d: body key(s) %s are ignored: they do not change an embedding "
+                    "(vLLM's server ignores keys it does not know; its priority, request_id and "
+                    "cache_salt only schedule or name a request); said once per key and job",
+                    line, ", ".join(fresh))
     spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,
                        metadata=metadata, extra={"model": body.get("model")})
     options, problem = _options(body, "body.")

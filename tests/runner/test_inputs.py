@@ -592,4 +592,6 @@ def test_embedding_jobs_each_warn_of_ignored_openai_body_keys_once(tmp_path, cap
         reader = InputReader(path, IOConfig(), DEFAULTS, embed=True)
         assert all(isinstance(item, RequestSpec) for item in reader.records())
         said = [r.getMessage() for r in caplog.records if "temperature" in r.getMessage()]
-        assert len(said) == 1 and said[0].startswith("line 1: body key(s) temperature"), job
+        assert len(said) == 1 and said[0].startswith("line 1: body key(s) temperature are "
+                                                     "ignored: they do not change an "
+                                                     "embedding"), job
