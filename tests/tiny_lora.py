@@ -24,9 +24,10 @@ MAX_NEW = 6
 
 
 def make_adapter(base, directory: Path, rank: int, alpha: int, rslora: bool, seed: int,
-                 targets=None) -> Path:
+                 targets=None, **config) -> Path:
     """A peft LoRA adapter over `base` (left unchanged), its A and B drawn from `seed` (B
-    scaled up: peft's non-default init draws it small), saved in `directory`."""
+    scaled up: peft's non-default init draws it small), saved in `directory`; `config`: more
+    LoraConfig fields (rank_pattern, ...)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -34,7 +35,7 @@ def make_adapter(base, directory: Path, rank: int, alpha: int, rslora: bool, see
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
                         target_modules=targets or ALL_LINEARS, init_lora_weights=False,
-                        lora_dropout=0.0)
+                        lora_dropout=0.0, **config)
     peft_model = get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

@@ -7,8 +7,8 @@ modules: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` ([r, i
 `...lora_B.weight` ([out, r]). The engine applies adapters to the decoder layers' linears: q/k/v (onto its fused
 qkv_proj), o_proj, gate/up (onto gate_up_proj), down_proj, and the fused qkv_proj /
 gate_up_proj a Phi-3 checkpoint has. Anything else an adapter targets (embed_tokens, lm_head, a
-mixture of experts' experts), DoRA, LoRA biases, modules_to_save and per-module rank / alpha
-patterns is refused at start with the path and what is wrong. Only local directories are read.
+mixture of experts' experts), DoRA, LoRA biases and modules_to_save is refused at start with the
+path and what is wrong; per-module rank_pattern / alpha_pattern scale each module as peft does. Only local directories are read.
 
 Slot numbers: adapter i of model.lora_modules (in the recipe's order) is slot i + 1; slot 0 is
 the base model (no adapter).
@@ -82,6 +82,30 @@ def _where(name: str, path: str) -> str:
 
 def read_adapter_config(name: str, path: str, max_rank: int) -> tuple[int, float]:
     """-> (rank, scaling) from adapter_config.json; ConfigError naming the path and the key."""
+    cfg = _adapter_config(name, path, max_rank)
+    return cfg["r"], _scaling(cfg, cfg["r"], cfg.get("lora_alpha", cfg["r"]))
+
+
+def _scaling(cfg: dict, rank: int, alpha: float) -> float:
+    return float(alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank)
+
+
+def module_scaling(cfg: dict, module: str) -> float:
+    """The scaling peft (and vLLM 0.32's PEFTHelper.get_rank_and_scaling) gives `module` (the
+    tensor name less `base_model.model.`, e.g. model.layers.3.self_attn.q_proj): rank_pattern
+    and alpha_pattern keys match a suffix of it at a "." boundary, as regexes; the first wins."""
+    def matched(pattern: dict, default):
+        for key, value in (pattern or {}).items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return default
+
+    return _scaling(cfg, matched(cfg.get("rank_pattern"), cfg["r"]),
+                    matched(cfg.get("alpha_pattern"), cfg.get("lora_alpha", cfg["r"])))
+
+
+def _adapter_config(name: str, path: str, max_rank: int) -> dict:
+    """adapter_config.json, checked; ConfigError naming the path and the key."""
     where, folder = _where(name, path), Path(path)
     if not folder.is_dir():
         raise ConfigError(f"{where}: not a directory (a PEFT LoRA adapter directory holding "
@@ -101,8 +125,7 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> tuple[int, float
                           "(peft_type LORA) are applied")
     refusals = [("use_dora", "DoRA (use_dora: true)"), ("lora_bias", "LoRA biases (lora_bias: "
                 "true)"), ("modules_to_save", "modules_to_save (whole modules trained beside the "
-                "adapter)"), ("rank_pattern", "a per-module rank_pattern"),
-                ("alpha_pattern", "a per-module alpha_pattern"),
+                "adapter)"),
                 ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
                 ("layer_replication", "layer_replication"),
                 ("target_parameters", "target_parameters (LoRA on parameters, e.g. experts)"),
@@ -123,8 +146,20 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> tuple[int, float
                           f"raise model.max_lora_rank to at least {rank}")
     # fan_in_fan_out concerns the base weight's layout (GPT-2's Conv1D); lora_A / lora_B are
     # stored as Linear weights either way, so it changes nothing here
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pattern = cfg.get(key) or {}
+        bad = [f"{k}: {v!r}" for k, v in pattern.items() if isinstance(v, bool)
+               or not isinstance(v, kind) or v <= 0] if isinstance(pattern, dict) else [pattern]
+        if bad:
+            raise ConfigError(f"{where}/{CONFIG_FILE}: {key} must map module names to positive "
+                              f"{'integers' if kind is int else 'numbers'} (got {bad[0]})")
+        for pattern_key in pattern:
+            try:
+                re.compile(pattern_key)
+            except re.error as exc:
+                raise ConfigError(f"{where}/{CONFIG_FILE}: {key} key {pattern_key!r} is not a "
+                                  f"regular expression ({exc})") from None
+    return cfg
 
 
 def _expected_shape(arch: ModelArch, module: str, kind: str, rank: int) -> tuple[int, int]:
@@ -210,7 +245,9 @@ def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
     and shape is checked against the model's config first. ConfigError names the path."""
     from safetensors import SafetensorError
 
-    rank, scaling = read_adapter_config(name, path, max_rank)
+    cfg = _adapter_config(name, path, max_rank)
+    rank = cfg["r"]
+    scaling = _scaling(cfg, rank, cfg.get("lora_alpha", rank))
     where, file = _where(name, path), weights_file(name, path)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -242,7 +279,9 @@ def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
                 raise ConfigError(f"{where}: layer {layer} {module}: lora_A's rank "
                                   f"{pair['A'].shape[0]} differs from lora_B's "
                                   f"{pair['B'].shape[1]}")
-            weights[(layer, module)] = (pair["A"], pair["B"])
+            # rank_pattern / alpha_pattern: the module's own scaling, folded into its B
+            ratio = module_scaling(cfg, f"model.layers.{layer}.{module}") / scaling
+            weights[(layer, module)] = (pair["A"], pair["B"] if ratio == 1 else pair["B"] * ratio)
     return Adapter(name, path, rank, scaling, weights,
                    frozenset(module for _, module in halves))
 

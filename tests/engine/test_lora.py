@@ -218,6 +218,33 @@ def test_an_adapter_saved_as_a_torch_pickle_is_read_as_vllm_reads_it(make_engine
                     cache=CACHE)
 
 
+def test_rank_and_alpha_patterns_scale_each_module_as_peft(make_engine, family, tmp_path,
+                                                           default_model_dir):
+    """peft's rank_pattern / alpha_pattern (vLLM 0.32 reads them too): each module's own rank
+    and scaling, a key matching a suffix of the module's name at a "." boundary, as a regex."""
+    from batchinfer.engine.model.lora_adapters import module_scaling
+    from tests.tiny_families import hf_model
+    from tests.tiny_lora import make_adapter, peft_greedy
+
+    base = hf_model("llama3")
+    folder = make_adapter(base, tmp_path / "patterns", 4, 8, False, 7, None,
+                          rank_pattern={"q_proj": 8, r"layers\.1\.mlp\.down_proj": 2},
+                          alpha_pattern={"v_proj": 32, r"layers\.0\..*": 3})
+    expected = peft_greedy(base, folder, PROMPTS)
+    engine = make_engine(model={**model_section(family), "lora_modules": {"alpha": str(folder)}},
+                         cache=CACHE)
+    requests = mixed_requests((None, "alpha"))
+    got = run(engine, requests)
+    assert [got[f"alpha-{i}"] for i in range(len(PROMPTS))] == expected
+    assert [got[f"None-{i}"] for i in range(len(PROMPTS))] == family["expected"][None]
+    cfg = {"r": 4, "lora_alpha": 8, "rank_pattern": {"q_proj": 8},
+           "alpha_pattern": {"v_proj": 32, "layers\\.0\\..*": 3}}
+    assert module_scaling(cfg, "model.layers.0.self_attn.q_proj") == 3 / 8    # rank 8, alpha 3
+    assert module_scaling(cfg, "model.layers.1.self_attn.q_proj") == 8 / 8
+    assert module_scaling(cfg, "model.layers.1.self_attn.v_proj") == 32 / 4
+    assert module_scaling(cfg, "model.layers.1.self_attn.xv_proj") == 8 / 4   # no "." boundary
+
+
 def test_a_missing_directory_is_named(make_engine, family, tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lora_modules\.x: .*nowhere: not a directory"):
         make_engine(model={**model_section(family), "lora_modules": {"x": str(tmp_path / "nowhere")}},
