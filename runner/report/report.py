@@ -277,7 +277,8 @@ def _lora_lines(session: dict) -> list[str]:
     base = (session.get("requests_completed") or 0) - sum(by_lora.values())
     return ["## LoRA adapters (this session)", ""] + _table(
         ["adapter", "requests completed"],
-        [[f"`{name}`", n] for name, n in sorted(by_lora.items())] + [["base model", base]])
+        [[f"`{name}`".replace("|", "\\|"), n] for name, n in sorted(by_lora.items())]    # a
+        + [["base model", base]])                               # name's | would end its cell
 
 
 def _pct(value: Optional[float]) -> Optional[str]:

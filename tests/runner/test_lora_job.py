@@ -95,10 +95,11 @@ def test_merged_parts_count_requests_per_adapter():
                 "session": {"requests_completed": completed, "requests_by_lora": by_lora}}
 
     merged = merge_reports({"part-0-of-2": part({"alpha": 2}, 3),
-                            "part-1-of-2": part({"alpha": 1, "beta": 4}, 5)}, "run")
-    assert merged["session"]["requests_by_lora"] == {"alpha": 3, "beta": 4}
+                            "part-1-of-2": part({"alpha": 1, "a|b": 4}, 5)}, "run")
+    assert merged["session"]["requests_by_lora"] == {"alpha": 3, "a|b": 4}
     markdown = render_markdown(merged)
     assert "| `alpha` | 3 |" in markdown and "| base model | 1 |" in markdown
+    assert "| `a\\|b` | 4 |" in markdown       # a name's | escaped: the table keeps two columns
 
 
 def test_an_openai_line_names_its_adapter_with_the_body_model(recipe, engine, family, tmp_path):
