@@ -6,7 +6,6 @@ goes to vLLM as its PoolerConfig. Each step sends the waiting requests (at most 
 inputs) as one llm.embed call."""
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import time
@@ -20,7 +19,7 @@ from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingReques
 from batchinfer.engine.errors import RequestError
 from batchinfer.engine.request import FinishReason
 
-from .engine import VllmWorkerError, _read, start_worker
+from .engine import _read, send_to_worker, start_worker, stop_worker
 from .params import VllmParams, engine_args, engine_env, vllm_python
 
 log = logging.getLogger(__name__)
@@ -144,19 +143,7 @@ class VllmEmbeddingEngine:
         return {**self._counters, "num_preemptions": 0, **self.info}
 
     def close(self) -> None:
-        proc = self._proc
-        if proc.poll() is None:
-            try:
-                self._send({"op": "close"})
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired, VllmWorkerError):
-                proc.kill()
-                proc.wait()
+        stop_worker(self._proc)
 
     def _send(self, message: dict) -> None:
-        try:
-            self._proc.stdin.write(json.dumps(message) + "\n")
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise VllmWorkerError(f"the vLLM process has stopped (exit code "
-                                  f"{self._proc.poll()}); its log is above") from exc
+        send_to_worker(self._proc, message)

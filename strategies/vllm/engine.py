@@ -191,14 +191,7 @@ class VllmEngine:
         return outs
 
     def close(self) -> None:
-        proc = self._proc
-        if proc.poll() is None:
-            try:
-                self._send({"op": "close"})
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired, VllmWorkerError):
-                proc.kill()
-                proc.wait()
+        stop_worker(self._proc)
 
     # --- reporting ------------------------------------------------------------------------------
     def drain_step_events(self) -> list[dict]:
@@ -219,13 +212,29 @@ class VllmEngine:
                    else {})}
 
     def _send(self, message: dict) -> None:
+        send_to_worker(self._proc, message, flush=message["op"] != "add")   # adds go with a step
+
+
+def send_to_worker(proc: subprocess.Popen, message: dict, flush: bool = True) -> None:
+    """One JSON line to a worker; VllmWorkerError when it has stopped."""
+    try:
+        proc.stdin.write(json.dumps(message) + "\n")
+        if flush:
+            proc.stdin.flush()
+    except (BrokenPipeError, OSError) as exc:
+        raise VllmWorkerError(f"the vLLM process has stopped (exit code {proc.poll()}); its log "
+                              "is above") from exc
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """Asks a running worker to close (a minute's grace), else kills it."""
+    if proc.poll() is None:
         try:
-            self._proc.stdin.write(json.dumps(message) + "\n")
-            if message["op"] != "add":
-                self._proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise VllmWorkerError(f"the vLLM process has stopped (exit code "
-                                  f"{self._proc.poll()}); its log is above") from exc
+            send_to_worker(proc, {"op": "close"})
+            proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired, VllmWorkerError):
+            proc.kill()
+            proc.wait()
 
 
 def start_worker(script: Path, python: str, args: dict, env: dict,
