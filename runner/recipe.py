@@ -175,6 +175,8 @@ class IOConfig(_Strict):
     prompt_field: str = Field("prompt", description="dataset column holding the prompt text")
     messages_field: str = Field("messages", description="dataset column holding chat messages")
     id_field: str = Field("id", description="dataset column holding the request id")
+    lora_field: str = Field("lora", description="dataset column naming the row's LoRA adapter "
+                            "(model.lora_modules); an empty cell: the base model")
     metadata_fields: list[str] = Field(default_factory=list,
                                        description="dataset columns copied into metadata")
     chat_template: Literal["auto", "always", "never"] = Field(

@@ -475,8 +475,9 @@ def _openai_overrides(body: dict, chat: bool) -> tuple[dict, Optional[str], dict
 
 def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_field: str,
                       messages_field: str, id_field: str, metadata_fields: list[str],
-                      blank_is_null: bool = False) -> Parsed:
-    """A dataset row: prompt or messages from the configured columns, other columns ignored.
+                      blank_is_null: bool = False, lora_field: str = "lora") -> Parsed:
+    """A dataset row: prompt or messages, the id and the LoRA adapter (an empty cell: none) from
+    the configured columns, other columns ignored.
     blank_is_null: the reader turns an empty cell into null (CSV), so a null prompt is an empty
     one (empty_prompt, as parquet's "" is), not a value of the wrong type."""
     record: dict[str, Any] = {}
@@ -488,6 +489,8 @@ def parse_dataset_row(row: dict, line: int, defaults: SamplingParams, prompt_fie
         record["prompt"] = row[prompt_field]
         if blank_is_null and record["prompt"] is None:
             record["prompt"] = ""
+    if row.get(lora_field) not in (None, ""):
+        record["lora"] = row[lora_field]
     if metadata_fields:
         record["metadata"] = {k: row.get(k) for k in metadata_fields}
     parsed = parse_plain_or_chat(record, line, defaults, id_prefix="row-",

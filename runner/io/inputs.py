@@ -319,7 +319,8 @@ class InputReader:
                 else:
                     yield parse_dataset_row(row, number, self.defaults, io.prompt_field,
                                             io.messages_field, io.id_field, io.metadata_fields,
-                                            blank_is_null=self.format == "csv")
+                                            blank_is_null=self.format == "csv",
+                                            lora_field=io.lora_field)
             if presence is not None:
                 presence.finish()
 

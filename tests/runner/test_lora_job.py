@@ -86,6 +86,29 @@ def test_lines_pick_their_adapter_and_the_records_say_which(recipe, engine, fami
     assert "| base model | 2 |" in markdown
 
 
+def test_a_dataset_rows_lora_column_picks_its_adapter(recipe, engine, family, tmp_path):
+    """Dataset files (here a JSON array; CSV and parquet alike): the io.lora_field column (default
+    `lora`) names the row's adapter, an empty cell the base model; it was ignored, every row
+    running the base model, an unknown name too."""
+    rows = [{"id": "a", "prompt": PROMPTS[0], "lora": "alpha"},
+            {"id": "b", "prompt": PROMPTS[0], "lora": ""},
+            {"id": "c", "prompt": PROMPTS[0], "lora": None},
+            {"id": "d", "prompt": PROMPTS[0], "lora": "gamma"}]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    out = tmp_path / "run"
+    job_recipe = recipe.model_copy(update={"sampling": recipe.sampling.model_copy(
+        update={**GREEDY, "logprobs": 0})})
+    spec = JobSpec(recipe=job_recipe, input_path=path, output_dir=out, progress="off",
+                   engine_factory=lambda cfg: engine)
+    assert run_job(spec).exit_code == EXIT_OK
+    outputs = {r["id"]: r for r in read(out / "outputs.jsonl")}
+    for rid, lora in (("a", "alpha"), ("b", None), ("c", None)):
+        assert outputs[rid].get("lora") == lora
+        assert [e["token_id"] for e in outputs[rid]["logprobs"]] == family["expected"][lora][0]
+    assert [r["code"] for r in read(out / "errors.jsonl")] == ["unknown_lora"]
+
+
 def test_merged_parts_count_requests_per_adapter():
     """`batchinfer report` over Slurm parts: each part's requests per adapter summed."""
     from batchinfer.runner.report.report import merge_reports, render_markdown
