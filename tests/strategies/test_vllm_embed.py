@@ -1,6 +1,7 @@
 """Strategy `vllm` for embedding jobs (strategies/vllm/embed_engine.py): the recipe -> vLLM
 pooling-runner arguments, and, where a vLLM is installed (BATCHINFER_VLLM_PYTHON, vLLM's CPU
-build), a job through vLLM's pooling runner against the embedding engine's."""
+build), a job through vLLM's pooling runner against the embedding engine's, and OpenAI
+embedding lines through vLLM's run_batch against an embedding job's records."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,53 @@ def test_an_embedding_job_through_vllm_matches_the_embedding_engine(tmp_path):
         theirs = results["vllm"][rid]
         assert theirs["prompt_tokens"] == ours["prompt_tokens"]
         assert max(abs(a - b) for a, b in zip(theirs["embedding"], ours["embedding"])) < 1e-5
+
+
+@needs_vllm
+def test_openai_embedding_lines_equal_vllms_run_batch(tmp_path):
+    """The same OpenAI /v1/embeddings lines through vLLM 0.32's run_batch (pooling runner) and an
+    embedding job: equal usage (vLLM's UsageInfo, every key), one data item per input, embeddings
+    within 1e-5, truncation_side / padding / token ids / use_activation alike."""
+    import subprocess
+
+    from batchinfer.engine.embedding.model_source import default_embed_model_dir
+    from batchinfer.strategies.vllm.params import engine_env
+
+    text = "one two three four five six seven"
+    bodies = {"plain": {"input": text}, "many": {"input": [text, "short one"]},
+              "left": {"input": text, "truncate_prompt_tokens": 4, "truncation_side": "left"},
+              "right": {"input": text, "truncate_prompt_tokens": 4, "truncation_side": "right"},
+              "default": {"input": text, "truncate_prompt_tokens": 4},
+              "pad": {"input": text, "padding": "max_length"},
+              "ids": {"input": [[101, 2028, 2048, 102], [101, 2093, 102]]},
+              "raw": {"input": text, "use_activation": False}}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
+                                        "url": "/v1/embeddings",
+                                        "body": {"model": "m", **body}}) + "\n"
+                            for cid, body in bodies.items()))
+    recipe = Recipe(model={"task": "embed", "dtype": "float32"}, report={"plots": False})
+    env = engine_env(recipe.engine_config())
+    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
+                    "-o", str(tmp_path / "vllm.jsonl"), "--model",
+                    str(default_embed_model_dir()), "--runner", "pooling", "--dtype", "float32",
+                    "--max-model-len", "256", "--enforce-eager", "--served-model-name", "m"],
+                   env=env, check=True, capture_output=True, timeout=900)
+    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
+                              progress="off"))
+    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
+
+    def bodies_of(file: Path) -> dict:
+        return {r["custom_id"]: r["response"]["body"] for r in
+                map(json.loads, file.read_text().splitlines())}
+
+    theirs, ours = bodies_of(tmp_path / "vllm.jsonl"), bodies_of(tmp_path / "ours" /
+                                                                 "outputs.jsonl")
+    assert set(theirs) == set(ours) == set(bodies)
+    for cid, body in theirs.items():
+        assert ours[cid]["usage"] == body["usage"], cid
+        assert list(ours[cid]) == list(body) and len(ours[cid]["data"]) == len(body["data"])
+        for a, b in zip(body["data"], ours[cid]["data"]):
+            assert list(a) == list(b) and a["index"] == b["index"]
+            assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5, cid
+    assert theirs["pad"]["usage"]["prompt_tokens"] == 256
