@@ -96,6 +96,29 @@ class ModelConfig(_Strict):
         None, ge=1, description="adapters one step may mix (vLLM's max_loras, default 1 there); "
         "empty: every adapter of lora_modules, all loaded at start")
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _vllm_list_forms(cls, value):
+        """vLLM's --lora-modules forms as well: a list of "name=path" strings or of {name, path}
+        objects (base_model_name allowed and unused), read into {name: path}."""
+        if not isinstance(value, list):
+            return value
+        modules: dict = {}
+        for item in value:
+            if isinstance(item, str) and "=" in item:
+                name, path = item.split("=", 1)
+            elif isinstance(item, dict) and {"name", "path"} <= item.keys() <= {
+                    "name", "path", "base_model_name"}:
+                name, path = item["name"], item["path"]
+            else:
+                raise ValueError(f"{item!r}: a list entry is \"name=path\" or {{name: ..., "
+                                 "path: ...} (vLLM's --lora-modules forms); or give a mapping "
+                                 "{name: path}")
+            if name in modules:
+                raise ValueError(f"adapter {name!r} is named twice")
+            modules[name] = path
+        return modules
+
     @field_validator("lora_modules")
     @classmethod
     def _adapter_names(cls, value: dict) -> dict:

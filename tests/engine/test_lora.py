@@ -290,3 +290,20 @@ def test_a_strategy_building_its_own_model_without_adapters_is_refused(family, m
                                           r"model, which does not apply LoRA adapters"):
         Engine.from_config(config)
     assert closed == [True]
+
+
+def test_lora_modules_take_vllms_list_forms():
+    """vLLM's --lora-modules forms, "name=path" and {name, path[, base_model_name]}, read into
+    the {name: path} mapping; anything else, or a name given twice, is refused naming the form."""
+    from pydantic import ValidationError
+
+    from batchinfer.engine.config import ModelConfig
+
+    listed = ModelConfig(lora_modules=["sql=/a/sql", {"name": "chat", "path": "/a/chat",
+                                                      "base_model_name": "m"}])
+    assert listed.lora_modules == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert ModelConfig(lora_modules={"sql": "/a/sql"}).lora_modules == {"sql": "/a/sql"}
+    with pytest.raises(ValidationError, match=r"'sql': a list entry is \"name=path\" or"):
+        ModelConfig(lora_modules=["sql"])
+    with pytest.raises(ValidationError, match=r"adapter 'sql' is named twice"):
+        ModelConfig(lora_modules=["sql=/a", {"name": "sql", "path": "/b"}])
