@@ -109,3 +109,51 @@ def test_openai_embedding_lines_equal_vllms_run_batch(tmp_path):
             assert list(a) == list(b) and a["index"] == b["index"]
             assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5, cid
     assert theirs["pad"]["usage"]["prompt_tokens"] == 256
+
+
+@needs_vllm
+def test_batched_chat_embedding_lines_equal_vllms_run_batch(tmp_path):
+    """Conversations in an OpenAI embeddings body (one in body.messages; several in body.input
+    or body.messages, vLLM's batched chat request) on a tiny decoder with a chat template: vLLM
+    0.32's run_batch and an embedding job give the same usage and embeddings within 1e-5."""
+    import subprocess
+
+    from batchinfer.strategies.vllm.params import engine_env
+    from tests.tiny_families import hf_model, save_model, tokenizer_dir
+
+    model = save_model(hf_model("qwen3", seed=5, vocab_size=49152).eval(), tmp_path / "qwen3",
+                       tokenizer_dir())
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    (tmp_path / "chat.jinja").write_text(template)
+    one = [{"role": "user", "content": "Embed this question."}]
+    two = [{"role": "user", "content": "And another one."}]
+    bodies = {"one": {"messages": one}, "input": {"input": [one, two]},
+              "messages": {"messages": [one, two], "add_generation_prompt": True}}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
+                                        "url": "/v1/embeddings",
+                                        "body": {"model": "m", **body}}) + "\n"
+                            for cid, body in bodies.items()))
+    recipe = Recipe(model={"task": "embed", "path": str(model), "dtype": "float32",
+                           "chat_template": template}, report={"plots": False})
+    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
+                    "-o", str(tmp_path / "vllm.jsonl"), "--model", str(model), "--runner",
+                    "pooling", "--dtype", "float32", "--max-model-len", "256",
+                    "--enforce-eager", "--served-model-name", "m", "--chat-template",
+                    str(tmp_path / "chat.jinja")],
+                   env=engine_env(recipe.engine_config()), check=True, capture_output=True,
+                   timeout=900)
+    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
+                              progress="off"))
+    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
+    theirs, ours = ({r["custom_id"]: r["response"]["body"]
+                     for r in map(json.loads, file.read_text().splitlines())}
+                    for file in (tmp_path / "vllm.jsonl", tmp_path / "ours" / "outputs.jsonl"))
+    assert [len(theirs[c]["data"]) for c in bodies] == [len(ours[c]["data"]) for c in bodies] \
+        == [1, 2, 2]
+    for cid, body in theirs.items():
+        assert ours[cid]["usage"] == body["usage"], cid
+        for a, b in zip(body["data"], ours[cid]["data"]):
+            assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5, cid
