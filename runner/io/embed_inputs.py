@@ -27,9 +27,9 @@ from typing import Any, Optional
 from batchinfer.engine.request import SAMPLING_KEYS
 
 from .chat_options import CHAT_OPTION_KEYS, chat_options
-from .input_records import (InputError, Parsed, RequestSpec, _is_token_ids, _request_id,
-                            check_messages, content_parts, json_type_name, lone_surrogate,
+from .chat_messages import (check_messages, content_parts, json_type_name, lone_surrogate,
                             normalize_messages)
+from .input_records import InputError, Parsed, RequestSpec, _is_token_ids, _request_id, openai_line
 
 log = logging.getLogger("batchinfer")
 
@@ -44,7 +44,6 @@ PLAIN_KEYS = frozenset({"id", "prompt", "messages", "metadata"}) | EMBED_OPTION_
     | CHAT_OPTION_KEYS
 BODY_KEYS = frozenset({"input", "messages", "model", "user", "encoding_format",
                        "embed_dtype", "endianness", "add_special_tokens"}) | EMBED_OPTION_KEYS | CHAT_OPTION_KEYS
-OPENAI_LINE_KEYS = frozenset({"custom_id", "method", "url", "body", "metadata"})
 ENCODING_FORMATS = ("float", "base64")
 # vLLM's base64 extras: the values' dtype and byte order (native: the host's)
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
@@ -228,33 +227,11 @@ def _is_batched_chat(value: Any) -> bool:
 def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> Parsed:
     """An OpenAI batch line of an embedding job (url /v1/embeddings); `warned`: the ignored
     body keys this job has warned of (None: warn of each)."""
-    if not isinstance(record, dict):
-        return InputError(line, "not_an_object", f"a request must be a JSON object, not "
-                          f"{json_type_name(record)}")
-    custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return InputError(line, "invalid_custom_id", "an OpenAI batch line needs 'custom_id', a "
-                          "non-empty string")
-    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else None
-    url = record.get("url")
-    err = lambda code, msg: InputError(line, code, msg, request_id=custom_id,  # noqa: E731
-                                       custom_id=custom_id, metadata=metadata,
-                                       openai_url=EMBED_URL if url == EMBED_URL else None)
-    unknown = sorted(set(record) - OPENAI_LINE_KEYS)
-    if unknown:
-        return err("unknown_key", f"unknown key {unknown[0]!r}; allowed: "
-                   f"{', '.join(sorted(OPENAI_LINE_KEYS))}")
-    if record.get("metadata") is not None and metadata is None:
-        return err("invalid_type", "'metadata' must be an object")
-    if record.get("method") != "POST":
-        return err("unsupported_method", f"method {record.get('method')!r} is not supported; "
-                   "OpenAI batch lines use POST")
-    if url != EMBED_URL:
-        return err("unsupported_url", f"url {url!r}: this is an embedding job (model.task: "
-                   f"embed), whose lines go to {EMBED_URL}")
-    body = record.get("body")
-    if not isinstance(body, dict):
-        return err("invalid_body", f"'body' must be an object, not {json_type_name(body)}")
+    checked = openai_line(record, line, (EMBED_URL,), lambda url: f"url {url!r}: this is an "
+                          f"embedding job (model.task: embed), whose lines go to {EMBED_URL}")
+    if isinstance(checked, InputError):
+        return checked
+    custom_id, url, metadata, body, err = checked
     ignored = sorted(set(body) - BODY_KEYS)
     warned = set() if warned is None else warned
     fresh = [k for k in ignored if k not in warned]

@@ -11,13 +11,14 @@ ranges, so `batchinfer validate` runs it without a model.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Collection, NamedTuple, Optional, Union
 
 from pydantic import ValidationError
 
 from ..recipe_errors import dotted, quoted_with_hints
+from .chat_messages import (check_messages, content_parts, json_type_name, lone_surrogate,
+                            messages_text_problem, normalize_messages)
 from .chat_options import CHAT_OPTION_KEYS, chat_options, misplaced_chat_options
 from .structured_outputs import merge_response_format, removed_guided_key
 from batchinfer.engine.request import (SAMPLING_KEYS, VLLM_KEYS_NOT_IMPLEMENTED, SamplingParams,
@@ -81,37 +82,6 @@ class RequestSpec:
 Parsed = Union[RequestSpec, InputError]
 
 
-def json_type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(text: str, key: str) -> Optional[str]:
-    """What is wrong with `text` if it holds a lone UTF-16 surrogate (None: nothing). JSON's
-    "\\ud800" escape decodes to one; it is no character, so no tokenizer can encode it. A
-    pair ("\\ud83d\\ude00") decodes to its character."""
-    found = _SURROGATE.search(text)
-    if found is None:
-        return None
-    return (f"{key} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X}) at character "
-            f"{found.start()}; text must be valid Unicode")
-
-
-def _messages_text_problem(messages: list[dict], key: str) -> Optional[str]:
-    """lone_surrogate over a checked conversation's roles and text."""
-    for i, msg in enumerate(messages):
-        for name in ("role", "content"):
-            value = msg.get(name)
-            if isinstance(value, str):
-                problem = lone_surrogate(value, f"{key}[{i}].{name}")
-                if problem:
-                    return problem
-    return None
-
-
 def _sampling(line: int, rid: Optional[str], defaults: SamplingParams, overrides: dict,
               where: str, written: Optional[dict] = None) -> Union[SamplingParams, InputError]:
     """written: a sampling key -> the key the line spelled it with (OpenAI's names)."""
@@ -166,72 +136,6 @@ def _token_ids_problem(prompt: list, key: str) -> tuple[str, str]:
         return "invalid_type", f"{key} holds several prompts: one prompt per line"
     return "invalid_type", (f"{key} is an array, so token ids (whole numbers), but item {index} "
                             f"is {json.dumps(item, default=repr)}")
-
-
-def check_messages(messages: Any, key: str = "messages") -> Optional[str]:
-    """None if `messages` is a usable conversation, else what is wrong with it."""
-    if not isinstance(messages, list):
-        return f"'{key}' must be an array of {{role, content}} objects, not {json_type_name(messages)}"
-    if not messages:
-        return f"'{key}' is empty"
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            return f"{key}[{i}] must be an object with role and content, not {json_type_name(msg)}"
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not role:
-            return f"{key}[{i}].role must be a non-empty string"
-        if isinstance(content, list):  # OpenAI content parts: only text is supported
-            for j, part in enumerate(content):
-                if _part_text(part) is _NOT_TEXT:
-                    return (f"{key}[{i}].content[{j}]: only text parts are supported ({{type: "
-                            f"text, text}}, or input_text / output_text / refusal / thinking)")
-        elif not isinstance(content, str) and not (content is None and role == "assistant"):
-            # null: an assistant turn that only called tools (OpenAI's API allows it there)
-            return f"{key}[{i}].content must be a string or text parts, not {json_type_name(content)}"
-    return None
-
-
-# a content part's type -> the key holding its text, as vLLM 0.32 reads text parts (the
-# Responses API's input_text / output_text, an assistant's refusal and thinking)
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
-               "refusal": "refusal", "thinking": "thinking"}
-_NOT_TEXT = object()
-
-
-def _part_text(part: Any) -> Any:
-    """A content part's text; None for a text part without any (vLLM skips it with a warning);
-    _NOT_TEXT for anything else (an image, a malformed part)."""
-    if isinstance(part, str):
-        return part
-    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-        return _NOT_TEXT
-    text = part.get(_TEXT_PARTS[part["type"]])
-    return text if text is None or isinstance(text, str) else _NOT_TEXT
-
-
-def content_parts(messages: list[dict]) -> Optional[list[Optional[list[str]]]]:
-    """Per message, the texts of its content parts (a part without text skipped, an empty one
-    kept, as vLLM hands parts to a template); None where no message gave parts."""
-    if not any(isinstance(msg.get("content"), list) for msg in messages):
-        return None
-    return [[t for t in map(_part_text, msg["content"]) if t is not None]
-            if isinstance(msg.get("content"), list) else None for msg in messages]
-
-
-def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Text content parts joined into one string, one part a line, as vLLM joins them for a chat
-    template that takes its content as a string (every text model's here but Gemma 3's); an
-    assistant's content null (a turn that made only tool calls) is empty text, as vLLM reads it."""
-    out = []
-    for msg in messages:
-        content = msg.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            # vLLM drops empty parts too (a part's text is joined only when non-empty)
-            content = "\n".join(text for text in map(_part_text, content) if text)
-        out.append({**msg, "content": content})
-    return out
 
 
 def _request_id(value: Any, line: int, fallback_prefix: str) -> Union[str, InputError]:
@@ -313,7 +217,7 @@ def parse_plain_or_chat(record: Any, line: int, defaults: SamplingParams,
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(record["messages"])
         spec.content_parts = content_parts(record["messages"])
-        problem = _messages_text_problem(spec.messages, key)
+        problem = messages_text_problem(spec.messages, key)
         if problem:
             return err("invalid_text", problem)
         spec.chat_options, problem = chat_options(record)
@@ -346,8 +250,19 @@ def _states_default(key: str, value: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
-    """An OpenAI Batch API input line."""
+class OpenAILine(NamedTuple):
+    custom_id: str
+    url: str
+    metadata: Optional[dict]
+    body: dict
+    err: Callable[[str, str], InputError]      # (code, message) -> this line's error record
+
+
+def openai_line(record: Any, line: int, urls: Collection[str],
+                url_problem: Callable[[Any], str]) -> Union[OpenAILine, InputError]:
+    """What every OpenAI batch line is checked for before its body (generation and embedding
+    jobs alike): an object with a custom_id and known keys, an object metadata, POST, a url
+    of `urls` (else url_problem(url) says what is allowed) and an object body."""
     if not isinstance(record, dict):
         return InputError(line, "not_an_object", f"a request must be a JSON object, not "
                           f"{json_type_name(record)}")
@@ -356,10 +271,11 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
         return InputError(line, "invalid_custom_id", "an OpenAI batch line needs 'custom_id', a "
                           "non-empty string")
     url = record.get("url")
+    known_url = isinstance(url, str) and url in urls
     metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else None
     err = lambda code, msg: InputError(line, code, msg, request_id=custom_id,  # noqa: E731
                                        custom_id=custom_id, metadata=metadata,
-                                       openai_url=url if url in OPENAI_URLS else None)
+                                       openai_url=url if known_url else None)
     unknown = _unknown_keys(set(record), OPENAI_LINE_KEYS, "")
     if unknown:
         return err("unknown_key", unknown)
@@ -368,12 +284,21 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
     if record.get("method") != "POST":
         return err("unsupported_method", f"method {record.get('method')!r} is not supported; "
                    "OpenAI batch lines use POST")
-    if url not in OPENAI_URLS:
-        return err("unsupported_url", f"url {url!r} is not supported; supported: "
-                   f"{', '.join(OPENAI_URLS)}")
+    if not known_url:
+        return err("unsupported_url", url_problem(url))
     body = record.get("body")
     if not isinstance(body, dict):
         return err("invalid_body", f"'body' must be an object, not {json_type_name(body)}")
+    return OpenAILine(custom_id, url, metadata, body, err)
+
+
+def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
+    """An OpenAI Batch API input line."""
+    checked = openai_line(record, line, OPENAI_URLS, lambda url: f"url {url!r} is not "
+                          f"supported; supported: {', '.join(OPENAI_URLS)}")
+    if isinstance(checked, InputError):
+        return checked
+    custom_id, url, metadata, body, err = checked
     chat = OPENAI_URLS[url] == "chat"
     input_key = "messages" if chat else "prompt"
     spec = RequestSpec(line=line, request_id=custom_id, custom_id=custom_id, openai_url=url,
@@ -406,7 +331,7 @@ def parse_openai(record: Any, line: int, defaults: SamplingParams) -> Parsed:
             return err("invalid_messages", problem)
         spec.messages = normalize_messages(body["messages"])
         spec.content_parts = content_parts(body["messages"])
-        problem = _messages_text_problem(spec.messages, "body.messages")
+        problem = messages_text_problem(spec.messages, "body.messages")
         if problem:
             return err("invalid_text", problem)
         spec.chat_options, problem = chat_options(body, "body.")
