@@ -224,3 +224,17 @@ def test_always_on_a_tokenizer_without_a_chat_template_names_the_recipe_key(tmp_
     with pytest.raises(RequestError, match=r"has no chat template; send 'prompt' instead of "
                                            r"'messages', or give one as model.chat_template$"):
         prompt_token_ids(chat, tokenizer, "always")
+
+
+@pytest.mark.parametrize("url", [["/v1/completions"], {"a": 1}, None, 7])
+def test_an_openai_url_of_another_type_is_that_lines_error_in_both_job_kinds(url):
+    """The envelope check (input_records.openai_line) is shared by generation and embedding
+    lines; a url that is not a string (an array could not be looked up in the url table) is
+    the line's unsupported_url error, never an exception."""
+    from batchinfer.runner.io.embed_inputs import parse_embed_openai
+
+    line = {"custom_id": "c1", "method": "POST", "url": url, "body": {}}
+    for parsed in (parse_openai(line, 4, DEFAULTS), parse_embed_openai(line, 4)):
+        assert isinstance(parsed, InputError)
+        assert (parsed.code, parsed.line, parsed.custom_id, parsed.openai_url) == \
+            ("unsupported_url", 4, "c1", None)
