@@ -21,7 +21,7 @@ from batchinfer.engine.errors import RequestError
 
 from .embed_inputs import INPUTS, OPTIONS
 from .input_records import RequestSpec
-from .records import RequestPayload, _short_hash
+from .records import RequestPayload, _short_hash, openai_response_line
 
 
 @dataclass
@@ -172,9 +172,4 @@ def openai_embedding_output(out: EmbeddingOutput, payload: RequestPayload,
                  for i, vector in enumerate(out.embeddings)],
         "usage": embedding_usage(out.num_prompt_tokens),
     }
-    record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
-              "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
-              "error": None}
-    if payload.metadata is not None:
-        record["metadata"] = payload.metadata
-    return record
+    return openai_response_line(key, payload, body)

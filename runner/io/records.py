@@ -127,6 +127,12 @@ def openai_output(out: RequestOutput, payload: RequestPayload, model_id: str) ->
         if prompt_logprobs is not None and not chat:    # vLLM's server: on every choice
             for sample_choice in body["choices"]:
                 sample_choice["prompt_logprobs"] = prompt_logprobs
+    return openai_response_line(key, payload, body)
+
+
+def openai_response_line(key: str, payload: "RequestPayload", body: dict) -> dict:
+    """A finished OpenAI batch line's output record around its response `body` (key: the
+    request's short hash, which the batch, response and body ids derive from)."""
     record = {"id": f"batch_req_{key}", "custom_id": payload.custom_id,
               "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
               "error": None}
