@@ -147,9 +147,7 @@ def check_strategy_applies_lora(config: EngineConfig) -> None:
     (StrategyParams.applies_lora false): refused by name before any layout search or worker
     start, not by a worker's failure minutes later."""
     if config.model.lora_modules and not getattr(config.strategy, "applies_lora", True):
-        raise ConfigError(f"model.lora_modules: strategy {config.strategy.name} builds its own "
-                          "model partitions, which apply no LoRA adapters; leave "
-                          "model.lora_modules empty or run another strategy")
+        raise ConfigError(config.strategy.lora_refusal(config.model, None))
 
 
 def preflight(config: EngineConfig, arch: ModelArch, max_model_len: Optional[int] = None) -> None:

@@ -122,8 +122,11 @@ def run_search(base: EngineConfig, cands: list[Candidate], requests: list[SimReq
     for done, cand in enumerate(cands, 1):
         if not cand.skipped:
             try:
-                cand.result = simulate(candidate_config(base, cand), requests, cost, arch,
-                                       max_model_len, dtype_bytes, cores, sampling)
+                config = candidate_config(base, cand)   # a strategy that cannot serve the
+                cand.skipped = config.strategy.lora_refusal(base.model, arch)   # adapters: out
+                if not cand.skipped:
+                    cand.result = simulate(config, requests, cost, arch, max_model_len,
+                                           dtype_bytes, cores, sampling)
             except (ConfigError, ValueError) as exc:
                 cand.skipped = str(exc).splitlines()[0]
         if progress is not None:

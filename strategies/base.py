@@ -79,6 +79,15 @@ class StrategyParams(NumbersNotBooleans):
         its own engine makes the same checks there; `batchinfer validate` and `run --dry-run`
         call this before any model loads (engine.build.preflight)."""
 
+    def lora_refusal(self, model_cfg, arch) -> Optional[str]:
+        """Why the strategy cannot serve model.lora_modules' adapters on this model (None: it
+        can): `batchinfer profile` leaves such a candidate out; the build refuses it."""
+        if model_cfg.lora_modules and not self.applies_lora:
+            return (f"model.lora_modules: strategy {self.name} builds its own model partitions, "
+                    "which apply no LoRA adapters; leave model.lora_modules empty or run another "
+                    "strategy")
+        return None
+
     def check_kv_budget(self, config, arch, max_model_len: int, kv_bytes: int) -> bool:
         """For an explicit memory.kv_cache_memory, before any weight loads: a strategy that sizes
         its cache its own way raises the ConfigError its build would for kv_bytes-byte elements

@@ -81,22 +81,23 @@ def check_sidp_layout(par) -> None:
                           f"dp >= 2 (got tp: {par.tp}, pp: {par.pp}, dp: {par.dp})")
 
 
-def _check_adapters_leave_the_ffn(config, arch) -> None:
+def mlp_adapter_refusal(model_cfg, arch) -> Optional[str]:
     """LoRA adapters on attention run under SiDP (each replica computes its own attention); one
     on the MLP is refused: the shared FFN (and a CaS round's owner, over other replicas' rows)
     computes the base weights alone, so the adapter's MLP delta would be silently lost."""
     from batchinfer.engine.model.lora_adapters import lora_spec, read_adapter
 
-    spec = lora_spec(config.model)
+    spec = lora_spec(model_cfg)
     for name, path in spec.modules if spec is not None else ():
         mlp = sorted(m.split(".")[1] for m in read_adapter(name, path, arch, spec.max_rank,
                                                           layers=range(0)).targets
                      if m.startswith("mlp."))
         if mlp:
-            raise ConfigError(f"model.lora_modules.{name}: strategy sidp shares each layer's FFN "
-                              f"between replicas and applies no LoRA there; this adapter targets "
-                              f"{', '.join(mlp)}: use an adapter on attention only (q/k/v/o_proj) "
-                              "or another strategy (baseline, gllm, tdpipe, sipipe)")
+            return (f"model.lora_modules.{name}: strategy sidp shares each layer's FFN between "
+                    f"replicas and applies no LoRA there; this adapter targets {', '.join(mlp)}: "
+                    "use an adapter on attention only (q/k/v/o_proj) or another strategy "
+                    "(baseline, gllm, tdpipe, sipipe)")
+    return None
 
 
 def check_sidp_model(config, params, arch) -> None:
@@ -111,7 +112,9 @@ def check_sidp_model(config, params, arch) -> None:
                           "between replicas in the fp32 blocked layout; int8 is not built for it: "
                           "leave model.quantization empty, or run another strategy (baseline, "
                           "gllm, tdpipe, seesaw, sipipe)")
-    _check_adapters_leave_the_ffn(config, arch)
+    refusal = mlp_adapter_refusal(config.model, arch)
+    if refusal:
+        raise ConfigError(refusal)
     if arch.hidden_act != "silu":
         raise ConfigError(f"strategy sidp's shared FFN computes SiLU-gated MLPs; this model "
                           f"({arch.model_type}) gates with {arch.hidden_act}: run it with "

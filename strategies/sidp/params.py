@@ -63,6 +63,11 @@ class SiDPParams(StrategyParams, SchedulerConfig):
 
         return build_sidp_engine(config, self)
 
+    def lora_refusal(self, model_cfg, arch):
+        from .build import mlp_adapter_refusal
+
+        return mlp_adapter_refusal(model_cfg, arch)
+
     def check_config(self, config, arch) -> None:
         from batchinfer.engine.build import resolve_device
         from batchinfer.engine.errors import ConfigError

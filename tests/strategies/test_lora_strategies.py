@@ -90,3 +90,30 @@ def test_seesaw_refuses_adapters_by_name_before_its_workers_start(family):
         preflight(config, load_arch(family["base"]))        # validate, run --dry-run
     with pytest.raises(ConfigError, match=refusal):
         Engine.from_config(config)
+
+
+def test_profile_leaves_out_the_strategies_that_refuse_the_adapters(family, monkeypatch):
+    """`batchinfer profile` on a recipe with adapters: seesaw (no adapters at all) and sidp (an
+    adapter on the MLP) are skipped with the build's refusal, never ranked as the winner."""
+    from types import SimpleNamespace
+
+    from batchinfer.engine.model.loader import load_arch
+    from batchinfer.sim import search
+
+    monkeypatch.setattr(search, "simulate", lambda config, *args: SimpleNamespace(
+        output_tok_per_s={"seesaw": 3.0, "sidp": 2.0}.get(config.strategy.name, 1.0)))
+    base = EngineConfig(model=model_section(family, family["adapters"]), cache=CACHE)
+    cands = [search.Candidate("baseline", {"name": "baseline"}, 1, 2, 1),
+             search.Candidate("seesaw", {"name": "seesaw", "decode_tp": 1, "decode_pp": 2},
+                              1, 2, 1),
+             search.Candidate("sidp", {"name": "sidp"}, 1, 1, 2)]
+    ranked = search.run_search(base, cands, [], None, load_arch(family["base"]), 64, 4, 2)
+    assert [c.label for c in ranked if c.result is not None] == ["baseline"]
+    skipped = {c.label: c.skipped for c in ranked if c.result is None}
+    assert "strategy seesaw builds its own model partitions" in skipped["seesaw"]
+    assert "model.lora_modules.alpha: strategy sidp shares each layer's FFN" in skipped["sidp"]
+    attention = EngineConfig(model=model_section(family, {"attention": family["attention"]}),
+                             cache=CACHE)
+    cands = [search.Candidate("sidp", {"name": "sidp"}, 1, 1, 2)]
+    assert search.run_search(attention, cands, [], None, load_arch(family["base"]), 64, 4,
+                             2)[0].result is not None
