@@ -8,6 +8,12 @@ The Python API: build an Engine from an EngineConfig, add requests, step it, col
         print(out.text)
 
 With SamplingParams(n=4) each result is a ParallelOutput: `out.samples` holds the 4 replies.
+
+Embeddings (model.task: embed; no path: the shipped all-MiniLM-L6-v2), as vLLM's LLM.embed:
+
+    from batchinfer import EmbeddingEngine, EngineConfig
+    with EmbeddingEngine.from_config(EngineConfig(model={"task": "embed"})) as engine:
+        vectors = engine.embed(["Hello", "Bonjour"])      # one list of floats a text
 """
 from importlib import import_module
 from typing import Any
@@ -21,6 +27,9 @@ _EXPORTS = {
     "Request": "batchinfer.engine.request",
     "RequestOutput": "batchinfer.engine.request",
     "ParallelOutput": "batchinfer.engine.parallel_sampling",
+    "EmbeddingEngine": "batchinfer.engine.embedding.engine",
+    "EmbeddingRequest": "batchinfer.engine.embedding.request",
+    "EmbeddingOutput": "batchinfer.engine.embedding.request",
 }
 
 

@@ -61,6 +61,16 @@ def test_minilm_equals_sentence_transformers_arithmetic_batched_and_alone(minilm
     assert minilm.max_model_len == 256          # sentence_bert_config.json's max_seq_length
 
 
+def test_the_package_root_exports_the_embedding_engine(minilm):
+    """The Python API's names (batchinfer.EmbeddingEngine & co., api/__init__.py's docstring
+    example) are the engine's own."""
+    import batchinfer
+
+    assert batchinfer.EmbeddingEngine is EmbeddingEngine and isinstance(minilm, batchinfer.EmbeddingEngine)
+    assert {"EmbeddingEngine", "EmbeddingRequest", "EmbeddingOutput"} <= set(batchinfer.__all__)
+    assert batchinfer.EmbeddingOutput.__module__ == "batchinfer.engine.embedding.request"
+
+
 def test_one_request_of_several_inputs_finishes_once_with_each_in_order(minilm):
     ids = [minilm.tokenizer.encode(t) for t in TEXTS]
     minilm.drain_step_events()
