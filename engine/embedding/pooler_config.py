@@ -62,11 +62,34 @@ class PoolerConfig(NumbersNotBooleans):
 
     @model_validator(mode="before")
     @classmethod
-    def _removed_normalize(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "normalize" in data:
+    def _vllm_names(cls, data: Any) -> Any:
+        """vLLM 0.32's other names: seq_pooling_type is what its pooling_type sets for CLS /
+        LAST / MEAN (both set: refused, as vLLM refuses them); tok_pooling_type (ALL / STEP) is
+        token-wise pooling, which an embedding never uses; the removed normalize."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.pop("tok_pooling_type", None) is not None:
+            raise ValueError("tok_pooling_type is vLLM's token-wise pooling (ALL / STEP: one "
+                             "vector per token, its token_embed / token_classify tasks), not "
+                             "one embedding per prompt; set pooling_type or seq_pooling_type "
+                             "(CLS, LAST or MEAN)")
+        seq = data.pop("seq_pooling_type", None)
+        if seq is not None:
+            if data.get("pooling_type") is not None:
+                raise ValueError("cannot set both pooling_type and seq_pooling_type (vLLM "
+                                 "refuses it too); set one")
+            if seq not in POOLING_TYPES:
+                raise ValueError(f"seq_pooling_type must be CLS, LAST or MEAN (got {seq!r})")
+            data["pooling_type"] = seq
+        return cls._refuse_removed_and_token_wise(data)
+
+    @staticmethod
+    def _refuse_removed_and_token_wise(data: dict) -> dict:
+        if "normalize" in data:
             raise ValueError("normalize was removed in vLLM; use use_activation (true: "
                              "L2-normalize each embedding)")
-        if isinstance(data, dict) and data.get("pooling_type") in TOKEN_POOLING_TYPES:
+        if data.get("pooling_type") in TOKEN_POOLING_TYPES:
             # vLLM 0.32 takes them as its tok_pooling_type, which an embed job never uses
             raise ValueError(f"pooling_type {data['pooling_type']} is vLLM's token-wise pooling "
                              "(one vector per token: its token_embed / token_classify tasks), "

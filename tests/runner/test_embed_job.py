@@ -160,6 +160,26 @@ def test_recipe_refusals(tmp_path):
     assert load_recipe(REPO / "recipes" / "embed-quickstart.yaml").model.task == "embed"
 
 
+def test_pooler_config_takes_vllms_seq_pooling_type_and_refuses_tok_pooling_type(tmp_path):
+    """vLLM 0.32's PoolerConfig: seq_pooling_type is what pooling_type sets for CLS / LAST /
+    MEAN (both at once: refused, as vLLM's __post_init__); tok_pooling_type is token-wise."""
+    path = tmp_path / "r.yaml"
+    path.write_text("model:\n  task: embed\n  pooler_config: {seq_pooling_type: CLS}\n")
+    assert load_recipe(path).model.pooler_config.pooling_type == "CLS"
+    path.write_text("model:\n  task: embed\n  pooler_config: {seq_pooling_type: CLS, "
+                    "pooling_type: MEAN}\n")
+    with pytest.raises(RecipeError, match="line 3, model.pooler_config.*cannot set both "
+                                          "pooling_type and seq_pooling_type"):
+        load_recipe(path)
+    path.write_text("model:\n  task: embed\n  pooler_config: {seq_pooling_type: ALL}\n")
+    with pytest.raises(RecipeError, match="seq_pooling_type must be CLS, LAST or MEAN"):
+        load_recipe(path)
+    path.write_text("model:\n  task: embed\n  pooler_config: {tok_pooling_type: ALL}\n")
+    with pytest.raises(RecipeError, match="line 3, model.pooler_config.*tok_pooling_type is "
+                                          "vLLM's token-wise pooling"):
+        load_recipe(path)
+
+
 def test_a_stopped_job_resumes_exactly_once(tmp_path, recipe, engine, monkeypatch):
     """SIGTERM after the second forward: what finished is on disk, the rest runs on resume, no
     id twice (the in-flight requests were never written)."""
