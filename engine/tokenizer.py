@@ -43,13 +43,16 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             template_kwargs: Optional[dict] = None,
-                            parts: Optional[list] = None) -> list[int]:
+                            parts: Optional[list] = None,
+                            add_special_tokens: bool = False) -> list[int]:
         """The conversation's prompt ids as vLLM's chat builds them: the conversation shaped
         for the template (engine/chat_format.py: content parts for templates that take them,
         `parts` being each message's as the line gave them; the developer role), the template
         rendered to text (with the assistant's generation prompt, or open at the end of the
         last message with continue_final_message; template_kwargs are variables the template
-        reads, e.g. Qwen3's enable_thinking), then encoded without adding special tokens."""
+        reads, e.g. Qwen3's enable_thinking), then encoded without adding special tokens
+        unless add_special_tokens (vLLM's chat request key: the tokenizer's on top of the
+        template's)."""
         if not self.has_chat_template:
             raise RequestError("no_chat_template",
                                f"the tokenizer of {self.model_id} has no chat template; send "
@@ -67,7 +70,7 @@ class Tokenizer:
                 **{**self.template_kwargs, **(template_kwargs or {})})
         except Exception as exc:  # jinja errors from a template that rejects the conversation
             raise RequestError("bad_messages", f"the chat template rejected the messages: {exc}") from None
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

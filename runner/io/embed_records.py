@@ -65,8 +65,11 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
                     text = render_plain(value["messages"], **spec.chat_options)
                     ids = list(hf.encode(text, add_special_tokens=True))
                 else:
-                    ids = tokenizer.apply_chat_template(value["messages"], parts=value["parts"],
-                                                        **spec.chat_options)
+                    # vLLM's embeddings chat request: add_special_tokens defaults to false
+                    ids = tokenizer.apply_chat_template(
+                        value["messages"], parts=value["parts"],
+                        add_special_tokens=options.get("add_special_tokens", False),
+                        **spec.chat_options)
                 out.append(_truncated(ids, keep, side))
             elif isinstance(value, str):
                 if keep is not None and asked_side is None:

@@ -405,6 +405,26 @@ def test_truncation_below_the_special_tokens_count_still_keeps_that_many(engine)
         assert input_token_ids(spec, engine.tokenizer, engine.max_model_len) == [expected]
 
 
+def test_add_special_tokens_on_a_conversation_adds_them_to_the_rendered_chat(engine):
+    """vLLM 0.32's embeddings chat request: body.add_special_tokens (default false) encodes the
+    rendered chat with the tokenizer's special tokens ([CLS] ... [SEP] on BERT); it was ignored."""
+    from batchinfer.engine.tokenizer import Tokenizer
+    from batchinfer.runner.io.embed_inputs import parse_embed_openai
+    from batchinfer.runner.io.embed_records import input_token_ids
+
+    hf = engine.tokenizer.hf
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer = Tokenizer(hf, "minilm", chat_template=template)
+    messages = [{"role": "user", "content": "Embed this question."}]
+    text = hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    for special in (None, False, True):
+        body = {"input": messages} | ({} if special is None else {"add_special_tokens": special})
+        spec = parse_embed_openai({"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
+                                   "body": body}, 1)
+        assert input_token_ids(spec, tokenizer, engine.max_model_len) == [
+            hf.encode(text, add_special_tokens=bool(special))]
+
+
 def test_base64_embed_dtype_and_endianness_as_vllm_writes_them(tmp_path, recipe, engine):
     """vLLM's body.embed_dtype / endianness shape the base64 bytes (tensor2binary); they were
     ignored (float32 written where float16 was asked); a value vLLM refuses is the line's error."""
