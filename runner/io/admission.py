@@ -12,6 +12,7 @@ from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.admission import check_stop_ids
 from batchinfer.engine.request import TOKEN_ID_KEYS, Request
 
+from .chat_messages import no_chat_template_for_line
 from .input_records import RequestSpec
 from .records import RequestPayload
 
@@ -105,7 +106,7 @@ def prompt_token_ids(spec: RequestSpec, tokenizer, chat_template: str = "auto") 
             raise RequestError(exc.code, f"io.chat_template: always wraps each prompt in the "
                                f"chat template, and {exc.message.split(';')[0]}: set "
                                "io.chat_template: auto to send prompts as written") from None
-        raise
+        raise no_chat_template_for_line(exc, spec.openai_url) from None
     except Exception as exc:  # the tokenizer rejects the text (e.g. lone surrogates)
         raise RequestError("tokenization_failed", f"the tokenizer could not encode the prompt: "
                            f"{type(exc).__name__}: {exc}") from None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+from batchinfer.engine.errors import RequestError
+
 
 def json_type_name(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
@@ -103,3 +105,19 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             content = "\n".join(text for text in map(_part_text, content) if text)
         out.append({**msg, "content": content})
     return out
+
+
+_NO_TEMPLATE_ADVICE = {
+    "/v1/embeddings": "send body.input as text or token ids instead of a conversation",
+    "/v1/chat/completions": "send the line to /v1/completions with body.prompt instead",
+}
+
+
+def no_chat_template_for_line(exc: RequestError, openai_url: Optional[str]) -> RequestError:
+    """The tokenizer's no_chat_template error with advice in the line's own form: its wording
+    ("send 'prompt' instead of 'messages'") fits a plain line, not an OpenAI body."""
+    advice = _NO_TEMPLATE_ADVICE.get(openai_url or "")
+    if exc.code != "no_chat_template" or advice is None:
+        return exc
+    return RequestError(exc.code, f"{exc.message.split(';')[0]}; {advice}, or give one as "
+                        "model.chat_template")

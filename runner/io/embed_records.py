@@ -19,6 +19,7 @@ import torch
 from batchinfer.engine.embedding.request import EmbeddingOutput, EmbeddingRequest
 from batchinfer.engine.errors import RequestError
 
+from .chat_messages import no_chat_template_for_line
 from .embed_inputs import INPUTS, OPTIONS
 from .input_records import RequestSpec
 from .records import RequestPayload, _short_hash, openai_response_line
@@ -66,10 +67,13 @@ def input_token_ids(spec: RequestSpec, tokenizer, max_model_len: int,
                     ids = list(hf.encode(text, add_special_tokens=True))
                 else:
                     # vLLM's embeddings chat request: add_special_tokens defaults to false
-                    ids = tokenizer.apply_chat_template(
-                        value["messages"], parts=value["parts"],
-                        add_special_tokens=options.get("add_special_tokens", False),
-                        **spec.chat_options)
+                    try:
+                        ids = tokenizer.apply_chat_template(
+                            value["messages"], parts=value["parts"],
+                            add_special_tokens=options.get("add_special_tokens", False),
+                            **spec.chat_options)
+                    except RequestError as exc:
+                        raise no_chat_template_for_line(exc, spec.openai_url) from None
                 out.append(_truncated(ids, keep, side))
             elif isinstance(value, str):
                 if keep is not None and asked_side is None:

@@ -425,6 +425,31 @@ def test_add_special_tokens_on_a_conversation_adds_them_to_the_rendered_chat(eng
             hf.encode(text, add_special_tokens=bool(special))]
 
 
+def test_no_chat_template_advice_fits_the_lines_form(engine):
+    """all-MiniLM has no chat template: a plain line is told to send 'prompt', an OpenAI line
+    (a conversation in body.input or body.messages) to send body.input as text or token ids."""
+    from batchinfer.engine.errors import RequestError
+    from batchinfer.runner.io.embed_inputs import parse_embed_openai, parse_embed_plain
+    from batchinfer.runner.io.embed_records import input_token_ids
+
+    messages = [{"role": "user", "content": "hi"}]
+    specs = {"plain": parse_embed_plain({"messages": messages}, 1)}
+    for key in ("input", "messages"):
+        specs[key] = parse_embed_openai({"custom_id": "c", "method": "POST",
+                                         "url": "/v1/embeddings", "body": {key: messages}}, 2)
+    advice = {}
+    for form, spec in specs.items():
+        with pytest.raises(RequestError) as exc:
+            input_token_ids(spec, engine.tokenizer, engine.max_model_len)
+        assert exc.value.code == "no_chat_template"
+        advice[form] = exc.value.message.split("; ")[1]
+    assert advice["plain"] == "send 'prompt' instead of 'messages', or give one as " \
+                              "model.chat_template"
+    assert advice["input"] == advice["messages"] == (
+        "send body.input as text or token ids instead of a conversation, or give one as "
+        "model.chat_template")
+
+
 def test_base64_embed_dtype_and_endianness_as_vllm_writes_them(tmp_path, recipe, engine):
     """vLLM's body.embed_dtype / endianness shape the base64 bytes (tensor2binary); they were
     ignored (float32 written where float16 was asked); a value vLLM refuses is the line's error."""

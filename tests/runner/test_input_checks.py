@@ -224,6 +224,13 @@ def test_always_on_a_tokenizer_without_a_chat_template_names_the_recipe_key(tmp_
     with pytest.raises(RequestError, match=r"has no chat template; send 'prompt' instead of "
                                            r"'messages', or give one as model.chat_template$"):
         prompt_token_ids(chat, tokenizer, "always")
+    # an OpenAI chat completions line has no 'prompt': the advice is its own form's
+    openai_chat = RequestSpec(3, "o", messages=chat.messages, openai_url="/v1/chat/completions")
+    with pytest.raises(RequestError) as exc:
+        prompt_token_ids(openai_chat, tokenizer, "auto")
+    assert exc.value.message == ("the tokenizer of m has no chat template; send the line to "
+                                 "/v1/completions with body.prompt instead, or give one as "
+                                 "model.chat_template")
 
 
 @pytest.mark.parametrize("url", [["/v1/completions"], {"a": 1}, None, 7])
