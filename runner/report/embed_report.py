@@ -5,24 +5,29 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .report import _compute_line, _fmt, _pct, _strategy_line, _table
+from .report import _fmt, _pct, _table
 
 # a generation's session keys that say nothing of an embedding job
 _DROPPED = ("completion_tokens", "copied_completion_tokens", "preemptions", "preempted_requests",
             "kv", "micro_batch_tokens", "strategy_decisions", "prefix_grouping")
 
 DEFINITIONS = {
-    "generation_s": "wall time from the first request handed to the engine to the last result "
+    "embedding time (s)": "report.json's session.generation_s: wall time from the first request handed to the engine to the last result "
                     "written (or now, while running); model loading is excluded",
-    "requests_per_s": "requests completed in this session / generation_s (failed ones excluded)",
+    "requests_per_s": "requests completed in this session / embedding time (failed ones "
+                      "excluded)",
     "input_tokens_per_s": "prompt tokens of the completed requests (every input of a request "
-                          "of several) / generation_s",
+                          "of several) / embedding time",
     "latency_s.e2e": "per request: from admission to the engine to its last input pooled",
     "batches": "forward passes: inputs per batch; padded_share: the padding's share of the "
                "tokens computed (rows x the longest row, summed)",
-    "phases_s": "wall time spent per phase: model load, reading+tokenizing input, engine "
-                "forwards, writing results, rendering reports",
+    "phases_s": "wall time spent per phase: model load, reading+tokenizing input, forwards "
+                "(embedding the batches), writing results, rendering reports",
 }
+
+# the generation engine's phase names (SessionMetrics: engine_<step phase>) as an embedding
+# user reads them: an embedding's forward passes are all prompt (prefill) steps
+_PHASE_NAMES = {"engine_prefill": "forwards"}
 
 
 def embedding_session(summary: dict, engine_stats: Optional[dict]) -> dict:
@@ -42,7 +47,33 @@ def embedding_session(summary: dict, engine_stats: Optional[dict]) -> dict:
                       "padded_share": (round(1 - computed / padded, 4)
                                        if computed is not None and padded else None)}
     out.pop("batch_size", None)
+    phases = summary.get("phases_s")
+    if phases:
+        out["phases_s"] = {_PHASE_NAMES.get(k, k): v for k, v in phases.items()}
     return out
+
+
+def _compute_line(engine: dict) -> list[str]:
+    """Device and number format: what an embedding's compute is (no KV cache, no kernels)."""
+    parts = [p for p in (engine.get("device"), engine.get("dtype_reason") or engine.get("dtype"))
+             if p]
+    return [f"**Compute:** {', '.join(parts)}  "] if parts else []
+
+
+def _batching_line(strategy: Optional[dict], engine: dict) -> str:
+    """The strategy by what batches an embedding's inputs (its generation settings, such as
+    a scheduling policy, do nothing here)."""
+    if not strategy:
+        return "–"
+    seqs, tokens = strategy.get("max_num_seqs"), strategy.get("max_num_batched_tokens")
+    limits = " and ".join(f"{n:,} {what}" for n, what in ((seqs, "inputs"), (tokens, "tokens"))
+                          if n)
+    line = f"{strategy.get('name')}: up to {limits or 'the engine defaults'} per forward"
+    if seqs and not tokens:
+        line += " (tokens: the engine's default)"
+    if engine.get("max_model_len"):
+        line += f"; inputs up to {engine['max_model_len']:,} tokens (max_model_len)"
+    return line
 
 
 def render_embedding_markdown(report: dict, plot_names: tuple[str, ...] = ()) -> str:
@@ -60,7 +91,7 @@ def render_embedding_markdown(report: dict, plot_names: tuple[str, ...] = ()) ->
                 f"{str(pooler.get('use_activation')).lower()}, dimensions: "
                 f"{pooler.get('dimensions') or pooler.get('hidden_size')}  "]
     out += [f"**Input:** {report.get('input', '–')} ({report.get('input_format', '?')})  ",
-            f"**Strategy:** {_strategy_line(report.get('strategy'))}  ", ""]
+            f"**Batching:** {_batching_line(report.get('strategy'), engine)}  ", ""]
     if report.get("shard"):
         out += [f"**Shard:** task {report['shard']['index']} of {report['shard']['count']}", ""]
     out += ["## Requests (all sessions)", ""]
@@ -72,7 +103,7 @@ def render_embedding_markdown(report: dict, plot_names: tuple[str, ...] = ()) ->
         out += ["Errors by code: " + ", ".join(f"`{k}` {v}" for k, v in sorted(codes.items())), ""]
     tp = s.get("throughput") or {}
     out += ["## Throughput (this session)", ""]
-    out += _table(["requests/s", "prompt tok/s", "generation time (s)", "completed", "failed"],
+    out += _table(["requests/s", "prompt tok/s", "embedding time (s)", "completed", "failed"],
                   [[tp.get("requests_per_s"), tp.get("input_tokens_per_s"),
                     s.get("generation_s"), s.get("requests_completed"), s.get("requests_failed")]])
     e2e = (s.get("latency_s") or {}).get("e2e")
@@ -89,9 +120,10 @@ def render_embedding_markdown(report: dict, plot_names: tuple[str, ...] = ()) ->
                         batches.get("inputs_max"), batches.get("padded_tokens"),
                         _pct(batches.get("padded_share"))]])
     phases = s.get("phases_s") or {}
-    if phases:
+    if phases:      # (a report.json written before the renaming still says engine_prefill)
         out += ["## Time per phase (seconds)", ""]
-        out += _table(list(phases), [[_fmt(v, 3) for v in phases.values()]])
+        out += _table([_PHASE_NAMES.get(k, k) for k in phases],
+                      [[_fmt(v, 3) for v in phases.values()]])
     dedup = s.get("dedup") or {}
     if dedup.get("requests"):
         out += ["## Duplicates", "", f"{dedup['requests']:,} requests answered from an "

@@ -91,6 +91,14 @@ def test_plain_records_and_bad_lines(tmp_path, recipe, engine):
     assert session["batches"]["prompt_tokens_computed"] >= session["prompt_tokens"]
     md = (tmp_path / "run" / "report.md").read_text()
     assert "prompt tok/s" in md and "output tok/s" not in md and "decode" not in md
+    # only what applies to embedding: batching, device and dtype; no generation settings
+    assert "**Batching:** baseline: up to 4 inputs and 256 tokens per forward; inputs up to " \
+           "256 tokens (max_model_len)" in md
+    assert "**Compute:** cpu, float32" in md and "**Strategy:**" not in md
+    assert "embedding time (s)" in md and "| forwards |" in md
+    assert not any(w in md for w in ("policy", "prepare_ahead", "generation time",
+                                     "engine_prefill"))
+    assert "forwards" in session["phases_s"] and "engine_prefill" not in session["phases_s"]
     assert not (tmp_path / "run" / "history.jsonl").exists()
 
 
