@@ -18,8 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from batchinfer.engine.build import (GiB, activation_headroom, kv_element_bytes,
-                                     use_async_scheduling)
+from batchinfer.engine.build import GiB, activation_headroom, kv_element_bytes
+from batchinfer.engine.build_paths import use_async_scheduling
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine, Replica
 from batchinfer.engine.errors import ConfigError, RequestError

@@ -15,8 +15,8 @@ import torch
 
 from ..attention import select_backend
 from ..build import (GiB, activation_headroom, check_weights_fit, kv_budget, kv_element_bytes,
-                     model_source, moe_kernel_label, resolve_device, resolve_dtype,
-                     resolve_kv_dtype, use_triton_experts_for)
+                     model_source, resolve_device, resolve_dtype, resolve_kv_dtype)
+from ..build_paths import moe_kernel_label, use_triton_experts_for
 from ..config import EngineConfig
 from ..engine import Engine, Replica
 from ..errors import ConfigError
@@ -108,7 +108,7 @@ class ModelSetup:
     backend_name: str
     dtype_reason: str = ""            # why this dtype (engine/cpu_dtype.py)
     quantization: Optional[LinearQuantization] = None   # model.quantization resolved
-    triton_experts: bool = False      # device.moe_kernel resolved (build.use_triton_experts_for)
+    triton_experts: bool = False      # device.moe_kernel resolved (build_paths.use_triton_experts_for)
     lora: Optional[LoraSpec] = None   # model.lora_modules, checked against the model
 
 

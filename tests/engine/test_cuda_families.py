@@ -94,7 +94,7 @@ def test_gpt_oss_through_the_graphs_padded_decode_forward_gives_transformers_tok
         make_engine, gpt_oss):
     """The CUDA graphs' decode forward (GraphDecodeAttention: the kernel over static, padded
     tables and work lists, each layer group's own, the sinks per layer) run eagerly on the GPU:
-    a mixture of experts is not captured (build.use_cuda_graphs), so its graph is the forward
+    a mixture of experts is not captured (build_paths.use_cuda_graphs), so its graph is the forward
     uncaptured."""
     path, expected = gpt_oss
     engine = _engine(make_engine, path, {"kv_cache_memory": "8MiB"}, {"policy": "sb"})

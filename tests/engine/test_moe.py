@@ -190,7 +190,7 @@ def test_a_tensor_parallel_size_the_experts_do_not_allow_names_the_counts():
 
 
 def test_cuda_graphs_asked_for_a_mixture_of_experts_is_a_config_error():
-    from batchinfer.engine.build import use_cuda_graphs
+    from batchinfer.engine.build_paths import use_cuda_graphs
     from batchinfer.engine.errors import ConfigError
 
     arch = tiny_arch("mixtral")
@@ -314,7 +314,7 @@ def test_the_experts_kernel_follows_device_moe_kernel():
     """device.moe_kernel: the Triton experts for a mixture of experts on CUDA (auto or triton),
     the per-expert path for torch, never for a dense model or on the CPU, where `triton` asked
     for is a ConfigError naming the key."""
-    from batchinfer.engine.build import moe_kernel_label, use_triton_experts_for
+    from batchinfer.engine.build_paths import moe_kernel_label, use_triton_experts_for
     from batchinfer.engine.errors import ConfigError
 
     moe, dense = tiny_arch("mixtral"), tiny_arch("llama3")
