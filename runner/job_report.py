@@ -8,7 +8,8 @@ from typing import Optional
 
 from .job_spec import ENGINE_INFO_KEYS
 from .report.embed_report import DEFINITIONS as EMBED_DEFINITIONS
-from .report.embed_report import embedding_session, render_embedding_markdown
+from .report.embed_report import (embedding_session, embedding_totals,
+                                  render_embedding_markdown)
 from .report.metrics import predictor_summary
 from .report.plots import job_plots
 from .report.report import build_report, now_iso, render_markdown
@@ -29,11 +30,12 @@ class JobReports:
         remaining = None
         if self._input_records is not None:
             remaining = max(self._input_records - outputs - errors, 0)
-        return {"input_records": self._input_records, "limit": self.spec.limit,
-                "outputs": outputs, "errors": errors,
-                "remaining": remaining, "errors_by_code": codes,
-                "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
-                "completion_tokens": p.completion_tokens + m.completion_tokens}
+        totals = {"input_records": self._input_records, "limit": self.spec.limit,
+                  "outputs": outputs, "errors": errors,
+                  "remaining": remaining, "errors_by_code": codes,
+                  "prompt_tokens": p.prompt_tokens + m.prompt_tokens,
+                  "completion_tokens": p.completion_tokens + m.completion_tokens}
+        return embedding_totals(totals) if self.embed else totals
 
     def _session_summary(self) -> dict:
         now = self.clock()

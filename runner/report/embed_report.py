@@ -53,6 +53,30 @@ def embedding_session(summary: dict, engine_stats: Optional[dict]) -> dict:
     return out
 
 
+def embedding_totals(totals: dict) -> dict:
+    """report.json totals of an embedding run: a generation's without completion_tokens (an
+    embedding has none; it read 0). Applied where totals are made: the job, `batchinfer report`
+    recounting them, the Slurm merge."""
+    return {k: v for k, v in totals.items() if k != "completion_tokens"}
+
+
+def merged_embedding(report: dict) -> dict:
+    """A merged Slurm report (report.merge_reports) of an embedding run's parts: its task (so
+    it renders as one), totals and session without a generation's output figures, parts
+    without output tok/s."""
+    session = {k: v for k, v in (report.get("session") or {}).items()
+               if k not in (*_DROPPED, "batch_size")}
+    tp = session.get("throughput") or {}
+    session["throughput"] = {"requests_per_s": tp.get("requests_per_s"),
+                             "input_tokens_per_s": tp.get("input_tokens_per_s")}
+    parts = [{k: v for k, v in p.items() if k != "output_tokens_per_s"}
+             for p in report.get("parts") or []]
+    merged_note = (report.get("definitions") or {}).get("merged")
+    return {**report, "task": "embed", "totals": embedding_totals(report.get("totals") or {}),
+            "session": session, "parts": parts,
+            "definitions": {**DEFINITIONS, **({"merged": merged_note} if merged_note else {})}}
+
+
 def _compute_line(engine: dict) -> list[str]:
     """Device and number format: what an embedding's compute is (no KV cache, no kernels)."""
     parts = [p for p in (engine.get("device"), engine.get("dtype_reason") or engine.get("dtype"))
@@ -129,6 +153,11 @@ def render_embedding_markdown(report: dict, plot_names: tuple[str, ...] = ()) ->
         out += ["## Duplicates", "", f"{dedup['requests']:,} requests answered from an "
                 f"identical request's embeddings; {dedup['prompt_tokens_saved']:,} prompt "
                 "tokens not computed.", ""]
+    if report.get("parts"):
+        out += ["## Parts", ""]
+        out += _table(["part", "status", "outputs", "errors", "updated"],
+                      [[p.get("part"), p.get("status"), p.get("outputs"), p.get("errors"),
+                        p.get("updated_at")] for p in report["parts"]])
     if plot_names:
         out += ["## Plots", ""] + [f"![{n}](plots/{n})" for n in plot_names] + [""]
     out += ["## Definitions", ""]

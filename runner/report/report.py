@@ -391,6 +391,10 @@ def merge_reports(parts: dict[str, Optional[dict]], root: str) -> dict:
     report["definitions"] = {**DEFINITIONS, "merged": "totals are summed over parts; throughput "
                              "divides the parts' latest-session tokens by the span from the "
                              "earliest part start to the latest part end (tasks run in parallel)"}
+    if first.get("task") == "embed":
+        from .embed_report import merged_embedding
+
+        return merged_embedding(report)
     return report
 
 

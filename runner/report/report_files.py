@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..io.inputs import Shard
+from .embed_report import embedding_totals
 from .plots import render_plots
 from .report import merge_reports, now_iso, render_markdown
 from ..run_dir import (MANIFEST, METRICS, PLOTS, RECIPE, REPORT_JSON, REPORT_MD, RunDir, in_use,
@@ -33,7 +34,7 @@ def refreshed_report(path: Path) -> Optional[dict]:
                   completion_tokens=prior.completion_tokens)
     if totals.get("input_records") is not None:
         totals["remaining"] = max(totals["input_records"] - prior.num_outputs - prior.num_errors, 0)
-    report["totals"] = totals
+    report["totals"] = embedding_totals(totals) if report.get("task") == "embed" else totals
     if report.get("status") == "running" and not in_use(path):
         report["status"] = "interrupted"
         report["status_detail"] = ("the run stopped without writing its final report (killed?); "

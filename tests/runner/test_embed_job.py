@@ -458,6 +458,36 @@ def test_no_chat_template_advice_fits_the_lines_form(engine):
         "model.chat_template")
 
 
+def test_embedding_totals_carry_no_completion_tokens_in_runs_rerenders_and_merged_shards(
+        tmp_path, recipe, engine):
+    """An embedding has no completion tokens: report.json totals left out a 0 the job wrote,
+    `batchinfer report` recounted and the Slurm merge summed; the merged report of embedding
+    parts is an embedding report (it rendered as a generation's, output tok/s and all)."""
+    from batchinfer.runner.io.inputs import Shard
+    from batchinfer.runner.report.report_files import rerender
+
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"text {i}"}
+                                                for i in range(4)])
+    for index in range(2):
+        run(recipe, path, tmp_path / "run", engine, shard=Shard(index, 2))
+    part = tmp_path / "run" / "part-00000-of-00002"
+
+    def totals(where):
+        return json.loads((where / "report.json").read_text())["totals"]
+
+    assert "completion_tokens" not in totals(part) and totals(part)["outputs"] == 2
+    rerender(part)
+    assert "completion_tokens" not in totals(part)
+    markdown = rerender(tmp_path / "run")
+    merged = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert merged["task"] == "embed" and merged["totals"]["outputs"] == 4
+    assert "completion_tokens" not in merged["totals"]
+    assert "completion_tokens" not in merged["session"]
+    assert set(merged["session"]["throughput"]) == {"requests_per_s", "input_tokens_per_s"}
+    assert "(embeddings)" in markdown and "## Parts" in markdown
+    assert "output tok/s" not in markdown
+
+
 def test_base64_embed_dtype_and_endianness_as_vllm_writes_them(tmp_path, recipe, engine):
     """vLLM's body.embed_dtype / endianness shape the base64 bytes (tensor2binary); they were
     ignored (float32 written where float16 was asked); a value vLLM refuses is the line's error."""
