@@ -212,18 +212,22 @@ def test_sidp_swapping_under_memory_pressure_gives_the_recomputing_tokens(make_e
     """memory.preemption_mode swap on SiDP (DP=2, each replica its own swap area): requests that
     need more KV than both replicas hold swap out and back and get the tokens the same job gets
     recomputing, with no prompt prefilled twice. A 4-layer dummy model with a narrow FFN: SiDP
-    gives each replica the FFN weights' memory as KV, which for SmolLM2 outgrows any small job."""
+    gives each replica the FFN weights' memory as KV, which for SmolLM2 outgrows any small job.
+    Its hidden size is 64 (1 KiB of KV a token): SmolLM2's 576 spent most of the time in the
+    vocabulary head for nothing the test is about; the cache is cut with it, so ~1,700 tokens fit
+    (about a dozen preemptions a run, asserted below)."""
     from batchinfer.strategies.sidp.params import SiDPParams
     from tests.strategy_e2e import E2E_PROMPTS
 
     sidp = SiDPParams()
     model = {"load_format": "dummy", "max_model_len": 512,
-             "hf_overrides": {"num_hidden_layers": 4, "intermediate_size": 128}}
+             "hf_overrides": {"num_hidden_layers": 4, "intermediate_size": 128, "hidden_size": 64,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
     params = [SamplingParams(max_tokens=150 + 10 * i, temperature=0.0, ignore_eos=True)
               for i in range(len(E2E_PROMPTS))]
     runs = {}
     for mode in ("recompute", "swap"):
-        cache = {"kv_cache_memory": "4MiB", "preemption_mode": mode, "swap_space": "32MiB"}
+        cache = {"kv_cache_memory": "680KiB", "preemption_mode": mode, "swap_space": "32MiB"}
         with make_engine(model=model, cache=cache, parallel={"dp": 2}, strategy=sidp,
                          scheduler=sidp.scheduler_config()) as engine:
             outs = engine.generate(E2E_PROMPTS, params)
