@@ -157,3 +157,46 @@ def test_batched_chat_embedding_lines_equal_vllms_run_batch(tmp_path):
         assert ours[cid]["usage"] == body["usage"], cid
         for a, b in zip(body["data"], ours[cid]["data"]):
             assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5, cid
+
+
+@needs_vllm
+def test_add_special_tokens_on_conversations_equals_vllms_run_batch(tmp_path):
+    """A conversation's body.add_special_tokens (vLLM's embeddings chat request: default false;
+    true adds BERT's [CLS] / [SEP] to the rendered chat) on MiniLM with a chat template: vLLM
+    0.32's run_batch and an embedding job give the same usage and embeddings within 1e-5."""
+    import subprocess
+
+    from batchinfer.engine.embedding.model_source import default_embed_model_dir
+    from batchinfer.strategies.vllm.params import engine_env
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    chat = [{"role": "user", "content": "Embed this question."}]
+    bodies = {"default": {"messages": chat}, "on": {"messages": chat, "add_special_tokens": True},
+              "off": {"messages": chat, "add_special_tokens": False},
+              "input": {"input": chat, "add_special_tokens": True}}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
+                                        "url": "/v1/embeddings",
+                                        "body": {"model": "m", **body}}) + "\n"
+                            for cid, body in bodies.items()))
+    recipe = Recipe(model={"task": "embed", "dtype": "float32", "chat_template": template},
+                    report={"plots": False})
+    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
+                    "-o", str(tmp_path / "vllm.jsonl"), "--model",
+                    str(default_embed_model_dir()), "--runner", "pooling", "--dtype", "float32",
+                    "--max-model-len", "256", "--enforce-eager", "--served-model-name", "m",
+                    "--chat-template", str(tmp_path / "chat.jinja")],
+                   env=engine_env(recipe.engine_config()), check=True, capture_output=True,
+                   timeout=900)
+    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
+                              progress="off"))
+    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
+    theirs, ours = ({r["custom_id"]: r["response"]["body"]
+                     for r in map(json.loads, file.read_text().splitlines())}
+                    for file in (tmp_path / "vllm.jsonl", tmp_path / "ours" / "outputs.jsonl"))
+    assert theirs["on"]["usage"]["prompt_tokens"] == theirs["off"]["usage"]["prompt_tokens"] + 2
+    for cid, body in theirs.items():
+        assert ours[cid]["usage"] == body["usage"], cid
+        a, b = body["data"][0]["embedding"], ours[cid]["data"][0]["embedding"]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, cid
