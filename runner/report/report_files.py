@@ -56,9 +56,13 @@ def _report_from_files(path: Path) -> dict:
     except (OSError, yaml.YAMLError):
         recipe = {}
     lost = "unreadable" if (path / REPORT_JSON).exists() else "missing"
+    recipe = recipe if isinstance(recipe, dict) else {}
     meta = {"input": manifest.get("input"), "input_format": manifest.get("input_format"),
             "recipe": manifest.get("recipe"), "shard": manifest.get("shard"),
-            "strategy": recipe.get("strategy") if isinstance(recipe, dict) else None}
+            "strategy": recipe.get("strategy")}
+    model = recipe.get("model")
+    if isinstance(model, dict) and model.get("task") == "embed":    # rendered as an embedding run's
+        meta["task"] = "embed"
     return build_report(status="interrupted", meta=meta, totals={}, session={},
                         previous_sessions=[],
                         status_detail=f"report.json was {lost}: rebuilt from outputs.jsonl and "

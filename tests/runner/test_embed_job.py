@@ -486,6 +486,10 @@ def test_embedding_totals_carry_no_completion_tokens_in_runs_rerenders_and_merge
     assert set(merged["session"]["throughput"]) == {"requests_per_s", "input_tokens_per_s"}
     assert "(embeddings)" in markdown and "## Parts" in markdown
     assert "output tok/s" not in markdown
+    (part / "report.json").unlink()     # rebuilt from the run's files: still an embedding run's
+    assert "(embeddings)" in rerender(part)
+    rebuilt = json.loads((part / "report.json").read_text())
+    assert rebuilt["task"] == "embed" and "completion_tokens" not in rebuilt["totals"]
 
 
 def test_base64_embed_dtype_and_endianness_as_vllm_writes_them(tmp_path, recipe, engine):
