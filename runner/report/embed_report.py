@@ -12,8 +12,9 @@ _DROPPED = ("completion_tokens", "copied_completion_tokens", "preemptions", "pre
             "kv", "micro_batch_tokens", "strategy_decisions", "prefix_grouping")
 
 DEFINITIONS = {
-    "embedding time (s)": "report.json's session.generation_s: wall time from the first request handed to the engine to the last result "
-                    "written (or now, while running); model loading is excluded",
+    "embedding time (s)": "report.json's session.generation_s: wall time from the first "
+                          "request handed to the engine to the last result written (or now, "
+                          "while running); model loading is excluded",
     "requests_per_s": "requests completed in this session / embedding time (failed ones "
                       "excluded)",
     "input_tokens_per_s": "prompt tokens of the completed requests (every input of a request "
