@@ -4,6 +4,7 @@ the ablations change (issue 41): which thread copies the KV, and how much of it 
 holds. The auto layouts: test_seesaw_auto.py."""
 from __future__ import annotations
 
+import functools
 from collections import deque
 from pathlib import Path
 
@@ -38,6 +39,10 @@ DUMMY8_LAYERS = 8
 DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
           "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                            "num_hidden_layers": DUMMY8_LAYERS}}
+# the same heads and KV with a hidden size of 64 (SmolLM2's 576 spent the end-to-end tests' time in
+# the vocabulary head and MLPs, which the switches do not touch differently)
+DUMMY8_NARROW = {**DUMMY8, "hf_overrides": {**DUMMY8["hf_overrides"], "hidden_size": 64,
+                                            "intermediate_size": 128}}
 
 
 # --- the CPU store's allocator and the moves between tiers ----------------------------------------
@@ -418,22 +423,31 @@ def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
                         scheduler=params.scheduler_config(), strategy=params)
 
 
+@functools.cache
+def _narrow_reference(kv_dtype: str) -> tuple[tuple[int, ...], ...]:
+    """The single process's greedy tokens on DUMMY8_NARROW, once per KV dtype for the layouts
+    below."""
+    config = EngineConfig(model=DUMMY8_NARROW,
+                          cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype})
+    with Engine.from_config(config) as engine:
+        return tuple(tuple(o.output_token_ids) for o in engine.generate(E2E_PROMPTS, E2E_PARAMS))
+
+
 @pytest.mark.parametrize("prefill,decode,kv_dtype,element", [
     ({"pp": 2}, (2, 1), "auto", 4), ({"pp": 2}, (2, 1), "bfloat16", 2),
     ({"tp": 2}, (1, 2), "auto", 4)], ids=["pp2-tp2", "pp2-tp2-bf16", "tp2-pp2"])
 @pytest.mark.slow
-def test_two_layouts_equal_the_baseline_through_several_switches(make_engine, prefill, decode,
-                                                                 kv_dtype, element):
-    """Dummy 8-head model: PP=2 prefill and TP=2 decode (and the other way round, which `auto`
+def test_two_layouts_equal_the_baseline_through_several_switches(prefill, decode, kv_dtype,
+                                                                 element):
+    """Dummy 8-head model (hidden size 64): PP=2 prefill and TP=2 decode (and the other way round, which `auto`
     may pick too), a device cache of ~230 tokens and a CPU store of 256: several switches, every
     token equal to the single process's (with a bf16 KV cache too: both tiers and the moves
     between them hold bf16)."""
-    with make_engine(model=DUMMY8, cache={"kv_cache_memory": "40MiB", "kv_cache_dtype": kv_dtype}) as engine:
-        reference = [o.output_token_ids for o in engine.generate(E2E_PROMPTS, E2E_PARAMS)]
+    reference = [list(tokens) for tokens in _narrow_reference(kv_dtype)]
     token = DUMMY8_LAYERS * 2 * 4 * 64 * element        # KV bytes of a token
     params = SeesawParams(decode_tp=decode[0], decode_pp=decode[1],
                           cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
-    config = _seesaw_config(params, {**prefill, "pp_balance": "layers"}, DUMMY8,
+    config = _seesaw_config(params, {**prefill, "pp_balance": "layers"}, DUMMY8_NARROW,
                             str(token * 240 // 2), kv_dtype)
     with Engine.from_config(config) as engine:
         outs = engine.generate(E2E_PROMPTS, E2E_PARAMS)
