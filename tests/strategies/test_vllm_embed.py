@@ -61,15 +61,45 @@ def test_an_embedding_job_through_vllm_matches_the_embedding_engine(tmp_path):
         assert max(abs(a - b) for a, b in zip(theirs["embedding"], ours["embedding"])) < 1e-5
 
 
+def _through_run_batch_and_a_job(tmp_path: Path, bodies: dict, recipe: Recipe, model: Path,
+                                 chat_template: str = "") -> tuple[dict, dict]:
+    """The OpenAI /v1/embeddings lines of `bodies` (custom_id -> body) through vLLM 0.32's
+    run_batch (pooling runner, fp32, eager; `chat_template` passed as --chat-template) and
+    through an embedding job of `recipe`: (vLLM's, ours) response bodies by custom_id."""
+    import subprocess
+
+    from batchinfer.strategies.vllm.params import engine_env
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
+                                        "url": "/v1/embeddings",
+                                        "body": {"model": "m", **body}}) + "\n"
+                            for cid, body in bodies.items()))
+    template = []
+    if chat_template:
+        (tmp_path / "chat.jinja").write_text(chat_template)
+        template = ["--chat-template", str(tmp_path / "chat.jinja")]
+    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
+                    "-o", str(tmp_path / "vllm.jsonl"), "--model", str(model), "--runner",
+                    "pooling", "--dtype", "float32", "--max-model-len", "256",
+                    "--enforce-eager", "--served-model-name", "m", *template],
+                   env=engine_env(recipe.engine_config()), check=True, capture_output=True,
+                   timeout=900)
+    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
+                              progress="off"))
+    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
+    theirs, ours = ({r["custom_id"]: r["response"]["body"]
+                     for r in map(json.loads, file.read_text().splitlines())}
+                    for file in (tmp_path / "vllm.jsonl", tmp_path / "ours" / "outputs.jsonl"))
+    return theirs, ours
+
+
 @needs_vllm
 def test_openai_embedding_lines_equal_vllms_run_batch(tmp_path):
     """The same OpenAI /v1/embeddings lines through vLLM 0.32's run_batch (pooling runner) and an
     embedding job: equal usage (vLLM's UsageInfo, every key), one data item per input, embeddings
     within 1e-5, truncation_side / padding / token ids / use_activation alike."""
-    import subprocess
-
     from batchinfer.engine.embedding.model_source import default_embed_model_dir
-    from batchinfer.strategies.vllm.params import engine_env
 
     text = "one two three four five six seven"
     bodies = {"plain": {"input": text}, "many": {"input": [text, "short one"]},
@@ -79,28 +109,9 @@ def test_openai_embedding_lines_equal_vllms_run_batch(tmp_path):
               "pad": {"input": text, "padding": "max_length"},
               "ids": {"input": [[101, 2028, 2048, 102], [101, 2093, 102]]},
               "raw": {"input": text, "use_activation": False}}
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
-                                        "url": "/v1/embeddings",
-                                        "body": {"model": "m", **body}}) + "\n"
-                            for cid, body in bodies.items()))
     recipe = Recipe(model={"task": "embed", "dtype": "float32"}, report={"plots": False})
-    env = engine_env(recipe.engine_config())
-    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
-                    "-o", str(tmp_path / "vllm.jsonl"), "--model",
-                    str(default_embed_model_dir()), "--runner", "pooling", "--dtype", "float32",
-                    "--max-model-len", "256", "--enforce-eager", "--served-model-name", "m"],
-                   env=env, check=True, capture_output=True, timeout=900)
-    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
-                              progress="off"))
-    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
-
-    def bodies_of(file: Path) -> dict:
-        return {r["custom_id"]: r["response"]["body"] for r in
-                map(json.loads, file.read_text().splitlines())}
-
-    theirs, ours = bodies_of(tmp_path / "vllm.jsonl"), bodies_of(tmp_path / "ours" /
-                                                                 "outputs.jsonl")
+    theirs, ours = _through_run_batch_and_a_job(tmp_path, bodies, recipe,
+                                                default_embed_model_dir())
     assert set(theirs) == set(ours) == set(bodies)
     for cid, body in theirs.items():
         assert ours[cid]["usage"] == body["usage"], cid
@@ -116,9 +127,6 @@ def test_batched_chat_embedding_lines_equal_vllms_run_batch(tmp_path):
     """Conversations in an OpenAI embeddings body (one in body.messages; several in body.input
     or body.messages, vLLM's batched chat request) on a tiny decoder with a chat template: vLLM
     0.32's run_batch and an embedding job give the same usage and embeddings within 1e-5."""
-    import subprocess
-
-    from batchinfer.strategies.vllm.params import engine_env
     from tests.tiny_families import hf_model, save_model, tokenizer_dir
 
     model = save_model(hf_model("qwen3", seed=5, vocab_size=49152).eval(), tmp_path / "qwen3",
@@ -126,31 +134,13 @@ def test_batched_chat_embedding_lines_equal_vllms_run_batch(tmp_path):
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                 "{% endif %}")
-    (tmp_path / "chat.jinja").write_text(template)
     one = [{"role": "user", "content": "Embed this question."}]
     two = [{"role": "user", "content": "And another one."}]
     bodies = {"one": {"messages": one}, "input": {"input": [one, two]},
               "messages": {"messages": [one, two], "add_generation_prompt": True}}
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
-                                        "url": "/v1/embeddings",
-                                        "body": {"model": "m", **body}}) + "\n"
-                            for cid, body in bodies.items()))
     recipe = Recipe(model={"task": "embed", "path": str(model), "dtype": "float32",
                            "chat_template": template}, report={"plots": False})
-    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
-                    "-o", str(tmp_path / "vllm.jsonl"), "--model", str(model), "--runner",
-                    "pooling", "--dtype", "float32", "--max-model-len", "256",
-                    "--enforce-eager", "--served-model-name", "m", "--chat-template",
-                    str(tmp_path / "chat.jinja")],
-                   env=engine_env(recipe.engine_config()), check=True, capture_output=True,
-                   timeout=900)
-    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
-                              progress="off"))
-    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
-    theirs, ours = ({r["custom_id"]: r["response"]["body"]
-                     for r in map(json.loads, file.read_text().splitlines())}
-                    for file in (tmp_path / "vllm.jsonl", tmp_path / "ours" / "outputs.jsonl"))
+    theirs, ours = _through_run_batch_and_a_job(tmp_path, bodies, recipe, model, template)
     assert [len(theirs[c]["data"]) for c in bodies] == [len(ours[c]["data"]) for c in bodies] \
         == [1, 2, 2]
     for cid, body in theirs.items():
@@ -164,37 +154,17 @@ def test_add_special_tokens_on_conversations_equals_vllms_run_batch(tmp_path):
     """A conversation's body.add_special_tokens (vLLM's embeddings chat request: default false;
     true adds BERT's [CLS] / [SEP] to the rendered chat) on MiniLM with a chat template: vLLM
     0.32's run_batch and an embedding job give the same usage and embeddings within 1e-5."""
-    import subprocess
-
     from batchinfer.engine.embedding.model_source import default_embed_model_dir
-    from batchinfer.strategies.vllm.params import engine_env
 
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    (tmp_path / "chat.jinja").write_text(template)
     chat = [{"role": "user", "content": "Embed this question."}]
     bodies = {"default": {"messages": chat}, "on": {"messages": chat, "add_special_tokens": True},
               "off": {"messages": chat, "add_special_tokens": False},
               "input": {"input": chat, "add_special_tokens": True}}
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST",
-                                        "url": "/v1/embeddings",
-                                        "body": {"model": "m", **body}}) + "\n"
-                            for cid, body in bodies.items()))
     recipe = Recipe(model={"task": "embed", "dtype": "float32", "chat_template": template},
                     report={"plots": False})
-    subprocess.run([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(path),
-                    "-o", str(tmp_path / "vllm.jsonl"), "--model",
-                    str(default_embed_model_dir()), "--runner", "pooling", "--dtype", "float32",
-                    "--max-model-len", "256", "--enforce-eager", "--served-model-name", "m",
-                    "--chat-template", str(tmp_path / "chat.jinja")],
-                   env=engine_env(recipe.engine_config()), check=True, capture_output=True,
-                   timeout=900)
-    outcome = run_job(JobSpec(recipe=recipe, input_path=path, output_dir=tmp_path / "ours",
-                              progress="off"))
-    assert outcome.exit_code == EXIT_OK and outcome.errors == 0
-    theirs, ours = ({r["custom_id"]: r["response"]["body"]
-                     for r in map(json.loads, file.read_text().splitlines())}
-                    for file in (tmp_path / "vllm.jsonl", tmp_path / "ours" / "outputs.jsonl"))
+    theirs, ours = _through_run_batch_and_a_job(tmp_path, bodies, recipe,
+                                                default_embed_model_dir(), template)
     assert theirs["on"]["usage"]["prompt_tokens"] == theirs["off"]["usage"]["prompt_tokens"] + 2
     for cid, body in theirs.items():
         assert ours[cid]["usage"] == body["usage"], cid
