@@ -39,10 +39,11 @@ DUMMY8_LAYERS = 8
 DUMMY8 = {"load_format": "dummy", "max_model_len": 128,
           "hf_overrides": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                            "num_hidden_layers": DUMMY8_LAYERS}}
-# the same heads and KV with a hidden size of 64 (SmolLM2's 576 spent the end-to-end tests' time in
-# the vocabulary head and MLPs, which the switches do not touch differently)
-DUMMY8_NARROW = {**DUMMY8, "hf_overrides": {**DUMMY8["hf_overrides"], "hidden_size": 64,
-                                            "intermediate_size": 128}}
+# the same heads and KV with a hidden size of 128 (SmolLM2's 576 spent the end-to-end tests' time in
+# the vocabulary head and MLPs, which the switches do not touch differently); at 64 every prompt
+# got the same greedy reply, which a run reading the wrong KV would give too
+DUMMY8_NARROW = {**DUMMY8, "hf_overrides": {**DUMMY8["hf_overrides"], "hidden_size": 128,
+                                            "intermediate_size": 256}}
 
 
 # --- the CPU store's allocator and the moves between tiers ----------------------------------------
@@ -439,11 +440,12 @@ def _narrow_reference(kv_dtype: str) -> tuple[tuple[int, ...], ...]:
 @pytest.mark.slow
 def test_two_layouts_equal_the_baseline_through_several_switches(prefill, decode, kv_dtype,
                                                                  element):
-    """Dummy 8-head model (hidden size 64): PP=2 prefill and TP=2 decode (and the other way round, which `auto`
+    """Dummy 8-head model (hidden size 128): PP=2 prefill and TP=2 decode (and the other way round, which `auto`
     may pick too), a device cache of ~230 tokens and a CPU store of 256: several switches, every
     token equal to the single process's (with a bf16 KV cache too: both tiers and the moves
     between them hold bf16)."""
     reference = [list(tokens) for tokens in _narrow_reference(kv_dtype)]
+    assert len({tuple(o[:8]) for o in reference}) >= 5     # the replies depend on their prompts
     token = DUMMY8_LAYERS * 2 * 4 * 64 * element        # KV bytes of a token
     params = SeesawParams(decode_tp=decode[0], decode_pp=decode[1],
                           cpu_kv_cache_memory=token * 256, max_num_batched_tokens=64)
