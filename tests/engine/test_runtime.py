@@ -107,12 +107,20 @@ DUMMY8 = {"load_format": "dummy", "max_model_len": 512,
                            "num_hidden_layers": 4}}
 
 
+@pytest.fixture(scope="module")
+def dummy8_tp1_tokens(make_engine):
+    """The single process's greedy tokens on DUMMY8, once for every layout below."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with make_engine(model=DUMMY8, cache=SMALL["cache"]) as engine:
+        return [o.output_token_ids for o in engine.generate(PROMPTS, params)]
+
+
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "tp_all_reduce": "gloo"}])
 @pytest.mark.slow
-def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine, parallel):
+def test_tensor_parallel_tokens_equal_tp1_on_the_same_dummy_weights(make_engine, dummy8_tp1_tokens,
+                                                                     parallel):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    expected = [o.output_token_ids for o in
-                make_engine(model=DUMMY8, cache=SMALL["cache"]).generate(PROMPTS, params)]
+    expected = dummy8_tp1_tokens
     with make_engine(model=DUMMY8, cache=SMALL["cache"], parallel=parallel) as engine:
         got = [o.output_token_ids for o in engine.generate(PROMPTS, params)]
         ranks = engine.stats()["pipeline"]["ranks"]
