@@ -165,7 +165,9 @@ def _service_stats(engine, rounds: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def plain_dp_outputs():
+def plain_dp_runs():
+    """Plain DP's greedy tokens, one engine for the module: (the two waves', the one request's
+    of test_a_replica_with_no_work_triggers_no_transfer_in_cas)."""
     import os
 
     from batchinfer.engine.config import EngineConfig
@@ -177,9 +179,21 @@ def plain_dp_outputs():
             tok = engine.tokenizer
             waves = [_requests("a", PROMPTS, tok, [12, 30, 8, 40, 20, 16]),
                      _requests("b", PROMPTS[:4], tok, [10, 6, 14, 9])]
-            return _run(engine, waves)
+            one = engine.generate(["The capital of France is"], SamplingParams(
+                max_tokens=8, temperature=0.0, ignore_eos=True))[0].output_token_ids
+            return _run(engine, waves), one
     finally:
         del os.environ["BATCHINFER_LINEAR_KERNEL"]
+
+
+@pytest.fixture(scope="module")
+def plain_dp_outputs(plain_dp_runs):
+    return plain_dp_runs[0]
+
+
+@pytest.fixture(scope="module")
+def plain_dp_one_request(plain_dp_runs):
+    return plain_dp_runs[1]
 
 
 def _sidp(make_engine, **knobs):
@@ -219,14 +233,12 @@ def test_cas_greedy_outputs_equal_plain_dp_in_cas_and_across_switches(
 @pytest.mark.parametrize("dummy_skipping", [True, False])
 @pytest.mark.slow
 def test_a_replica_with_no_work_triggers_no_transfer_in_cas(make_engine, monkeypatch,
-                                                           dummy_skipping):
+                                                           plain_dp_one_request, dummy_skipping):
     """One request: one replica runs it, the other is a dummy in every round. With dummy
     skipping the dummy sends no activation and the owner computes none of its rows; without,
     it pushes a zero row through every layer."""
     monkeypatch.setenv("BATCHINFER_LINEAR_KERNEL", "torch")
-    with make_engine(**BASE) as engine:
-        expected = engine.generate(["The capital of France is"], SamplingParams(
-            max_tokens=8, temperature=0.0, ignore_eos=True))[0].output_token_ids
+    expected = plain_dp_one_request
     with _sidp(make_engine, batch_threshold=10_000, mode_switch_patience=1,
                dummy_skipping=dummy_skipping) as engine:
         out = engine.generate(["The capital of France is"], SamplingParams(
