@@ -84,3 +84,14 @@ def lora_family(root: Path, tokenizer_dir: Path, family: str = "llama3", prompts
                                       TARGETS.get(family))
         expected[name] = peft_greedy(base, adapters[name], prompts, max_new)
     return {"base": path, "adapters": adapters, "expected": expected}
+
+
+def run_to_completion(engine, requests) -> dict:
+    """Every request added, the engine stepped until idle: request id -> output token ids."""
+    for request in requests:
+        engine.add_request(request)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.output_token_ids
+    return done

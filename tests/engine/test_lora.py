@@ -11,7 +11,7 @@ import torch
 
 from batchinfer.engine.errors import ConfigError, RequestError
 from batchinfer.engine.request import Request, SamplingParams
-from tests.tiny_lora import MAX_NEW, PROMPTS, lora_family
+from tests.tiny_lora import MAX_NEW, PROMPTS, lora_family, run_to_completion as run
 
 pytest.importorskip("peft")
 
@@ -33,16 +33,6 @@ def mixed_requests(adapters=(None, "alpha", "beta")) -> list[Request]:
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     return [Request(f"{lora}-{i}", list(p), params, lora=lora)
             for i, p in enumerate(PROMPTS) for lora in adapters]
-
-
-def run(engine, requests) -> dict:
-    for request in requests:
-        engine.add_request(request)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out.output_token_ids
-    return done
 
 
 def expected_of(family, requests) -> dict:

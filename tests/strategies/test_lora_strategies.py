@@ -13,7 +13,8 @@ import pytest
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.errors import ConfigError
 from batchinfer.engine.request import SamplingParams
-from tests.tiny_lora import MAX_NEW, PROMPTS, lora_family, make_adapter, peft_greedy
+from tests.tiny_lora import (MAX_NEW, PROMPTS, lora_family, make_adapter, peft_greedy,
+                             run_to_completion)
 
 pytest.importorskip("peft")
 
@@ -65,12 +66,7 @@ def test_sidp_runs_an_adapter_on_attention_as_peft(make_engine, family, monkeypa
     with make_engine(model=model_section(family, {"attention": family["attention"]}),
                      cache=CACHE, parallel={"dp": 2}, strategy=sidp,
                      scheduler=sidp.scheduler_config()) as engine:
-        for request in requests:
-            engine.add_request(request)
-        done = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                done[out.request_id] = out.output_token_ids
+        done = run_to_completion(engine, requests)
     assert family["expected"]["attention"] != family["expected"][None]
     assert done == {r.request_id: family["expected"][r.lora][int(r.request_id[-1])]
                     for r in requests}
