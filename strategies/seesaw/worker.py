@@ -15,16 +15,20 @@ from batchinfer.resharding.worker_layouts import LayoutSpec, LayoutSwitcher
 
 
 def host_bytes(arch, layouts: list, world_size: int, dummy: bool,
-               store_bytes: int) -> tuple[int, str]:
+               store_bytes: int = 0) -> tuple[int, str]:
     """(bytes, what) Seesaw holds in host memory beside the model: every rank's host copy of
-    the weights (whole fp32 tensors of what any of its layouts reads) and the CPU KV store.
-    Checked before the store is allocated (build.py) and again before the workers start."""
+    the weights (whole fp32 tensors of what any of its layouts reads) and, where `store_bytes`,
+    the CPU KV store. build.py checks both before the store is allocated; the check before the
+    workers start counts the copies alone (the allocated store already shows in the host's
+    available memory)."""
     from batchinfer.resharding.weights import host_copy_bytes
 
     copies = sum(host_copy_bytes(arch, [lay.info(rank).partition for lay in layouts], dummy)
                  for rank in range(world_size))
-    return copies + store_bytes, ("Seesaw's host copies of the weights (whole fp32 tensors, one "
-                                  "per rank) and its CPU KV store (cpu_kv_cache_memory)")
+    what = "Seesaw's host copies of the weights (whole fp32 tensors, one per rank)"
+    if store_bytes:
+        what += " and its CPU KV store (cpu_kv_cache_memory)"
+    return copies + store_bytes, what
 
 
 @dataclass
@@ -35,9 +39,7 @@ class SeesawWorker(WorkerExtension):
         return list(self.spec.layouts.values())
 
     def host_weight_bytes(self, arch, world_size: int, dummy: bool) -> tuple[int, str]:
-        store = self.spec.store
-        return host_bytes(arch, list(self.spec.layouts.values()), world_size, dummy,
-                          store.numel() * store.element_size())
+        return host_bytes(arch, list(self.spec.layouts.values()), world_size, dummy)
 
     def roles(self, worker) -> None:
         worker.samples = worker.is_last and worker.spec.rank == self.spec.sampling_rank

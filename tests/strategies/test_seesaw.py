@@ -415,6 +415,38 @@ def test_seesaw_with_host_copies_beyond_the_hosts_memory_is_refused_before_the_w
                           host_copy=(GiB // 2, "Seesaw's copies"))
 
 
+def test_the_store_is_counted_once_before_it_is_allocated_then_not_again(monkeypatch):
+    """The host-memory check before the store's allocation counts the ranks' weight copies and
+    the store; the one before the workers start counts the copies alone (the allocated store
+    already shows in the host's available memory: counting it there too refused jobs that fit)."""
+    from batchinfer.engine.runtime import build as runtime_build
+    from batchinfer.strategies.seesaw import build as seesaw_build
+
+    checked = []
+
+    def record(config, arch, device, dtype, copies=1, host_copy=(0, "")):
+        checked.append(host_copy)
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(seesaw_build, "check_weights_fit", record)
+    monkeypatch.setattr(runtime_build, "check_weights_fit", record)
+    monkeypatch.setattr(runtime_build.WorkerPool, "start", stop)
+    store = 64 << 20
+    config = _seesaw_config(SeesawParams(decode_tp=2, decode_pp=1, cpu_kv_cache_memory=store),
+                            {"pp": 2}, DUMMY8, str(16 << 20))
+    with pytest.raises(Stop):
+        Engine.from_config(config)
+    # (model_setup's own check of the weights alone comes first, with no host copy)
+    (before_store, what_before), (before_workers, what_after) = [c for c in checked if c[0]]
+    assert store - (1 << 20) < before_store - before_workers <= store   # whole store blocks
+    assert before_workers > 0 and "CPU KV store" in what_before and "store" not in what_after
+
+
 # --- end to end ------------------------------------------------------------------------------------
 def _seesaw_config(params: SeesawParams, parallel: dict, model: dict, kv: str,
                    kv_dtype: str = "auto") -> EngineConfig:
