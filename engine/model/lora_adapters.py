@@ -82,7 +82,11 @@ def _where(name: str, path: str) -> str:
 
 def read_adapter_config(name: str, path: str, max_rank: int) -> tuple[int, float]:
     """-> (rank, scaling) from adapter_config.json; ConfigError naming the path and the key."""
-    cfg = _adapter_config(name, path, max_rank)
+    return _rank_and_scaling(_adapter_config(name, path, max_rank))
+
+
+def _rank_and_scaling(cfg: dict) -> tuple[int, float]:
+    """The adapter's rank and scaling (modules without a rank / alpha pattern of their own)."""
     return cfg["r"], _scaling(cfg, cfg["r"], cfg.get("lora_alpha", cfg["r"]))
 
 
@@ -246,8 +250,7 @@ def read_adapter(name: str, path: str, arch: ModelArch, max_rank: int,
     from safetensors import SafetensorError
 
     cfg = _adapter_config(name, path, max_rank)
-    rank = cfg["r"]
-    scaling = _scaling(cfg, rank, cfg.get("lora_alpha", rank))
+    rank, scaling = _rank_and_scaling(cfg)
     where, file = _where(name, path), weights_file(name, path)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:

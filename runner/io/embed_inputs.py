@@ -269,13 +269,13 @@ def parse_embed_openai(record: Any, line: int, warned: Optional[set] = None) -> 
                    "the body needs exactly one of body.input (text, texts, token ids or "
                    "conversations) or body.messages (a conversation, or a list of them)")
     value = body["messages"] if has_messages else body["input"]
-    if has_messages or _is_chat_messages(value) or _is_batched_chat(value):
+    batched = _is_batched_chat(value)
+    if has_messages or batched or _is_chat_messages(value):
         if body.get("chat_template") is not None:   # vLLM's server refuses it by default
             return err("unsupported_parameter", "body.chat_template: a line's own chat template "
                        "is refused, as vLLM's server refuses it without "
                        "--trust-request-chat-template; set model.chat_template in the recipe")
         key = "body.messages" if has_messages else "body.input"
-        batched = _is_batched_chat(value)
         problem = _chat(spec, value if batched else [value], body, key, "body.", batched)
         if problem:
             return err(*problem)
